@@ -1,0 +1,363 @@
+"""GGUF reading: header, typed metadata, tensor index and memory-mapped tensor data.
+
+Why not `gguf.GGUFReader`: it builds a numpy memmap view for every part of every metadata field, so the
+152k-token vocabulary (two string arrays of ~150k entries each) costs hundreds of thousands of tiny numpy
+objects: ~50 s on `ggml-vocab-qwen2.gguf`. This reader walks the metadata once with `struct` over one
+`mmap` (string arrays become one Python list, numeric arrays one `np.frombuffer`) and takes well under a
+second on the same file. Types, block sizes and dequantisation still come from the `gguf` package.
+
+The file is untrusted: every length, count, offset and shape is checked against the bytes that are
+actually there before anything is allocated, and every problem raises `GGUFError` naming the file.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize as _gguf_dequantize
+
+from .errors import GGUFError, UnsupportedError
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4
+MAX_ARRAY_NESTING = 4
+
+# Scalar value types: struct format and size.
+_SCALARS = {
+    GGUFValueType.UINT8: ("<B", 1, np.uint8),
+    GGUFValueType.INT8: ("<b", 1, np.int8),
+    GGUFValueType.UINT16: ("<H", 2, np.uint16),
+    GGUFValueType.INT16: ("<h", 2, np.int16),
+    GGUFValueType.UINT32: ("<I", 4, np.uint32),
+    GGUFValueType.INT32: ("<i", 4, np.int32),
+    GGUFValueType.FLOAT32: ("<f", 4, np.float32),
+    GGUFValueType.BOOL: ("<?", 1, np.bool_),
+    GGUFValueType.UINT64: ("<Q", 8, np.uint64),
+    GGUFValueType.INT64: ("<q", 8, np.int64),
+    GGUFValueType.FLOAT64: ("<d", 8, np.float64),
+}
+
+# Tensor types this engine reads. Dequantisation of each is `gguf.quants.dequantize`, which is
+# llama.cpp's own reference code ported to numpy.
+SUPPORTED_TENSOR_TYPES = (
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q2_K,
+    GGMLQuantizationType.Q3_K,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K,
+)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of the tensor index. `shape` is in numpy (row-major) order: GGUF's `ne` reversed."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: GGMLQuantizationType
+    offset: int  # absolute offset in the file
+    nbytes: int
+
+    @property
+    def type_name(self) -> str:
+        return self.ggml_type.name
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class _Cursor:
+    """Bounds-checked reads from a buffer; every read that would pass the end raises GGUFError."""
+
+    def __init__(self, buf, path: str):
+        self.buf = buf
+        self.pos = 0
+        self.end = len(buf)
+        self.path = path
+
+    def fail(self, what: str) -> GGUFError:
+        return GGUFError(f"{self.path}: {what}")
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > self.end:
+            raise self.fail(
+                f"truncated: {what} needs {n} bytes at offset {self.pos}, file has {self.end - self.pos} left"
+            )
+
+    def unpack(self, fmt: str, size: int, what: str):
+        self.need(size, what)
+        v = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += size
+        return v
+
+    def u32(self, what: str) -> int:
+        return self.unpack("<I", 4, what)
+
+    def u64(self, what: str) -> int:
+        return self.unpack("<Q", 8, what)
+
+    def string(self, what: str) -> str:
+        n = self.u64(f"length of {what}")
+        self.need(n, what)
+        raw = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not valid UTF-8") from None
+
+
+def _value_type(c: _Cursor, raw: int, key: str) -> GGUFValueType:
+    try:
+        return GGUFValueType(raw)
+    except ValueError:
+        raise c.fail(f"metadata key {key!r}: unknown value type {raw}") from None
+
+
+def _read_value(c: _Cursor, vtype: GGUFValueType, key: str, depth: int = 0) -> Any:
+    if vtype in _SCALARS:
+        fmt, size, _ = _SCALARS[vtype]
+        return c.unpack(fmt, size, f"value of {key!r}")
+    if vtype == GGUFValueType.STRING:
+        return c.string(f"value of {key!r}")
+    # ARRAY
+    if depth >= MAX_ARRAY_NESTING:
+        raise c.fail(f"metadata key {key!r}: arrays nested deeper than {MAX_ARRAY_NESTING}")
+    etype = _value_type(c, c.u32(f"array type of {key!r}"), key)
+    count = c.u64(f"array length of {key!r}")
+    remaining = c.end - c.pos
+    if etype in _SCALARS:
+        _, size, dtype = _SCALARS[etype]
+        if count * size > remaining:
+            raise c.fail(
+                f"metadata key {key!r}: array of {count} {etype.name} needs {count * size} bytes, "
+                f"file has {remaining} left"
+            )
+        arr = np.frombuffer(c.buf, dtype=dtype, count=count, offset=c.pos).copy()
+        c.pos += count * size
+        return arr
+    # Strings (8-byte length each) and nested arrays (12-byte header each): bound the count first.
+    min_size = 8 if etype == GGUFValueType.STRING else 12
+    if count * min_size > remaining:
+        raise c.fail(
+            f"metadata key {key!r}: array of {count} {etype.name} cannot fit in the {remaining} bytes left"
+        )
+    if etype == GGUFValueType.STRING:
+        return _read_string_array(c, count, key)
+    return [_read_value(c, etype, key, depth + 1) for _ in range(count)]
+
+
+def _read_string_array(c: _Cursor, count: int, key: str) -> list[str]:
+    # The hot loop of vocabulary loading: local names, no per-item bounds helper.
+    buf, pos, end = c.buf, c.pos, c.end
+    unpack_from = struct.unpack_from
+    out = [None] * count
+    for i in range(count):
+        if pos + 8 > end:
+            c.pos = pos
+            raise c.fail(f"truncated: metadata key {key!r} item {i} of {count} passes the end of the file")
+        n = unpack_from("<Q", buf, pos)[0]
+        pos += 8
+        if n > end - pos:
+            c.pos = pos
+            raise c.fail(
+                f"metadata key {key!r} item {i}: string length {n} passes the end of the file"
+            )
+        out[i] = str(buf[pos : pos + n], "utf-8", "replace")
+        pos += n
+    c.pos = pos
+    return out
+
+
+class GGUFFile:
+    """A parsed GGUF file: `.metadata` (dict), `.tensors` (name -> TensorInfo), tensor data by mmap.
+
+    Tensor bytes are never read until `raw(name)` / `dequantize(name)` is called, and then only that
+    tensor's pages are touched.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        if not os.path.exists(self.path):
+            raise GGUFError(f"{self.path}: no such file")
+        if os.path.isdir(self.path):
+            raise GGUFError(f"{self.path}: is a directory, not a GGUF file")
+        size = os.path.getsize(self.path)
+        if size < 4:
+            raise GGUFError(f"{self.path}: not a GGUF file (only {size} bytes)")
+        with open(self.path, "rb") as f:
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._buf = memoryview(self._mmap)
+        try:
+            self._parse()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        buf, self._buf = getattr(self, "_buf", None), None
+        if buf is not None:
+            buf.release()
+        mm = getattr(self, "_mmap", None)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # numpy views still alive: let the GC unmap it
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- parsing -------------------------------------------------------------------------------
+    def _parse(self) -> None:
+        c = _Cursor(self._buf, self.path)
+        magic = bytes(self._buf[:4])
+        if magic != GGUF_MAGIC:
+            raise GGUFError(f"{self.path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+        c.pos = 4
+        self.version = c.u32("version")
+        if self.version not in SUPPORTED_VERSIONS:
+            raise GGUFError(
+                f"{self.path}: unsupported GGUF version {self.version} (supported: 2, 3)"
+            )
+        n_tensors = c.u64("tensor count")
+        n_kv = c.u64("metadata count")
+        # Each metadata entry takes at least 8+4 bytes, each tensor entry at least 8+4+8+4+8.
+        if n_kv * 12 > c.end - c.pos:
+            raise GGUFError(f"{self.path}: metadata count {n_kv} cannot fit in a {c.end}-byte file")
+        if n_tensors * 32 > c.end - c.pos:
+            raise GGUFError(f"{self.path}: tensor count {n_tensors} cannot fit in a {c.end}-byte file")
+
+        meta: dict[str, Any] = {}
+        for i in range(n_kv):
+            key = c.string(f"metadata key #{i}")
+            vtype = _value_type(c, c.u32(f"value type of {key!r}"), key)
+            meta[key] = _read_value(c, vtype, key)
+        self.metadata = meta
+
+        align = meta.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1) or align > 1 << 20:
+            raise GGUFError(f"{self.path}: general.alignment {align!r} is not a power of two")
+        self.alignment = align
+
+        entries = []
+        for i in range(n_tensors):
+            name = c.string(f"name of tensor #{i}")
+            n_dims = c.u32(f"dimension count of tensor {name!r}")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise GGUFError(f"{self.path}: tensor {name!r} has {n_dims} dimensions (1..{MAX_DIMS} allowed)")
+            ne = [c.u64(f"shape of tensor {name!r}") for _ in range(n_dims)]
+            raw_type = c.u32(f"type of tensor {name!r}")
+            offset = c.u64(f"offset of tensor {name!r}")
+            entries.append((name, ne, raw_type, offset))
+
+        data_start = (c.pos + align - 1) // align * align
+        self.data_offset = data_start
+        file_size = c.end
+        tensors: dict[str, TensorInfo] = {}
+        for name, ne, raw_type, offset in entries:
+            if name in tensors:
+                raise GGUFError(f"{self.path}: tensor {name!r} appears twice in the tensor index")
+            try:
+                gtype = GGMLQuantizationType(raw_type)
+            except ValueError:
+                raise GGUFError(f"{self.path}: tensor {name!r} has unknown type {raw_type}") from None
+            if any(d == 0 for d in ne):
+                raise GGUFError(f"{self.path}: tensor {name!r} has a zero dimension {ne}")
+            block, type_size = GGML_QUANT_SIZES[gtype]
+            if ne[0] % block:
+                raise GGUFError(
+                    f"{self.path}: tensor {name!r} row length {ne[0]} is not a multiple of "
+                    f"{gtype.name}'s block size {block}"
+                )
+            n = 1
+            for d in ne:
+                n *= d
+            nbytes = n // block * type_size
+            if offset % align:
+                raise GGUFError(
+                    f"{self.path}: tensor {name!r} offset {offset} is not aligned to {align} bytes"
+                )
+            start = data_start + offset
+            if start + nbytes > file_size:
+                raise GGUFError(
+                    f"{self.path}: tensor {name!r} data [{start}, {start + nbytes}) passes the end of "
+                    f"the file ({file_size} bytes)"
+                )
+            tensors[name] = TensorInfo(name, tuple(reversed(ne)), gtype, start, nbytes)
+        by_offset = sorted(tensors.values(), key=lambda t: t.offset)
+        for a, b in zip(by_offset, by_offset[1:]):
+            if a.offset + a.nbytes > b.offset:
+                raise GGUFError(f"{self.path}: tensors {a.name!r} and {b.name!r} overlap in the file")
+        self.tensors = tensors
+
+    # -- metadata helpers ----------------------------------------------------------------------
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise GGUFError(f"{self.path}: missing metadata key 'general.architecture'")
+        return arch
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def require(self, key: str, kind: type | tuple[type, ...] = (int, float)) -> Any:
+        if key not in self.metadata:
+            raise GGUFError(f"{self.path}: missing metadata key {key!r}")
+        v = self.metadata[key]
+        if kind is int and isinstance(v, (bool, np.bool_)) or not isinstance(v, kind):
+            want = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+            raise GGUFError(f"{self.path}: metadata key {key!r} should be {want}, found {type(v).__name__}")
+        return v
+
+    # -- tensor data ---------------------------------------------------------------------------
+    def tensor(self, name: str) -> TensorInfo:
+        t = self.tensors.get(name)
+        if t is None:
+            raise GGUFError(f"{self.path}: missing tensor {name!r}")
+        return t
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a read-only uint8 view of the mapped file (no copy)."""
+        t = self.tensor(name)
+        return np.frombuffer(self._mmap, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """The tensor as float32 in numpy order (a fresh array, or a view for F32)."""
+        t = self.tensor(name)
+        if t.ggml_type not in SUPPORTED_TENSOR_TYPES:
+            raise UnsupportedError(
+                f"{self.path}: tensor {name!r} has type {t.type_name}, which mlxinfer does not support "
+                f"(supported: {', '.join(x.name for x in SUPPORTED_TENSOR_TYPES)})"
+            )
+        raw = self.raw(name)
+        if t.ggml_type == GGMLQuantizationType.F32:
+            return raw.view(np.float32).reshape(t.shape)
+        if t.ggml_type == GGMLQuantizationType.F16:
+            return raw.view(np.float16).astype(np.float32).reshape(t.shape)
+        rows = raw.reshape(-1, t.nbytes // (t.n_elements // t.shape[-1]))
+        return _gguf_dequantize(rows, t.ggml_type).astype(np.float32, copy=False).reshape(t.shape)

@@ -1,0 +1,51 @@
+"""`mlxinfer inspect FILE`: architecture, hyperparameters, tokenizer summary and the tensor table."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import MlxinferError
+from .gguf_file import GGUFFile
+from .tokenizer import GGUFTokenizer
+
+
+def _short(v) -> str:
+    if isinstance(v, np.ndarray):
+        return f"[{v.dtype} x {v.size}]"
+    if isinstance(v, list):
+        return f"[{len(v)} items]"
+    s = repr(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def describe(path) -> str:
+    lines = []
+    with GGUFFile(path) as g:
+        arch = g.get("general.architecture", "?")
+        lines.append(f"file: {path}")
+        lines.append(f"gguf version: {g.version}, {len(g.metadata)} metadata keys, {len(g.tensors)} tensors")
+        lines.append(f"architecture: {arch}")
+        if g.get("general.name"):
+            lines.append(f"name: {g.get('general.name')}")
+        lines.append("")
+        lines.append("hyperparameters:")
+        for k, v in g.metadata.items():
+            if k.startswith(f"{arch}."):
+                lines.append(f"  {k[len(arch) + 1:]}: {_short(v)}")
+        lines.append("")
+        if "tokenizer.ggml.model" in g.metadata:
+            try:
+                lines.append("tokenizer: " + GGUFTokenizer.from_metadata(g.metadata, source=str(path)).summary())
+            except MlxinferError as e:
+                lines.append(f"tokenizer: unavailable ({e})")
+        else:
+            lines.append("tokenizer: none")
+        lines.append("")
+        total = sum(t.nbytes for t in g.tensors.values())
+        lines.append(f"tensors ({len(g.tensors)}, {total / 1e6:.1f} MB):")
+        if g.tensors:
+            w = max(len(n) for n in g.tensors)
+            lines.append(f"  {'name':<{w}}  {'type':<6}  {'shape':<18}  bytes")
+            for t in g.tensors.values():
+                lines.append(f"  {t.name:<{w}}  {t.type_name:<6}  {str(list(t.shape)):<18}  {t.nbytes}")
+    return "\n".join(lines) + "\n"

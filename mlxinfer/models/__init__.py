@@ -1,0 +1,16 @@
+"""One file per architecture; `ARCHITECTURES` maps `general.architecture` to its loader."""
+
+from ..errors import UnsupportedError
+from . import llama, qwen3
+
+ARCHITECTURES = {"llama": llama.load, "qwen3": qwen3.load}
+
+
+def load_model(ops, g):
+    arch = g.architecture
+    loader = ARCHITECTURES.get(arch)
+    if loader is None:
+        raise UnsupportedError(
+            f"{g.path}: architecture {arch!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})"
+        )
+    return loader(ops, g)

@@ -1,0 +1,210 @@
+"""Tokenizer from GGUF metadata, built on HF `tokenizers`.
+
+GGUF stores a byte-level BPE vocabulary (`tokenizer.ggml.model = gpt2`) as token strings, merges and
+token types, plus a pre-tokenizer name (`tokenizer.ggml.pre`). The BPE itself is `tokenizers`' Rust
+implementation; what is ours is the mapping from llama.cpp's pre-tokenizer names to the regex splits
+llama.cpp applies (a sequence of "isolated" splits, each one refining the pieces of the one before),
+and the mapping of token types to added tokens:
+
+- CONTROL tokens (type 3) are special: matched in text only with `parse_special=True`, and dropped
+  from decoded text with `skip_special=True`;
+- USER_DEFINED tokens (type 4) are always matched in text and always decoded, as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from .errors import GGUFError, UnsupportedError
+
+# llama.cpp's token types (llama_token_type).
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+_CONTRACTIONS_CI = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = _CONTRACTIONS_CI + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2 = _CONTRACTIONS_CI + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_DEEPSEEK_LLM = [
+    "[\r\n]",
+    "\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+    "\\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    "\\s+$",
+    "[一-龥ࠀ-一가-퟿]+",
+    "\\p{N}+",
+]
+
+# tokenizer.ggml.pre -> (regex splits applied in order, ignore_merges) as llama.cpp's llama-vocab.cpp.
+_STARCODER = ([r"\p{N}", _GPT2], False)
+PRE_TOKENIZERS: dict[str, tuple[list[str], bool]] = {
+    "default": ([r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"], False),
+    "gpt-2": ([_GPT2], False),
+    "phi-2": ([_GPT2], False),
+    "mpt": ([_GPT2], False),
+    "olmo": ([_GPT2], False),
+    "llama3": ([_LLAMA3], True),
+    "llama-v3": ([_LLAMA3], True),
+    "llama-bpe": ([_LLAMA3], True),
+    "falcon3": ([_LLAMA3], True),
+    "dbrx": ([_LLAMA3], False),
+    "smaug-bpe": ([_LLAMA3], False),
+    "qwen2": ([_QWEN2], False),
+    "deepseek-r1-qwen": ([_QWEN2], False),
+    "stablelm2": ([_QWEN2], False),
+    "deepseek-llm": (_DEEPSEEK_LLM, False),
+    "starcoder": _STARCODER,
+    "smollm": _STARCODER,
+    "refact": _STARCODER,
+    "command-r": _STARCODER,
+    "codeshell": _STARCODER,
+    "falcon": ([r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]"], False),
+}
+
+
+@dataclass
+class GGUFTokenizer:
+    """Encode/decode with a GGUF model's vocabulary. Build with `GGUFTokenizer.from_metadata`."""
+
+    hf: Tokenizer
+    tokens: list[str]
+    token_types: np.ndarray
+    pre: str
+    bos_id: int | None
+    eos_id: int | None
+    add_bos: bool
+    chat_template: str | None
+    eog_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def from_metadata(cls, meta: dict, source: str = "<metadata>") -> "GGUFTokenizer":
+        model = meta.get("tokenizer.ggml.model")
+        if model is None:
+            raise GGUFError(f"{source}: missing metadata key 'tokenizer.ggml.model'")
+        if model != "gpt2":
+            raise UnsupportedError(
+                f"{source}: tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')"
+            )
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            raise UnsupportedError(
+                f"{source}: pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(PRE_TOKENIZERS))})"
+            )
+        tokens = meta.get("tokenizer.ggml.tokens")
+        merges = meta.get("tokenizer.ggml.merges")
+        if not isinstance(tokens, list) or not tokens or not isinstance(tokens[0], str):
+            raise GGUFError(f"{source}: missing or empty string array 'tokenizer.ggml.tokens'")
+        if not isinstance(merges, list) or (merges and not isinstance(merges[0], str)):
+            raise GGUFError(f"{source}: missing string array 'tokenizer.ggml.merges'")
+        n = len(tokens)
+        types = meta.get("tokenizer.ggml.token_type")
+        if types is None:
+            types = np.full(n, TOKEN_NORMAL, dtype=np.int32)
+        types = np.asarray(types)
+        if types.shape != (n,):
+            raise GGUFError(
+                f"{source}: tokenizer.ggml.token_type has {types.size} entries, expected {n} (one per token)"
+            )
+
+        def token_id(key):
+            v = meta.get(key)
+            if v is None:
+                return None
+            if not isinstance(v, int) or not 0 <= v < n:
+                raise GGUFError(f"{source}: {key} = {v!r} is not a token id in [0, {n})")
+            return v
+
+        bos, eos = token_id("tokenizer.ggml.bos_token_id"), token_id("tokenizer.ggml.eos_token_id")
+        eot = token_id("tokenizer.ggml.eot_token_id")
+
+        vocab = {t: i for i, t in enumerate(tokens)}
+        if len(vocab) != n:  # duplicate strings: keep the first id, as llama.cpp's text_to_token does
+            vocab = {}
+            for i, t in enumerate(tokens):
+                vocab.setdefault(t, i)
+        pairs = []
+        for i, m in enumerate(merges):
+            a, sep, b = m.partition(" ")
+            if not sep:
+                raise GGUFError(f"{source}: merge #{i} {m!r} is not two tokens separated by a space")
+            pairs.append((a, b))
+        splits, ignore_merges = PRE_TOKENIZERS[pre]
+        hf = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+        hf.decoder = decoders.ByteLevel()
+        added = [
+            AddedToken(tokens[i], special=bool(types[i] == TOKEN_CONTROL), normalized=False)
+            for i in np.nonzero((types == TOKEN_CONTROL) | (types == TOKEN_USER_DEFINED))[0]
+        ]
+        if added:
+            hf.add_tokens(added)
+        eog = {i for i in (eos, eot) if i is not None}
+        for i in np.nonzero(types == TOKEN_CONTROL)[0]:
+            if tokens[i] in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>"):
+                eog.add(int(i))
+        return cls(
+            hf=hf,
+            tokens=tokens,
+            token_types=types,
+            pre=pre,
+            bos_id=bos,
+            eos_id=eos,
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None,
+            chat_template=meta.get("tokenizer.chat_template"),
+            eog_ids=frozenset(eog),
+        )
+
+    def encode(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
+        """Token ids of `text`, as llama.cpp's `llama_tokenize(text, add_special, parse_special)`.
+
+        `add_special` prepends BOS when the model asks for it; `parse_special` lets control tokens
+        written in the text (`<|im_start|>`) become their ids, as chat templates need.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes str, got {type(text).__name__}")
+        self.hf.encode_special_tokens = not parse_special
+        ids = self.hf.encode(text, add_special_tokens=False).ids
+        if add_special and self.add_bos:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special: bool = False) -> str:
+        """Text of token ids; bytes that do not form complete UTF-8 become U+FFFD."""
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if not 0 <= i < len(self.tokens):
+                raise ValueError(f"token id {i} is outside the vocabulary [0, {len(self.tokens)})")
+        return self.hf.decode(ids, skip_special_tokens=skip_special)
+
+    def is_special(self, token_id: int) -> bool:
+        return bool(self.token_types[token_id] == TOKEN_CONTROL)
+
+    def summary(self) -> str:
+        n_ctrl = int(np.sum(self.token_types == TOKEN_CONTROL))
+        n_user = int(np.sum(self.token_types == TOKEN_USER_DEFINED))
+
+        def name(i):
+            return "none" if i is None else f"{i} {self.tokens[i]!r}"
+
+        return (
+            f"byte-level BPE, {self.vocab_size} tokens ({n_ctrl} control, {n_user} user-defined), "
+            f"pre-tokenizer {self.pre!r}, BOS {name(self.bos_id)}{' (added)' if self.add_bos else ''}, "
+            f"EOS {name(self.eos_id)}, chat template {'yes' if self.chat_template else 'no'}"
+        )
+
+
+def load_tokenizer(path: str | os.PathLike) -> GGUFTokenizer:
+    """The tokenizer of a GGUF file (a full model or a vocabulary-only file)."""
+    from .gguf_file import GGUFFile
+
+    with GGUFFile(path) as g:
+        return GGUFTokenizer.from_metadata(g.metadata, source=str(path))
