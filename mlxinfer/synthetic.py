@@ -1,0 +1,207 @@
+"""Synthetic GGUF models with real shapes and random weights, written with `gguf.GGUFWriter`.
+
+Tests and benchmarks use these: the same seed gives the same file, byte for byte, so a fixture computed
+by a reference engine on one machine is checked on another by regenerating the file.
+
+    python -m mlxinfer.synthetic out.gguf --arch qwen3 --layers 28 --hidden 1024 --ffn 3072 \
+        --heads 16 --kv-heads 8 --head-dim 128 --vocab 151936 --type Q8_0
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+
+from .gguf_file import GGUFFile
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# A few merges so BPE has work to do: (left, right) in byte-level form (Ġ is a space).
+_MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("a", "n"), ("e", "r"), ("o", "n"),
+           ("Ġ", "a"), ("r", "e"), ("a", "t"), ("e", "n"), ("Ġ", "s"), ("o", "r"), ("i", "s")]
+
+
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's bytes_to_unicode table, in byte order: the 256 single-byte tokens of byte-level BPE."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + n)
+            n += 1
+    return [chars[b] for b in range(256)]
+
+
+def synthetic_vocab(vocab_size: int):
+    """(tokens, token_types, merges) with `vocab_size` entries: 256 bytes, some merges, filler tokens,
+    and ChatML control tokens at the end (as Qwen's vocabulary has them)."""
+    tokens = byte_level_alphabet() + [a + b for a, b in _MERGES]
+    if vocab_size < len(tokens) + len(CONTROL_TOKENS):
+        raise ValueError(f"vocab_size must be at least {len(tokens) + len(CONTROL_TOKENS)}")
+    n_normal = len(tokens)
+    n_filler = vocab_size - n_normal - len(CONTROL_TOKENS)
+    tokens += [f"<|filler_{i}|>" for i in range(n_filler)] + CONTROL_TOKENS
+    types = [1] * n_normal + [4] * n_filler + [3] * len(CONTROL_TOKENS)
+    return tokens, types, [f"{a} {b}" for a, b in _MERGES]
+
+
+@dataclass
+class SyntheticSpec:
+    arch: str = "qwen3"
+    n_layers: int = 2
+    hidden: int = 64
+    ffn: int = 128
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    vocab_size: int = 320
+    context_length: int = 4096
+    tied_output: bool = True
+    qtype: str = "F32"  # weight matrices; norms stay F32, the embedding takes qtype too
+    rope_base: float = 1000000.0
+    rms_eps: float = 1e-6
+    seed: int = 0
+
+
+def _tensor(rng, shape, std):
+    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+
+def _add(writer, name, data, qtype: GGMLQuantizationType):
+    if qtype == GGMLQuantizationType.F32 or data.ndim == 1:
+        writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
+    else:
+        writer.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+
+
+def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) -> str:
+    """Write a random-weight model of `spec`'s shape to `path`; returns the path."""
+    spec = spec or SyntheticSpec()
+    for k, v in overrides.items():
+        setattr(spec, k, v)
+    a = spec.arch
+    if a not in ("qwen3", "llama"):
+        raise ValueError(f"synthetic models are qwen3 or llama, not {a!r}")
+    qtype = GGMLQuantizationType[spec.qtype]
+    rng = np.random.default_rng(spec.seed)
+    h, d = spec.hidden, spec.head_dim
+    w = GGUFWriter(str(path), a)
+    w.add_name(f"synthetic-{a}-{spec.n_layers}L-{h}")
+    w.add_block_count(spec.n_layers)
+    w.add_context_length(spec.context_length)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(spec.ffn)
+    w.add_head_count(spec.n_heads)
+    w.add_head_count_kv(spec.n_kv_heads)
+    if d != h // spec.n_heads:
+        w.add_key_length(d)
+        w.add_value_length(d)
+    w.add_rope_freq_base(spec.rope_base)
+    w.add_layer_norm_rms_eps(spec.rms_eps)
+    w.add_file_type(int(qtype) if qtype != GGMLQuantizationType.F32 else 0)
+    tokens, types, merges = synthetic_vocab(spec.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(spec.vocab_size - 3)
+    w.add_eos_token_id(spec.vocab_size - 1)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML_TEMPLATE)
+
+    def norm(n):
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    _add(w, "token_embd.weight", _tensor(rng, (spec.vocab_size, h), 1.0), qtype)
+    for i in range(spec.n_layers):
+        p = f"blk.{i}."
+        _add(w, p + "attn_norm.weight", norm(h), qtype)
+        _add(w, p + "attn_q.weight", _tensor(rng, (spec.n_heads * d, h), h ** -0.5), qtype)
+        _add(w, p + "attn_k.weight", _tensor(rng, (spec.n_kv_heads * d, h), h ** -0.5), qtype)
+        _add(w, p + "attn_v.weight", _tensor(rng, (spec.n_kv_heads * d, h), h ** -0.5), qtype)
+        _add(w, p + "attn_output.weight", _tensor(rng, (h, spec.n_heads * d), (spec.n_heads * d) ** -0.5), qtype)
+        if a == "qwen3":
+            _add(w, p + "attn_q_norm.weight", norm(d), qtype)
+            _add(w, p + "attn_k_norm.weight", norm(d), qtype)
+        _add(w, p + "ffn_norm.weight", norm(h), qtype)
+        _add(w, p + "ffn_gate.weight", _tensor(rng, (spec.ffn, h), h ** -0.5), qtype)
+        _add(w, p + "ffn_up.weight", _tensor(rng, (spec.ffn, h), h ** -0.5), qtype)
+        _add(w, p + "ffn_down.weight", _tensor(rng, (h, spec.ffn), spec.ffn ** -0.5), qtype)
+    _add(w, "output_norm.weight", norm(h), qtype)
+    if not spec.tied_output:
+        _add(w, "output.weight", _tensor(rng, (spec.vocab_size, h), h ** -0.5), qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def write_f32_copy(src, dst) -> str:
+    """A copy of a GGUF model with every tensor dequantized to F32 (same metadata): what a reference
+    engine runs to compare against our dequantize-then-float32 arithmetic without its own quantized
+    dot products."""
+    from gguf import GGUFValueType
+
+    with GGUFFile(src) as g:
+        w = GGUFWriter(str(dst), g.architecture)
+        for k, v in g.metadata.items():
+            if k in ("general.architecture", "GGUF.version", "general.file_type"):
+                continue
+            if isinstance(v, np.ndarray):
+                etype = {np.dtype(np.int32): GGUFValueType.INT32, np.dtype(np.float32): GGUFValueType.FLOAT32,
+                         np.dtype(np.uint32): GGUFValueType.UINT32}.get(v.dtype)
+                w.add_array(k, v.tolist()) if etype is None else w.add_key_value(k, v.tolist(), GGUFValueType.ARRAY, sub_type=etype)
+            elif isinstance(v, bool):
+                w.add_bool(k, v)
+            elif isinstance(v, int):
+                w.add_uint32(k, v) if 0 <= v < 2**32 else w.add_int64(k, v)
+            elif isinstance(v, float):
+                w.add_float32(k, v)
+            elif isinstance(v, str):
+                w.add_string(k, v)
+            elif isinstance(v, list):
+                w.add_array(k, v)
+        w.add_file_type(0)
+        for name in g.tensors:
+            w.add_tensor(name, np.ascontiguousarray(g.dequantize(name), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return str(dst)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Write a synthetic random-weight GGUF model.")
+    p.add_argument("path")
+    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--ffn", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=320)
+    p.add_argument("--untied", action="store_true")
+    p.add_argument("--type", default="F32", help="F32, F16, Q8_0, Q4_0, Q4_1, ...")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    write_synthetic_model(a.path, SyntheticSpec(a.arch, a.layers, a.hidden, a.ffn, a.heads, a.kv_heads,
+                                                a.head_dim, a.vocab, tied_output=not a.untied, qtype=a.type,
+                                                seed=a.seed))
+    print(a.path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Make the committed reference fixtures with llama.cpp (llama-cpp-python), all in float32.
+
+    python -m venv /tmp/refenv && /tmp/refenv/bin/pip install llama-cpp-python numpy gguf
+    PYTHONPATH=. /tmp/refenv/bin/python tests/reference/make_fixtures.py [SMOLLM2_Q4_1.gguf]
+
+For each model: dequantize every tensor to F32 (`mlxinfer.synthetic.write_f32_copy`), run llama.cpp with
+an F32 KV cache (type_k = type_v = 0) so that no activation is quantized, and record
+  - the prompt's token ids and the logits at every prompt position (one prefill),
+  - the greedy continuation (one token per decode step) and, at each step, the reference's top-2 gap.
+CI never runs this: it compares our engine against the .npz files it wrote.
+"""
+
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from mlxinfer.synthetic import write_f32_copy, write_synthetic_model  # noqa: E402
+from tests.reference.specs import QWEN3_SYNTHETIC, SMOLLM2_PROMPT, QWEN3_PROMPT_IDS  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+N_GREEDY = 48
+
+
+def reference(path, prompt_ids, out_name):
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_batch=512, logits_all=True, type_k=0, type_v=0,
+                          n_threads=2, verbose=False)
+    llm.eval(prompt_ids)
+    prompt_logits = np.array(llm.scores[: len(prompt_ids)], dtype=np.float32)
+    greedy, gaps = [], []
+    logits = prompt_logits[-1]
+    for _ in range(N_GREEDY):
+        top2 = np.sort(logits)[-2:]
+        tok = int(np.argmax(logits))
+        greedy.append(tok)
+        gaps.append(float(top2[1] - top2[0]))
+        if tok == llm.token_eos():
+            break
+        llm.eval([tok])
+        logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+    np.savez_compressed(os.path.join(HERE, out_name), prompt_ids=np.array(prompt_ids, dtype=np.int64),
+                        prompt_logits=prompt_logits, greedy=np.array(greedy, dtype=np.int64),
+                        top2_gap=np.array(gaps, dtype=np.float32), eos=llm.token_eos(),
+                        engine=f"llama-cpp-python {llama_cpp.__version__}")
+    print(out_name, "prompt", len(prompt_ids), "greedy", greedy[:16], "min gap", min(gaps))
+
+
+PRE_TOKENIZERS = ["smollm", "starcoder", "llama-bpe", "gpt-2", "default", "deepseek-llm", "qwen2"]
+EXTRA_TEXTS = ["1234567 3.14159 10,000,000", "I'll've we'RE they'D", "def f(x):\n\treturn x**2  # ok\n",
+               "中文测试 日本語 한국어", "Ünïcödé ß ﬁ ǅ", "  leading and trailing  ", "a\r\nb\n\n\nc",
+               "<|im_start|>user hi<|im_end|>", "emoji 🦙🦙 and 🇫🇷", "$100+200=300 ~^|<>"]
+
+
+def tokenizer_vectors(model_path, tmp):
+    """llama.cpp's tokenization of llama.cpp's own test inputs plus ours, with SmolLM2's vocabulary
+    under each pre-tokenizer name: one vocab-only copy per name."""
+    import json
+
+    import llama_cpp
+    from gguf import GGUFWriter
+
+    from mlxinfer.gguf_file import GGUFFile
+
+    inputs = open(os.path.join(HERE, "..", "data", "ggml-vocab-qwen2.gguf.inp"), encoding="utf-8").read()
+    texts = inputs.split("\n__ggml_vocab_test__\n")[:-1] + EXTRA_TEXTS
+    out = {"texts": texts, "ids": {}}
+    with GGUFFile(model_path) as g:
+        for pre in PRE_TOKENIZERS:
+            path = os.path.join(tmp, f"vocab-{pre}.gguf")
+            w = GGUFWriter(path, g.architecture)
+            for k, v in g.metadata.items():
+                if k.startswith(("tokenizer.ggml.", "llama.")) and k != "tokenizer.ggml.pre":
+                    if isinstance(v, np.ndarray):
+                        w.add_array(k, v.tolist())
+                    elif isinstance(v, bool):
+                        w.add_bool(k, v)
+                    elif isinstance(v, int):
+                        w.add_uint32(k, v)
+                    elif isinstance(v, float):
+                        w.add_float32(k, v)
+                    elif isinstance(v, (str, list)):
+                        w.add_array(k, v) if isinstance(v, list) else w.add_string(k, v)
+            w.add_string("tokenizer.ggml.pre", pre)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+            w.close()
+            llm = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
+            out["ids"][pre] = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in texts]
+    with open(os.path.join(HERE, "tokenizer_vectors.json"), "w", encoding="utf-8") as f:
+        json.dump(out, f, ensure_ascii=False)
+    print("tokenizer vectors:", len(texts), "texts x", len(PRE_TOKENIZERS), "pre-tokenizers")
+
+
+def main():
+    with tempfile.TemporaryDirectory() as tmp:
+        q3 = write_synthetic_model(os.path.join(tmp, "q3.gguf"), QWEN3_SYNTHETIC)
+        reference(write_f32_copy(q3, os.path.join(tmp, "q3_f32.gguf")), QWEN3_PROMPT_IDS, "qwen3_synthetic.npz")
+        if len(sys.argv) > 1:
+            import llama_cpp
+
+            vocab = llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
+            ids = vocab.tokenize(SMOLLM2_PROMPT.encode("utf-8"), add_bos=True, special=True)
+            tokenizer_vectors(sys.argv[1], tmp)
+            reference(write_f32_copy(sys.argv[1], os.path.join(tmp, "smol_f32.gguf")), ids, "smollm2.npz")
+
+
+if __name__ == "__main__":
+    main()
