@@ -51,9 +51,14 @@ def _inspect(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and status 1, like every other bad input
+        self.exit(1, f"mlxinfer: error: {message} (see mlxinfer {self.prog.split()[-1]} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlxinfer", description="Generate text from GGUF models with MLX or numpy.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="mlxinfer", description="Generate text from GGUF models with MLX or numpy.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="generate a continuation of PROMPT")
     g.add_argument("prompt", metavar="PROMPT")
     g.add_argument("--model", default=None,

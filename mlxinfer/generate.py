@@ -20,7 +20,7 @@ from .gguf_file import GGUFFile
 from .kv_cache import BasicKVCache
 from .metrics import Metrics
 from .model_source import resolve_model
-from .models import load_model
+from .models import model_loader
 from .sampling import sample
 from .tokenizer import GGUFTokenizer
 
@@ -38,10 +38,11 @@ class Engine:
     def __init__(self, path, backend, attention: str = "fused"):
         self.path = str(path)
         self.gguf = GGUFFile(path)
+        loader = model_loader(self.gguf)
         self.tokenizer = GGUFTokenizer.from_metadata(self.gguf.metadata, source=self.path)
         self.backend = backend
         self.attention = attention
-        self.model = load_model(backend, self.gguf)
+        self.model = loader(backend, self.gguf)
         self.args = self.model.args
         if self.tokenizer.vocab_size != self.args.vocab_size:
             raise RequestError(

@@ -1,0 +1,34 @@
+"""Shared fixtures: the real SmolLM2 file (downloaded once into the cache, as users get it) and small
+synthetic models written by the project's own writer."""
+
+import os
+
+import pytest
+
+from mlxinfer.model_source import default_model_path
+from mlxinfer.synthetic import SyntheticSpec, write_synthetic_model
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DATA = os.path.join(HERE, "data")
+REFERENCE = os.path.join(HERE, "reference")
+QWEN2_VOCAB = os.path.join(DATA, "ggml-vocab-qwen2.gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    return str(default_model_path(quiet=True))
+
+
+@pytest.fixture(scope="session")
+def synthetic(tmp_path_factory):
+    """A factory: synthetic(**spec fields) -> path, cached per spec."""
+    made = {}
+    root = tmp_path_factory.mktemp("synthetic")
+
+    def make(**kw):
+        key = tuple(sorted(kw.items()))
+        if key not in made:
+            made[key] = write_synthetic_model(root / f"m{len(made)}.gguf", SyntheticSpec(**kw))
+        return made[key]
+
+    return make

@@ -1,0 +1,146 @@
+import os
+import subprocess
+import sys
+
+import pytest
+from gguf import GGUFWriter
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "mlxinfer.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def assert_one_line_error(r, *fragments):
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mlxinfer: error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+def test_generate_default_model_says_paris(smollm2_path):
+    r = run_cli("generate", "--backend", "cpu", "--max-tokens", "8", "The capital of France is")
+    assert r.returncode == 0, r.stderr
+    text, _, block = r.stdout.partition("\n\nbackend: cpu\n")
+    assert text.startswith(" Paris")
+    assert "kv cache: basic" in block and "time_to_first_token_ms:" in block
+    assert "per_forward_ms: min" in block and "(n=8)" in block
+
+
+def test_generate_chat_mode(smollm2_path):
+    r = run_cli("generate", "--model", smollm2_path, "--backend", "cpu", "--chat", "--max-tokens", "24",
+                "What is the capital of France? Answer in one word.")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout.split("\n\nbackend:")[0]
+
+
+def test_inspect_prints_model_summary(smollm2_path):
+    r = run_cli("inspect", smollm2_path)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "architecture: llama" in out
+    assert "block_count: 30" in out and "attention.head_count_kv: 3" in out
+    assert "pre-tokenizer 'smollm'" in out and "49152 tokens" in out
+    assert "token_embd.weight" in out and "Q8_0" in out and "[49152, 576]" in out and "30081024" in out
+    assert "blk.29.ffn_down.weight" in out
+
+
+def test_missing_file(tmp_path):
+    assert_one_line_error(run_cli("generate", "--model", str(tmp_path / "none.gguf"), "hi"), "none.gguf", "no such file")
+    assert_one_line_error(run_cli("inspect", str(tmp_path / "none.gguf")), "no such file")
+
+
+def test_not_a_gguf_file(tmp_path):
+    p = tmp_path / "model.gguf"
+    p.write_text("hello, I am a text file\n")
+    assert_one_line_error(run_cli("generate", "--model", str(p), "hi"), "model.gguf", "not a GGUF file")
+
+
+def test_unsupported_architecture(tmp_path):
+    p = tmp_path / "falcon.gguf"
+    w = GGUFWriter(str(p), "falcon")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_one_line_error(run_cli("generate", "--model", str(p), "hi"), "architecture 'falcon' is not supported")
+
+
+def test_unsupported_tensor_type(tmp_path, synthetic):
+    from mlxinfer.synthetic import write_synthetic_model
+
+    p = write_synthetic_model(tmp_path / "q5k.gguf", arch="llama", n_layers=1, hidden=256, ffn=256, n_heads=4,
+                              n_kv_heads=2, head_dim=64, qtype="Q4_0")
+    # rewrite one tensor's type code to IQ4_NL (same block geometry as Q4_0)
+    from mlxinfer.gguf_file import GGUFFile
+    import struct
+
+    data = bytearray(open(p, "rb").read())
+    name = b"blk.0.ffn_up.weight"
+    at = data.index(name) + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    type_at = at + 4 + 8 * n_dims
+    assert struct.unpack_from("<I", data, type_at)[0] == 2  # Q4_0
+    struct.pack_into("<I", data, type_at, 20)  # IQ4_NL
+    open(p, "wb").write(bytes(data))
+    assert GGUFFile(p).tensor("blk.0.ffn_up.weight").type_name == "IQ4_NL"
+    assert_one_line_error(run_cli("generate", "--model", str(p), "--backend", "cpu", "hi"),
+                          "blk.0.ffn_up.weight", "IQ4_NL", "not support")
+
+
+def test_missing_tensor(tmp_path):
+    from mlxinfer.synthetic import write_synthetic_model
+    from mlxinfer.gguf_file import GGUFFile
+
+    src = write_synthetic_model(tmp_path / "full.gguf", arch="qwen3", n_layers=2)
+    dst = tmp_path / "missing.gguf"
+    with GGUFFile(src) as g:
+        w = GGUFWriter(str(dst), "qwen3")
+        for k, v in g.metadata.items():
+            if k.startswith("qwen3."):
+                w.add_key_value(k, v, *_vt(v))
+            elif k.startswith("tokenizer."):
+                w.add_key_value(k, v.tolist() if hasattr(v, "tolist") else v, *_vt(v))
+        for name in g.tensors:
+            if name != "blk.1.attn_k_norm.weight":
+                w.add_tensor(name, g.dequantize(name))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    assert_one_line_error(run_cli("generate", "--model", str(dst), "--backend", "cpu", "hi"),
+                          "missing.gguf", "missing tensor 'blk.1.attn_k_norm.weight'")
+
+
+def _vt(v):
+    from gguf import GGUFValueType as T
+
+    if isinstance(v, bool):
+        return (T.BOOL,)
+    if isinstance(v, int):
+        return (T.UINT32,)
+    if isinstance(v, float):
+        return (T.FLOAT32,)
+    if isinstance(v, str):
+        return (T.STRING,)
+    if isinstance(v, list):
+        return (T.ARRAY, T.STRING)
+    return (T.ARRAY, T.INT32)
+
+
+def test_prompt_longer_than_context(tmp_path):
+    from mlxinfer.synthetic import write_synthetic_model
+
+    p = write_synthetic_model(tmp_path / "short.gguf", arch="llama", n_layers=1, context_length=16)
+    assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "--max-tokens", "4", "word " * 20),
+                          "exceeds the model's context length 16")
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--backend", "tpu"], "invalid choice: 'tpu'"),
+    (["--attention", "flash"], "invalid choice: 'flash'"),
+])
+def test_bad_option_values(args, fragment):
+    assert_one_line_error(run_cli("generate", *args, "hi"), fragment)
