@@ -1,0 +1,1 @@
+"""Kernel sources for mlxinfer's fused attention (read as package data by mlxinfer.kernels)."""
