@@ -17,14 +17,20 @@ Fused attention: chosen by platform (overridable with `kernel=`):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-import mlx.core as mx
-import numpy as np
-from gguf import GGMLQuantizationType as Q
+# MLX's CUDA backend runs float32 cuBLAS matmuls in TF32 unless told otherwise: ~3e-3 error on logits,
+# outside our 1e-3 agreement with the CPU reference. Read once by MLX at its first matmul; a user who
+# wants TF32 sets MLX_ENABLE_TF32=1 before importing mlxinfer.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
-from ..backend import Backend, attention_scale
-from ..errors import RequestError
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from ..backend import Backend, attention_scale  # noqa: E402
+from ..errors import RequestError  # noqa: E402
 
 GROUP = 32
 
@@ -262,14 +268,23 @@ class MLXBackend(Backend):
         return out
 
     def _graph_attention(self, q, k, v, n_heads, n_kv_heads, head_dim):
-        """All heads in one batched graph. Each head's product is the same matmul the default runs
-        (MLX's CPU backend loops one BLAS call per batch element) on the same contiguous [S, D] blocks;
-        scale after the matmul, the same mask and the same softmax primitive."""
+        """All heads in one batched graph, byte-identical to the per-head default on the same device.
+
+        CPU: each head's product is the same BLAS call the default makes (MLX's CPU matmul loops one
+        call per batch element) on the same contiguous [S, D] blocks; scale after the matmul, the same
+        mask and softmax. GPU: decode steps only, with K and V in the transposed storage that sends
+        every head's one-row products to MLX's gemv kernel, as `matmul` does for the default; prefill
+        chunks run the default (their multi-row products go to cuBLASLt)."""
         t, s = q.shape[0], k.shape[0]
+        if self.device == "gpu" and t != 1:
+            return Backend.fused_attention(self, q, k, v, n_heads, n_kv_heads, head_dim)
         kv, d, group = n_kv_heads, head_dim, n_heads // n_kv_heads
         qh = mx.contiguous(mx.transpose(mx.reshape(q, (t, kv, group, d)), (1, 2, 0, 3)))  # [KV, G, T, D]
         kh = mx.contiguous(mx.transpose(mx.reshape(k, (s, kv, d)), (1, 0, 2)))[:, None]  # [KV, 1, S, D]
-        vh = mx.contiguous(mx.transpose(mx.reshape(v, (s, kv, d)), (1, 0, 2)))[:, None]
+        if self.device == "gpu":
+            vh = mx.swapaxes(mx.contiguous(mx.transpose(mx.reshape(v, (s, kv, d)), (1, 2, 0)))[:, None], -1, -2)
+        else:
+            vh = mx.contiguous(mx.transpose(mx.reshape(v, (s, kv, d)), (1, 0, 2)))[:, None]
         scores = mx.matmul(qh, mx.swapaxes(kh, -1, -2)) * attention_scale(d)
         if t > 1:
             scores = self.causal_mask(scores, s - t)

@@ -1,0 +1,155 @@
+"""Peer engines on the same weights, each only when installed:
+
+- llama.cpp (`pip install llama-cpp-python`): the same GGUF file, the same thread count, greedy.
+- mlx-lm (`pip install mlx-lm`): the GGUF's weights written as an mlx-lm model directory with the same
+  quantization (Q8_0/Q4_0/Q4_1 repacked exactly to MLX affine group-32, as our MLX backend does;
+  other types as float32), then `mlx_lm.stream_generate`.
+
+Each returns rows shaped like bench.py's: median decode tokens/s, time to first token, per-forward times.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
+    """n token ids below the vocabulary's control tokens (the last few ids of our synthetic and of the
+    real vocabularies' added tokens), fixed per n."""
+    rng = np.random.default_rng(seed + n)
+    return rng.integers(0, min(vocab - 300, 50000) if vocab > 600 else 256, size=n).tolist()
+
+
+def _row(engine, n_prompt, ttft, decode_times, peak_mb, runs):
+    return dict(engine=engine, device=None, attention="-", prompt_tokens=n_prompt, generated=len(decode_times) + 1,
+                runs=runs, time_to_first_token_ms=ttft, peak_memory_mb=peak_mb,
+                decode_tokens_per_second=1000.0 * len(decode_times) / sum(decode_times) if decode_times else 0.0,
+                per_forward_ms_min=min([ttft] + decode_times), per_forward_ms_mean=float(np.mean([ttft] + decode_times)),
+                per_forward_ms_max=max([ttft] + decode_times))
+
+
+def _median_row(rows):
+    out = dict(rows[0])
+    for k in ("time_to_first_token_ms", "decode_tokens_per_second", "per_forward_ms_min", "per_forward_ms_mean",
+              "per_forward_ms_max", "peak_memory_mb"):
+        out[k] = statistics.median(r[k] for r in rows)
+    return out
+
+
+def llama_cpp_rows(path, cases, n_gen, runs, threads):
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=path, n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                          verbose=False, logits_all=False)
+    vocab = llm.n_vocab()
+    rows = []
+    for n in cases:
+        ids = prompt_ids(n, vocab)
+        per_run = []
+        for r in range(runs + 1):
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.eval(ids)
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            ttft = (time.perf_counter() - t0) * 1000
+            times = []
+            for _ in range(n_gen - 1):
+                t0 = time.perf_counter()
+                llm.eval([tok])
+                tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                times.append((time.perf_counter() - t0) * 1000)
+            if r:  # the first run is the warm-up
+                per_run.append(_row(f"llama.cpp {llama_cpp.__version__} ({threads} threads)", n, ttft, times, 0.0, runs))
+        rows.append(_median_row(per_run))
+    return rows
+
+
+def write_mlx_lm_model(path, out_dir):
+    """The GGUF's weights as an mlx-lm model directory (config.json + model.safetensors)."""
+    import mlx.core as mx
+
+    from mlxinfer.backends.mlx import REPACK
+    from mlxinfer.gguf_file import GGUFFile
+    from mlxinfer.models.layers import TransformerArgs
+
+    g = GGUFFile(path)
+    arch = g.architecture
+    args = TransformerArgs.from_gguf(g, rope_traditional=arch == "llama", qk_norm=arch == "qwen3")
+    bits = {REPACK[t.ggml_type][1] for t in g.tensors.values() if t.ggml_type in REPACK and len(t.shape) == 2}
+    config = {
+        "model_type": arch, "hidden_size": args.hidden, "num_hidden_layers": args.n_layers,
+        "intermediate_size": args.ffn, "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim, "rms_norm_eps": args.rms_eps, "vocab_size": args.vocab_size,
+        "rope_theta": args.rope_base, "tie_word_embeddings": args.tied_output, "max_position_embeddings": args.context_length,
+        "rope_traditional": arch == "llama",  # llama GGUFs keep Q/K permuted for interleaved RoPE
+    }
+    if len(bits) == 1:
+        config["quantization"] = {"group_size": 32, "bits": bits.pop()}
+    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+             "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+             "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    weights = {}
+    for t in g.tensors.values():
+        if t.name.startswith("blk."):
+            _, i, part, _ = t.name.split(".")
+            key = f"model.layers.{i}.{names[part]}"
+        else:
+            key = {"token_embd.weight": "model.embed_tokens", "output_norm.weight": "model.norm",
+                   "output.weight": "lm_head"}[t.name]
+        if t.ggml_type in REPACK and len(t.shape) == 2 and "quantization" in config:
+            w, s, b = REPACK[t.ggml_type][0](g.raw(t.name), *t.shape)
+            weights[key + ".weight"], weights[key + ".scales"], weights[key + ".biases"] = (mx.array(w), mx.array(s), mx.array(b))
+        else:
+            weights[key + ".weight"] = mx.array(np.ascontiguousarray(g.dequantize(t.name), dtype=np.float32))
+    os.makedirs(out_dir, exist_ok=True)
+    mx.save_safetensors(os.path.join(out_dir, "model.safetensors"), weights)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    return out_dir
+
+
+def mlx_lm_rows(path, cases, n_gen, runs):
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, _ = load_model(__import__("pathlib").Path(write_mlx_lm_model(path, tmp)))
+    rows = []
+    for n in cases:
+        ids = mx.array(prompt_ids(n, model.args.vocab_size))
+        per_run = []
+        for r in range(runs + 1):
+            mx.reset_peak_memory()
+            times, t0 = [], time.perf_counter()
+            for i, (tok, _) in enumerate(generate_step(ids, model, max_tokens=n_gen)):
+                now = time.perf_counter()
+                times.append((now - t0) * 1000)
+                t0 = now
+            if r:
+                per_run.append(_row(f"mlx-lm {mlx_lm.__version__} ({mx.default_device()})", n, times[0], times[1:],
+                                    mx.get_peak_memory() / 1e6, runs))
+        rows.append(_median_row(per_run))
+    return rows
+
+
+def run_peers(names, path, cases, n_gen, runs, threads):
+    rows = []
+    for name in names:
+        try:
+            if name == "llama.cpp":
+                rows += llama_cpp_rows(path, cases, n_gen, runs, threads)
+            elif name == "mlx-lm":
+                rows += mlx_lm_rows(path, cases, n_gen, runs)
+        except ImportError as e:
+            print(f"peer {name}: not installed ({e.name}); no row", file=sys.stderr)
+    return rows
