@@ -15,7 +15,7 @@ import numpy as np
 
 from .backends import make_backend
 from .chat import render_chat
-from .errors import RequestError
+from .errors import GGUFError, RequestError
 from .gguf_file import GGUFFile
 from .kv_cache import BasicKVCache
 from .metrics import Metrics
@@ -45,7 +45,7 @@ class Engine:
         self.model = loader(backend, self.gguf)
         self.args = self.model.args
         if self.tokenizer.vocab_size != self.args.vocab_size:
-            raise RequestError(
+            raise GGUFError(
                 f"{self.path}: tokenizer has {self.tokenizer.vocab_size} tokens but token_embd.weight has "
                 f"{self.args.vocab_size} rows"
             )

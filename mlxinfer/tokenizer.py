@@ -135,7 +135,10 @@ class GGUFTokenizer:
                 raise GGUFError(f"{source}: merge #{i} {m!r} is not two tokens separated by a space")
             pairs.append((a, b))
         splits, ignore_merges = PRE_TOKENIZERS[pre]
-        hf = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
+        try:
+            hf = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
+        except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of unknown tokens
+            raise GGUFError(f"{source}: invalid BPE vocabulary: {str(e).splitlines()[0]}") from None
         hf.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]

@@ -6,7 +6,10 @@ RMSNorm = sum_squares_rows, scale by 1/n, add eps, rsqrt, mul_rows, hadamard wit
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..errors import GGUFError
 
@@ -65,6 +68,9 @@ class TransformerArgs:
             raise GGUFError(f"{g.path}: {a}.vocab_size {meta_vocab} != token_embd.weight rows {vocab}")
         eps = g.require(f"{a}.attention.layer_norm_rms_epsilon", float)
         base = g.get(f"{a}.rope.freq_base", 10000.0)
+        for key, value in (("attention.layer_norm_rms_epsilon", eps), ("rope.freq_base", base)):
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise GGUFError(f"{g.path}: {a}.{key} = {value!r} is not a positive finite number")
         return cls(
             arch=a,
             n_layers=req("block_count"),
@@ -128,23 +134,30 @@ class LayerWeights:
     k_norm: object = None
 
 
+def load_norm(ops, g, name):
+    """A norm weight vector, refused if it holds NaN or Inf (it would silently poison every logit)."""
+    if not np.all(np.isfinite(g.dequantize(name))):
+        raise GGUFError(f"{g.path}: tensor {name!r} contains NaN or Inf")
+    return ops.load_vector(g, name)
+
+
 def load_layers(ops, g, args: TransformerArgs) -> list[LayerWeights]:
     layers = []
     for i in range(args.n_layers):
         p = f"blk.{i}."
         layers.append(
             LayerWeights(
-                attn_norm=ops.load_vector(g, p + "attn_norm.weight"),
+                attn_norm=load_norm(ops, g, p + "attn_norm.weight"),
                 wq=ops.load_weight(g, p + "attn_q.weight"),
                 wk=ops.load_weight(g, p + "attn_k.weight"),
                 wv=ops.load_weight(g, p + "attn_v.weight"),
                 wo=ops.load_weight(g, p + "attn_output.weight"),
-                ffn_norm=ops.load_vector(g, p + "ffn_norm.weight"),
+                ffn_norm=load_norm(ops, g, p + "ffn_norm.weight"),
                 w_gate=ops.load_weight(g, p + "ffn_gate.weight"),
                 w_up=ops.load_weight(g, p + "ffn_up.weight"),
                 w_down=ops.load_weight(g, p + "ffn_down.weight"),
-                q_norm=ops.load_vector(g, p + "attn_q_norm.weight") if args.qk_norm else None,
-                k_norm=ops.load_vector(g, p + "attn_k_norm.weight") if args.qk_norm else None,
+                q_norm=load_norm(ops, g, p + "attn_q_norm.weight") if args.qk_norm else None,
+                k_norm=load_norm(ops, g, p + "attn_k_norm.weight") if args.qk_norm else None,
             )
         )
     return layers
@@ -197,7 +210,7 @@ class DecoderModel:
         self.args = args
         self.embed = ops.load_embedding(g, "token_embd.weight")
         self.layers = load_layers(ops, g, args)
-        self.norm = ops.load_vector(g, "output_norm.weight")
+        self.norm = load_norm(ops, g, "output_norm.weight")
         self.head = ops.load_weight(g, "token_embd.weight" if args.tied_output else "output.weight")
 
     def forward(self, ops, ids: list[int], cache, all_logits: bool = False):

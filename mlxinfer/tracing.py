@@ -1,0 +1,120 @@
+"""Tracing backend: wraps any backend, counts and times every protocol op call, per forward pass.
+
+    mlxinfer generate --trace "The capital of France is"        (or MLXINFER_TRACE=1)
+
+prints on stderr, after each forward pass, the book chapter's histogram:
+
+    [CPU] decode 1: op invocation counts (total 1029, 27.412 ms)
+      add: 60  (0.210 ms)
+      ...
+
+and a summary over the whole run at the end. The wrapper methods are generated from
+`mlxinfer.backend.OPS`, so an op added to the protocol is traced the day it is added. Without
+`--trace` no wrapper exists and nothing is paid.
+
+Times: on the CPU backend each op is timed as it runs. MLX builds a lazy graph, so an op's call
+alone costs only graph building; while tracing, the MLX backend is evaluated after every op
+(`mx.eval`), which makes the per-op times real and the whole run slower than an untraced one.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import defaultdict
+
+from .backend import OPS, PRIMITIVE_OPS, Backend
+
+
+class TracingBackend:
+    """A Backend that forwards to `inner`, counting and timing each op. Non-op attributes (weights
+    loading, to_numpy, name, device...) pass through untouched."""
+
+    def __init__(self, inner: Backend, stream=sys.stderr):
+        self.inner = inner
+        self.stream = stream
+        self.eval_each_op = inner.name == "mlx"
+        self.counts: dict[str, int] = defaultdict(int)
+        self.times: dict[str, float] = defaultdict(float)
+        self.pass_time = 0.0
+        self.run_counts: dict[str, int] = defaultdict(int)
+        self.run_times: dict[str, float] = defaultdict(float)
+        self.run_time = 0.0
+        self.passes = 0
+        self._depth = 0
+        # The per-head default built from primitives runs on the tracer, so its primitives are seen.
+        impl = getattr(inner.fused_attention, "__func__", None)
+        self._default_attention = impl is Backend.fused_attention
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    @property
+    def label(self) -> str:
+        return self.inner.name.upper() + (f"/{self.inner.device.upper()}" if self.inner.name != "cpu" else "")
+
+    def _call(self, op, fn, args, kwargs):
+        self._depth += 1
+        t0 = time.perf_counter()
+        try:
+            out = fn(*args, **kwargs)
+            if self.eval_each_op and self._depth == 1 and op != "argmax_with_prob":
+                self.inner.sync(out)
+        finally:
+            self._depth -= 1
+        dt = time.perf_counter() - t0
+        self.counts[op] += 1
+        self.times[op] += dt
+        if self._depth == 0:
+            self.pass_time += dt
+        return out
+
+    def fused_attention(self, q, k, v, n_heads, n_kv_heads, head_dim):
+        if self._default_attention:
+            fn = Backend.fused_attention.__get__(self)
+        else:
+            fn = self.inner.fused_attention
+        return self._call("fused_attention", fn, (q, k, v, n_heads, n_kv_heads, head_dim), {})
+
+    # -- reporting ----------------------------------------------------------------------------
+    def histogram(self, title, counts, times, total_time) -> str:
+        lines = [f"[{self.label}] {title}: op invocation counts (total {sum(counts.values())}, "
+                 f"{total_time * 1000:.3f} ms)"]
+        for op in sorted(counts):
+            lines.append(f"  {op}: {counts[op]}  ({times[op] * 1000:.3f} ms)")
+        return "\n".join(lines)
+
+    def end_pass(self, name: str) -> None:
+        """Print this pass's histogram, fold it into the run totals and start a new pass."""
+        print(self.histogram(name, self.counts, self.times, self.pass_time), file=self.stream)
+        for op, n in self.counts.items():
+            self.run_counts[op] += n
+            self.run_times[op] += self.times[op]
+        self.run_time += self.pass_time
+        self.passes += 1
+        self.counts, self.times, self.pass_time = defaultdict(int), defaultdict(float), 0.0
+
+    def print_summary(self) -> None:
+        print(self.histogram(f"whole run ({self.passes} forward passes)", self.run_counts, self.run_times,
+                             self.run_time), file=self.stream)
+
+
+def _traced(op):
+    def method(self, *args, **kwargs):
+        return self._call(op, getattr(self.inner, op), args, kwargs)
+
+    method.__name__ = op
+    method.__doc__ = f"Traced `{op}` of the wrapped backend."
+    return method
+
+
+for _op in PRIMITIVE_OPS:
+    setattr(TracingBackend, _op, _traced(_op))
+assert all(callable(getattr(TracingBackend, op)) for op in OPS)
+
+
+def install_tracer(engine, stream=sys.stderr) -> TracingBackend:
+    """Wrap the engine's backend in a TracingBackend (the model's weights stay where they are)."""
+    tracer = TracingBackend(engine.backend, stream)
+    engine.backend = tracer
+    return tracer

@@ -1,0 +1,90 @@
+"""Op counts of one decode step, as formulas of the model's shape (issue: tracing backend)."""
+
+import io
+
+import numpy as np
+import pytest
+
+import mlxinfer
+from mlxinfer.backend import OPS
+from mlxinfer.tracing import TracingBackend, install_tracer
+
+SHAPES = [
+    dict(arch="qwen3", n_layers=3, hidden=64, ffn=96, n_heads=4, n_kv_heads=2, head_dim=32),
+    dict(arch="qwen3", n_layers=2, hidden=96, ffn=128, n_heads=6, n_kv_heads=3, head_dim=48),
+    dict(arch="llama", n_layers=4, hidden=64, ffn=96, n_heads=8, n_kv_heads=2, head_dim=8),
+    dict(arch="llama", n_layers=1, hidden=32, ffn=64, n_heads=2, n_kv_heads=1, head_dim=16),
+]
+
+
+def traced_passes(path, backend, attention, n_new=3):
+    engine = mlxinfer.load(path, backend=backend, attention=attention)
+    out = io.StringIO()
+    tracer = install_tracer(engine, stream=out)
+    passes = []
+
+    def end(name):
+        passes.append((name, dict(tracer.counts)))
+        tracer.end_pass(name)
+
+    gen = engine.generate([3, 4, 5, 6, 7], max_tokens=n_new, on_forward=end)
+    tracer.print_summary()
+    return engine, passes, out.getvalue(), gen
+
+
+@pytest.mark.parametrize("backend", ["cpu", "mlx"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s['arch']}-L{s['n_layers']}-H{s['n_heads']}")
+def test_decode_step_op_counts(synthetic, shape, backend):
+    path = synthetic(**shape, seed=1)
+    L, H = shape["n_layers"], shape["n_heads"]
+    _, fused, _, _ = traced_passes(path, backend, "fused")
+    _, per_head, _, _ = traced_passes(path, backend, "per-head")
+    names = [p[0] for p in fused]
+    assert names == ["prefill", "decode 1", "decode 2"]
+    f, p = fused[1][1], per_head[1][1]
+    assert f["fused_attention"] == L and p["fused_attention"] == L
+    assert f["matmul"] == 7 * L + 1
+    assert p["matmul"] == 7 * L + 1 + 2 * H * L
+    assert f.get("transpose_2d", 0) == 0 and p["transpose_2d"] == H * L
+    assert f.get("softmax_rows", 0) == 0 and p["softmax_rows"] == H * L
+    assert p["copy_2d_from_cols"] == 3 * H * L and p["copy_2d_into_cols"] == H * L
+    assert f["concat_dim0"] == 2 * L and f["gather_rows"] == 1 and f["argmax_with_prob"] == 1
+    # everything else is the same in both paths
+    for op in set(f) | set(p):
+        if op not in ("matmul", "transpose_2d", "softmax_rows", "copy_2d_from_cols", "copy_2d_into_cols",
+                      "scale", "zeros"):
+            assert f.get(op, 0) == p.get(op, 0), op
+    assert p["scale"] - f["scale"] == H * L
+
+
+def test_histogram_format_and_summary(synthetic):
+    path = synthetic(**SHAPES[0], seed=1)
+    _, passes, text, gen = traced_passes(path, "cpu", "fused")
+    lines = text.splitlines()
+    assert lines[0].startswith("[CPU] prefill: op invocation counts (total ")
+    assert lines[0].endswith(" ms)")
+    block = lines[1:lines.index(next(x for x in lines[1:] if x.startswith("[CPU] decode 1")))]
+    ops = [b.split(":")[0].strip() for b in block]
+    assert ops == sorted(ops)
+    assert all(b.startswith("  ") and b.endswith(" ms)") for b in block)
+    total = int(lines[0].split("total ")[1].split(",")[0])
+    assert total == sum(passes[0][1].values())
+    assert lines[-len(passes[0][1]) - 1].startswith("[CPU] whole run (3 forward passes)") or "whole run" in text
+    assert "[CPU] whole run (3 forward passes): op invocation counts" in text
+
+
+def test_tracing_does_not_change_results(synthetic):
+    path = synthetic(**SHAPES[1], seed=2)
+    plain = mlxinfer.load(path, backend="cpu").generate([3, 4, 5, 6, 7], max_tokens=8)
+    _, _, _, traced = traced_passes(path, "cpu", "per-head", n_new=8)
+    assert traced.token_ids == plain.token_ids
+
+
+def test_every_protocol_op_is_wrapped():
+    for op in OPS:
+        assert getattr(TracingBackend, op).__qualname__.startswith(("_traced", "TracingBackend"))
+
+
+def test_no_wrapper_without_trace(synthetic):
+    engine = mlxinfer.load(synthetic(**SHAPES[0], seed=1), backend="cpu")
+    assert not isinstance(engine.backend, TracingBackend)
