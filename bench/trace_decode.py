@@ -21,6 +21,7 @@ sys.path.insert(0, HERE)
 
 import mlxinfer  # noqa: E402
 from bench import resolve  # noqa: E402
+from mlxinfer.kv_cache import BasicKVCache  # noqa: E402
 from mlxinfer.tracing import TracingBackend  # noqa: E402
 from peers import prompt_ids  # noqa: E402
 
@@ -51,7 +52,7 @@ def main(argv=None):
             # one traced decode step after a fresh prefill
             out = io.StringIO()
             tracer = TracingBackend(engine.backend, out)
-            cache = engine.new_cache()
+            cache = BasicKVCache(tracer, engine.args.n_layers)
             tok = tracer.argmax_with_prob(engine.model.forward(tracer, ids, cache))[0]
             tracer.counts.clear(), tracer.times.clear()
             tracer.pass_time = 0.0

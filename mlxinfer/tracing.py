@@ -58,14 +58,14 @@ class TracingBackend:
         t0 = time.perf_counter()
         try:
             out = fn(*args, **kwargs)
-            if self.eval_each_op and self._depth == 1 and op != "argmax_with_prob":
+            if self.eval_each_op and op != "argmax_with_prob":
                 self.inner.sync(out)
         finally:
             self._depth -= 1
         dt = time.perf_counter() - t0
         self.counts[op] += 1
         self.times[op] += dt
-        if self._depth == 0:
+        if self._depth == 0:  # ops called inside the per-head default count once, in fused_attention
             self.pass_time += dt
         return out
 

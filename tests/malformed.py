@@ -169,13 +169,56 @@ def cases(b: bytes):
     eps = _find_kv(lay, "qwen3.attention.layer_norm_rms_epsilon")
     yield Case("rms-eps-nan", _patch(b, eps[3], "<f", float("nan")), "load",
                r"qwen3.attention.layer_norm_rms_epsilon = nan is not a positive finite number")
-    yield Case("vocab-size-differs-from-embedding", _patch(b, tokens[3] + 4, "<Q", 319), "load",
-               r"tokenizer has 319 tokens but token_embd.weight has 320 rows|token_type has 320 entries, expected 319")
+    yield Case("vocab-size-differs-from-embedding", rewrite(b, extra_token=True), "load",
+               r"tokenizer has 321 tokens but token_embd.weight has 320 rows")
     norm_start, _ = lay.data["blk.1.attn_norm.weight"]
     yield Case("nan-in-norm", _patch(b, norm_start + 8, "<f", float("nan")), "load",
                r"tensor 'blk.1.attn_norm.weight' contains NaN or Inf")
     yield Case("inf-in-norm", _patch(b, lay.data["output_norm.weight"][0], "<f", float("inf")), "load",
                r"tensor 'output_norm.weight' contains NaN or Inf")
+
+
+def rewrite(b: bytes, extra_token: bool = False) -> bytes:
+    """The same model written again with the gguf writer, with an edit a byte patch cannot make."""
+    import tempfile
+
+    from gguf import GGUFValueType, GGUFWriter
+
+    from mlxinfer.gguf_file import GGUFFile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = os.path.join(tmp, "src.gguf"), os.path.join(tmp, "dst.gguf")
+        with open(src, "wb") as f:
+            f.write(b)
+        with GGUFFile(src) as g:
+            w = GGUFWriter(dst, g.architecture)
+            for k, v in g.metadata.items():
+                if k == "general.architecture":
+                    continue
+                if extra_token and k == "tokenizer.ggml.tokens":
+                    v = v + ["<|extra|>"]
+                if extra_token and k == "tokenizer.ggml.token_type":
+                    v = np.append(v, 1)
+                if isinstance(v, np.ndarray):
+                    w.add_key_value(k, v.tolist(), GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+                elif isinstance(v, list):
+                    w.add_key_value(k, v, GGUFValueType.ARRAY, sub_type=GGUFValueType.STRING)
+                elif isinstance(v, bool):
+                    w.add_bool(k, v)
+                elif isinstance(v, int):
+                    w.add_uint32(k, v)
+                elif isinstance(v, float):
+                    w.add_float32(k, v)
+                else:
+                    w.add_string(k, v)
+            for name in g.tensors:
+                w.add_tensor(name, np.array(g.dequantize(name)))
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+            w.close()
+        with open(dst, "rb") as f:
+            return f.read()
 
 
 def valid_model_bytes(tmp_dir: str) -> bytes:

@@ -88,29 +88,31 @@ class TransformerArgs:
             tied_output="output.weight" not in g.tensors,
         )
 
-    def check_shapes(self, g) -> None:
-        """Every tensor the forward pass reads exists with the shape the hyperparameters imply."""
+    def expected_shapes(self):
+        """(tensor name, shape) of every tensor the forward pass reads, layer by layer."""
         h, d = self.hidden, self.head_dim
-        want = {"output_norm.weight": (h,)}
+        yield "output_norm.weight", (h,)
         if not self.tied_output:
-            want["output.weight"] = (self.vocab_size, h)
+            yield "output.weight", (self.vocab_size, h)
         for i in range(self.n_layers):
             p = f"blk.{i}."
-            want.update({
-                p + "attn_norm.weight": (h,),
-                p + "attn_q.weight": (self.n_heads * d, h),
-                p + "attn_k.weight": (self.n_kv_heads * d, h),
-                p + "attn_v.weight": (self.n_kv_heads * d, h),
-                p + "attn_output.weight": (h, self.n_heads * d),
-                p + "ffn_norm.weight": (h,),
-                p + "ffn_gate.weight": (self.ffn, h),
-                p + "ffn_up.weight": (self.ffn, h),
-                p + "ffn_down.weight": (h, self.ffn),
-            })
+            yield p + "attn_norm.weight", (h,)
+            yield p + "attn_q.weight", (self.n_heads * d, h)
+            yield p + "attn_k.weight", (self.n_kv_heads * d, h)
+            yield p + "attn_v.weight", (self.n_kv_heads * d, h)
+            yield p + "attn_output.weight", (h, self.n_heads * d)
             if self.qk_norm:
-                want[p + "attn_q_norm.weight"] = (d,)
-                want[p + "attn_k_norm.weight"] = (d,)
-        for name, shape in want.items():
+                yield p + "attn_q_norm.weight", (d,)
+                yield p + "attn_k_norm.weight", (d,)
+            yield p + "ffn_norm.weight", (h,)
+            yield p + "ffn_gate.weight", (self.ffn, h)
+            yield p + "ffn_up.weight", (self.ffn, h)
+            yield p + "ffn_down.weight", (h, self.ffn)
+
+    def check_shapes(self, g) -> None:
+        """Every tensor the forward pass reads exists with the shape the hyperparameters imply
+        (checked lazily: a hostile block_count fails at the first missing layer, allocating nothing)."""
+        for name, shape in self.expected_shapes():
             t = g.tensor(name)
             if tuple(t.shape) != shape:
                 raise GGUFError(
