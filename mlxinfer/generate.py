@@ -35,6 +35,8 @@ class Generation:
 
 
 class Engine:
+    pipeline = True  # overlap graph building with evaluation where the backend can (MLX, greedy)
+
     def __init__(self, path, backend, attention: str = "fused"):
         self.path = str(path)
         self.gguf = GGUFFile(path)
@@ -135,14 +137,24 @@ class Engine:
                 return ops.argmax_with_prob(logits)[0]
             return sample(ops.to_numpy(logits).reshape(-1), rng, temperature, top_k, top_p)
 
+        # Pipelined greedy decoding (MLX): the next step's graph is built, and its evaluation queued,
+        # before we wait for the current token, so Python's graph building overlaps the device's work.
+        pipelined = self.pipeline and temperature == 0 and on_forward is None and hasattr(ops, "async_argmax")
+        pending = None
         out: list[int] = []
         emitted = ""
         finish = "length"
         step_input = ids
         for step in range(max_tokens):
             t0 = time.perf_counter()
-            logits = model.forward(ops, step_input, cache)
-            token = next_token(logits)
+            if pipelined:
+                current = pending if pending is not None else ops.async_argmax(model.forward(ops, ids, cache))
+                more = step + 1 < max_tokens
+                pending = ops.async_argmax(model.forward(ops, current, cache)) if more else None
+                token = ops.token_value(current)
+            else:
+                logits = model.forward(ops, step_input, cache)
+                token = next_token(logits)
             metrics.forward_ms.append((time.perf_counter() - t0) * 1000.0)
             if on_forward:
                 on_forward("prefill" if step == 0 else f"decode {step}")

@@ -115,3 +115,19 @@ def test_device_gpu_without_gpu_is_a_clear_error():
         pytest.skip("this machine has an MLX GPU")
     with pytest.raises(RequestError, match="--device gpu: MLX has no GPU here"):
         MLXBackend(device="gpu")
+
+
+def test_pipelined_greedy_equals_synchronous(qwen3_path, monkeypatch):
+    engine = mlxinfer.load(qwen3_path, backend="mlx")
+    assert hasattr(engine.backend, "async_argmax") and engine.pipeline
+    piped = engine.generate([1, 17, 250, 99], max_tokens=24)
+    engine.pipeline = False
+    sync = engine.generate([1, 17, 250, 99], max_tokens=24)
+    assert piped.token_ids == sync.token_ids and len(piped.token_ids) == 24
+    assert len(piped.metrics.forward_ms) == 24
+    # stopping at an end-of-generation token works the same when the next step is already queued
+    monkeypatch.setattr(engine.tokenizer, "eog_ids", frozenset({sync.token_ids[5]}))
+    engine.pipeline = True
+    stopped = engine.generate([1, 17, 250, 99], max_tokens=24)
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == sync.token_ids[: sync.token_ids.index(sync.token_ids[5])]

@@ -239,7 +239,7 @@ class MLXBackend(Backend):
 
     def gather_rows(self, table, ids):
         self.activate()
-        idx = mx.array(np.asarray(ids, dtype=np.int32))
+        idx = ids if isinstance(ids, mx.array) else mx.array(np.asarray(ids, dtype=np.int32))
         if isinstance(table, QuantizedWeight):
             return table.rows(idx)
         return table[idx]
@@ -255,6 +255,16 @@ class MLXBackend(Backend):
         p = mx.exp(row[i] - mx.logsumexp(row))
         mx.eval(i, p)
         return int(i.item()), float(p.item())
+
+    # -- pipelined greedy decoding (not protocol ops: the engine's fast path) ------------------
+    def async_argmax(self, logits):
+        """The greedy token of the last row as a lazy [1] int32 array, its evaluation started."""
+        token = mx.reshape(mx.argmax(logits[-1]), (1,)).astype(mx.int32)
+        mx.async_eval(token)
+        return token
+
+    def token_value(self, token) -> int:
+        return int(token.item())
 
     # -- fused attention ----------------------------------------------------------------------
     def fused_attention(self, q, k, v, n_heads, n_kv_heads, head_dim):
