@@ -184,6 +184,7 @@ def main(argv=None):
     p.add_argument("--sweep-gen", type=int, default=16)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--devices", default="gpu,cpu", help="MLX devices to run (where available)")
+    p.add_argument("--sync", action="store_true", help="also run MLX rows without pipelined decoding")
     p.add_argument("--peers", default="llama.cpp,mlx-lm", help="peer engines, or 'none'")
     p.add_argument("--replot", default=None, help="only redraw the plot from a results.jsonl")
     p.add_argument("--threads", type=int, default=os.cpu_count())
@@ -205,16 +206,19 @@ def main(argv=None):
         t0 = time.perf_counter()
         engine = mlxinfer.load(path, backend=backend, attention=attention, device=device)
         load_s = time.perf_counter() - t0
-        for n in cases:
-            row = run_case(engine, n, a.gen, a.runs)
-            row.update(engine=f"mlxinfer {backend}", device=device, attention=attention, load_s=load_s, kind="case")
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr)
-        for n in sweep:
-            row = run_case(engine, n, a.sweep_gen, a.runs)
-            row.update(engine=f"mlxinfer {backend}", device=device, attention=attention, kind="sweep")
-            sweep_rows.append(row)
-            print(json.dumps(row), file=sys.stderr)
+        for pipeline in ([True, False] if a.sync and backend == "mlx" else [True]):
+            engine.pipeline = pipeline
+            name = f"mlxinfer {backend}" + ("" if pipeline or backend != "mlx" else " (sync)")
+            for n in cases:
+                row = run_case(engine, n, a.gen, a.runs)
+                row.update(engine=name, device=device, attention=attention, load_s=load_s, kind="case")
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr)
+            for n in sweep:
+                row = run_case(engine, n, a.sweep_gen, a.runs)
+                row.update(engine=name, device=device, attention=attention, kind="sweep")
+                sweep_rows.append(row)
+                print(json.dumps(row), file=sys.stderr)
         del engine
     peer_rows = run_peers([x for x in a.peers.split(",") if x != "none"], path, cases, a.gen, a.runs, a.threads)
     rows += peer_rows

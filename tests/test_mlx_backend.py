@@ -1,6 +1,8 @@
 """The MLX backend: exact weight repacking, agreement with the CPU reference, and byte identity of
 every fused-attention override that can run here against the per-head default on the same device."""
 
+import os
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -91,7 +93,7 @@ def test_q4_k_and_f16_weights_are_dequantized_not_misread(tmp_path):
 
 
 @pytest.mark.parametrize("make", OVERRIDES)
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=int(os.environ.get("MLXINFER_PROPERTY_EXAMPLES", 60)), deadline=None)
 @given(case=attention_inputs())
 def test_fused_attention_override_is_byte_identical(make, case):
     assert_matches_default(make(), case)

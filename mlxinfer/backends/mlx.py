@@ -292,7 +292,11 @@ class MLXBackend(Backend):
         qh = mx.contiguous(mx.transpose(mx.reshape(q, (t, kv, group, d)), (1, 2, 0, 3)))  # [KV, G, T, D]
         kh = mx.contiguous(mx.transpose(mx.reshape(k, (s, kv, d)), (1, 0, 2)))[:, None]  # [KV, 1, S, D]
         if self.device == "gpu":
-            vh = mx.swapaxes(mx.contiguous(mx.transpose(mx.reshape(v, (s, kv, d)), (1, 2, 0)))[:, None], -1, -2)
+            # Each query head gets its own K and V block (no stride-0 broadcast, which MLX's CUDA matmul
+            # would fold into a multi-row cuBLASLt product) and V in transposed storage (gemv order).
+            kh = mx.contiguous(mx.broadcast_to(kh, (kv, group, s, d)))
+            vt = mx.transpose(mx.reshape(v, (s, kv, d)), (1, 2, 0))[:, None]  # [KV, 1, D, S]
+            vh = mx.swapaxes(mx.contiguous(mx.broadcast_to(vt, (kv, group, d, s))), -1, -2)
         else:
             vh = mx.contiguous(mx.transpose(mx.reshape(v, (s, kv, d)), (1, 0, 2)))[:, None]
         scores = mx.matmul(qh, mx.swapaxes(kh, -1, -2)) * attention_scale(d)
