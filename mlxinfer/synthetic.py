@@ -147,39 +147,60 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
     return str(path)
 
 
-def write_f32_copy(src, dst) -> str:
-    """A copy of a GGUF model with every tensor dequantized to F32 (same metadata): what a reference
-    engine runs to compare against our dequantize-then-float32 arithmetic without its own quantized
-    dot products."""
-    from gguf import GGUFValueType
+def _add_metadata(w: GGUFWriter, key: str, v) -> None:
+    """One metadata value, typed as our reader returned it."""
+    from gguf import GGUFValueType as T
 
+    if isinstance(v, np.ndarray):
+        etype = {np.dtype(np.int32): T.INT32, np.dtype(np.float32): T.FLOAT32, np.dtype(np.uint32): T.UINT32,
+                 np.dtype(np.int64): T.INT64, np.dtype(np.uint8): T.UINT8, np.dtype(np.bool_): T.BOOL}[v.dtype]
+        w.add_key_value(key, v.tolist(), T.ARRAY, sub_type=etype)
+    elif isinstance(v, bool):
+        w.add_bool(key, v)
+    elif isinstance(v, int):
+        w.add_uint32(key, v) if 0 <= v < 2**32 else w.add_int64(key, v)
+    elif isinstance(v, float):
+        w.add_float32(key, v)
+    elif isinstance(v, str):
+        w.add_string(key, v)
+    else:
+        w.add_array(key, v)
+
+
+def rewrite_gguf(src, dst, *, edits: dict | None = None, drop_tensors=(), tensors: bool = True,
+                 f32: bool = False) -> str:
+    """Copy a GGUF file through the writer: metadata with `edits` applied (a value of None drops the
+    key), tensors as stored (or dequantized to F32 with `f32`), minus `drop_tensors`; `tensors=False`
+    writes a vocabulary-only file. Reference fixtures and malformed-file tests are made with it."""
+    from gguf import GGMLQuantizationType as Q
+
+    edits = edits or {}
     with GGUFFile(src) as g:
         w = GGUFWriter(str(dst), g.architecture)
-        for k, v in g.metadata.items():
-            if k in ("general.architecture", "GGUF.version", "general.file_type"):
+        meta = {**g.metadata, **edits}
+        for k, v in meta.items():
+            if k != "general.architecture" and v is not None:
+                _add_metadata(w, k, v)
+        for name, t in (g.tensors.items() if tensors else ()):
+            if name in drop_tensors:
                 continue
-            if isinstance(v, np.ndarray):
-                etype = {np.dtype(np.int32): GGUFValueType.INT32, np.dtype(np.float32): GGUFValueType.FLOAT32,
-                         np.dtype(np.uint32): GGUFValueType.UINT32}.get(v.dtype)
-                w.add_array(k, v.tolist()) if etype is None else w.add_key_value(k, v.tolist(), GGUFValueType.ARRAY, sub_type=etype)
-            elif isinstance(v, bool):
-                w.add_bool(k, v)
-            elif isinstance(v, int):
-                w.add_uint32(k, v) if 0 <= v < 2**32 else w.add_int64(k, v)
-            elif isinstance(v, float):
-                w.add_float32(k, v)
-            elif isinstance(v, str):
-                w.add_string(k, v)
-            elif isinstance(v, list):
-                w.add_array(k, v)
-        w.add_file_type(0)
-        for name in g.tensors:
-            w.add_tensor(name, np.ascontiguousarray(g.dequantize(name), dtype=np.float32))
+            if f32 or t.ggml_type in (Q.F32, Q.F16):
+                w.add_tensor(name, np.ascontiguousarray(g.dequantize(name), dtype=np.float32))
+            else:
+                rows = t.n_elements // t.shape[-1]
+                w.add_tensor(name, np.array(g.raw(name)).reshape(rows, -1), raw_dtype=t.ggml_type)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
     return str(dst)
+
+
+def write_f32_copy(src, dst) -> str:
+    """A copy of a GGUF model with every tensor dequantized to F32 (same metadata): what a reference
+    engine runs to compare against our dequantize-then-float32 arithmetic without its own quantized
+    dot products."""
+    return rewrite_gguf(src, dst, edits={"general.file_type": 0}, f32=True)
 
 
 def main(argv=None):

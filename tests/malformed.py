@@ -182,41 +182,19 @@ def rewrite(b: bytes, extra_token: bool = False) -> bytes:
     """The same model written again with the gguf writer, with an edit a byte patch cannot make."""
     import tempfile
 
-    from gguf import GGUFValueType, GGUFWriter
-
     from mlxinfer.gguf_file import GGUFFile
+    from mlxinfer.synthetic import rewrite_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = os.path.join(tmp, "src.gguf"), os.path.join(tmp, "dst.gguf")
         with open(src, "wb") as f:
             f.write(b)
-        with GGUFFile(src) as g:
-            w = GGUFWriter(dst, g.architecture)
-            for k, v in g.metadata.items():
-                if k == "general.architecture":
-                    continue
-                if extra_token and k == "tokenizer.ggml.tokens":
-                    v = v + ["<|extra|>"]
-                if extra_token and k == "tokenizer.ggml.token_type":
-                    v = np.append(v, 1)
-                if isinstance(v, np.ndarray):
-                    w.add_key_value(k, v.tolist(), GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
-                elif isinstance(v, list):
-                    w.add_key_value(k, v, GGUFValueType.ARRAY, sub_type=GGUFValueType.STRING)
-                elif isinstance(v, bool):
-                    w.add_bool(k, v)
-                elif isinstance(v, int):
-                    w.add_uint32(k, v)
-                elif isinstance(v, float):
-                    w.add_float32(k, v)
-                else:
-                    w.add_string(k, v)
-            for name in g.tensors:
-                w.add_tensor(name, np.array(g.dequantize(name)))
-            w.write_header_to_file()
-            w.write_kv_data_to_file()
-            w.write_tensors_to_file()
-            w.close()
+        edits = {}
+        if extra_token:
+            with GGUFFile(src) as g:
+                edits["tokenizer.ggml.tokens"] = g.metadata["tokenizer.ggml.tokens"] + ["<|extra|>"]
+                edits["tokenizer.ggml.token_type"] = np.append(g.metadata["tokenizer.ggml.token_type"], np.int32(1))
+        rewrite_gguf(src, dst, edits=edits)
         with open(dst, "rb") as f:
             return f.read()
 

@@ -17,7 +17,7 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from mlxinfer.synthetic import write_f32_copy, write_synthetic_model  # noqa: E402
+from mlxinfer.synthetic import rewrite_gguf, write_f32_copy, write_synthetic_model  # noqa: E402
 from tests.reference.specs import QWEN3_SYNTHETIC, SMOLLM2_PROMPT, QWEN3_PROMPT_IDS  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -61,36 +61,15 @@ def tokenizer_vectors(model_path, tmp):
     import json
 
     import llama_cpp
-    from gguf import GGUFWriter
-
-    from mlxinfer.gguf_file import GGUFFile
 
     inputs = open(os.path.join(HERE, "..", "data", "ggml-vocab-qwen2.gguf.inp"), encoding="utf-8").read()
     texts = inputs.split("\n__ggml_vocab_test__\n")[:-1] + EXTRA_TEXTS
     out = {"texts": texts, "ids": {}}
-    with GGUFFile(model_path) as g:
-        for pre in PRE_TOKENIZERS:
-            path = os.path.join(tmp, f"vocab-{pre}.gguf")
-            w = GGUFWriter(path, g.architecture)
-            for k, v in g.metadata.items():
-                if k.startswith(("tokenizer.ggml.", "llama.")) and k != "tokenizer.ggml.pre":
-                    if isinstance(v, np.ndarray):
-                        w.add_array(k, v.tolist())
-                    elif isinstance(v, bool):
-                        w.add_bool(k, v)
-                    elif isinstance(v, int):
-                        w.add_uint32(k, v)
-                    elif isinstance(v, float):
-                        w.add_float32(k, v)
-                    elif isinstance(v, (str, list)):
-                        w.add_array(k, v) if isinstance(v, list) else w.add_string(k, v)
-            w.add_string("tokenizer.ggml.pre", pre)
-            w.write_header_to_file()
-            w.write_kv_data_to_file()
-            w.write_tensors_to_file()
-            w.close()
-            llm = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
-            out["ids"][pre] = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in texts]
+    for pre in PRE_TOKENIZERS:
+        path = rewrite_gguf(model_path, os.path.join(tmp, f"vocab-{pre}.gguf"), edits={"tokenizer.ggml.pre": pre},
+                            tensors=False)
+        llm = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
+        out["ids"][pre] = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in texts]
     with open(os.path.join(HERE, "tokenizer_vectors.json"), "w", encoding="utf-8") as f:
         json.dump(out, f, ensure_ascii=False)
     print("tokenizer vectors:", len(texts), "texts x", len(PRE_TOKENIZERS), "pre-tokenizers")
