@@ -137,36 +137,33 @@ class MLXBackend(Backend):
     def sync(self, *xs):
         mx.eval(*xs)
 
-    def _matrix(self, g, name):
-        """A 2-D weight as QuantizedWeight (exact repack) or float32 [out, in] array (cached: the tied
-        output head and the embedding share one copy)."""
-        if name in self._cache:
-            return self._cache[name]
+    def _matrix(self, g, name, transposed: bool):
+        """A 2-D weight: QuantizedWeight (exact repack; one copy serves both the embedding and a tied
+        output head), or a float32 array, [out, in] for row gathers or [in, out] (`transposed`) for
+        matmuls, since `x @ W` is ~2.5x faster than `x @ W.T` on MLX's CPU. Cached per layout."""
         t = g.tensor(name)
         if len(t.shape) != 2:
             raise ValueError(f"{g.path}: tensor {name!r} should be a matrix, found shape {list(t.shape)}")
-        rows, cols = t.shape
-        if t.ggml_type in REPACK:
-            repack, bits = REPACK[t.ggml_type]
-            w, s, b = repack(g.raw(name), rows, cols)
-            out = QuantizedWeight(mx.array(w), mx.array(s), mx.array(b), bits, (rows, cols))
-        else:
-            out = mx.array(np.ascontiguousarray(g.dequantize(name), dtype=np.float32))
-        self._cache[name] = out
-        return out
-
-    def load_weight(self, g, name):
-        m = self._matrix(g, name)
-        if isinstance(m, QuantizedWeight):
-            return m
-        key = name + "#T"
-        if key not in self._cache:  # stored [in, out]: `x @ W` is ~2.5x faster than `x @ W.T` on MLX CPU
-            self._cache[key] = mx.contiguous(m.T)
-            mx.eval(self._cache[key])
+        quantized = t.ggml_type in REPACK
+        key = (name, transposed and not quantized)
+        if key not in self._cache:
+            rows, cols = t.shape
+            if quantized:
+                repack, bits = REPACK[t.ggml_type]
+                w, s, b = repack(g.raw(name), rows, cols)
+                out = QuantizedWeight(mx.array(w), mx.array(s), mx.array(b), bits, (rows, cols))
+            else:
+                m = g.dequantize(name)
+                out = mx.array(np.ascontiguousarray(m.T if transposed else m, dtype=np.float32))
+            mx.eval(out.w if quantized else out)
+            self._cache[key] = out
         return self._cache[key]
 
+    def load_weight(self, g, name):
+        return self._matrix(g, name, transposed=True)
+
     def load_embedding(self, g, name):
-        return self._matrix(g, name)
+        return self._matrix(g, name, transposed=False)
 
     def load_vector(self, g, name):
         return mx.array(np.ascontiguousarray(g.dequantize(name), dtype=np.float32).reshape(1, -1))
