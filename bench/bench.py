@@ -98,7 +98,7 @@ def configs(backends, attentions, devices):
 
 
 def header(model_path) -> str:
-    import gguf
+    from importlib.metadata import version
 
     try:
         import mlx.core as mx
@@ -117,7 +117,7 @@ def header(model_path) -> str:
     return (f"date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}\n"
             f"machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} cpus"
             f"{', GPU ' + gpu if gpu else ''}\n"
-            f"python {platform.python_version()}, numpy {np.__version__}, {mlx_v}, gguf {getattr(gguf, '__version__', '?')}, "
+            f"python {platform.python_version()}, numpy {np.__version__}, {mlx_v}, gguf {version('gguf')}, "
             f"mlxinfer {mlxinfer.__version__}\n"
             f"model: {model_path}\n")
 

@@ -12,7 +12,8 @@ from .errors import MlxinferError
 def _generate(args) -> int:
     from .generate import load
 
-    engine = load(args.model, backend=args.backend, attention=args.attention, device=args.device)
+    engine = load(args.model, backend=args.backend, attention=args.attention, device=args.device,
+                  kernel=args.kernel)
     prompt = args.prompt
     if isinstance(prompt, str) and any(0xDC80 <= ord(c) <= 0xDCFF for c in prompt):
         # argv bytes that were not UTF-8 arrive as surrogate escapes
@@ -66,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backend", default="auto", choices=["auto", "cpu", "mlx"])
     g.add_argument("--attention", default="fused", choices=["fused", "per-head"])
     g.add_argument("--device", default=None, choices=["cpu", "gpu"], help="MLX device (default: gpu if available)")
+    g.add_argument("--kernel", default=None, choices=["graph", "metal", "cuda"],
+                   help="MLX fused attention implementation (default: metal/cuda on a GPU, graph on the CPU)")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     g.add_argument("--top-k", type=int, default=0)

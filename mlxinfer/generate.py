@@ -175,11 +175,13 @@ class Engine:
 
 
 def load(model: str | os.PathLike | None = None, backend: str = "auto", attention: str = "fused",
-         device: str | None = None) -> Engine:
+         device: str | None = None, kernel: str | None = None) -> Engine:
     """Load a GGUF model (None: the default SmolLM2-135M-Instruct) onto a backend.
 
     backend: "auto" (MLX where it has a GPU, Metal or CUDA; else the CPU reference), "cpu" or "mlx".
-    attention: "fused" (the backend's override) or "per-head" (the protocol's default loop)."""
+    attention: "fused" (the backend's override) or "per-head" (the protocol's default loop).
+    device: "cpu" or "gpu" for MLX (default: gpu where available). kernel: the MLX backend's fused
+    attention, "graph", "metal" or "cuda" (default: by platform)."""
+    ops = make_backend(backend, attention, device, kernel)
     path = resolve_model(model)
-    ops = make_backend(backend, attention, device)
     return Engine(path, ops, attention)

@@ -113,3 +113,33 @@ def test_prompt_longer_than_context(tmp_path):
 ])
 def test_bad_option_values(args, fragment):
     assert_one_line_error(run_cli("generate", *args, "hi"), fragment)
+
+
+def test_runtime_request_errors(tmp_path):
+    from mlxinfer.synthetic import write_synthetic_model
+
+    p = write_synthetic_model(tmp_path / "m.gguf", arch="llama", n_layers=1, context_length=64)
+    assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", ""), "empty prompt")
+    assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "--device", "gpu", "hi"),
+                          "the cpu backend runs on the CPU only")
+    assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "--max-tokens", "0", "hi"),
+                          "max_tokens must be at least 1")
+    assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "--max-tokens", "100", "hi"),
+                          "exceeds the model's context length 64")
+    r = subprocess.run([sys.executable, "-m", "mlxinfer.cli", "generate", "--model", p, "--backend", "cpu",
+                        b"caf\xe9 \xff"], capture_output=True, text=True)
+    assert_one_line_error(r, "prompt is not valid UTF-8")
+    assert r.stdout == ""  # nothing printed as if generation had happened
+
+
+def test_device_gpu_without_a_gpu(tmp_path):
+    from mlxinfer.backends import mlx_gpu_available
+    from mlxinfer.synthetic import write_synthetic_model
+
+    if mlx_gpu_available():
+        pytest.skip("this machine has an MLX GPU")
+    p = write_synthetic_model(tmp_path / "m.gguf", arch="llama", n_layers=1)
+    assert_one_line_error(run_cli("generate", "--model", p, "--backend", "mlx", "--device", "gpu", "hi"),
+                          "--device gpu: MLX has no GPU here")
+    assert_one_line_error(run_cli("generate", "--model", p, "--backend", "mlx", "--kernel", "cuda", "hi"),
+                          "the cuda attention kernel needs an MLX cuda GPU device")

@@ -17,7 +17,8 @@ def mlx_gpu_available() -> bool:
     return bool(mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available()))
 
 
-def make_backend(name: str = "auto", attention: str = "fused", device: str | None = None) -> Backend:
+def make_backend(name: str = "auto", attention: str = "fused", device: str | None = None,
+                 kernel: str | None = None) -> Backend:
     if name not in BACKENDS:
         raise RequestError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
     if attention not in ATTENTION_PATHS:
@@ -27,13 +28,15 @@ def make_backend(name: str = "auto", attention: str = "fused", device: str | Non
     if name == "cpu":
         if device not in (None, "cpu"):
             raise RequestError(f"the cpu backend runs on the CPU only (asked for device {device!r})")
+        if kernel is not None:
+            raise RequestError(f"--kernel {kernel} selects an MLX attention kernel; the cpu backend has its own")
         from .cpu import CPUBackend
 
         backend = CPUBackend()
     else:
         from .mlx import MLXBackend
 
-        backend = MLXBackend(device=device)
+        backend = MLXBackend(device=device, kernel=kernel)
     if attention == "per-head":
         use_per_head_attention(backend)
     return backend
