@@ -6,6 +6,7 @@ KV cache), then one pass per new token against the cache, until EOS or `max_toke
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -101,7 +102,7 @@ class Engine:
     # -- public API ---------------------------------------------------------------------------
     def logits(self, ids) -> np.ndarray:
         """float32 [len(ids), vocab]: one prefill pass over `ids` from an empty cache."""
-        ids = self.encode_prompt(list(ids))
+        ids = self.encode_prompt(ids if isinstance(ids, (str, bytes)) else list(ids))
         self._check_context(len(ids), 0)
         out = self.model.forward(self.backend, ids, self.new_cache(), all_logits=True)
         return self.backend.to_numpy(out)
@@ -123,7 +124,7 @@ class Engine:
         receives "prefill", "decode 1", ... after each forward pass (the tracer uses it)."""
         if max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {max_tokens}")
-        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        if not (math.isfinite(temperature) and temperature >= 0 and 0 < top_p <= 1 and top_k >= 0):
             raise RequestError(f"bad sampling options: temperature {temperature}, top_k {top_k}, top_p {top_p}")
         ids = self.encode_prompt(prompt, chat=chat)
         self._check_context(len(ids), max_tokens)

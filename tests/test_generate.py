@@ -89,6 +89,9 @@ def test_context_and_request_errors(engine):
         engine.generate([5, 100000])
     with pytest.raises(RequestError, match="not valid UTF-8"):
         engine.generate(b"\xff\xfe")
+    for bad in (dict(temperature=float("nan")), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2)):
+        with pytest.raises(RequestError, match="bad sampling options"):
+            engine.generate("hi", **bad)
 
 
 def test_metrics_block_format():
