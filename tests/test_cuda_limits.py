@@ -33,4 +33,4 @@ def test_multi_row_products_do_not_reproduce_the_gemv_order():
     assert any(not np.array_equal(a, b) for a, b, _ in diffs), "cuBLASLt matched gemv bit for bit"
     worst = max(float(np.max(np.abs(a.astype(np.float64) - b) / s)) for a, b, s in diffs)
     print(f"worst relative difference: {worst / EPS:.2f} eps")
-    assert worst <= 4 * EPS
+    assert worst <= 1 * EPS  # measured: 0.78 eps over 8 seeds
