@@ -1,0 +1,44 @@
+"""Time to read a GGUF file's metadata and build its tokenizer (the 152k-token Qwen vocabulary).
+
+    python3 bench/vocab_load.py [PATH] [--gguf-reader]
+
+--gguf-reader also times `gguf.GGUFReader` on the same file for comparison (~50 s here).
+"""
+
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from mlxinfer.gguf_file import GGUFFile  # noqa: E402
+from mlxinfer.tokenizer import GGUFTokenizer  # noqa: E402
+
+
+def main():
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    path = args[0] if args else os.path.join(os.path.dirname(HERE), "tests", "data", "ggml-vocab-qwen2.gguf")
+    meta, tok = [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        g = GGUFFile(path)
+        t1 = time.perf_counter()
+        GGUFTokenizer.from_metadata(g.metadata, source=path)
+        t2 = time.perf_counter()
+        g.close()
+        meta.append(t1 - t0)
+        tok.append(t2 - t1)
+    print(f"{path}: metadata {statistics.median(meta):.3f} s, tokenizer {statistics.median(tok):.3f} s, "
+          f"together {statistics.median(m + t for m, t in zip(meta, tok)):.3f} s (median of 5)")
+    if "--gguf-reader" in sys.argv:
+        import gguf
+
+        t0 = time.perf_counter()
+        gguf.GGUFReader(path)
+        print(f"gguf.GGUFReader: {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
