@@ -199,9 +199,4 @@ class Backend:
 def use_per_head_attention(backend: Backend) -> Backend:
     """Make `backend.fused_attention` the protocol default (the per-head loop) on this instance."""
     backend.fused_attention = Backend.fused_attention.__get__(backend)
-    backend.attention_path = "per-head"
     return backend
-
-
-def has_fused_override(backend: Backend) -> bool:
-    return type(backend).fused_attention is not Backend.fused_attention

@@ -21,7 +21,6 @@ def _softmax_last_axis(x: np.ndarray) -> np.ndarray:
 class CPUBackend(Backend):
     name = "cpu"
     device = "cpu"
-    attention_path = "fused"
 
     def __init__(self):
         self._dequantized: dict[str, np.ndarray] = {}

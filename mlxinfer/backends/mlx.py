@@ -98,7 +98,6 @@ def gpu_kind() -> str | None:
 
 class MLXBackend(Backend):
     name = "mlx"
-    attention_path = "fused"
 
     def __init__(self, device: str | None = None, kernel: str | None = None):
         gpu = gpu_kind()
