@@ -200,6 +200,7 @@ def main(argv=None):
     head = header(path)
     print(head)
     rows, sweep_rows = [], []
+    log = open(os.path.join(a.out, "results.jsonl"), "w")
     cases = [int(x) for x in a.cases.split(",") if x]
     sweep = [int(x) for x in a.sweep.split(",") if x]
     for backend, device, attention in configs(a.backends.split(","), a.attention.split(","), a.devices.split(",")):
@@ -213,28 +214,31 @@ def main(argv=None):
                 row = run_case(engine, n, a.gen, a.runs)
                 row.update(engine=name, device=device, attention=attention, load_s=load_s, kind="case")
                 rows.append(row)
-                print(json.dumps(row), file=sys.stderr)
+                print(json.dumps(row), file=log, flush=True)
             for n in sweep:
                 row = run_case(engine, n, a.sweep_gen, a.runs)
                 row.update(engine=name, device=device, attention=attention, kind="sweep")
                 sweep_rows.append(row)
-                print(json.dumps(row), file=sys.stderr)
+                print(json.dumps(row), file=log, flush=True)
         del engine
-    peer_rows = run_peers([x for x in a.peers.split(",") if x != "none"], path, cases, a.gen, a.runs, a.threads)
+    peer_rows, peer_notes = run_peers([x for x in a.peers.split(",") if x != "none"], path, cases, a.gen, a.runs,
+                                      a.threads)
     rows += peer_rows
     add_ratios(rows)
     add_ratios(sweep_rows)
     text = head + "\n" + fmt_table(rows)
     if peer_rows:
         text += "\n\n" + peer_ratios(rows)
+    if peer_notes:
+        text += "\n\n" + "\n".join(peer_notes)
     if sweep_rows:
         text += "\n\ndecode tokens/s vs context (" + str(a.sweep_gen) + " generated):\n\n" + fmt_table(sweep_rows)
     print(text)
     with open(os.path.join(a.out, "results.md"), "w") as f:
         f.write(text + "\n")
-    with open(os.path.join(a.out, "results.jsonl"), "w") as f:
-        for r in rows + sweep_rows:
-            f.write(json.dumps(r) + "\n")
+    for r in peer_rows:
+        print(json.dumps(r), file=log, flush=True)
+    log.close()
     if sweep_rows:
         plot(sweep_rows, os.path.join(a.out, "decode_vs_context.png"))
 

@@ -143,13 +143,43 @@ def mlx_lm_rows(path, cases, n_gen, runs):
 
 
 def run_peers(names, path, cases, n_gen, runs, threads):
-    rows = []
+    """Each peer in its own process, so a peer that crashes (llama.cpp builds that use CPU features the
+    machine reports but cannot run die with SIGILL) costs its rows, not the benchmark."""
+    import subprocess
+
+    rows, notes = [], []
     for name in names:
-        try:
-            if name == "llama.cpp":
-                rows += llama_cpp_rows(path, cases, n_gen, runs, threads)
-            elif name == "mlx-lm":
-                rows += mlx_lm_rows(path, cases, n_gen, runs)
-        except ImportError as e:
-            print(f"peer {name}: not installed ({e.name}); no row", file=sys.stderr)
-    return rows
+        cmd = [sys.executable, os.path.abspath(__file__), name, path, ",".join(map(str, cases)), str(n_gen),
+               str(runs), str(threads)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        got = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+        rows += got
+        if r.returncode != 0:
+            why = f"signal {-r.returncode}" if r.returncode < 0 else (r.stderr.strip().splitlines() or ["?"])[-1]
+            notes.append(f"peer {name}: failed ({why}); no row")
+        elif not got:
+            notes.append(f"peer {name}: not installed; no row")
+    for n in notes:
+        print(n, file=sys.stderr)
+    return rows, notes
+
+
+def _main():
+    name, path, cases, n_gen, runs, threads = sys.argv[1:7]
+    cases = [int(c) for c in cases.split(",") if c]
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        if name == "llama.cpp":
+            rows = llama_cpp_rows(path, cases, int(n_gen), int(runs), int(threads))
+        elif name == "mlx-lm":
+            rows = mlx_lm_rows(path, cases, int(n_gen), int(runs))
+        else:
+            raise SystemExit(f"unknown peer {name!r}")
+    except ImportError:
+        return
+    for r in rows:
+        print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    _main()
