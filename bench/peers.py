@@ -46,7 +46,9 @@ def _median_row(rows):
 def llama_cpp_rows(path, cases, n_gen, runs, threads):
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=path, n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads,
+    # n_batch = n_ctx: llama-cpp-python keeps last-token logits in an n_batch-row array when logits_all
+    # is off and indexes it by position, which fails past n_batch.
+    llm = llama_cpp.Llama(model_path=path, n_ctx=2048, n_batch=2048, n_threads=threads, n_threads_batch=threads,
                           verbose=False, logits_all=False)
     vocab = llm.n_vocab()
     rows = []
