@@ -14,6 +14,18 @@ REFERENCE = os.path.join(HERE, "reference")
 QWEN2_VOCAB = os.path.join(DATA, "ggml-vocab-qwen2.gguf")
 
 
+def write_empty_gguf(path, arch: str) -> str:
+    """A valid GGUF file with only `general.architecture`: no hyperparameters, tokenizer or tensors."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     return str(default_model_path(quiet=True))

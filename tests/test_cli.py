@@ -3,7 +3,8 @@ import subprocess
 import sys
 
 import pytest
-from gguf import GGUFWriter
+
+from .conftest import write_empty_gguf
 
 
 def run_cli(*args, timeout=300):
@@ -59,13 +60,8 @@ def test_not_a_gguf_file(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    p = tmp_path / "falcon.gguf"
-    w = GGUFWriter(str(p), "falcon")
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    assert_one_line_error(run_cli("generate", "--model", str(p), "hi"), "architecture 'falcon' is not supported")
+    p = write_empty_gguf(tmp_path / "falcon.gguf", "falcon")
+    assert_one_line_error(run_cli("generate", "--model", p, "hi"), "architecture 'falcon' is not supported")
 
 
 def test_unsupported_tensor_type(tmp_path, synthetic):

@@ -9,7 +9,7 @@ import mlxinfer
 from mlxinfer.errors import GGUFError, UnsupportedError
 from mlxinfer.synthetic import write_synthetic_model
 
-from .conftest import REFERENCE
+from .conftest import REFERENCE, write_empty_gguf
 from .reference.specs import QWEN3_SYNTHETIC
 
 LOGIT_ATOL = 1e-3
@@ -92,16 +92,9 @@ def test_decode_with_cache_matches_full_prefill(synthetic):
 
 
 def test_unsupported_architecture(tmp_path):
-    from gguf import GGUFWriter
-
-    p = tmp_path / "gpt2.gguf"
-    w = GGUFWriter(str(p), "gpt2")
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    p = write_empty_gguf(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(UnsupportedError, match="architecture 'gpt2' is not supported"):
-        mlxinfer.load(str(p), backend="cpu")
+        mlxinfer.load(p, backend="cpu")
 
 
 def test_missing_tensor_is_named(tmp_path, synthetic):
