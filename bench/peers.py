@@ -84,7 +84,7 @@ def write_mlx_lm_model(path, out_dir):
     g = GGUFFile(path)
     arch = g.architecture
     args = TransformerArgs.from_gguf(g, rope_traditional=arch == "llama", qk_norm=arch == "qwen3")
-    bits = {REPACK[t.ggml_type][1] for t in g.tensors.values() if t.ggml_type in REPACK and len(t.shape) == 2}
+    module_bits = {}  # mlx-lm module path -> bits, for every tensor we keep quantized
     config = {
         "model_type": arch, "hidden_size": args.hidden, "num_hidden_layers": args.n_layers,
         "intermediate_size": args.ffn, "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
@@ -92,8 +92,6 @@ def write_mlx_lm_model(path, out_dir):
         "rope_theta": args.rope_base, "tie_word_embeddings": args.tied_output, "max_position_embeddings": args.context_length,
         "rope_traditional": arch == "llama",  # llama GGUFs keep Q/K permuted for interleaved RoPE
     }
-    if len(bits) == 1:
-        config["quantization"] = {"group_size": 32, "bits": bits.pop()}
     names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
              "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
              "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
@@ -106,11 +104,25 @@ def write_mlx_lm_model(path, out_dir):
         else:
             key = {"token_embd.weight": "model.embed_tokens", "output_norm.weight": "model.norm",
                    "output.weight": "lm_head"}[t.name]
-        if t.ggml_type in REPACK and len(t.shape) == 2 and "quantization" in config:
-            w, s, b = REPACK[t.ggml_type][0](g.raw(t.name), *t.shape)
+        if t.ggml_type in REPACK and len(t.shape) == 2:
+            repack, bits = REPACK[t.ggml_type]
+            w, s, b = repack(g.raw(t.name), *t.shape)
             weights[key + ".weight"], weights[key + ".scales"], weights[key + ".biases"] = (mx.array(w), mx.array(s), mx.array(b))
+            module_bits[key] = bits
         else:
             weights[key + ".weight"] = mx.array(np.ascontiguousarray(g.dequantize(t.name), dtype=np.float32))
+    if module_bits:
+        # mlx-lm's quantization config: a default, plus per-module entries where a file mixes types
+        # (SmolLM2: Q4_1 blocks, Q8_0 embedding); float modules are marked False.
+        default = max(set(module_bits.values()), key=list(module_bits.values()).count)
+        q = {"group_size": 32, "bits": default}
+        for key, bits in module_bits.items():
+            if bits != default:
+                q[key] = {"group_size": 32, "bits": bits}
+        for key in {k.rsplit(".", 1)[0] for k in weights if k.endswith(".weight")} - set(module_bits):
+            if not key.endswith(("norm", "layernorm")):
+                q[key] = False
+        config["quantization"] = q
     os.makedirs(out_dir, exist_ok=True)
     mx.save_safetensors(os.path.join(out_dir, "model.safetensors"), weights)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
