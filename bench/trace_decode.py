@@ -54,8 +54,7 @@ def main(argv=None):
             tracer = TracingBackend(engine.backend, out)
             cache = BasicKVCache(tracer, engine.args.n_layers)
             tok = tracer.argmax_with_prob(engine.model.forward(tracer, ids, cache))[0]
-            tracer.counts.clear(), tracer.times.clear()
-            tracer.pass_time = 0.0
+            tracer.start_pass()  # drop the prefill: trace exactly one decode step
             tracer.argmax_with_prob(engine.model.forward(tracer, [tok], cache))
             tracer.end_pass(f"decode step ({attention}, {a.prompt} cached tokens)")
             print(out.getvalue().rstrip())

@@ -43,15 +43,16 @@ class Engine:
         self.gguf = GGUFFile(path)
         loader = model_loader(self.gguf)
         self.tokenizer = GGUFTokenizer.from_metadata(self.gguf.metadata, source=self.path)
+        emb = self.gguf.tensor("token_embd.weight").shape
+        if len(emb) == 2 and emb[0] != self.tokenizer.vocab_size:  # checked before any weight is read
+            raise GGUFError(
+                f"{self.path}: tokenizer has {self.tokenizer.vocab_size} tokens but token_embd.weight has "
+                f"{emb[0]} rows"
+            )
         self.backend = backend
         self.attention = attention
         self.model = loader(backend, self.gguf)
         self.args = self.model.args
-        if self.tokenizer.vocab_size != self.args.vocab_size:
-            raise GGUFError(
-                f"{self.path}: tokenizer has {self.tokenizer.vocab_size} tokens but token_embd.weight has "
-                f"{self.args.vocab_size} rows"
-            )
 
     # -- helpers ------------------------------------------------------------------------------
     @property

@@ -34,9 +34,7 @@ class TracingBackend:
         self.inner = inner
         self.stream = stream
         self.eval_each_op = inner.name == "mlx"
-        self.counts: dict[str, int] = defaultdict(int)
-        self.times: dict[str, float] = defaultdict(float)
-        self.pass_time = 0.0
+        self.start_pass()
         self.run_counts: dict[str, int] = defaultdict(int)
         self.run_times: dict[str, float] = defaultdict(float)
         self.run_time = 0.0
@@ -94,7 +92,13 @@ class TracingBackend:
             self.run_times[op] += self.times[op]
         self.run_time += self.pass_time
         self.passes += 1
-        self.counts, self.times, self.pass_time = defaultdict(int), defaultdict(float), 0.0
+        self.start_pass()
+
+    def start_pass(self) -> None:
+        """Start counting a new pass (what was counted since the last `end_pass` is dropped)."""
+        self.counts: dict[str, int] = defaultdict(int)
+        self.times: dict[str, float] = defaultdict(float)
+        self.pass_time = 0.0
 
     def print_summary(self) -> None:
         print(self.histogram(f"whole run ({self.passes} forward passes)", self.run_counts, self.run_times,

@@ -11,10 +11,10 @@ ATTENTION_PATHS = ("fused", "per-head")
 
 def mlx_gpu_available() -> bool:
     try:
-        import mlx.core as mx
+        from .mlx import gpu_kind
     except ImportError:
         return False
-    return bool(mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available()))
+    return gpu_kind() is not None
 
 
 def make_backend(name: str = "auto", attention: str = "fused", device: str | None = None,

@@ -298,6 +298,6 @@ class MLXBackend(Backend):
         scores = mx.matmul(qh, mx.swapaxes(kh, -1, -2)) * attention_scale(d)
         if t > 1:
             scores = self.causal_mask(scores, s - t)
-        attn = mx.softmax(scores, axis=-1, precise=True)
+        attn = self.softmax_rows(scores)
         ctx = mx.matmul(attn, vh)  # [KV, G, T, D]
         return mx.reshape(mx.transpose(ctx, (2, 0, 1, 3)), (t, n_heads * d))
