@@ -4,21 +4,26 @@ A backend owns its tensor type (numpy arrays for `cpu`, lazy `mx.array`s for `ml
 primitives below. Models never touch tensors directly: every step of the forward pass is a call on the
 backend, so a tracing wrapper (`mlxinfer.tracing`) sees and counts each one.
 
-All tensors are 2-D `[rows, cols]` float32 unless an op says otherwise. Weight matrices are opaque
-handles made by `load_weight`; `matmul(x, w)` treats them as the logical `[in, out]` matrix.
+A forward pass advances a *batch* of sequences at once (`mlxinfer.batch.Batch`). Activations are packed:
+2-D `[N, cols]` float32 tensors whose N rows are the rows of every sequence in the pass, sequence after
+sequence (a prefill chunk gives several rows, a decode step one). Positions, slots and lengths reach the
+backend as integer arrays made by `index_array`. Weight matrices are opaque handles made by
+`load_weight`; `linear(x, w)` treats them as the logical `[in, out]` matrix.
 
-`fused_attention` is the one composite op. Its default implementation below is the per-head loop built
-from the primitives; its op order is the contract any override must reproduce bit for bit.
+`fused_attention` is the one composite op. `per_head_attention` below is its definition, built from the
+primitives; its op order is the contract every override must reproduce bit for bit.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 # The protocol's op names, in one place: the tracing backend wraps exactly these.
 PRIMITIVE_OPS = (
+    "linear",
     "matmul",
     "transpose_2d",
     "softmax_rows",
@@ -32,16 +37,18 @@ PRIMITIVE_OPS = (
     "silu",
     "rope",
     "reshape",
-    "copy_2d_from_cols",
-    "copy_2d_into_cols",
+    "copy_2d_from",
+    "copy_2d_into",
     "zeros",
     "concat_dim0",
-    "slice_rows",
     "gather_rows",
-    "causal_mask",
-    "argmax_with_prob",
+    "scatter_rows",
+    "read_rows",
+    "mask_scores",
+    "sample_tokens",
 )
 OPS = PRIMITIVE_OPS + ("fused_attention",)
+ATTENTION_PATHS = ("fused", "per-head")
 
 
 def attention_scale(head_dim: int) -> float:
@@ -49,12 +56,49 @@ def attention_scale(head_dim: int) -> float:
     return float(np.float32(1.0 / math.sqrt(head_dim)))
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What an architecture asks of attention: head geometry, the score scale, causal masking and an
+    optional sliding window (a query at position p sees keys at positions p - window + 1 .. p)."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    scale: float
+    causal: bool = True
+    window: int | None = None
+
+    @classmethod
+    def standard(cls, n_heads: int, n_kv_heads: int, head_dim: int, window: int | None = None):
+        return cls(n_heads, n_kv_heads, head_dim, attention_scale(head_dim), True, window)
+
+    @property
+    def group(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+
 class Backend:
-    """Base class of all backends. Subclasses implement every primitive; overriding
-    `fused_attention` is optional (and must then be byte-identical to the default)."""
+    """Base class of all backends. Subclasses implement every primitive; a subclass may override
+    `fused_attention_override` (it must then be byte-identical to `per_head_attention`).
+
+    `attention` ("fused" or "per-head") is part of the backend's configuration, chosen at construction
+    and reported by `describe()`; `fused_attention` dispatches on it."""
 
     name = "base"
     device = "cpu"
+    kernel: str | None = None
+    lazy = False  # ops build a graph evaluated later: the engine queues the next pass before reading
+
+    def __init__(self, attention: str = "fused"):
+        if attention not in ATTENTION_PATHS:
+            from .errors import RequestError
+
+            raise RequestError(f"unknown attention path {attention!r} (choose from {', '.join(ATTENTION_PATHS)})")
+        self.attention = attention
+
+    def describe(self) -> str:
+        """The backend's configuration in one line, e.g. "mlx (gpu, cuda kernel)" or "cpu"."""
+        return self.name
 
     # -- data in and out (not ops of the forward pass; not traced) ---------------------------
     def from_numpy(self, a: np.ndarray):
@@ -63,8 +107,16 @@ class Backend:
     def to_numpy(self, x) -> np.ndarray:
         raise NotImplementedError
 
+    def index_array(self, values) -> object:
+        """An int32 array of the backend's kind holding `values` (token ids, positions, slots)."""
+        raise NotImplementedError
+
+    def concat_index_arrays(self, parts):
+        """Concatenate int32 index arrays (token ids assembled for the next pass)."""
+        raise NotImplementedError
+
     def load_weight(self, gguf, name: str):
-        """A weight matrix stored in GGUF as [out, in] rows, as a handle `matmul` reads as [in, out]."""
+        """A weight matrix stored in GGUF as [out, in] rows, as a handle `linear` reads as [in, out]."""
         raise NotImplementedError
 
     def load_embedding(self, gguf, name: str):
@@ -75,12 +127,45 @@ class Backend:
         """A 1-D parameter (norm weights) as a [1, n] row."""
         raise NotImplementedError
 
+    def new_store(self, slots: int, capacity: int, width: int):
+        """A zeroed [slots, capacity, width] KV store (the preallocated cache's per-layer tensor)."""
+        raise NotImplementedError
+
+    def resize_store(self, store, slots: int, capacity: int):
+        """A [slots, capacity, width] store holding `store`'s rows (grown or trimmed; the rest zero)."""
+        raise NotImplementedError
+
+    def start(self, *xs) -> None:
+        """Start computing `xs` without waiting (lazy backends queue them; eager ones have nothing to do)."""
+
     def sync(self, *xs) -> None:
         """Token boundary: make sure `xs` are computed (lazy backends evaluate here)."""
 
+    def new_random(self, seed: int):
+        """A sequence's random state for `sample_tokens`, seeded."""
+        from .sampling import NumpyRandom
+
+        return NumpyRandom(seed)
+
+    def peak_memory_mb(self) -> float:
+        """Peak memory so far: the process's peak resident set (backends with their own allocator
+        report that allocator's peak)."""
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (1024 * 1024 if sys.platform == "darwin" else 1024)
+
     # -- primitives ---------------------------------------------------------------------------
+    def linear(self, x, w, groups=None):
+        """[N, K] activations times a weight handle -> [N, out]. `groups` are the (start, stop) row
+        ranges of the batch's sequences: a backend whose product rows depend on how many rows are
+        multiplied together (numpy: one row goes to gemv, several to gemm) multiplies each group on
+        its own, so that a sequence's floats never depend on the other sequences of the batch."""
+        raise NotImplementedError
+
     def matmul(self, a, b):
-        """[M, K] @ [K, N] -> [M, N]; `b` may be a weight handle."""
+        """[M, K] @ [K, N] -> [M, N] of two activations (attention's scores and context)."""
         raise NotImplementedError
 
     def transpose_2d(self, x):
@@ -117,8 +202,8 @@ class Backend:
     def silu(self, x):
         raise NotImplementedError
 
-    def rope(self, x, n_heads: int, head_dim: int, offset: int, base: float, traditional: bool):
-        """Rotary position embedding of [T, n_heads*head_dim] rows at positions offset..offset+T-1.
+    def rope(self, x, positions, n_heads: int, head_dim: int, base: float, traditional: bool):
+        """Rotary position embedding of [N, n_heads*head_dim] rows, row i at position positions[i].
         `traditional=False` rotates halves (x[:d/2], x[d/2:]) as Qwen/NeoX; True rotates
         interleaved pairs (x[2i], x[2i+1]) as llama.cpp does on Llama GGUF files."""
         raise NotImplementedError
@@ -126,12 +211,12 @@ class Backend:
     def reshape(self, x, rows: int, cols: int):
         raise NotImplementedError
 
-    def copy_2d_from_cols(self, x, width: int, col: int):
-        """A new [M, width] tensor holding columns col..col+width-1 of x."""
+    def copy_2d_from(self, x, row: int, rows: int, col: int, cols: int):
+        """A new [rows, cols] tensor holding x[row:row+rows, col:col+cols]."""
         raise NotImplementedError
 
-    def copy_2d_into_cols(self, dst, src, col: int):
-        """Write src [M, w] into columns col..col+w-1 of dst; returns the updated dst."""
+    def copy_2d_into(self, dst, src, row: int, col: int):
+        """Write src [r, c] into dst[row:row+r, col:col+c]; returns the updated dst."""
         raise NotImplementedError
 
     def zeros(self, rows: int, cols: int):
@@ -140,63 +225,80 @@ class Backend:
     def concat_dim0(self, a, b):
         raise NotImplementedError
 
-    def slice_rows(self, x, start: int, stop: int):
-        """A new tensor holding rows start..stop-1 of x."""
+    def gather_rows(self, table, ids):
+        """Rows `ids` (an index array) of a [V, C] table or activation."""
         raise NotImplementedError
 
-    def gather_rows(self, table, ids: list[int]):
+    def scatter_rows(self, store, slots, positions, x):
+        """store[slots[i], positions[i]] = x[i] for every row i of x (the KV cache write); returns the
+        updated store (in place where the backend can)."""
         raise NotImplementedError
 
-    def causal_mask(self, scores, offset: int):
-        """Set scores[i, j] = -inf where j > i + offset (the strict upper triangle, shifted by the
-        number of cached positions before the first query row)."""
+    def read_rows(self, store, slot: int, length: int):
+        """The first `length` rows of one slot of a [slots, capacity, width] store, [length, width]."""
         raise NotImplementedError
 
-    def argmax_with_prob(self, logits_row) -> tuple[int, float]:
-        """Index of the largest logit of a [1, V] row (first one on ties) and its softmax probability."""
+    def mask_scores(self, scores, positions, causal: bool, window: int | None):
+        """Set scores[i, j] = -inf where key position j is hidden from the query at positions[i]:
+        j > positions[i] when causal, j <= positions[i] - window with a sliding window."""
+        raise NotImplementedError
+
+    def sample_tokens(self, logits, sampler):
+        """Choose one token per row of [R, V] logits: `sampler` (mlxinfer.sampling.Sampler) holds each
+        row's temperature, top-k, top-p, min-p and random state. Returns (token ids [R] int32,
+        log-probabilities [R] float32 of the chosen tokens under the model's softmax)."""
         raise NotImplementedError
 
     # -- the composite op ---------------------------------------------------------------------
-    def fused_attention(self, q, k, v, n_heads: int, n_kv_heads: int, head_dim: int):
-        """Attention of T query rows against S cached rows, all heads: q [T, H*D], k and v [S, KV*D]
-        -> [T, H*D]. With T > 1 the rows are causal: query row i sees key rows 0..i + (S - T).
+    def fused_attention(self, q, kv, batch, spec: AttentionSpec):
+        """Attention of the batch's query rows q [N, H*D] against each sequence's own cached keys and
+        values (`kv`, a cache layer view), -> [N, H*D]. Runs the path chosen at construction."""
+        if self.attention == "per-head":
+            return self.per_head_attention(q, kv, batch, spec)
+        return self.fused_attention_override(q, kv, batch, spec)
 
-        The contract (the default below, op for op). For each query head h in 0..H-1, in order:
+    def fused_attention_override(self, q, kv, batch, spec: AttentionSpec):
+        """The backend's fast path; backends without one run the contract itself."""
+        return self.per_head_attention(q, kv, batch, spec)
+
+    def per_head_attention(self, q, kv, batch, spec: AttentionSpec):
+        """The contract of `fused_attention`, op for op. For each sequence b of the batch, in order
+        (its query rows r0 .. r0+T-1 of q, at positions p_0 .. p_{T-1}; its S cached rows, keys and
+        values at positions 0..S-1, this pass's rows already written), and for each query head h in
+        0..H-1, in order:
           1. kv_h = h // (H // KV)                          (GQA: consecutive heads share a KV head)
-          2. q_h = copy_2d_from_cols(q, D, h*D)            [T, D]
-             k_h = copy_2d_from_cols(k, D, kv_h*D)         [S, D]
-             v_h = copy_2d_from_cols(v, D, kv_h*D)         [S, D]
+          2. k_b, v_b = kv.sequence(self, b)                [S, KV*D]  (read_rows of the cache)
+             q_h = copy_2d_from(q, r0, T, h*D, D)           [T, D]
+             k_h = copy_2d_from(k_b, 0, S, kv_h*D, D)       [S, D]
+             v_h = copy_2d_from(v_b, 0, S, kv_h*D, D)       [S, D]
           3. scores = matmul(q_h, transpose_2d(k_h))        [T, S], each score one dot product over D
                                                             in the backend's matmul order
-          4. scores = scale(scores, attention_scale(D))    scale AFTER the matmul, float32 1/sqrt(D)
-          5. if T > 1: scores = causal_mask(scores, S - T)
+          4. scores = scale(scores, spec.scale)             scale AFTER the matmul, float32 1/sqrt(D)
+          5. if T > 1 or spec.window:                       (a lone decode row sees every cached key
+                 scores = mask_scores(scores, p, ...)        unless a window hides some)
           6. attn = softmax_rows(scores)                    max, exp(x - max), sum, divide
           7. ctx = matmul(attn, v_h)                        [T, D], one dot product over S per value
-          8. out = copy_2d_into_cols(out, ctx, h*D)
-        An override may batch heads, skip copies and fuse steps, but every float it produces must be
-        computed by the same operations on the same operands in the same summation order.
+          8. out = copy_2d_into(out, ctx, r0, h*D)
+        An override may batch heads and sequences, skip copies and fuse steps, but every float it
+        produces must be computed by the same operations on the same operands in the same summation
+        order (all S keys of the row, masked ones included, in every reduction).
         """
-        t = q.shape[0]
-        s = k.shape[0]
-        group = n_heads // n_kv_heads
-        scale = attention_scale(head_dim)
-        out = self.zeros(t, n_heads * head_dim)
-        for h in range(n_heads):
-            kv_h = h // group
-            q_h = self.copy_2d_from_cols(q, head_dim, h * head_dim)
-            k_h = self.copy_2d_from_cols(k, head_dim, kv_h * head_dim)
-            v_h = self.copy_2d_from_cols(v, head_dim, kv_h * head_dim)
-            scores = self.matmul(q_h, self.transpose_2d(k_h))
-            scores = self.scale(scores, scale)
-            if t > 1:
-                scores = self.causal_mask(scores, s - t)
-            attn = self.softmax_rows(scores)
-            ctx = self.matmul(attn, v_h)
-            out = self.copy_2d_into_cols(out, ctx, h * head_dim)
+        h_all, d = spec.n_heads, spec.head_dim
+        out = self.zeros(q.shape[0], h_all * d)
+        for b, (r0, r1) in enumerate(batch.rows):
+            t = r1 - r0
+            k_b, v_b = kv.sequence(self, b)
+            s = k_b.shape[0]
+            for h in range(h_all):
+                kv_h = h // spec.group
+                q_h = self.copy_2d_from(q, r0, t, h * d, d)
+                k_h = self.copy_2d_from(k_b, 0, s, kv_h * d, d)
+                v_h = self.copy_2d_from(v_b, 0, s, kv_h * d, d)
+                scores = self.matmul(q_h, self.transpose_2d(k_h))
+                scores = self.scale(scores, spec.scale)
+                if t > 1 or spec.window:
+                    scores = self.mask_scores(scores, batch.positions_of(self, b), spec.causal, spec.window)
+                attn = self.softmax_rows(scores)
+                ctx = self.matmul(attn, v_h)
+                out = self.copy_2d_into(out, ctx, r0, h * d)
         return out
-
-
-def use_per_head_attention(backend: Backend) -> Backend:
-    """Make `backend.fused_attention` the protocol default (the per-head loop) on this instance."""
-    backend.fused_attention = Backend.fused_attention.__get__(backend)
-    return backend

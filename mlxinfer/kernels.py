@@ -1,10 +1,16 @@
-"""Custom fused-attention kernels for the MLX backend: `mx.fast.metal_kernel` and its CUDA twin
-`mx.fast.cuda_kernel`, built from the sources in `metal_kernels/`.
+"""mlxinfer's own GPU kernels for the MLX backend, from `metal_kernels/attention.cu` (CUDA, through
+`mx.fast.cuda_kernel`) and `metal_kernels/attention.metal` (Metal, through `mx.fast.metal_kernel`).
 
-Both cover a decode step (one query row), the case that runs per generated token. A prefill chunk
-(T > 1) goes to the protocol's per-head default: on the GPU its score and context products have more
-than one row, so MLX sends them to cuBLASLt (CUDA) whose summation order is unpublished (and TF32 by
-default), and no kernel of ours can promise the same bits.
+Three kernels share one published summation order (written out at the top of each source file):
+`matmul` (every activation x activation product on a GPU: attention's scores and context), `softmax`
+(every softmax of scores on a GPU) and `fused_attention` (a whole batch's attention in one launch:
+decode rows and prefill chunks, each row reading its own sequence's cache slot up to its own length).
+Because the per-head reference and the fused kernel are built from the same device functions, they
+agree bit for bit on any number of query rows, which MLX's own products cannot promise (on CUDA a
+product of more than one row goes to cuBLASLt, whose order is unpublished).
+
+`published_dot` and `published_softmax_total` emulate the order in numpy float32, so the algorithm is
+checked on any machine and the kernels are checked against it on a GPU.
 """
 
 from __future__ import annotations
@@ -12,56 +18,117 @@ from __future__ import annotations
 from functools import lru_cache
 from importlib import resources
 
-import mlx.core as mx
+import numpy as np
 
-from .backend import attention_scale
+SOURCES = {"metal": "attention.metal", "cuda": "attention.cu"}
+THREADS = 256  # threads per block (8 warps / simdgroups of 32)
 
-SOURCES = {"metal": "fused_attention.metal", "cuda": "fused_attention_cuda.cu"}
 
-
-def kernel_source(kind: str) -> tuple[str, str]:
-    """(header, body) of a kernel source file, split at its //@@HEADER and //@@BODY markers."""
+def kernel_source(kind: str) -> tuple[str, dict[str, str]]:
+    """(header, {kernel name: body}) of a kernel source file, split at its //@@ markers."""
     text = resources.files("metal_kernels").joinpath(SOURCES[kind]).read_text(encoding="utf-8")
     _, rest = text.split("//@@HEADER\n", 1)
-    header, body = rest.split("//@@BODY\n", 1)
-    return header, body
+    header, *bodies = rest.split("//@@BODY ")
+    return header, {b.split("\n", 1)[0].strip(): b.split("\n", 1)[1] for b in bodies}
+
+
+_INPUTS = {
+    "matmul": (["a", "bt", "dims"], ["out"]),
+    "softmax": (["x", "dims"], ["out"]),
+    "fused_attention": (["q", "k", "v", "row_slot", "row_pos", "row_len", "scale", "dims"], ["out", "p"]),
+}
 
 
 @lru_cache(maxsize=None)
-def _kernel(kind: str):
-    header, body = kernel_source(kind)
+def _kernel(kind: str, name: str):
+    import mlx.core as mx
+
+    header, bodies = kernel_source(kind)
     make = mx.fast.metal_kernel if kind == "metal" else mx.fast.cuda_kernel
-    return make(name=f"mlxinfer_fused_attention_{kind}", input_names=["q", "k", "v", "scale", "seq"],
-                output_names=["out", "attn"], source=body, header=header, ensure_row_contiguous=True)
+    inputs, outputs = _INPUTS[name]
+    return make(name=f"mlxinfer_{name}_{kind}", input_names=inputs, output_names=outputs, source=bodies[name],
+                header=header, ensure_row_contiguous=True)
 
 
-def softmax_block_dim(s: int) -> int:
-    """The thread-block size MLX's GPU softmax picks for a row of s values (4 values per thread)."""
-    threads = (s + 3) // 4
-    for bd in (32, 64, 128, 256, 512):
-        if threads <= bd:
-            return bd
-    return 1024
+def _dims(*values):
+    import mlx.core as mx
+
+    return mx.array(values, dtype=mx.int32)
 
 
-def gemv_values_per_thread(k: int) -> int:
-    """How many consecutive products MLX's gemv kernel gives each lane for a dot product of length k."""
-    return 4 if k % 128 == 0 else 2 if k % 64 == 0 else 1
+def matmul(kind: str, a, bt, group: int = 1):
+    """out[b, i, j] = dot(a[b, i, :], bt[b // group, j, :]) in the published order: a [B, M, K],
+    bt [B // group, N, K] (the right-hand operand stored transposed) -> [B, M, N] float32."""
+    import mlx.core as mx
 
-
-def fused_attention(kind: str, q, k, v, n_heads: int, n_kv_heads: int, head_dim: int):
-    """Decode-step attention with the `kind` kernel; None for T > 1 (the caller runs the default)."""
-    if q.shape[0] != 1:
-        return None
-    s = k.shape[0]
-    bd = softmax_block_dim(s)
-    out, _ = _kernel(kind)(
-        inputs=[q, k, v, mx.array([attention_scale(head_dim)], dtype=mx.float32), mx.array([s], dtype=mx.int32)],
-        template=[("H", n_heads), ("KV", n_kv_heads), ("D", head_dim), ("BLOCK_DIM", bd),
-                  ("NPT_QK", gemv_values_per_thread(head_dim)), ("NPT_PV", gemv_values_per_thread(s))],
-        grid=(n_heads * bd, 1, 1),
-        threadgroup=(bd, 1, 1),
-        output_shapes=[(1, n_heads * head_dim), (n_heads, s)],
-        output_dtypes=[mx.float32, mx.float32],
-    )
+    nb, m, k = a.shape
+    n = bt.shape[1]
+    warps = nb * m * n
+    (out,) = _kernel(kind, "matmul")(
+        inputs=[a, bt, _dims(nb, m, n, k, group)], grid=(-(-warps // 8) * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1), output_shapes=[(nb, m, n)], output_dtypes=[mx.float32])
     return out
+
+
+def softmax(kind: str, x):
+    """Softmax of each row of x [R, n] in the published order."""
+    import mlx.core as mx
+
+    r, n = x.shape
+    (out,) = _kernel(kind, "softmax")(
+        inputs=[x, _dims(r, n)], grid=(r * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(r, n)], output_dtypes=[mx.float32])
+    return out
+
+
+def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec):
+    """A batch's attention in one launch: q [N, H*D]; keys and values [slots, capacity, KV*D]; per row
+    its cache slot, position and its sequence's length (int32 arrays). -> [N, H*D]."""
+    import mlx.core as mx
+
+    n = q.shape[0]
+    cap = keys.shape[1]
+    out, _ = _kernel(kind, "fused_attention")(
+        inputs=[q, keys, values, row_slot, row_pos, row_len, mx.array([spec.scale], dtype=mx.float32), _dims(cap)],
+        template=[("H", spec.n_heads), ("KV", spec.n_kv_heads), ("D", spec.head_dim),
+                  ("CAUSAL", int(spec.causal)), ("WINDOW", int(spec.window or 0))],
+        grid=(n * spec.n_heads * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(n, spec.n_heads * spec.head_dim), (n * spec.n_heads, cap)],
+        output_dtypes=[mx.float32, mx.float32])
+    return out
+
+
+# -- the published order in numpy (float32, bit-exact for the sums) ---------------------------------
+def _butterfly(partials: np.ndarray, offsets) -> np.ndarray:
+    """Combine partial sums on the last axis as the kernels' xor butterfly does; returns lane 0's."""
+    p = partials.astype(np.float32)
+    lanes = np.arange(p.shape[-1])
+    for off in offsets:
+        p = (p + p[..., lanes ^ off]).astype(np.float32)
+    return p[..., 0]
+
+
+def published_dot(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
+    """[M, K] x [N, K] -> [M, N], each dot product in the kernels' order: 32 lane-strided partial
+    sums of rounded products, then the butterfly 16, 8, 4, 2, 1."""
+    a, bt = np.asarray(a, np.float32), np.asarray(bt, np.float32)
+    m, k = a.shape
+    n = bt.shape[0]
+    partial = np.zeros((m, n, 32), dtype=np.float32)
+    for i in range(0, k, 32):
+        w = min(32, k - i)
+        prod = (a[:, None, i:i + w] * bt[None, :, i:i + w]).astype(np.float32)
+        partial[:, :, :w] = (partial[:, :, :w] + prod).astype(np.float32)
+    return _butterfly(partial, (16, 8, 4, 2, 1))
+
+
+def published_softmax_total(e: np.ndarray) -> np.float32:
+    """The softmax kernel's sum of the already-exponentiated values e [n]: 256 thread-strided partial
+    sums, a butterfly within each warp of 32, then over the 8 warp totals."""
+    e = np.asarray(e, np.float32)
+    partial = np.zeros(THREADS, dtype=np.float32)
+    for i in range(0, e.size, THREADS):
+        w = min(THREADS, e.size - i)
+        partial[:w] = (partial[:w] + e[i:i + w]).astype(np.float32)
+    warp_totals = _butterfly(partial.reshape(8, 32), (16, 8, 4, 2, 1))
+    return _butterfly(warp_totals[None, :], (4, 2, 1))[0]

@@ -188,6 +188,10 @@ class GGUFTokenizer:
                 raise ValueError(f"token id {i} is outside the vocabulary [0, {len(self.tokens)})")
         return self.hf.decode(ids, skip_special_tokens=skip_special)
 
+    def decode_stream(self) -> "TextStream":
+        """An incremental detokenizer: feed generated ids one at a time, get text deltas back."""
+        return TextStream(self)
+
     def is_special(self, token_id: int) -> bool:
         return bool(self.token_types[token_id] == TOKEN_CONTROL)
 
@@ -203,6 +207,19 @@ class GGUFTokenizer:
             f"pre-tokenizer {self.pre!r}, BOS {name(self.bos_id)}{' (added)' if self.add_bos else ''}, "
             f"EOS {name(self.eos_id)}, chat template {'yes' if self.chat_template else 'no'}"
         )
+
+
+class TextStream:
+    """Incremental detokenization with `tokenizers.decoders.DecodeStream`: constant work per token (it
+    decodes a short window of recent ids, never the whole output). A token that ends inside a UTF-8
+    character gives "" until the character is complete; control tokens give "" (skipped)."""
+
+    def __init__(self, tokenizer: GGUFTokenizer):
+        self._hf = tokenizer.hf
+        self._stream = decoders.DecodeStream(skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._hf, int(token_id)) or ""
 
 
 def load_tokenizer(path: str | os.PathLike) -> GGUFTokenizer:

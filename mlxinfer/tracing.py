@@ -13,8 +13,9 @@ and a summary over the whole run at the end. The wrapper methods are generated f
 `--trace` no wrapper exists and nothing is paid.
 
 Times: on the CPU backend each op is timed as it runs. MLX builds a lazy graph, so an op's call
-alone costs only graph building; while tracing, the MLX backend is evaluated after every op
-(`mx.eval`), which makes the per-op times real and the whole run slower than an untraced one.
+alone costs only graph building; while tracing, a lazy backend is evaluated after every op
+(`sync`), which makes the per-op times real and the whole run slower than an untraced one (and the
+engine does not pipeline passes while tracing).
 """
 
 from __future__ import annotations
@@ -30,36 +31,33 @@ class TracingBackend:
     """A Backend that forwards to `inner`, counting and timing each op. Non-op attributes (weights
     loading, to_numpy, name, device...) pass through untouched."""
 
+    lazy = False  # every op is evaluated as it is traced: nothing to pipeline
+
     def __init__(self, inner: Backend, stream=sys.stderr):
         self.inner = inner
         self.stream = stream
-        self.eval_each_op = inner.name == "mlx"
+        self.eval_each_op = inner.lazy
         self.start_pass()
         self.run_counts: dict[str, int] = defaultdict(int)
         self.run_times: dict[str, float] = defaultdict(float)
         self.run_time = 0.0
         self.passes = 0
         self._depth = 0
-        # The per-head default built from primitives runs on the tracer, so its primitives are seen.
-        impl = getattr(inner.fused_attention, "__func__", None)
-        self._default_attention = impl is Backend.fused_attention
 
     def __getattr__(self, name):
-        if name in ("async_argmax", "token_value"):  # no pipelining while tracing: every op is timed
-            raise AttributeError(name)
         return getattr(self.inner, name)
 
     @property
     def label(self) -> str:
-        return self.inner.name.upper() + (f"/{self.inner.device.upper()}" if self.inner.name != "cpu" else "")
+        return self.inner.describe().upper()
 
     def _call(self, op, fn, args, kwargs):
         self._depth += 1
         t0 = time.perf_counter()
         try:
             out = fn(*args, **kwargs)
-            if self.eval_each_op and op != "argmax_with_prob":
-                self.inner.sync(out)
+            if self.eval_each_op:
+                self.inner.sync(*(out if isinstance(out, tuple) else (out,)))
         finally:
             self._depth -= 1
         dt = time.perf_counter() - t0
@@ -69,12 +67,13 @@ class TracingBackend:
             self.pass_time += dt
         return out
 
-    def fused_attention(self, q, k, v, n_heads, n_kv_heads, head_dim):
-        if self._default_attention:
-            fn = Backend.fused_attention.__get__(self)
+    def fused_attention(self, q, kv, batch, spec):
+        # The per-head reference runs on the tracer, so the primitives it is built from are counted.
+        if self.inner.attention == "per-head":
+            fn = Backend.per_head_attention.__get__(self)
         else:
-            fn = self.inner.fused_attention
-        return self._call("fused_attention", fn, (q, k, v, n_heads, n_kv_heads, head_dim), {})
+            fn = self.inner.fused_attention_override
+        return self._call("fused_attention", fn, (q, kv, batch, spec), {})
 
     # -- reporting ----------------------------------------------------------------------------
     def histogram(self, title, counts, times, total_time) -> str:

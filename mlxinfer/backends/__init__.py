@@ -1,12 +1,13 @@
-"""Backend registry: `make_backend(name, attention)` builds the backend a user asked for."""
+"""Backend registry: `make_backend(name, attention, device, kernel)` builds the backend a user asked for.
+Each backend checks its own options and reports its configuration with `describe()`."""
 
 from __future__ import annotations
 
-from ..backend import Backend, use_per_head_attention
+from ..backend import ATTENTION_PATHS, Backend
 from ..errors import RequestError
 
 BACKENDS = ("auto", "cpu", "mlx")
-ATTENTION_PATHS = ("fused", "per-head")
+__all__ = ["ATTENTION_PATHS", "BACKENDS", "make_backend", "mlx_gpu_available"]
 
 
 def mlx_gpu_available() -> bool:
@@ -21,8 +22,6 @@ def make_backend(name: str = "auto", attention: str = "fused", device: str | Non
                  kernel: str | None = None) -> Backend:
     if name not in BACKENDS:
         raise RequestError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
-    if attention not in ATTENTION_PATHS:
-        raise RequestError(f"unknown attention path {attention!r} (choose from {', '.join(ATTENTION_PATHS)})")
     if name == "auto":
         name = "mlx" if mlx_gpu_available() else "cpu"
     if name == "cpu":
@@ -32,11 +31,7 @@ def make_backend(name: str = "auto", attention: str = "fused", device: str | Non
             raise RequestError(f"--kernel {kernel} selects an MLX attention kernel; the cpu backend has its own")
         from .cpu import CPUBackend
 
-        backend = CPUBackend()
-    else:
-        from .mlx import MLXBackend
+        return CPUBackend(attention=attention)
+    from .mlx import MLXBackend
 
-        backend = MLXBackend(device=device, kernel=kernel)
-    if attention == "per-head":
-        use_per_head_attention(backend)
-    return backend
+    return MLXBackend(attention=attention, device=device, kernel=kernel)

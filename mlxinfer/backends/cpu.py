@@ -2,36 +2,67 @@
 
 Weights are dequantized to float32 once at load (with `gguf`'s dequantisation); a weight handle is the
 transposed view `W.T` of the [out, in] array, so `x @ W.T` runs as one BLAS sgemm with no copy.
+
+Batch invariance: OpenBLAS computes a one-row product with gemv and a several-row product with gemm,
+whose float orders differ, so `linear` multiplies each sequence's rows on their own (`groups`): a
+sequence's floats are those it would get alone, whatever else shares the pass. The price is that a
+batch of decode rows makes one gemv per sequence instead of one gemm for all (the MLX backend, whose
+products are row-invariant, batches them).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..backend import Backend, attention_scale
+from ..backend import Backend
 
 
 def _softmax_last_axis(x: np.ndarray) -> np.ndarray:
-    # The one softmax both attention paths use, so its float order is shared by construction.
-    m = np.max(x, axis=-1, keepdims=True)
-    e = np.exp(x - m)
-    return e / np.sum(e, axis=-1, keepdims=True)
+    """The one softmax both attention paths use, so its float order is shared by construction:
+    max, exp(x - max), sum, divide, each a numpy ufunc over the last axis (computed in place on a
+    fresh array: the same ufuncs, fewer large temporaries)."""
+    e = x - np.max(x, axis=-1, keepdims=True)
+    np.exp(e, out=e)
+    e /= np.sum(e, axis=-1, keepdims=True)
+    return e
+
+
+def _mask(scores: np.ndarray, positions: np.ndarray, causal: bool, window: int | None) -> np.ndarray:
+    """-inf where key j is hidden from the query at positions[i]; `scores` [..., T, S] is written in place."""
+    keys = np.arange(scores.shape[-1])
+    hidden = np.zeros((len(positions), scores.shape[-1]), dtype=bool)
+    if causal:
+        hidden |= keys[None, :] > positions[:, None]
+    if window:
+        hidden |= keys[None, :] <= positions[:, None] - window
+    scores[..., hidden] = -np.inf
+    return scores
 
 
 class CPUBackend(Backend):
     name = "cpu"
     device = "cpu"
 
-    def __init__(self):
+    def __init__(self, attention: str = "fused"):
+        super().__init__(attention)
         self._dequantized: dict[str, np.ndarray] = {}
         self._rope_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def describe(self) -> str:
+        return "cpu"
 
     # -- data in and out ----------------------------------------------------------------------
     def from_numpy(self, a):
         return np.ascontiguousarray(a, dtype=np.float32)
 
     def to_numpy(self, x):
-        return np.asarray(x, dtype=np.float32)
+        return np.asarray(x)
+
+    def index_array(self, values):
+        return np.asarray(values, dtype=np.int32)
+
+    def concat_index_arrays(self, parts):
+        return np.concatenate([np.asarray(p, dtype=np.int32).reshape(-1) for p in parts])
 
     def _dequant(self, gguf, name):
         w = self._dequantized.get(name)
@@ -52,7 +83,21 @@ class CPUBackend(Backend):
     def load_vector(self, gguf, name):
         return self._dequant(gguf, name).reshape(1, -1)
 
+    def new_store(self, slots, capacity, width):
+        return np.zeros((slots, capacity, width), dtype=np.float32)
+
+    def resize_store(self, store, slots, capacity):
+        out = np.zeros((slots, capacity, store.shape[2]), dtype=np.float32)
+        s, c = min(slots, store.shape[0]), min(capacity, store.shape[1])
+        out[:s, :c] = store[:s, :c]
+        return out
+
     # -- primitives ---------------------------------------------------------------------------
+    def linear(self, x, w, groups=None):
+        if groups is None or len(groups) == 1:
+            return np.matmul(x, w)
+        return np.concatenate([np.matmul(x[r0:r1], w) for r0, r1 in groups])
+
     def matmul(self, a, b):
         return np.matmul(a, b)
 
@@ -86,21 +131,21 @@ class CPUBackend(Backend):
     def silu(self, x):
         return x / (np.float32(1.0) + np.exp(-x))
 
-    def _rope_table(self, head_dim, base, offset, t):
+    def _rope_table(self, head_dim, base, n):
         key = (head_dim, base)
         cos, sin = self._rope_cache.get(key, (None, None))
-        if cos is None or cos.shape[0] < offset + t:
-            n = max(offset + t, 2 * (0 if cos is None else cos.shape[0]), 256)
+        if cos is None or cos.shape[0] < n:
+            n = max(n, 2 * (0 if cos is None else cos.shape[0]), 256)
             inv_freq = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
             ang = np.arange(n, dtype=np.float64)[:, None] * inv_freq[None, :]
             cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
             self._rope_cache[key] = (cos, sin)
-        return cos[offset : offset + t], sin[offset : offset + t]
+        return cos, sin
 
-    def rope(self, x, n_heads, head_dim, offset, base, traditional):
+    def rope(self, x, positions, n_heads, head_dim, base, traditional):
         t = x.shape[0]
-        cos, sin = self._rope_table(head_dim, base, offset, t)
-        c, s = cos[:, None, :], sin[:, None, :]
+        cos, sin = self._rope_table(head_dim, base, int(positions.max()) + 1)
+        c, s = cos[positions][:, None, :], sin[positions][:, None, :]
         xh = x.reshape(t, n_heads, head_dim)
         half = head_dim // 2
         if traditional:
@@ -119,11 +164,11 @@ class CPUBackend(Backend):
     def reshape(self, x, rows, cols):
         return x.reshape(rows, cols)
 
-    def copy_2d_from_cols(self, x, width, col):
-        return np.ascontiguousarray(x[:, col : col + width])
+    def copy_2d_from(self, x, row, rows, col, cols):
+        return np.ascontiguousarray(x[row : row + rows, col : col + cols])
 
-    def copy_2d_into_cols(self, dst, src, col):
-        dst[:, col : col + src.shape[1]] = src
+    def copy_2d_into(self, dst, src, row, col):
+        dst[row : row + src.shape[0], col : col + src.shape[1]] = src
         return dst
 
     def zeros(self, rows, cols):
@@ -132,40 +177,42 @@ class CPUBackend(Backend):
     def concat_dim0(self, a, b):
         return np.concatenate([a, b], axis=0)
 
-    def slice_rows(self, x, start, stop):
-        return np.ascontiguousarray(x[start:stop])
-
     def gather_rows(self, table, ids):
         return table[np.asarray(ids, dtype=np.int64)]
 
-    def causal_mask(self, scores, offset):
-        t, s = scores.shape[-2:]
-        masked = np.triu(np.ones((t, s), dtype=bool), k=offset + 1)
-        return np.where(masked, np.float32(-np.inf), scores)
+    def scatter_rows(self, store, slots, positions, x):
+        store[slots, positions] = x
+        return store
 
-    def argmax_with_prob(self, logits_row):
-        row = np.asarray(logits_row, dtype=np.float32).reshape(-1)
-        i = int(np.argmax(row))
-        p = 1.0 / float(np.sum(np.exp(row.astype(np.float64) - float(row[i]))))
-        return i, p
+    def read_rows(self, store, slot, length):
+        return store[slot, :length]
+
+    def mask_scores(self, scores, positions, causal, window):
+        return _mask(scores.copy(), positions, causal, window)
+
+    def sample_tokens(self, logits, sampler):
+        return sampler.sample_numpy(np.asarray(logits, dtype=np.float32))
 
     # -- fused attention override -------------------------------------------------------------
-    def fused_attention(self, q, k, v, n_heads, n_kv_heads, head_dim):
-        """All heads in three batched numpy calls, no per-head tensors; byte-identical to the
-        protocol default: each head's K and V are contiguous [S, D] blocks (as the default's copies
-        are), the score matmul reads K through a transposed view (as `transpose_2d` does), and
+    def fused_attention_override(self, q, kv, batch, spec):
+        """Per sequence, all heads in three batched numpy calls, no per-head tensors; byte-identical
+        to `per_head_attention`: each head's K and V are contiguous [S, D] blocks (as the default's
+        copies are), the score matmul reads K through a transposed view (as `transpose_2d` does), and
         numpy's batched matmul runs the same BLAS call per head that the default runs once."""
-        t, s = q.shape[0], k.shape[0]
-        kv, d = n_kv_heads, head_dim
-        group = n_heads // n_kv_heads
-        # [KV, group, T, D]: query head h = kv_h*group + g.
-        qh = np.ascontiguousarray(q.reshape(t, kv, group, d).transpose(1, 2, 0, 3))
-        kh = np.ascontiguousarray(k.reshape(s, kv, d).transpose(1, 0, 2))[:, None]  # [KV, 1, S, D]
-        vh = np.ascontiguousarray(v.reshape(s, kv, d).transpose(1, 0, 2))[:, None]
-        scores = np.matmul(qh, kh.transpose(0, 1, 3, 2))  # [KV, group, T, S]
-        scores = scores * np.float32(attention_scale(d))
-        if t > 1:
-            scores = self.causal_mask(scores, s - t)
-        attn = _softmax_last_axis(scores)
-        ctx = np.matmul(attn, vh)  # [KV, group, T, D]
-        return ctx.transpose(2, 0, 1, 3).reshape(t, n_heads * d)
+        kvh, d, group = spec.n_kv_heads, spec.head_dim, spec.group
+        out = np.empty((q.shape[0], spec.n_heads * d), dtype=np.float32)
+        for b, (r0, r1) in enumerate(batch.rows):
+            t = r1 - r0
+            k, v = kv.sequence(self, b)
+            s = k.shape[0]
+            # [KV, group, T, D]: query head h = kv_h*group + g.
+            qh = np.ascontiguousarray(q[r0:r1].reshape(t, kvh, group, d).transpose(1, 2, 0, 3))
+            kh = np.ascontiguousarray(k.reshape(s, kvh, d).transpose(1, 0, 2))[:, None]  # [KV, 1, S, D]
+            vh = np.ascontiguousarray(v.reshape(s, kvh, d).transpose(1, 0, 2))[:, None]
+            scores = np.matmul(qh, kh.transpose(0, 1, 3, 2))  # [KV, group, T, S]
+            scores *= np.float32(spec.scale)
+            if t > 1 or spec.window:
+                _mask(scores, batch.positions_of(self, b), spec.causal, spec.window)
+            ctx = np.matmul(_softmax_last_axis(scores), vh)  # [KV, group, T, D]
+            out[r0:r1] = ctx.transpose(2, 0, 1, 3).reshape(t, spec.n_heads * d)
+        return out

@@ -9,10 +9,16 @@ scales and biases in float32 (on the CPU, float16 scales are ~35x slower). Every
 F16, BF16, ...) is dequantized with `gguf`'s code to float32 (`mx.load` mis-decodes Q4_K, so we never
 use it), stored [in, out] so the matmul reads it without a transpose.
 
-Fused attention: chosen by platform (overridable with `kernel=`):
-  - "graph": all heads in one batched MLX graph (the CPU's override),
-  - "metal": `mx.fast.metal_kernel` from metal_kernels/fused_attention.metal,
-  - "cuda":  `mx.fast.cuda_kernel` from metal_kernels/fused_attention_cuda.cu.
+Attention arithmetic. On the CPU, attention's products and softmax are MLX's own (`mx.matmul`,
+`mx.softmax`): MLX's CPU matmul computes each row of a product independently, so the per-head reference
+and a batched override agree bit for bit. On a GPU they are mlxinfer's kernels (`mlxinfer.kernels`,
+one published summation order), because MLX's GPU products change order with the number of rows.
+
+Fused attention, chosen by platform (overridable with `kernel=`):
+  - "graph": each sequence's heads in one batched graph (the CPU's override);
+  - "cuda":  one `mx.fast.cuda_kernel` launch for the whole batch (metal_kernels/attention.cu);
+  - "metal": its `mx.fast.metal_kernel` twin (metal_kernels/attention.metal), never run on hardware by
+    this project: used by default only after a self-check on the device (see `verify_gpu_kernels`).
 """
 
 from __future__ import annotations
@@ -25,11 +31,14 @@ from dataclasses import dataclass
 # wants TF32 sets MLX_ENABLE_TF32=1 before importing mlxinfer.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
+import sys  # noqa: E402
+
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from ..backend import Backend, attention_scale  # noqa: E402
+from .. import kernels  # noqa: E402
+from ..backend import AttentionSpec, Backend  # noqa: E402
 from ..errors import RequestError  # noqa: E402
 
 GROUP = 32
@@ -96,28 +105,85 @@ def gpu_kind() -> str | None:
     return None
 
 
+def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
+    """Run the GPU kernels once on a small fixed case, on the device: the fused kernel against the
+    per-head reference (bit for bit) and the matmul/softmax kernels against MLX's own (to 1e-5).
+    Returns None when they agree, else a one-line description of the first mismatch."""
+    from ..batch import Batch
+    from ..kv_cache import PreallocKVCache
+
+    rng = np.random.default_rng(7)
+    spec = AttentionSpec.standard(4, 2, 64)
+    t, s = 3, 70
+    q = backend.from_numpy(rng.standard_normal((t, 4 * 64), dtype=np.float32))
+    kv_np = rng.standard_normal((2, s, 2 * 64), dtype=np.float32)
+    cache = PreallocKVCache(backend, 1, 2 * 64)
+    slot = cache.alloc()
+    batch = Batch(backend, [slot], [s - t], [t])
+    cache.held[slot] = s - t
+    cache.reserve(batch)
+    cache.keys[0][0, :s] = backend.from_numpy(kv_np[0])
+    cache.values[0][0, :s] = backend.from_numpy(kv_np[1])
+    view = cache.update(backend, 0, backend.from_numpy(kv_np[0, s - t:]), backend.from_numpy(kv_np[1, s - t:]), batch)
+    try:
+        fused = np.array(backend.fused_attention_override(q, view, batch, spec))
+        ref = np.array(backend.per_head_attention(q, view, batch, spec))
+        a, b = q[:, :64], backend.from_numpy(kv_np[0, :, :64])
+        prod = np.array(backend.matmul(a, mx.transpose(b)))
+        soft = np.array(backend.softmax_rows(mx.array(prod)))
+    except Exception as e:  # a kernel that fails to compile or launch
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    want_prod = np.array(a) @ kv_np[0, :, :64].T
+    if not np.allclose(prod, want_prod, rtol=1e-5, atol=1e-4):
+        return f"matmul kernel differs from the reference product by {np.max(np.abs(prod - want_prod)):.3g}"
+    want_soft = np.array(mx.softmax(mx.array(prod), axis=-1, precise=True))
+    if not np.allclose(soft, want_soft, rtol=1e-5, atol=1e-6):
+        return f"softmax kernel differs from MLX's softmax by {np.max(np.abs(soft - want_soft)):.3g}"
+    same = fused.view(np.uint32) == ref.view(np.uint32)
+    if not same.all():
+        return f"fused attention kernel differs from the per-head reference in {int((~same).sum())} of {same.size} values"
+    return None
+
+
 class MLXBackend(Backend):
     name = "mlx"
+    lazy = True
 
-    def __init__(self, device: str | None = None, kernel: str | None = None):
+    def __init__(self, attention: str = "fused", device: str | None = None, kernel: str | None = None,
+                 verify=verify_gpu_kernels):
+        super().__init__(attention)
         gpu = gpu_kind()
         if device is None:
             device = "gpu" if gpu else "cpu"
-        if device == "gpu" and gpu is None:
-            raise RequestError("--device gpu: MLX has no GPU here (neither Metal nor CUDA is available)")
         if device not in ("cpu", "gpu"):
             raise RequestError(f"unknown device {device!r} (choose cpu or gpu)")
+        if device == "gpu" and gpu is None:
+            raise RequestError("--device gpu: MLX has no GPU here (neither Metal nor CUDA is available)")
         self.device = device
         self.mx_device = mx.gpu if device == "gpu" else mx.cpu
         self.activate()
-        if kernel is None:
-            kernel = gpu if device == "gpu" else "graph"
-        if kernel not in ("graph", "metal", "cuda"):
+        if kernel not in (None, "graph", "metal", "cuda"):
             raise RequestError(f"unknown fused attention kernel {kernel!r} (graph, metal or cuda)")
         if kernel in ("metal", "cuda") and (device != "gpu" or gpu != kernel):
             raise RequestError(f"the {kernel} attention kernel needs an MLX {kernel} GPU device")
-        self.kernel = kernel
+        # On a GPU, attention's arithmetic runs on our kernels (`self.gpu_kernels`, "metal" or "cuda").
+        self.gpu_kernels = gpu if device == "gpu" else None
+        self.kernel = kernel or (gpu if device == "gpu" else "graph")
+        self.fallback = None
+        if device == "gpu" and kernel is None and gpu == "metal" and verify is not None:
+            problem = verify(self)
+            if problem:  # never run an unverified kernel silently: MLX's own ops instead, and say so
+                self.fallback = problem
+                self.gpu_kernels, self.kernel = None, "graph"
+                print(f"mlxinfer: warning: the Metal attention kernels failed their self-check ({problem}); "
+                      "using MLX's own ops (fused and per-head paths no longer bit-identical)", file=sys.stderr)
         self._cache: dict[str, object] = {}
+
+    def describe(self) -> str:
+        if self.device == "cpu":
+            return "mlx (cpu, graph attention)"
+        ops = f"{self.gpu_kernels} kernels" if self.gpu_kernels else "MLX ops"
+        return f"mlx (gpu, {self.kernel} attention, {ops})"
 
     def activate(self):
         """Make this backend's device MLX's default. Called where graphs start (inputs, embedding
@@ -131,10 +197,28 @@ class MLXBackend(Backend):
         return mx.array(np.asarray(a, dtype=np.float32))
 
     def to_numpy(self, x):
-        return np.array(x, dtype=np.float32, copy=True)
+        return np.array(x, copy=True)
+
+    def index_array(self, values):
+        self.activate()
+        return mx.array(np.asarray(values, dtype=np.int32).reshape(-1))
+
+    def concat_index_arrays(self, parts):
+        return mx.concatenate([mx.reshape(p, (-1,)) for p in parts])
+
+    def start(self, *xs):
+        mx.async_eval(*xs)
 
     def sync(self, *xs):
         mx.eval(*xs)
+
+    def new_random(self, seed: int):
+        from ..sampling import MLXRandom
+
+        return MLXRandom(seed)
+
+    def peak_memory_mb(self) -> float:
+        return mx.get_peak_memory() / (1024 * 1024)
 
     def _matrix(self, g, name, transposed: bool):
         """A 2-D weight: QuantizedWeight (exact repack; one copy serves both the embedding and a tied
@@ -167,21 +251,35 @@ class MLXBackend(Backend):
     def load_vector(self, g, name):
         return mx.array(np.ascontiguousarray(g.dequantize(name), dtype=np.float32).reshape(1, -1))
 
+    def new_store(self, slots, capacity, width):
+        self.activate()
+        return mx.zeros((slots, capacity, width), dtype=mx.float32)
+
+    def resize_store(self, store, slots, capacity):
+        out = self.new_store(slots, capacity, store.shape[2])
+        s, c = min(slots, store.shape[0]), min(capacity, store.shape[1])
+        out[:s, :c] = store[:s, :c]
+        return out
+
     # -- primitives ---------------------------------------------------------------------------
+    def linear(self, x, w, groups=None):
+        # MLX's CPU products compute each row on its own (batch-invariant as they are); see the README
+        # for what the GPU does.
+        if isinstance(w, QuantizedWeight):
+            return mx.quantized_matmul(x, w.w, w.scales, w.biases, transpose=True, group_size=GROUP, bits=w.bits)
+        return mx.matmul(x, w)
+
     def matmul(self, a, b):
-        if isinstance(b, QuantizedWeight):
-            return mx.quantized_matmul(a, b.w, b.scales, b.biases, transpose=True, group_size=GROUP, bits=b.bits)
-        if self.device == "gpu" and a.shape[0] == 1 and b.ndim == 2:
-            # A one-row product with B in transposed storage is what MLX's GPU matmul sends to its own
-            # gemv kernel (a documented order a custom kernel can follow); a row-major B would go to
-            # cuBLASLt on CUDA, whose order is unpublished and TF32 by default.
-            return mx.matmul(a, mx.contiguous(b.T).T)
+        if self.gpu_kernels:
+            return kernels.matmul(self.gpu_kernels, a[None], mx.contiguous(mx.transpose(b))[None])[0]
         return mx.matmul(a, b)
 
     def transpose_2d(self, x):
         return mx.transpose(x)
 
     def softmax_rows(self, x):
+        if self.gpu_kernels:
+            return kernels.softmax(self.gpu_kernels, x)
         return mx.softmax(x, axis=-1, precise=True)
 
     def sum_squares_rows(self, x):
@@ -208,20 +306,20 @@ class MLXBackend(Backend):
     def silu(self, x):
         return x * mx.sigmoid(x)
 
-    def rope(self, x, n_heads, head_dim, offset, base, traditional):
-        t = x.shape[0]
-        xh = mx.transpose(mx.reshape(x, (t, n_heads, head_dim)), (1, 0, 2))  # [H, T, D]
-        y = mx.fast.rope(xh, head_dim, traditional=traditional, base=base, scale=1.0, offset=offset)
-        return mx.reshape(mx.transpose(y, (1, 0, 2)), (t, n_heads * head_dim))
+    def rope(self, x, positions, n_heads, head_dim, base, traditional):
+        n = x.shape[0]
+        xh = mx.reshape(x, (n, n_heads, 1, head_dim))  # each row its own batch entry, at its own offset
+        y = mx.fast.rope(xh, head_dim, traditional=traditional, base=base, scale=1.0, offset=positions)
+        return mx.reshape(y, (n, n_heads * head_dim))
 
     def reshape(self, x, rows, cols):
         return mx.reshape(x, (rows, cols))
 
-    def copy_2d_from_cols(self, x, width, col):
-        return mx.contiguous(x[:, col : col + width])
+    def copy_2d_from(self, x, row, rows, col, cols):
+        return mx.contiguous(x[row : row + rows, col : col + cols])
 
-    def copy_2d_into_cols(self, dst, src, col):
-        dst[:, col : col + src.shape[1]] = src
+    def copy_2d_into(self, dst, src, row, col):
+        dst[row : row + src.shape[0], col : col + src.shape[1]] = src
         return dst
 
     def zeros(self, rows, cols):
@@ -230,74 +328,76 @@ class MLXBackend(Backend):
     def concat_dim0(self, a, b):
         return mx.concatenate([a, b], axis=0)
 
-    def slice_rows(self, x, start, stop):
-        return x[start:stop]
-
     def gather_rows(self, table, ids):
         self.activate()
-        idx = ids if isinstance(ids, mx.array) else mx.array(np.asarray(ids, dtype=np.int32))
         if isinstance(table, QuantizedWeight):
-            return table.rows(idx)
-        return table[idx]
+            return table.rows(ids)
+        return table[ids]
 
-    def causal_mask(self, scores, offset):
-        t, s = scores.shape[-2:]
-        future = mx.arange(s)[None, :] > (mx.arange(t)[:, None] + offset)
-        return mx.where(future, mx.array(-np.inf, dtype=mx.float32), scores)
+    def scatter_rows(self, store, slots, positions, x):
+        store[slots, positions] = x
+        return store
 
-    def argmax_with_prob(self, logits_row):
-        row = mx.reshape(logits_row, (-1,))
-        i = mx.argmax(row)
-        p = mx.exp(row[i] - mx.logsumexp(row))
-        mx.eval(i, p)
-        return int(i.item()), float(p.item())
+    def read_rows(self, store, slot, length):
+        return store[slot, :length]
 
-    # -- pipelined greedy decoding (not protocol ops: the engine's fast path) ------------------
-    def async_argmax(self, logits):
-        """The greedy token of the last row as a lazy [1] int32 array, its evaluation started."""
-        token = mx.reshape(mx.argmax(logits[-1]), (1,)).astype(mx.int32)
-        mx.async_eval(token)
-        return token
+    def mask_scores(self, scores, positions, causal, window):
+        keys = mx.arange(scores.shape[-1])[None, :]
+        pos = positions[:, None]
+        hidden = mx.zeros(scores.shape[-2:], dtype=mx.bool_)
+        if causal:
+            hidden = mx.logical_or(hidden, keys > pos)
+        if window:
+            hidden = mx.logical_or(hidden, keys <= pos - window)
+        return mx.where(hidden, mx.array(-np.inf, dtype=mx.float32), scores)
 
-    def token_value(self, token) -> int:
-        return int(token.item())
+    def sample_tokens(self, logits, sampler):
+        return sampler.sample_mlx(logits)
 
     # -- fused attention ----------------------------------------------------------------------
-    def fused_attention(self, q, k, v, n_heads, n_kv_heads, head_dim):
+    def fused_attention_override(self, q, kv, batch, spec):
         if self.kernel == "graph":
-            return self._graph_attention(q, k, v, n_heads, n_kv_heads, head_dim)
-        from .. import kernels
+            return self._graph_attention(q, kv, batch, spec)
+        if kv.store is not None:  # the whole batch in one launch, reading the cache in place
+            keys, values = kv.store
+            return kernels.fused_attention(self.kernel, q, keys, values, batch.row_slots, batch.positions,
+                                           batch.row_lens, spec)
+        outs = []  # a cache with no single store (basic): one launch per sequence, its K/V as slot 0
+        for b, (r0, r1) in enumerate(batch.rows):
+            k, v = kv.sequence(self, b)
+            zeros = mx.zeros((r1 - r0,), dtype=mx.int32)
+            row_len = mx.full((r1 - r0,), k.shape[0], dtype=mx.int32)
+            outs.append(kernels.fused_attention(self.kernel, q[r0:r1], k[None], v[None], zeros,
+                                                batch.positions_of(self, b), row_len, spec))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs)
 
-        out = kernels.fused_attention(self.kernel, q, k, v, n_heads, n_kv_heads, head_dim)
-        if out is None:  # prefill chunk: the kernels cover decode steps only (see mlxinfer/kernels.py)
-            return Backend.fused_attention(self, q, k, v, n_heads, n_kv_heads, head_dim)
-        return out
-
-    def _graph_attention(self, q, k, v, n_heads, n_kv_heads, head_dim):
-        """All heads in one batched graph, byte-identical to the per-head default on the same device.
-
-        CPU: each head's product is the same BLAS call the default makes (MLX's CPU matmul loops one
-        call per batch element) on the same contiguous [S, D] blocks; scale after the matmul, the same
-        mask and softmax. GPU: decode steps only, with K and V in the transposed storage that sends
-        every head's one-row products to MLX's gemv kernel, as `matmul` does for the default; prefill
-        chunks run the default (their multi-row products go to cuBLASLt)."""
-        t, s = q.shape[0], k.shape[0]
-        if self.device == "gpu" and t != 1:
-            return Backend.fused_attention(self, q, k, v, n_heads, n_kv_heads, head_dim)
-        kv, d, group = n_kv_heads, head_dim, n_heads // n_kv_heads
-        qh = mx.contiguous(mx.transpose(mx.reshape(q, (t, kv, group, d)), (1, 2, 0, 3)))  # [KV, G, T, D]
-        kh = mx.contiguous(mx.transpose(mx.reshape(k, (s, kv, d)), (1, 0, 2)))[:, None]  # [KV, 1, S, D]
-        if self.device == "gpu":
-            # Each query head gets its own K and V block (no stride-0 broadcast, which MLX's CUDA matmul
-            # would fold into a multi-row cuBLASLt product) and V in transposed storage (gemv order).
-            kh = mx.contiguous(mx.broadcast_to(kh, (kv, group, s, d)))
-            vt = mx.transpose(mx.reshape(v, (s, kv, d)), (1, 2, 0))[:, None]  # [KV, 1, D, S]
-            vh = mx.swapaxes(mx.contiguous(mx.broadcast_to(vt, (kv, group, d, s))), -1, -2)
-        else:
-            vh = mx.contiguous(mx.transpose(mx.reshape(v, (s, kv, d)), (1, 0, 2)))[:, None]
-        scores = mx.matmul(qh, mx.swapaxes(kh, -1, -2)) * attention_scale(d)
-        if t > 1:
-            scores = self.causal_mask(scores, s - t)
-        attn = self.softmax_rows(scores)
-        ctx = mx.matmul(attn, vh)  # [KV, G, T, D]
-        return mx.reshape(mx.transpose(ctx, (2, 0, 1, 3)), (t, n_heads * d))
+    def _graph_attention(self, q, kv, batch, spec):
+        """Each sequence's heads in one batched graph, byte-identical to the per-head reference on the
+        same device: on the CPU each head's product is the same BLAS call the reference makes (MLX's
+        CPU matmul loops one call per batch element) on the same contiguous [S, D] blocks; on a GPU the
+        products and softmax are the same kernels, batched over heads."""
+        kvh, d, group = spec.n_kv_heads, spec.head_dim, spec.group
+        outs = []
+        for b, (r0, r1) in enumerate(batch.rows):
+            t = r1 - r0
+            k, v = kv.sequence(self, b)
+            s = k.shape[0]
+            qh = mx.contiguous(mx.transpose(mx.reshape(q[r0:r1], (t, kvh, group, d)), (1, 2, 0, 3)))  # [KV, G, T, D]
+            kh = mx.contiguous(mx.transpose(mx.reshape(k, (s, kvh, d)), (1, 0, 2)))  # [KV, S, D]
+            if self.gpu_kernels:
+                scores = kernels.matmul(self.gpu_kernels, mx.reshape(qh, (kvh * group, t, d)), kh, group)
+                scores = scores * spec.scale
+            else:
+                vh = mx.contiguous(mx.transpose(mx.reshape(v, (s, kvh, d)), (1, 0, 2)))[:, None]
+                scores = mx.matmul(qh, mx.swapaxes(kh[:, None], -1, -2)) * spec.scale  # [KV, G, T, S]
+            if t > 1 or spec.window:
+                scores = self.mask_scores(scores, batch.positions_of(self, b), spec.causal, spec.window)
+            if self.gpu_kernels:
+                attn = kernels.softmax(self.gpu_kernels, mx.reshape(scores, (-1, s)))
+                vt = mx.contiguous(mx.transpose(mx.reshape(v, (s, kvh, d)), (1, 2, 0)))  # [KV, D, S]
+                ctx = kernels.matmul(self.gpu_kernels, mx.reshape(attn, (kvh * group, t, s)), vt, group)
+                ctx = mx.reshape(ctx, (kvh, group, t, d))
+            else:
+                ctx = mx.matmul(self.softmax_rows(scores), vh)  # [KV, G, T, D]
+            outs.append(mx.reshape(mx.transpose(ctx, (2, 0, 1, 3)), (t, spec.n_heads * d)))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs)

@@ -1,21 +1,28 @@
-"""One file per architecture; `ARCHITECTURES` maps `general.architecture` to its loader."""
+"""One file per architecture; `ARCHITECTURES` maps `general.architecture` to its module, which has
+`TRAITS` (what `ModelArgs` needs to know of it) and `Model` (its forward pass)."""
 
 from ..errors import UnsupportedError
 from . import llama, qwen3
+from .spec import ModelArgs
 
-ARCHITECTURES = {"llama": llama.load, "qwen3": qwen3.load}
+ARCHITECTURES = {"llama": llama, "qwen3": qwen3}
 
 
-def model_loader(g):
-    """The loader for the file's architecture, or UnsupportedError."""
+def architecture(g):
+    """The module of the file's architecture, or UnsupportedError."""
     arch = g.architecture
-    loader = ARCHITECTURES.get(arch)
-    if loader is None:
+    module = ARCHITECTURES.get(arch)
+    if module is None:
         raise UnsupportedError(
             f"{g.path}: architecture {arch!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})"
         )
-    return loader
+    return module
+
+
+def model_args(g) -> ModelArgs:
+    return ModelArgs.from_gguf(g, **architecture(g).TRAITS)
 
 
 def load_model(ops, g):
-    return model_loader(g)(ops, g)
+    """Read the hyperparameters, check every tensor's shape, load the weights onto `ops`."""
+    return architecture(g).Model(ops, g, model_args(g))

@@ -2,13 +2,38 @@
 
 llama.cpp's converter permutes the rows of `attn_q` and `attn_k` so that each head's rotary pairs are
 interleaved, (x[2i], x[2i+1]), instead of HF's halves (x[i], x[i + d/2]). We read the file as stored and
-apply the matching interleaved RoPE (`rope_traditional=True`), exactly as llama.cpp does; no un-permute.
+apply the matching interleaved RoPE (`traditional=True`), exactly as llama.cpp does; no un-permute.
 No q/k norm; output head tied to the embedding unless `output.weight` is present.
 """
 
-from .layers import DecoderModel, TransformerArgs
+from ..backend import AttentionSpec
+from .layers import output_logits, rms_norm, swiglu_mlp
+from .spec import ModelArgs, load_weights
+
+TRAITS = dict(rope_traditional=True, qk_norm=False)
 
 
-def load(ops, g) -> DecoderModel:
-    args = TransformerArgs.from_gguf(g, rope_traditional=True, qk_norm=False)
-    return DecoderModel(ops, g, args)
+class Model:
+    def __init__(self, ops, g, args: ModelArgs):
+        self.args = args
+        self.w = load_weights(ops, g, args)
+        self.spec = AttentionSpec.standard(args.n_heads, args.n_kv_heads, args.head_dim)
+
+    def attention(self, ops, x, w, batch, cache, layer: int):
+        a, groups = self.args, batch.rows
+        q = ops.linear(x, w.attn_q, groups)
+        k = ops.linear(x, w.attn_k, groups)
+        v = ops.linear(x, w.attn_v, groups)
+        q = ops.rope(q, batch.positions, a.n_heads, a.head_dim, a.rope_base, traditional=True)
+        k = ops.rope(k, batch.positions, a.n_kv_heads, a.head_dim, a.rope_base, traditional=True)
+        kv = cache.update(ops, layer, k, v, batch)
+        return ops.linear(ops.fused_attention(q, kv, batch, self.spec), w.attn_output, groups)
+
+    def __call__(self, ops, ids, batch, cache):
+        """Logits of the batch's logit rows, [R, vocab]; writes the pass's keys and values to `cache`."""
+        a = self.args
+        x = ops.gather_rows(self.w.token_embd, ids)
+        for i, w in enumerate(self.w.layers):
+            x = ops.add(x, self.attention(ops, rms_norm(ops, x, w.attn_norm, a.rms_eps), w, batch, cache, i))
+            x = ops.add(x, swiglu_mlp(ops, rms_norm(ops, x, w.ffn_norm, a.rms_eps), w, batch.rows))
+        return output_logits(ops, x, self.w, batch, a.rms_eps)

@@ -1,0 +1,106 @@
+// mlxinfer's GPU attention arithmetic for MLX's Metal backend (mx.fast.metal_kernel): the same
+// published order as attention.cu, written for Apple GPUs (simdgroups of 32 lanes).
+//
+// UNVERIFIED ON HARDWARE: no Apple GPU is available where this project is developed and tested, so
+// these kernels have never run. mlxinfer therefore never uses them silently: on first use in a process
+// the MLX backend runs the fused kernel and the per-head reference on a small fixed case, on the device,
+// and falls back to the MLX graph override (with a one-line warning) unless the bytes agree
+// (`--kernel metal` skips the check). The order, as in attention.cu:
+//
+//   dot(a, b) over n terms (one simdgroup): lane l adds a[i]*b[i] for i = l, l+32, ... in increasing i,
+//     each product rounded and then added (contraction into fma switched off below), then a butterfly
+//     s += simd_shuffle_xor(s, off) for off = 16, 8, 4, 2, 1;
+//   softmax(x) over n values (a threadgroup of 256 threads = 8 simdgroups): m = max(x); e_j =
+//     precise::exp(x_j - m); thread t adds e_j for j = t, t+256, ...; butterfly within each simdgroup;
+//     the 8 simdgroup totals by a butterfly with off = 4, 2, 1; y_j = e_j / total.
+//
+// MLX's own Metal matmul and softmax (gemv.h, softmax.h) use other orders; that does not matter here,
+// because on a GPU both attention paths call these kernels, never MLX's.
+//@@HEADER
+#include <metal_simdgroup>
+#pragma clang fp contract(off)
+#pragma clang fp reassociate(off)
+#define MLXI_THREADS 256
+#define MLXI_WARPS 8
+
+inline float mlxi_dot(device const float* a, long sa, device const float* b, long sb, int n, uint lane) {
+  float s = 0.0f;
+  for (int i = lane; i < n; i += 32) {
+    const float prod = a[(long)i * sa] * b[(long)i * sb];
+    s = s + prod;
+  }
+  for (ushort off = 16; off > 0; off >>= 1) {
+    s = s + simd_shuffle_xor(s, off);
+  }
+  return s;
+}
+
+inline void mlxi_softmax(device float* x, int n, uint tid, threadgroup float* red) {
+  const uint lane = tid & 31, wid = tid >> 5;
+  float m = -INFINITY;
+  for (int j = tid; j < n; j += MLXI_THREADS) m = metal::max(m, x[j]);
+  for (ushort off = 16; off > 0; off >>= 1) m = metal::max(m, simd_shuffle_xor(m, off));
+  if (lane == 0) red[wid] = m;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  m = red[0];
+  for (int w = 1; w < MLXI_WARPS; ++w) m = metal::max(m, red[w]);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float s = 0.0f;
+  for (int j = tid; j < n; j += MLXI_THREADS) {
+    const float e = metal::precise::exp(x[j] - m);
+    x[j] = e;
+    s = s + e;
+  }
+  for (ushort off = 16; off > 0; off >>= 1) s = s + simd_shuffle_xor(s, off);
+  if (lane == 0) red[wid] = s;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float total = red[lane & 7];
+  for (ushort off = 4; off > 0; off >>= 1) total = total + simd_shuffle_xor(total, off);
+  for (int j = tid; j < n; j += MLXI_THREADS) x[j] = metal::precise::divide(x[j], total);
+  threadgroup_barrier(mem_flags::mem_device);
+}
+//@@BODY matmul
+const long B = dims[0], M = dims[1], N = dims[2], K = dims[3], G = dims[4];
+const uint lane = thread_index_in_simdgroup;
+const long w = (long)threadgroup_position_in_grid.x * MLXI_WARPS + simdgroup_index_in_threadgroup;
+if (w < B * M * N) {
+  const long j = w % N, i = (w / N) % M, b = w / (N * M);
+  const float s = mlxi_dot(a + (b * M + i) * K, 1, bt + ((b / G) * N + j) * K, 1, (int)K, lane);
+  if (lane == 0) out[w] = s;
+}
+//@@BODY softmax
+const long n = dims[1];
+const long r = threadgroup_position_in_grid.x;
+const uint tid = thread_position_in_threadgroup.x;
+threadgroup float red[MLXI_WARPS];
+device float* y = out + r * n;
+for (long j = tid; j < n; j += MLXI_THREADS) y[j] = x[r * n + j];
+threadgroup_barrier(mem_flags::mem_device);
+mlxi_softmax(y, (int)n, tid, red);
+//@@BODY fused_attention
+const long cap = dims[0];
+const long blk = threadgroup_position_in_grid.x;
+const long r = blk / H;
+const int h = blk % H;
+const uint tid = thread_position_in_threadgroup.x;
+const uint lane = thread_index_in_simdgroup, wid = simdgroup_index_in_threadgroup;
+const int S = row_len[r], pos = row_pos[r];
+const long kvw = (long)KV * D;
+const int kvh = h / (H / KV);
+device const float* qh = q + r * H * D + h * D;
+device const float* kb = k + (long)row_slot[r] * cap * kvw + kvh * D;
+device const float* vb = v + (long)row_slot[r] * cap * kvw + kvh * D;
+device float* pr = p + blk * cap;
+threadgroup float red[MLXI_WARPS];
+const float sc = scale[0];
+for (int j = wid; j < S; j += MLXI_WARPS) {
+  const float s = mlxi_dot(qh, 1, kb + j * kvw, 1, D, lane) * sc;
+  const bool hidden = (CAUSAL && j > pos) || (WINDOW > 0 && j <= pos - WINDOW);
+  if (lane == 0) pr[j] = hidden ? -INFINITY : s;
+}
+threadgroup_barrier(mem_flags::mem_device);
+mlxi_softmax(pr, S, tid, red);
+for (int d = wid; d < D; d += MLXI_WARPS) {
+  const float s = mlxi_dot(pr, 1, vb + d, kvw, S, lane);
+  if (lane == 0) out[r * H * D + h * D + d] = s;
+}

@@ -1,0 +1,66 @@
+"""The layout of one forward pass: which sequences it advances, and by how many rows each.
+
+A pass advances B sequences. Sequence b owns cache slot `slots[b]`, already holds `starts[b]` tokens in
+its cache, and contributes `lengths[b]` consecutive rows to the pass (a prefill chunk: many; a decode
+step: one). The rows of all sequences are packed one sequence after another into N = sum(lengths)
+rows, the activations' first dimension; sequence b's rows sit at positions starts[b] .. starts[b] +
+lengths[b] - 1. After the pass, its cache holds kv_lens[b] = starts[b] + lengths[b] tokens.
+
+The host lists drive loops that are per sequence by nature (the per-head reference attention, the cpu
+backend's per-sequence products); the backend arrays (`positions`, `row_slots`, `row_lens`, `logit_rows`: one entry per row)
+are what kernels and a compiled step read, so no position or length is baked into a graph.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+
+class Batch:
+    def __init__(self, ops, slots, starts, lengths, all_logits: bool = False, logits_for=None):
+        if not (len(slots) == len(starts) == len(lengths)) or not slots:
+            raise ValueError("a batch needs one slot, start and length per sequence, and at least one sequence")
+        if min(lengths) < 1:
+            raise ValueError("every sequence in a pass contributes at least one row")
+        self.slots = tuple(int(s) for s in slots)
+        self.starts = tuple(int(s) for s in starts)
+        self.lengths = tuple(int(n) for n in lengths)
+        ends = list(accumulate(self.lengths))
+        self.rows = tuple(zip([0] + ends[:-1], ends))  # (r0, r1) of each sequence in the packed rows
+        self.n_rows = ends[-1]
+        self.kv_lens = tuple(s + n for s, n in zip(self.starts, self.lengths))
+        self.all_logits = all_logits
+        positions = [p for s, n in zip(self.starts, self.lengths) for p in range(s, s + n)]
+        row_slots = [slot for slot, n in zip(self.slots, self.lengths) for _ in range(n)]
+        if all_logits:  # every row's logits, each sequence's rows one group
+            logit_rows = list(range(self.n_rows))
+            self.logit_groups = self.rows
+        else:  # the last row of each sequence that samples (`logits_for`; a mid-prompt chunk does not)
+            wanted = [True] * len(self.slots) if logits_for is None else list(logits_for)
+            logit_rows = [r1 - 1 for (_, r1), w in zip(self.rows, wanted) if w]
+            self.logit_groups = tuple((i, i + 1) for i in range(len(logit_rows)))
+        self.n_logit_rows = len(logit_rows)
+        self._positions_host = positions
+        self.positions = ops.index_array(positions)
+        self.row_slots = ops.index_array(row_slots)
+        self.logit_rows = ops.index_array(logit_rows)
+        self.row_lens = ops.index_array([n for n, k in zip(self.kv_lens, self.lengths) for _ in range(k)])
+        self._per_sequence: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @property
+    def logits_of_every_row(self) -> bool:
+        """The logit rows are all the rows, in order (no gather needed before the output head)."""
+        return self.n_logit_rows == self.n_rows
+
+    def positions_of(self, ops, b: int):
+        """Index array of sequence b's query positions (its slice of `positions`)."""
+        if b not in self._per_sequence:
+            r0, r1 = self.rows[b]
+            self._per_sequence[b] = ops.index_array(self._positions_host[r0:r1])
+        return self._per_sequence[b]
+
+    def __repr__(self):
+        return f"Batch(slots={self.slots}, starts={self.starts}, lengths={self.lengths})"

@@ -1,0 +1,184 @@
+"""The GGUF model spec: hyperparameters, tensor names and shapes, and their validation, in one place.
+
+The models load their weights through it, the synthetic writer writes files from it, and
+`bench/peers.py` maps it to mlx-lm's (Hugging Face) names. An architecture adds its traits (RoPE layout,
+per-head q/k norms) and, where it has extra tensors, entries in `LAYER_TENSORS`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable
+
+import numpy as np
+
+from ..errors import GGUFError
+
+MATRIX, NORM, EMBEDDING = "matrix", "norm", "embedding"
+
+
+@dataclass
+class ModelArgs:
+    """Hyperparameters of the decoder-only architectures, read from `{arch}.*` GGUF keys."""
+
+    arch: str
+    n_layers: int
+    hidden: int
+    ffn: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+    rms_eps: float
+    rope_base: float
+    rope_traditional: bool  # interleaved pairs (Llama GGUF) vs rotate-half (Qwen)
+    qk_norm: bool
+    tied_output: bool
+
+    @classmethod
+    def from_gguf(cls, g, *, rope_traditional: bool, qk_norm: bool) -> "ModelArgs":
+        a = g.architecture
+
+        def req(key):
+            v = g.require(f"{a}.{key}", int)
+            if v <= 0:
+                raise GGUFError(f"{g.path}: {a}.{key} = {v} must be positive")
+            return v
+
+        n_heads = req("attention.head_count")
+        n_kv = g.get(f"{a}.attention.head_count_kv", n_heads)
+        hidden = req("embedding_length")
+        if not isinstance(n_kv, int) or n_kv <= 0 or n_heads % n_kv:
+            raise GGUFError(
+                f"{g.path}: {a}.attention.head_count {n_heads} is not a multiple of head_count_kv {n_kv}"
+            )
+        head_dim = g.get(f"{a}.attention.key_length", hidden // n_heads)
+        value_dim = g.get(f"{a}.attention.value_length", head_dim)
+        if value_dim != head_dim:
+            raise GGUFError(f"{g.path}: key_length {head_dim} != value_length {value_dim} is not supported")
+        if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+            raise GGUFError(f"{g.path}: head dimension {head_dim!r} must be a positive even number")
+        rope_dims = g.get(f"{a}.rope.dimension_count", head_dim)
+        if rope_dims != head_dim:
+            raise GGUFError(f"{g.path}: partial rotary embedding ({a}.rope.dimension_count {rope_dims} "
+                            f"!= head dim {head_dim}) is not supported")
+        emb = g.tensor("token_embd.weight")
+        if len(emb.shape) != 2 or emb.shape[1] != hidden:
+            raise GGUFError(
+                f"{g.path}: tensor 'token_embd.weight' has shape {list(emb.shape)}, expected [vocab, {hidden}]"
+            )
+        vocab = emb.shape[0]
+        meta_vocab = g.get(f"{a}.vocab_size")
+        if meta_vocab is not None and meta_vocab != vocab:
+            raise GGUFError(f"{g.path}: {a}.vocab_size {meta_vocab} != token_embd.weight rows {vocab}")
+        eps = g.require(f"{a}.attention.layer_norm_rms_epsilon", float)
+        base = g.get(f"{a}.rope.freq_base", 10000.0)
+        for key, value in (("attention.layer_norm_rms_epsilon", eps), ("rope.freq_base", base)):
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise GGUFError(f"{g.path}: {a}.{key} = {value!r} is not a positive finite number")
+        return cls(
+            arch=a,
+            n_layers=req("block_count"),
+            hidden=hidden,
+            ffn=req("feed_forward_length"),
+            n_heads=n_heads,
+            n_kv_heads=n_kv,
+            head_dim=head_dim,
+            vocab_size=vocab,
+            context_length=req("context_length"),
+            rms_eps=float(eps),
+            rope_base=float(base),
+            rope_traditional=rope_traditional,
+            qk_norm=qk_norm,
+            tied_output="output.weight" not in g.tensors,
+        )
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    key: str  # attribute name in the loaded weights (per layer for layer tensors)
+    gguf: str  # GGUF tensor name; "{i}" is the layer index
+    hf: str  # Hugging Face / mlx-lm parameter name
+    kind: str  # MATRIX, NORM or EMBEDDING
+    shape: Callable[[ModelArgs], tuple]  # GGUF shape in numpy order ([out, in] for matrices)
+    when: Callable[[ModelArgs], bool] = lambda a: True
+
+
+GLOBAL_TENSORS = (
+    TensorSpec("token_embd", "token_embd.weight", "model.embed_tokens.weight", EMBEDDING,
+               lambda a: (a.vocab_size, a.hidden)),
+    TensorSpec("output_norm", "output_norm.weight", "model.norm.weight", NORM, lambda a: (a.hidden,)),
+    TensorSpec("output", "output.weight", "lm_head.weight", MATRIX, lambda a: (a.vocab_size, a.hidden),
+               when=lambda a: not a.tied_output),
+)
+LAYER_TENSORS = (
+    TensorSpec("attn_norm", "blk.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight", NORM,
+               lambda a: (a.hidden,)),
+    TensorSpec("attn_q", "blk.{i}.attn_q.weight", "model.layers.{i}.self_attn.q_proj.weight", MATRIX,
+               lambda a: (a.n_heads * a.head_dim, a.hidden)),
+    TensorSpec("attn_k", "blk.{i}.attn_k.weight", "model.layers.{i}.self_attn.k_proj.weight", MATRIX,
+               lambda a: (a.n_kv_heads * a.head_dim, a.hidden)),
+    TensorSpec("attn_v", "blk.{i}.attn_v.weight", "model.layers.{i}.self_attn.v_proj.weight", MATRIX,
+               lambda a: (a.n_kv_heads * a.head_dim, a.hidden)),
+    TensorSpec("attn_output", "blk.{i}.attn_output.weight", "model.layers.{i}.self_attn.o_proj.weight", MATRIX,
+               lambda a: (a.hidden, a.n_heads * a.head_dim)),
+    TensorSpec("attn_q_norm", "blk.{i}.attn_q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight", NORM,
+               lambda a: (a.head_dim,), when=lambda a: a.qk_norm),
+    TensorSpec("attn_k_norm", "blk.{i}.attn_k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight", NORM,
+               lambda a: (a.head_dim,), when=lambda a: a.qk_norm),
+    TensorSpec("ffn_norm", "blk.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight", NORM,
+               lambda a: (a.hidden,)),
+    TensorSpec("ffn_gate", "blk.{i}.ffn_gate.weight", "model.layers.{i}.mlp.gate_proj.weight", MATRIX,
+               lambda a: (a.ffn, a.hidden)),
+    TensorSpec("ffn_up", "blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.up_proj.weight", MATRIX,
+               lambda a: (a.ffn, a.hidden)),
+    TensorSpec("ffn_down", "blk.{i}.ffn_down.weight", "model.layers.{i}.mlp.down_proj.weight", MATRIX,
+               lambda a: (a.hidden, a.ffn)),
+)
+
+
+def tensors(args: ModelArgs):
+    """(TensorSpec, layer index or None, gguf name, hf name, shape) of every tensor the model reads,
+    in file order: the globals, then layer by layer (lazily: a hostile block_count costs nothing)."""
+    for t in GLOBAL_TENSORS:
+        if t.when(args):
+            yield t, None, t.gguf, t.hf, t.shape(args)
+    for i in range(args.n_layers):
+        for t in LAYER_TENSORS:
+            if t.when(args):
+                yield t, i, t.gguf.format(i=i), t.hf.format(i=i), t.shape(args)
+
+
+def check_shapes(g, args: ModelArgs) -> None:
+    """Every tensor the forward pass reads exists with the shape the hyperparameters imply
+    (checked lazily: a hostile block_count fails at the first missing layer, allocating nothing)."""
+    for _, _, name, _, shape in tensors(args):
+        t = g.tensor(name)
+        if tuple(t.shape) != shape:
+            raise GGUFError(
+                f"{g.path}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)} "
+                f"from the model's hyperparameters"
+            )
+
+
+def load_norm(ops, g, name):
+    """A norm weight vector, refused if it holds NaN or Inf (it would silently poison every logit)."""
+    if not np.all(np.isfinite(g.dequantize(name))):
+        raise GGUFError(f"{g.path}: tensor {name!r} contains NaN or Inf")
+    return ops.load_vector(g, name)
+
+
+def load_weights(ops, g, args: ModelArgs) -> SimpleNamespace:
+    """The model's weights on `ops`: `w.token_embd`, `w.output_norm`, `w.output` (the output head; the
+    embedding matrix when tied) and `w.layers[i].attn_q` ... named by the spec's keys."""
+    check_shapes(g, args)
+    loaders = {MATRIX: ops.load_weight, NORM: lambda g_, n: load_norm(ops, g_, n), EMBEDDING: ops.load_embedding}
+    w = SimpleNamespace(layers=[SimpleNamespace() for _ in range(args.n_layers)])
+    for t, i, name, _, _ in tensors(args):
+        setattr(w if i is None else w.layers[i], t.key, loaders[t.kind](g, name))
+    if args.tied_output:
+        w.output = ops.load_weight(g, "token_embd.weight")
+    return w
