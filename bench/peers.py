@@ -5,7 +5,9 @@
   quantization (Q8_0/Q4_0/Q4_1 repacked exactly to MLX affine group-32, as our MLX backend does;
   other types as float32), then `mlx_lm.stream_generate`.
 
-Each returns rows shaped like bench.py's: median decode tokens/s, time to first token, per-forward times.
+Each returns rows shaped like bench.py's (batch 1, no KV cache choice): median decode tokens/s and time
+to first token with their min and max over runs, token intervals, whole-call tokens/s. Peak memory:
+MLX's peak allocation (MiB) for mlx-lm; not measured for llama.cpp (0).
 """
 
 from __future__ import annotations
@@ -27,20 +29,33 @@ def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
     return rng.integers(0, min(vocab - 300, 50000) if vocab > 600 else 256, size=n).tolist()
 
 
-def _row(engine, n_prompt, ttft, decode_times, peak_mb, runs):
-    return dict(engine=engine, device=None, attention="-", prompt_tokens=n_prompt, generated=len(decode_times) + 1,
-                runs=runs, time_to_first_token_ms=ttft, peak_memory_mb=peak_mb,
-                decode_tokens_per_second=1000.0 * len(decode_times) / sum(decode_times) if decode_times else 0.0,
-                per_forward_ms_min=min([ttft] + decode_times), per_forward_ms_mean=float(np.mean([ttft] + decode_times)),
-                per_forward_ms_max=max([ttft] + decode_times))
+SPREAD_KEYS = ("time_to_first_token_ms", "decode_tokens_per_second", "total_tokens_per_second",
+               "aggregate_decode_tokens_per_second", "peak_memory_mb", "wall_s")
 
 
-def _median_row(rows):
-    out = dict(rows[0])
-    for k in ("time_to_first_token_ms", "decode_tokens_per_second", "per_forward_ms_min", "per_forward_ms_mean",
-              "per_forward_ms_max", "peak_memory_mb"):
-        out[k] = statistics.median(r[k] for r in rows)
+def summarize(per_run: list[dict]) -> dict:
+    """One row from the runs of a case: the first run's fields, then for every SPREAD_KEYS key the
+    median over runs (under the key itself) with its min and max (`key_min`, `key_max`), and the
+    token intervals pooled over all runs (min, mean, max)."""
+    out = {k: v for k, v in per_run[0].items() if k != "intervals"}
+    for k in SPREAD_KEYS:
+        if k in per_run[0]:
+            values = [r[k] for r in per_run]
+            out[k], out[k + "_min"], out[k + "_max"] = statistics.median(values), min(values), max(values)
+    intervals = [x for r in per_run for x in r.get("intervals", [])] or [0.0]
+    out.update(token_interval_ms_min=min(intervals), token_interval_ms_mean=float(np.mean(intervals)),
+               token_interval_ms_max=max(intervals), runs=len(per_run))
     return out
+
+
+def _row(engine, n_prompt, ttft, decode_times, peak_mb):
+    """A peer's run, shaped like bench.py's per-run dicts (one sequence, no KV cache choice)."""
+    wall_ms = ttft + sum(decode_times)
+    return dict(engine=engine, device=None, attention="-", kv_cache="-", batch_size=1, prefill_chunk=None,
+                prompt_tokens=n_prompt, generated=len(decode_times) + 1, time_to_first_token_ms=ttft,
+                decode_tokens_per_second=1000.0 * len(decode_times) / sum(decode_times) if decode_times else 0.0,
+                total_tokens_per_second=1000.0 * (len(decode_times) + 1) / wall_ms,
+                peak_memory_mb=peak_mb, wall_s=wall_ms / 1000, intervals=list(decode_times), kind="case")
 
 
 def llama_cpp_rows(path, cases, n_gen, runs, threads):
@@ -68,49 +83,45 @@ def llama_cpp_rows(path, cases, n_gen, runs, threads):
                 tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
                 times.append((time.perf_counter() - t0) * 1000)
             if r:  # the first run is the warm-up
-                per_run.append(_row(f"llama.cpp {llama_cpp.__version__} ({threads} threads)", n, ttft, times, 0.0, runs))
-        rows.append(_median_row(per_run))
+                per_run.append(_row(f"llama.cpp {llama_cpp.__version__} ({threads} threads)", n, ttft, times, 0.0))
+        rows.append(summarize(per_run))
     return rows
 
 
 def write_mlx_lm_model(path, out_dir):
-    """The GGUF's weights as an mlx-lm model directory (config.json + model.safetensors)."""
+    """The GGUF's weights as an mlx-lm model directory (config.json + model.safetensors). Names come from
+    the model spec (`mlxinfer.models.spec.tensors`): an mlx-lm module path is the Hugging Face name
+    without its trailing ".weight"."""
     import mlx.core as mx
 
     from mlxinfer.backends.mlx import REPACK
     from mlxinfer.gguf_file import GGUFFile
-    from mlxinfer.models.layers import TransformerArgs
+    from mlxinfer.models import model_args
+    from mlxinfer.models.spec import tensors
 
     g = GGUFFile(path)
-    arch = g.architecture
-    args = TransformerArgs.from_gguf(g, rope_traditional=arch == "llama", qk_norm=arch == "qwen3")
+    args = model_args(g)
     module_bits = {}  # mlx-lm module path -> bits, for every tensor we keep quantized
     config = {
-        "model_type": arch, "hidden_size": args.hidden, "num_hidden_layers": args.n_layers,
+        "model_type": args.arch, "hidden_size": args.hidden, "num_hidden_layers": args.n_layers,
         "intermediate_size": args.ffn, "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
         "head_dim": args.head_dim, "rms_norm_eps": args.rms_eps, "vocab_size": args.vocab_size,
         "rope_theta": args.rope_base, "tie_word_embeddings": args.tied_output, "max_position_embeddings": args.context_length,
-        "rope_traditional": arch == "llama",  # llama GGUFs keep Q/K permuted for interleaved RoPE
+        "rope_traditional": args.rope_traditional,  # llama GGUFs keep Q/K permuted for interleaved RoPE
     }
-    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-             "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-             "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
-             "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
     weights = {}
-    for t in g.tensors.values():
-        if t.name.startswith("blk."):
-            _, i, part, _ = t.name.split(".")
-            key = f"model.layers.{i}.{names[part]}"
-        else:
-            key = {"token_embd.weight": "model.embed_tokens", "output_norm.weight": "model.norm",
-                   "output.weight": "lm_head"}[t.name]
+    for _, _, name, hf_name, _ in tensors(args):
+        if not hf_name.endswith(".weight"):
+            raise ValueError(f"{name}: Hugging Face name {hf_name!r} does not end in '.weight'")
+        key = hf_name[:-len(".weight")]
+        t = g.tensor(name)
         if t.ggml_type in REPACK and len(t.shape) == 2:
             repack, bits = REPACK[t.ggml_type]
-            w, s, b = repack(g.raw(t.name), *t.shape)
+            w, s, b = repack(g.raw(name), *t.shape)
             weights[key + ".weight"], weights[key + ".scales"], weights[key + ".biases"] = (mx.array(w), mx.array(s), mx.array(b))
             module_bits[key] = bits
         else:
-            weights[key + ".weight"] = mx.array(np.ascontiguousarray(g.dequantize(t.name), dtype=np.float32))
+            weights[key + ".weight"] = mx.array(np.ascontiguousarray(g.dequantize(name), dtype=np.float32))
     if module_bits:
         # mlx-lm's quantization config: a default, plus per-module entries where a file mixes types
         # (SmolLM2: Q4_1 blocks, Q8_0 embedding); float modules are marked False.
@@ -151,8 +162,8 @@ def mlx_lm_rows(path, cases, n_gen, runs):
                 t0 = now
             if r:
                 per_run.append(_row(f"mlx-lm {mlx_lm.__version__} ({mx.default_device()})", n, times[0], times[1:],
-                                    mx.get_peak_memory() / 1e6, runs))
-        rows.append(_median_row(per_run))
+                                    mx.get_peak_memory() / (1024 * 1024)))
+        rows.append(summarize(per_run))
     return rows
 
 
