@@ -1,16 +1,30 @@
-"""Benchmark: backends x attention paths x prompt lengths (x peer engines), on the same weights.
+"""Benchmark: backends x attention paths x KV caches x batch sizes x prompt lengths (x peer engines).
 
     python3 bench/bench.py                         # synthetic Qwen3-0.6B-shaped Q8_0 (made if absent)
     python3 bench/bench.py --model smollm2         # SmolLM2-135M-Instruct Q4_1 (the default model)
+    python3 bench/bench.py --model smollm2 --backends cpu --kv basic,prealloc --batch 1,8 --cases 17,511
     python3 bench/bench.py --model path.gguf --backends cpu,mlx --sweep 16,128,512,1024,2048
 
-Cases: the book chapter's two, a short prompt (17 tokens, 64 generated) and a long one (511 tokens,
-64 generated), plus an optional sweep of context lengths (decode tokens/s vs tokens in the cache).
-Each row is the median of --runs runs after one warm-up. Writes a Markdown table to stdout and to
-OUT/results.md, JSON lines to OUT/results.jsonl and, when matplotlib is installed, OUT/decode_vs_context.png.
+Cases: the book chapter's two, a short prompt (17 tokens) and a long one (511 tokens), --gen tokens
+generated, plus an optional sweep of context lengths (decode tokens/s vs tokens in the cache).
+
+Rows: one per backend/device, attention path, KV cache (--kv), batch size (--batch) and prompt length.
+Batch 1 is `engine.generate` on one prompt; batch B is one `engine.generate_batch` call on B different
+prompts of the case's length, computed together. Every run reports:
+- TTFT: time to first token (batch B: the mean over the B sequences);
+- decode tok/s: per sequence, tokens after the first over the time from the first to the last token
+  (batch B: the mean over the sequences; each sequence gets one token per batched pass);
+- total tok/s: every generated token of the call over the call's whole wall time (prefill included);
+- peak MiB: the cpu backend's peak RSS during the run (the process's high-water mark is reset before
+  each run through /proc/self/clear_refs where Linux allows it, else it is the process's peak so far:
+  see `peak_memory_scope`), MLX's peak allocation for MLX rows (reset before each run).
+Each row is the median of --runs runs after one warm-up, with the min and max over the runs beside it
+(a row whose min-max ranges overlap another's is not a difference). Writes a Markdown table to stdout
+and to OUT/results.md, JSON lines to OUT/results.jsonl (a "header" line, then one dict per row, written
+as measured) and, with a sweep and matplotlib installed, OUT/decode_vs_context.png.
 
 Peers, when installed: llama.cpp through llama-cpp-python on the same GGUF, same thread count, and
-mlx-lm on the same weights (see bench/peers.py). Their rows sit in the same table.
+mlx-lm on the same weights (see bench/peers.py). Their rows sit in the same table (batch 1).
 """
 
 from __future__ import annotations
@@ -20,7 +34,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
@@ -32,8 +45,9 @@ import numpy as np  # noqa: E402
 
 import mlxinfer  # noqa: E402
 from mlxinfer.backends import mlx_gpu_available  # noqa: E402
+from mlxinfer.kv_cache import KV_CACHES  # noqa: E402
 from mlxinfer.synthetic import SyntheticSpec, write_synthetic_model  # noqa: E402
-from peers import prompt_ids, run_peers  # noqa: E402
+from peers import prompt_ids, run_peers, summarize  # noqa: E402
 
 QWEN3_06B = SyntheticSpec(arch="qwen3", n_layers=28, hidden=1024, ffn=3072, n_heads=16, n_kv_heads=8,
                           head_dim=128, vocab_size=151936, context_length=40960, tied_output=True,
@@ -56,32 +70,58 @@ def resolve(model: str, cache: str) -> str:
     return model
 
 
-def peak_memory_mb(engine) -> float:
+def reset_peak_memory(engine) -> str:
+    """Reset the peak-memory counter the backend reports; returns the scope of the next reading:
+    "run" (reset worked) or "process" (the process's peak so far)."""
     if engine.backend.name == "mlx":
         import mlx.core as mx
 
-        return mx.get_peak_memory() / 1e6
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3  # Linux: KiB
+        mx.reset_peak_memory()
+        return "run"
+    try:  # Linux: "5" resets the RSS high-water mark (VmHWM, and with it ru_maxrss)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return "run"
+    except OSError:
+        return "process"
 
 
-def run_case(engine, n_prompt: int, n_gen: int, runs: int):
-    ids = prompt_ids(n_prompt, engine.args.vocab_size)
-    engine.generate(ids, max_tokens=4)  # warm-up: allocations, kernel compilation
-    results = []
-    for _ in range(runs):
-        if engine.backend.name == "mlx":
-            import mlx.core as mx
+def one_run(engine, prompts, n_gen, sync: bool) -> dict:
+    """One generate (one prompt) or generate_batch (several) call, as a per-run dict."""
+    on_forward = (lambda name: None) if sync else None  # the engine pipelines only without on_forward
+    scope = reset_peak_memory(engine)
+    t0 = time.perf_counter()
+    if len(prompts) == 1:
+        gens = [engine.generate(prompts[0], max_tokens=n_gen, on_forward=on_forward)]
+    else:
+        gens = engine.generate_batch(prompts, max_tokens=n_gen, on_forward=on_forward)
+    wall = time.perf_counter() - t0
+    ms = [g.metrics for g in gens]
+    generated = [m.generated_tokens for m in ms]
+    decode = [m.decode_tokens_per_second for m in ms]
+    return dict(
+        kv_cache=ms[0].kv_cache, batch_size=len(gens), prefill_chunk=ms[0].prefill_chunk,
+        generated=statistics.median(generated), generated_min=min(generated), generated_total=sum(generated),
+        finish_reasons=sorted({g.finish_reason for g in gens}),
+        time_to_first_token_ms=statistics.fmean(m.time_to_first_token_ms for m in ms),
+        prompt_tokens_per_second=statistics.fmean(m.prompt_tokens_per_second for m in ms),
+        decode_tokens_per_second=statistics.fmean(decode),
+        aggregate_decode_tokens_per_second=sum(decode),
+        total_tokens_per_second=sum(generated) / wall,
+        wall_s=wall,
+        peak_memory_mb=engine.backend.peak_memory_mb(), peak_memory_scope=scope,
+        intervals=[x for m in ms for x in m.token_intervals_ms],
+    )
 
-            mx.reset_peak_memory()
-        g = engine.generate(ids, max_tokens=n_gen)
-        m = g.metrics.as_dict()
-        m["peak_memory_mb"] = peak_memory_mb(engine)
-        m["generated"] = len(g.token_ids)
-        results.append(m)
-    keys = ["time_to_first_token_ms", "decode_tokens_per_second", "per_forward_ms_min", "per_forward_ms_mean",
-            "per_forward_ms_max", "peak_memory_mb"]
-    row = {k: statistics.median(r[k] for r in results) for k in keys}
-    row.update(prompt_tokens=n_prompt, generated=results[0]["generated"], runs=runs)
+
+def run_case(engine, n_prompt: int, n_gen: int, runs: int, batch: int = 1, sync: bool = False,
+             warmup_tokens: int = 0) -> dict:
+    vocab = engine.args.vocab_size
+    prompts = [prompt_ids(n_prompt, vocab, seed=b) for b in range(batch)]  # batch 1: the old bench's prompt
+    w = n_prompt if warmup_tokens <= 0 else min(warmup_tokens, n_prompt)
+    one_run(engine, [p[:w] for p in prompts], min(4, n_gen), sync)  # warm-up: allocations, kernel compilation
+    row = summarize([one_run(engine, prompts, n_gen, sync) for _ in range(runs)])
+    row.update(prompt_tokens=n_prompt, max_tokens=n_gen, warmup_prompt_tokens=w)
     return row
 
 
@@ -97,7 +137,7 @@ def configs(backends, attentions, devices):
                 yield b, None, a
 
 
-def header(model_path) -> str:
+def machine() -> dict:
     from importlib.metadata import version
 
     try:
@@ -114,33 +154,59 @@ def header(model_path) -> str:
                              text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    return (f"date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}\n"
-            f"machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} cpus"
-            f"{', GPU ' + gpu if gpu else ''}\n"
-            f"python {platform.python_version()}, numpy {np.__version__}, {mlx_v}, gguf {version('gguf')}, "
-            f"mlxinfer {mlxinfer.__version__}\n"
-            f"model: {model_path}\n")
+    return dict(
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        machine=f"{platform.platform()}, {platform.machine()}, {os.cpu_count()} cpus" + (f", GPU {gpu}" if gpu else ""),
+        versions=f"python {platform.python_version()}, numpy {np.__version__}, {mlx_v}, gguf {version('gguf')}, "
+                 f"mlxinfer {mlxinfer.__version__}",
+        load_average="{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()),
+    )
+
+
+def header(info: dict, model_path: str, argv: list[str]) -> str:
+    return (f"date: {info['date']}\nmachine: {info['machine']}\n{info['versions']}\n"
+            f"load average at start (1, 5, 15 min): {info['load_average']}\n"
+            f"model: {model_path}\ncommand: python3 bench/bench.py {' '.join(argv)}\n")
+
+
+def spread(r, key, fmt) -> str:
+    """"median [min-max]", or just the median for one run."""
+    if key + "_min" not in r or r.get("runs", 1) < 2:
+        return format(r[key], fmt)
+    return f"{format(r[key], fmt)} [{format(r[key + '_min'], fmt)}-{format(r[key + '_max'], fmt)}]"
 
 
 def fmt_table(rows) -> str:
-    cols = ["engine", "device", "attention", "prompt", "gen", "TTFT ms", "decode tok/s", "fwd min ms",
-            "fwd mean ms", "fwd max ms", "peak MB", "fused/per-head"]
+    cols = ["engine", "device", "attention", "kv", "batch", "prompt", "gen", "TTFT ms", "decode tok/s/seq",
+            "total tok/s", "interval ms min/mean/max", "peak MiB", "fused/per-head"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
+        gen = f"{r['generated']:g}" + (f" (min {r['generated_min']:g})" if r.get("generated_min", r["generated"])
+                                        != r["generated"] else "")
         lines.append("| " + " | ".join([
-            r["engine"], r.get("device") or "-", r["attention"], str(r["prompt_tokens"]), str(r["generated"]),
-            f"{r['time_to_first_token_ms']:.1f}", f"{r['decode_tokens_per_second']:.2f}",
-            f"{r['per_forward_ms_min']:.2f}", f"{r['per_forward_ms_mean']:.2f}", f"{r['per_forward_ms_max']:.1f}",
-            f"{r['peak_memory_mb']:.0f}", r.get("ratio", ""),
+            r["engine"], r.get("device") or "-", r["attention"], r.get("kv_cache", "-"), str(r.get("batch_size", 1)),
+            str(r["prompt_tokens"]), gen,
+            spread(r, "time_to_first_token_ms", ".1f"), spread(r, "decode_tokens_per_second", ".2f"),
+            spread(r, "total_tokens_per_second", ".2f"),
+            f"{r['token_interval_ms_min']:.1f}/{r['token_interval_ms_mean']:.1f}/{r['token_interval_ms_max']:.1f}",
+            f"{r['peak_memory_mb']:.0f}" + ("" if r.get("peak_memory_scope", "run") == "run" else "*"),
+            r.get("ratio", ""),
         ]) + " |")
+    if any(r.get("peak_memory_scope") == "process" for r in rows):
+        lines.append("\n*: the process's peak so far (the high-water mark could not be reset)")
     return "\n".join(lines)
 
 
+def row_key(r, attention=None):
+    return (r["engine"], r.get("device"), r.get("kv_cache"), r.get("batch_size", 1), r["prompt_tokens"],
+            attention or r["attention"])
+
+
 def add_ratios(rows):
-    by = {(r["engine"], r.get("device"), r["prompt_tokens"], r["attention"]): r for r in rows}
+    by = {row_key(r): r for r in rows}
     for r in rows:
         if r["attention"] == "fused":
-            ph = by.get((r["engine"], r.get("device"), r["prompt_tokens"], "per-head"))
+            ph = by.get(row_key(r, "per-head"))
             if ph and ph["decode_tokens_per_second"] > 0:
                 r["ratio"] = f"{r['decode_tokens_per_second'] / ph['decode_tokens_per_second']:.2f}x"
 
@@ -157,14 +223,15 @@ def plot(sweep_rows, path):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series = {}
     for r in sweep_rows:
-        label = f"{r['engine']}{'/' + r['device'] if r.get('device') else ''} {r['attention']}"
+        label = (f"{r['engine']}{'/' + r['device'] if r.get('device') else ''} {r['attention']} "
+                 f"{r.get('kv_cache', '')}{' B=' + str(r['batch_size']) if r.get('batch_size', 1) > 1 else ''}")
         series.setdefault(label, []).append((r["prompt_tokens"], r["decode_tokens_per_second"]))
     for label, pts in series.items():
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens in the KV cache (prompt length)")
-    ax.set_ylabel("decode tokens/s")
+    ax.set_ylabel("decode tokens/s (per sequence)")
     ax.set_title("decode speed vs context")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
@@ -173,69 +240,115 @@ def plot(sweep_rows, path):
     print(f"wrote {path}", file=sys.stderr)
 
 
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-0.6b-synthetic", help="qwen3-0.6b-synthetic, smollm2 or a GGUF path")
-    p.add_argument("--backends", default="cpu,mlx")
-    p.add_argument("--attention", default="per-head,fused")
-    p.add_argument("--cases", default="17,511", help="prompt lengths of the main cases (64 tokens generated)")
-    p.add_argument("--gen", type=int, default=64)
-    p.add_argument("--sweep", default="", help="prompt lengths for the decode-vs-context sweep, e.g. 16,128,1024")
-    p.add_argument("--sweep-gen", type=int, default=16)
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--devices", default="gpu,cpu", help="MLX devices to run (where available)")
-    p.add_argument("--sync", action="store_true", help="also run MLX rows without pipelined decoding")
-    p.add_argument("--peers", default="llama.cpp,mlx-lm", help="peer engines, or 'none'")
+    p.add_argument("--model", default="qwen3-0.6b-synthetic",
+                   help="qwen3-0.6b-synthetic (made under --cache if absent), smollm2 (the default model) or a "
+                        "GGUF path (default: %(default)s)")
+    p.add_argument("--backends", default="cpu,mlx", help="comma-separated backends: cpu, mlx (default: %(default)s)")
+    p.add_argument("--attention", default="per-head,fused",
+                   help="comma-separated attention paths: per-head, fused (default: %(default)s)")
+    p.add_argument("--kv", default="prealloc",
+                   help=f"comma-separated KV caches, one set of rows each: {', '.join(KV_CACHES)} "
+                        "(default: %(default)s)")
+    p.add_argument("--batch", default="1",
+                   help="comma-separated batch sizes: 1 is engine.generate on one prompt, B > 1 one "
+                        "engine.generate_batch call on B prompts of the case's length (default: %(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens per prefill pass (load(prefill_chunk=...); default: the engine's, 512)")
+    p.add_argument("--cases", default="17,511", help="prompt lengths of the main cases (default: %(default)s)")
+    p.add_argument("--gen", type=int, default=64, help="tokens generated per sequence in the main cases "
+                                                       "(default: %(default)s)")
+    p.add_argument("--sweep", default="", help="prompt lengths for the decode-vs-context sweep, e.g. 16,128,1024 "
+                                               "(default: none)")
+    p.add_argument("--sweep-gen", type=int, default=16, help="tokens generated per sweep point "
+                                                             "(default: %(default)s)")
+    p.add_argument("--runs", type=int, default=3, help="measured runs per row, after one warm-up; the row is "
+                                                       "their median, with min and max (default: %(default)s)")
+    p.add_argument("--warmup-tokens", type=int, default=0,
+                   help="prompt tokens of the warm-up run (0: the case's whole prompt; a short warm-up saves "
+                        "minutes where prefill is slow, e.g. MLX on a CPU) (default: %(default)s)")
+    p.add_argument("--devices", default="gpu,cpu", help="MLX devices to run, where available (default: %(default)s)")
+    p.add_argument("--sync", action="store_true",
+                   help="also run MLX rows without pipelined decoding (each pass read before the next is built)")
+    p.add_argument("--peers", default="llama.cpp,mlx-lm",
+                   help="peer engines, comma-separated (llama.cpp, mlx-lm), or 'none' (default: %(default)s)")
     p.add_argument("--replot", default=None, help="only redraw the plot from a results.jsonl")
-    p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--out", default=os.path.join(HERE, "out"))
-    p.add_argument("--cache", default=os.path.join(HERE, "models"))
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="threads for the llama.cpp peer (default: the CPU count, %(default)s)")
+    p.add_argument("--out", default=os.path.join(HERE, "out"),
+                   help="output folder for results.md, results.jsonl and the plot (default: bench/out)")
+    p.add_argument("--cache", default=os.path.join(HERE, "models"),
+                   help="folder for the synthetic model (default: bench/models)")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     if a.replot:
         with open(a.replot) as f:
             plot([r for r in map(json.loads, f) if r.get("kind") == "sweep"], os.path.join(a.out, "decode_vs_context.png"))
         return
+    kvs = [k for k in a.kv.split(",") if k]
+    unknown = [k for k in kvs if k not in KV_CACHES]
+    if unknown:
+        p.error(f"unknown KV cache {unknown[0]!r} (choose from {', '.join(KV_CACHES)})")
+    batches = ints(a.batch)
+    if not batches or min(batches) < 1:
+        p.error("--batch needs positive batch sizes")
     path = resolve(a.model, a.cache)
-    head = header(path)
-    print(head)
+    info = machine()
+    head = header(info, path, argv)
+    print(head, flush=True)
     rows, sweep_rows = [], []
     log = open(os.path.join(a.out, "results.jsonl"), "w")
-    cases = [int(x) for x in a.cases.split(",") if x]
-    sweep = [int(x) for x in a.sweep.split(",") if x]
+    print(json.dumps(dict(kind="header", model=path, command="python3 bench/bench.py " + " ".join(argv), **info)),
+          file=log, flush=True)
+    cases, sweep = ints(a.cases), ints(a.sweep)
     for backend, device, attention in configs(a.backends.split(","), a.attention.split(","), a.devices.split(",")):
-        t0 = time.perf_counter()
-        engine = mlxinfer.load(path, backend=backend, attention=attention, device=device)
-        load_s = time.perf_counter() - t0
-        for pipeline in ([True, False] if a.sync and backend == "mlx" else [True]):
-            engine.pipeline = pipeline
-            name = f"mlxinfer {backend}" + ("" if pipeline or backend != "mlx" else " (sync)")
-            for n in cases:
-                row = run_case(engine, n, a.gen, a.runs)
-                row.update(engine=name, device=device, attention=attention, load_s=load_s, kind="case")
-                rows.append(row)
-                print(json.dumps(row), file=log, flush=True)
-            for n in sweep:
-                row = run_case(engine, n, a.sweep_gen, a.runs)
-                row.update(engine=name, device=device, attention=attention, kind="sweep")
-                sweep_rows.append(row)
-                print(json.dumps(row), file=log, flush=True)
-        del engine
-    peer_rows, peer_notes = run_peers([x for x in a.peers.split(",") if x != "none"], path, cases, a.gen, a.runs,
-                                      a.threads)
+        for kv in kvs:
+            t0 = time.perf_counter()
+            engine = mlxinfer.load(path, backend=backend, attention=attention, device=device, kv=kv,
+                                   prefill_chunk=a.prefill_chunk)
+            load_s = time.perf_counter() - t0
+            for sync in ([False, True] if a.sync and backend == "mlx" else [False]):
+                name = f"mlxinfer {backend}" + (" (sync)" if sync else "")
+                common = dict(engine=name, device=device, attention=attention, backend=engine.backend.describe(),
+                              load_s=load_s)
+                for batch in batches:
+                    for n in cases:
+                        row = run_case(engine, n, a.gen, a.runs, batch, sync, a.warmup_tokens)
+                        row.update(common, kind="case", load_average_1min=round(os.getloadavg()[0], 2))
+                        rows.append(row)
+                        print(json.dumps(row), file=log, flush=True)
+                        print(f"  {name} {device or '-'} {attention} kv={kv} batch={batch} prompt={n}: "
+                              f"TTFT {spread(row, 'time_to_first_token_ms', '.1f')} ms, decode "
+                              f"{spread(row, 'decode_tokens_per_second', '.2f')} tok/s/seq, total "
+                              f"{spread(row, 'total_tokens_per_second', '.2f')} tok/s", file=sys.stderr, flush=True)
+                for n in sweep:
+                    row = run_case(engine, n, a.sweep_gen, a.runs, 1, sync, a.warmup_tokens)
+                    row.update(common, kind="sweep", load_average_1min=round(os.getloadavg()[0], 2))
+                    sweep_rows.append(row)
+                    print(json.dumps(row), file=log, flush=True)
+            del engine
+    peer_rows, peer_notes = run_peers([x for x in a.peers.split(",") if x and x != "none"], path, cases, a.gen,
+                                      a.runs, a.threads)
     rows += peer_rows
     add_ratios(rows)
     add_ratios(sweep_rows)
-    text = head + "\n" + fmt_table(rows)
+    text = fmt_table(rows)
     if peer_rows:
         text += "\n\n" + peer_ratios(rows)
     if peer_notes:
         text += "\n\n" + "\n".join(peer_notes)
     if sweep_rows:
         text += "\n\ndecode tokens/s vs context (" + str(a.sweep_gen) + " generated):\n\n" + fmt_table(sweep_rows)
+    text += "\n\nload average at end (1, 5, 15 min): {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
     print(text)
     with open(os.path.join(a.out, "results.md"), "w") as f:
-        f.write(text + "\n")
+        f.write(head + "\n" + text + "\n")
     for r in peer_rows:
         print(json.dumps(r), file=log, flush=True)
     log.close()
@@ -244,14 +357,15 @@ def main(argv=None):
 
 
 def peer_ratios(rows) -> str:
-    out = ["ours / peer, decode tokens/s:"]
-    ours = [r for r in rows if r["engine"].startswith("mlxinfer")]
+    out = ["ours / peer, decode tokens/s per sequence (batch 1):"]
+    ours = [r for r in rows if r["engine"].startswith("mlxinfer") and r.get("batch_size", 1) == 1]
     peers = [r for r in rows if not r["engine"].startswith("mlxinfer")]
     for p in peers:
         for o in ours:
             if o["prompt_tokens"] == p["prompt_tokens"] and p["decode_tokens_per_second"] > 0:
-                out.append(f"  {o['engine']}/{o.get('device') or '-'} {o['attention']} vs {p['engine']} "
-                           f"(prompt {p['prompt_tokens']}): {o['decode_tokens_per_second'] / p['decode_tokens_per_second']:.2f}x")
+                out.append(f"  {o['engine']}/{o.get('device') or '-'} {o['attention']} {o.get('kv_cache')} vs "
+                           f"{p['engine']} (prompt {p['prompt_tokens']}): "
+                           f"{o['decode_tokens_per_second'] / p['decode_tokens_per_second']:.2f}x")
     return "\n".join(out)
 
 
