@@ -31,9 +31,15 @@ print(kb('VmHWM'), kb('RssAnon'), kb('RssFile'))
 """
 
 
-def main():
-    if len(sys.argv) > 1:
-        path = sys.argv[1]
+def main(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", nargs="?", default=None,
+                   help="GGUF file (default: a Qwen3-0.6B-shaped all-F32 file under bench/models, ~2.4 GB, made if absent)")
+    a = p.parse_args(argv)
+    if a.path:
+        path = a.path
     else:
         from mlxinfer.synthetic import write_synthetic_model
         from bench import QWEN3_06B

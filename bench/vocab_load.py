@@ -17,9 +17,15 @@ from mlxinfer.gguf_file import GGUFFile  # noqa: E402
 from mlxinfer.tokenizer import GGUFTokenizer  # noqa: E402
 
 
-def main():
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    path = args[0] if args else os.path.join(os.path.dirname(HERE), "tests", "data", "ggml-vocab-qwen2.gguf")
+def main(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", nargs="?", default=os.path.join(os.path.dirname(HERE), "tests", "data", "ggml-vocab-qwen2.gguf"),
+                   help="GGUF file (default: tests/data/ggml-vocab-qwen2.gguf)")
+    p.add_argument("--gguf-reader", action="store_true", help="also time gguf.GGUFReader on the same file")
+    a = p.parse_args(argv)
+    path = a.path
     meta, tok = [], []
     for _ in range(5):
         t0 = time.perf_counter()
@@ -32,7 +38,7 @@ def main():
         tok.append(t2 - t1)
     print(f"{path}: metadata {statistics.median(meta):.3f} s, tokenizer {statistics.median(tok):.3f} s, "
           f"together {statistics.median(m + t for m, t in zip(meta, tok)):.3f} s (median of 5)")
-    if "--gguf-reader" in sys.argv:
+    if a.gguf_reader:
         import gguf
 
         t0 = time.perf_counter()
