@@ -102,6 +102,8 @@ class _Pass:
 
 
 class Engine:
+    pipeline = True  # on a lazy backend, queue the next pass before reading the current one's tokens
+
     def __init__(self, path, backend, kv: str = "prealloc", prefill_chunk: int | None = None):
         if kv not in KV_CACHES:
             raise RequestError(f"unknown KV cache {kv!r} (choose from {', '.join(KV_CACHES)})")
@@ -290,7 +292,7 @@ class Engine:
 
     def _run(self, seqs, cache, on_forward=None) -> Iterator:
         """Passes until every sequence has finished; yields (sequence, event) pairs."""
-        pipelined = self.backend.lazy and on_forward is None
+        pipelined = self.pipeline and self.backend.lazy and on_forward is None
         pending, n_pass = None, 0
         while True:
             plan = self._plan(seqs)

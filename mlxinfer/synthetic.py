@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
 from .gguf_file import GGUFFile
+from .models.spec import EMBEDDING, NORM, ModelArgs, tensors
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -71,6 +72,14 @@ class SyntheticSpec:
     rms_eps: float = 1e-6
     seed: int = 0
 
+    def args(self) -> ModelArgs:
+        """The model spec's hyperparameters for this synthetic file."""
+        from .models import ARCHITECTURES
+
+        return ModelArgs(self.arch, self.n_layers, self.hidden, self.ffn, self.n_heads, self.n_kv_heads,
+                         self.head_dim, self.vocab_size, self.context_length, self.rms_eps, self.rope_base,
+                         tied_output=self.tied_output, **ARCHITECTURES[self.arch].TRAITS)
+
 
 def _tensor(rng, shape, std):
     return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
@@ -119,27 +128,14 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML_TEMPLATE)
 
-    def norm(n):
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    _add(w, "token_embd.weight", _tensor(rng, (spec.vocab_size, h), 1.0), qtype)
-    for i in range(spec.n_layers):
-        p = f"blk.{i}."
-        _add(w, p + "attn_norm.weight", norm(h), qtype)
-        _add(w, p + "attn_q.weight", _tensor(rng, (spec.n_heads * d, h), h ** -0.5), qtype)
-        _add(w, p + "attn_k.weight", _tensor(rng, (spec.n_kv_heads * d, h), h ** -0.5), qtype)
-        _add(w, p + "attn_v.weight", _tensor(rng, (spec.n_kv_heads * d, h), h ** -0.5), qtype)
-        _add(w, p + "attn_output.weight", _tensor(rng, (h, spec.n_heads * d), (spec.n_heads * d) ** -0.5), qtype)
-        if a == "qwen3":
-            _add(w, p + "attn_q_norm.weight", norm(d), qtype)
-            _add(w, p + "attn_k_norm.weight", norm(d), qtype)
-        _add(w, p + "ffn_norm.weight", norm(h), qtype)
-        _add(w, p + "ffn_gate.weight", _tensor(rng, (spec.ffn, h), h ** -0.5), qtype)
-        _add(w, p + "ffn_up.weight", _tensor(rng, (spec.ffn, h), h ** -0.5), qtype)
-        _add(w, p + "ffn_down.weight", _tensor(rng, (h, spec.ffn), spec.ffn ** -0.5), qtype)
-    _add(w, "output_norm.weight", norm(h), qtype)
-    if not spec.tied_output:
-        _add(w, "output.weight", _tensor(rng, (spec.vocab_size, h), h ** -0.5), qtype)
+    # Every tensor of the model spec, in file order: norms 1 + 0.1 N(0, 1), the embedding N(0, 1),
+    # matrices N(0, 1/in_features).
+    for t, _, name, _, shape in tensors(spec.args()):
+        if t.kind == NORM:
+            data = (1.0 + 0.1 * rng.standard_normal(shape[0])).astype(np.float32)
+        else:
+            data = _tensor(rng, shape, 1.0 if t.kind == EMBEDDING else shape[1] ** -0.5)
+        _add(w, name, data, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

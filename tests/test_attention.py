@@ -1,40 +1,65 @@
+"""The attention contract on the cpu backend: the numpy override is byte-identical to the per-head
+reference for batches of decode rows and prefill chunks, and both compute causal GQA attention."""
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from mlxinfer.backend import Backend, attention_scale
+from mlxinfer.backend import AttentionSpec, Backend
 from mlxinfer.backends.cpu import CPUBackend
 from mlxinfer.testing import AttentionCase, assert_matches_default, attention_inputs, run_both
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(attention_inputs())
-def test_cpu_fused_attention_is_byte_identical_to_per_head_default(case):
+def test_cpu_fused_attention_is_byte_identical_to_per_head_reference(case):
     assert_matches_default(CPUBackend(), case)
 
 
+@settings(max_examples=25, deadline=None)
+@given(attention_inputs(max_seq=300))
+def test_cpu_fused_attention_on_the_basic_cache(case):
+    assert_matches_default(CPUBackend(), case, kv="basic")
+
+
 def naive_attention(case):
-    """float64 textbook attention, causal, to check both paths compute attention at all."""
-    t, s, d = case.q.shape[0], case.k.shape[0], case.head_dim
-    g = case.n_heads // case.n_kv_heads
-    out = np.zeros((t, case.n_heads * d))
-    for h in range(case.n_heads):
-        kh = case.k[:, (h // g) * d:(h // g + 1) * d].astype(np.float64)
-        vh = case.v[:, (h // g) * d:(h // g + 1) * d].astype(np.float64)
-        sc = case.q[:, h * d:(h + 1) * d].astype(np.float64) @ kh.T / np.sqrt(d)
-        sc[np.triu(np.ones((t, s), bool), k=s - t + 1)] = -np.inf
-        p = np.exp(sc - sc.max(1, keepdims=True))
-        out[:, h * d:(h + 1) * d] = (p / p.sum(1, keepdims=True)) @ vh
-    return out
+    """float64 textbook attention, causal with an optional window, sequence by sequence."""
+    sp = case.spec
+    d, g = sp.head_dim, sp.group
+    out, r0 = [], 0
+    for k, v, t in zip(case.keys, case.values, case.rows):
+        s = k.shape[0]
+        pos = np.arange(s - t, s)[:, None]
+        hidden = np.arange(s)[None, :] > pos
+        if sp.window:
+            hidden |= np.arange(s)[None, :] <= pos - sp.window
+        o = np.zeros((t, sp.n_heads * d))
+        for h in range(sp.n_heads):
+            kh = k[:, (h // g) * d:(h // g + 1) * d].astype(np.float64)
+            vh = v[:, (h // g) * d:(h // g + 1) * d].astype(np.float64)
+            sc = case.q[r0:r0 + t, h * d:(h + 1) * d].astype(np.float64) @ kh.T / np.sqrt(d)
+            sc[hidden] = -np.inf
+            p = np.exp(sc - sc.max(1, keepdims=True))
+            o[:, h * d:(h + 1) * d] = (p / p.sum(1, keepdims=True)) @ vh
+        out.append(o)
+        r0 += t
+    return np.concatenate(out)
 
 
-@pytest.mark.parametrize("t,s,kv,group,d", [(1, 1, 1, 1, 64), (1, 37, 2, 4, 128), (5, 5, 1, 2, 32), (3, 20, 3, 3, 64)])
-def test_attention_paths_compute_causal_gqa_attention(t, s, kv, group, d):
-    rng = np.random.default_rng(t * 1000 + s)
-    h = kv * group
-    case = AttentionCase(rng.standard_normal((t, h * d), dtype=np.float32),
-                         rng.standard_normal((s, kv * d), dtype=np.float32),
-                         rng.standard_normal((s, kv * d), dtype=np.float32), h, kv, d)
+def make_case(rows_and_lengths, kv, group, d, window=None, seed=0):
+    rng = np.random.default_rng(seed)
+    spec = AttentionSpec.standard(kv * group, kv, d, window=window)
+    keys = [rng.standard_normal((s, kv * d), dtype=np.float32) for _, s in rows_and_lengths]
+    values = [rng.standard_normal((s, kv * d), dtype=np.float32) for _, s in rows_and_lengths]
+    q = rng.standard_normal((sum(t for t, _ in rows_and_lengths), spec.n_heads * d), dtype=np.float32)
+    return AttentionCase(q, keys, values, [t for t, _ in rows_and_lengths], spec)
+
+
+@pytest.mark.parametrize("rows,kv,group,d,window", [
+    ([(1, 1)], 1, 1, 64, None), ([(1, 37)], 2, 4, 128, None), ([(5, 5)], 1, 2, 32, None),
+    ([(3, 20), (1, 9), (4, 4)], 3, 3, 64, None), ([(6, 40), (1, 30)], 2, 2, 32, 7)])
+def test_attention_paths_compute_causal_gqa_attention(rows, kv, group, d, window):
+    case = make_case(rows, kv, group, d, window, seed=len(rows) * 100 + d)
     fused, default = run_both(CPUBackend(), case)
     want = naive_attention(case)
     np.testing.assert_allclose(default, want, atol=2e-5, rtol=1e-4)
@@ -44,29 +69,72 @@ def test_attention_paths_compute_causal_gqa_attention(t, s, kv, group, d):
 def test_gqa_mapping_uses_consecutive_query_heads_per_kv_head():
     # KV head 0 has V = 1, KV head 1 has V = 2: query heads 0,1 must read 1 and heads 2,3 read 2.
     d, s = 4, 3
-    q = np.ones((1, 4 * d), np.float32)
-    k = np.zeros((s, 2 * d), np.float32)
     v = np.concatenate([np.full((s, d), 1, np.float32), np.full((s, d), 2, np.float32)], axis=1)
-    for out in run_both(CPUBackend(), AttentionCase(q, k, v, 4, 2, d)):
+    case = AttentionCase(np.ones((1, 4 * d), np.float32), [np.zeros((s, 2 * d), np.float32)], [v], [1],
+                         AttentionSpec.standard(4, 2, d))
+    for out in run_both(CPUBackend(), case):
         assert out.reshape(4, d)[:, 0].tolist() == [1, 1, 2, 2]
 
 
-def test_harness_catches_a_different_rounding_order():
-    """An override that scales q before the score matmul (the same math as scaling the scores after
-    it, different float rounding) must fail the byte-identity check."""
+def test_each_sequence_reads_only_its_own_cache():
+    """Two sequences in one pass: each output equals the same sequence attended alone."""
+    case = make_case([(3, 10), (1, 25)], 2, 2, 32, seed=4)
+    both, _ = run_both(CPUBackend(), case)
+    alone0, _ = run_both(CPUBackend(), AttentionCase(case.q[:3], case.keys[:1], case.values[:1], [3], case.spec))
+    alone1, _ = run_both(CPUBackend(), AttentionCase(case.q[3:], case.keys[1:], case.values[1:], [1], case.spec))
+    assert np.array_equal(both, np.concatenate([alone0, alone1]))
 
-    class ScaleFirst(CPUBackend):
-        def fused_attention(self, q, k, v, n_heads, n_kv_heads, head_dim):
-            unscaled = CPUBackend()
-            unscaled.scale = lambda x, s: x
-            q = q * np.float32(attention_scale(head_dim))
-            return Backend.fused_attention(unscaled, q, k, v, n_heads, n_kv_heads, head_dim)
 
-    rng = np.random.default_rng(0)
-    case = AttentionCase(rng.standard_normal((1, 256), dtype=np.float32),
-                         rng.standard_normal((64, 128), dtype=np.float32),
-                         rng.standard_normal((64, 128), dtype=np.float32), 2, 1, 128)
-    fused, default = run_both(ScaleFirst(), case)
-    np.testing.assert_allclose(fused, default, rtol=1e-5, atol=1e-6)  # same math...
-    with pytest.raises(AssertionError, match="differs from the per-head default"):
-        assert_matches_default(ScaleFirst(), case)  # ...different bits
+def mutated_override(mutation):
+    """The cpu override with one deliberate change of float order (the same math, other rounding)."""
+    import mlxinfer.backends.cpu as cpu
+
+    class Mutant(CPUBackend):
+        def fused_attention_override(self, q, kv, batch, spec):
+            out = np.empty((q.shape[0], spec.n_heads * spec.head_dim), np.float32)
+            kvh, d, g = spec.n_kv_heads, spec.head_dim, spec.group
+            for i, (r0, r1) in enumerate(batch.rows):
+                k, v = kv.sequence(self, i)
+                t, s = r1 - r0, k.shape[0]
+                qh = np.ascontiguousarray(q[r0:r1].reshape(t, kvh, g, d).transpose(1, 2, 0, 3))
+                kh = np.ascontiguousarray(k.reshape(s, kvh, d).transpose(1, 0, 2))[:, None]
+                vh = np.ascontiguousarray(v.reshape(s, kvh, d).transpose(1, 0, 2))[:, None]
+                if mutation == "scale q first":
+                    sc = np.matmul(qh * np.float32(spec.scale), kh.transpose(0, 1, 3, 2))
+                elif mutation == "divide by sqrt(d)":
+                    sc = np.matmul(qh, kh.transpose(0, 1, 3, 2)) / np.float32(np.sqrt(d))
+                else:
+                    sc = np.matmul(qh, kh.transpose(0, 1, 3, 2)) * np.float32(spec.scale)
+                if t > 1 or spec.window:
+                    cpu._mask(sc, batch.positions_of(self, i), spec.causal, spec.window)
+                if mutation == "float64 softmax":
+                    e = np.exp(sc.astype(np.float64) - sc.max(-1, keepdims=True))
+                    attn = (e / e.sum(-1, keepdims=True)).astype(np.float32)
+                else:
+                    attn = cpu._softmax_last_axis(sc)
+                out[r0:r1] = np.matmul(attn, vh).transpose(2, 0, 1, 3).reshape(t, -1)
+            return out
+
+    return Mutant()
+
+
+@pytest.mark.parametrize("mutation", ["scale q first", "divide by sqrt(d)", "float64 softmax"])
+def test_harness_catches_a_different_rounding_order(mutation):
+    case = make_case([(1, 300), (8, 200)], 2, 2, 128, seed=3)
+    fused, default = run_both(mutated_override(mutation), case)
+    np.testing.assert_allclose(fused, default, rtol=1e-4, atol=1e-5)  # the same math...
+    with pytest.raises(AssertionError, match="differs from the per-head reference"):
+        assert_matches_default(mutated_override(mutation), case)  # ...other bits
+
+
+def test_the_unmutated_copy_passes():
+    assert_matches_default(mutated_override(None), make_case([(1, 300), (8, 200)], 2, 2, 128, seed=3))
+
+
+def test_harness_refuses_an_override_that_calls_the_reference():
+    class Cheat(CPUBackend):
+        def fused_attention_override(self, q, kv, batch, spec):
+            return self.per_head_attention(q, kv, batch, spec)
+
+    with pytest.raises(AssertionError, match="called the per-head reference"):
+        assert_matches_default(Cheat(), make_case([(2, 8)], 1, 1, 16))

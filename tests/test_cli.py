@@ -24,17 +24,45 @@ def assert_one_line_error(r, *fragments):
 def test_generate_default_model_says_paris(smollm2_path):
     r = run_cli("generate", "--backend", "cpu", "--max-tokens", "8", "The capital of France is")
     assert r.returncode == 0, r.stderr
-    text, _, block = r.stdout.partition("\n\nbackend: cpu\n")
-    assert text.startswith(" Paris")
-    assert "kv cache: basic" in block and "time_to_first_token_ms:" in block
-    assert "per_forward_ms: min" in block and "(n=8)" in block
+    assert r.stdout.startswith(" Paris") and "backend" not in r.stdout  # stdout holds only the text
+    block = r.stderr
+    assert block.startswith("\nbackend: cpu\nkv cache: prealloc\nattention: fused\n")
+    assert "time_to_first_token_ms:" in block and "generated_tokens: 8" in block and "(n=7)" in block
+    assert "prompt_tokens: 5  (prefill chunk 512)" in block and "finish_reason: length" in block
+
+
+def test_generate_options_reach_the_engine(smollm2_path):
+    r = run_cli("generate", "--backend", "cpu", "--max-tokens", "8", "--kv", "basic", "--prefill-chunk", "2",
+                "--attention", "per-head", "--stop", " answer", "--quiet", "The capital of France is")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "" and r.stdout.startswith(" Paris")
+    free = run_cli("generate", "--backend", "cpu", "--max-tokens", "8", "--quiet", "The capital of France is")
+    assert free.stdout.startswith(r.stdout.rstrip("\n"))
+    r = run_cli("generate", "--backend", "cpu", "--max-tokens", "8", "--kv", "basic", "--prefill-chunk", "2",
+                "--attention", "per-head", "The capital of France is")
+    assert "kv cache: basic" in r.stderr and "attention: per-head" in r.stderr and "(prefill chunk 2)" in r.stderr
+
+
+def test_generate_sampling_options(smollm2_path):
+    def run(*opts):
+        r = run_cli("generate", "--backend", "cpu", "--max-tokens", "12", "--quiet", *opts, "Once upon a time")
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    greedy = run()
+    assert run("--temp", "1.5", "--seed", "1") != greedy
+    assert run("--temp", "1.5", "--seed", "1", "--top-k", "1") == greedy
+    assert run("--temp", "1.5", "--seed", "1", "--top-p", "0.000001") == greedy
+    assert run("--temp", "1.5", "--seed", "1", "--min-p", "1") == greedy
+    assert run("--temp", "1.5", "--seed", "7") == run("--temp", "1.5", "--seed", "7")
+    assert run("--temp", "1.5", "--seed", "-1") is not None  # llama.cpp's "random seed": no error
 
 
 def test_generate_chat_mode(smollm2_path):
     r = run_cli("generate", "--model", smollm2_path, "--backend", "cpu", "--chat", "--max-tokens", "24",
                 "What is the capital of France? Answer in one word.")
     assert r.returncode == 0, r.stderr
-    assert "Paris" in r.stdout.split("\n\nbackend:")[0]
+    assert "Paris" in r.stdout
 
 
 def test_inspect_prints_model_summary(smollm2_path):
@@ -106,6 +134,10 @@ def test_prompt_longer_than_context(tmp_path):
 @pytest.mark.parametrize("args,fragment", [
     (["--backend", "tpu"], "invalid choice: 'tpu'"),
     (["--attention", "flash"], "invalid choice: 'flash'"),
+    (["--kv", "paged"], "invalid choice: 'paged'"),
+    (["--backend", "cpu", "--prefill-chunk", "0"], "prefill chunk must be a positive integer, got 0"),
+    (["--backend", "cpu", "--stop", ""], "stop string must be non-empty"),
+    (["--backend", "cpu", "--min-p", "3"], "min_p must be in [0, 1]"),
 ])
 def test_bad_option_values(args, fragment):
     assert_one_line_error(run_cli("generate", *args, "hi"), fragment)
@@ -119,7 +151,7 @@ def test_runtime_request_errors(tmp_path):
     assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "--device", "gpu", "hi"),
                           "the cpu backend runs on the CPU only")
     assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "--max-tokens", "0", "hi"),
-                          "max_tokens must be at least 1")
+                          "max_tokens must be a positive integer, got 0")
     assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "--max-tokens", "100", "hi"),
                           "exceeds the model's context length 64")
     r = subprocess.run([sys.executable, "-m", "mlxinfer.cli", "generate", "--model", p, "--backend", "cpu",

@@ -1,64 +1,122 @@
+"""The generation API: streaming events, sampling options, stop strings, chat messages, batched
+generation, chunked prefill and the KV caches, on the cpu reference backend."""
+
+import math
+
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import mlxinfer
+from mlxinfer.batch import Batch
 from mlxinfer.chat import render_chat
 from mlxinfer.errors import RequestError
+from mlxinfer.generate import FinishEvent, TokenEvent
+from mlxinfer.kv_cache import PreallocKVCache
 from mlxinfer.metrics import Metrics
-from mlxinfer.sampling import sample
+from mlxinfer.sampling import SamplingParams, filter_probs_numpy
+
+SHAPE = dict(arch="qwen3", n_layers=2, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=320,
+             context_length=256, tied_output=False, seed=11)
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def path(tmp_path_factory):
     from mlxinfer.synthetic import write_synthetic_model
 
-    p = write_synthetic_model(tmp_path_factory.mktemp("g") / "m.gguf", arch="qwen3", n_layers=2, hidden=64,
-                              ffn=128, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=320,
-                              context_length=128, tied_output=False, seed=11)
-    return mlxinfer.load(p, backend="cpu")
+    return write_synthetic_model(tmp_path_factory.mktemp("g") / "m.gguf", **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def engine(path):
+    return mlxinfer.load(path, backend="cpu")
 
 
 def test_greedy_is_argmax_of_logits_at_every_step(engine):
     prompt = [10, 20, 30]
     gen = engine.generate(prompt, max_tokens=8)
     ids = list(prompt)
-    for tok in gen.token_ids:
-        assert tok == int(np.argmax(engine.logits(ids)[-1]))
+    for tok, lp in zip(gen.token_ids, gen.logprobs):
+        logits = engine.logits(ids)[-1].astype(np.float64)
+        assert tok == int(np.argmax(logits))
+        assert math.isclose(lp, logits[tok] - np.log(np.sum(np.exp(logits - logits.max()))) - logits.max(),
+                            abs_tol=1e-5)
         ids.append(tok)
     assert gen.finish_reason == "length" and len(gen.token_ids) == 8
-    assert gen.metrics.forward_ms and len(gen.metrics.forward_ms) == 8
+    assert gen.metrics.generated_tokens == 8 and len(gen.metrics.token_intervals_ms) == 7
+
+
+def test_stream_events(engine):
+    events = list(engine.stream("the cat is", max_tokens=12, temperature=1.0, seed=9))
+    tokens, finish = events[:-1], events[-1]
+    assert all(isinstance(e, TokenEvent) for e in tokens) and isinstance(finish, FinishEvent)
+    assert [e.index for e in tokens] == list(range(len(tokens)))
+    gen = finish.generation
+    assert [e.token_id for e in tokens] == gen.token_ids
+    assert "".join(e.text for e in tokens) + finish.text == gen.text == engine.tokenizer.decode(gen.token_ids, skip_special=True)
+    assert all(e.logprob <= 0 for e in tokens) and finish.finish_reason == gen.finish_reason
+
+
+def test_bad_requests_raise_when_the_stream_is_made(engine):
+    with pytest.raises(RequestError, match="max_tokens"):
+        engine.stream("hi", max_tokens=0)
 
 
 def test_sampling_is_reproducible_with_a_seed(engine):
     a = engine.generate("the cat", max_tokens=12, temperature=1.0, seed=3)
     b = engine.generate("the cat", max_tokens=12, temperature=1.0, seed=3)
     c = engine.generate("the cat", max_tokens=12, temperature=1.0, seed=4)
-    assert a.token_ids == b.token_ids
+    assert a.token_ids == b.token_ids and a.seed == 3
     assert a.token_ids != c.token_ids
 
 
-def test_top_k_1_is_greedy(engine):
+def test_negative_seed_means_random(engine):
+    runs = [engine.generate("the cat", max_tokens=12, temperature=1.0, seed=-1) for _ in range(3)]
+    assert len({tuple(r.token_ids) for r in runs}) > 1
+    assert all(r.seed is not None and r.seed >= 0 for r in runs)
+    again = engine.generate("the cat", max_tokens=12, temperature=1.0, seed=runs[0].seed)
+    assert again.token_ids == runs[0].token_ids  # the reported seed reproduces the run
+
+
+def test_sampling_options_reach_the_sampler(engine):
     greedy = engine.generate("the cat", max_tokens=10)
-    topk1 = engine.generate("the cat", max_tokens=10, temperature=0.7, top_k=1, seed=1)
-    assert topk1.token_ids == greedy.token_ids
+    # each option alone narrows sampling to the top token: equal to greedy only if it is applied
+    assert engine.generate("the cat", max_tokens=10, temperature=1.0, top_k=1, seed=1).token_ids == greedy.token_ids
+    assert engine.generate("the cat", max_tokens=10, temperature=1.0, top_p=1e-6, seed=1).token_ids == greedy.token_ids
+    assert engine.generate("the cat", max_tokens=10, temperature=1.0, min_p=1.0, seed=1).token_ids == greedy.token_ids
+    assert engine.generate("the cat", max_tokens=10, temperature=1e-4, seed=1).token_ids == greedy.token_ids
+    # and without them, temperature 1 and a high temperature do sample
+    hot = [engine.generate("the cat", max_tokens=10, temperature=5.0, seed=s).token_ids for s in range(3)]
+    assert any(h != greedy.token_ids for h in hot)
 
 
-def test_sample_respects_top_k_and_top_p():
+def test_filter_probs_top_k_top_p_min_p():
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
-    rng = np.random.default_rng(0)
-    draws = {sample(logits, rng, 1.0, top_k=2) for _ in range(300)}
-    assert draws == {0, 1}
-    draws = {sample(logits, rng, 1.0, top_p=0.79) for _ in range(300)}
-    assert draws == {0, 1}
-    draws = {sample(logits, rng, 1.0, top_p=0.81) for _ in range(300)}
-    assert draws == {0, 1, 2}
+
+    def kept(**kw):
+        return set(np.nonzero(filter_probs_numpy(logits, SamplingParams(temperature=1.0, **kw)))[0].tolist())
+
+    assert kept() == {0, 1, 2, 3}
+    assert kept(top_k=2) == {0, 1}
+    assert kept(top_p=0.79) == {0, 1} and kept(top_p=0.81) == {0, 1, 2}
+    assert kept(min_p=0.5) == {0, 1} and kept(min_p=0.29) == {0, 1, 2}
+    p = filter_probs_numpy(logits, SamplingParams(temperature=2.0))
+    want = np.sqrt([0.5, 0.3, 0.15, 0.05])
+    np.testing.assert_allclose(p, want / want.sum(), rtol=1e-6)  # temperature 2 = square root of the probabilities
 
 
-def test_streaming_pieces_concatenate_to_the_text(engine):
+def test_stop_strings(engine):
+    free = engine.generate([1, 2, 3], max_tokens=30)
+    text = free.text
+    assert len(text) > 8
+    stop = text[5:8]
+    first = text.find(stop)
+    gen = engine.generate([1, 2, 3], max_tokens=30, stop=[stop, "never-seen-string"])
+    assert gen.finish_reason == "stop" and gen.text == text[:first]
     pieces = []
-    gen = engine.generate("the cat is", max_tokens=20, temperature=1.0, seed=9, on_text=pieces.append)
-    assert "".join(pieces) == gen.text
-    assert len(pieces) > 1
+    engine.generate([1, 2, 3], max_tokens=30, stop=stop, on_text=pieces.append)
+    assert "".join(pieces) == text[:first]  # the stop string was never streamed
 
 
 def test_stops_at_end_of_generation_token(engine, monkeypatch):
@@ -69,7 +127,7 @@ def test_stops_at_end_of_generation_token(engine, monkeypatch):
     gen = engine.generate([1, 2, 3], max_tokens=6)
     assert gen.finish_reason == "stop"
     assert gen.token_ids == free.token_ids[:3]  # the stop token itself is not returned
-    assert len(gen.metrics.forward_ms) == 4
+    assert gen.metrics.generated_tokens == 4
 
 
 def test_chat_template_renders_chatml(engine):
@@ -78,26 +136,144 @@ def test_chat_template_renders_chatml(engine):
     ids = engine.encode_prompt("hi", chat=True)
     tok = engine.tokenizer
     assert ids[0] == tok.tokens.index("<|im_start|>") and tok.decode(ids) == text
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert tok.decode(engine.encode_prompt(messages)) == render_chat(tok.chat_template, messages)
+    assert engine.generate(messages, max_tokens=3).prompt_ids == engine.encode_prompt(messages)
 
 
-def test_context_and_request_errors(engine):
-    with pytest.raises(RequestError, match="exceeds the model's context length 128"):
-        engine.generate(list(range(100)), max_tokens=40)
+def test_request_errors(engine):
+    with pytest.raises(RequestError, match="exceeds the model's context length 256"):
+        engine.generate(list(range(200)), max_tokens=60)
     with pytest.raises(RequestError, match="empty prompt"):
         engine.generate("")
     with pytest.raises(RequestError, match="outside the vocabulary"):
         engine.generate([5, 100000])
     with pytest.raises(RequestError, match="not valid UTF-8"):
         engine.generate(b"\xff\xfe")
-    for bad in (dict(temperature=float("nan")), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2)):
-        with pytest.raises(RequestError, match="bad sampling options"):
+    with pytest.raises(RequestError, match="role 'wizard'"):
+        engine.generate([{"role": "wizard", "content": "hi"}])
+    with pytest.raises(RequestError, match="stop string must be non-empty"):
+        engine.generate("hi", stop=[""])
+    with pytest.raises(RequestError, match="at least one prompt"):
+        engine.generate_batch([])
+    for bad in (dict(temperature=float("nan")), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2),
+                dict(min_p=2.0), dict(top_k=1.5), dict(seed="x")):
+        with pytest.raises(RequestError, match="bad sampling option"):
             engine.generate("hi", **bad)
+    for chunk in (0, -3, 2.5):
+        with pytest.raises(RequestError, match="prefill chunk must be a positive integer"):
+            mlxinfer.Engine(engine.path, engine.backend, prefill_chunk=chunk)
+    with pytest.raises(RequestError, match="unknown KV cache 'paged'"):
+        mlxinfer.Engine(engine.path, engine.backend, kv="paged")
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_prefill_chunk_sizes_give_the_same_greedy_text(path, engine, chunk):
+    prompt = list(range(3, 3 + 90))
+    whole = engine.generate(prompt, max_tokens=20)
+    chunked = mlxinfer.load(path, backend="cpu", prefill_chunk=chunk).generate(prompt, max_tokens=20)
+    assert chunked.token_ids == whole.token_ids
+    np.testing.assert_allclose(chunked.logprobs, whole.logprobs, atol=1e-5)
+
+
+def test_basic_and_prealloc_caches_give_identical_logits(path):
+    ids = list(range(5, 60))
+    pre = mlxinfer.load(path, backend="cpu", kv="prealloc", prefill_chunk=16)
+    basic = mlxinfer.load(path, backend="cpu", kv="basic", prefill_chunk=16)
+    assert np.array_equal(pre.logits(ids).view(np.uint32), basic.logits(ids).view(np.uint32))
+    a = pre.generate_batch([ids[:9], ids[:30]], max_tokens=12)
+    b = basic.generate_batch([ids[:9], ids[:30]], max_tokens=12)
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    assert [g.logprobs for g in a] == [g.logprobs for g in b]
+
+
+def test_generate_batch_equals_each_prompt_alone(engine, monkeypatch):
+    prompts = [[7, 8, 9], list(range(40, 90)), "the cat is on", [300, 12]]
+    alone = [engine.generate(p, max_tokens=10) for p in prompts]
+    together = engine.generate_batch(prompts, max_tokens=10)
+    for a, b in zip(alone, together):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs  # bitwise: batch invariance
+    assert all(g.metrics.batch_size == 4 for g in together)
+    # sequences finish on their own: stop one of them early on an end-of-generation token
+    stopper = alone[1].token_ids[2]
+    monkeypatch.setattr(engine.tokenizer, "eog_ids", engine.tokenizer.eog_ids | {stopper})
+    mixed = engine.generate_batch(prompts, max_tokens=10)
+    assert [m.finish_reason for m in mixed] != [a.finish_reason for a in alone]
+    for a, m in zip(alone, mixed):
+        cut = a.token_ids.index(stopper) if stopper in a.token_ids else len(a.token_ids)
+        assert m.token_ids == a.token_ids[:cut]
+        assert m.finish_reason == ("stop" if cut < len(a.token_ids) else a.finish_reason)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_batch_invariance_of_logits(engine, data):
+    """A sequence's logits inside any batch are bitwise those of the same sequence run alone, whatever
+    the other sequences are doing (prefilling a chunk, decoding) and whenever it joins."""
+    ops, chunk = engine.backend, data.draw(st.sampled_from([1, 3, 8, 64]))
+    n = data.draw(st.integers(2, 4))
+    prompts = [data.draw(st.lists(st.integers(0, 310), min_size=1, max_size=40)) for _ in range(n)]
+    feeds = [data.draw(st.lists(st.integers(0, 310), min_size=0, max_size=4)) for _ in range(n)]
+    joins = [data.draw(st.integers(0, 3)) for _ in range(n)]
+
+    def schedule(i):  # (start, ids) of each pass of sequence i: prefill chunks, then decode steps
+        steps = [(s, prompts[i][s:s + chunk]) for s in range(0, len(prompts[i]), chunk)]
+        return steps + [(len(prompts[i]) + j, [t]) for j, t in enumerate(feeds[i])]
+
+    def run(members):
+        cache, out = engine.new_cache(), {i: [] for i in members}
+        slots = {i: cache.alloc() for i in members}
+        plans = {i: [None] * joins[i] + schedule(i) for i in members}
+        for step in range(max(len(p) for p in plans.values())):
+            active = [i for i in members if step < len(plans[i]) and plans[i][step] is not None]
+            if not active:
+                continue
+            batch = Batch(ops, [slots[i] for i in active], [plans[i][step][0] for i in active],
+                          [len(plans[i][step][1]) for i in active])
+            cache.reserve(batch)
+            ids = ops.index_array([t for i in active for t in plans[i][step][1]])
+            logits = engine.model(ops, ids, batch, cache)
+            for row, i in enumerate(active):
+                out[i].append(logits[row].copy())
+        return out
+
+    together = run(list(range(n)))
+    for i in range(n):
+        alone = run([i])[i]
+        assert len(alone) == len(together[i])
+        for a, b in zip(alone, together[i]):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_kv_slots_are_released_reused_and_memory_follows_the_tokens(engine):
+    cache = PreallocKVCache(engine.backend, n_layers=1, width=8, step=16)
+    a, b, c = cache.alloc(), cache.alloc(), cache.alloc()
+    assert (a, b, c) == (0, 1, 2)
+    ops = engine.backend
+    batch = Batch(ops, [a, b, c], [0, 0, 0], [5, 40, 3])
+    cache.reserve(batch)
+    assert (cache.n_slots, cache.capacity) == (3, 48)
+    cache.update(ops, 0, np.ones((48, 8), np.float32), np.ones((48, 8), np.float32), batch)
+    cache.release(b)
+    assert cache.capacity == 16 and cache.n_slots == 3  # the long one left: capacity shrinks
+    assert cache.alloc() == b  # the free slot is reused
+    cache.release(c)
+    cache.release(b)
+    assert cache.n_slots == 1 and cache.nbytes() == 2 * 1 * 1 * 16 * 8 * 4
+    with pytest.raises(ValueError, match="slot 1 is not in use"):
+        cache.release(b)
+    cache.release(a)
+    assert cache.nbytes() == 0 and cache.in_use == 0
 
 
 def test_metrics_block_format():
-    m = Metrics("cpu", "basic", "fused", forward_ms=[263.908, 20.0, 30.0, 22.0])
+    m = Metrics("cpu", "prealloc", "fused", prompt_tokens=5, prefill_chunk=512, time_to_first_token_ms=250.0,
+                token_intervals_ms=[20.0, 30.0, 22.0], finish_reason="stop", peak_memory_mb=512.25)
     text = m.format()
-    assert text.splitlines()[:2] == ["backend: cpu", "kv cache: basic"]
-    assert "  time_to_first_token_ms: 263.908" in text
-    assert "  decode_tokens_per_second: 41.667" in text  # 3 decode passes in 72 ms
-    assert "  per_forward_ms: min 20.000  max 263.908  mean 83.977  (n=4)" in text
+    assert text.splitlines()[:3] == ["backend: cpu", "kv cache: prealloc", "attention: fused"]
+    assert "  time_to_first_token_ms: 250.000" in text
+    assert "  prompt_tokens_per_second: 20.000" in text
+    assert "  generated_tokens: 4" in text
+    assert "  decode_tokens_per_second: 41.667" in text  # 3 intervals in 72 ms
+    assert "  token_interval_ms: min 20.000  max 30.000  mean 24.000  (n=3)" in text
+    assert "  finish_reason: stop" in text and "  peak_memory_mb: 512.2" in text

@@ -17,7 +17,7 @@ SHAPES = [
 ]
 
 
-def traced_passes(path, backend, attention, n_new=3):
+def traced_passes(path, backend, attention, n_new=3, prompts=None):
     engine = mlxinfer.load(path, backend=backend, attention=attention)
     out = io.StringIO()
     tracer = install_tracer(engine, stream=out)
@@ -27,34 +27,55 @@ def traced_passes(path, backend, attention, n_new=3):
         passes.append((name, dict(tracer.counts)))
         tracer.end_pass(name)
 
-    gen = engine.generate([3, 4, 5, 6, 7], max_tokens=n_new, on_forward=end)
+    if prompts is None:
+        gen = engine.generate([3, 4, 5, 6, 7], max_tokens=n_new, on_forward=end)
+    else:
+        gen = engine.generate_batch(prompts, max_tokens=n_new, on_forward=end)
     tracer.print_summary()
     return engine, passes, out.getvalue(), gen
 
 
+PER_HEAD_OPS = ("matmul", "transpose_2d", "softmax_rows", "copy_2d_from", "copy_2d_into", "scale", "zeros",
+                "read_rows", "mask_scores")
+
+
+def check_pass(f, p, L, H, B, T):
+    """Op counts of one pass of B sequences with T rows each, L layers, H query heads: fused (f) and
+    per-head (p) attention. Weight products: 7 per layer plus the output head, whatever B and T."""
+    assert f["fused_attention"] == L and p["fused_attention"] == L
+    assert f["linear"] == p["linear"] == 7 * L + 1
+    assert f["scatter_rows"] == p["scatter_rows"] == 2 * L  # keys and values, all sequences at once
+    assert f["rope"] == p["rope"] == 2 * L
+    assert f["sample_tokens"] == p["sample_tokens"] == 1
+    assert f["gather_rows"] == (1 if T == 1 else 2)  # embedding (+ the logit rows of a prefill pass)
+    assert f.get("matmul", 0) == 0 and p["matmul"] == 2 * H * B * L  # per layer, per head, per sequence
+    assert f.get("transpose_2d", 0) == 0 and p["transpose_2d"] == H * B * L
+    assert f.get("softmax_rows", 0) == 0 and p["softmax_rows"] == H * B * L
+    assert p["copy_2d_from"] == 3 * H * B * L and p["copy_2d_into"] == H * B * L
+    assert p["read_rows"] == 2 * B * L and p["zeros"] == L
+    assert p.get("mask_scores", 0) == (H * B * L if T > 1 else 0)
+    assert p["scale"] - f["scale"] == H * B * L
+    for op in set(f) | set(p):  # everything else is the same in both paths
+        if op not in PER_HEAD_OPS:
+            assert f.get(op, 0) == p.get(op, 0), op
+
+
 @pytest.mark.parametrize("backend", ["cpu", "mlx"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s['arch']}-L{s['n_layers']}-H{s['n_heads']}")
-def test_decode_step_op_counts(synthetic, shape, backend):
+def test_op_counts_per_layer_head_and_sequence(synthetic, shape, backend):
     path = synthetic(**shape, seed=1)
     L, H = shape["n_layers"], shape["n_heads"]
     _, fused, _, _ = traced_passes(path, backend, "fused")
     _, per_head, _, _ = traced_passes(path, backend, "per-head")
-    names = [p[0] for p in fused]
-    assert names == ["prefill", "decode 1", "decode 2"]
-    f, p = fused[1][1], per_head[1][1]
-    assert f["fused_attention"] == L and p["fused_attention"] == L
-    assert f["matmul"] == 7 * L + 1
-    assert p["matmul"] == 7 * L + 1 + 2 * H * L
-    assert f.get("transpose_2d", 0) == 0 and p["transpose_2d"] == H * L
-    assert f.get("softmax_rows", 0) == 0 and p["softmax_rows"] == H * L
-    assert p["copy_2d_from_cols"] == 3 * H * L and p["copy_2d_into_cols"] == H * L
-    assert f["concat_dim0"] == 2 * L and f["gather_rows"] == 1 and f["argmax_with_prob"] == 1
-    # everything else is the same in both paths
-    for op in set(f) | set(p):
-        if op not in ("matmul", "transpose_2d", "softmax_rows", "copy_2d_from_cols", "copy_2d_into_cols",
-                      "scale", "zeros"):
-            assert f.get(op, 0) == p.get(op, 0), op
-    assert p["scale"] - f["scale"] == H * L
+    assert [p[0] for p in fused] == ["prefill", "decode 1", "decode 2"]
+    check_pass(fused[0][1], per_head[0][1], L, H, B=1, T=5)
+    check_pass(fused[1][1], per_head[1][1], L, H, B=1, T=1)
+    prompts = [[3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    _, fused, _, _ = traced_passes(path, backend, "fused", prompts=prompts)
+    _, per_head, _, _ = traced_passes(path, backend, "per-head", prompts=prompts)
+    assert fused[1][0] == "pass 2 (3 rows, 3 sequences)"
+    check_pass(fused[0][1], per_head[0][1], L, H, B=3, T=3)
+    check_pass(fused[1][1], per_head[1][1], L, H, B=3, T=1)
 
 
 def test_histogram_format_and_summary(synthetic):
@@ -69,8 +90,10 @@ def test_histogram_format_and_summary(synthetic):
     assert all(b.startswith("  ") and b.endswith(" ms)") for b in block)
     total = int(lines[0].split("total ")[1].split(",")[0])
     assert total == sum(passes[0][1].values())
-    assert lines[-len(passes[0][1]) - 1].startswith("[CPU] whole run (3 forward passes)") or "whole run" in text
-    assert "[CPU] whole run (3 forward passes): op invocation counts" in text
+    summary = lines.index(next(x for x in lines if "whole run" in x))
+    assert lines[summary].startswith("[CPU] whole run (3 forward passes): op invocation counts (total ")
+    run_total = int(lines[summary].split("total ")[1].split(",")[0])
+    assert run_total == sum(sum(c.values()) for _, c in passes)
 
 
 def test_tracing_does_not_change_results(synthetic):

@@ -113,27 +113,28 @@ def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
     from ..kv_cache import PreallocKVCache
 
     rng = np.random.default_rng(7)
-    spec = AttentionSpec.standard(4, 2, 64)
+    d = 128  # 1/sqrt(128) is not a power of two: scaling before or after the product rounds differently
+    spec = AttentionSpec.standard(4, 2, d)
     t, s = 3, 70
-    q = backend.from_numpy(rng.standard_normal((t, 4 * 64), dtype=np.float32))
-    kv_np = rng.standard_normal((2, s, 2 * 64), dtype=np.float32)
-    cache = PreallocKVCache(backend, 1, 2 * 64)
+    q = backend.from_numpy(rng.standard_normal((t, 4 * d), dtype=np.float32))
+    kv_np = rng.standard_normal((2, s, 2 * d), dtype=np.float32) * 3
+    cache = PreallocKVCache(backend, 1, 2 * d)
     slot = cache.alloc()
+    first = Batch(backend, [slot], [0], [s - t])
+    cache.reserve(first)
+    cache.update(backend, 0, backend.from_numpy(kv_np[0, :s - t]), backend.from_numpy(kv_np[1, :s - t]), first)
     batch = Batch(backend, [slot], [s - t], [t])
-    cache.held[slot] = s - t
     cache.reserve(batch)
-    cache.keys[0][0, :s] = backend.from_numpy(kv_np[0])
-    cache.values[0][0, :s] = backend.from_numpy(kv_np[1])
     view = cache.update(backend, 0, backend.from_numpy(kv_np[0, s - t:]), backend.from_numpy(kv_np[1, s - t:]), batch)
     try:
         fused = np.array(backend.fused_attention_override(q, view, batch, spec))
         ref = np.array(backend.per_head_attention(q, view, batch, spec))
-        a, b = q[:, :64], backend.from_numpy(kv_np[0, :, :64])
+        a, b = q[:, :d], backend.from_numpy(kv_np[0, :, :d])
         prod = np.array(backend.matmul(a, mx.transpose(b)))
         soft = np.array(backend.softmax_rows(mx.array(prod)))
     except Exception as e:  # a kernel that fails to compile or launch
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    want_prod = np.array(a) @ kv_np[0, :, :64].T
+    want_prod = np.array(a) @ kv_np[0, :, :d].T
     if not np.allclose(prod, want_prod, rtol=1e-5, atol=1e-4):
         return f"matmul kernel differs from the reference product by {np.max(np.abs(prod - want_prod)):.3g}"
     want_soft = np.array(mx.softmax(mx.array(prod), axis=-1, precise=True))
@@ -170,14 +171,20 @@ class MLXBackend(Backend):
         self.gpu_kernels = gpu if device == "gpu" else None
         self.kernel = kernel or (gpu if device == "gpu" else "graph")
         self.fallback = None
-        if device == "gpu" and kernel is None and gpu == "metal" and verify is not None:
-            problem = verify(self)
-            if problem:  # never run an unverified kernel silently: MLX's own ops instead, and say so
-                self.fallback = problem
-                self.gpu_kernels, self.kernel = None, "graph"
-                print(f"mlxinfer: warning: the Metal attention kernels failed their self-check ({problem}); "
-                      "using MLX's own ops (fused and per-head paths no longer bit-identical)", file=sys.stderr)
         self._cache: dict[str, object] = {}
+        if device == "gpu" and kernel is None and gpu == "metal" and verify is not None:
+            self.check_kernels(verify)
+
+    def check_kernels(self, verify=verify_gpu_kernels) -> str | None:
+        """Never run an unverified kernel silently: run `verify` (on the device); on a mismatch use
+        MLX's own ops and the graph override instead, say so in one line on stderr, and return it."""
+        problem = verify(self)
+        if problem:
+            self.fallback = problem
+            self.gpu_kernels, self.kernel = None, "graph"
+            print(f"mlxinfer: warning: the attention kernels failed their self-check ({problem}); using "
+                  "MLX's own ops (pass --kernel to force them)", file=sys.stderr)
+        return problem
 
     def describe(self) -> str:
         if self.device == "cpu":

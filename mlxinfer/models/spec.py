@@ -142,14 +142,16 @@ LAYER_TENSORS = (
 
 def tensors(args: ModelArgs):
     """(TensorSpec, layer index or None, gguf name, hf name, shape) of every tensor the model reads,
-    in file order: the globals, then layer by layer (lazily: a hostile block_count costs nothing)."""
-    for t in GLOBAL_TENSORS:
-        if t.when(args):
-            yield t, None, t.gguf, t.hf, t.shape(args)
+    in llama.cpp's file order: the embedding, layer by layer, then the final norm and output head
+    (lazily: a hostile block_count costs nothing)."""
+    first, *last = [t for t in GLOBAL_TENSORS if t.when(args)]
+    yield first, None, first.gguf, first.hf, first.shape(args)
     for i in range(args.n_layers):
         for t in LAYER_TENSORS:
             if t.when(args):
                 yield t, i, t.gguf.format(i=i), t.hf.format(i=i), t.shape(args)
+    for t in last:
+        yield t, None, t.gguf, t.hf, t.shape(args)
 
 
 def check_shapes(g, args: ModelArgs) -> None:
