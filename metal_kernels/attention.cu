@@ -79,9 +79,11 @@ mlxi_softmax(y, (int)n, threadIdx.x, red);
 //@@BODY fused_attention
 // One block per (query row r, head h) of a batch: the row's sequence lives in cache slot row_slot[r],
 // holds row_len[r] keys and values (this pass's included), and the query sits at position row_pos[r].
-// q [N, H*D]; k, v [slots, CAP, KV*D]; dims = [CAP]; out [N, H*D]; p [N*H, CAP] (scores scratch).
-// Template: H, KV, D, CAUSAL (0/1), WINDOW (0 = none).
+// q [N, H*D]; k, v [slots, CAP, KV*D]; out [N, H*D]; p [N*H, CAP] (scores scratch);
+// dims = [CAP, H, KV, D, CAUSAL (0/1), WINDOW (0 = none)]: runtime values, so one compiled kernel
+// serves every model and every batch.
 const long cap = dims[0];
+const int H = dims[1], KV = dims[2], D = dims[3], CAUSAL = dims[4], WINDOW = dims[5];
 const long blk = blockIdx.x;
 const long r = blk / H;
 const int h = blk % H;

@@ -79,6 +79,7 @@ threadgroup_barrier(mem_flags::mem_device);
 mlxi_softmax(y, (int)n, tid, red);
 //@@BODY fused_attention
 const long cap = dims[0];
+const int H = dims[1], KV = dims[2], D = dims[3], CAUSAL = dims[4], WINDOW = dims[5];
 const long blk = threadgroup_position_in_grid.x;
 const long r = blk / H;
 const int h = blk % H;

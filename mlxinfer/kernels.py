@@ -89,9 +89,8 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
     n = q.shape[0]
     cap = keys.shape[1]
     out, _ = _kernel(kind, "fused_attention")(
-        inputs=[q, keys, values, row_slot, row_pos, row_len, mx.array([spec.scale], dtype=mx.float32), _dims(cap)],
-        template=[("H", spec.n_heads), ("KV", spec.n_kv_heads), ("D", spec.head_dim),
-                  ("CAUSAL", int(spec.causal)), ("WINDOW", int(spec.window or 0))],
+        inputs=[q, keys, values, row_slot, row_pos, row_len, mx.array([spec.scale], dtype=mx.float32),
+                _dims(cap, spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.causal), int(spec.window or 0))],
         grid=(n * spec.n_heads * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(n, spec.n_heads * spec.head_dim), (n * spec.n_heads, cap)],
         output_dtypes=[mx.float32, mx.float32])
