@@ -117,28 +117,35 @@ def main():
     emit(out, what="batch invariance", tokens_equal=[x.token_ids == y.token_ids for x, y in zip(alone, together)],
          logprobs_bitwise_equal=[x.logprobs == y.logprobs for x, y in zip(alone, together)],
          max_logprob_diff=max(float(np.max(np.abs(np.array(x.logprobs) - np.array(y.logprobs)))) for x, y in zip(alone, together)))
-    for bsz in ((1, 8) if a.quick else (1, 8, 32)):
-        times = []
-        for r in range(2):
-            t0 = time.perf_counter()
-            gens = engine.generate_batch(prompts[:bsz], max_tokens=a.gen)
-            dt = time.perf_counter() - t0
-            if r:
-                times.append(dt)
-        total = sum(len(g.token_ids) for g in gens)
-        emit(out, what="batched generation", batch=bsz, prompt=128, generated_total=total, seconds=min(times),
-             total_tok_s=total / min(times), mean_ttft_ms=statistics.mean(g.metrics.time_to_first_token_ms for g in gens),
-             decode_tok_s_per_sequence=statistics.median(g.metrics.decode_tokens_per_second for g in gens))
+    invariant = mlxinfer.Engine(path, MLXBackend(kernel="cuda", per_sequence_linear=True))
+    together = invariant.generate_batch(prompts[:4], max_tokens=16)
+    alone = [invariant.generate(x, max_tokens=16) for x in prompts[:4]]
+    emit(out, what="batch invariance, per-sequence linear",
+         logprobs_bitwise_equal=[x.logprobs == y.logprobs for x, y in zip(alone, together)])
+    for label, eng, sizes in (("fused kernel", engine, (1, 8, 32)), ("fused kernel, per-sequence linear", invariant, (8, 32))):
+        for bsz in sizes:
+            times = []
+            for r in range(2):
+                t0 = time.perf_counter()
+                gens = eng.generate_batch(prompts[:bsz], max_tokens=a.gen)
+                dt = time.perf_counter() - t0
+                if r:
+                    times.append(dt)
+            total = sum(len(g.token_ids) for g in gens)
+            emit(out, what="batched generation", path=label, batch=bsz, prompt=128, generated_total=total,
+                 seconds=min(times), total_tok_s=total / min(times),
+                 mean_ttft_ms=statistics.mean(g.metrics.time_to_first_token_ms for g in gens),
+                 decode_tok_s_per_sequence=statistics.median(g.metrics.decode_tokens_per_second for g in gens))
 
     # 3. long prompt: chunked prefill through the fused kernel.
-    for chunk in (512, 2048):
-        engine = mlxinfer.Engine(path, MLXBackend(kernel="cuda"), prefill_chunk=chunk)
+    for label, kw, chunk in (("cuda kernel", dict(kernel="cuda"), 512), ("cuda kernel", dict(kernel="cuda"), 2048),
+                             ("graph", dict(kernel="graph"), 512), ("per-head", dict(attention="per-head"), 512)):
+        engine = mlxinfer.Engine(path, MLXBackend(**kw), prefill_chunk=chunk)
+        engine.generate(prompt(64), max_tokens=2)  # warm-up (kernel compilation)
         mx.reset_peak_memory()
         g = engine.generate(prompt(a.long), max_tokens=16)
-        emit(out, what="long prompt", prompt=a.long, chunk=chunk, ttft_ms=g.metrics.time_to_first_token_ms,
+        emit(out, what="long prompt", path=label, prompt=a.long, chunk=chunk, ttft_ms=g.metrics.time_to_first_token_ms,
              decode_tok_s=g.metrics.decode_tokens_per_second, peak_mb=g.metrics.peak_memory_mb)
-        if a.quick:
-            break
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@
 //@@HEADER
 #define MLXI_THREADS 256
 #define MLXI_WARPS 8
+#define MLXI_MAX_D 256  // largest head dimension of the fused kernel (shared memory: 32 KiB)
 
 __device__ __forceinline__ float mlxi_dot(const float* a, long sa, const float* b, long sb, int n, int lane) {
   float s = 0.0f;
@@ -104,7 +105,20 @@ for (int j = wid; j < S; j += MLXI_WARPS) {
 }
 __syncthreads();
 mlxi_softmax(pr, S, tid, red);
-for (int d = wid; d < D; d += MLXI_WARPS) {
-  const float s = mlxi_dot(pr, 1, vb + d, kvw, S, lane);
-  if (lane == 0) out[r * H * D + h * D + d] = s;
+// Context: out[d] = dot(p, v[:, d]) in the published order, with the work laid out for coalesced
+// reads: part[l][d] is lane l's partial sum (s = l, l+32, ... in increasing s), computed by threads
+// that take consecutive d; then the butterfly's result, as a tree over l (part[l] += part[l + off]
+// for l < off, off = 16, 8, 4, 2, 1), which is what lane 0 of the butterfly computes.
+__shared__ float part[32 * MLXI_MAX_D];
+for (int idx = tid; idx < 32 * D; idx += MLXI_THREADS) {
+  const int l = idx / D, d = idx % D;
+  float s = 0.0f;
+  for (int i = l; i < S; i += 32) s = __fadd_rn(s, __fmul_rn(pr[i], vb[(long)i * kvw + d]));
+  part[idx] = s;
 }
+for (int off = 16; off > 0; off >>= 1) {
+  __syncthreads();
+  for (int idx = tid; idx < off * D; idx += MLXI_THREADS) part[idx] = __fadd_rn(part[idx], part[idx + off * D]);
+}
+__syncthreads();
+for (int d = tid; d < D; d += MLXI_THREADS) out[r * H * D + h * D + d] = part[d];

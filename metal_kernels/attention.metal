@@ -22,6 +22,7 @@
 #pragma clang fp reassociate(off)
 #define MLXI_THREADS 256
 #define MLXI_WARPS 8
+#define MLXI_MAX_D 256
 
 inline float mlxi_dot(device const float* a, long sa, device const float* b, long sb, int n, uint lane) {
   float s = 0.0f;
@@ -101,7 +102,20 @@ for (int j = wid; j < S; j += MLXI_WARPS) {
 }
 threadgroup_barrier(mem_flags::mem_device);
 mlxi_softmax(pr, S, tid, red);
-for (int d = wid; d < D; d += MLXI_WARPS) {
-  const float s = mlxi_dot(pr, 1, vb + d, kvw, S, lane);
-  if (lane == 0) out[r * H * D + h * D + d] = s;
+// Context, as in attention.cu: lane partials part[l][d] by threads over consecutive d, then a tree.
+threadgroup float part[32 * MLXI_MAX_D];
+for (int idx = tid; idx < 32 * D; idx += MLXI_THREADS) {
+  const int l = idx / D, d = idx % D;
+  float s = 0.0f;
+  for (int i = l; i < S; i += 32) {
+    const float prod = pr[i] * vb[(long)i * kvw + d];
+    s = s + prod;
+  }
+  part[idx] = s;
 }
+for (int off = 16; off > 0; off >>= 1) {
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (int idx = tid; idx < off * D; idx += MLXI_THREADS) part[idx] = part[idx] + part[idx + off * D];
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+for (int d = tid; d < D; d += MLXI_THREADS) out[r * H * D + h * D + d] = part[d];

@@ -99,6 +99,7 @@ class _Pass:
     seqs: list  # the sequences sampled in this pass, in logit-row order
     tokens: object = None
     logprobs: object = None
+    outputs: tuple = ()  # what reading the pass waits for (its tokens, or the cache it wrote)
 
 
 class Engine:
@@ -232,7 +233,10 @@ class Engine:
         if sampled:
             sampler = Sampler([s.params for s in sampled], [s.rng for s in sampled])
             step.tokens, step.logprobs = ops.sample_tokens(logits, sampler)
-            ops.start(step.tokens, step.logprobs)
+            step.outputs = (step.tokens, step.logprobs)
+        else:  # a pass of mid-prompt chunks: its product is the cache
+            step.outputs = tuple(cache.arrays())
+        ops.start(*step.outputs)
         for s, n in plan:
             s.cached += n
         for row, s in enumerate(sampled):
@@ -241,8 +245,10 @@ class Engine:
         return step
 
     def _read(self, step: _Pass, cache, batch_size: int):
-        """Read a pass's tokens (waits for the device), hand out their text, finish sequences."""
+        """Read a pass's tokens (waits for the device), hand out their text, finish sequences. A pass
+        with no tokens is waited for too, so that at most one pass is ever in flight."""
         if not step.seqs:
+            self.backend.sync(*step.outputs)
             return
         tokens = self.backend.to_numpy(step.tokens).tolist()
         logprobs = self.backend.to_numpy(step.logprobs).tolist()

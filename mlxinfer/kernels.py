@@ -22,6 +22,7 @@ import numpy as np
 
 SOURCES = {"metal": "attention.metal", "cuda": "attention.cu"}
 THREADS = 256  # threads per block (8 warps / simdgroups of 32)
+MAX_HEAD_DIM = 256  # the fused kernel's shared memory holds 32 partial sums per head dimension
 
 
 def kernel_source(kind: str) -> tuple[str, dict[str, str]]:

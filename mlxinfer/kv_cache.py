@@ -125,6 +125,10 @@ class PreallocKVCache(_Slots):
     def nbytes(self) -> int:
         return 2 * self.n_layers * self.n_slots * self.capacity * self.width * 4
 
+    def arrays(self) -> list:
+        """The cache's tensors (what a pass that samples nothing produces)."""
+        return [x for x in self.keys + self.values if x is not None]
+
 
 class BasicLayer:
     def __init__(self, cache, layer, batch):
@@ -175,6 +179,9 @@ class BasicKVCache(_Slots):
 
     def nbytes(self) -> int:
         return 2 * self.n_layers * sum(self.held.values()) * self.width * 4
+
+    def arrays(self) -> list:
+        return [x for keys, values in self.entries.values() for x in keys + values if x is not None]
 
 
 KV_CACHES = {"prealloc": PreallocKVCache, "basic": BasicKVCache}

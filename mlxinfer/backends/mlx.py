@@ -151,8 +151,11 @@ class MLXBackend(Backend):
     lazy = True
 
     def __init__(self, attention: str = "fused", device: str | None = None, kernel: str | None = None,
-                 verify=verify_gpu_kernels):
+                 verify=verify_gpu_kernels, per_sequence_linear: bool = False):
         super().__init__(attention)
+        # MLX's GPU products are not row-invariant (README: batch invariance); this multiplies each
+        # sequence's rows on their own, as the cpu backend does, at the price of batching.
+        self.per_sequence_linear = per_sequence_linear
         gpu = gpu_kind()
         if device is None:
             device = "gpu" if gpu else "cpu"
@@ -270,8 +273,10 @@ class MLXBackend(Backend):
 
     # -- primitives ---------------------------------------------------------------------------
     def linear(self, x, w, groups=None):
-        # MLX's CPU products compute each row on its own (batch-invariant as they are); see the README
-        # for what the GPU does.
+        # MLX's CPU products compute each row on its own (batch-invariant as they are); on a GPU they
+        # do not (README: batch invariance), unless `per_sequence_linear`.
+        if self.per_sequence_linear and groups is not None and len(groups) > 1:
+            return mx.concatenate([self.linear(x[r0:r1], w) for r0, r1 in groups])
         if isinstance(w, QuantizedWeight):
             return mx.quantized_matmul(x, w.w, w.scales, w.biases, transpose=True, group_size=GROUP, bits=w.bits)
         return mx.matmul(x, w)
@@ -363,7 +368,7 @@ class MLXBackend(Backend):
 
     # -- fused attention ----------------------------------------------------------------------
     def fused_attention_override(self, q, kv, batch, spec):
-        if self.kernel == "graph":
+        if self.kernel == "graph" or spec.head_dim > kernels.MAX_HEAD_DIM:
             return self._graph_attention(q, kv, batch, spec)
         if kv.store is not None:  # the whole batch in one launch, reading the cache in place
             keys, values = kv.store
