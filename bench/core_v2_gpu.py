@@ -84,11 +84,14 @@ def main():
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--long", type=int, default=8192, help="prompt length of the long-prefill case")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--parts", default="invariance,single,batch,long", help="which measurements to run")
     a = p.parse_args()
     out = open(a.out, "a")
     emit(out, what="header", machine=platform.node(), mlx=mx.__version__, device=str(mx.default_device()),
          gpu=mx.cuda.is_available() if hasattr(mx, "cuda") else None, date=time.strftime("%Y-%m-%d %H:%M"))
-    row_invariance(out)
+    parts = a.parts.split(",")
+    if "invariance" in parts:
+        row_invariance(out)
     if not os.path.exists(a.model):
         t0 = time.perf_counter()
         write_synthetic_model(a.model, QWEN3_06B)
@@ -97,7 +100,7 @@ def main():
 
     # 1. decode and TTFT: fused kernel, graph override, per-head; per-head with MLX's own products.
     configs = [("cuda kernel", dict(kernel="cuda")), ("graph", dict(kernel="graph")),
-               ("per-head", dict(attention="per-head"))]
+               ("per-head", dict(attention="per-head"))] if "single" in parts else []
     for name, kw in configs:
         engine = mlxinfer.Engine(path, MLXBackend(**kw))
         for n in (17, 511):
@@ -105,11 +108,18 @@ def main():
     mlx_ops = MLXBackend(attention="per-head")
     mlx_ops.gpu_kernels = None  # MLX's own matmul and softmax: the cost of routing through our kernels
     engine = mlxinfer.Engine(path, mlx_ops)
-    for n in (17, 511):
+    for n in ((17, 511) if "single" in parts else ()):
         emit(out, what="single sequence", path="per-head, MLX's own products", prompt=n,
              **timed_generate(engine, prompt(n), a.gen, a.runs))
 
     # 2. batch invariance and throughput with the fused kernel.
+    if "batch" in parts:
+        batched(out, path, a)
+    if "long" in parts:
+        long_prompt(out, path, a)
+
+
+def batched(out, path, a):
     engine = mlxinfer.Engine(path, MLXBackend(kernel="cuda"))
     prompts = [prompt(128, seed=i) for i in range(32)]
     alone = [engine.generate(x, max_tokens=16) for x in prompts[:4]]
@@ -137,7 +147,10 @@ def main():
                  mean_ttft_ms=statistics.mean(g.metrics.time_to_first_token_ms for g in gens),
                  decode_tok_s_per_sequence=statistics.median(g.metrics.decode_tokens_per_second for g in gens))
 
-    # 3. long prompt: chunked prefill through the fused kernel.
+
+
+def long_prompt(out, path, a):
+    """Chunked prefill of a long prompt, then decode at that context."""
     for label, kw, chunk in (("cuda kernel", dict(kernel="cuda"), 512), ("cuda kernel", dict(kernel="cuda"), 2048),
                              ("graph", dict(kernel="graph"), 512), ("per-head", dict(attention="per-head"), 512)):
         engine = mlxinfer.Engine(path, MLXBackend(**kw), prefill_chunk=chunk)

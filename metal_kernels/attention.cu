@@ -62,7 +62,7 @@ __device__ __forceinline__ void mlxi_softmax(float* x, int n, int tid, float* re
 // One warp per output, 8 warps per block.
 const long B = dims[0], M = dims[1], N = dims[2], K = dims[3], G = dims[4];
 const int lane = threadIdx.x & 31;
-const long w = (long)blockIdx.x * MLXI_WARPS + (threadIdx.x >> 5);
+const long w = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS + (threadIdx.x >> 5);
 if (w < B * M * N) {
   const long j = w % N, i = (w / N) % M, b = w / (N * M);
   const float s = mlxi_dot(a + (b * M + i) * K, 1, bt + ((b / G) * N + j) * K, 1, (int)K, lane);
@@ -77,11 +77,12 @@ float* y = out + r * n;
 for (long j = threadIdx.x; j < n; j += MLXI_THREADS) y[j] = x[r * n + j];
 __syncthreads();
 mlxi_softmax(y, (int)n, threadIdx.x, red);
-//@@BODY fused_attention
-// One block per (query row r, head h) of a batch: the row's sequence lives in cache slot row_slot[r],
-// holds row_len[r] keys and values (this pass's included), and the query sits at position row_pos[r].
-// q [N, H*D]; k, v [slots, CAP, KV*D]; out [N, H*D]; p [N*H, CAP] (scores scratch);
-// dims = [CAP, H, KV, D, CAUSAL (0/1), WINDOW (0 = none)]: runtime values, so one compiled kernel
+//@@BODY attention_scores
+// The first half of fused attention: one block per (query row r, head h) of a batch. The row's sequence
+// lives in cache slot row_slot[r], holds row_len[r] keys (this pass's included), and the query sits at
+// position row_pos[r]. q [N, H*D]; k [slots, CAP, KV*D]; p [N*H, CAP]: row (r, h) gets the softmax of
+// the row's scaled, masked scores (entries past row_len[r] are not written).
+// dims = [CAP, H, KV, D, CAUSAL (0/1), WINDOW (0 = none)]: run-time values, so one compiled kernel
 // serves every model and every batch.
 const long cap = dims[0];
 const int H = dims[1], KV = dims[2], D = dims[3], CAUSAL = dims[4], WINDOW = dims[5];
@@ -91,10 +92,8 @@ const int h = blk % H;
 const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
 const int S = row_len[r], pos = row_pos[r];
 const long kvw = (long)KV * D;
-const int kvh = h / (H / KV);
 const float* qh = q + r * H * D + h * D;
-const float* kb = k + (long)row_slot[r] * cap * kvw + kvh * D;
-const float* vb = v + (long)row_slot[r] * cap * kvw + kvh * D;
+const float* kb = k + (long)row_slot[r] * cap * kvw + (h / (H / KV)) * D;
 float* pr = p + blk * cap;
 __shared__ float red[MLXI_WARPS];
 const float sc = scale[0];
@@ -105,10 +104,22 @@ for (int j = wid; j < S; j += MLXI_WARPS) {
 }
 __syncthreads();
 mlxi_softmax(pr, S, tid, red);
-// Context: out[d] = dot(p, v[:, d]) in the published order, with the work laid out for coalesced
-// reads: part[l][d] is lane l's partial sum (s = l, l+32, ... in increasing s), computed by threads
-// that take consecutive d; then the butterfly's result, as a tree over l (part[l] += part[l + off]
-// for l < off, off = 16, 8, 4, 2, 1), which is what lane 0 of the butterfly computes.
+//@@BODY attention_context
+// The second half: out[r, h*D + d] = dot(p[(r, h), :row_len[r]], v[slot, :, kv_h*D + d]) in the
+// published order, laid out for coalesced reads: part[l][d] is lane l's partial sum (s = l, l+32, ...
+// in increasing s), computed by threads that take consecutive d; then the butterfly's result, as a tree
+// over l (part[l] += part[l + off] for l < off, off = 16, 8, 4, 2, 1: what lane 0 of the butterfly
+// computes). Two kernels, not one, so that each layer's score buffer is freed as soon as it is read.
+const long cap = dims[0];
+const int H = dims[1], KV = dims[2], D = dims[3];
+const long blk = blockIdx.x;
+const long r = blk / H;
+const int h = blk % H;
+const int tid = threadIdx.x;
+const int S = row_len[r];
+const long kvw = (long)KV * D;
+const float* vb = v + (long)row_slot[r] * cap * kvw + (h / (H / KV)) * D;
+const float* pr = p + blk * cap;
 __shared__ float part[32 * MLXI_MAX_D];
 for (int idx = tid; idx < 32 * D; idx += MLXI_THREADS) {
   const int l = idx / D, d = idx % D;

@@ -63,7 +63,8 @@ inline void mlxi_softmax(device float* x, int n, uint tid, threadgroup float* re
 //@@BODY matmul
 const long B = dims[0], M = dims[1], N = dims[2], K = dims[3], G = dims[4];
 const uint lane = thread_index_in_simdgroup;
-const long w = (long)threadgroup_position_in_grid.x * MLXI_WARPS + simdgroup_index_in_threadgroup;
+const long w = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
+    * MLXI_WARPS + simdgroup_index_in_threadgroup;
 if (w < B * M * N) {
   const long j = w % N, i = (w / N) % M, b = w / (N * M);
   const float s = mlxi_dot(a + (b * M + i) * K, 1, bt + ((b / G) * N + j) * K, 1, (int)K, lane);
@@ -78,7 +79,7 @@ device float* y = out + r * n;
 for (long j = tid; j < n; j += MLXI_THREADS) y[j] = x[r * n + j];
 threadgroup_barrier(mem_flags::mem_device);
 mlxi_softmax(y, (int)n, tid, red);
-//@@BODY fused_attention
+//@@BODY attention_scores
 const long cap = dims[0];
 const int H = dims[1], KV = dims[2], D = dims[3], CAUSAL = dims[4], WINDOW = dims[5];
 const long blk = threadgroup_position_in_grid.x;
@@ -88,10 +89,8 @@ const uint tid = thread_position_in_threadgroup.x;
 const uint lane = thread_index_in_simdgroup, wid = simdgroup_index_in_threadgroup;
 const int S = row_len[r], pos = row_pos[r];
 const long kvw = (long)KV * D;
-const int kvh = h / (H / KV);
 device const float* qh = q + r * H * D + h * D;
-device const float* kb = k + (long)row_slot[r] * cap * kvw + kvh * D;
-device const float* vb = v + (long)row_slot[r] * cap * kvw + kvh * D;
+device const float* kb = k + (long)row_slot[r] * cap * kvw + (h / (H / KV)) * D;
 device float* pr = p + blk * cap;
 threadgroup float red[MLXI_WARPS];
 const float sc = scale[0];
@@ -102,7 +101,17 @@ for (int j = wid; j < S; j += MLXI_WARPS) {
 }
 threadgroup_barrier(mem_flags::mem_device);
 mlxi_softmax(pr, S, tid, red);
-// Context, as in attention.cu: lane partials part[l][d] by threads over consecutive d, then a tree.
+//@@BODY attention_context
+const long cap = dims[0];
+const int H = dims[1], KV = dims[2], D = dims[3];
+const long blk = threadgroup_position_in_grid.x;
+const long r = blk / H;
+const int h = blk % H;
+const uint tid = thread_position_in_threadgroup.x;
+const int S = row_len[r];
+const long kvw = (long)KV * D;
+device const float* vb = v + (long)row_slot[r] * cap * kvw + (h / (H / KV)) * D;
+device const float* pr = p + blk * cap;
 threadgroup float part[32 * MLXI_MAX_D];
 for (int idx = tid; idx < 32 * D; idx += MLXI_THREADS) {
   const int l = idx / D, d = idx % D;

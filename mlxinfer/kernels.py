@@ -1,10 +1,12 @@
 """mlxinfer's own GPU kernels for the MLX backend, from `metal_kernels/attention.cu` (CUDA, through
 `mx.fast.cuda_kernel`) and `metal_kernels/attention.metal` (Metal, through `mx.fast.metal_kernel`).
 
-Three kernels share one published summation order (written out at the top of each source file):
+Four kernels share one published summation order (written out at the top of each source file):
 `matmul` (every activation x activation product on a GPU: attention's scores and context), `softmax`
-(every softmax of scores on a GPU) and `fused_attention` (a whole batch's attention in one launch:
-decode rows and prefill chunks, each row reading its own sequence's cache slot up to its own length).
+(every softmax of scores on a GPU), and the fused attention of a whole batch in two launches,
+`attention_scores` (scores, mask and softmax) and `attention_context` (the weighted sum of values):
+decode rows and prefill chunks alike, each row reading its own sequence's cache slot up to its own
+length.
 Because the per-head reference and the fused kernel are built from the same device functions, they
 agree bit for bit on any number of query rows, which MLX's own products cannot promise (on CUDA a
 product of more than one row goes to cuBLASLt, whose order is unpublished).
@@ -36,7 +38,8 @@ def kernel_source(kind: str) -> tuple[str, dict[str, str]]:
 _INPUTS = {
     "matmul": (["a", "bt", "dims"], ["out"]),
     "softmax": (["x", "dims"], ["out"]),
-    "fused_attention": (["q", "k", "v", "row_slot", "row_pos", "row_len", "scale", "dims"], ["out", "p"]),
+    "attention_scores": (["q", "k", "row_slot", "row_pos", "row_len", "scale", "dims"], ["p"]),
+    "attention_context": (["p", "v", "row_slot", "row_len", "dims"], ["out"]),
 }
 
 
@@ -64,9 +67,10 @@ def matmul(kind: str, a, bt, group: int = 1):
 
     nb, m, k = a.shape
     n = bt.shape[1]
-    warps = nb * m * n
+    blocks = -(-nb * m * n // 8)  # 8 warps per block, one output per warp
+    cols = min(blocks, 65535)  # a 2-D grid: one dimension cannot hold them all
     (out,) = _kernel(kind, "matmul")(
-        inputs=[a, bt, _dims(nb, m, n, k, group)], grid=(-(-warps // 8) * THREADS, 1, 1),
+        inputs=[a, bt, _dims(nb, m, n, k, group)], grid=(cols * THREADS, -(-blocks // cols), 1),
         threadgroup=(THREADS, 1, 1), output_shapes=[(nb, m, n)], output_dtypes=[mx.float32])
     return out
 
@@ -89,12 +93,14 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
 
     n = q.shape[0]
     cap = keys.shape[1]
-    out, _ = _kernel(kind, "fused_attention")(
-        inputs=[q, keys, values, row_slot, row_pos, row_len, mx.array([spec.scale], dtype=mx.float32),
-                _dims(cap, spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.causal), int(spec.window or 0))],
-        grid=(n * spec.n_heads * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(n, spec.n_heads * spec.head_dim), (n * spec.n_heads, cap)],
-        output_dtypes=[mx.float32, mx.float32])
+    dims = _dims(cap, spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.causal), int(spec.window or 0))
+    launch = dict(grid=(n * spec.n_heads * THREADS, 1, 1), threadgroup=(THREADS, 1, 1))
+    (p,) = _kernel(kind, "attention_scores")(
+        inputs=[q, keys, row_slot, row_pos, row_len, mx.array([spec.scale], dtype=mx.float32), dims],
+        output_shapes=[(n * spec.n_heads, cap)], output_dtypes=[mx.float32], **launch)
+    (out,) = _kernel(kind, "attention_context")(
+        inputs=[p, values, row_slot, row_len, dims], output_shapes=[(n, spec.n_heads * spec.head_dim)],
+        output_dtypes=[mx.float32], **launch)
     return out
 
 
