@@ -17,9 +17,11 @@ prompts of the case's length, computed together. Every run reports:
 - total tok/s: every generated token of the call over the call's whole wall time (prefill included);
 - peak MiB: the cpu backend's peak RSS during the run (the process's high-water mark is reset before
   each run through /proc/self/clear_refs where Linux allows it, else it is the process's peak so far:
-  see `peak_memory_scope`), MLX's peak allocation for MLX rows (reset before each run).
-Each row is the median of --runs runs after one warm-up, with the min and max over the runs beside it
-(a row whose min-max ranges overlap another's is not a difference). Writes a Markdown table to stdout
+  see `peak_memory_scope`; `memory_before_mb` is the RSS at the reset: the loaded model), MLX's peak
+  allocation for MLX rows (reset before each run; `memory_before_mb`: MLX's active memory then).
+Every row runs in a fresh child process (load, one warm-up, --runs runs), so that no row inherits the
+heap of another; the row is the median of its runs, with the min and max over the runs beside it
+(a row whose min-max range overlaps another's is not a difference). Writes a Markdown table to stdout
 and to OUT/results.md, JSON lines to OUT/results.jsonl (a "header" line, then one dict per row, written
 as measured) and, with a sweep and matplotlib installed, OUT/decode_vs_context.png.
 
@@ -70,26 +72,29 @@ def resolve(model: str, cache: str) -> str:
     return model
 
 
-def reset_peak_memory(engine) -> str:
-    """Reset the peak-memory counter the backend reports; returns the scope of the next reading:
-    "run" (reset worked) or "process" (the process's peak so far)."""
+def reset_peak_memory(engine) -> tuple[str, float]:
+    """Reset the peak-memory counter the backend reports; returns the scope of the next reading,
+    "run" (reset worked) or "process" (the process's peak so far), and the memory in use now (MiB)."""
     if engine.backend.name == "mlx":
         import mlx.core as mx
 
         mx.reset_peak_memory()
-        return "run"
-    try:  # Linux: "5" resets the RSS high-water mark (VmHWM, and with it ru_maxrss)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return "run"
+        return "run", mx.get_active_memory() / (1024 * 1024)
+    rss = 0.0
+    try:
+        with open("/proc/self/status") as f:
+            rss = next((int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:")), 0.0)
+        with open("/proc/self/clear_refs", "w") as f:  # Linux: "5" resets the RSS high-water mark
+            f.write("5")  # (VmHWM, and with it ru_maxrss)
+        return "run", rss
     except OSError:
-        return "process"
+        return "process", rss
 
 
 def one_run(engine, prompts, n_gen, sync: bool) -> dict:
     """One generate (one prompt) or generate_batch (several) call, as a per-run dict."""
     on_forward = (lambda name: None) if sync else None  # the engine pipelines only without on_forward
-    scope = reset_peak_memory(engine)
+    scope, before = reset_peak_memory(engine)
     t0 = time.perf_counter()
     if len(prompts) == 1:
         gens = [engine.generate(prompts[0], max_tokens=n_gen, on_forward=on_forward)]
@@ -109,7 +114,7 @@ def one_run(engine, prompts, n_gen, sync: bool) -> dict:
         aggregate_decode_tokens_per_second=sum(decode),
         total_tokens_per_second=sum(generated) / wall,
         wall_s=wall,
-        peak_memory_mb=engine.backend.peak_memory_mb(), peak_memory_scope=scope,
+        peak_memory_mb=engine.backend.peak_memory_mb(), peak_memory_scope=scope, memory_before_mb=before,
         intervals=[x for m in ms for x in m.token_intervals_ms],
     )
 
@@ -123,6 +128,43 @@ def run_case(engine, n_prompt: int, n_gen: int, runs: int, batch: int = 1, sync:
     row = summarize([one_run(engine, prompts, n_gen, sync) for _ in range(runs)])
     row.update(prompt_tokens=n_prompt, max_tokens=n_gen, warmup_prompt_tokens=w)
     return row
+
+
+def measure_row(job: dict) -> dict:
+    """One row, in this process (a fresh child of the benchmark): load the engine, warm up, run."""
+    t0 = time.perf_counter()
+    engine = mlxinfer.load(job["model"], backend=job["backend"], attention=job["attention"], device=job["device"],
+                           kv=job["kv"], prefill_chunk=job["prefill_chunk"])
+    load_s = time.perf_counter() - t0
+    row = run_case(engine, job["n"], job["gen"], job["runs"], job["batch"], job["sync"], job["warmup_tokens"])
+    name = f"mlxinfer {job['backend']}" + (" (sync)" if job["sync"] else "")
+    row.update(engine=name, device=job["device"], attention=job["attention"], backend=engine.backend.describe(),
+               load_s=load_s, kind=job["kind"])
+    return row
+
+
+def run_row_process(job: dict) -> dict:
+    """Each row in a fresh process, so that its peak memory is its own (no heap left by an earlier row or
+    engine) and a crash costs one row."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--row", json.dumps(job)], stdout=subprocess.PIPE,
+                       text=True)
+    got = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    if r.returncode == 0 and got:
+        row = got[-1]
+        print(f"  {row['engine']} {row.get('device') or '-'} {row['attention']} kv={row['kv_cache']} "
+              f"batch={row['batch_size']} prompt={row['prompt_tokens']}: TTFT "
+              f"{spread(row, 'time_to_first_token_ms', '.1f')} ms, decode "
+              f"{spread(row, 'decode_tokens_per_second', '.2f')} tok/s/seq, total "
+              f"{spread(row, 'total_tokens_per_second', '.2f')} tok/s, peak {row['peak_memory_mb']:.0f} MiB",
+              file=sys.stderr, flush=True)
+        return row
+    why = f"signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
+    print(f"  row {job} failed ({why})", file=sys.stderr, flush=True)
+    return dict(engine=f"mlxinfer {job['backend']}", device=job["device"], attention=job["attention"],
+                kv_cache=job["kv"], batch_size=job["batch"], prompt_tokens=job["n"], kind=job["kind"],
+                error=why)
 
 
 def configs(backends, attentions, devices):
@@ -181,6 +223,10 @@ def fmt_table(rows) -> str:
             "total tok/s", "interval ms min/mean/max", "peak MiB", "fused/per-head"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['engine']} | {r.get('device') or '-'} | {r['attention']} | {r['kv_cache']} | "
+                         f"{r['batch_size']} | {r['prompt_tokens']} | failed: {r['error']} |" + " |" * 6)
+            continue
         gen = f"{r['generated']:g}" + (f" (min {r['generated_min']:g})" if r.get("generated_min", r["generated"])
                                         != r["generated"] else "")
         lines.append("| " + " | ".join([
@@ -203,6 +249,7 @@ def row_key(r, attention=None):
 
 
 def add_ratios(rows):
+    rows = [r for r in rows if "error" not in r]
     by = {row_key(r): r for r in rows}
     for r in rows:
         if r["attention"] == "fused":
@@ -222,7 +269,7 @@ def plot(sweep_rows, path):
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series = {}
-    for r in sweep_rows:
+    for r in [r for r in sweep_rows if "error" not in r]:
         label = (f"{r['engine']}{'/' + r['device'] if r.get('device') else ''} {r['attention']} "
                  f"{r.get('kv_cache', '')}{' B=' + str(r['batch_size']) if r.get('batch_size', 1) > 1 else ''}")
         series.setdefault(label, []).append((r["prompt_tokens"], r["decode_tokens_per_second"]))
@@ -285,7 +332,11 @@ def main(argv=None):
                    help="output folder for results.md, results.jsonl and the plot (default: bench/out)")
     p.add_argument("--cache", default=os.path.join(HERE, "models"),
                    help="folder for the synthetic model (default: bench/models)")
+    p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # internal: measure one row (a child)
     a = p.parse_args(argv)
+    if a.row:
+        print(json.dumps(measure_row(json.loads(a.row))), flush=True)
+        return
     os.makedirs(a.out, exist_ok=True)
     if a.replot:
         with open(a.replot) as f:
@@ -309,30 +360,16 @@ def main(argv=None):
     cases, sweep = ints(a.cases), ints(a.sweep)
     for backend, device, attention in configs(a.backends.split(","), a.attention.split(","), a.devices.split(",")):
         for kv in kvs:
-            t0 = time.perf_counter()
-            engine = mlxinfer.load(path, backend=backend, attention=attention, device=device, kv=kv,
-                                   prefill_chunk=a.prefill_chunk)
-            load_s = time.perf_counter() - t0
             for sync in ([False, True] if a.sync and backend == "mlx" else [False]):
-                name = f"mlxinfer {backend}" + (" (sync)" if sync else "")
-                common = dict(engine=name, device=device, attention=attention, backend=engine.backend.describe(),
-                              load_s=load_s)
-                for batch in batches:
-                    for n in cases:
-                        row = run_case(engine, n, a.gen, a.runs, batch, sync, a.warmup_tokens)
-                        row.update(common, kind="case", load_average_1min=round(os.getloadavg()[0], 2))
-                        rows.append(row)
-                        print(json.dumps(row), file=log, flush=True)
-                        print(f"  {name} {device or '-'} {attention} kv={kv} batch={batch} prompt={n}: "
-                              f"TTFT {spread(row, 'time_to_first_token_ms', '.1f')} ms, decode "
-                              f"{spread(row, 'decode_tokens_per_second', '.2f')} tok/s/seq, total "
-                              f"{spread(row, 'total_tokens_per_second', '.2f')} tok/s", file=sys.stderr, flush=True)
-                for n in sweep:
-                    row = run_case(engine, n, a.sweep_gen, a.runs, 1, sync, a.warmup_tokens)
-                    row.update(common, kind="sweep", load_average_1min=round(os.getloadavg()[0], 2))
-                    sweep_rows.append(row)
+                spec = dict(model=path, backend=backend, device=device, attention=attention, kv=kv,
+                            prefill_chunk=a.prefill_chunk, runs=a.runs, sync=sync, warmup_tokens=a.warmup_tokens)
+                jobs = [dict(spec, kind="case", batch=b, n=n, gen=a.gen) for b in batches for n in cases]
+                jobs += [dict(spec, kind="sweep", batch=1, n=n, gen=a.sweep_gen) for n in sweep]
+                for job in jobs:
+                    row = run_row_process(job)
+                    row["load_average_1min"] = round(os.getloadavg()[0], 2)
+                    (rows if job["kind"] == "case" else sweep_rows).append(row)
                     print(json.dumps(row), file=log, flush=True)
-            del engine
     peer_rows, peer_notes = run_peers([x for x in a.peers.split(",") if x and x != "none"], path, cases, a.gen,
                                       a.runs, a.threads)
     rows += peer_rows
@@ -358,7 +395,7 @@ def main(argv=None):
 
 def peer_ratios(rows) -> str:
     out = ["ours / peer, decode tokens/s per sequence (batch 1):"]
-    ours = [r for r in rows if r["engine"].startswith("mlxinfer") and r.get("batch_size", 1) == 1]
+    ours = [r for r in rows if r["engine"].startswith("mlxinfer") and r.get("batch_size", 1) == 1 and "error" not in r]
     peers = [r for r in rows if not r["engine"].startswith("mlxinfer")]
     for p in peers:
         for o in ours:
