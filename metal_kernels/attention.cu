@@ -77,59 +77,55 @@ float* y = out + r * n;
 for (long j = threadIdx.x; j < n; j += MLXI_THREADS) y[j] = x[r * n + j];
 __syncthreads();
 mlxi_softmax(y, (int)n, threadIdx.x, red);
-//@@BODY attention_scores
-// The first half of fused attention: one block per (query row r, head h) of a batch. The row's sequence
-// lives in cache slot row_slot[r], holds row_len[r] keys (this pass's included), and the query sits at
-// position row_pos[r]. q [N, H*D]; k [slots, CAP, KV*D]; p [N*H, CAP]: row (r, h) gets the softmax of
-// the row's scaled, masked scores (entries past row_len[r] are not written).
-// dims = [CAP, H, KV, D, CAUSAL (0/1), WINDOW (0 = none)]: run-time values, so one compiled kernel
+//@@BODY fused_attention
+// A batch's attention, decode rows and prefill chunks alike. Work item (r, h) is one query row r and
+// one head h: the row's sequence lives in cache slot row_slot[r], holds row_len[r] keys and values
+// (this pass's included), and the query sits at position row_pos[r]. Each block takes work items
+// blockIdx.x, blockIdx.x + gridDim.x, ... and keeps the row's scores in its own row of the scratch
+// output p [gridDim.x, CAP], so the scratch is sized by the grid, not by the batch.
+// q [N, H*D]; k, v [slots, CAP, KV*D]; out [N, H*D].
+// dims = [CAP, H, KV, D, CAUSAL (0/1), WINDOW (0 = none), N]: run-time values, so one compiled kernel
 // serves every model and every batch.
 const long cap = dims[0];
 const int H = dims[1], KV = dims[2], D = dims[3], CAUSAL = dims[4], WINDOW = dims[5];
-const long blk = blockIdx.x;
-const long r = blk / H;
-const int h = blk % H;
+const long items = (long)dims[6] * H;
 const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
-const int S = row_len[r], pos = row_pos[r];
 const long kvw = (long)KV * D;
-const float* qh = q + r * H * D + h * D;
-const float* kb = k + (long)row_slot[r] * cap * kvw + (h / (H / KV)) * D;
-float* pr = p + blk * cap;
-__shared__ float red[MLXI_WARPS];
 const float sc = scale[0];
-for (int j = wid; j < S; j += MLXI_WARPS) {
-  const float s = __fmul_rn(mlxi_dot(qh, 1, kb + j * kvw, 1, D, lane), sc);
-  const bool hidden = (CAUSAL && j > pos) || (WINDOW > 0 && j <= pos - WINDOW);
-  if (lane == 0) pr[j] = hidden ? -INFINITY : s;
-}
-__syncthreads();
-mlxi_softmax(pr, S, tid, red);
-//@@BODY attention_context
-// The second half: out[r, h*D + d] = dot(p[(r, h), :row_len[r]], v[slot, :, kv_h*D + d]) in the
-// published order, laid out for coalesced reads: part[l][d] is lane l's partial sum (s = l, l+32, ...
-// in increasing s), computed by threads that take consecutive d; then the butterfly's result, as a tree
-// over l (part[l] += part[l + off] for l < off, off = 16, 8, 4, 2, 1: what lane 0 of the butterfly
-// computes). Two kernels, not one, so that each layer's score buffer is freed as soon as it is read.
-const long cap = dims[0];
-const int H = dims[1], KV = dims[2], D = dims[3];
-const long blk = blockIdx.x;
-const long r = blk / H;
-const int h = blk % H;
-const int tid = threadIdx.x;
-const int S = row_len[r];
-const long kvw = (long)KV * D;
-const float* vb = v + (long)row_slot[r] * cap * kvw + (h / (H / KV)) * D;
-const float* pr = p + blk * cap;
+float* pr = p + (long)blockIdx.x * cap;
+__shared__ float red[MLXI_WARPS];
 __shared__ float part[32 * MLXI_MAX_D];
-for (int idx = tid; idx < 32 * D; idx += MLXI_THREADS) {
-  const int l = idx / D, d = idx % D;
-  float s = 0.0f;
-  for (int i = l; i < S; i += 32) s = __fadd_rn(s, __fmul_rn(pr[i], vb[(long)i * kvw + d]));
-  part[idx] = s;
-}
-for (int off = 16; off > 0; off >>= 1) {
+for (long item = blockIdx.x; item < items; item += gridDim.x) {
+  const long r = item / H;
+  const int h = item % H;
+  const int S = row_len[r], pos = row_pos[r];
+  const float* qh = q + r * H * D + h * D;
+  const long base = (long)row_slot[r] * cap * kvw + (h / (H / KV)) * D;
+  const float* kb = k + base;
+  const float* vb = v + base;
+  // 1. scores, scaled after the product, masked; 2. softmax: both in the published order.
+  for (int j = wid; j < S; j += MLXI_WARPS) {
+    const float s = __fmul_rn(mlxi_dot(qh, 1, kb + j * kvw, 1, D, lane), sc);
+    const bool hidden = (CAUSAL && j > pos) || (WINDOW > 0 && j <= pos - WINDOW);
+    if (lane == 0) pr[j] = hidden ? -INFINITY : s;
+  }
   __syncthreads();
-  for (int idx = tid; idx < off * D; idx += MLXI_THREADS) part[idx] = __fadd_rn(part[idx], part[idx + off * D]);
+  mlxi_softmax(pr, S, tid, red);
+  // 3. context: out[d] = dot(p, v[:, d]) in the published order, laid out for coalesced reads:
+  // part[l][d] is lane l's partial sum (s = l, l+32, ... in increasing s), computed by threads that
+  // take consecutive d; then the butterfly's result, as a tree over l (part[l] += part[l + off] for
+  // l < off, off = 16, 8, 4, 2, 1: what lane 0 of the butterfly computes).
+  for (int idx = tid; idx < 32 * D; idx += MLXI_THREADS) {
+    const int l = idx / D, d = idx % D;
+    float s = 0.0f;
+    for (int i = l; i < S; i += 32) s = __fadd_rn(s, __fmul_rn(pr[i], vb[(long)i * kvw + d]));
+    part[idx] = s;
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    __syncthreads();
+    for (int idx = tid; idx < off * D; idx += MLXI_THREADS) part[idx] = __fadd_rn(part[idx], part[idx + off * D]);
+  }
+  __syncthreads();
+  for (int d = tid; d < D; d += MLXI_THREADS) out[r * H * D + h * D + d] = part[d];
+  __syncthreads();
 }
-__syncthreads();
-for (int d = tid; d < D; d += MLXI_THREADS) out[r * H * D + h * D + d] = part[d];

@@ -79,52 +79,48 @@ device float* y = out + r * n;
 for (long j = tid; j < n; j += MLXI_THREADS) y[j] = x[r * n + j];
 threadgroup_barrier(mem_flags::mem_device);
 mlxi_softmax(y, (int)n, tid, red);
-//@@BODY attention_scores
+//@@BODY fused_attention
+// As in attention.cu: work items (row, head), blocks striding over them, scores in the block's own
+// scratch row, context by lane partials over consecutive columns, then the butterfly as a tree.
 const long cap = dims[0];
 const int H = dims[1], KV = dims[2], D = dims[3], CAUSAL = dims[4], WINDOW = dims[5];
-const long blk = threadgroup_position_in_grid.x;
-const long r = blk / H;
-const int h = blk % H;
+const long items = (long)dims[6] * H;
 const uint tid = thread_position_in_threadgroup.x;
 const uint lane = thread_index_in_simdgroup, wid = simdgroup_index_in_threadgroup;
-const int S = row_len[r], pos = row_pos[r];
 const long kvw = (long)KV * D;
-device const float* qh = q + r * H * D + h * D;
-device const float* kb = k + (long)row_slot[r] * cap * kvw + (h / (H / KV)) * D;
-device float* pr = p + blk * cap;
-threadgroup float red[MLXI_WARPS];
 const float sc = scale[0];
-for (int j = wid; j < S; j += MLXI_WARPS) {
-  const float s = mlxi_dot(qh, 1, kb + j * kvw, 1, D, lane) * sc;
-  const bool hidden = (CAUSAL && j > pos) || (WINDOW > 0 && j <= pos - WINDOW);
-  if (lane == 0) pr[j] = hidden ? -INFINITY : s;
-}
-threadgroup_barrier(mem_flags::mem_device);
-mlxi_softmax(pr, S, tid, red);
-//@@BODY attention_context
-const long cap = dims[0];
-const int H = dims[1], KV = dims[2], D = dims[3];
-const long blk = threadgroup_position_in_grid.x;
-const long r = blk / H;
-const int h = blk % H;
-const uint tid = thread_position_in_threadgroup.x;
-const int S = row_len[r];
-const long kvw = (long)KV * D;
-device const float* vb = v + (long)row_slot[r] * cap * kvw + (h / (H / KV)) * D;
-device const float* pr = p + blk * cap;
+device float* pr = p + (long)threadgroup_position_in_grid.x * cap;
+threadgroup float red[MLXI_WARPS];
 threadgroup float part[32 * MLXI_MAX_D];
-for (int idx = tid; idx < 32 * D; idx += MLXI_THREADS) {
-  const int l = idx / D, d = idx % D;
-  float s = 0.0f;
-  for (int i = l; i < S; i += 32) {
-    const float prod = pr[i] * vb[(long)i * kvw + d];
-    s = s + prod;
+for (long item = threadgroup_position_in_grid.x; item < items; item += threadgroups_per_grid.x) {
+  const long r = item / H;
+  const int h = item % H;
+  const int S = row_len[r], pos = row_pos[r];
+  device const float* qh = q + r * H * D + h * D;
+  const long base = (long)row_slot[r] * cap * kvw + (h / (H / KV)) * D;
+  device const float* kb = k + base;
+  device const float* vb = v + base;
+  for (int j = wid; j < S; j += MLXI_WARPS) {
+    const float s = mlxi_dot(qh, 1, kb + j * kvw, 1, D, lane) * sc;
+    const bool hidden = (CAUSAL && j > pos) || (WINDOW > 0 && j <= pos - WINDOW);
+    if (lane == 0) pr[j] = hidden ? -INFINITY : s;
   }
-  part[idx] = s;
-}
-for (int off = 16; off > 0; off >>= 1) {
+  threadgroup_barrier(mem_flags::mem_device);
+  mlxi_softmax(pr, S, tid, red);
+  for (int idx = tid; idx < 32 * D; idx += MLXI_THREADS) {
+    const int l = idx / D, d = idx % D;
+    float s = 0.0f;
+    for (int i = l; i < S; i += 32) {
+      const float prod = pr[i] * vb[(long)i * kvw + d];
+      s = s + prod;
+    }
+    part[idx] = s;
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int idx = tid; idx < off * D; idx += MLXI_THREADS) part[idx] = part[idx] + part[idx + off * D];
+  }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (int idx = tid; idx < off * D; idx += MLXI_THREADS) part[idx] = part[idx] + part[idx + off * D];
+  for (int d = tid; d < D; d += MLXI_THREADS) out[r * H * D + h * D + d] = part[d];
+  threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
 }
-threadgroup_barrier(mem_flags::mem_threadgroup);
-for (int d = tid; d < D; d += MLXI_THREADS) out[r * H * D + h * D + d] = part[d];

@@ -1,12 +1,11 @@
 """mlxinfer's own GPU kernels for the MLX backend, from `metal_kernels/attention.cu` (CUDA, through
 `mx.fast.cuda_kernel`) and `metal_kernels/attention.metal` (Metal, through `mx.fast.metal_kernel`).
 
-Four kernels share one published summation order (written out at the top of each source file):
+Three kernels share one published summation order (written out at the top of each source file):
 `matmul` (every activation x activation product on a GPU: attention's scores and context), `softmax`
-(every softmax of scores on a GPU), and the fused attention of a whole batch in two launches,
-`attention_scores` (scores, mask and softmax) and `attention_context` (the weighted sum of values):
+(every softmax of scores on a GPU) and `fused_attention` (a whole batch's attention in one launch:
 decode rows and prefill chunks alike, each row reading its own sequence's cache slot up to its own
-length.
+length; its blocks stride over the (row, head) work items, so its score scratch is sized by the grid).
 Because the per-head reference and the fused kernel are built from the same device functions, they
 agree bit for bit on any number of query rows, which MLX's own products cannot promise (on CUDA a
 product of more than one row goes to cuBLASLt, whose order is unpublished).
@@ -24,6 +23,7 @@ import numpy as np
 
 SOURCES = {"metal": "attention.metal", "cuda": "attention.cu"}
 THREADS = 256  # threads per block (8 warps / simdgroups of 32)
+MAX_BLOCKS = 1024  # fused attention: blocks in flight (each keeps one row of scores in scratch)
 MAX_HEAD_DIM = 256  # the fused kernel's shared memory holds 32 partial sums per head dimension
 
 
@@ -38,8 +38,7 @@ def kernel_source(kind: str) -> tuple[str, dict[str, str]]:
 _INPUTS = {
     "matmul": (["a", "bt", "dims"], ["out"]),
     "softmax": (["x", "dims"], ["out"]),
-    "attention_scores": (["q", "k", "row_slot", "row_pos", "row_len", "scale", "dims"], ["p"]),
-    "attention_context": (["p", "v", "row_slot", "row_len", "dims"], ["out"]),
+    "fused_attention": (["q", "k", "v", "row_slot", "row_pos", "row_len", "scale", "dims"], ["out", "p"]),
 }
 
 
@@ -93,14 +92,12 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
 
     n = q.shape[0]
     cap = keys.shape[1]
-    dims = _dims(cap, spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.causal), int(spec.window or 0))
-    launch = dict(grid=(n * spec.n_heads * THREADS, 1, 1), threadgroup=(THREADS, 1, 1))
-    (p,) = _kernel(kind, "attention_scores")(
-        inputs=[q, keys, row_slot, row_pos, row_len, mx.array([spec.scale], dtype=mx.float32), dims],
-        output_shapes=[(n * spec.n_heads, cap)], output_dtypes=[mx.float32], **launch)
-    (out,) = _kernel(kind, "attention_context")(
-        inputs=[p, values, row_slot, row_len, dims], output_shapes=[(n, spec.n_heads * spec.head_dim)],
-        output_dtypes=[mx.float32], **launch)
+    blocks = min(n * spec.n_heads, MAX_BLOCKS)
+    dims = _dims(cap, spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.causal), int(spec.window or 0), n)
+    out, _ = _kernel(kind, "fused_attention")(
+        inputs=[q, keys, values, row_slot, row_pos, row_len, mx.array([spec.scale], dtype=mx.float32), dims],
+        grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(n, spec.n_heads * spec.head_dim), (blocks, cap)], output_dtypes=[mx.float32, mx.float32])
     return out
 
 

@@ -19,7 +19,7 @@ needs_gpu = pytest.mark.skipif(GPU is None, reason="needs an MLX GPU (Metal or C
 def test_kernel_sources_hold_every_kernel():
     for kind in ("cuda", "metal"):
         header, bodies = kernels.kernel_source(kind)
-        assert set(bodies) == {"matmul", "softmax", "attention_scores", "attention_context"}
+        assert set(bodies) == {"matmul", "softmax", "fused_attention"}
         assert "mlxi_dot" in header and "mlxi_softmax" in header
 
 
