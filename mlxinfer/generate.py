@@ -175,7 +175,8 @@ class Engine:
             raise RequestError(f"{self.path}: chat messages need tokenizer.chat_template, which this file lacks")
         bos = tok.tokens[tok.bos_id] if tok.bos_id is not None else ""
         eos = tok.tokens[tok.eos_id] if tok.eos_id is not None else ""
-        text = render_chat(tok.chat_template, messages, bos_token=bos, eos_token=eos, add_generation_prompt=True)
+        text = render_chat(tok.chat_template, messages, bos_token=bos, eos_token=eos, add_generation_prompt=True,
+                           source=f"{self.path}: chat template")
         return tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
 
     def _check_context(self, n_prompt: int, max_tokens: int) -> None:

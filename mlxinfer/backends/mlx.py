@@ -1,5 +1,5 @@
 """MLX backend: every primitive is an MLX graph builder (lazy `mx.array`s); the graph of a forward
-pass is evaluated once, at the token boundary (`argmax_with_prob`, `to_numpy`, `sync`).
+pass is evaluated at the token boundary (`to_numpy`, `sync`; `start` queues it without waiting).
 
 Runs where MLX runs: Metal on a Mac, CUDA where MLX's CUDA build is installed, the CPU otherwise.
 
