@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from itertools import accumulate
 
+from .errors import RequestError
+
 
 class Batch:
     def __init__(self, ops, slots, starts, lengths, all_logits: bool = False, logits_for=None):
         if not (len(slots) == len(starts) == len(lengths)) or not slots:
-            raise ValueError("a batch needs one slot, start and length per sequence, and at least one sequence")
+            raise RequestError("a batch needs one slot, start and length per sequence, and at least one sequence")
         if min(lengths) < 1:
-            raise ValueError("every sequence in a pass contributes at least one row")
+            raise RequestError("every sequence in a pass contributes at least one row")
         self.slots = tuple(int(s) for s in slots)
         self.starts = tuple(int(s) for s in starts)
         self.lengths = tuple(int(n) for n in lengths)

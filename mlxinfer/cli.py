@@ -1,7 +1,8 @@
-"""Command line: `mlxinfer generate ...` and `mlxinfer inspect FILE`.
+"""Command line: `mlxinfer generate ...`, `mlxinfer chat ...` and `mlxinfer inspect FILE`.
 
-The generated text goes to stdout as it is produced; the metrics block (and a trace, with --trace) to
-stderr, so `mlxinfer generate ... > out.txt` captures only the text."""
+`generate` writes the generated text to stdout as it is produced, and the metrics block (and a trace,
+with --trace) to stderr, so `mlxinfer generate ... > out.txt` captures only the text. `chat` is an
+interactive conversation in the terminal with the model's chat template."""
 
 from __future__ import annotations
 
@@ -9,47 +10,143 @@ import argparse
 import os
 import sys
 
-from .errors import MlxinferError
+from .errors import MlxinferError, RequestError
+
+
+def _load(args):
+    from .generate import load
+
+    return load(args.model, backend=args.backend, attention=args.attention, device=args.device,
+                kernel=args.kernel, kv=args.kv, prefill_chunk=args.prefill_chunk, threads=args.threads)
+
+
+def _sampling(args) -> dict:
+    return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                stop=args.stop)
+
+
+def _read_prompt(args):
+    if args.prompt_file is not None:
+        if args.prompt is not None:
+            raise RequestError("give the prompt as PROMPT or --prompt-file, not both")
+        try:
+            with open(args.prompt_file, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise RequestError(f"{args.prompt_file}: cannot read the prompt file ({e.strerror})") from None
+    if args.prompt is None:
+        raise RequestError("no prompt: give PROMPT, - (read stdin) or --prompt-file FILE")
+    if args.prompt == "-":
+        return sys.stdin.buffer.read()
+    if any(0xDC80 <= ord(c) <= 0xDCFF for c in args.prompt):
+        return os.fsencode(args.prompt)  # argv bytes that were not UTF-8 arrive as surrogate escapes
+    return args.prompt
 
 
 def _generate(args) -> int:
-    from .generate import load
-
-    engine = load(args.model, backend=args.backend, attention=args.attention, device=args.device,
-                  kernel=args.kernel, kv=args.kv, prefill_chunk=args.prefill_chunk)
-    prompt = args.prompt
-    if isinstance(prompt, str) and any(0xDC80 <= ord(c) <= 0xDCFF for c in prompt):
-        # argv bytes that were not UTF-8 arrive as surrogate escapes
-        prompt = os.fsencode(prompt)
+    prompt = _read_prompt(args)
+    engine = _load(args)
     tracer = None
     if args.trace or os.environ.get("MLXINFER_TRACE") == "1":
         from .tracing import install_tracer
 
         tracer = install_tracer(engine)
+    max_tokens = args.max_tokens
+    room = engine.args.context_length - len(engine.encode_prompt(prompt, chat=args.chat))
+    if 0 < room < max_tokens:
+        print(f"mlxinfer: note: --max-tokens {max_tokens} capped to {room}: the prompt leaves {room} tokens of "
+              f"the model's context length {engine.args.context_length}", file=sys.stderr)
+        max_tokens = room
+    if args.verbose:
+        print(f"mlxinfer: {engine.path}: {engine.args.arch}, {engine.args.n_layers} layers; backend "
+              f"{engine.backend.describe()}, attention {engine.backend.attention}, kv {engine.kv}", file=sys.stderr)
 
     def write(text):
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    result = engine.generate(
-        prompt,
-        max_tokens=args.max_tokens,
-        temperature=args.temp,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-        stop=args.stop,
-        chat=args.chat,
-        on_text=write,
-        on_forward=tracer.end_pass if tracer else None,
-    )
+    result = engine.generate(prompt, max_tokens=max_tokens, chat=args.chat, on_text=write,
+                             on_forward=tracer.end_pass if tracer else None, **_sampling(args))
     sys.stdout.write("\n")
     sys.stdout.flush()
     if not args.quiet:
         sys.stderr.write("\n" + result.metrics.format() + "\n")
+        if args.verbose and result.seed is not None:
+            sys.stderr.write(f"  seed: {result.seed}\n")
     if tracer:
         tracer.print_summary()
+    return 0
+
+
+def run_chat(engine, read_line, write, *, system: str | None = None, max_tokens: int = 512, sampling=None) -> None:
+    """The chat loop: read a line, stream the reply, keep the history. `read_line(prompt)` returns a
+    line or raises EOFError; `/reset` forgets the history, `/exit` (or end of input) leaves. Ctrl-C
+    during a reply stops that reply (what was said stays in the history); at the prompt it leaves."""
+    from .generate import FinishEvent
+
+    def fresh():
+        return [{"role": "system", "content": system}] if system else []
+
+    history = fresh()
+    while True:
+        try:
+            line = read_line("> ")
+        except (EOFError, KeyboardInterrupt):
+            write("\n")
+            return
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return
+        if text == "/reset":
+            history = fresh()
+            write("(history cleared)\n")
+            continue
+        history.append({"role": "user", "content": text})
+        reply = []
+        try:
+            n_prompt = len(engine.encode_prompt(history))
+            room = min(max_tokens, engine.args.context_length - n_prompt)
+            if room < 1:
+                raise RequestError("the conversation fills the model's context: /reset to start again")
+            for event in engine.stream(history, max_tokens=room, **(sampling or {})):
+                if event.text:
+                    write(event.text)
+                    reply.append(event.text)  # what the user saw is what the history keeps
+                if isinstance(event, FinishEvent) and event.finish_reason == "length" and room < max_tokens:
+                    write("\n(the model's context is full: /reset to start again)")
+        except KeyboardInterrupt:
+            write(" [stopped]")
+        except MlxinferError as e:
+            history.pop()
+            write(f"mlxinfer: error: {e}\n")
+            continue
+        write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _chat(args) -> int:
+    engine = _load(args)
+    if not engine.tokenizer.chat_template:
+        raise RequestError(f"{engine.path}: chat needs tokenizer.chat_template, which this file lacks")
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("mlxinfer chat: /reset forgets the conversation, /exit leaves; Ctrl-C stops a reply.", file=sys.stderr)
+
+    def write(text):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def read_line(prompt):
+        if interactive:
+            return input(prompt)
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
+        return line
+
+    run_chat(engine, read_line, write, system=args.system, max_tokens=args.max_tokens, sampling=_sampling(args))
     return 0
 
 
@@ -65,36 +162,53 @@ class _Parser(argparse.ArgumentParser):
         self.exit(1, f"mlxinfer: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="mlxinfer", description="Generate text from GGUF models with MLX or numpy.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    g = sub.add_parser("generate", help="generate a continuation of PROMPT",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g.add_argument("prompt", metavar="PROMPT")
-    g.add_argument("--model", default=None,
+def _model_options(p) -> None:
+    p.add_argument("--model", default=None,
                    help="local GGUF path or org/repo/file.gguf (default: SmolLM2-135M-Instruct Q4_1)")
-    g.add_argument("--backend", default="auto", choices=["auto", "cpu", "mlx"],
+    p.add_argument("--backend", default="auto", choices=["auto", "cpu", "mlx"],
                    help="auto: MLX where it has a GPU, else the numpy reference")
-    g.add_argument("--attention", default="fused", choices=["fused", "per-head"])
-    g.add_argument("--device", default=None, choices=["cpu", "gpu"], help="MLX device (default: gpu if available)")
-    g.add_argument("--kernel", default=None, choices=["graph", "metal", "cuda"],
-                   help="MLX fused attention implementation (default: metal/cuda on a GPU, graph on the CPU)")
-    g.add_argument("--kv", default="prealloc", choices=["prealloc", "basic"],
+    p.add_argument("--attention", default="fused", choices=["fused", "per-head"])
+    p.add_argument("--device", default=None, choices=["cpu", "gpu"], help="MLX device (default: gpu if available)")
+    p.add_argument("--kernel", default=None, choices=["graph", "metal", "cuda"],
+                   help="MLX fused attention implementation (default: cuda on CUDA, metal after a self-check on "
+                        "Metal, graph on the CPU)")
+    p.add_argument("--kv", default="prealloc", choices=["prealloc", "basic"],
                    help="KV cache: preallocated and written in place, or grown by concatenation")
-    g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prompt tokens per prefill pass (default: 512)")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0 = all)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed (negative or absent: random)")
-    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="BLAS threads of the cpu backend (default: the cores not already busy)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (negative or absent: random)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop when TEXT is generated (repeatable; not included in the output)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    p = _Parser(prog="mlxinfer", description="Generate text from GGUF models with MLX or numpy.")
+    p.add_argument("--version", action="version", version=f"mlxinfer {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    g = sub.add_parser("generate", help="generate a continuation of PROMPT", formatter_class=fmt)
+    g.add_argument("prompt", metavar="PROMPT", nargs="?", help="the prompt; - reads it from stdin")
+    g.add_argument("--prompt-file", default=None, metavar="FILE", help="read the prompt from FILE")
+    _model_options(g)
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (capped by the context)")
     g.add_argument("--chat", action="store_true", help="wrap PROMPT in the model's chat template")
     g.add_argument("--trace", action="store_true", help="count and time every backend op (stderr)")
     g.add_argument("--quiet", action="store_true", help="print only the text, no metrics block")
+    g.add_argument("--verbose", action="store_true", help="also say what was loaded, and the seed")
     g.set_defaults(func=_generate)
+    c = sub.add_parser("chat", help="talk with the model in the terminal (its chat template)", formatter_class=fmt)
+    _model_options(c)
+    c.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
+    c.add_argument("--max-tokens", type=int, default=512, help="tokens per reply at most")
+    c.set_defaults(func=_chat)
     i = sub.add_parser("inspect", help="print a GGUF file's architecture, hyperparameters, tokenizer and tensors")
     i.add_argument("file")
     i.set_defaults(func=_inspect)

@@ -403,14 +403,15 @@ class Engine:
 
 def load(model: str | os.PathLike | None = None, backend: str = "auto", attention: str = "fused",
          device: str | None = None, kernel: str | None = None, kv: str = "prealloc",
-         prefill_chunk: int | None = None) -> Engine:
+         prefill_chunk: int | None = None, threads: int | None = None) -> Engine:
     """Load a GGUF model (None: the default SmolLM2-135M-Instruct) onto a backend.
 
     backend: "auto" (MLX where it has a GPU, Metal or CUDA; else the CPU reference), "cpu" or "mlx".
     attention: "fused" (the backend's override) or "per-head" (the protocol's reference loop).
     device: "cpu" or "gpu" for MLX (default: gpu where available). kernel: the MLX backend's fused
     attention, "graph", "metal" or "cuda" (default: by platform). kv: "prealloc" or "basic".
-    prefill_chunk: prompt tokens per prefill pass (default 512)."""
-    ops = make_backend(backend, attention, device, kernel)
+    prefill_chunk: prompt tokens per prefill pass (default 512). threads: the cpu backend's BLAS threads
+    (default: the cores not already busy)."""
+    ops = make_backend(backend, attention, device, kernel, threads)
     path = resolve_model(model)
     return Engine(path, ops, kv=kv, prefill_chunk=prefill_chunk)

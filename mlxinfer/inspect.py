@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from .errors import MlxinferError
 from .gguf_file import GGUFFile
 from .tokenizer import GGUFTokenizer
+
+
+def natural_key(name: str):
+    """Sort key that orders numbers by value: blk.2 before blk.10."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name)]
 
 
 def _short(v) -> str:
@@ -46,6 +53,6 @@ def describe(path) -> str:
         if g.tensors:
             w = max(len(n) for n in g.tensors)
             lines.append(f"  {'name':<{w}}  {'type':<6}  {'shape':<18}  bytes")
-            for t in g.tensors.values():
+            for t in sorted(g.tensors.values(), key=lambda t: natural_key(t.name)):
                 lines.append(f"  {t.name:<{w}}  {t.type_name:<6}  {str(list(t.shape)):<18}  {t.nbytes}")
     return "\n".join(lines) + "\n"

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 
+from .errors import RequestError
+
 
 class _Slots:
     """Slot bookkeeping shared by the caches: which slots are in use and how many tokens each holds."""
@@ -34,7 +36,7 @@ class _Slots:
 
     def release(self, slot: int) -> None:
         if slot not in self.held:
-            raise ValueError(f"KV cache slot {slot} is not in use")
+            raise RequestError(f"KV cache slot {slot} is not in use")
         del self.held[slot]
         self.expected.pop(slot, None)
 
@@ -45,9 +47,9 @@ class _Slots:
     def check(self, batch) -> None:
         for slot, start in zip(batch.slots, batch.starts):
             if slot not in self.held:
-                raise ValueError(f"KV cache slot {slot} is not in use")
+                raise RequestError(f"KV cache slot {slot} is not in use")
             if start != self.held[slot]:
-                raise ValueError(f"slot {slot} holds {self.held[slot]} tokens; the pass starts at {start}")
+                raise RequestError(f"slot {slot} holds {self.held[slot]} tokens; the pass starts at {start}")
 
     @property
     def in_use(self) -> int:

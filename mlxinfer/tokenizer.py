@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from .errors import GGUFError, UnsupportedError
+from .errors import GGUFError, RequestError, UnsupportedError
 
 # llama.cpp's token types (llama_token_type).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -173,7 +173,7 @@ class GGUFTokenizer:
         written in the text (`<|im_start|>`) become their ids, as chat templates need.
         """
         if not isinstance(text, str):
-            raise TypeError(f"encode() takes str, got {type(text).__name__}")
+            raise RequestError(f"encode() takes str, got {type(text).__name__}")
         self.hf.encode_special_tokens = not parse_special
         ids = self.hf.encode(text, add_special_tokens=False).ids
         if add_special and self.add_bos:
@@ -185,7 +185,7 @@ class GGUFTokenizer:
         ids = [int(i) for i in ids]
         for i in ids:
             if not 0 <= i < len(self.tokens):
-                raise ValueError(f"token id {i} is outside the vocabulary [0, {len(self.tokens)})")
+                raise RequestError(f"token id {i} is outside the vocabulary [0, {len(self.tokens)})")
         return self.hf.decode(ids, skip_special_tokens=skip_special)
 
     def decode_stream(self) -> "TextStream":

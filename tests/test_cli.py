@@ -26,7 +26,7 @@ def test_generate_default_model_says_paris(smollm2_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(" Paris") and "backend" not in r.stdout  # stdout holds only the text
     block = r.stderr
-    assert block.startswith("\nbackend: cpu\nkv cache: prealloc\nattention: fused\n")
+    assert block.startswith("\nbackend: cpu (") and "\nkv cache: prealloc\nattention: fused\n" in block
     assert "time_to_first_token_ms:" in block and "generated_tokens: 8" in block and "(n=7)" in block
     assert "prompt_tokens: 5  (prefill chunk 512)" in block and "finish_reason: length" in block
 
@@ -152,7 +152,7 @@ def test_runtime_request_errors(tmp_path):
                           "the cpu backend runs on the CPU only")
     assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "--max-tokens", "0", "hi"),
                           "max_tokens must be a positive integer, got 0")
-    assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "--max-tokens", "100", "hi"),
+    assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "word " * 70),
                           "exceeds the model's context length 64")
     r = subprocess.run([sys.executable, "-m", "mlxinfer.cli", "generate", "--model", p, "--backend", "cpu",
                         b"caf\xe9 \xff"], capture_output=True, text=True)
@@ -171,3 +171,103 @@ def test_device_gpu_without_a_gpu(tmp_path):
                           "--device gpu: MLX has no GPU here")
     assert_one_line_error(run_cli("generate", "--model", p, "--backend", "mlx", "--kernel", "cuda", "hi"),
                           "the cuda attention kernel needs an MLX cuda GPU device")
+
+
+def test_version_and_module_entry_point():
+    from mlxinfer import __version__
+
+    r = subprocess.run([sys.executable, "-m", "mlxinfer", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == f"mlxinfer {__version__}"
+    r = subprocess.run([sys.executable, "-m", "mlxinfer", "generate", "--help"], capture_output=True, text=True)
+    assert "--prefill-chunk" in r.stdout and "(default: 64)" in r.stdout  # defaults shown in --help
+
+
+def test_prompt_from_stdin_and_from_a_file(tmp_path, smollm2_path):
+    args = ["generate", "--backend", "cpu", "--max-tokens", "6", "--quiet"]
+    want = run_cli(*args, "The capital of France is").stdout
+    r = subprocess.run([sys.executable, "-m", "mlxinfer", *args, "-"], input="The capital of France is",
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout == want
+    f = tmp_path / "prompt.txt"
+    f.write_text("The capital of France is")
+    assert run_cli(*args, "--prompt-file", str(f)).stdout == want
+    assert_one_line_error(run_cli(*args, "--prompt-file", str(tmp_path / "none.txt")), "cannot read the prompt file")
+    assert_one_line_error(run_cli(*args), "no prompt")
+
+
+def test_max_tokens_past_the_context_is_capped_with_a_notice(tmp_path):
+    from mlxinfer.synthetic import write_synthetic_model
+
+    p = write_synthetic_model(tmp_path / "short.gguf", arch="llama", n_layers=1, context_length=16)
+    r = run_cli("generate", "--model", p, "--backend", "cpu", "--max-tokens", "100", "--quiet", "a b c")
+    assert r.returncode == 0, r.stderr
+    notice = [x for x in r.stderr.splitlines() if x.startswith("mlxinfer: note:")]
+    assert len(notice) == 1 and "--max-tokens 100 capped to" in notice[0] and "context length 16" in notice[0]
+
+
+def test_threads_option(tmp_path):
+    from mlxinfer.synthetic import write_synthetic_model
+
+    p = write_synthetic_model(tmp_path / "m.gguf", arch="llama", n_layers=1)
+    r = run_cli("generate", "--model", p, "--backend", "cpu", "--threads", "1", "--max-tokens", "2", "hi")
+    assert r.returncode == 0 and "backend: cpu (1 BLAS thread)" in r.stderr
+    assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "--threads", "0", "hi"),
+                          "threads must be a positive integer, got 0")
+    assert_one_line_error(run_cli("generate", "--model", p, "--backend", "mlx", "--threads", "2", "hi"),
+                          "MLX schedules its own")
+
+
+def test_inspect_sorts_tensors_naturally(tmp_path):
+    from mlxinfer.synthetic import write_synthetic_model
+
+    p = write_synthetic_model(tmp_path / "m.gguf", arch="llama", n_layers=12)
+    out = run_cli("inspect", p).stdout
+    names = [line.split()[0] for line in out.splitlines() if line.startswith("  blk.")]
+    layers = [int(n.split(".")[1]) for n in names]
+    assert layers == sorted(layers) and layers[-1] == 11
+
+
+def test_chat_reads_turns_from_stdin_and_resets(smollm2_path):
+    r = subprocess.run([sys.executable, "-m", "mlxinfer", "chat", "--backend", "cpu", "--max-tokens", "12",
+                        "--system", "Answer in one word."],
+                       input="What is the capital of France?\n/reset\nAnd of Italy?\n", capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout and "(history cleared)" in r.stdout
+    assert r.stdout.count("> ") == 0  # no prompt echo when stdin is not a terminal
+
+
+def test_chat_loop_keeps_history_and_survives_ctrl_c(tmp_path):
+    import mlxinfer
+    from mlxinfer.cli import run_chat
+    from mlxinfer.synthetic import write_synthetic_model
+
+    engine = mlxinfer.load(write_synthetic_model(tmp_path / "m.gguf", arch="qwen3", n_layers=1, vocab_size=320),
+                           backend="cpu")
+    seen = []
+    lines = iter(["hello", "again", "/reset", "third"])
+    writes = []
+
+    def write(text):
+        writes.append(text)
+        if len(writes) == 3:  # Ctrl-C in the middle of the first reply
+            raise KeyboardInterrupt
+
+    original = engine.stream
+
+    def spy(messages, **kw):
+        seen.append([dict(m) for m in messages])
+        return original(messages, **kw)
+
+    engine.stream = spy
+    def read_line(prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    run_chat(engine, read_line, write, system="sys", max_tokens=6)
+    assert " [stopped]" in writes  # the reply stopped, the chat went on
+    assert [m["role"] for m in seen[1]] == ["system", "user", "assistant", "user"]  # history kept
+    assert seen[1][2]["content"] == "".join(writes[:2])  # with what had been said before Ctrl-C
+    assert [m["role"] for m in seen[2]] == ["system", "user"]  # after /reset

@@ -19,7 +19,7 @@ def mlx_gpu_available() -> bool:
 
 
 def make_backend(name: str = "auto", attention: str = "fused", device: str | None = None,
-                 kernel: str | None = None) -> Backend:
+                 kernel: str | None = None, threads: int | None = None) -> Backend:
     if name not in BACKENDS:
         raise RequestError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
     if name == "auto":
@@ -31,7 +31,9 @@ def make_backend(name: str = "auto", attention: str = "fused", device: str | Non
             raise RequestError(f"--kernel {kernel} selects an MLX attention kernel; the cpu backend has its own")
         from .cpu import CPUBackend
 
-        return CPUBackend(attention=attention)
+        return CPUBackend(attention=attention, threads=threads)
+    if threads is not None:
+        raise RequestError("--threads sets the cpu backend's BLAS threads; MLX schedules its own")
     from .mlx import MLXBackend
 
     return MLXBackend(attention=attention, device=device, kernel=kernel)

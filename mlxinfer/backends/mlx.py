@@ -39,7 +39,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from .. import kernels  # noqa: E402
 from ..backend import AttentionSpec, Backend  # noqa: E402
-from ..errors import RequestError  # noqa: E402
+from ..errors import GGUFError, RequestError  # noqa: E402
 
 GROUP = 32
 
@@ -236,7 +236,7 @@ class MLXBackend(Backend):
         matmuls, since `x @ W` is ~2.5x faster than `x @ W.T` on MLX's CPU. Cached per layout."""
         t = g.tensor(name)
         if len(t.shape) != 2:
-            raise ValueError(f"{g.path}: tensor {name!r} should be a matrix, found shape {list(t.shape)}")
+            raise GGUFError(f"{g.path}: tensor {name!r} should be a matrix, found shape {list(t.shape)}")
         quantized = t.ggml_type in REPACK
         key = (name, transposed and not quantized)
         if key not in self._cache:
