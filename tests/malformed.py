@@ -176,9 +176,22 @@ def cases(b: bytes):
                r"tensor 'blk.1.attn_norm.weight' contains NaN or Inf")
     yield Case("inf-in-norm", _patch(b, lay.data["output_norm.weight"][0], "<f", float("inf")), "load",
                r"tensor 'output_norm.weight' contains NaN or Inf")
+    for key, v in (("tokenizer.ggml.bos_token_id", 100000), ("tokenizer.ggml.eos_token_id", 320)):
+        yield Case(f"{key.split('.')[-1].replace('_', '-')}-out-of-range", _patch(b, _find_kv(lay, key)[3], "<I", v),
+                   "load", rf"{key} = {v} is not a token id in \[0, 320\)")
+    for key in ("feed_forward_length", "context_length", "embedding_length"):
+        yield Case(f"{key.replace('_', '-')}-0", _patch(b, _find_kv(lay, f"qwen3.{key}")[3], "<I", 0), "load",
+                   rf"qwen3.{key} = 0 must be positive")
+    yield Case("partial-rope-dims", rewrite(b, edits={"qwen3.rope.dimension_count": 8}), "load",
+               r"partial rotary embedding \(qwen3.rope.dimension_count 8 != head dim 16\) is not supported")
+    yield Case("value-length-differs", rewrite(b, edits={"qwen3.attention.key_length": 16,
+                                                          "qwen3.attention.value_length": 8}), "load",
+               r"key_length 16 != value_length 8 is not supported")
+    yield Case("head-dim-odd", rewrite(b, edits={"qwen3.attention.key_length": 15, "qwen3.attention.value_length": 15}),
+               "load", r"head dimension 15 must be a positive even number")
 
 
-def rewrite(b: bytes, extra_token: bool = False) -> bytes:
+def rewrite(b: bytes, extra_token: bool = False, edits: dict | None = None) -> bytes:
     """The same model written again with the gguf writer, with an edit a byte patch cannot make."""
     import tempfile
 
@@ -189,7 +202,7 @@ def rewrite(b: bytes, extra_token: bool = False) -> bytes:
         src, dst = os.path.join(tmp, "src.gguf"), os.path.join(tmp, "dst.gguf")
         with open(src, "wb") as f:
             f.write(b)
-        edits = {}
+        edits = dict(edits or {})
         if extra_token:
             with GGUFFile(src) as g:
                 edits["tokenizer.ggml.tokens"] = g.metadata["tokenizer.ggml.tokens"] + ["<|extra|>"]
