@@ -97,8 +97,12 @@ class Backend:
         self.attention = attention
 
     def describe(self) -> str:
-        """The backend's configuration in one line, e.g. "mlx (gpu, cuda kernel)" or "cpu"."""
+        """The backend's configuration in one line, e.g. "mlx (gpu, cuda attention, cuda kernels)"."""
         return self.name
+
+    def label(self) -> str:
+        """A short tag for traces: "CPU", "MLX/GPU"."""
+        return self.name.upper()
 
     # -- data in and out (not ops of the forward pass; not traced) ---------------------------
     def from_numpy(self, a: np.ndarray):

@@ -203,16 +203,17 @@ class Engine:
         prefill chunks go while the pass has room (a waiting sequence keeps its chunk boundaries)."""
         plan, budget = [], self.max_pass_rows
         for s in seqs:
-            if s.finish is None and not s.prefilling and s.sampled < s.max_tokens:
-                plan.append((s, 1))
-        for s in seqs:
-            if s.finish is None and s.prefilling:
-                n = min(self.prefill_chunk, len(s.prompt) - s.cached)
-                if n <= budget or not plan:
-                    plan.append((s, n))
-                    budget -= n
-        order = {id(s): i for i, s in enumerate(seqs)}
-        return sorted(plan, key=lambda p: order[id(p[0])])
+            if s.finish is not None:
+                continue
+            if not s.prefilling:
+                if s.sampled < s.max_tokens:
+                    plan.append((s, 1))
+                continue
+            n = min(self.prefill_chunk, len(s.prompt) - s.cached)
+            if n <= budget or not plan:  # the first sequence always advances
+                plan.append((s, n))
+                budget -= n
+        return plan
 
     def _launch(self, plan, cache) -> _Pass:
         """Build (and on a lazy backend, start) one forward pass and the sampling of its logit rows."""
@@ -303,11 +304,13 @@ class Engine:
         pending, n_pass = None, 0
         while True:
             plan = self._plan(seqs)
-            step = self._launch(plan, cache) if plan else None
-            if step is not None:
+            step = None
+            if plan:
                 n_pass += 1
+                name = self._pass_name(plan, n_pass, len(seqs)) if on_forward else None
+                step = self._launch(plan, cache)
                 if on_forward:
-                    on_forward(self._pass_name(plan, n_pass, len(seqs)))
+                    on_forward(name)
             if pending is not None:
                 yield from self._read(pending, cache, len(seqs))
             pending = step
@@ -318,13 +321,15 @@ class Engine:
                 return
 
     def _pass_name(self, plan, n_pass, n_seqs) -> str:
+        """The tracer's name of a pass about to be launched: "prefill", "prefill 2/3", "decode 1", or
+        "pass 5 (9 rows, 3 sequences)" for a batch."""
         if n_seqs > 1:
             return f"pass {n_pass} ({sum(n for _, n in plan)} rows, {len(plan)} sequences)"
-        s, n = plan[0]
-        if s.sampled == 0 or (s.sampled == 1 and s.cached == len(s.prompt) and n > 1):
+        s, _ = plan[0]
+        if s.prefilling:
             chunks = -(-len(s.prompt) // self.prefill_chunk)
-            return "prefill" if chunks == 1 else f"prefill {-(-s.cached // self.prefill_chunk)}/{chunks}"
-        return f"decode {s.sampled - 1}"
+            return "prefill" if chunks == 1 else f"prefill {s.cached // self.prefill_chunk + 1}/{chunks}"
+        return f"decode {s.sampled}"
 
     def _start(self, prompts, max_tokens, params, stop, chat):
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:

@@ -47,9 +47,8 @@ class TracingBackend:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    @property
     def label(self) -> str:
-        return self.inner.describe().upper()
+        return self.inner.label()
 
     def _call(self, op, fn, args, kwargs):
         self._depth += 1
@@ -77,7 +76,7 @@ class TracingBackend:
 
     # -- reporting ----------------------------------------------------------------------------
     def histogram(self, title, counts, times, total_time) -> str:
-        lines = [f"[{self.label}] {title}: op invocation counts (total {sum(counts.values())}, "
+        lines = [f"[{self.label()}] {title}: op invocation counts (total {sum(counts.values())}, "
                  f"{total_time * 1000:.3f} ms)"]
         for op in sorted(counts):
             lines.append(f"  {op}: {counts[op]}  ({times[op] * 1000:.3f} ms)")

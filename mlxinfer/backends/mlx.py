@@ -195,6 +195,9 @@ class MLXBackend(Backend):
         ops = f"{self.gpu_kernels} kernels" if self.gpu_kernels else "MLX ops"
         return f"mlx (gpu, {self.kernel} attention, {ops})"
 
+    def label(self) -> str:
+        return f"MLX/{self.device.upper()}"
+
     def activate(self):
         """Make this backend's device MLX's default. Called where graphs start (inputs, embedding
         lookups), so that two MLX backends on different devices can live in one process."""
