@@ -226,24 +226,28 @@ class CPUBackend(Backend):
 
     # -- fused attention override -------------------------------------------------------------
     def fused_attention_override(self, q, kv, batch, spec):
-        """Per sequence, all heads in three batched numpy calls, no per-head tensors; byte-identical
-        to `per_head_attention`: each head's K and V are contiguous [S, D] blocks (as the default's
-        copies are), the score matmul reads K through a transposed view (as `transpose_2d` does), and
-        numpy's batched matmul runs the same BLAS call per head that the default runs once."""
+        """Per sequence and KV head, the head group's products in two batched numpy calls and one
+        softmax, no per-head tensors; byte-identical to `per_head_attention`: each head's K and V are
+        contiguous [S, D] blocks (as the reference's copies are), the score product reads K through a
+        transposed view (as `transpose_2d` does), and numpy's batched matmul runs the same BLAS call per
+        head that the reference runs once. One KV head at a time keeps a long prompt's scores
+        ([group, T, S] floats) small enough to stay in cache."""
         kvh, d, group = spec.n_kv_heads, spec.head_dim, spec.group
         out = np.empty((q.shape[0], spec.n_heads * d), dtype=np.float32)
         for b, (r0, r1) in enumerate(batch.rows):
             t = r1 - r0
             k, v = kv.sequence(self, b)
-            s = k.shape[0]
-            # [KV, group, T, D]: query head h = kv_h*group + g.
-            qh = np.ascontiguousarray(q[r0:r1].reshape(t, kvh, group, d).transpose(1, 2, 0, 3))
-            kh = np.ascontiguousarray(k.reshape(s, kvh, d).transpose(1, 0, 2))[:, None]  # [KV, 1, S, D]
-            vh = np.ascontiguousarray(v.reshape(s, kvh, d).transpose(1, 0, 2))[:, None]
-            scores = np.matmul(qh, kh.transpose(0, 1, 3, 2))  # [KV, group, T, S]
-            scores *= np.float32(spec.scale)
-            if t > 1 or spec.window:
-                _mask(scores, batch.positions_of(self, b), spec.causal, spec.window)
-            ctx = np.matmul(_softmax_last_axis(scores), vh)  # [KV, group, T, D]
-            out[r0:r1] = ctx.transpose(2, 0, 1, 3).reshape(t, spec.n_heads * d)
+            qb = q[r0:r1].reshape(t, spec.n_heads, d)
+            masked = t > 1 or spec.window
+            positions = batch.positions_of(self, b) if masked else None
+            for j in range(kvh):
+                qh = np.ascontiguousarray(qb[:, j * group:(j + 1) * group].transpose(1, 0, 2))  # [group, T, D]
+                kh = np.ascontiguousarray(k[:, j * d:(j + 1) * d])  # [S, D]
+                vh = np.ascontiguousarray(v[:, j * d:(j + 1) * d])
+                scores = np.matmul(qh, kh.T)  # [group, T, S]
+                scores *= np.float32(spec.scale)
+                if masked:
+                    _mask(scores, positions, spec.causal, spec.window)
+                ctx = np.matmul(_softmax_last_axis(scores), vh)  # [group, T, D]
+                out[r0:r1].reshape(t, spec.n_heads, d)[:, j * group:(j + 1) * group] = ctx.transpose(1, 0, 2)
         return out
