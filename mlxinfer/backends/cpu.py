@@ -47,25 +47,32 @@ def set_blas_threads(threads: int | None) -> int:
     return threads
 
 
-def _softmax_last_axis(x: np.ndarray) -> np.ndarray:
+def _softmax_last_axis(x: np.ndarray, in_place: bool = False) -> np.ndarray:
     """The one softmax both attention paths use, so its float order is shared by construction:
-    max, exp(x - max), sum, divide, each a numpy ufunc over the last axis (computed in place on a
-    fresh array: the same ufuncs, fewer large temporaries)."""
-    e = x - np.max(x, axis=-1, keepdims=True)
+    max, exp(x - max), sum, divide, each a numpy ufunc over the last axis (in place on x when the
+    caller owns it: the same ufuncs, no large temporary)."""
+    m = np.max(x, axis=-1, keepdims=True)
+    e = np.subtract(x, m, out=x) if in_place else x - m
     np.exp(e, out=e)
     e /= np.sum(e, axis=-1, keepdims=True)
     return e
 
 
 def _mask(scores: np.ndarray, positions: np.ndarray, causal: bool, window: int | None) -> np.ndarray:
-    """-inf where key j is hidden from the query at positions[i]; `scores` [..., T, S] is written in place."""
-    keys = np.arange(scores.shape[-1])
-    hidden = np.zeros((len(positions), scores.shape[-1]), dtype=bool)
+    """-inf where key j is hidden from the query at positions[i]; `scores` [..., T, S] is written in
+    place. Only the columns that can be hidden are visited: past the first query's position (causal)
+    and before the last query's window (sliding window)."""
+    s = scores.shape[-1]
     if causal:
-        hidden |= keys[None, :] > positions[:, None]
+        lo = int(positions.min()) + 1
+        if lo < s:
+            hidden = np.arange(lo, s)[None, :] > positions[:, None]
+            np.copyto(scores[..., lo:], np.float32(-np.inf), where=hidden)
     if window:
-        hidden |= keys[None, :] <= positions[:, None] - window
-    scores[..., hidden] = -np.inf
+        hi = min(s, int(positions.max()) - window + 1)
+        if hi > 0:
+            hidden = np.arange(hi)[None, :] <= positions[:, None] - window
+            np.copyto(scores[..., :hi], np.float32(-np.inf), where=hidden)
     return scores
 
 
@@ -77,6 +84,7 @@ class CPUBackend(Backend):
         super().__init__(attention)
         self._dequantized: dict[str, np.ndarray] = {}
         self._rope_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._scores: np.ndarray | None = None
         self.threads = set_blas_threads(threads)
 
     def describe(self) -> str:
@@ -225,13 +233,22 @@ class CPUBackend(Backend):
         return sampler.sample_numpy(np.asarray(logits, dtype=np.float32))
 
     # -- fused attention override -------------------------------------------------------------
+    def _scratch(self, *shape) -> np.ndarray:
+        """A reused float32 buffer of `shape` (a view of one growing allocation): a long prompt's score
+        blocks are tens of MB, and a fresh allocation of that size costs more in page faults than
+        the product that fills it."""
+        n = int(np.prod(shape))
+        if self._scores is None or self._scores.size < n:
+            self._scores = np.empty(n, dtype=np.float32)
+        return self._scores[:n].reshape(shape)
+
     def fused_attention_override(self, q, kv, batch, spec):
         """Per sequence and KV head, the head group's products in two batched numpy calls and one
         softmax, no per-head tensors; byte-identical to `per_head_attention`: each head's K and V are
         contiguous [S, D] blocks (as the reference's copies are), the score product reads K through a
-        transposed view (as `transpose_2d` does), and numpy's batched matmul runs the same BLAS call per
-        head that the reference runs once. One KV head at a time keeps a long prompt's scores
-        ([group, T, S] floats) small enough to stay in cache."""
+        transposed view (as `transpose_2d` does), numpy's batched matmul runs the same BLAS call per
+        head that the reference runs once, and the softmax runs the same ufuncs in place. One KV head
+        at a time, in a reused buffer, keeps a long prompt's scores ([group, T, S]) in cache."""
         kvh, d, group = spec.n_kv_heads, spec.head_dim, spec.group
         out = np.empty((q.shape[0], spec.n_heads * d), dtype=np.float32)
         for b, (r0, r1) in enumerate(batch.rows):
@@ -244,10 +261,10 @@ class CPUBackend(Backend):
                 qh = np.ascontiguousarray(qb[:, j * group:(j + 1) * group].transpose(1, 0, 2))  # [group, T, D]
                 kh = np.ascontiguousarray(k[:, j * d:(j + 1) * d])  # [S, D]
                 vh = np.ascontiguousarray(v[:, j * d:(j + 1) * d])
-                scores = np.matmul(qh, kh.T)  # [group, T, S]
+                scores = np.matmul(qh, kh.T, out=self._scratch(group, t, kh.shape[0]))  # [group, T, S]
                 scores *= np.float32(spec.scale)
                 if masked:
                     _mask(scores, positions, spec.causal, spec.window)
-                ctx = np.matmul(_softmax_last_axis(scores), vh)  # [group, T, D]
+                ctx = np.matmul(_softmax_last_axis(scores, in_place=True), vh)  # [group, T, D]
                 out[r0:r1].reshape(t, spec.n_heads, d)[:, j * group:(j + 1) * group] = ctx.transpose(1, 0, 2)
         return out
