@@ -368,6 +368,7 @@ def main(argv=None):
                 for job in jobs:
                     row = run_row_process(job)
                     row["load_average_1min"] = round(os.getloadavg()[0], 2)
+                    row["finished_at"] = datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S UTC")
                     (rows if job["kind"] == "case" else sweep_rows).append(row)
                     print(json.dumps(row), file=log, flush=True)
     peer_rows, peer_notes = run_peers([x for x in a.peers.split(",") if x and x != "none"], path, cases, a.gen,

@@ -211,7 +211,8 @@ def main(argv=None):
                     row = got[-1]
             except subprocess.TimeoutExpired:
                 row = dict(prompt_tokens=n, error=f"timed out after {a.timeout:.0f} s")
-            row.update(kind="prefill", load_average_1min=round(os.getloadavg()[0], 2))
+            row.update(kind="prefill", load_average_1min=round(os.getloadavg()[0], 2),
+                       finished_at=time.strftime("%H:%M:%S UTC", time.gmtime()))
             rows.append(row)
             print(json.dumps(row), flush=True)
             print(json.dumps(row), file=log, flush=True)
