@@ -66,16 +66,55 @@ def smollm2_meta(smollm2_path):
         return dict(g.metadata)
 
 
-def test_pre_tokenizers_match_llama_cpp(smollm2_meta):
-    """SmolLM2's vocabulary under each pre-tokenizer name, against llama.cpp's tokenization of the same
-    texts (tests/reference/make_fixtures.py records them with llama-cpp-python)."""
+@pytest.fixture(scope="module")
+def vectors():
     with open(os.path.join(REFERENCE, "tokenizer_vectors.json"), encoding="utf-8") as f:
-        ref = json.load(f)
-    assert set(ref["ids"]) >= {"smollm", "starcoder", "llama-bpe", "gpt-2", "default", "deepseek-llm", "qwen2"}
-    for pre, expected in ref["ids"].items():
-        tok = GGUFTokenizer.from_metadata({**smollm2_meta, "tokenizer.ggml.pre": pre})
-        for text, ids in zip(ref["texts"], expected):
-            assert tok.encode(text) == ids, (pre, text)
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def vocab_meta(smollm2_meta):
+    with GGUFFile(QWEN2_VOCAB) as g:
+        return {"smollm2": smollm2_meta, "qwen2": dict(g.metadata)}
+
+
+def test_every_registered_pre_tokenizer_matches_llama_cpp_on_two_vocabularies(vectors, vocab_meta):
+    """Each of the 21 pre-tokenizer names with SmolLM2's and the Qwen2 vocabulary, on llama.cpp's test
+    inputs plus texts that separate the variants (case-insensitive contractions such as DON'TS, the
+    [\\r\\n]* after punctuation in "end.\\n", digit grouping), against llama.cpp's own tokenization
+    (tests/reference/make_fixtures.py records it with llama-cpp-python)."""
+    assert {key.split("/")[1] for key in vectors["ids"]} == set(PRE_TOKENIZERS)
+    assert {key.split("/")[0] for key in vectors["ids"]} == {"smollm2", "qwen2"}
+    for text in ("DON'TS", "The end.\n"):
+        assert text in vectors["texts"]
+    for key, expected in vectors["ids"].items():
+        vocab, pre = key.split("/")
+        tok = GGUFTokenizer.from_metadata({**vocab_meta[vocab], "tokenizer.ggml.pre": pre})
+        for text, ids in zip(vectors["texts"], expected):
+            assert tok.encode(text) == ids, (key, text)
+
+
+def test_bos_is_added_when_the_file_asks(vectors, vocab_meta):
+    for vocab, expected in vectors["add_bos"].items():
+        tok = GGUFTokenizer.from_metadata({**vocab_meta[vocab], "tokenizer.ggml.add_bos_token": True})
+        assert tok.add_bos and tok.bos_id is not None
+        for text, ids in zip(vectors["texts"], expected):
+            assert ids[0] == tok.bos_id
+            assert tok.encode(text, add_special=True) == ids, (vocab, text)
+            assert tok.encode(text, add_special=False) == ids[1:]
+
+
+def test_llama_bpe_ignores_merges_as_llama_cpp_does(vectors, tmp_path):
+    """A vocabulary holding a token no merge can build: llama-bpe takes the whole word when it is in the
+    vocabulary (ignore_merges), gpt-2 does not."""
+    from tests.reference.make_fixtures import unreachable_token_vocab
+
+    with GGUFFile(unreachable_token_vocab(str(tmp_path))) as g:
+        meta = dict(g.metadata)
+    for pre, expected in vectors["ignore_merges"].items():
+        tok = GGUFTokenizer.from_metadata({**meta, "tokenizer.ggml.pre": pre})
+        assert [tok.encode(t) for t in (" zq", "a zq b")] == expected, pre
+    assert vectors["ignore_merges"]["llama-bpe"] != vectors["ignore_merges"]["gpt-2"]
 
 
 def test_pre_tokenizers_differ_where_llama_cpp_differs(smollm2_meta):

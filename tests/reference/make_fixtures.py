@@ -2,6 +2,8 @@
 
     python -m venv /tmp/refenv && /tmp/refenv/bin/pip install llama-cpp-python numpy gguf
     PYTHONPATH=. /tmp/refenv/bin/python tests/reference/make_fixtures.py [SMOLLM2_Q4_1.gguf]
+    (TOKENIZER_ONLY=1 remakes only tokenizer_vectors.json; on this project's VM llama-cpp-python must be
+    built with CMAKE_ARGS="-DGGML_NATIVE=OFF": the native build dies with SIGILL)
 
 For each model: dequantize every tensor to F32 (`mlxinfer.synthetic.write_f32_copy`), run llama.cpp with
 an F32 KV cache (type_k = type_v = 0) so that no activation is quantized, and record
@@ -49,42 +51,89 @@ def reference(path, prompt_ids, out_name):
     print(out_name, "prompt", len(prompt_ids), "greedy", greedy[:16], "min gap", min(gaps))
 
 
-PRE_TOKENIZERS = ["smollm", "starcoder", "llama-bpe", "gpt-2", "default", "deepseek-llm", "qwen2"]
 EXTRA_TEXTS = ["1234567 3.14159 10,000,000", "I'll've we'RE they'D", "def f(x):\n\treturn x**2  # ok\n",
                "中文测试 日本語 한국어", "Ünïcödé ß ﬁ ǅ", "  leading and trailing  ", "a\r\nb\n\n\nc",
-               "<|im_start|>user hi<|im_end|>", "emoji 🦙🦙 and 🇫🇷", "$100+200=300 ~^|<>"]
+               "<|im_start|>user hi<|im_end|>", "emoji 🦙🦙 and 🇫🇷", "$100+200=300 ~^|<>",
+               # case-insensitive contractions, and the [\r\n]* that follows punctuation
+               "DON'TS", "I'M SURE YOU'LL SEE WE'VE HE'D", "The end.\n", "Stop.\n\nGo!\r\n", "x!!\n\n\ny",
+               'He said: "yes".\n', "(a) [b] {c}\n\t- d", "9999 99 999999999"]
 
 
-def tokenizer_vectors(model_path, tmp):
-    """llama.cpp's tokenization of llama.cpp's own test inputs plus ours, with SmolLM2's vocabulary
-    under each pre-tokenizer name: one vocab-only copy per name."""
+def vocabularies(smollm2_path):
+    """The vocabularies the tokenizer vectors are made with: SmolLM2's (49,152 tokens), the real
+    Qwen2/Qwen3 one (151,936, from llama.cpp's test data), and a synthetic one that holds a token no
+    merge can reach (where llama-bpe's ignore_merges shows)."""
+    return {"smollm2": smollm2_path, "qwen2": os.path.join(HERE, "..", "data", "ggml-vocab-qwen2.gguf")}
+
+
+def unreachable_token_vocab(tmp):
+    """A synthetic vocabulary with the token "Ġzq" but no merge that builds it: with ignore_merges
+    (llama-bpe) the word " zq" is that one token, without it two."""
+    from mlxinfer.synthetic import write_synthetic_model
+
+    src = write_synthetic_model(os.path.join(tmp, "syn.gguf"), arch="llama", n_layers=1)
+    from mlxinfer.gguf_file import GGUFFile
+
+    with GGUFFile(src) as g:
+        tokens = list(g.metadata["tokenizer.ggml.tokens"])
+        types = np.array(g.metadata["tokenizer.ggml.token_type"])
+    filler = next(i for i, t in enumerate(tokens) if t.startswith("<|filler_"))
+    tokens[filler], types[filler] = "\u0120zq", 1
+    return rewrite_gguf(src, os.path.join(tmp, "unreachable.gguf"), tensors=False,
+                        edits={"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types.astype(np.int32)})
+
+
+def tokenizer_vectors(smollm2_path, tmp):
+    """llama.cpp's tokenization of llama.cpp's own test inputs plus ours, with each vocabulary under
+    every pre-tokenizer name mlxinfer registers (one vocab-only copy per pair), BOS added where the
+    file asks for it, and the ignore_merges case."""
     import json
 
     import llama_cpp
 
+    from mlxinfer.tokenizer import PRE_TOKENIZERS
+
     inputs = open(os.path.join(HERE, "..", "data", "ggml-vocab-qwen2.gguf.inp"), encoding="utf-8").read()
     texts = inputs.split("\n__ggml_vocab_test__\n")[:-1] + EXTRA_TEXTS
-    out = {"texts": texts, "ids": {}}
-    for pre in PRE_TOKENIZERS:
-        path = rewrite_gguf(model_path, os.path.join(tmp, f"vocab-{pre}.gguf"), edits={"tokenizer.ggml.pre": pre},
-                            tensors=False)
+    out = {"texts": texts, "ids": {}, "add_bos": {}, "ignore_merges": {}}
+
+    def tokenize(path, text, add_bos=False):
         llm = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
-        out["ids"][pre] = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in texts]
+        return [llm.tokenize(t.encode("utf-8"), add_bos=add_bos, special=False) for t in text]
+
+    for vocab, path in vocabularies(smollm2_path).items():
+        for pre in PRE_TOKENIZERS:
+            copy = rewrite_gguf(path, os.path.join(tmp, f"{vocab}-{pre}.gguf"), edits={"tokenizer.ggml.pre": pre},
+                                tensors=False)
+            out["ids"][f"{vocab}/{pre}"] = tokenize(copy, texts)
+        copy = rewrite_gguf(path, os.path.join(tmp, f"{vocab}-bos.gguf"), tensors=False,
+                            edits={"tokenizer.ggml.add_bos_token": True})
+        out["add_bos"][vocab] = tokenize(copy, texts[:8], add_bos=True)
+    syn = unreachable_token_vocab(tmp)
+    for pre in ("llama-bpe", "gpt-2"):
+        copy = rewrite_gguf(syn, os.path.join(tmp, f"syn-{pre}.gguf"), edits={"tokenizer.ggml.pre": pre},
+                            tensors=False)
+        out["ignore_merges"][pre] = tokenize(copy, [" zq", "a zq b"])
     with open(os.path.join(HERE, "tokenizer_vectors.json"), "w", encoding="utf-8") as f:
         json.dump(out, f, ensure_ascii=False)
-    print("tokenizer vectors:", len(texts), "texts x", len(PRE_TOKENIZERS), "pre-tokenizers")
+    print("tokenizer vectors:", len(texts), "texts x", len(out["ids"]), "vocabulary/pre-tokenizer pairs;",
+          "ignore_merges:", out["ignore_merges"])
 
 
 def main():
     with tempfile.TemporaryDirectory() as tmp:
-        q3 = write_synthetic_model(os.path.join(tmp, "q3.gguf"), QWEN3_SYNTHETIC)
-        reference(write_f32_copy(q3, os.path.join(tmp, "q3_f32.gguf")), QWEN3_PROMPT_IDS, "qwen3_synthetic.npz")
+        only_tokenizer = bool(os.environ.get("TOKENIZER_ONLY"))  # remake tokenizer_vectors.json alone
+        if not only_tokenizer:
+            q3 = write_synthetic_model(os.path.join(tmp, "q3.gguf"), QWEN3_SYNTHETIC)
+            reference(write_f32_copy(q3, os.path.join(tmp, "q3_f32.gguf")), QWEN3_PROMPT_IDS, "qwen3_synthetic.npz")
         if len(sys.argv) > 1:
             import llama_cpp
 
             vocab = llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
             ids = vocab.tokenize(SMOLLM2_PROMPT.encode("utf-8"), add_bos=True, special=True)
             tokenizer_vectors(sys.argv[1], tmp)
+            if only_tokenizer:
+                return
             reference(write_f32_copy(sys.argv[1], os.path.join(tmp, "smol_f32.gguf")), ids, "smollm2.npz")
 
 
