@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -133,21 +134,29 @@ def run_case(engine, n_prompt: int, n_gen: int, runs: int, batch: int = 1, sync:
 def measure_row(job: dict) -> dict:
     """One row, in this process (a fresh child of the benchmark): load the engine, warm up, run."""
     t0 = time.perf_counter()
+    threads = dict(threads=job["threads"]) if job["backend"] == "cpu" and job.get("threads") else {}
     engine = mlxinfer.load(job["model"], backend=job["backend"], attention=job["attention"], device=job["device"],
-                           kv=job["kv"], prefill_chunk=job["prefill_chunk"])
+                           kv=job["kv"], prefill_chunk=job["prefill_chunk"], **threads)
     load_s = time.perf_counter() - t0
     row = run_case(engine, job["n"], job["gen"], job["runs"], job["batch"], job["sync"], job["warmup_tokens"])
     name = f"mlxinfer {job['backend']}" + (" (sync)" if job["sync"] else "")
     row.update(engine=name, device=job["device"], attention=job["attention"], backend=engine.backend.describe(),
-               load_s=load_s, kind=job["kind"])
+               load_s=load_s, kind=job["kind"], blas_threads=blas_threads())
     return row
+
+
+def blas_threads():
+    """The BLAS thread counts numpy runs with in this process (threadpoolctl), or None."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return None
+    return [i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"] or None
 
 
 def run_row_process(job: dict) -> dict:
     """Each row in a fresh process, so that its peak memory is its own (no heap left by an earlier row or
     engine) and a crash costs one row."""
-    import subprocess
-
     r = subprocess.run([sys.executable, os.path.abspath(__file__), "--row", json.dumps(job)], stdout=subprocess.PIPE,
                        text=True)
     got = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
@@ -190,14 +199,21 @@ def machine() -> dict:
         mlx_v = "mlx not installed"
     gpu = ""
     try:
-        import subprocess
-
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                              text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
+    def git(*args):
+        try:
+            return subprocess.run(["git", "-C", os.path.dirname(HERE), *args], capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    dirty = git("status", "--porcelain", "--untracked-files=no", "mlxinfer")
     return dict(
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        commit=git("rev-parse", "--short", "HEAD") + (" + uncommitted changes under mlxinfer/" if dirty else ""),
         machine=f"{platform.platform()}, {platform.machine()}, {os.cpu_count()} cpus" + (f", GPU {gpu}" if gpu else ""),
         versions=f"python {platform.python_version()}, numpy {np.__version__}, {mlx_v}, gguf {version('gguf')}, "
                  f"mlxinfer {mlxinfer.__version__}",
@@ -207,6 +223,7 @@ def machine() -> dict:
 
 def header(info: dict, model_path: str, argv: list[str]) -> str:
     return (f"date: {info['date']}\nmachine: {info['machine']}\n{info['versions']}\n"
+            f"mlxinfer commit: {info['commit']} ({os.path.dirname(HERE)})\n"
             f"load average at start (1, 5, 15 min): {info['load_average']}\n"
             f"model: {model_path}\ncommand: python3 bench/bench.py {' '.join(argv)}\n")
 
@@ -327,7 +344,9 @@ def main(argv=None):
                    help="peer engines, comma-separated (llama.cpp, mlx-lm), or 'none' (default: %(default)s)")
     p.add_argument("--replot", default=None, help="only redraw the plot from a results.jsonl")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
-                   help="threads for the llama.cpp peer (default: the CPU count, %(default)s)")
+                   help="BLAS threads of the cpu backend (load(threads=...)) and threads of the llama.cpp peer "
+                        "(default: the CPU count, %(default)s; the engine's own default follows the load average "
+                        "at load time, which would make a row depend on what ran just before it)")
     p.add_argument("--out", default=os.path.join(HERE, "out"),
                    help="output folder for results.md, results.jsonl and the plot (default: bench/out)")
     p.add_argument("--cache", default=os.path.join(HERE, "models"),
@@ -362,7 +381,8 @@ def main(argv=None):
         for kv in kvs:
             for sync in ([False, True] if a.sync and backend == "mlx" else [False]):
                 spec = dict(model=path, backend=backend, device=device, attention=attention, kv=kv,
-                            prefill_chunk=a.prefill_chunk, runs=a.runs, sync=sync, warmup_tokens=a.warmup_tokens)
+                            prefill_chunk=a.prefill_chunk, runs=a.runs, sync=sync, warmup_tokens=a.warmup_tokens,
+                            threads=a.threads)
                 jobs = [dict(spec, kind="case", batch=b, n=n, gen=a.gen) for b in batches for n in cases]
                 jobs += [dict(spec, kind="sweep", batch=1, n=n, gen=a.sweep_gen) for n in sweep]
                 for job in jobs:

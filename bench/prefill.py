@@ -67,6 +67,10 @@ def child(spec: dict) -> dict:
         kwargs["kv"] = spec["kv"]
     if spec.get("prefill_chunk"):
         kwargs["prefill_chunk"] = spec["prefill_chunk"]
+    import inspect
+
+    if spec["backend"] == "cpu" and spec.get("threads") and "threads" in inspect.signature(mlxinfer.load).parameters:
+        kwargs["threads"] = spec["threads"]  # (older load() has no threads: numpy's BLAS default, all cores)
     t0 = time.perf_counter()
     engine = mlxinfer.load(spec["model"], **kwargs)
     load_s = time.perf_counter() - t0
@@ -102,8 +106,16 @@ def child(spec: dict) -> dict:
         load_rss_mb=load_rss, rss_before_mb=rss_before,
         prefill_peak_rss_mb=_status_kb("VmHWM") / 1024 if reset else None,
         mlx_peak_memory_mb=mlx_peak, load_s=load_s,
-        mlxinfer=os.path.dirname(os.path.abspath(mlxinfer.__file__)),
+        mlxinfer=os.path.dirname(os.path.abspath(mlxinfer.__file__)), blas_threads=_blas_threads(),
     )
+
+
+def _blas_threads():
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return None
+    return [i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"] or None
 
 
 def header(spec: dict) -> dict:
@@ -137,12 +149,12 @@ def header(spec: dict) -> dict:
 
 
 def fmt_table(rows) -> str:
-    cols = ["prompt", "chunk", "kv", "TTFT ms", "prefill tok/s", "peak RSS MiB", "load RSS MiB",
+    cols = ["prompt", "chunk", "kv", "BLAS threads", "TTFT ms", "prefill tok/s", "peak RSS MiB", "load RSS MiB",
             "prefill peak - RSS before MiB", "load avg"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['prompt_tokens']} | | | failed: {r['error']} | | | | | |")
+            lines.append(f"| {r['prompt_tokens']} | | | | failed: {r['error']} | | | | | |")
             continue
         ttft = f"{r['time_to_first_token_ms']:.0f}"
         if r["runs"] > 1:
@@ -150,7 +162,8 @@ def fmt_table(rows) -> str:
         added = (f"{r['prefill_peak_rss_mb'] - r['rss_before_mb']:.0f}" if r.get("prefill_peak_rss_mb") is not None
                  else "-")
         lines.append("| " + " | ".join([
-            str(r["prompt_tokens"]), str(r.get("prefill_chunk") or "-"), r["kv_cache"], ttft,
+            str(r["prompt_tokens"]), str(r.get("prefill_chunk") or "-"), r["kv_cache"],
+            ",".join(map(str, r.get("blas_threads") or [])) or "-", ttft,
             f"{r['prefill_tokens_per_second']:.1f}", f"{r['peak_rss_mb']:.0f}", f"{r['load_rss_mb']:.0f}", added,
             str(r.get("load_average_1min", "")),
         ]) + " |")
@@ -167,6 +180,9 @@ def main(argv=None):
     p.add_argument("--backend", default="cpu", help="cpu or mlx (default: %(default)s)")
     p.add_argument("--attention", default="fused", help="fused or per-head (default: %(default)s)")
     p.add_argument("--device", default=None, help="MLX device, cpu or gpu (default: the backend's)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="the cpu backend's BLAS threads, load(threads=...) where load() has it (default: the CPU "
+                        "count, %(default)s; the engine's own default follows the load average)")
     p.add_argument("--model", default=None, help="GGUF path (default: the default model, SmolLM2-135M-Instruct)")
     p.add_argument("--runs", type=int, default=1, help="measured calls per case, in the same child "
                                                        "(default: %(default)s)")
@@ -189,7 +205,7 @@ def main(argv=None):
         from mlxinfer.model_source import default_model_path
 
         a.model = str(default_model_path())
-    spec = dict(model=a.model, backend=a.backend, attention=a.attention, device=a.device, kv=a.kv,
+    spec = dict(model=a.model, backend=a.backend, attention=a.attention, device=a.device, kv=a.kv, threads=a.threads,
                 prefill_chunk=a.prefill_chunk, runs=a.runs, warmup_tokens=a.warmup_tokens,
                 mlxinfer=os.path.abspath(a.mlxinfer))
     head = header(spec)
