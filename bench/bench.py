@@ -141,7 +141,7 @@ def measure_row(job: dict) -> dict:
     row = run_case(engine, job["n"], job["gen"], job["runs"], job["batch"], job["sync"], job["warmup_tokens"])
     name = f"mlxinfer {job['backend']}" + (" (sync)" if job["sync"] else "")
     row.update(engine=name, device=job["device"], attention=job["attention"], backend=engine.backend.describe(),
-               load_s=load_s, kind=job["kind"], blas_threads=blas_threads())
+               load_s=load_s, kind=job["kind"], blas_threads=blas_threads() if job["backend"] == "cpu" else None)
     return row
 
 

@@ -106,7 +106,7 @@ def child(spec: dict) -> dict:
         load_rss_mb=load_rss, rss_before_mb=rss_before,
         prefill_peak_rss_mb=_status_kb("VmHWM") / 1024 if reset else None,
         mlx_peak_memory_mb=mlx_peak, load_s=load_s,
-        mlxinfer=os.path.dirname(os.path.abspath(mlxinfer.__file__)), blas_threads=_blas_threads(),
+        mlxinfer=os.path.dirname(os.path.abspath(mlxinfer.__file__)), blas_threads=_blas_threads() if spec["backend"] == "cpu" else None,
     )
 
 
