@@ -138,3 +138,15 @@ def test_harness_refuses_an_override_that_calls_the_reference():
 
     with pytest.raises(AssertionError, match="called the per-head reference"):
         assert_matches_default(Cheat(), make_case([(2, 8)], 1, 1, 16))
+
+
+def test_large_blocks_softmaxed_on_several_threads_stay_byte_identical():
+    """A long prefill chunk's scores are softmaxed in row blocks on two threads: same bits."""
+    from mlxinfer.backends.cpu import PARALLEL_SOFTMAX_ELEMENTS
+
+    case = make_case([(64, 4096), (1, 3000), (40, 700)], 2, 4, 64, seed=9)
+    case.q *= 4  # spread softmax rows
+    backend = CPUBackend(threads=2)
+    assert 4 * 64 * 4096 >= PARALLEL_SOFTMAX_ELEMENTS
+    assert_matches_default(backend, case)
+    assert backend._pool is not None  # the threaded path ran

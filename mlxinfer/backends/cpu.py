@@ -20,6 +20,9 @@ from ..backend import Backend
 from ..errors import GGUFError
 
 
+PARALLEL_SOFTMAX_ELEMENTS = 1 << 18  # score blocks at least this large are softmaxed on all BLAS threads
+
+
 def default_threads() -> int:
     """BLAS threads when the user names none: the cores not already busy (load average over the last
     minute). OpenBLAS threads spin while they wait, so one thread per core that another process is
@@ -85,6 +88,7 @@ class CPUBackend(Backend):
         self._dequantized: dict[str, np.ndarray] = {}
         self._rope_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._scores: np.ndarray | None = None
+        self._pool = None  # threads for large softmax blocks (made on first use)
         self.threads = set_blas_threads(threads)
 
     def describe(self) -> str:
@@ -242,6 +246,23 @@ class CPUBackend(Backend):
             self._scores = np.empty(n, dtype=np.float32)
         return self._scores[:n].reshape(shape)
 
+    def _softmax_in_place(self, scores: np.ndarray) -> np.ndarray:
+        """`_softmax_last_axis` in place, its rows split over the BLAS threads when the block is large
+        (a long prompt's [group, T, S] scores): numpy's ufuncs run on one core, and each row's max, exp,
+        sum and division are the same operations on the same values whichever call holds the row."""
+        rows = scores.reshape(-1, scores.shape[-1])
+        if self.threads < 2 or scores.size < PARALLEL_SOFTMAX_ELEMENTS:
+            _softmax_last_axis(rows, in_place=True)
+            return scores
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=self.threads)
+        bounds = np.linspace(0, rows.shape[0], self.threads + 1).astype(int)
+        list(self._pool.map(lambda ab: _softmax_last_axis(rows[ab[0]:ab[1]], in_place=True),
+                            [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]))
+        return scores
+
     def fused_attention_override(self, q, kv, batch, spec):
         """Per sequence and KV head, the head group's products in two batched numpy calls and one
         softmax, no per-head tensors; byte-identical to `per_head_attention`: each head's K and V are
@@ -265,6 +286,6 @@ class CPUBackend(Backend):
                 scores *= np.float32(spec.scale)
                 if masked:
                     _mask(scores, positions, spec.causal, spec.window)
-                ctx = np.matmul(_softmax_last_axis(scores, in_place=True), vh)  # [group, T, D]
+                ctx = np.matmul(self._softmax_in_place(scores), vh)  # [group, T, D]
                 out[r0:r1].reshape(t, spec.n_heads, d)[:, j * group:(j + 1) * group] = ctx.transpose(1, 0, 2)
         return out
