@@ -125,7 +125,9 @@ class Engine:
         self.backend = backend
         self.kv = kv
         self.prefill_chunk = chunk
-        self.max_pass_rows = 4 * chunk  # prefill rows admitted to one pass (decode rows always go)
+        # prefill rows admitted to one pass (decode rows always go): one chunk's worth, so a decoding
+        # sequence waits at most one chunk's pass while others prefill
+        self.max_pass_rows = chunk
         self.model = arch.Model(backend, self.gguf, self.args)
 
     # -- helpers ------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ Times are wall-clock, taken where the engine hands a token to the caller:
   prefill, chunk by chunk, plus picking the token); prompt tokens/s = prompt tokens / that time;
 - decode tokens/s: tokens after the first, over the time between the first and the last token;
 - token intervals: the time between consecutive tokens (with a pipelined MLX backend these are what
-  a user sees, not the duration of any one pass).
+  a user sees, not the duration of any one pass);
+- peak memory: the process's peak so far (peak resident set on the cpu backend, MLX's peak
+  allocation on the MLX backend), not this request's alone.
 """
 
 from __future__ import annotations
