@@ -21,6 +21,7 @@ from ..errors import GGUFError
 
 
 PARALLEL_SOFTMAX_ELEMENTS = 1 << 18  # score blocks at least this large are softmaxed on all BLAS threads
+TILE_ELEMENTS = 1 << 19  # rows of scores processed together: ~2 MB of float32
 
 
 def default_threads() -> int:
@@ -246,21 +247,37 @@ class CPUBackend(Backend):
             self._scores = np.empty(n, dtype=np.float32)
         return self._scores[:n].reshape(shape)
 
-    def _softmax_in_place(self, scores: np.ndarray) -> np.ndarray:
-        """`_softmax_last_axis` in place, its rows split over the BLAS threads when the block is large
-        (a long prompt's [group, T, S] scores): numpy's ufuncs run on one core, and each row's max, exp,
-        sum and division are the same operations on the same values whichever call holds the row."""
-        rows = scores.reshape(-1, scores.shape[-1])
+    def _scores_to_probabilities(self, scores, scale, positions, spec) -> np.ndarray:
+        """scores [group, T, S] -> attention weights, in place: scale, mask (positions None: no mask),
+        softmax. Every step works row by row, so the rows can be processed in tiles of ~2 MB (all
+        steps of a tile while it sits in a core's cache, instead of five passes over tens of MB) and
+        the tiles spread over the BLAS threads (numpy's ufuncs use one core): the same operations on
+        the same values, so the same bits, whichever tile holds a row."""
+        g, t, s = scores.shape
+        rows = scores.reshape(g * t, s)
+        tile = max(1, TILE_ELEMENTS // s)
+
+        def work(lo, hi):
+            for a in range(lo, hi, tile):
+                b = min(a + tile, hi)
+                block = rows[a:b]
+                block *= np.float32(scale)
+                if positions is not None:  # rows are (head, query row) pairs: query row = row % t
+                    for h in range(a // t, (b - 1) // t + 1):
+                        r0, r1 = max(a, h * t), min(b, (h + 1) * t)
+                        _mask(rows[r0:r1], positions[r0 - h * t:r1 - h * t], spec.causal, spec.window)
+                _softmax_last_axis(block, in_place=True)
+
+        n = g * t
         if self.threads < 2 or scores.size < PARALLEL_SOFTMAX_ELEMENTS:
-            _softmax_last_axis(rows, in_place=True)
+            work(0, n)
             return scores
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(max_workers=self.threads)
-        bounds = np.linspace(0, rows.shape[0], self.threads + 1).astype(int)
-        list(self._pool.map(lambda ab: _softmax_last_axis(rows[ab[0]:ab[1]], in_place=True),
-                            [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]))
+        bounds = np.linspace(0, n, self.threads + 1).astype(int)
+        list(self._pool.map(lambda ab: work(*ab), [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]))
         return scores
 
     def fused_attention_override(self, q, kv, batch, spec):
@@ -283,9 +300,7 @@ class CPUBackend(Backend):
                 kh = np.ascontiguousarray(k[:, j * d:(j + 1) * d])  # [S, D]
                 vh = np.ascontiguousarray(v[:, j * d:(j + 1) * d])
                 scores = np.matmul(qh, kh.T, out=self._scratch(group, t, kh.shape[0]))  # [group, T, S]
-                scores *= np.float32(spec.scale)
-                if masked:
-                    _mask(scores, positions, spec.causal, spec.window)
-                ctx = np.matmul(self._softmax_in_place(scores), vh)  # [group, T, D]
+                attn = self._scores_to_probabilities(scores, spec.scale, positions, spec)
+                ctx = np.matmul(attn, vh)  # [group, T, D]
                 out[r0:r1].reshape(t, spec.n_heads, d)[:, j * group:(j + 1) * group] = ctx.transpose(1, 0, 2)
         return out
