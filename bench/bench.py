@@ -289,10 +289,14 @@ def plot(sweep_rows, path):
     for r in [r for r in sweep_rows if "error" not in r]:
         label = (f"{r['engine']}{'/' + r['device'] if r.get('device') else ''} {r['attention']} "
                  f"{r.get('kv_cache', '')}{' B=' + str(r['batch_size']) if r.get('batch_size', 1) > 1 else ''}")
-        series.setdefault(label, []).append((r["prompt_tokens"], r["decode_tokens_per_second"]))
-    for label, pts in series.items():
+        med = r["decode_tokens_per_second"]
+        lo, hi = r.get("decode_tokens_per_second_min", med), r.get("decode_tokens_per_second_max", med)
+        series.setdefault(label, []).append((r["prompt_tokens"], med, lo, hi))
+    for label, pts in series.items():  # the median, with a bar from the slowest to the fastest run
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        x, med = [p[0] for p in pts], [p[1] for p in pts]
+        ax.errorbar(x, med, yerr=[[m - p[2] for m, p in zip(med, pts)], [p[3] - m for m, p in zip(med, pts)]],
+                    marker="o", capsize=3, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens in the KV cache (prompt length)")
     ax.set_ylabel("decode tokens/s (per sequence)")
