@@ -66,6 +66,22 @@ def test_attention_paths_compute_causal_gqa_attention(rows, kv, group, d, window
     np.testing.assert_allclose(fused, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_score_blocks_in_tiles_and_threads_are_byte_identical(threads):
+    """Scores of a long prefill chunk are scaled, masked and softmaxed in row tiles, spread over the BLAS
+    threads when the block is large: with 1 and 2 threads (whatever the machine's load would choose),
+    and with tiles and thread blocks that start inside a head's rows, every row is still the
+    reference's, and attention."""
+    from mlxinfer.backends.cpu import PARALLEL_SOFTMAX_ELEMENTS, TILE_ELEMENTS
+
+    t, group, s = 50, 3, 4096
+    case = make_case([(t, s)], 1, group, 16, window=1000, seed=9)
+    assert group * t * s >= PARALLEL_SOFTMAX_ELEMENTS and (TILE_ELEMENTS // s) % t and (group * t // 2) % t
+    assert_matches_default(CPUBackend(threads=threads), case)
+    fused, _ = run_both(CPUBackend(threads=threads), case)
+    np.testing.assert_allclose(fused, naive_attention(case), atol=2e-5, rtol=1e-4)
+
+
 def test_gqa_mapping_uses_consecutive_query_heads_per_kv_head():
     # KV head 0 has V = 1, KV head 1 has V = 2: query heads 0,1 must read 1 and heads 2,3 read 2.
     d, s = 4, 3

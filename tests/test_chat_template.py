@@ -16,6 +16,8 @@ HOSTILE = {
     "huge string": ("{{ 'x' * 1000000000 }}", "builds a value of 1000000000 items"),
     "chained products": ("{% set s = 'x' * 1000 %}{{ s * 1000 * 1000 }}", "builds a value of"),
     "huge list": ("{{ [0] * 10 ** 9 }}", "builds a value of"),
+    "concatenation": ("{% set s = 'x' * 600000 %}{{ (s + s) | length }}", "builds a value of 1200000 items"),
+    "big power": ("{{ 2 ** 100 }}", "raises to the power 100"),
     "nested ranges": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
                       "work limit"),
     "nested loops over a string": ("{% set s = 'x' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}"
@@ -44,6 +46,26 @@ def test_ordinary_templates_still_render():
     assert render_chat(loop, [{"role": "user", "content": "ab"}]) == "ababab"
     with pytest.raises(RequestError, match="no system role"):
         render_chat("{{ raise_exception('no system role') }}", [])
+
+
+def test_work_is_bounded_by_steps_and_by_time(monkeypatch):
+    """Each bound on its own: a loop stops at the step limit however fast it runs, and at the time
+    limit however few its steps (a clock that jumps 10 s at every look)."""
+    import itertools
+    import types
+
+    import mlxinfer.chat as chat
+
+    loop = "{% for i in range(3000) %}{% endfor %}done"
+    assert render_chat(loop, []) == "done"
+    monkeypatch.setattr(chat, "MAX_STEPS", 1000)
+    with pytest.raises(RequestError, match="work limit"):
+        render_chat(loop, [])
+    monkeypatch.setattr(chat, "MAX_STEPS", 10**9)
+    clock = itertools.count(0.0, 10.0)
+    monkeypatch.setattr(chat, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    with pytest.raises(RequestError, match="work limit"):
+        render_chat("{% for i in range(30000) %}{% endfor %}done", [])
 
 
 @pytest.mark.parametrize("name", ["huge string", "nested ranges", "self-recursive macro"])

@@ -38,6 +38,7 @@ def test_generate_options_reach_the_engine(smollm2_path):
     assert r.stderr == "" and r.stdout.startswith(" Paris")
     free = run_cli("generate", "--backend", "cpu", "--max-tokens", "8", "--quiet", "The capital of France is")
     assert free.stdout.startswith(r.stdout.rstrip("\n"))
+    assert " answer" in free.stdout and " answer" not in r.stdout  # the stop string was applied
     r = run_cli("generate", "--backend", "cpu", "--max-tokens", "8", "--kv", "basic", "--prefill-chunk", "2",
                 "--attention", "per-head", "The capital of France is")
     assert "kv cache: basic" in r.stderr and "attention: per-head" in r.stderr and "(prefill chunk 2)" in r.stderr

@@ -13,7 +13,7 @@ from mlxinfer.batch import Batch
 from mlxinfer.chat import render_chat
 from mlxinfer.errors import RequestError
 from mlxinfer.generate import FinishEvent, TokenEvent
-from mlxinfer.kv_cache import PreallocKVCache
+from mlxinfer.kv_cache import BasicKVCache, PreallocKVCache
 from mlxinfer.metrics import Metrics
 from mlxinfer.sampling import SamplingParams, filter_probs_numpy
 
@@ -119,6 +119,21 @@ def test_stop_strings(engine):
     assert "".join(pieces) == text[:first]  # the stop string was never streamed
 
 
+def test_a_stop_string_across_two_tokens_is_never_streamed(engine):
+    """The stop string starts inside one token's text and ends in the next: the first part must be held
+    back, not streamed before the stop is seen."""
+    texts = [e.text for e in list(engine.stream([1, 2, 3], max_tokens=30))[:-1]]
+    full = "".join(texts)
+    ends = [len("".join(texts[:i + 1])) for i in range(len(texts))]  # where token i's text ends
+    i = next(i for i in range(len(texts) - 1) if texts[i] and texts[i + 1]
+             and full.find(full[ends[i] - 1:ends[i] + 1]) == ends[i] - 1)
+    stop = full[ends[i] - 1:ends[i] + 1]  # token i's last character and token i+1's first
+    pieces = []
+    gen = engine.generate([1, 2, 3], max_tokens=30, stop=stop, on_text=pieces.append)
+    assert gen.finish_reason == "stop" and len(gen.token_ids) == i + 2
+    assert gen.text == "".join(pieces) == full[:ends[i] - 1]
+
+
 def test_stops_at_end_of_generation_token(engine, monkeypatch):
     free = engine.generate([1, 2, 3], max_tokens=6)
     stopper = free.token_ids[3]
@@ -139,6 +154,16 @@ def test_chat_template_renders_chatml(engine):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert tok.decode(engine.encode_prompt(messages)) == render_chat(tok.chat_template, messages)
     assert engine.generate(messages, max_tokens=3).prompt_ids == engine.encode_prompt(messages)
+
+
+def test_chat_prompt_has_one_bos_when_the_template_writes_it(engine, monkeypatch):
+    tok = engine.tokenizer
+    monkeypatch.setattr(tok, "add_bos", True)
+    monkeypatch.setattr(tok, "bos_id", tok.tokens.index("<|endoftext|>"))
+    assert engine.encode_prompt("hi")[0] == tok.bos_id  # plain text: BOS added, as the file asks
+    monkeypatch.setattr(tok, "chat_template", "{{ bos_token }}" + tok.chat_template)
+    ids = engine.encode_prompt("hi", chat=True)
+    assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
 
 
 def test_request_errors(engine):
@@ -205,6 +230,65 @@ def test_generate_batch_equals_each_prompt_alone(engine, monkeypatch):
         assert m.finish_reason == ("stop" if cut < len(a.token_ids) else a.finish_reason)
 
 
+def test_generate_batch_samples_as_each_prompt_alone(engine):
+    """Sampling options and the seed reach every sequence of a batch: each draws what it draws alone."""
+    prompts = [[7, 8, 9], "the cat is on", list(range(40, 70))]
+    options = dict(max_tokens=10, temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, seed=5)
+    alone = [engine.generate(p, **options) for p in prompts]
+    together = engine.generate_batch(prompts, **options)
+    assert [g.token_ids for g in together] == [g.token_ids for g in alone]
+    assert [g.logprobs for g in together] == [g.logprobs for g in alone] and {g.seed for g in together} == {5}
+    greedy = [g.token_ids for g in engine.generate_batch(prompts, max_tokens=10)]
+    for narrow in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
+        assert [g.token_ids for g in engine.generate_batch(prompts, max_tokens=10, temperature=1.0, seed=1,
+                                                           **narrow)] == greedy, narrow
+
+
+def test_prefill_chunks_keep_their_boundaries_when_passes_are_full(path, monkeypatch):
+    """Six prompts prefilled in chunks of 4 compete for the prefill rows of each pass: a sequence that
+    waits keeps its boundaries (chunks start at multiples of 4, even where a short last chunk of
+    another prompt leaves room for part of one), and its tokens and logprobs are bitwise those it gets
+    alone."""
+    import mlxinfer.generate as generate
+
+    engine = mlxinfer.load(path, backend="cpu", prefill_chunk=4)
+    prompts = [list(range(10 + i, 21 + 2 * i)) for i in range(6)]  # 11..21 tokens: last chunks are short
+    passes = []
+
+    class Recorded(Batch):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            passes.append((self.slots, self.starts, self.lengths))
+
+    monkeypatch.setattr(generate, "Batch", Recorded)
+    together = engine.generate_batch(prompts, max_tokens=5)
+    monkeypatch.undo()
+    per_pass = [[(slot, start, n) for slot, start, n in zip(*p) if start < len(prompts[slot])]  # slot i: prompt i
+                for p in passes]
+    assert max(sum(n for _, _, n in chunks) for chunks in per_pass) == engine.max_pass_rows  # some waited
+    assert sorted(c for chunks in per_pass for c in chunks) == sorted(
+        (i, s, min(4, len(p) - s)) for i, p in enumerate(prompts) for s in range(0, len(p), 4))
+    alone = [engine.generate(p, max_tokens=5) for p in prompts]
+    assert [g.token_ids for g in together] == [g.token_ids for g in alone]
+    assert [g.logprobs for g in together] == [g.logprobs for g in alone]
+
+
+def test_batch_rows_carry_their_slot_position_and_length(engine):
+    """The per-row arrays kernels read: row i's cache slot, position and its sequence's length after
+    the pass; the logit rows are each sampling sequence's last row."""
+    ops = engine.backend
+    b = Batch(ops, slots=[2, 0, 1], starts=[5, 0, 9], lengths=[1, 3, 2], logits_for=[True, False, True])
+    assert b.rows == ((0, 1), (1, 4), (4, 6)) and b.kv_lens == (6, 3, 11) and b.n_rows == 6
+    assert b.positions.tolist() == [5, 0, 1, 2, 9, 10]
+    assert b.row_slots.tolist() == [2, 0, 0, 0, 1, 1]
+    assert b.row_lens.tolist() == [6, 3, 3, 3, 11, 11]
+    assert b.logit_rows.tolist() == [0, 5] and b.logit_groups == ((0, 1), (1, 2))
+    assert b.positions_of(ops, 2).tolist() == [9, 10]
+    every = Batch(ops, [0, 1], [4, 0], [3, 2], all_logits=True)
+    assert every.logit_rows.tolist() == [0, 1, 2, 3, 4] and every.logits_of_every_row
+    assert every.logit_groups == ((0, 3), (3, 5))
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_batch_invariance_of_logits(engine, data):
@@ -264,6 +348,34 @@ def test_kv_slots_are_released_reused_and_memory_follows_the_tokens(engine):
         cache.release(b)
     cache.release(a)
     assert cache.nbytes() == 0 and cache.in_use == 0
+
+
+def test_prealloc_cache_grows_in_steps_and_keeps_what_it_holds(engine):
+    ops = engine.backend
+    cache = PreallocKVCache(ops, n_layers=1, width=4, step=16)
+    slot = cache.alloc()
+    rows = np.arange(40 * 4, dtype=np.float32).reshape(40, 4)
+    for start, n, capacity in [(0, 15, 16), (15, 1, 16), (16, 1, 32), (17, 20, 48)]:  # prefill, then decode
+        batch = Batch(ops, [slot], [start], [n])
+        cache.reserve(batch)
+        assert cache.capacity == capacity
+        view = cache.update(ops, 0, rows[start:start + n], -rows[start:start + n], batch)
+        k, v = view.sequence(ops, 0)
+        assert np.array_equal(k, rows[:start + n]) and np.array_equal(v, -rows[:start + n])
+
+
+def test_basic_cache_release_frees_the_sequence(engine):
+    ops = engine.backend
+    cache = BasicKVCache(ops, n_layers=2, width=4)
+    a, b = cache.alloc(), cache.alloc()
+    batch = Batch(ops, [a, b], [0, 0], [3, 2])
+    cache.reserve(batch)
+    for layer in range(2):
+        cache.update(ops, layer, np.ones((5, 4), np.float32), np.ones((5, 4), np.float32), batch)
+    assert cache.nbytes() == 2 * 2 * 5 * 4 * 4 and len(cache.arrays()) == 8
+    cache.release(a)
+    assert cache.nbytes() == 2 * 2 * 2 * 4 * 4 and len(cache.arrays()) == 4 and cache.in_use == 1
+    assert cache.alloc() == a and len(cache.arrays()) == 4
 
 
 def test_metrics_block_format():

@@ -45,6 +45,43 @@ def test_published_softmax_total_order():
     assert total != np.float32(np.cumsum(e, dtype=np.float32)[-1])  # not a sequential sum
 
 
+def test_emulation_follows_the_published_order_step_by_step():
+    """The order written out in the kernels' header, one float32 addition at a time: lane l sums the
+    products k = l, l+32, ...; lanes combine by the xor butterfly 16, 8, 4, 2, 1 (softmax: 256 thread
+    partials, a butterfly in each warp of 32, then over the 8 warp totals 4, 2, 1). Pins the emulation
+    (and so the kernels checked against it) to that order, not merely to a correct sum; the inputs are
+    chosen so that the other butterfly orders give other bits."""
+
+    def butterfly(lanes, offsets):
+        lanes = np.asarray(lanes, np.float32)
+        for off in offsets:
+            lanes = np.array([np.float32(lanes[i] + lanes[i ^ off]) for i in range(len(lanes))], np.float32)
+        return lanes[0]
+
+    rng = np.random.default_rng(5)
+    a = (rng.standard_normal((3, 300)) * 10).astype(np.float32)
+    b = (rng.standard_normal((4, 300)) * 10).astype(np.float32)
+    got = kernels.published_dot(a, b)
+    reversed_order = []
+    for i in range(3):
+        for j in range(4):
+            lanes = np.zeros(32, np.float32)
+            for k in range(300):
+                lanes[k % 32] = np.float32(lanes[k % 32] + np.float32(a[i, k] * b[j, k]))
+            assert got[i, j] == butterfly(lanes, (16, 8, 4, 2, 1)), (i, j)
+            reversed_order.append(got[i, j] != butterfly(lanes, (1, 2, 4, 8, 16)))
+    assert any(reversed_order)
+    k = np.arange(3000)  # warp w's threads hold values ~10^(w-3): the warp totals differ in magnitude
+    e = (np.random.default_rng(0).random(3000) * 10.0 ** ((k % 256) // 32 - 3)).astype(np.float32)
+    threads = np.zeros(256, np.float32)
+    for i in range(e.size):
+        threads[i % 256] = np.float32(threads[i % 256] + e[i])
+    warps = [butterfly(threads[w * 32:(w + 1) * 32], (16, 8, 4, 2, 1)) for w in range(8)]
+    total = kernels.published_softmax_total(e)
+    assert total == butterfly(warps, (4, 2, 1)) != butterfly(warps, (1, 2, 4))
+    assert total != butterfly([butterfly(threads[w * 32:(w + 1) * 32], (1, 2, 4, 8, 16)) for w in range(8)], (4, 2, 1))
+
+
 @needs_gpu
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 37, 128), (5, 300, 64), (17, 33, 48), (3, 4100, 128), (64, 64, 4097),
                                    (2, 300000, 32)])  # the last one needs the kernel's 2-D grid

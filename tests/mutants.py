@@ -1,0 +1,455 @@
+"""The deliberate bugs of tests/README.md, and a runner that tries them: each bug is applied to a copy of
+the tree (never to the working tree), its tests run there, and the copy is restored.
+
+    python3 tests/mutants.py --list                 # the catalogue
+    python3 tests/mutants.py                        # every bug: one line each, CAUGHT (first failing test) or NOT CAUGHT
+    python3 tests/mutants.py kv-reserve-not-growing att-tile-mask-offset
+
+A bug is (id, class, file, [(old, new), ...], tests to run, description); each `old` must occur exactly
+once in the file, and a bug whose text no longer occurs (the code changed) is reported as not applying:
+update its strings when you change the code it targets. The copy's own `mlxinfer` is the one imported
+(pytest runs with the copy as its working directory, ahead of the editable install). Children run under
+a 6 GB address-space limit: with a chat-template bound removed, a hostile template would otherwise
+allocate until the machine swaps. Not collected by pytest (not a test_*.py file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+
+T_ATT = "tests/test_attention.py"
+T_GEN = "tests/test_generate.py"
+T_MOD = "tests/test_models.py"
+T_MLX = "tests/test_mlx_backend.py"
+T_TOK = "tests/test_tokenizer.py"
+T_CHAT = "tests/test_chat_template.py"
+T_CLI = "tests/test_cli.py"
+T_TR = "tests/test_tracing.py"
+T_KER = "tests/test_kernels.py"
+
+CPU = "mlxinfer/backends/cpu.py"
+MLX = "mlxinfer/backends/mlx.py"
+BACK = "mlxinfer/backend.py"
+BATCH = "mlxinfer/batch.py"
+KV = "mlxinfer/kv_cache.py"
+GEN = "mlxinfer/generate.py"
+SAMP = "mlxinfer/sampling.py"
+TOK = "mlxinfer/tokenizer.py"
+CHAT = "mlxinfer/chat.py"
+CLI = "mlxinfer/cli.py"
+TRACE = "mlxinfer/tracing.py"
+LAYERS = "mlxinfer/models/layers.py"
+QWEN = "mlxinfer/models/qwen3.py"
+LLAMA = "mlxinfer/models/llama.py"
+KERN = "mlxinfer/kernels.py"
+
+ONLINE_SOFTMAX = '''
+
+def _online_softmax(x):
+    """Softmax in two key blocks with a running max and rescaled sum (flash-attention style)."""
+    h = max(1, x.shape[-1] // 2)
+    m1 = np.max(x[..., :h], axis=-1, keepdims=True)
+    s1 = np.sum(np.exp(x[..., :h] - m1), axis=-1, keepdims=True)
+    m = np.maximum(m1, np.max(x[..., h:], axis=-1, keepdims=True)) if x.shape[-1] > h else m1
+    s = s1 * np.exp(m1 - m) + np.sum(np.exp(x[..., h:] - m), axis=-1, keepdims=True)
+    return np.exp(x - m) / s
+'''
+
+M = [
+    # -- attention -------------------------------------------------------------------------------
+    ("att-scale-q-first", "attention", CPU,
+     [("scores = np.matmul(qh, kh.T, out=self._scratch(group, t, kh.shape[0]))",
+       "scores = np.matmul(qh * np.float32(spec.scale), kh.T, out=self._scratch(group, t, kh.shape[0]))"),
+      ("attn = self._scores_to_probabilities(scores, spec.scale, positions, spec)",
+       "attn = self._scores_to_probabilities(scores, 1.0, positions, spec)")],
+     [T_ATT], "cpu override: q scaled before the product instead of the scores after"),
+    ("att-divide-sqrt-d", "attention", CPU,
+     [("block *= np.float32(scale)", "block /= np.float32(spec.head_dim ** 0.5)")],
+     [T_ATT], "cpu override: scores divided by sqrt(d) instead of multiplied by the float32 reciprocal"),
+    ("att-float64-softmax", "attention", CPU,
+     [("                _softmax_last_axis(block, in_place=True)",
+       "                block[...] = (lambda e: e / e.sum(-1, keepdims=True))"
+       "(np.exp(block.astype(np.float64) - block.max(-1, keepdims=True)))")],
+     [T_ATT], "cpu override: softmax in float64"),
+    ("att-online-softmax", "attention", CPU,
+     [("                _softmax_last_axis(block, in_place=True)", "                block[...] = _online_softmax(block)"),
+      ("class CPUBackend(Backend):", ONLINE_SOFTMAX.strip("\n") + "\n\n\nclass CPUBackend(Backend):")],
+     [T_ATT], "cpu override: online (two-block, running max) softmax"),
+    ("att-parallel-softmax-skips-block", "attention", CPU,
+     [("[(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]", "[(a, b) for a, b in zip(bounds, bounds[1:-1]) if b > a]")],
+     [T_ATT], "cpu override: a large score block's last thread block never processed"),
+    ("att-parallel-softmax-last-row", "attention", CPU,
+     [("bounds = np.linspace(0, n, self.threads + 1).astype(int)",
+       "bounds = np.linspace(0, n - 1, self.threads + 1).astype(int)")],
+     [T_ATT], "cpu override: a large score block's last row never processed"),
+    ("att-tile-mask-first-head-only", "attention", CPU,
+     [("for h in range(a // t, (b - 1) // t + 1):", "for h in range(a // t, a // t + 1):")],
+     [T_ATT], "cpu override: only the first head of each tile masked"),
+    ("att-tile-mask-offset", "attention", CPU,
+     [("positions[r0 - h * t:r1 - h * t]", "positions[r0 - a:r1 - a]")],
+     [T_ATT], "cpu override: a tile that starts inside a head masks with the wrong query positions"),
+    ("att-gqa-mod-reference", "attention", BACK,
+     [("kv_h = h // spec.group", "kv_h = h % spec.n_kv_heads")],
+     [T_ATT], "per-head reference: GQA kv head h % KV instead of h // group"),
+    ("att-gqa-mod-override", "attention", CPU,
+     [("qh = np.ascontiguousarray(qb[:, j * group:(j + 1) * group].transpose(1, 0, 2))",
+       "qh = np.ascontiguousarray(qb[:, j::kvh].transpose(1, 0, 2))"),
+      ("out[r0:r1].reshape(t, spec.n_heads, d)[:, j * group:(j + 1) * group] = ctx.transpose(1, 0, 2)",
+       "out[r0:r1].reshape(t, spec.n_heads, d)[:, j::kvh] = ctx.transpose(1, 0, 2)")],
+     [T_ATT], "cpu override: query heads h with h % KV == j read KV head j"),
+    ("att-gqa-mod-mlx", "attention", MLX,
+     [("qh = mx.contiguous(mx.transpose(mx.reshape(q[r0:r1], (t, kvh, group, d)), (1, 2, 0, 3)))",
+       "qh = mx.contiguous(mx.transpose(mx.reshape(q[r0:r1], (t, group, kvh, d)), (2, 1, 0, 3)))")],
+     [T_MLX], "mlx graph override: heads grouped h % KV (output order unchanged)"),
+    ("att-causal-off-by-one", "attention", CPU,
+     [("lo = int(positions.min()) + 1", "lo = int(positions.min()) + 2")],
+     [T_ATT], "cpu _mask (shared by reference and override): the first query sees the next key"),
+    ("att-causal-diag-mlx", "attention", MLX,
+     [("hidden = mx.logical_or(hidden, keys > pos)", "hidden = mx.logical_or(hidden, keys > pos + 1)")],
+     [T_MLX], "mlx mask_scores (shared by reference and override): causal mask off by one"),
+    ("att-window-off-by-one-cpu", "attention", CPU,
+     [("hidden = np.arange(hi)[None, :] <= positions[:, None] - window",
+       "hidden = np.arange(hi)[None, :] < positions[:, None] - window")],
+     [T_ATT], "cpu _mask: sliding window one key too wide"),
+    ("att-window-bound-cpu", "attention", CPU,
+     [("hi = min(s, int(positions.max()) - window + 1)", "hi = min(s, int(positions.max()) - window)")],
+     [T_ATT], "cpu _mask: last hidden column not visited"),
+    ("att-window-off-by-one-mlx", "attention", MLX,
+     [("hidden = mx.logical_or(hidden, keys <= pos - window)",
+       "hidden = mx.logical_or(hidden, keys < pos - window)")],
+     [T_MLX, T_ATT], "mlx mask_scores (shared by reference and graph override): window one key too wide"),
+    ("att-override-ignores-window", "attention", CPU,
+     [("_mask(rows[r0:r1], positions[r0 - h * t:r1 - h * t], spec.causal, spec.window)",
+       "_mask(rows[r0:r1], positions[r0 - h * t:r1 - h * t], spec.causal, None)")],
+     [T_ATT], "cpu override ignores the sliding window"),
+    ("att-mlx-override-ignores-window", "attention", MLX,
+     [("scores = self.mask_scores(scores, batch.positions_of(self, b), spec.causal, spec.window)",
+       "scores = self.mask_scores(scores, batch.positions_of(self, b), spec.causal, None)")],
+     [T_MLX], "mlx graph override ignores the sliding window"),
+    ("att-no-mask-prefill-override", "attention", CPU,
+     [("masked = t > 1 or spec.window", "masked = bool(spec.window)")],
+     [T_ATT], "cpu override skips masking for prefill chunks"),
+    ("att-no-mask-prefill-reference", "attention", BACK,
+     [("if t > 1 or spec.window:", "if spec.window:")],
+     [T_ATT, T_MOD], "per-head reference skips masking for prefill chunks"),
+    # -- positions and the KV cache --------------------------------------------------------------
+    ("pos-decode-plus-one", "positions/KV", BATCH,
+     [("positions = [p for s, n in zip(self.starts, self.lengths) for p in range(s, s + n)]",
+       "positions = [p + (n == 1) for s, n in zip(self.starts, self.lengths) for p in range(s, s + n)]")],
+     [T_MOD, T_GEN], "Batch: decode rows at position start + 1 (rope and cache write)"),
+    ("rope-decode-plus-one-cpu", "positions/KV", CPU,
+     [("c, s = cos[positions][:, None, :], sin[positions][:, None, :]",
+       "c, s = cos[positions + (t == 1)][:, None, :], sin[positions + (t == 1)][:, None, :]")],
+     [T_MOD, T_GEN], "cpu rope: one-row passes rotated one position too far"),
+    ("rope-ignores-positions-cpu", "positions/KV", CPU,
+     [("c, s = cos[positions][:, None, :], sin[positions][:, None, :]",
+       "c, s = cos[:t][:, None, :], sin[:t][:, None, :]")],
+     [T_MOD, T_GEN], "cpu rope: rows at 0..T-1 whatever their positions"),
+    ("rope-ignores-positions-mlx", "positions/KV", MLX,
+     [("offset=positions)", "offset=0)")],
+     [T_MLX], "mlx rope: every row at position 0"),
+    ("kv-write-wrong-position", "positions/KV", KV,
+     [("self.keys[layer] = ops.scatter_rows(self.keys[layer], batch.row_slots, batch.positions, k)",
+       "self.keys[layer] = ops.scatter_rows(self.keys[layer], batch.row_slots, batch.positions + 1, k)")],
+     [T_MOD, T_GEN], "prealloc cache: keys written one position late"),
+    ("kv-write-wrong-slot", "positions/KV", KV,
+     [("self.values[layer] = ops.scatter_rows(self.values[layer], batch.row_slots, batch.positions, v)",
+       "self.values[layer] = ops.scatter_rows(self.values[layer], batch.row_slots * 0, batch.positions, v)")],
+     [T_GEN, T_MOD], "prealloc cache: every sequence's values written to slot 0"),
+    ("kv-read-one-too-few", "positions/KV", CPU,
+     [("return store[slot, :length]", "return store[slot, :length - 1]")],
+     [T_MOD, T_ATT], "cpu read_rows: one row too few"),
+    ("kv-release-not-freeing", "positions/KV", KV,
+     [("        del self.held[slot]\n", "        pass\n")],
+     [T_GEN], "slot release does not free the slot"),
+    ("kv-basic-release-keeps-tensors", "positions/KV", KV,
+     [("        del self.entries[slot]\n", "        pass\n")],
+     [T_GEN, T_MOD], "basic cache: release keeps the slot's tensors"),
+    ("kv-reserve-not-growing", "positions/KV", KV,
+     [("if capacity > self.capacity or n_slots > self.n_slots or", "if n_slots > self.n_slots or")],
+     [T_GEN, T_MOD], "prealloc reserve: capacity never grows once allocated"),
+    ("kv-alloc-no-reuse", "positions/KV", KV,
+     [("slot = next(i for i in range(len(self.held) + 1) if i not in self.held)",
+       "slot = max(self.held, default=-1) + 1")],
+     [T_GEN], "slot allocation never reuses a freed slot"),
+    ("kv-basic-concat-order", "positions/KV", KV,
+     [("keys[layer] = ops.concat_dim0(keys[layer], k_b)", "keys[layer] = ops.concat_dim0(k_b, keys[layer])")],
+     [T_GEN, T_MOD], "basic cache: new keys prepended instead of appended"),
+    ("batch-row-lens-wrong", "positions/KV", BATCH,
+     [("self.row_lens = ops.index_array([n for n, k in zip(self.kv_lens, self.lengths) for _ in range(k)])",
+       "self.row_lens = ops.index_array([n for n, k in zip(self.starts, self.lengths) for _ in range(k)])")],
+     [T_GEN, T_MLX], "Batch.row_lens: the cached length before the pass (read by the CUDA kernel)"),
+    # -- batching --------------------------------------------------------------------------------
+    ("batch-linear-ignores-groups", "batching", CPU,
+     [("if groups is None or len(groups) == 1:", "if True:")],
+     [T_GEN], "cpu linear multiplies all rows together (gemm for a batch of decode rows)"),
+    ("batch-mlx-per-seq-linear-ignored", "batching", MLX,
+     [("if self.per_sequence_linear and groups is not None and len(groups) > 1:", "if False:")],
+     [T_MLX], "mlx per_sequence_linear=True ignored"),
+    ("batch-chunk-boundaries", "batching", GEN,
+     [("n = min(self.prefill_chunk, len(s.prompt) - s.cached)",
+       "n = min(self.prefill_chunk, len(s.prompt) - s.cached, max(budget, 1))")],
+     [T_GEN], "engine: a waiting sequence's chunk cut to the pass's leftover room"),
+    ("batch-head-first-row", "batching", BATCH,
+     [("logit_rows = [r1 - 1 for (_, r1), w in zip(self.rows, wanted) if w]",
+       "logit_rows = [r0 for (r0, _), w in zip(self.rows, wanted) if w]")],
+     [T_GEN, T_MOD], "output head applied to the first row of each sequence"),
+    ("batch-logits-for-ignored", "batching", BATCH,
+     [("wanted = [True] * len(self.slots) if logits_for is None else list(logits_for)",
+       "wanted = [True] * len(self.slots)")],
+     [T_GEN, T_MOD], "Batch: logits for mid-prompt chunks too (rows misaligned with the sampler)"),
+    ("batch-rows-swapped", "batching", GEN,
+     [("            s.last = (step.tokens, row)\n",
+       "            s.last = (step.tokens, len(sampled) - 1 - row)\n")],
+     [T_GEN], "engine: each sequence's next input taken from another sequence's logit row"),
+    ("batch-read-reversed", "batching", GEN,
+     [("for s, token, logprob in zip(step.seqs, tokens, logprobs):",
+       "for s, token, logprob in zip(step.seqs, tokens[::-1], logprobs[::-1]):")],
+     [T_GEN], "engine: tokens of a pass handed to the sequences in reverse order"),
+    # -- sampling and options --------------------------------------------------------------------
+    ("samp-stream-drops-top-p", "sampling", GEN,
+     [("""        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        seqs, cache = self._start([prompt]""",
+       """        params = SamplingParams(temperature, top_k, 1.0, min_p, seed)
+        seqs, cache = self._start([prompt]""")],
+     [T_GEN], "stream drops top_p"),
+    ("samp-stream-drops-top-k", "sampling", GEN,
+     [("""        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        seqs, cache = self._start([prompt]""",
+       """        params = SamplingParams(temperature, 0, top_p, min_p, seed)
+        seqs, cache = self._start([prompt]""")],
+     [T_GEN], "stream drops top_k"),
+    ("samp-stream-drops-min-p", "sampling", GEN,
+     [("""        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        seqs, cache = self._start([prompt]""",
+       """        params = SamplingParams(temperature, top_k, top_p, 0.0, seed)
+        seqs, cache = self._start([prompt]""")],
+     [T_GEN], "stream drops min_p"),
+    ("samp-stream-drops-temperature", "sampling", GEN,
+     [("""        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        seqs, cache = self._start([prompt]""",
+       """        params = SamplingParams(1.0 if temperature else 0.0, top_k, top_p, min_p, seed)
+        seqs, cache = self._start([prompt]""")],
+     [T_GEN], "stream replaces a nonzero temperature by 1"),
+    ("samp-stream-drops-seed", "sampling", GEN,
+     [("""        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        seqs, cache = self._start([prompt]""",
+       """        params = SamplingParams(temperature, top_k, top_p, min_p, None)
+        seqs, cache = self._start([prompt]""")],
+     [T_GEN], "stream drops the seed"),
+    ("samp-batch-drops-options", "sampling", GEN,
+     [("""        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        seqs, cache = self._start(prompts,""",
+       """        params = SamplingParams(temperature, 0, 1.0, 0.0, seed)
+        seqs, cache = self._start(prompts,""")],
+     [T_GEN, T_MOD, T_MLX], "generate_batch drops top_k, top_p and min_p"),
+    ("samp-batch-drops-seed", "sampling", GEN,
+     [("""        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        seqs, cache = self._start(prompts,""",
+       """        params = SamplingParams(temperature, top_k, top_p, min_p, None)
+        seqs, cache = self._start(prompts,""")],
+     [T_GEN, T_MOD, T_MLX], "generate_batch drops the seed"),
+    ("samp-stop-not-checked", "sampling", GEN,
+     [("hits = [i for i in (pending.find(x) for x in s.stop) if i >= 0]", "hits = []")],
+     [T_GEN], "stop strings never checked"),
+    ("samp-stop-no-holdback", "sampling", GEN,
+     [("keep = 0 if last else max(", "keep = 0 if True else max(")],
+     [T_GEN], "text that may start a stop string is streamed instead of held back"),
+    ("samp-negative-seed-fixed", "sampling", SAMP,
+     [("if self.seed is None or self.seed < 0:", "if self.seed is None:"), ("        return self.seed\n", "        return abs(self.seed)\n")],
+     [T_GEN], "negative seed used as |seed| (not random)"),
+    ("samp-logprob-wrong-row-numpy", "sampling", SAMP,
+     [("logprobs[i] = float(row[tok]) - m", "logprobs[i] = float(logits[0][tok]) - m")],
+     [T_GEN, T_MOD], "numpy sampler: logprob read from row 0"),
+    ("samp-logprob-wrong-row-mlx", "sampling", SAMP,
+     [("chosen = mx.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]",
+       "chosen = logprobs_all[0][tokens]")],
+     [T_MLX, T_MOD], "mlx sampler: logprob read from row 0"),
+    ("samp-mlx-top-k-off-by-one", "sampling", SAMP,
+     [("kth = mx.sort(x)[-p.top_k]", "kth = mx.sort(x)[-p.top_k - 1]")],
+     [T_MLX, T_GEN], "mlx sampler: top_k keeps k + 1 tokens"),
+    ("samp-mlx-top-p-inclusive", "sampling", SAMP,
+     [("keep_sorted = before < p.top_p", "keep_sorted = before <= p.top_p + 0.05")],
+     [T_MLX, T_GEN], "mlx sampler: top_p keeps tokens past the nucleus"),
+    ("samp-mlx-min-p-ignored", "sampling", SAMP,
+     [("                if p.min_p > 0:\n                    keep = mx.logical_and(keep, probs >= p.min_p * mx.max(probs))",
+       "                if False:\n                    keep = mx.logical_and(keep, probs >= p.min_p * mx.max(probs))")],
+     [T_MLX, T_GEN], "mlx sampler ignores min_p"),
+    ("samp-mlx-temperature-ignored", "sampling", SAMP,
+     [("x = logits[i] / p.temperature", "x = logits[i]")],
+     [T_MLX, T_GEN], "mlx sampler ignores the temperature"),
+    ("samp-numpy-top-p-off-by-one", "sampling", SAMP,
+     [("top[order[: int(np.searchsorted(cum, p.top_p)) + 1]] = True",
+       "top[order[: int(np.searchsorted(cum, p.top_p)) + 2]] = True")],
+     [T_GEN], "numpy sampler: top_p keeps one token past the nucleus"),
+    ("cli-drops-top-p", "options", CLI, [("top_p=args.top_p", "top_p=1.0")], [T_CLI + "::test_generate_sampling_options"],
+     "CLI drops --top-p"),
+    ("cli-drops-top-k", "options", CLI, [("top_k=args.top_k", "top_k=0")], [T_CLI + "::test_generate_sampling_options"],
+     "CLI drops --top-k"),
+    ("cli-drops-min-p", "options", CLI, [("min_p=args.min_p", "min_p=0.0")], [T_CLI + "::test_generate_sampling_options"],
+     "CLI drops --min-p"),
+    ("cli-drops-stop", "options", CLI, [("                stop=args.stop)", "                stop=None)")],
+     [T_CLI + "::test_generate_options_reach_the_engine"], "CLI drops --stop"),
+    ("cli-drops-kv", "options", CLI, [("kv=args.kv,", "kv='prealloc',")],
+     [T_CLI + "::test_generate_options_reach_the_engine"], "CLI drops --kv"),
+    ("cli-drops-prefill-chunk", "options", CLI, [("prefill_chunk=args.prefill_chunk,", "prefill_chunk=None,")],
+     [T_CLI + "::test_generate_options_reach_the_engine"], "CLI drops --prefill-chunk"),
+    # -- model arithmetic and tokenizer ------------------------------------------------------------
+    ("model-rms-eps", "model", LAYERS,
+     [("inv = ops.rsqrt(ops.add_scalar(mean_sq, eps))", "inv = ops.rsqrt(ops.add_scalar(mean_sq, 1e-5))")],
+     [T_MOD], "RMSNorm epsilon 1e-5 instead of the file's 1e-6"),
+    ("model-rms-mean-n-1", "model", LAYERS,
+     [("mean_sq = ops.scale(ops.sum_squares_rows(x), 1.0 / n)", "mean_sq = ops.scale(ops.sum_squares_rows(x), 1.0 / (n - 1))")],
+     [T_MOD], "RMSNorm mean over n - 1"),
+    ("model-rope-base", "model", CPU,
+     [("inv_freq = 1.0 / (base ** (", "inv_freq = 1.0 / ((base * 1.1) ** (")],
+     [T_MOD], "cpu rope: base 10% too large"),
+    ("model-rope-base-mlx", "model", MLX,
+     [("traditional=traditional, base=base,", "traditional=traditional, base=base * 1.1,")],
+     [T_MLX], "mlx rope: base 10% too large"),
+    ("model-rope-layout-mlx", "model", MLX,
+     [("traditional=traditional, base=base,", "traditional=not traditional, base=base,")],
+     [T_MLX], "mlx rope: interleaved and rotate-half swapped"),
+    ("model-qk-norm-skipped", "model", QWEN,
+     [("k = head_rms_norm(ops, k, w.attn_k_norm, a.n_kv_heads, a.head_dim, a.rms_eps)", "k = k")],
+     [T_MOD], "qwen3: k norm skipped"),
+    ("model-llama-rope-halves", "model", LLAMA,
+     [("k = ops.rope(k, batch.positions, a.n_kv_heads, a.head_dim, a.rope_base, traditional=True)",
+       "k = ops.rope(k, batch.positions, a.n_kv_heads, a.head_dim, a.rope_base, traditional=False)")],
+     [T_MOD], "llama: rotate-half RoPE on keys"),
+    ("tok-contractions-case", "tokenizer", TOK,
+     [('''_CONTRACTIONS_CI = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"''',
+       '''_CONTRACTIONS_CI = "(?:'s|'t|'re|'ve|'m|'ll|'d)"''')],
+     [T_TOK], "llama3/qwen2 contractions case-sensitive"),
+    ("tok-drop-newlines-after-punct", "tokenizer", TOK,
+     [(r'''|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|''', r'''|\p{N}| ?[^\s\p{L}\p{N}]+|''')],
+     [T_TOK], "qwen2 regex: [\\r\\n]* after punctuation dropped"),
+    ("tok-llama-bpe-merges", "tokenizer", TOK,
+     [('"llama-bpe": ([_LLAMA3], True),', '"llama-bpe": ([_LLAMA3], False),')],
+     [T_TOK], "llama-bpe ignore_merges off"),
+    ("tok-bos-not-added", "tokenizer", TOK,
+     [('add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None,', "add_bos=False,")],
+     [T_TOK], "BOS not added when the file asks"),
+    ("tok-digits-by-two", "tokenizer", TOK,
+     [(r'''\p{N}{1,3}''', r'''\p{N}{1,2}''')],
+     [T_TOK], "llama3 regex: digits grouped by 2"),
+    ("tok-chat-double-bos", "tokenizer", GEN,
+     [("return tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True)",
+       "return tok.encode(text, add_special=True, parse_special=True)")],
+     [T_GEN, T_TOK], "chat prompt: BOS added again when the template already starts with it"),
+    # -- chat template bounds ----------------------------------------------------------------------
+    ("chat-no-size-cap-mul", "chat", CHAT,
+     [("if size is not None and isinstance(n, int) and size * n > MAX_ITEMS:", "if False:")],
+     [T_CHAT], "chat: `*` size cap removed"),
+    ("chat-no-size-cap-add", "chat", CHAT,
+     [("if a is not None and b is not None and a + b > MAX_ITEMS:", "if False:")],
+     [T_CHAT], "chat: `+` size cap removed"),
+    ("chat-no-pow-cap", "chat", CHAT,
+     [('elif operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:', 'elif False:')],
+     [T_CHAT], "chat: `**` exponent cap removed"),
+    ("chat-no-range-cap", "chat", CHAT,
+     [("if len(r) > MAX_ITEMS:", "if False:")],
+     [T_CHAT], "chat: range cap removed"),
+    ("chat-no-step-limit", "chat", CHAT,
+     [("if self.steps > MAX_STEPS or (", "if (")],
+     [T_CHAT], "chat: step limit removed (time limit left)"),
+    ("chat-no-time-limit", "chat", CHAT,
+     [("if self.steps > MAX_STEPS or (self.steps % 4096 == 0 and time.monotonic() > self.deadline):",
+       "if self.steps > MAX_STEPS:")],
+     [T_CHAT], "chat: time limit removed (step limit left)"),
+    ("chat-no-output-cap", "chat", CHAT,
+     [("if length > MAX_OUTPUT:", "if False:")],
+     [T_CHAT], "chat: output cap removed"),
+    ("chat-no-recursion-handling", "chat", CHAT,
+     [("except RecursionError:", "except ZeroDivisionError:")],
+     [T_CHAT], "chat: RecursionError not turned into one line"),
+    # -- tracing and pipelining --------------------------------------------------------------------
+    ("trace-op-not-counted", "tracing", TRACE,
+     [("        self.counts[op] += 1\n", "        self.counts[op] += op != \"rope\"\n")],
+     [T_TR], "tracer: rope calls not counted"),
+    ("trace-op-not-wrapped", "tracing", BACK,
+     [('    "mask_scores",\n', "")],
+     [T_TR], "mask_scores left out of the protocol's op list (not wrapped)"),
+    ("pipe-wrong-pass-tokens", "tracing", GEN,
+     [("                pieces.append(tokens[row:row + 1])",
+       "                pieces.append(ops.index_array(s.out[-1:]) if s.out else tokens[row:row + 1])")],
+     [T_MLX, T_MOD], "engine: next decode input from the tokens read so far (two passes old when pipelined)"),
+    ("kernel-dot-butterfly-order", "kernels", KERN,
+     [("return _butterfly(partial, (16, 8, 4, 2, 1))", "return _butterfly(partial, (1, 2, 4, 8, 16))")],
+     [T_KER], "published_dot: butterfly in the other order"),
+    ("kernel-softmax-warp-order", "kernels", KERN,
+     [("return _butterfly(warp_totals[None, :], (4, 2, 1))[0]", "return _butterfly(warp_totals[None, :], (1, 2, 4))[0]")],
+     [T_KER], "published_softmax_total: warp totals combined in the other order"),
+]
+
+
+def _copy_tree(root: str) -> str:
+    dst = tempfile.mkdtemp(prefix="mlxinfer-mutants-")
+    files = subprocess.run(["git", "-C", root, "ls-files", "-co", "--exclude-standard"], capture_output=True,
+                           text=True, check=True).stdout.split("\n")
+    for name in filter(None, files):
+        src = os.path.join(root, name)
+        if os.path.isfile(src) and not name.startswith("bench/"):
+            os.makedirs(os.path.dirname(os.path.join(dst, name)), exist_ok=True)
+            shutil.copy2(src, os.path.join(dst, name))
+    return dst
+
+
+def _limit_memory():
+    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+
+def run(bug, tree: str) -> dict:
+    mid, cls, name, edits, tests, desc = bug
+    path = os.path.join(tree, name)
+    with open(path, encoding="utf-8") as f:
+        original = f.read()
+    if any(original.count(old) != 1 for old, _ in edits):
+        return dict(id=mid, result="DOES NOT APPLY (the code changed)")
+    mutated = original
+    for old, new in edits:
+        mutated = mutated.replace(old, new)
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(mutated)
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-rf", *tests],
+                           cwd=tree, capture_output=True, text=True, preexec_fn=_limit_memory)
+    finally:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(original)
+    failed = [line.split()[1] for line in (r.stdout + r.stderr).splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    if r.returncode == 0:
+        return dict(id=mid, result="NOT CAUGHT")
+    return dict(id=mid, result="CAUGHT", by=failed[0] if failed else f"pytest exit status {r.returncode}")
+
+
+def main(argv) -> int:
+    by_id = {b[0]: b for b in M}
+    if argv == ["--list"]:
+        for mid, cls, name, _, _, desc in M:
+            print(f"{mid:36} {name:28} {desc}")
+        return 0
+    unknown = [a for a in argv if a not in by_id]
+    if unknown:
+        print(f"unknown bug(s): {', '.join(unknown)} (see --list)", file=sys.stderr)
+        return 2
+    tree = _copy_tree(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    missed = 0
+    try:
+        for mid in argv or list(by_id):
+            res = run(by_id[mid], tree)
+            missed += res["result"] != "CAUGHT"
+            print(json.dumps(res), flush=True)
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
