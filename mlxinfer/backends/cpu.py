@@ -62,22 +62,38 @@ def _softmax_last_axis(x: np.ndarray, in_place: bool = False) -> np.ndarray:
     return e
 
 
-def _mask(scores: np.ndarray, positions: np.ndarray, causal: bool, window: int | None) -> np.ndarray:
-    """-inf where key j is hidden from the query at positions[i]; `scores` [..., T, S] is written in
-    place. Only the columns that can be hidden are visited: past the first query's position (causal)
-    and before the last query's window (sliding window)."""
-    s = scores.shape[-1]
+def _mask_biases(positions: np.ndarray, s: int, causal: bool, window: int | None) -> list:
+    """[(first column, bias [T, n])]: 0 where key j is seen from the query at positions[i], -inf where
+    it is hidden, over the only columns that can be hidden: past the first query's position (causal)
+    and before the last query's window (sliding window). Built once per sequence and pass."""
+    out = []
     if causal:
         lo = int(positions.min()) + 1
         if lo < s:
             hidden = np.arange(lo, s)[None, :] > positions[:, None]
-            np.copyto(scores[..., lo:], np.float32(-np.inf), where=hidden)
+            out.append((lo, np.where(hidden, np.float32(-np.inf), np.float32(0.0))))
     if window:
         hi = min(s, int(positions.max()) - window + 1)
         if hi > 0:
             hidden = np.arange(hi)[None, :] <= positions[:, None] - window
-            np.copyto(scores[..., :hi], np.float32(-np.inf), where=hidden)
+            out.append((0, np.where(hidden, np.float32(-np.inf), np.float32(0.0))))
+    return out
+
+
+def _add_biases(scores: np.ndarray, biases: list, q0: int = 0, q1: int | None = None) -> np.ndarray:
+    """scores [..., T', S] += the biases' query rows q0..q1 (in place): x + 0 is x (a -0 score becomes
+    +0, which softmax treats alike) and x + -inf is -inf, and every path adds the same biases over
+    the same columns, so the bits agree however the rows are blocked."""
+    for c0, bias in biases:
+        scores[..., c0:c0 + bias.shape[1]] += bias[q0:q1]
     return scores
+
+
+def _mask(scores: np.ndarray, positions: np.ndarray, causal: bool, window: int | None) -> np.ndarray:
+    """-inf where key j is hidden from the query at positions[i]; `scores` [..., T, S] is written in
+    place (as a bias added to the columns that can be hidden: one fast vector add, not a masked
+    store)."""
+    return _add_biases(scores, _mask_biases(positions, scores.shape[-1], causal, window))
 
 
 class CPUBackend(Backend):
@@ -90,6 +106,7 @@ class CPUBackend(Backend):
         self._rope_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._scores: np.ndarray | None = None
         self._pool = None  # threads for large softmax blocks (made on first use)
+        self._bias_key, self._bias = None, []
         self.threads = set_blas_threads(threads)
 
     def describe(self) -> str:
@@ -173,7 +190,10 @@ class CPUBackend(Backend):
         return x * np.float32(s)
 
     def silu(self, x):
-        return x / (np.float32(1.0) + np.exp(-x))
+        t = np.negative(x)  # x / (1 + exp(-x)), in one temporary (a prefill chunk's is [T, 1536])
+        np.exp(t, out=t)
+        np.add(t, np.float32(1.0), out=t)
+        return np.divide(x, t, out=t)
 
     def _rope_table(self, head_dim, base, n):
         key = (head_dim, base)
@@ -232,7 +252,15 @@ class CPUBackend(Backend):
         return store[slot, :length]
 
     def mask_scores(self, scores, positions, causal, window):
-        return _mask(scores.copy(), positions, causal, window)
+        return _add_biases(scores.copy(), self._biases(positions, scores.shape[-1], causal, window))
+
+    def _biases(self, positions, s, causal, window) -> list:
+        """`_mask_biases`, kept for the last (positions, S): every layer and head of a pass asks for
+        the same ones."""
+        key = (positions.tobytes(), s, causal, window)
+        if self._bias_key != key:
+            self._bias_key, self._bias = key, _mask_biases(positions, s, causal, window)
+        return self._bias
 
     def sample_tokens(self, logits, sampler):
         return sampler.sample_numpy(np.asarray(logits, dtype=np.float32))
@@ -256,16 +284,17 @@ class CPUBackend(Backend):
         g, t, s = scores.shape
         rows = scores.reshape(g * t, s)
         tile = max(1, TILE_ELEMENTS // s)
+        biases = self._biases(positions, s, spec.causal, spec.window) if positions is not None else []
 
         def work(lo, hi):
             for a in range(lo, hi, tile):
                 b = min(a + tile, hi)
                 block = rows[a:b]
                 block *= np.float32(scale)
-                if positions is not None:  # rows are (head, query row) pairs: query row = row % t
+                if biases:  # rows are (head, query row) pairs: query row = row % t
                     for h in range(a // t, (b - 1) // t + 1):
                         r0, r1 = max(a, h * t), min(b, (h + 1) * t)
-                        _mask(rows[r0:r1], positions[r0 - h * t:r1 - h * t], spec.causal, spec.window)
+                        _add_biases(rows[r0:r1], biases, r0 - h * t, r1 - h * t)
                 _softmax_last_axis(block, in_place=True)
 
         n = g * t
