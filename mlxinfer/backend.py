@@ -235,12 +235,14 @@ class Backend:
 
     def scatter_rows(self, store, slots, positions, x):
         """store[slots[i], positions[i]] = x[i] for every row i of x (the KV cache write); returns the
-        updated store (in place where the backend can)."""
-        raise NotImplementedError
+        updated store (in place where the backend can). numpy and MLX arrays share the syntax."""
+        store[slots, positions] = x
+        return store
 
     def read_rows(self, store, slot: int, length: int):
-        """The first `length` rows of one slot of a [slots, capacity, width] store, [length, width]."""
-        raise NotImplementedError
+        """The first `length` rows of one slot of a [slots, capacity, width] store, [length, width]
+        (a view where the backend has views)."""
+        return store[slot, :length]
 
     def mask_scores(self, scores, positions, causal: bool, window: int | None):
         """Set scores[i, j] = -inf where key position j is hidden from the query at positions[i]:

@@ -244,13 +244,6 @@ class CPUBackend(Backend):
     def gather_rows(self, table, ids):
         return table[np.asarray(ids, dtype=np.int64)]
 
-    def scatter_rows(self, store, slots, positions, x):
-        store[slots, positions] = x
-        return store
-
-    def read_rows(self, store, slot, length):
-        return store[slot, :length]
-
     def mask_scores(self, scores, positions, causal, window):
         return _add_biases(scores.copy(), self._biases(positions, scores.shape[-1], causal, window))
 

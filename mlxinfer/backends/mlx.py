@@ -349,13 +349,6 @@ class MLXBackend(Backend):
             return table.rows(ids)
         return table[ids]
 
-    def scatter_rows(self, store, slots, positions, x):
-        store[slots, positions] = x
-        return store
-
-    def read_rows(self, store, slot, length):
-        return store[slot, :length]
-
     def mask_scores(self, scores, positions, causal, window):
         keys = mx.arange(scores.shape[-1])[None, :]
         pos = positions[:, None]
