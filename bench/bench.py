@@ -44,9 +44,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+import mlxinfer  # noqa: E402  (before numpy: it sets OpenBLAS's thread timeout, as for CLI users)
 import numpy as np  # noqa: E402
-
-import mlxinfer  # noqa: E402
 from mlxinfer.backends import mlx_gpu_available  # noqa: E402
 from mlxinfer.kv_cache import KV_CACHES  # noqa: E402
 from mlxinfer.synthetic import SyntheticSpec, write_synthetic_model  # noqa: E402
@@ -141,7 +140,8 @@ def measure_row(job: dict) -> dict:
     row = run_case(engine, job["n"], job["gen"], job["runs"], job["batch"], job["sync"], job["warmup_tokens"])
     name = f"mlxinfer {job['backend']}" + (" (sync)" if job["sync"] else "")
     row.update(engine=name, device=job["device"], attention=job["attention"], backend=engine.backend.describe(),
-               load_s=load_s, kind=job["kind"], blas_threads=blas_threads() if job["backend"] == "cpu" else None)
+               load_s=load_s, kind=job["kind"], blas_threads=blas_threads() if job["backend"] == "cpu" else None,
+               openblas_thread_timeout=os.environ.get("OPENBLAS_THREAD_TIMEOUT"))
     return row
 
 

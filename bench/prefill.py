@@ -107,6 +107,7 @@ def child(spec: dict) -> dict:
         prefill_peak_rss_mb=_status_kb("VmHWM") / 1024 if reset else None,
         mlx_peak_memory_mb=mlx_peak, load_s=load_s,
         mlxinfer=os.path.dirname(os.path.abspath(mlxinfer.__file__)), blas_threads=_blas_threads() if spec["backend"] == "cpu" else None,
+        openblas_thread_timeout=os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
     )
 
 
