@@ -1,4 +1,4 @@
-"""Command line: `mlxinfer generate ...`, `mlxinfer chat ...` and `mlxinfer inspect FILE`.
+"""Command line: `mlxinfer generate ...`, `mlxinfer chat ...`, `mlxinfer serve ...` and `mlxinfer inspect FILE`.
 
 `generate` writes the generated text to stdout as it is produced, and the metrics block (and a trace,
 with --trace) to stderr, so `mlxinfer generate ... > out.txt` captures only the text. `chat` is an
@@ -150,6 +150,22 @@ def _chat(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from .server import serve
+
+    for name in ("port", "max_batch", "max_queue", "kv_memory"):
+        v = getattr(args, name)
+        if v is not None and (v < 1 or (name == "port" and v > 65535)):
+            raise RequestError(f"--{name.replace('_', '-')} must be a positive integer{' below 65536' if name == 'port' else ''}, got {v}")
+    engine = _load(args)
+    model_id = os.path.basename(engine.path)
+    print(f"mlxinfer: serving {model_id} on http://{args.host}:{args.port}/v1 ({engine.backend.describe()}, "
+          f"max batch {args.max_batch})", file=sys.stderr)
+    serve(engine, model_id, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
+          kv_memory=args.kv_memory)
+    return 0
+
+
 def _inspect(args) -> int:
     from .inspect import describe
 
@@ -157,12 +173,21 @@ def _inspect(args) -> int:
     return 0
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in --help, except where the help already says its default or there is none to show."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line and status 1, like every other bad input
         self.exit(1, f"mlxinfer: error: {message} (see {self.prog} --help)\n")
 
 
-def _model_options(p) -> None:
+def _model_options(p, sampling: bool = True) -> None:
     p.add_argument("--model", default=None,
                    help="local GGUF path or org/repo/file.gguf (default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--backend", default="auto", choices=["auto", "cpu", "mlx"],
@@ -178,6 +203,8 @@ def _model_options(p) -> None:
                    help="prompt tokens per prefill pass (default: 512)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="BLAS threads of the cpu backend (default: the cores not already busy)")
+    if not sampling:
+        return
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
@@ -193,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="mlxinfer", description="Generate text from GGUF models with MLX or numpy.")
     p.add_argument("--version", action="version", version=f"mlxinfer {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = _DefaultsFormatter
     g = sub.add_parser("generate", help="generate a continuation of PROMPT", formatter_class=fmt)
     g.add_argument("prompt", metavar="PROMPT", nargs="?", help="the prompt; - reads it from stdin")
     g.add_argument("--prompt-file", default=None, metavar="FILE", help="read the prompt from FILE")
@@ -209,6 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
     c.add_argument("--max-tokens", type=int, default=512, help="tokens per reply at most")
     c.set_defaults(func=_chat)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching", formatter_class=fmt)
+    _model_options(s, sampling=False)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8080, help="TCP port")
+    s.add_argument("--max-batch", type=int, default=8, metavar="N", help="requests decoded together at most")
+    s.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="requests waiting for the batch at most (beyond: 429 with Retry-After)")
+    s.add_argument("--kv-memory", type=int, default=None, metavar="BYTES",
+                   help="KV cache budget: requests wait until they fit (default: unbounded)")
+    s.set_defaults(func=_serve)
     i = sub.add_parser("inspect", help="print a GGUF file's architecture, hyperparameters, tokenizer and tensors")
     i.add_argument("file")
     i.set_defaults(func=_inspect)

@@ -1,0 +1,202 @@
+"""Continuous batching: one worker thread runs the engine's forward passes over every running request;
+new requests join at pass boundaries, each finishes (or is cancelled) on its own.
+
+    sched = Scheduler(engine, max_batch=8, max_queue=64, kv_memory=None)
+    req = sched.submit(prompt_ids, SamplingParams(...), max_tokens=64, stop=[], on_event=callback)
+    ...                                   # callback(TokenEvent) per token, then callback(FinishEvent)
+    sched.cancel(req)                     # e.g. the client went away: its cache slot is freed within a pass
+    sched.close()
+
+The passes are the engine's own (`Engine._plan`, `_launch`, `_read`): decode rows of every running
+request always go, prefill chunks of new requests fill the rest of a pass (one chunk's worth of rows),
+so a long prompt never stalls the running streams for more than one chunk's pass, and a request's chunks
+keep their boundaries, so on the cpu backend its floats (and its greedy text) are those it gets alone.
+On a lazy backend the next pass is queued before the current one is read, as in `Engine._run`.
+
+Admission: at most `max_batch` requests run; up to `max_queue` wait (beyond that `submit` raises
+`QueueFull`); with `kv_memory` (bytes) a request waits until the preallocated cache, grown for it
+(every slot holds the longest request's prompt + max_tokens), fits the budget, and one that cannot fit
+even alone is refused. Callbacks run on the worker thread and must not block.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .errors import MlxinferError, RequestError
+from .generate import FinishEvent, _Sequence
+
+
+class QueueFull(MlxinferError):
+    """More requests are waiting than the scheduler's max_queue."""
+
+
+class SchedulerClosed(MlxinferError):
+    """The scheduler is shutting down (or its worker died) and takes no requests."""
+
+
+@dataclass
+class Request:
+    prompt: list
+    params: object
+    max_tokens: int
+    stop: list
+    on_event: Callable
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    seq: _Sequence | None = None
+    done: bool = False
+
+
+class Scheduler:
+    def __init__(self, engine, max_batch: int = 8, max_queue: int = 64, kv_memory: int | None = None):
+        for name, v in (("max_batch", max_batch), ("max_queue", max_queue)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise RequestError(f"{name} must be a positive integer, got {v!r}")
+        if kv_memory is not None and (isinstance(kv_memory, bool) or not isinstance(kv_memory, int) or kv_memory < 1):
+            raise RequestError(f"kv_memory must be a positive number of bytes, got {kv_memory!r}")
+        self.engine = engine
+        self.max_batch, self.max_queue, self.kv_memory = max_batch, max_queue, kv_memory
+        a = engine.args
+        self.kv_bytes_per_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * 4  # keys and values, float32
+        self.cache = engine.new_cache()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.cv = threading.Condition()
+        self.closed = False
+        self.error: BaseException | None = None
+        self.passes = 0
+        self.thread = threading.Thread(target=self._loop, name="mlxinfer-scheduler", daemon=True)
+        self.thread.start()
+
+    # -- called from other threads -------------------------------------------------------------
+    def check(self, n_prompt: int, max_tokens: int) -> None:
+        """Raise RequestError where a request can never run (context, or the memory budget)."""
+        self.engine._check_context(n_prompt, max_tokens)
+        need = (n_prompt + max_tokens) * self.kv_bytes_per_token
+        if self.kv_memory is not None and need > self.kv_memory:
+            raise RequestError(f"prompt of {n_prompt} tokens plus max_tokens {max_tokens} needs {need} bytes of KV "
+                               f"cache, more than the server's budget of {self.kv_memory}")
+
+    def submit(self, prompt, params, max_tokens: int, stop, on_event: Callable) -> Request:
+        self.check(len(prompt), max_tokens)
+        req = Request(list(prompt), params, max_tokens, list(stop), on_event)
+        with self.cv:
+            if self.closed:
+                raise SchedulerClosed("the server is shutting down" if self.error is None
+                                      else f"the scheduler stopped: {self.error}")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting (max_queue {self.max_queue})")
+            self.waiting.append(req)
+            self.cv.notify()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request: a waiting one leaves the queue now, a running one's slot is released before
+        the next pass is planned."""
+        with self.cv:
+            req.cancelled = True
+            if req in self.waiting:
+                self.waiting.remove(req)
+                self._deliver(req, FinishEvent("cancelled", None, None))
+            self.cv.notify()
+
+    def stats(self) -> dict:
+        with self.cv:
+            return dict(running=len(self.running), waiting=len(self.waiting), slots_in_use=self.cache.in_use,
+                        kv_bytes=self.cache.nbytes(), passes=self.passes)
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify()
+        self.thread.join(timeout)
+
+    # -- the worker ----------------------------------------------------------------------------
+    def _fits(self, req: Request) -> bool:
+        if self.kv_memory is None:
+            return True
+        longest = max([len(r.prompt) + r.max_tokens for r in self.running] + [len(req.prompt) + req.max_tokens])
+        return (len(self.running) + 1) * longest * self.kv_bytes_per_token <= self.kv_memory
+
+    def _admit(self) -> None:
+        """Under the lock: drop cancelled requests, move waiting ones into the batch while they fit."""
+        for req in [r for r in self.running if r.cancelled]:
+            self._end(req, "cancelled")
+        while self.waiting and len(self.running) < self.max_batch:
+            req = self.waiting[0]
+            if not self._fits(req):
+                break
+            self.waiting.popleft()
+            slot = self.cache.alloc()
+            self.cache.expect(slot, len(req.prompt) + 1)
+            req.seq = _Sequence(self.engine, req.prompt, req.params, req.max_tokens, req.stop, slot, req.submitted)
+            self.running.append(req)
+
+    def _end(self, req: Request, reason: str) -> None:
+        """A request leaves the batch without a FinishEvent from the engine (cancelled, or an error)."""
+        s = req.seq
+        if s.finish is None:
+            s.finish = reason
+            self.cache.release(s.slot)
+        self.running.remove(req)
+        self._deliver(req, FinishEvent(reason, None, None))
+
+    def _deliver(self, req: Request, event) -> None:
+        if req.done:
+            return
+        req.done = isinstance(event, FinishEvent)
+        try:
+            req.on_event(event)
+        except Exception:  # a consumer's failure must not stop the other requests
+            req.cancelled = True
+
+    def _loop(self) -> None:
+        engine, pending = self.engine, None
+        pipelined = engine.pipeline and engine.backend.lazy
+        by_seq: dict[int, Request] = {}
+        try:
+            while True:
+                with self.cv:
+                    self._admit()
+                    while not self.running and pending is None and not self.closed:
+                        self.cv.wait()
+                        self._admit()
+                    if self.closed:
+                        break
+                    seqs = [r.seq for r in self.running]
+                    by_seq = {id(r.seq): r for r in self.running}
+                plan = engine._plan(seqs)
+                step = engine._launch(plan, self.cache) if plan else None
+                self.passes += step is not None
+                if pending is not None:
+                    self._read(pending, by_seq)
+                pending = step
+                if not pipelined and pending is not None:
+                    self._read(pending, by_seq)
+                    pending = None
+        except BaseException as e:  # noqa: BLE001 - every waiting client must hear of it
+            self.error = e
+            raise
+        finally:
+            with self.cv:
+                self.closed = True
+                for req in list(self.running):
+                    self._end(req, "error" if self.error else "cancelled")
+                while self.waiting:
+                    self._deliver(self.waiting.popleft(), FinishEvent("error" if self.error else "cancelled", None, None))
+
+    def _read(self, step, by_seq) -> None:
+        for s, event in self.engine._read(step, self.cache, len(by_seq)):
+            req = by_seq.get(id(s))
+            if req is None:
+                continue
+            self._deliver(req, event)
+            if isinstance(event, FinishEvent):
+                with self.cv:
+                    if req in self.running:
+                        self.running.remove(req)

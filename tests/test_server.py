@@ -1,0 +1,346 @@
+"""The real server (uvicorn on 127.0.0.1, a free port) driven by the official `openai` client and raw
+HTTP: answers equal to the engine's own, streaming, 32 concurrent clients, cancellation mid-stream, and
+every bad input with its status. After each test the scheduler holds no request and no KV slot."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+import mlxinfer
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from mlxinfer.server import create_app  # noqa: E402
+
+SHAPE = dict(arch="qwen3", n_layers=2, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=320,
+             context_length=256, tied_output=False, seed=11)
+MODEL = "m.gguf"
+LONG = [10, 11]  # a prompt the synthetic model continues for 200 tokens without an end-of-generation token
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    def __init__(self, engine, **options):
+        self.port = _free_port()
+        self.app = create_app(engine, MODEL, **options)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    @property
+    def scheduler(self):
+        return self.app.state.scheduler
+
+    def idle(self, timeout=10.0) -> dict:
+        """Wait until no request runs or waits; the stats then (slots must all be free)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.scheduler.stats()
+            if (st["running"], st["waiting"], st["slots_in_use"]) == (0, 0, 0) or time.monotonic() > deadline:
+                return st
+            time.sleep(0.02)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(20)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from mlxinfer.synthetic import write_synthetic_model
+
+    path = write_synthetic_model(tmp_path_factory.mktemp("srv") / MODEL, **SHAPE)
+    return mlxinfer.load(path, backend="cpu")
+
+
+@pytest.fixture(scope="module")
+def served(engine):
+    s = Served(engine, max_batch=8, max_queue=64)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_leak(request):
+    yield
+    if "served" in request.fixturenames:
+        served = request.getfixturevalue("served")
+        st = served.idle()
+        assert (st["running"], st["waiting"], st["slots_in_use"], st["kv_bytes"]) == (0, 0, 0, 0), st
+
+
+def test_completion_equals_the_engines_own(served, engine):
+    want = engine.generate(LONG, max_tokens=12)
+    assert len(want.text) > 5
+    r = served.client.completions.create(model=MODEL, prompt=LONG, max_tokens=12, temperature=0)
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == want.finish_reason
+    assert r.usage.prompt_tokens == len(want.prompt_ids) and r.usage.completion_tokens == len(want.token_ids)
+    assert r.model == MODEL and r.object == "text_completion"
+    ids = [5, 6, 7, 8]
+    r = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0, logprobs=1)
+    want = engine.generate(ids, max_tokens=5)
+    assert r.choices[0].text == want.text and r.choices[0].logprobs.token_logprobs == pytest.approx(want.logprobs)
+
+
+def test_sampling_options_and_seed_reach_the_engine(served, engine):
+    options = dict(max_tokens=10, temperature=0.9, top_p=0.8, seed=3)
+    want = engine.generate(LONG, **options)
+    r = served.client.completions.create(model=MODEL, prompt=LONG, **options)
+    assert r.choices[0].text == want.text
+    again = served.client.completions.create(model=MODEL, prompt=LONG, **options)
+    other = served.client.completions.create(model=MODEL, prompt=LONG, **{**options, "seed": 4})
+    assert again.choices[0].text == want.text and other.choices[0].text != want.text
+
+
+def test_stop_strings(served, engine):
+    free = engine.generate(LONG, max_tokens=20).text
+    stop = free[len(free) // 2:len(free) // 2 + 2]
+    r = served.client.completions.create(model=MODEL, prompt=LONG, max_tokens=20, temperature=0, stop=[stop])
+    assert r.choices[0].text == free[:free.find(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_chat_streaming_and_not(served, engine):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
+    want = engine.generate(messages, max_tokens=10)
+    assert want.text
+    r = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    chunks = list(served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                        stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 2  # streamed, not one piece
+
+
+def test_streaming_completion_with_logprobs(served, engine):
+    want = engine.generate(LONG, max_tokens=8)
+    chunks = list(served.client.completions.create(model=MODEL, prompt=LONG, max_tokens=8, temperature=0,
+                                                   stream=True, logprobs=1))
+    assert "".join(c.choices[0].text for c in chunks) == want.text
+    lps = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    assert lps == pytest.approx(want.logprobs)
+
+
+def test_models_health_metrics(served):
+    assert [m.id for m in served.client.models.list().data] == [MODEL]
+    assert httpx.get(served.url + "/health").json() == {"status": "ok"}
+    served.client.completions.create(model=MODEL, prompt="a b", max_tokens=3, temperature=0)
+    text = httpx.get(served.url + "/metrics").text
+    for name in ("mlxinfer_requests_running", "mlxinfer_requests_waiting", "mlxinfer_generation_tokens_total",
+                 "mlxinfer_time_to_first_token_seconds_bucket", "mlxinfer_inter_token_latency_seconds_bucket",
+                 "mlxinfer_kv_slots_used", "mlxinfer_kv_slots_free", "mlxinfer_prompt_tokens_cached_total"):
+        assert name in text, name
+    done = [line for line in text.splitlines() if line.startswith('mlxinfer_requests_total{reason="length"}')]
+    assert done and float(done[0].split()[-1]) >= 1
+
+
+def test_32_concurrent_clients_get_their_solo_text(served, engine):
+    """Determinism under load on the cpu backend: each request's greedy text is what it gets alone."""
+    prompts = [[(7 * i + j) % 300 + 10 for j in range(3 + i % 9)] for i in range(32)]
+    alone = [engine.generate(p, max_tokens=6 + i % 5).text for i, p in enumerate(prompts)]
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        rs = await asyncio.wait_for(asyncio.gather(*[
+            client.completions.create(model=MODEL, prompt=p, max_tokens=6 + i % 5, temperature=0)
+            for i, p in enumerate(prompts)]), timeout=120)
+        await client.close()
+        return rs
+
+    passes = served.scheduler.passes
+    rs = asyncio.run(main())
+    assert [r.choices[0].text for r in rs] == alone
+    solo_passes = sum(-(-len(p) // engine.prefill_chunk) + 6 + i % 5 for i, p in enumerate(prompts))
+    assert served.scheduler.passes - passes < solo_passes / 2  # they really shared passes
+
+
+@pytest.fixture
+def slow_passes(engine, monkeypatch):
+    """Each forward pass takes at least 20 ms, so that 200 tokens take 4 s: long enough to act mid-stream."""
+    launch = engine._launch
+
+    def slow(*args):
+        time.sleep(0.02)
+        return launch(*args)
+
+    monkeypatch.setattr(engine, "_launch", slow)
+
+
+def test_cancel_mid_stream_frees_the_slot(served, slow_passes):
+    with httpx.stream("POST", served.url + "/v1/completions", timeout=30,
+                      json={"model": MODEL, "prompt": LONG, "max_tokens": 200, "temperature": 0, "stream": True}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+        assert served.scheduler.stats()["running"] == 1
+        t0 = time.monotonic()
+    st = served.idle(timeout=2.0)
+    assert st["slots_in_use"] == 0 and st["running"] == 0 and time.monotonic() - t0 < 2.0  # 200 tokens take 4 s
+
+
+@pytest.mark.parametrize("body,status,fragment", [
+    (b"{not json", 400, "not valid JSON"),
+    ({"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 10_000}, 400, "context length"),
+    ({"model": MODEL, "prompt": ""}, 400, "empty prompt"),
+    ({"model": MODEL, "prompt": [9999]}, 400, "outside the vocabulary"),
+    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n must be 1"),
+    ({"model": MODEL, "prompt": "hi", "stop": [""]}, 400, "stop"),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "does not exist"),
+])
+def test_bad_completion_requests(served, body, status, fragment):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(served.url + "/v1/completions", headers={"content-type": "application/json"}, timeout=10, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert fragment in err["message"] and set(err) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("body,status,fragment", [
+    ({"model": MODEL, "messages": []}, 400, "messages must not be empty"),
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, 400, "content"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400, "top_logprobs"),
+])
+def test_bad_chat_requests(served, body, status, fragment):
+    r = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == status, r.text
+    assert fragment in r.json()["error"]["message"]
+
+
+def test_unknown_route_and_body_too_large(served):
+    r = httpx.get(served.url + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "x" * (2 << 20)}, timeout=10)
+    assert r.status_code == 413 and "over" in r.json()["error"]["message"]
+
+
+def test_openai_client_sees_errors_as_its_exceptions(served):
+    with pytest.raises(openai.NotFoundError):
+        served.client.completions.create(model="nope", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        served.client.completions.create(model=MODEL, prompt="hi", max_tokens=100_000)
+
+
+def test_queue_full_gives_429_with_retry_after(engine, slow_passes):
+    s = Served(engine, max_batch=1, max_queue=1)
+    try:
+        body = {"model": MODEL, "prompt": LONG, "max_tokens": 200, "temperature": 0, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as first:
+            lines = first.iter_lines()  # keep the iterator: dropping it closes the connection
+            next(lines)  # running
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as second:
+                deadline = time.monotonic() + 10
+                while s.scheduler.stats()["waiting"] < 1:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                third = httpx.post(s.url + "/v1/completions", json=body, timeout=10)
+                assert third.status_code == 429 and third.headers["retry-after"] == "1"
+                assert "max_queue 1" in third.json()["error"]["message"]
+                assert second.status_code == 200
+        st = s.idle()
+        assert (st["running"], st["waiting"], st["slots_in_use"]) == (0, 0, 0)
+    finally:
+        s.stop()
+
+
+def test_kv_memory_budget(engine):
+    per_token = 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 KV heads x 32, float32
+    s = Served(engine, kv_memory=per_token * 40)
+    try:
+        ok = s.client.completions.create(model=MODEL, prompt=LONG, max_tokens=30, temperature=0)
+        assert ok.choices[0].finish_reason == "length"
+        with pytest.raises(openai.BadRequestError, match="budget"):
+            s.client.completions.create(model=MODEL, prompt=LONG, max_tokens=60)
+    finally:
+        s.stop()
+
+
+def test_cli_serve_bad_options(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "mlxinfer", "serve", "--port", "0", "--model", str(tmp_path / "x.gguf")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "--port" in r.stderr
+
+
+def test_json_error_never_a_traceback_on_malformed_types(served):
+    for body in ({"model": MODEL, "prompt": {"a": 1}}, {"model": MODEL, "prompt": "hi", "stream": "yes"},
+                 {"model": MODEL, "prompt": "hi", "stop": 3}, [1, 2], {"model": MODEL, "prompt": "hi", "seed": 1.5}):
+        r = httpx.post(served.url + "/v1/completions", content=json.dumps(body),
+                       headers={"content-type": "application/json"}, timeout=10)
+        assert r.status_code == 400 and "Traceback" not in r.text, (body, r.text)
+
+
+def test_cancelled_waiting_request_leaves_the_queue(engine, slow_passes):
+    from mlxinfer.sampling import SamplingParams
+    from mlxinfer.scheduler import Scheduler
+
+    sched = Scheduler(engine, max_batch=1, max_queue=2)
+    try:
+        events = [[], []]
+        first = sched.submit(LONG, SamplingParams(), 100, [], events[0].append)
+        deadline = time.monotonic() + 5
+        while sched.stats()["running"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        second = sched.submit(LONG, SamplingParams(), 100, [], events[1].append)
+        assert sched.stats()["waiting"] == 1
+        sched.cancel(second)
+        assert sched.stats()["waiting"] == 0 and events[1][-1].finish_reason == "cancelled"
+        sched.cancel(first)
+        deadline = time.monotonic() + 5
+        while sched.stats()["slots_in_use"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sched.stats()["slots_in_use"] == 0 and events[0][-1].finish_reason == "cancelled"
+        assert len(events[0]) < 50  # stopped long before its 100 tokens
+    finally:
+        sched.close()
+
+
+def test_cli_serve_answers(tmp_path, engine):
+    import subprocess
+    import sys
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlxinfer", "serve", "--model", engine.path, "--backend", "cpu",
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else ""
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": LONG, "max_tokens": 4,
+                                                                         "temperature": 0}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == engine.generate(LONG, max_tokens=4).text
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    assert proc.returncode in (0, -15) and "Traceback" not in proc.stderr.read()
