@@ -197,8 +197,9 @@ def _model_options(p, sampling: bool = True) -> None:
     p.add_argument("--kernel", default=None, choices=["graph", "metal", "cuda"],
                    help="MLX fused attention implementation (default: cuda on CUDA, metal after a self-check on "
                         "Metal, graph on the CPU)")
-    p.add_argument("--kv", default="prealloc", choices=["prealloc", "basic"],
-                   help="KV cache: preallocated and written in place, or grown by concatenation")
+    p.add_argument("--kv", default="paged" if not sampling else "prealloc", choices=["prealloc", "paged", "basic"],
+                   help="KV cache: preallocated per sequence and written in place; paged (blocks, prefix reuse); "
+                        "or grown by concatenation")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prompt tokens per prefill pass (default: 512)")
     p.add_argument("--threads", type=int, default=None, metavar="N",

@@ -295,7 +295,7 @@ class Engine:
         s.finish = reason
         tail, s.held = s.held, ""  # held back for a stop string that never came (ended on EOS)
         s.text += tail
-        cache.release(s.slot)
+        cache.release(s.slot, (s.prompt + s.out)[:s.cached])  # what its cache rows hold
         metrics = self._metrics(s, batch_size)
         gen = Generation(s.text, list(s.out), reason, metrics, list(s.prompt), list(s.logprobs), s.seed)
         yield s, FinishEvent(reason, metrics, gen, tail)

@@ -4,13 +4,15 @@ Models see one interface: `cache.update(ops, layer, k, v, batch)` writes the pas
 layer view whose `sequence(ops, b)` gives sequence b's [S, KV*D] keys and values (the per-head
 reference reads them that way) and whose `store` is the cache's own tensor for kernels that address it
 directly (or None). Slots are the cache's unit of ownership: `alloc()` gives a free one to a new
-sequence, `release(slot)` returns it; `reserve(batch)` makes room before a pass. A paged cache (blocks
-and a block table per sequence) is one more class with this interface: models do not change.
+sequence, `release(slot, tokens)` returns it; `reserve(batch)` makes room before a pass.
 
 - `PreallocKVCache` (the default): per layer one [slots, capacity, KV*D] tensor for keys and one for
   values, written in place at (slot, position) by `scatter_rows`. Capacity grows in steps of `step`
   tokens (a prompt reserves its whole length at once) and shrinks again when the longest sequence is
   released, so memory follows the tokens held: slots x longest sequence, rounded up to a step.
+- `PagedKVCache` (`--kv paged`, the server's default): fixed-size blocks in one pool and a block table
+  per sequence; full blocks of finished sequences stay cached by a hash of their token prefix and are
+  reused by prompts that start with the same tokens (prefix reuse), evicted least-recently-used.
 - `BasicKVCache` (the book's first cache, kept for comparison with `--kv basic`): per slot and layer a
   tensor grown by `concat_dim0`, which copies the whole tensor every step (O(S) per token per layer).
 """
@@ -34,7 +36,8 @@ class _Slots:
         self.held[slot] = 0
         return slot
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int, tokens=None) -> None:
+        """Free a slot (`tokens`, what its rows hold, matters only to a cache that keeps prefixes)."""
         if slot not in self.held:
             raise RequestError(f"KV cache slot {slot} is not in use")
         del self.held[slot]
@@ -108,7 +111,7 @@ class PreallocKVCache(_Slots):
                 or n_slots < self.n_slots:
             self._resize(n_slots, capacity)
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int, tokens=None) -> None:
         super().release(slot)
         self._fit()
 
@@ -155,7 +158,7 @@ class BasicKVCache(_Slots):
         self.entries[slot] = ([None] * self.n_layers, [None] * self.n_layers)
         return slot
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int, tokens=None) -> None:
         super().release(slot)
         del self.entries[slot]
 
@@ -186,4 +189,173 @@ class BasicKVCache(_Slots):
         return [x for keys, values in self.entries.values() for x in keys + values if x is not None]
 
 
-KV_CACHES = {"prealloc": PreallocKVCache, "basic": BasicKVCache}
+class PagedLayer:
+    def __init__(self, keys, values, cache, batch):
+        self.keys, self.values, self.cache, self.batch = keys, values, cache, batch
+        self.store = None  # kernels go sequence by sequence, on the gathered rows
+
+    def sequence(self, ops, b: int):
+        rows = self.cache.pass_rows(ops, self.batch)[b]
+        n = self.keys.shape[0] * self.keys.shape[1]
+        return (ops.gather_rows(ops.reshape(self.keys, n, self.cache.width), rows),
+                ops.gather_rows(ops.reshape(self.values, n, self.cache.width), rows))
+
+
+class PagedKVCache(_Slots):
+    """Fixed-size blocks of `block_size` positions in one pool per layer ([blocks, block_size, KV*D]
+    for keys and for values) and a block table per slot, so sequences take memory a block at a time
+    and blocks can be shared: a finished sequence's full blocks stay cached under a hash of their
+    tokens and everything before them, and a new sequence whose prompt starts with the same tokens
+    takes them instead of prefilling them again (`match_prefix`); unreferenced cached blocks are
+    evicted least-recently-used when the pool is full. With `max_blocks` the pool never grows past it
+    (the server's memory budget); otherwise it doubles when full.
+
+    Attention reads a sequence's keys and values gathered from its blocks (`sequence`), so every
+    fused-attention override meets the per-head reference on the same gathered rows."""
+
+    name = "paged"
+    BLOCK_SIZE = 16
+
+    def __init__(self, ops, n_layers: int, width: int, step: int = 0, block_size: int = BLOCK_SIZE,
+                 max_blocks: int | None = None):
+        super().__init__()
+        self.ops, self.n_layers, self.width, self.block_size = ops, n_layers, width, block_size
+        self.max_blocks = max_blocks
+        self.keys: list = [None] * n_layers
+        self.values: list = [None] * n_layers
+        self.n_blocks = 0
+        self.tables: dict[int, list[int]] = {}  # slot -> its blocks, in position order
+        self.refs: list[int] = []  # block -> sequences using it
+        self.free: list[int] = []
+        self.block_of: dict[int, int] = {}  # prefix hash -> cached block
+        self.hash_of: dict[int, int] = {}  # cached block -> its prefix hash
+        self.lru: dict[int, None] = {}  # cached blocks no sequence uses, least recently used first
+        self.hits = 0  # prompt tokens served from cached blocks
+        self._rows = (None, None)
+
+    # -- blocks ------------------------------------------------------------------------------
+    def _grow(self, n_blocks: int) -> None:
+        ops = self.ops
+        for i in range(self.n_layers):
+            if self.keys[i] is None:
+                self.keys[i] = ops.new_store(n_blocks, self.block_size, self.width)
+                self.values[i] = ops.new_store(n_blocks, self.block_size, self.width)
+            else:
+                self.keys[i] = ops.resize_store(self.keys[i], n_blocks, self.block_size)
+                self.values[i] = ops.resize_store(self.values[i], n_blocks, self.block_size)
+        self.free.extend(range(n_blocks - 1, self.n_blocks - 1, -1))
+        self.refs.extend([0] * (n_blocks - self.n_blocks))
+        self.n_blocks = n_blocks
+
+    def _take(self) -> int:
+        if not self.free and self.lru:  # evict the least recently used cached block
+            block = next(iter(self.lru))
+            del self.lru[block], self.block_of[self.hash_of.pop(block)]
+            self.free.append(block)
+        if not self.free:
+            if self.max_blocks is not None and self.n_blocks >= self.max_blocks:
+                raise RequestError(f"KV cache full: all {self.n_blocks} blocks of {self.block_size} positions in use")
+            limit = self.max_blocks if self.max_blocks is not None else float("inf")
+            self._grow(int(min(limit, max(16, 2 * self.n_blocks))))
+        block = self.free.pop()
+        self.refs[block] = 1
+        return block
+
+    def _drop(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if block in self.hash_of:
+                self.lru[block] = None
+            else:
+                self.free.append(block)
+
+    @property
+    def blocks_used(self) -> int:
+        return sum(1 for r in self.refs if r > 0)
+
+    @property
+    def blocks_cached(self) -> int:
+        return len(self.lru)
+
+    def _hashes(self, tokens):
+        """The prefix hash of each full block of `tokens`: its tokens and everything before them."""
+        h, b = 0, self.block_size
+        for i in range(len(tokens) // b):
+            h = hash((h, tuple(tokens[i * b:(i + 1) * b])))
+            yield h
+
+    # -- slots -------------------------------------------------------------------------------
+    def alloc(self) -> int:
+        slot = super().alloc()
+        self.tables[slot] = []
+        return slot
+
+    def match_prefix(self, slot: int, prompt) -> int:
+        """Give a fresh slot the cached blocks its prompt starts with (leaving at least one prompt token
+        to prefill, whose logits the first token needs); returns the tokens it now holds."""
+        table = self.tables[slot]
+        if table or self.held[slot]:
+            raise RequestError(f"KV cache slot {slot} is not fresh")
+        for h in self._hashes(list(prompt)[:len(prompt) - 1]):
+            block = self.block_of.get(h)
+            if block is None:
+                break
+            self.lru.pop(block, None)
+            self.refs[block] += 1
+            table.append(block)
+        self.held[slot] = len(table) * self.block_size
+        self.hits += self.held[slot]
+        return self.held[slot]
+
+    def release(self, slot: int, tokens=None) -> None:
+        """Free a slot. With `tokens` (what its cache rows hold, in order) its full blocks stay cached
+        for later prompts that start with the same tokens."""
+        held = self.held.get(slot, 0)
+        super().release(slot)
+        table = self.tables.pop(slot)
+        if tokens is not None:
+            for block, h in zip(table, self._hashes(list(tokens)[:held])):
+                if h not in self.block_of and block not in self.hash_of:
+                    self.block_of[h], self.hash_of[block] = block, h
+        for block in table:
+            self._drop(block)
+
+    def reserve(self, batch) -> None:
+        self.check(batch)
+        for slot, n in zip(batch.slots, batch.kv_lens):
+            table = self.tables[slot]
+            while len(table) * self.block_size < n:
+                table.append(self._take())
+            self.held[slot] = n
+
+    def _index(self, ops, batch):
+        """Built once per pass: the pool (block, offset) each row of the pass is written to, and per
+        sequence the pool rows (block * block_size + offset) of its positions 0..S-1."""
+        if self._rows[0] is not batch:
+            bs = self.block_size
+            blocks, offsets, rows = [], [], []
+            for slot, start, n, total in zip(batch.slots, batch.starts, batch.lengths, batch.kv_lens):
+                table = self.tables[slot]
+                blocks += [table[p // bs] for p in range(start, start + n)]
+                offsets += [p % bs for p in range(start, start + n)]
+                rows.append(ops.index_array([table[p // bs] * bs + p % bs for p in range(total)]))
+            self._rows = (batch, (ops.index_array(blocks), ops.index_array(offsets), rows))
+        return self._rows[1]
+
+    def pass_rows(self, ops, batch) -> list:
+        return self._index(ops, batch)[2]
+
+    def update(self, ops, layer: int, k, v, batch) -> PagedLayer:
+        blocks, offsets, _ = self._index(ops, batch)
+        self.keys[layer] = ops.scatter_rows(self.keys[layer], blocks, offsets, k)
+        self.values[layer] = ops.scatter_rows(self.values[layer], blocks, offsets, v)
+        return PagedLayer(self.keys[layer], self.values[layer], self, batch)
+
+    def nbytes(self) -> int:
+        return 2 * self.n_layers * self.n_blocks * self.block_size * self.width * 4
+
+    def arrays(self) -> list:
+        return [x for x in self.keys + self.values if x is not None]
+
+
+KV_CACHES = {"prealloc": PreallocKVCache, "basic": BasicKVCache, "paged": PagedKVCache}

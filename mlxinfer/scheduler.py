@@ -29,6 +29,7 @@ from typing import Callable
 
 from .errors import MlxinferError, RequestError
 from .generate import FinishEvent, _Sequence
+from .kv_cache import PagedKVCache
 
 
 class QueueFull(MlxinferError):
@@ -50,6 +51,7 @@ class Request:
     cancelled: bool = False
     seq: _Sequence | None = None
     done: bool = False
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 
 class Scheduler:
@@ -63,7 +65,17 @@ class Scheduler:
         self.max_batch, self.max_queue, self.kv_memory = max_batch, max_queue, kv_memory
         a = engine.args
         self.kv_bytes_per_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * 4  # keys and values, float32
-        self.cache = engine.new_cache()
+        self.paged = engine.kv == "paged"
+        if self.paged:  # a fixed pool of blocks under the memory budget; prefixes are reused
+            block = PagedKVCache.BLOCK_SIZE
+            max_blocks = None if kv_memory is None else kv_memory // (block * self.kv_bytes_per_token)
+            if max_blocks is not None and max_blocks < 1:
+                raise RequestError(f"kv_memory {kv_memory} holds less than one block of {block} positions "
+                                   f"({block * self.kv_bytes_per_token} bytes)")
+            self.cache = PagedKVCache(engine.backend, a.n_layers, a.n_kv_heads * a.head_dim, block_size=block,
+                                      max_blocks=max_blocks)
+        else:
+            self.cache = engine.new_cache()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.cv = threading.Condition()
@@ -78,6 +90,9 @@ class Scheduler:
         """Raise RequestError where a request can never run (context, or the memory budget)."""
         self.engine._check_context(n_prompt, max_tokens)
         need = (n_prompt + max_tokens) * self.kv_bytes_per_token
+        if self.paged:  # whole blocks
+            block = self.cache.block_size
+            need = -(-(n_prompt + max_tokens) // block) * block * self.kv_bytes_per_token
         if self.kv_memory is not None and need > self.kv_memory:
             raise RequestError(f"prompt of {n_prompt} tokens plus max_tokens {max_tokens} needs {need} bytes of KV "
                                f"cache, more than the server's budget of {self.kv_memory}")
@@ -107,8 +122,14 @@ class Scheduler:
 
     def stats(self) -> dict:
         with self.cv:
-            return dict(running=len(self.running), waiting=len(self.waiting), slots_in_use=self.cache.in_use,
-                        kv_bytes=self.cache.nbytes(), passes=self.passes)
+            st = dict(running=len(self.running), waiting=len(self.waiting), slots_in_use=self.cache.in_use,
+                      kv_bytes=self.cache.nbytes(), passes=self.passes)
+            if self.paged:
+                c = self.cache
+                st.update(blocks_used=c.blocks_used, blocks_cached=c.blocks_cached,
+                          blocks_free=(c.max_blocks or c.n_blocks) - c.blocks_used - c.blocks_cached,
+                          prefix_hit_tokens=c.hits)
+            return st
 
     def close(self, timeout: float = 10.0) -> None:
         with self.cv:
@@ -118,8 +139,12 @@ class Scheduler:
 
     # -- the worker ----------------------------------------------------------------------------
     def _fits(self, req: Request) -> bool:
+        """Whether the cache can hold every running request at its longest, and this one too."""
         if self.kv_memory is None:
             return True
+        if self.paged:  # blocks (cached prefixes can be evicted, so they count as free)
+            need = lambda r: -(-(len(r.prompt) + r.max_tokens) // self.cache.block_size)  # noqa: E731
+            return sum(need(r) for r in self.running) + need(req) <= self.cache.max_blocks
         longest = max([len(r.prompt) + r.max_tokens for r in self.running] + [len(req.prompt) + req.max_tokens])
         return (len(self.running) + 1) * longest * self.kv_bytes_per_token <= self.kv_memory
 
@@ -135,6 +160,8 @@ class Scheduler:
             slot = self.cache.alloc()
             self.cache.expect(slot, len(req.prompt) + 1)
             req.seq = _Sequence(self.engine, req.prompt, req.params, req.max_tokens, req.stop, slot, req.submitted)
+            if self.paged:  # the prompt's cached prefix is not prefilled again
+                req.cached_tokens = req.seq.cached = self.cache.match_prefix(slot, req.prompt)
             self.running.append(req)
 
     def _end(self, req: Request, reason: str) -> None:
@@ -142,7 +169,7 @@ class Scheduler:
         s = req.seq
         if s.finish is None:
             s.finish = reason
-            self.cache.release(s.slot)
+            self.cache.release(s.slot, (s.prompt + s.out)[:s.cached])
         self.running.remove(req)
         self._deliver(req, FinishEvent(reason, None, None))
 

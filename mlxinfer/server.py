@@ -6,7 +6,7 @@ sse-starlette, metrics through prometheus_client) over the continuous-batching s
     GET  /v1/models              the one model served
     GET  /health                 {"status": "ok"} while the scheduler runs, 503 otherwise
     GET  /metrics                Prometheus text: requests running/queued, tokens, TTFT and inter-token
-                                 latency histograms, KV slots and bytes
+                                 latency histograms, KV slots, bytes and blocks, prefix-cache hits
 
 Options per request: max_tokens (default 16, as OpenAI's completions), temperature (default 1.0, as
 OpenAI), top_p, seed, stop (text or list), n (only 1), logprobs (the chosen tokens' log-probabilities;
@@ -138,7 +138,8 @@ def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, k
     m_running = Gauge("mlxinfer_requests_running", "Requests in the running batch", registry=registry)
     m_waiting = Gauge("mlxinfer_requests_waiting", "Requests queued for the batch", registry=registry)
     m_requests = Counter("mlxinfer_requests", "Requests finished, by finish reason", ["reason"], registry=registry)
-    m_prompt = Counter("mlxinfer_prompt_tokens", "Prompt tokens prefilled", registry=registry)
+    m_prompt = Counter("mlxinfer_prompt_tokens", "Prompt tokens prefilled (not from the prefix cache)",
+                       registry=registry)
     m_cached = Counter("mlxinfer_prompt_tokens_cached", "Prompt tokens served from the prefix cache",
                        registry=registry)
     m_generated = Counter("mlxinfer_generation_tokens", "Tokens generated (rate() gives tokens/s)",
@@ -150,6 +151,8 @@ def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, k
     m_slots = Gauge("mlxinfer_kv_slots_used", "KV cache slots held by running requests", registry=registry)
     m_slots_free = Gauge("mlxinfer_kv_slots_free", "KV cache slots free (max_batch - used)", registry=registry)
     m_kv_bytes = Gauge("mlxinfer_kv_cache_bytes", "Bytes the KV cache holds", registry=registry)
+    m_blocks = Gauge("mlxinfer_kv_blocks", "KV cache blocks (paged cache), by state: used by running requests, "
+                     "cached for prefix reuse (evictable), free", ["state"], registry=registry)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -225,21 +228,22 @@ def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, k
             raise ApiError(400, str(e), param="prompt" if not isinstance(prompt, list) or not prompt
                            or not isinstance(prompt[0], dict) else "messages") from None
 
-    def record(ev: FinishEvent, prompt_tokens: int):
+    def record(ev: FinishEvent, req, prompt_tokens: int):
         m_requests.labels(ev.finish_reason).inc()
         if ev.metrics is None:
             return
-        m_prompt.inc(prompt_tokens)
+        m_prompt.inc(prompt_tokens - req.cached_tokens)
+        m_cached.inc(req.cached_tokens)
         m_generated.inc(ev.metrics.generated_tokens)
         if ev.metrics.time_to_first_token_ms:
             m_ttft.observe(ev.metrics.time_to_first_token_ms / 1000)
         for iv in ev.metrics.token_intervals_ms:
             m_itl.observe(iv / 1000)
 
-    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage(req, prompt_tokens: int, completion_tokens: int) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": 0}}
+                "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}
 
     async def run(request: Request, body, prompt_ids, chat: bool, want_logprobs: bool):
         """Submit and answer: one JSON response, or an SSE stream of chunks."""
@@ -279,7 +283,7 @@ def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, k
                     while True:
                         ev = await queue.get()
                         if isinstance(ev, FinishEvent):
-                            record(ev, len(prompt_ids))
+                            record(ev, req, len(prompt_ids))
                             if ev.finish_reason not in ("stop", "length"):
                                 yield {"data": json.dumps({"error": {"message": f"request ended: {ev.finish_reason}",
                                                                      "type": "server_error", "param": None,
@@ -288,7 +292,7 @@ def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, k
                             yield {"data": json.dumps(chunk(ev.text, reason=ev.finish_reason, first=first))}
                             if include_usage:
                                 c = chunk("")
-                                c["choices"], c["usage"] = [], usage(len(prompt_ids), n_tokens)
+                                c["choices"], c["usage"] = [], usage(req, len(prompt_ids), n_tokens)
                                 yield {"data": json.dumps(c)}
                             yield {"data": "[DONE]"}
                             return
@@ -316,7 +320,7 @@ def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, k
                 logprobs.append(ev.logprob)
         finally:
             sched.cancel(req)
-        record(ev, len(prompt_ids))
+        record(ev, req, len(prompt_ids))
         if ev.finish_reason not in ("stop", "length"):
             raise ApiError(503, f"request ended: {ev.finish_reason}", "server_error")
         text.append(ev.text)
@@ -333,7 +337,7 @@ def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, k
         else:
             choice = {"index": 0, "text": out, "logprobs": lp, "finish_reason": ev.finish_reason}
         return {"id": rid, "object": obj, "created": int(time.time()), "model": model_id, "choices": [choice],
-                "usage": usage(len(prompt_ids), len(tokens))}
+                "usage": usage(req, len(prompt_ids), len(tokens))}
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
@@ -373,9 +377,11 @@ def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, k
             m_slots.set(st["slots_in_use"])
             m_slots_free.set(max_batch - st["slots_in_use"])
             m_kv_bytes.set(st["kv_bytes"])
+            for state in ("used", "cached", "free"):
+                if f"blocks_{state}" in st:
+                    m_blocks.labels(state).set(st[f"blocks_{state}"])
         return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
 
-    _ = m_cached  # no prefix cache yet: stays 0 (see README)
     return app
 
 

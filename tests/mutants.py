@@ -32,6 +32,7 @@ T_CHAT = "tests/test_chat_template.py"
 T_CLI = "tests/test_cli.py"
 T_TR = "tests/test_tracing.py"
 T_KER = "tests/test_kernels.py"
+T_SRV = "tests/test_server.py"
 
 CPU = "mlxinfer/backends/cpu.py"
 MLX = "mlxinfer/backends/mlx.py"
@@ -48,6 +49,8 @@ LAYERS = "mlxinfer/models/layers.py"
 QWEN = "mlxinfer/models/qwen3.py"
 LLAMA = "mlxinfer/models/llama.py"
 KERN = "mlxinfer/kernels.py"
+SCHED = "mlxinfer/scheduler.py"
+SERVER = "mlxinfer/server.py"
 
 ONLINE_SOFTMAX = '''
 
@@ -387,6 +390,26 @@ M = [
      [("                pieces.append(tokens[row:row + 1])",
        "                pieces.append(ops.index_array(s.out[-1:]) if s.out else tokens[row:row + 1])")],
      [T_MLX, T_MOD], "engine: next decode input from the tokens read so far (two passes old when pipelined)"),
+    # -- the server and its scheduler ---------------------------------------------------------------
+    ("srv-cancel-keeps-slot", "server", SCHED,
+     [("            s.finish = reason\n            self.cache.release(s.slot)", "            s.finish = reason")],
+     [T_SRV], "scheduler: a cancelled request's KV slot is never released"),
+    ("srv-waiting-cancel-stays", "server", SCHED,
+     [("            if req in self.waiting:\n                self.waiting.remove(req)", "            if False:")],
+     [T_SRV], "scheduler: a cancelled waiting request stays in the queue"),
+    ("srv-queue-unbounded", "server", SCHED,
+     [("if len(self.waiting) >= self.max_queue:", "if False:")],
+     [T_SRV], "scheduler: max_queue not enforced"),
+    ("srv-drops-top-p", "server", SERVER,
+     [("top_p=float(body.top_p)", "top_p=1.0")],
+     [T_SRV], "server drops top_p"),
+    ("srv-drops-stop", "server", SERVER,
+     [("stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])", "stop = []")],
+     [T_SRV], "server drops stop strings"),
+    ("srv-no-body-limit", "server", SERVER,
+     [("if len(body) > self.limit:", "if False:"),
+      ("if length is not None and (not length.isdigit() or int(length) > self.limit):", "if False:")],
+     [T_SRV], "server: no request body size limit"),
     ("kernel-dot-butterfly-order", "kernels", KERN,
      [("return _butterfly(partial, (16, 8, 4, 2, 1))", "return _butterfly(partial, (1, 2, 4, 8, 16))")],
      [T_KER], "published_dot: butterfly in the other order"),

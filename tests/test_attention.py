@@ -22,6 +22,13 @@ def test_cpu_fused_attention_on_the_basic_cache(case):
     assert_matches_default(CPUBackend(), case, kv="basic")
 
 
+@settings(max_examples=25, deadline=None)
+@given(attention_inputs(max_seq=300))
+def test_cpu_fused_attention_on_the_paged_cache(case):
+    """Over pages: the override and the reference read the same rows gathered from the blocks."""
+    assert_matches_default(CPUBackend(), case, kv="paged")
+
+
 def naive_attention(case):
     """float64 textbook attention, causal with an optional window, sequence by sequence."""
     sp = case.spec

@@ -135,7 +135,7 @@ def test_prompt_longer_than_context(tmp_path):
 @pytest.mark.parametrize("args,fragment", [
     (["--backend", "tpu"], "invalid choice: 'tpu'"),
     (["--attention", "flash"], "invalid choice: 'flash'"),
-    (["--kv", "paged"], "invalid choice: 'paged'"),
+    (["--kv", "pages"], "invalid choice: 'pages'"),
     (["--backend", "cpu", "--prefill-chunk", "0"], "prefill chunk must be a positive integer, got 0"),
     (["--backend", "cpu", "--stop", ""], "stop string must be non-empty"),
     (["--backend", "cpu", "--min-p", "3"], "min_p must be in [0, 1]"),

@@ -188,8 +188,8 @@ def test_request_errors(engine):
     for chunk in (0, -3, 2.5):
         with pytest.raises(RequestError, match="prefill chunk must be a positive integer"):
             mlxinfer.Engine(engine.path, engine.backend, prefill_chunk=chunk)
-    with pytest.raises(RequestError, match="unknown KV cache 'paged'"):
-        mlxinfer.Engine(engine.path, engine.backend, kv="paged")
+    with pytest.raises(RequestError, match="unknown KV cache 'pages'"):
+        mlxinfer.Engine(engine.path, engine.backend, kv="pages")
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
@@ -210,6 +210,56 @@ def test_basic_and_prealloc_caches_give_identical_logits(path):
     b = basic.generate_batch([ids[:9], ids[:30]], max_tokens=12)
     assert [g.token_ids for g in a] == [g.token_ids for g in b]
     assert [g.logprobs for g in a] == [g.logprobs for g in b]
+
+
+def test_paged_cache_gives_the_logits_of_the_prealloc_cache(path):
+    ids = list(range(5, 60))
+    pre = mlxinfer.load(path, backend="cpu", kv="prealloc", prefill_chunk=16)
+    paged = mlxinfer.load(path, backend="cpu", kv="paged", prefill_chunk=16)
+    assert np.array_equal(pre.logits(ids).view(np.uint32), paged.logits(ids).view(np.uint32))
+    a = pre.generate_batch([ids[:9], ids[:30], ids[:17]], max_tokens=40)
+    b = paged.generate_batch([ids[:9], ids[:30], ids[:17]], max_tokens=40)
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    assert [g.logprobs for g in a] == [g.logprobs for g in b]
+
+
+def test_paged_cache_reuses_a_finished_prefix_and_evicts_least_recently_used(engine):
+    from mlxinfer.kv_cache import PagedKVCache
+
+    ops, a = engine.backend, engine.args
+    cache = PagedKVCache(ops, a.n_layers, a.n_kv_heads * a.head_dim, block_size=4, max_blocks=6)
+    prompt = list(range(20, 31))  # 11 tokens: two full blocks of 4, and 3 in a third
+    slot = cache.alloc()
+    batch = Batch(ops, [slot], [0], [len(prompt)])
+    cache.reserve(batch)
+    assert cache.blocks_used == 3
+    for layer in range(a.n_layers):
+        rows = np.full((len(prompt), cache.width), layer, np.float32) + np.arange(len(prompt), dtype=np.float32)[:, None]
+        cache.update(ops, layer, rows, -rows, batch)
+    first_blocks = list(cache.tables[slot])
+    cache.release(slot, prompt)
+    assert (cache.blocks_used, cache.blocks_cached) == (0, 2)  # the partial third block is freed
+    other = cache.alloc()
+    assert cache.match_prefix(other, prompt[:8] + [99]) == 8 and cache.tables[other] == first_blocks[:2]
+    rows = [cache.tables[other][p // 4] * 4 + p % 4 for p in range(8)]  # what a pass's gather reads
+    k, v = cache.keys[0].reshape(-1, cache.width)[rows], cache.values[0].reshape(-1, cache.width)[rows]
+    assert np.array_equal(k[:, 0], np.arange(8, dtype=np.float32)) and np.array_equal(v, -k)
+    cache.release(other)
+    third = cache.alloc()
+    assert cache.match_prefix(third, prompt[:8]) == 4  # one token always left to prefill
+    cache.release(third)
+    fresh = cache.alloc()
+    assert cache.match_prefix(fresh, [0, 1, 2, 3, 4]) == 0  # another prefix: nothing to reuse
+    # fill the pool: the cached blocks are evicted, least recently used first, then the pool is full
+    cache.reserve(Batch(ops, [fresh], [0], [16]))
+    assert cache.blocks_used == 4 and cache.blocks_cached == 2
+    s3 = cache.alloc()
+    cache.reserve(Batch(ops, [s3], [0], [4]))  # one block: the least recently used cached one goes
+    assert list(cache.lru) == [first_blocks[0]]  # block 0 was matched last (by `third`)
+    cache.reserve(Batch(ops, [s3], [4], [4]))
+    assert cache.blocks_cached == 0 and cache.blocks_used == 6
+    with pytest.raises(RequestError, match="KV cache full"):
+        cache.reserve(Batch(ops, [s3], [8], [1]))
 
 
 def test_generate_batch_equals_each_prompt_alone(engine, monkeypatch):

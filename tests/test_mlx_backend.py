@@ -121,6 +121,13 @@ def test_fused_attention_override_on_the_basic_cache(make, case):
 
 
 @pytest.mark.parametrize("make", OVERRIDES)
+@settings(max_examples=max(5, EXAMPLES // 4), deadline=None)
+@given(case=attention_inputs(max_seq=300))
+def test_fused_attention_override_on_the_paged_cache(make, case):
+    assert_matches_default(make(), case, kv="paged")
+
+
+@pytest.mark.parametrize("make", OVERRIDES)
 @pytest.mark.parametrize("rows,kv,group,d,window", [
     ([(5, 5)], 1, 2, 32, None), ([(3, 20), (1, 9), (4, 4)], 3, 3, 64, None), ([(6, 40), (1, 30)], 2, 2, 32, 7),
     ([(1, 50)], 1, 2, 16, 5)])

@@ -53,7 +53,8 @@ class Served:
         deadline = time.monotonic() + timeout
         while True:
             st = self.scheduler.stats()
-            if (st["running"], st["waiting"], st["slots_in_use"]) == (0, 0, 0) or time.monotonic() > deadline:
+            if (st["running"], st["waiting"], st["slots_in_use"], st.get("blocks_used", 0)) == (0, 0, 0, 0) \
+                    or time.monotonic() > deadline:
                 return st
             time.sleep(0.02)
 
@@ -67,7 +68,7 @@ def engine(tmp_path_factory):
     from mlxinfer.synthetic import write_synthetic_model
 
     path = write_synthetic_model(tmp_path_factory.mktemp("srv") / MODEL, **SHAPE)
-    return mlxinfer.load(path, backend="cpu")
+    return mlxinfer.load(path, backend="cpu", kv="paged")  # the server's default cache
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def no_leak(request):
     if "served" in request.fixturenames:
         served = request.getfixturevalue("served")
         st = served.idle()
-        assert (st["running"], st["waiting"], st["slots_in_use"], st["kv_bytes"]) == (0, 0, 0, 0), st
+        assert (st["running"], st["waiting"], st["slots_in_use"], st["blocks_used"]) == (0, 0, 0, 0), st
 
 
 def test_completion_equals_the_engines_own(served, engine):
@@ -184,6 +185,27 @@ def slow_passes(engine, monkeypatch):
         return launch(*args)
 
     monkeypatch.setattr(engine, "_launch", slow)
+
+
+def test_prefix_reuse_skips_the_cached_prompt_blocks(served, engine):
+    """A second chat with the same long system prompt takes the first one's full blocks: fewer tokens
+    prefilled, `cached_tokens` says how many, and the same text."""
+    system = {"role": "system", "content": " ".join(f"rule {i}: be exact." for i in range(5))}
+    messages = [system, {"role": "user", "content": "hello there"}]
+    n_prompt = len(engine.encode_prompt(messages))
+    hits = served.scheduler.stats()["prefix_hit_tokens"]
+    first = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    again = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    other = served.client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "bye"}],
+                                                  max_tokens=8, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == (n_prompt - 1) // 16 * 16 and cached >= 48  # whole blocks, one prompt token left to prefill
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert other.usage.prompt_tokens_details.cached_tokens >= 32  # the shared system prompt's blocks
+    assert served.scheduler.stats()["prefix_hit_tokens"] - hits == cached + other.usage.prompt_tokens_details.cached_tokens
+    metrics = httpx.get(served.url + "/metrics").text
+    assert 'mlxinfer_kv_blocks{state="cached"}' in metrics and "mlxinfer_prompt_tokens_cached_total" in metrics
 
 
 def test_cancel_mid_stream_frees_the_slot(served, slow_passes):
