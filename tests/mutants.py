@@ -50,6 +50,7 @@ QWEN = "mlxinfer/models/qwen3.py"
 LLAMA = "mlxinfer/models/llama.py"
 KERN = "mlxinfer/kernels.py"
 SCHED = "mlxinfer/scheduler.py"
+KVF = "mlxinfer/kv_cache.py"
 SERVER = "mlxinfer/server.py"
 
 ONLINE_SOFTMAX = '''
@@ -392,7 +393,8 @@ M = [
      [T_MLX, T_MOD], "engine: next decode input from the tokens read so far (two passes old when pipelined)"),
     # -- the server and its scheduler ---------------------------------------------------------------
     ("srv-cancel-keeps-slot", "server", SCHED,
-     [("            s.finish = reason\n            self.cache.release(s.slot)", "            s.finish = reason")],
+     [("            s.finish = reason\n            self.cache.release(s.slot, (s.prompt + s.out)[:s.cached])",
+       "            s.finish = reason")],
      [T_SRV], "scheduler: a cancelled request's KV slot is never released"),
     ("srv-waiting-cancel-stays", "server", SCHED,
      [("            if req in self.waiting:\n                self.waiting.remove(req)", "            if False:")],
@@ -410,6 +412,21 @@ M = [
      [("if len(body) > self.limit:", "if False:"),
       ("if length is not None and (not length.isdigit() or int(length) > self.limit):", "if False:")],
      [T_SRV], "server: no request body size limit"),
+    ("paged-hash-not-chained", "positions/KV", KVF,
+     [("h = hash((h, tuple(tokens[i * b:(i + 1) * b])))", "h = hash((0, tuple(tokens[i * b:(i + 1) * b])))")],
+     [T_GEN, T_SRV], "paged cache: a block's hash ignores the tokens before it (reused after another prefix)"),
+    ("paged-match-whole-prompt", "positions/KV", KVF,
+     [("for h in self._hashes(list(prompt)[:len(prompt) - 1]):", "for h in self._hashes(list(prompt)):")],
+     [T_GEN, T_SRV], "paged cache: a prompt made of cached blocks leaves no token to prefill"),
+    ("paged-evict-most-recent", "positions/KV", KVF,
+     [("block = next(iter(self.lru))", "block = next(reversed(self.lru))")],
+     [T_GEN], "paged cache: evicts the most recently used cached block"),
+    ("paged-write-wrong-offset", "positions/KV", KVF,
+     [("offsets += [p % bs for p in range(start, start + n)]", "offsets += [(p + 1) % bs for p in range(start, start + n)]")],
+     [T_GEN, T_ATT], "paged cache: rows written one offset late within their block"),
+    ("srv-prefix-not-used", "server", SCHED,
+     [("req.cached_tokens = req.seq.cached = self.cache.match_prefix(slot, req.prompt)", "pass")],
+     [T_SRV], "scheduler never reuses cached prefixes"),
     ("kernel-dot-butterfly-order", "kernels", KERN,
      [("return _butterfly(partial, (16, 8, 4, 2, 1))", "return _butterfly(partial, (1, 2, 4, 8, 16))")],
      [T_KER], "published_dot: butterfly in the other order"),

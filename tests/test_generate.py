@@ -250,6 +250,9 @@ def test_paged_cache_reuses_a_finished_prefix_and_evicts_least_recently_used(eng
     cache.release(third)
     fresh = cache.alloc()
     assert cache.match_prefix(fresh, [0, 1, 2, 3, 4]) == 0  # another prefix: nothing to reuse
+    cache.release(fresh)
+    fresh = cache.alloc()  # the prompt's second block at the start: other keys (positions, context)
+    assert cache.match_prefix(fresh, prompt[4:8] + [0, 1, 2, 3, 4]) == 0
     # fill the pool: the cached blocks are evicted, least recently used first, then the pool is full
     cache.reserve(Batch(ops, [fresh], [0], [16]))
     assert cache.blocks_used == 4 and cache.blocks_cached == 2
