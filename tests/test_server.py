@@ -63,12 +63,14 @@ class Served:
         self.thread.join(20)
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+@pytest.fixture(scope="module", params=["cpu", "mlx"])
+def engine(request, tmp_path_factory):
+    """Every server test on both backends: the numpy reference, and MLX (here its CPU device), whose
+    passes are pipelined (the next one queued before the current one's tokens are read)."""
     from mlxinfer.synthetic import write_synthetic_model
 
     path = write_synthetic_model(tmp_path_factory.mktemp("srv") / MODEL, **SHAPE)
-    return mlxinfer.load(path, backend="cpu", kv="paged")  # the server's default cache
+    return mlxinfer.load(path, backend=request.param, kv="paged")  # the server's default cache
 
 
 @pytest.fixture(scope="module")
