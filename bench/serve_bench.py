@@ -71,6 +71,7 @@ async def level(url, model_id, concurrency, n_requests, prompt, max_tokens, time
     itl = [x for r in results for x in r["intervals"]]
     tokens = sum(r["tokens"] for r in results)
     return dict(concurrency=concurrency, requests=len(results), completion_tokens=tokens, wall_s=wall,
+                ttft_ms_each=[round(1000 * t, 1) for t in ttft],
                 tokens_per_second=tokens / wall, ttft_p50_ms=1000 * percentile(ttft, 50),
                 ttft_p99_ms=1000 * percentile(ttft, 99), itl_p50_ms=1000 * percentile(itl, 50) if itl else None,
                 itl_p99_ms=1000 * percentile(itl, 99) if itl else None)
@@ -78,7 +79,7 @@ async def level(url, model_id, concurrency, n_requests, prompt, max_tokens, time
 
 def start_server(args, port):
     cmd = [sys.executable, "-m", "mlxinfer", "serve", "--port", str(port), "--backend", args.backend,
-           "--max-batch", str(args.max_batch), "--max-queue", str(max(64, args.requests))]
+           "--max-batch", str(args.max_batch), "--max-queue", str(max(64, args.requests)), "--kv", args.kv]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -107,6 +108,7 @@ def main(argv=None):
     p.add_argument("--model", default=None, help="GGUF for the server this bench starts (default: the default model)")
     p.add_argument("--backend", default="cpu", help="backend of the server this bench starts (default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=32, help="its --max-batch (default: %(default)s)")
+    p.add_argument("--kv", default="paged", help="its --kv cache (default: %(default)s)")
     p.add_argument("--port", type=int, default=8791, help="its port (default: %(default)s)")
     p.add_argument("--concurrency", default="1,8,32", help="concurrent clients per level (default: %(default)s)")
     p.add_argument("--requests", type=int, default=32, help="requests per level (default: %(default)s)")
@@ -118,7 +120,7 @@ def main(argv=None):
     proc = None
     if args.url is None:
         proc, model_id = start_server(args, args.port)
-        url, engine = f"http://127.0.0.1:{args.port}/v1", f"mlxinfer {args.backend}"
+        url, engine = f"http://127.0.0.1:{args.port}/v1", f"mlxinfer {args.backend} ({args.kv})"
     else:
         import httpx
 
