@@ -192,7 +192,7 @@ class BasicKVCache(_Slots):
 class PagedLayer:
     def __init__(self, keys, values, cache, batch):
         self.keys, self.values, self.cache, self.batch = keys, values, cache, batch
-        self.store = None  # kernels go sequence by sequence, on the gathered rows
+        self.store = None  # no tensor in [slot, position] layout: kernels gather (`batch_rows`)
 
     def sequence(self, ops, b: int):
         rows = self.cache.pass_rows(ops, self.batch)[b]
@@ -339,14 +339,25 @@ class PagedKVCache(_Slots):
                 blocks += [table[p // bs] for p in range(start, start + n)]
                 offsets += [p % bs for p in range(start, start + n)]
                 rows.append(ops.index_array([table[p // bs] * bs + p % bs for p in range(total)]))
-            self._rows = (batch, (ops.index_array(blocks), ops.index_array(offsets), rows))
+            s_max = max(batch.kv_lens)
+            padded = [table_row for total, slot in zip(batch.kv_lens, batch.slots)
+                      for table_row in [self.tables[slot][p // bs] * bs + p % bs for p in range(total)]
+                      + [0] * (s_max - total)]  # past a sequence's length: any row (never read)
+            row_seq = [b for b, n in enumerate(batch.lengths) for _ in range(n)]
+            self._rows = (batch, (ops.index_array(blocks), ops.index_array(offsets), rows,
+                                  ops.index_array(padded), ops.index_array(row_seq), s_max))
         return self._rows[1]
+
+    def batch_rows(self, ops, batch):
+        """For kernels that take the whole batch at once: (pool rows of every sequence's positions
+        0..S_max-1, padded, [B * S_max]; each query row's sequence index [N]; S_max)."""
+        return self._index(ops, batch)[3:]
 
     def pass_rows(self, ops, batch) -> list:
         return self._index(ops, batch)[2]
 
     def update(self, ops, layer: int, k, v, batch) -> PagedLayer:
-        blocks, offsets, _ = self._index(ops, batch)
+        blocks, offsets = self._index(ops, batch)[:2]
         self.keys[layer] = ops.scatter_rows(self.keys[layer], blocks, offsets, k)
         self.values[layer] = ops.scatter_rows(self.values[layer], blocks, offsets, v)
         return PagedLayer(self.keys[layer], self.values[layer], self, batch)

@@ -370,6 +370,13 @@ class MLXBackend(Backend):
             keys, values = kv.store
             return kernels.fused_attention(self.kernel, q, keys, values, batch.row_slots, batch.positions,
                                            batch.row_lens, spec)
+        if hasattr(kv, "cache") and hasattr(kv.cache, "batch_rows"):  # paged: one gather, one launch
+            rows, row_seq, s_max = kv.cache.batch_rows(self, batch)
+            n, w = kv.keys.shape[0] * kv.keys.shape[1], kv.keys.shape[2]
+            keys = kv.keys.reshape(n, w)[rows].reshape(len(batch), s_max, w)
+            values = kv.values.reshape(n, w)[rows].reshape(len(batch), s_max, w)
+            return kernels.fused_attention(self.kernel, q, keys, values, row_seq, batch.positions,
+                                           batch.row_lens, spec)
         outs = []  # a cache with no single store (basic): one launch per sequence, its K/V as slot 0
         for b, (r0, r1) in enumerate(batch.rows):
             k, v = kv.sequence(self, b)
