@@ -34,7 +34,7 @@ def percentile(values, p):
 
 async def one_request(client, model_id, prompt, max_tokens):
     t0 = time.perf_counter()
-    first, last, intervals, tokens = None, None, [], 0
+    first, last, intervals, tokens, chunks = None, None, [], None, 0
     stream = await client.chat.completions.create(
         model=model_id, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
         stream=True, stream_options={"include_usage": True})
@@ -42,13 +42,16 @@ async def one_request(client, model_id, prompt, max_tokens):
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
         if chunk.choices and chunk.choices[0].delta.content:
+            chunks += 1
             now = time.perf_counter()
             if first is None:
                 first = now
             else:
                 intervals.append(now - last)
             last = now
-    return dict(ttft=None if first is None else first - t0, intervals=intervals, tokens=tokens)
+    # a server that sends no usage when streaming (llama-cpp-python's): one content chunk per token
+    return dict(ttft=None if first is None else first - t0, intervals=intervals,
+                tokens=chunks if tokens is None else tokens, counted=tokens is None)
 
 
 async def level(url, model_id, concurrency, n_requests, prompt, max_tokens, timeout):
@@ -70,9 +73,10 @@ async def level(url, model_id, concurrency, n_requests, prompt, max_tokens, time
     ttft = [r["ttft"] for r in results if r["ttft"] is not None]
     itl = [x for r in results for x in r["intervals"]]
     tokens = sum(r["tokens"] for r in results)
+    counted = any(r["counted"] for r in results)
     return dict(concurrency=concurrency, requests=len(results), completion_tokens=tokens, wall_s=wall,
                 ttft_ms_each=[round(1000 * t, 1) for t in ttft],
-                tokens_per_second=tokens / wall, ttft_p50_ms=1000 * percentile(ttft, 50),
+                tokens_per_second=tokens / wall, tokens_from="content chunks" if counted else "usage", ttft_p50_ms=1000 * percentile(ttft, 50),
                 ttft_p99_ms=1000 * percentile(ttft, 99), itl_p50_ms=1000 * percentile(itl, 50) if itl else None,
                 itl_p99_ms=1000 * percentile(itl, 99) if itl else None)
 
