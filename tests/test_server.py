@@ -368,3 +368,14 @@ def test_cli_serve_answers(tmp_path, engine):
         proc.terminate()
         proc.wait(20)
     assert proc.returncode in (0, -15) and "Traceback" not in proc.stderr.read()
+
+
+def test_a_stopped_scheduler_gives_503(engine):
+    s = Served(engine)
+    try:
+        s.scheduler.close()
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": LONG, "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and "error" in r.json()
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 503
+    finally:
+        s.stop()
