@@ -15,7 +15,7 @@ import os
 # a value already in the environment wins.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "12")
 
-from .errors import GGUFError  # noqa: E402, MlxinferError, RequestError, UnsupportedError
+from .errors import GGUFError, MlxinferError, RequestError, UnsupportedError  # noqa: E402
 from .generate import Engine, Generation, load  # noqa: E402
 from .tokenizer import GGUFTokenizer, load_tokenizer  # noqa: E402
 

@@ -272,3 +272,12 @@ def test_chat_loop_keeps_history_and_survives_ctrl_c(tmp_path):
     assert [m["role"] for m in seen[1]] == ["system", "user", "assistant", "user"]  # history kept
     assert seen[1][2]["content"] == "".join(writes[:2])  # with what had been said before Ctrl-C
     assert [m["role"] for m in seen[2]] == ["system", "user"]  # after /reset
+
+
+def test_the_package_exports_what_it_lists():
+    """`mlxinfer.MlxinferError` and the rest of `__all__` are reachable from the package (the README's
+    API promises them)."""
+    import mlxinfer
+
+    assert [name for name in mlxinfer.__all__ if not hasattr(mlxinfer, name)] == []
+    assert issubclass(mlxinfer.RequestError, mlxinfer.MlxinferError)
