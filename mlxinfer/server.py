@@ -203,7 +203,6 @@ def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, k
                            "not_found_error", "model", "model_not_found")
 
     def submit(body: Options, prompt_ids: list[int], loop, queue: asyncio.Queue):
-        check_model(body.model)
         if body.n != 1:
             raise ApiError(400, f"n must be 1, got {body.n}", param="n")
         max_tokens = body.max_completion_tokens or body.max_tokens or 16
@@ -253,20 +252,21 @@ def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, k
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if chat else "text_completion"
 
-        def piece(text: str, token, logprob):
-            lp = None
-            if want_logprobs and token is not None:
-                tok = engine.tokenizer.decode([token])
-                lp = ({"content": [{"token": tok, "logprob": logprob, "bytes": list(tok.encode("utf-8")),
-                                    "top_logprobs": []}]} if chat else
-                      {"tokens": [tok], "token_logprobs": [logprob], "top_logprobs": None, "text_offset": []})
-            return lp
+        def logprobs_of(token_ids, logprobs):
+            """OpenAI's logprobs object of some generated tokens (chat or completions shape)."""
+            if not want_logprobs:
+                return None
+            toks = [engine.tokenizer.decode([t]) for t in token_ids]
+            if chat:
+                return {"content": [{"token": t, "logprob": p, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+                                    for t, p in zip(toks, logprobs)]}
+            return {"tokens": toks, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": []}
 
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
 
             def chunk(delta_text, token=None, logprob=None, reason=None, first=False):
-                lp = piece(delta_text, token, logprob)
+                lp = None if token is None else logprobs_of([token], [logprob])
                 if chat:
                     delta = ({"role": "assistant", "content": delta_text} if first else
                              ({"content": delta_text} if reason is None or delta_text else {}))
@@ -325,12 +325,7 @@ def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, k
             raise ApiError(503, f"request ended: {ev.finish_reason}", "server_error")
         text.append(ev.text)
         out = "".join(text)
-        lp = None
-        if want_logprobs:
-            toks = [engine.tokenizer.decode([t]) for t in tokens]
-            lp = ({"content": [{"token": t, "logprob": p, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-                               for t, p in zip(toks, logprobs)]} if chat else
-                  {"tokens": toks, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": []})
+        lp = logprobs_of(tokens, logprobs)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": lp,
                       "finish_reason": ev.finish_reason}
