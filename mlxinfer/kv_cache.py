@@ -194,6 +194,10 @@ class PagedLayer:
         self.keys, self.values, self.cache, self.batch = keys, values, cache, batch
         self.store = None  # no tensor in [slot, position] layout: kernels gather (`batch_rows`)
 
+    def batch_rows(self, ops):
+        """The pass's (padded pool rows, row -> sequence index, S_max): see PagedKVCache.batch_rows."""
+        return self.cache.batch_rows(ops, self.batch)
+
     def sequence(self, ops, b: int):
         rows = self.cache.pass_rows(ops, self.batch)[b]
         n = self.keys.shape[0] * self.keys.shape[1]
@@ -328,36 +332,39 @@ class PagedKVCache(_Slots):
                 table.append(self._take())
             self.held[slot] = n
 
-    def _index(self, ops, batch):
+    def _index(self, ops, batch) -> dict:
         """Built once per pass: the pool (block, offset) each row of the pass is written to, and per
         sequence the pool rows (block * block_size + offset) of its positions 0..S-1."""
         if self._rows[0] is not batch:
             bs = self.block_size
-            blocks, offsets, rows = [], [], []
+            blocks, offsets, lists = [], [], []
             for slot, start, n, total in zip(batch.slots, batch.starts, batch.lengths, batch.kv_lens):
                 table = self.tables[slot]
                 blocks += [table[p // bs] for p in range(start, start + n)]
                 offsets += [p % bs for p in range(start, start + n)]
-                rows.append(ops.index_array([table[p // bs] * bs + p % bs for p in range(total)]))
-            s_max = max(batch.kv_lens)
-            padded = [table_row for total, slot in zip(batch.kv_lens, batch.slots)
-                      for table_row in [self.tables[slot][p // bs] * bs + p % bs for p in range(total)]
-                      + [0] * (s_max - total)]  # past a sequence's length: any row (never read)
-            row_seq = [b for b, n in enumerate(batch.lengths) for _ in range(n)]
-            self._rows = (batch, (ops.index_array(blocks), ops.index_array(offsets), rows,
-                                  ops.index_array(padded), ops.index_array(row_seq), s_max))
+                lists.append([table[p // bs] * bs + p % bs for p in range(total)])
+            self._rows = (batch, dict(blocks=ops.index_array(blocks), offsets=ops.index_array(offsets),
+                                      lists=lists, rows=[ops.index_array(r) for r in lists]))
         return self._rows[1]
 
     def batch_rows(self, ops, batch):
         """For kernels that take the whole batch at once: (pool rows of every sequence's positions
-        0..S_max-1, padded, [B * S_max]; each query row's sequence index [N]; S_max)."""
-        return self._index(ops, batch)[3:]
+        0..S_max-1, padded, [B * S_max]; each query row's sequence index [N]; S_max). Built on first
+        request in a pass."""
+        index = self._index(ops, batch)
+        if "padded" not in index:
+            s_max = max(batch.kv_lens)
+            padded = [r for rows in index["lists"] for r in rows + [0] * (s_max - len(rows))]  # past a
+            row_seq = [b for b, n in enumerate(batch.lengths) for _ in range(n)]  # length: never read
+            index.update(padded=(ops.index_array(padded), ops.index_array(row_seq), s_max))
+        return index["padded"]
 
     def pass_rows(self, ops, batch) -> list:
-        return self._index(ops, batch)[2]
+        return self._index(ops, batch)["rows"]
 
     def update(self, ops, layer: int, k, v, batch) -> PagedLayer:
-        blocks, offsets = self._index(ops, batch)[:2]
+        index = self._index(ops, batch)
+        blocks, offsets = index["blocks"], index["offsets"]
         self.keys[layer] = ops.scatter_rows(self.keys[layer], blocks, offsets, k)
         self.values[layer] = ops.scatter_rows(self.values[layer], blocks, offsets, v)
         return PagedLayer(self.keys[layer], self.values[layer], self, batch)

@@ -370,8 +370,8 @@ class MLXBackend(Backend):
             keys, values = kv.store
             return kernels.fused_attention(self.kernel, q, keys, values, batch.row_slots, batch.positions,
                                            batch.row_lens, spec)
-        if hasattr(kv, "cache") and hasattr(kv.cache, "batch_rows"):  # paged: one gather, one launch
-            rows, row_seq, s_max = kv.cache.batch_rows(self, batch)
+        if hasattr(kv, "batch_rows"):  # paged: the batch's rows gathered from the blocks, one launch
+            rows, row_seq, s_max = kv.batch_rows(self)
             n, w = kv.keys.shape[0] * kv.keys.shape[1], kv.keys.shape[2]
             keys = kv.keys.reshape(n, w)[rows].reshape(len(batch), s_max, w)
             values = kv.values.reshape(n, w)[rows].reshape(len(batch), s_max, w)
