@@ -129,7 +129,7 @@ def mutated_override(mutation):
                 else:
                     sc = np.matmul(qh, kh.transpose(0, 1, 3, 2)) * np.float32(spec.scale)
                 if t > 1 or spec.window:
-                    cpu._mask(sc, batch.positions_of(self, i), spec.causal, spec.window)
+                    sc = self.mask_scores(sc, batch.positions_of(self, i), spec.causal, spec.window)
                 if mutation == "float64 softmax":
                     e = np.exp(sc.astype(np.float64) - sc.max(-1, keepdims=True))
                     attn = (e / e.sum(-1, keepdims=True)).astype(np.float32)

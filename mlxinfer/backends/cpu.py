@@ -89,13 +89,6 @@ def _add_biases(scores: np.ndarray, biases: list, q0: int = 0, q1: int | None = 
     return scores
 
 
-def _mask(scores: np.ndarray, positions: np.ndarray, causal: bool, window: int | None) -> np.ndarray:
-    """-inf where key j is hidden from the query at positions[i]; `scores` [..., T, S] is written in
-    place (as a bias added to the columns that can be hidden: one fast vector add, not a masked
-    store)."""
-    return _add_biases(scores, _mask_biases(positions, scores.shape[-1], causal, window))
-
-
 class CPUBackend(Backend):
     name = "cpu"
     device = "cpu"
