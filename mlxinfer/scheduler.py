@@ -89,10 +89,7 @@ class Scheduler:
     def check(self, n_prompt: int, max_tokens: int) -> None:
         """Raise RequestError where a request can never run (context, or the memory budget)."""
         self.engine._check_context(n_prompt, max_tokens)
-        need = (n_prompt + max_tokens) * self.kv_bytes_per_token
-        if self.paged:  # whole blocks
-            block = self.cache.block_size
-            need = -(-(n_prompt + max_tokens) // block) * block * self.kv_bytes_per_token
+        need = self._positions(n_prompt + max_tokens) * self.kv_bytes_per_token
         if self.kv_memory is not None and need > self.kv_memory:
             raise RequestError(f"prompt of {n_prompt} tokens plus max_tokens {max_tokens} needs {need} bytes of KV "
                                f"cache, more than the server's budget of {self.kv_memory}")
@@ -138,13 +135,19 @@ class Scheduler:
         self.thread.join(timeout)
 
     # -- the worker ----------------------------------------------------------------------------
+    def _positions(self, n_tokens: int) -> int:
+        """Cache positions a request of n_tokens holds at its longest: whole blocks on the paged cache."""
+        if not self.paged:
+            return n_tokens
+        return -(-n_tokens // self.cache.block_size) * self.cache.block_size
+
     def _fits(self, req: Request) -> bool:
         """Whether the cache can hold every running request at its longest, and this one too."""
         if self.kv_memory is None:
             return True
         if self.paged:  # blocks (cached prefixes can be evicted, so they count as free)
-            need = lambda r: -(-(len(r.prompt) + r.max_tokens) // self.cache.block_size)  # noqa: E731
-            return sum(need(r) for r in self.running) + need(req) <= self.cache.max_blocks
+            need = sum(self._positions(len(r.prompt) + r.max_tokens) for r in [*self.running, req])
+            return need // self.cache.block_size <= self.cache.max_blocks
         longest = max([len(r.prompt) + r.max_tokens for r in self.running] + [len(req.prompt) + req.max_tokens])
         return (len(self.running) + 1) * longest * self.kv_bytes_per_token <= self.kv_memory
 
