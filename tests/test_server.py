@@ -298,6 +298,10 @@ def test_kv_memory_budget(engine):
         assert ok.choices[0].finish_reason == "length"
         with pytest.raises(openai.BadRequestError, match="budget"):
             s.client.completions.create(model=MODEL, prompt=LONG, max_tokens=60)
+        # 33 positions fit 40 tokens' bytes but need 3 blocks of 16 where the budget holds 2: refused
+        # at once, not left waiting for room that never comes
+        with pytest.raises(openai.BadRequestError, match="budget"):
+            s.client.completions.create(model=MODEL, prompt=LONG, max_tokens=31)
     finally:
         s.stop()
 
