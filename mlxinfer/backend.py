@@ -46,6 +46,8 @@ PRIMITIVE_OPS = (
     "read_rows",
     "mask_scores",
     "sample_tokens",
+    "all_sum",
+    "all_gather_cols",
 )
 OPS = PRIMITIVE_OPS + ("fused_attention",)
 ATTENTION_PATHS = ("fused", "per-head")
@@ -254,6 +256,24 @@ class Backend:
         row's temperature, top-k, top-p, min-p and random state. Returns (token ids [R] int32,
         log-probabilities [R] float32 of the chosen tokens under the model's softmax)."""
         raise NotImplementedError
+
+    # -- collectives (tensor parallelism, `mlxinfer.distributed`) ------------------------------
+    def all_sum(self, x, group):
+        """The elementwise sum of `x` over the ranks of `group` (an mx.distributed group), on every rank.
+        Here through MLX for any backend; the MLX backend keeps it in its graph."""
+        import mlx.core as mx
+
+        return self.from_numpy(np.array(mx.distributed.all_sum(mx.array(self.to_numpy(x)), group=group,
+                                                               stream=mx.cpu)))
+
+    def all_gather_cols(self, x, group, cols: int):
+        """[R, C] on each rank -> [R, cols]: the ranks' columns side by side in rank order, the first
+        `cols` kept (the output head's vocabulary shards; the last rank's padding is dropped)."""
+        import mlx.core as mx
+
+        parts = np.array(mx.distributed.all_gather(mx.array(self.to_numpy(x)), group=group, stream=mx.cpu))
+        r = x.shape[0]
+        return self.from_numpy(parts.reshape(-1, r, x.shape[1]).transpose(1, 0, 2).reshape(r, -1)[:, :cols])
 
     # -- the composite op ---------------------------------------------------------------------
     def fused_attention(self, q, kv, batch, spec: AttentionSpec):

@@ -17,7 +17,8 @@ def _load(args):
     from .generate import load
 
     return load(args.model, backend=args.backend, attention=args.attention, device=args.device,
-                kernel=args.kernel, kv=args.kv, prefill_chunk=args.prefill_chunk, threads=args.threads)
+                kernel=args.kernel, kv=args.kv, prefill_chunk=args.prefill_chunk, threads=args.threads,
+                tp=getattr(args, "tp", 1))
 
 
 def _sampling(args) -> dict:
@@ -44,10 +45,19 @@ def _read_prompt(args):
 
 
 def _generate(args) -> int:
+    from .distributed import launched, relaunch
+
+    if args.tp < 1:
+        raise RequestError(f"--tp must be a positive integer, got {args.tp}")
+    if args.tp > 1 and not launched():  # start the ranks under mlx.launch; each runs this same command
+        return relaunch(args.tp, args.argv)
     prompt = _read_prompt(args)
     engine = _load(args)
+    if engine.shard.rank > 0:  # rank 0 prints the text and the metrics; the others print nothing
+        sys.stdout = open(os.devnull, "w")
+        args.quiet, args.verbose, args.trace = True, False, False
     tracer = None
-    if args.trace or os.environ.get("MLXINFER_TRACE") == "1":
+    if args.trace or (os.environ.get("MLXINFER_TRACE") == "1" and engine.shard.rank == 0):
         from .tracing import install_tracer
 
         tracer = install_tracer(engine)
@@ -231,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trace", action="store_true", help="count and time every backend op (stderr)")
     g.add_argument("--quiet", action="store_true", help="print only the text, no metrics block")
     g.add_argument("--verbose", action="store_true", help="also say what was loaded, and the seed")
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism: split the model over N ranks started with mlx.launch (NCCL "
+                        "between CUDA GPUs, ring over TCP otherwise)")
     g.set_defaults(func=_generate)
     c = sub.add_parser("chat", help="talk with the model in the terminal (its chat template)", formatter_class=fmt)
     _model_options(c)
@@ -255,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except MlxinferError as e:

@@ -26,6 +26,7 @@ import numpy as np
 from .backends import make_backend
 from .batch import Batch
 from .chat import render_chat
+from .distributed import Shard, join
 from .errors import GGUFError, RequestError
 from .gguf_file import GGUFFile
 from .kv_cache import KV_CACHES
@@ -72,7 +73,7 @@ class _Sequence:
     def __init__(self, engine, prompt_ids, params, max_tokens, stop, slot, t0):
         self.prompt = prompt_ids
         self.params = params
-        self.seed = None if params.greedy else params.resolved_seed()
+        self.seed = None if params.greedy else engine.agree(params.resolved_seed())
         self.rng = None if params.greedy else engine.backend.new_random(self.seed)
         self.max_tokens = max_tokens
         self.stop = stop
@@ -105,9 +106,10 @@ class _Pass:
 class Engine:
     pipeline = True  # on a lazy backend, queue the next pass before reading the current one's tokens
 
-    def __init__(self, path, backend, kv: str = "prealloc", prefill_chunk: int | None = None):
+    def __init__(self, path, backend, kv: str = "prealloc", prefill_chunk: int | None = None, tp: int = 1):
         if kv not in KV_CACHES:
             raise RequestError(f"unknown KV cache {kv!r} (choose from {', '.join(KV_CACHES)})")
+        rank, group = join(tp)  # before reading the file: a tp run that was not launched fails at once
         chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise RequestError(f"prefill chunk must be a positive integer, got {prefill_chunk!r}")
@@ -128,12 +130,23 @@ class Engine:
         # prefill rows admitted to one pass (decode rows always go): one chunk's worth, so a decoding
         # sequence waits at most one chunk's pass while others prefill
         self.max_pass_rows = chunk
-        self.model = arch.Model(backend, self.gguf, self.args)
+        self.shard = Shard.plan(self.gguf, self.args, rank, tp, group)
+        self.kv_width = self.shard.n_kv_heads * self.args.head_dim  # this rank's KV heads
+        self.model = arch.Model(backend, self.gguf, self.args, self.shard)
 
     # -- helpers ------------------------------------------------------------------------------
     def new_cache(self):
         a = self.args
-        return KV_CACHES[self.kv](self.backend, a.n_layers, a.n_kv_heads * a.head_dim)
+        return KV_CACHES[self.kv](self.backend, a.n_layers, self.kv_width)
+
+    def agree(self, seed: int) -> int:
+        """The seed every rank of a tensor-parallel run uses: rank 0's (ranks draw random seeds apart)."""
+        if self.shard.size == 1:
+            return seed
+        import mlx.core as mx
+
+        mine = mx.array(np.array([seed if self.shard.rank == 0 else 0], dtype=np.uint64).view(np.uint32))
+        return int(np.array(mx.distributed.all_sum(mine, group=self.shard.group, stream=mx.cpu)).view(np.uint64)[0])
 
     def encode_prompt(self, prompt, chat: bool = False) -> list[int]:
         """Token ids of a prompt: text, bytes (UTF-8), token ids, or a chat messages list rendered with
@@ -197,6 +210,7 @@ class Engine:
             time_to_first_token_ms=(times[0] - seq.t0) * 1000 if times else 0.0,
             token_intervals_ms=[(b - a) * 1000 for a, b in zip(times, times[1:])],
             finish_reason=seq.finish or "", peak_memory_mb=self.backend.peak_memory_mb(), batch_size=batch_size,
+            tensor_parallel=self.shard.size,
         )
 
     # -- the loop -----------------------------------------------------------------------------
@@ -410,7 +424,7 @@ class Engine:
 
 def load(model: str | os.PathLike | None = None, backend: str = "auto", attention: str = "fused",
          device: str | None = None, kernel: str | None = None, kv: str = "prealloc",
-         prefill_chunk: int | None = None, threads: int | None = None) -> Engine:
+         prefill_chunk: int | None = None, threads: int | None = None, tp: int = 1) -> Engine:
     """Load a GGUF model (None: the default SmolLM2-135M-Instruct) onto a backend.
 
     backend: "auto" (MLX where it has a GPU, Metal or CUDA; else the CPU reference), "cpu" or "mlx".
@@ -418,7 +432,11 @@ def load(model: str | os.PathLike | None = None, backend: str = "auto", attentio
     device: "cpu" or "gpu" for MLX (default: gpu where available). kernel: the MLX backend's fused
     attention, "graph", "metal" or "cuda" (default: by platform). kv: "prealloc" or "basic".
     prefill_chunk: prompt tokens per prefill pass (default 512). threads: the cpu backend's BLAS threads
-    (default: the cores not already busy)."""
+    (default: the cores not already busy). tp: ranks of a tensor-parallel run (mlxinfer.distributed);
+    the process must be one of `tp` started by mlx.launch."""
+    join(tp)  # a tp run that was not launched fails before anything is loaded
+    if tp > 1 and threads is None and backend == "cpu":  # local ranks share the cores
+        threads = max(1, (os.cpu_count() or 1) // tp)
     ops = make_backend(backend, attention, device, kernel, threads)
     path = resolve_model(model)
-    return Engine(path, ops, kv=kv, prefill_chunk=prefill_chunk)
+    return Engine(path, ops, kv=kv, prefill_chunk=prefill_chunk, tp=tp)

@@ -27,6 +27,7 @@ class Metrics:
     finish_reason: str = ""
     peak_memory_mb: float = 0.0
     batch_size: int = 1
+    tensor_parallel: int = 1  # ranks the model is split over (peak memory is this rank's)
 
     @property
     def generated_tokens(self) -> int:
@@ -49,7 +50,9 @@ class Metrics:
             f"backend: {self.backend}\n"
             f"kv cache: {self.kv_cache}\n"
             f"attention: {self.attention}\n"
-            "\n"
+            + (f"tensor parallel: {self.tensor_parallel} ranks (peak memory: rank 0's)\n"
+               if self.tensor_parallel > 1 else "")
+            + "\n"
             "metrics:\n"
             f"  prompt_tokens: {self.prompt_tokens}  (prefill chunk {self.prefill_chunk})\n"
             f"  time_to_first_token_ms: {self.time_to_first_token_ms:.3f}\n"
@@ -69,6 +72,7 @@ class Metrics:
             "kv_cache": self.kv_cache,
             "attention": self.attention,
             "batch_size": self.batch_size,
+            "tensor_parallel": self.tensor_parallel,
             "prompt_tokens": self.prompt_tokens,
             "prefill_chunk": self.prefill_chunk,
             "time_to_first_token_ms": self.time_to_first_token_ms,

@@ -64,7 +64,7 @@ class Scheduler:
         self.engine = engine
         self.max_batch, self.max_queue, self.kv_memory = max_batch, max_queue, kv_memory
         a = engine.args
-        self.kv_bytes_per_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * 4  # keys and values, float32
+        self.kv_bytes_per_token = 2 * a.n_layers * engine.kv_width * 4  # keys and values, float32
         self.paged = engine.kv == "paged"
         if self.paged:  # a fixed pool of blocks under the memory budget; prefixes are reused
             block = PagedKVCache.BLOCK_SIZE
@@ -72,7 +72,7 @@ class Scheduler:
             if max_blocks is not None and max_blocks < 1:
                 raise RequestError(f"kv_memory {kv_memory} holds less than one block of {block} positions "
                                    f"({block * self.kv_bytes_per_token} bytes)")
-            self.cache = PagedKVCache(engine.backend, a.n_layers, a.n_kv_heads * a.head_dim, block_size=block,
+            self.cache = PagedKVCache(engine.backend, a.n_layers, engine.kv_width, block_size=block,
                                       max_blocks=max_blocks)
         else:
             self.cache = engine.new_cache()

@@ -363,6 +363,14 @@ class MLXBackend(Backend):
         return sampler.sample_mlx(logits)
 
     # -- fused attention ----------------------------------------------------------------------
+    def all_sum(self, x, group):
+        return mx.distributed.all_sum(x, group=group)
+
+    def all_gather_cols(self, x, group, cols):
+        r, c = x.shape
+        parts = mx.reshape(mx.distributed.all_gather(x, group=group), (-1, r, c))
+        return mx.reshape(mx.transpose(parts, (1, 0, 2)), (r, -1))[:, :cols]
+
     def fused_attention_override(self, q, kv, batch, spec):
         if self.kernel == "graph" or spec.head_dim > kernels.MAX_HEAD_DIM or self._few_long_rows(batch, spec):
             return self._graph_attention(q, kv, batch, spec)

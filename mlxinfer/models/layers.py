@@ -5,6 +5,10 @@ batch's packed rows ([N, cols], see `mlxinfer.batch`); products with weights pas
 groups so that a backend can keep each sequence's floats independent of its neighbours.
 
 RMSNorm = sum_squares_rows, scale by 1/n, add eps, rsqrt, mul_rows, hadamard with the weight row.
+
+Under tensor parallelism (`mlxinfer.distributed`) each rank holds a slice of every product; `all_sum`
+joins the partial sums of a row-parallel product and `output_logits` gathers the vocabulary shards.
+With one rank (`shard.size == 1`) neither adds an op.
 """
 
 from __future__ import annotations
@@ -25,14 +29,19 @@ def head_rms_norm(ops, x, weight, n_heads: int, head_dim: int, eps: float):
     return ops.reshape(y, n, n_heads * head_dim)
 
 
-def swiglu_mlp(ops, x, w, groups):
-    """down(silu(gate(x)) * up(x))."""
+def all_sum(ops, x, shard):
+    """The sum over ranks of a row-parallel product's partial results (x itself on one rank)."""
+    return x if shard.size == 1 else ops.all_sum(x, shard.group)
+
+
+def swiglu_mlp(ops, x, w, groups, shard):
+    """down(silu(gate(x)) * up(x)), summed over the ranks' shares of the FFN width."""
     gate = ops.silu(ops.linear(x, w.ffn_gate, groups))
     up = ops.linear(x, w.ffn_up, groups)
-    return ops.linear(ops.hadamard(gate, up), w.ffn_down, groups)
+    return all_sum(ops, ops.linear(ops.hadamard(gate, up), w.ffn_down, groups), shard)
 
 
-def output_logits(ops, x, w, batch, eps: float):
+def output_logits(ops, x, w, batch, eps: float, shard, vocab: int):
     """Final norm and output head, applied only to the rows whose logits the pass needs (the last row
     of each sequence that samples, or every row when the batch asks for all): [R, vocab], or None
     when no row needs logits (a pass of mid-prompt chunks)."""
@@ -40,4 +49,5 @@ def output_logits(ops, x, w, batch, eps: float):
         return None
     if not batch.logits_of_every_row:
         x = ops.gather_rows(x, batch.logit_rows)
-    return ops.linear(rms_norm(ops, x, w.output_norm, eps), w.output, batch.logit_groups)
+    logits = ops.linear(rms_norm(ops, x, w.output_norm, eps), w.output, batch.logit_groups)
+    return logits if shard.size == 1 else ops.all_gather_cols(logits, shard.group, vocab)

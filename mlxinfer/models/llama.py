@@ -7,27 +7,29 @@ No q/k norm; output head tied to the embedding unless `output.weight` is present
 """
 
 from ..backend import AttentionSpec
-from .layers import output_logits, rms_norm, swiglu_mlp
+from ..distributed import Shard
+from .layers import all_sum, output_logits, rms_norm, swiglu_mlp
 from .spec import ModelArgs, load_weights
 
 TRAITS = dict(rope_traditional=True, qk_norm=False)
 
 
 class Model:
-    def __init__(self, ops, g, args: ModelArgs):
-        self.args = args
-        self.w = load_weights(ops, g, args)
-        self.spec = AttentionSpec.standard(args.n_heads, args.n_kv_heads, args.head_dim)
+    def __init__(self, ops, g, args: ModelArgs, shard: Shard | None = None):
+        self.args, self.shard = args, shard or Shard.whole(args)
+        self.w = load_weights(ops, g, args, self.shard)
+        self.spec = AttentionSpec.standard(self.shard.n_heads, self.shard.n_kv_heads, args.head_dim)
 
     def attention(self, ops, x, w, batch, cache, layer: int):
-        a, groups = self.args, batch.rows
+        a, sp, groups = self.args, self.spec, batch.rows
         q = ops.linear(x, w.attn_q, groups)
         k = ops.linear(x, w.attn_k, groups)
         v = ops.linear(x, w.attn_v, groups)
-        q = ops.rope(q, batch.positions, a.n_heads, a.head_dim, a.rope_base, traditional=True)
-        k = ops.rope(k, batch.positions, a.n_kv_heads, a.head_dim, a.rope_base, traditional=True)
+        q = ops.rope(q, batch.positions, sp.n_heads, a.head_dim, a.rope_base, traditional=True)
+        k = ops.rope(k, batch.positions, sp.n_kv_heads, a.head_dim, a.rope_base, traditional=True)
         kv = cache.update(ops, layer, k, v, batch)
-        return ops.linear(ops.fused_attention(q, kv, batch, self.spec), w.attn_output, groups)
+        out = ops.linear(ops.fused_attention(q, kv, batch, sp), w.attn_output, groups)
+        return all_sum(ops, out, self.shard)
 
     def __call__(self, ops, ids, batch, cache):
         """Logits of the batch's logit rows, [R, vocab]; writes the pass's keys and values to `cache`."""
@@ -35,5 +37,5 @@ class Model:
         x = ops.gather_rows(self.w.token_embd, ids)
         for i, w in enumerate(self.w.layers):
             x = ops.add(x, self.attention(ops, rms_norm(ops, x, w.attn_norm, a.rms_eps), w, batch, cache, i))
-            x = ops.add(x, swiglu_mlp(ops, rms_norm(ops, x, w.ffn_norm, a.rms_eps), w, batch.rows))
-        return output_logits(ops, x, self.w, batch, a.rms_eps)
+            x = ops.add(x, swiglu_mlp(ops, rms_norm(ops, x, w.ffn_norm, a.rms_eps), w, batch.rows, self.shard))
+        return output_logits(ops, x, self.w, batch, a.rms_eps, self.shard, a.vocab_size)

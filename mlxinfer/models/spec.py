@@ -173,14 +173,19 @@ def load_norm(ops, g, name):
     return ops.load_vector(g, name)
 
 
-def load_weights(ops, g, args: ModelArgs) -> SimpleNamespace:
+def load_weights(ops, g, args: ModelArgs, shard=None) -> SimpleNamespace:
     """The model's weights on `ops`: `w.token_embd`, `w.output_norm`, `w.output` (the output head; the
-    embedding matrix when tied) and `w.layers[i].attn_q` ... named by the spec's keys."""
+    embedding matrix when tied) and `w.layers[i].attn_q` ... named by the spec's keys. With a
+    tensor-parallel `shard` (mlxinfer.distributed) the weight matrices are read through the shard's view
+    of the file: only this rank's slice of each; the embedding and the norms whole."""
     check_shapes(g, args)
-    loaders = {MATRIX: ops.load_weight, NORM: lambda g_, n: load_norm(ops, g_, n), EMBEDDING: ops.load_embedding}
+    sharded = shard is not None and shard.size > 1
+    view = shard.view(g) if sharded else g
+    loaders = {MATRIX: lambda g_, n: ops.load_weight(view, n), NORM: lambda g_, n: load_norm(ops, g_, n),
+               EMBEDDING: ops.load_embedding}
     w = SimpleNamespace(layers=[SimpleNamespace() for _ in range(args.n_layers)])
     for t, i, name, _, _ in tensors(args):
         setattr(w if i is None else w.layers[i], t.key, loaders[t.kind](g, name))
     if args.tied_output:
-        w.output = ops.load_weight(g, "token_embd.weight")
+        w.output = ops.load_weight(view, "output.weight" if sharded else "token_embd.weight")
     return w

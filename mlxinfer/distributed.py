@@ -1,0 +1,237 @@
+"""Tensor parallelism over `mx.distributed`: which slice of each weight a rank holds, and how it gets it.
+
+N processes (ranks), started by `mlx.launch` (NCCL between GPUs, ring over TCP between CPUs or Macs),
+each hold a 1/N slice of every large weight and meet twice per layer in an all-sum, as in Megatron-LM:
+
+    attention  Q, K, V rows of this rank's heads (column-parallel: no communication), attention on
+               those heads with this rank's share of the KV cache, then the output projection's
+               columns of the same heads (row-parallel) and one all-sum of the [N, hidden] result;
+    MLP        gate and up rows of this rank's share of the FFN width, down's columns of the same
+               share, one all-sum;
+    output     rows of this rank's share of the vocabulary, then one all-gather of the logits.
+
+The embedding table and the norm vectors are replicated (an embedding lookup reads a handful of rows;
+sharding it would cost a third collective per pass). Heads are split by KV head, each rank taking
+whole GQA groups, as evenly as the counts allow: SmolLM2's 3 KV heads over 2 ranks give 2 and 1 (6 and
+3 query heads). Fewer KV heads than ranks is refused. The FFN width is split in whole quantization
+blocks of `ffn_down` (its columns are its input dimension, where the blocks run); the vocabulary in
+equal parts, the last padded with zero rows whose logits are dropped after the gather.
+
+Each rank reads only its slices from the memory-mapped file: `ShardedGGUF` presents the file to a
+backend's loaders with every sliced tensor cut to the rank's rows or column blocks (rows are a
+zero-copy view of the map; column blocks are copied row by row, touching only their own pages).
+
+Every rank runs the same engine loop on the same prompt and samples from the same gathered logits with
+the same seed, so all ranks choose the same tokens without exchanging them; a random seed is agreed
+by an all-sum of rank 0's choice.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+
+from .errors import RequestError, UnsupportedError
+from .gguf_file import GGUFFile, TensorInfo
+
+
+def split(n: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:
+    """`n` (a multiple of `unit`) cut into `parts` contiguous ranges of whole units, as even as possible
+    (the first ranges take the remainder)."""
+    units, rem = divmod(n // unit, parts)
+    out, start = [], 0
+    for r in range(parts):
+        stop = start + (units + (r < rem)) * unit
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rank's part of the model: its ranges of query heads, KV heads, FFN width and vocabulary.
+    `Shard.whole(args)` is the single-process model (every range complete, no group)."""
+
+    rank: int
+    size: int
+    group: object  # the mx.distributed group (None when size is 1)
+    heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    ffn: tuple[int, int]
+    vocab: tuple[int, int]  # this rank's rows of the output head
+    vocab_rows: int  # rows every rank holds (vocab padded to a multiple of size)
+    tensors: dict = field(default_factory=dict, repr=False)  # GGUF name -> (axis, start, stop, pad_to)
+
+    @property
+    def n_heads(self) -> int:
+        return self.heads[1] - self.heads[0]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+    @classmethod
+    def whole(cls, args) -> "Shard":
+        return cls(0, 1, None, (0, args.n_heads), (0, args.n_kv_heads), (0, args.ffn), (0, args.vocab_size),
+                   args.vocab_size)
+
+    @classmethod
+    def plan(cls, g, args, rank: int, size: int, group=None) -> "Shard":
+        """Rank `rank`'s shard of the model in GGUF file `g` (hyperparameters `args`) over `size` ranks;
+        a one-line RequestError where the model cannot be split that way."""
+        if size == 1:
+            return cls.whole(args)
+        if args.n_kv_heads < size:
+            raise RequestError(
+                f"tensor parallelism over {size} ranks needs at least {size} KV heads; {g.path} has "
+                f"{args.n_heads} query heads and {args.n_kv_heads} KV heads"
+            )
+        group_size = args.n_heads // args.n_kv_heads
+        kv = split(args.n_kv_heads, size)[rank]
+        heads = (kv[0] * group_size, kv[1] * group_size)
+        d = args.head_dim
+        down = g.tensor("blk.0.ffn_down.weight")
+        o = g.tensor("blk.0.attn_output.weight")
+        block = GGML_QUANT_SIZES[down.ggml_type][0]
+        if args.ffn % block or args.ffn // block < size:
+            raise RequestError(f"{g.path}: FFN width {args.ffn} cannot be split over {size} ranks in whole "
+                               f"{down.ggml_type.name} blocks of {block}")
+        o_block = GGML_QUANT_SIZES[o.ggml_type][0]
+        if d % o_block:
+            raise RequestError(f"{g.path}: head dim {d} is not a multiple of attn_output's "
+                               f"{o.ggml_type.name} block of {o_block}: its columns cannot be split by head")
+        ffn = split(args.ffn, size, block)[rank]
+        rows = -(-args.vocab_size // size)
+        vocab = (min(rank * rows, args.vocab_size), min((rank + 1) * rows, args.vocab_size))
+        cut = {}
+        for i in range(args.n_layers):
+            b = f"blk.{i}."
+            cut[b + "attn_q.weight"] = (0, heads[0] * d, heads[1] * d, None)
+            cut[b + "attn_k.weight"] = (0, kv[0] * d, kv[1] * d, None)
+            cut[b + "attn_v.weight"] = (0, kv[0] * d, kv[1] * d, None)
+            cut[b + "attn_output.weight"] = (1, heads[0] * d, heads[1] * d, None)
+            cut[b + "ffn_gate.weight"] = (0, ffn[0], ffn[1], None)
+            cut[b + "ffn_up.weight"] = (0, ffn[0], ffn[1], None)
+            cut[b + "ffn_down.weight"] = (1, ffn[0], ffn[1], None)
+        cut["output.weight"] = (0, vocab[0], vocab[1], rows)
+        return cls(rank, size, group, heads, kv, ffn, vocab, rows, cut)
+
+    def view(self, g: GGUFFile):
+        """The file as this rank's loaders see it (the file itself when nothing is sliced)."""
+        return g if self.size == 1 else ShardedGGUF(g, self.tensors)
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.size}: query heads {self.heads[0]}-{self.heads[1] - 1}, KV heads "
+                f"{self.kv_heads[0]}-{self.kv_heads[1] - 1}, FFN {self.ffn[0]}-{self.ffn[1] - 1}, vocab "
+                f"{self.vocab[0]}-{self.vocab[1] - 1}")
+
+
+class ShardedGGUF:
+    """A GGUF file whose sliced tensors read as this rank's slice: `tensor(name)` has the slice's shape,
+    `raw(name)` its bytes, `dequantize(name)` its floats; other tensors read as in the file.
+    `output.weight` of a model with a tied output head is the embedding's rows."""
+
+    dequantize = GGUFFile.dequantize  # the file's dequantizer, over this view's tensor() and raw()
+
+    def __init__(self, g: GGUFFile, cuts: dict):
+        self.g, self.cuts, self.path = g, cuts, g.path
+        self.metadata, self.tensors = g.metadata, g.tensors
+
+    def get(self, key, default=None):
+        return self.g.get(key, default)
+
+    def require(self, key, kind=(int, float)):
+        return self.g.require(key, kind)
+
+    def _source(self, name: str) -> str:
+        if name == "output.weight" and "output.weight" not in self.g.tensors:
+            return "token_embd.weight"
+        return name
+
+    def tensor(self, name: str) -> TensorInfo:
+        t = self.g.tensor(self._source(name))
+        cut = self.cuts.get(name)
+        if cut is None:
+            return t
+        axis, start, stop, pad_to = cut
+        rows, cols = t.shape
+        block, block_bytes = GGML_QUANT_SIZES[t.ggml_type]
+        if axis == 0:
+            n = pad_to or (stop - start)
+            return TensorInfo(name, (n, cols), t.ggml_type, t.offset, n * (cols // block) * block_bytes)
+        return TensorInfo(name, (rows, stop - start), t.ggml_type, t.offset,
+                          rows * ((stop - start) // block) * block_bytes)
+
+    def raw(self, name: str) -> np.ndarray:
+        src = self._source(name)
+        cut = self.cuts.get(name)
+        if cut is None:
+            return self.g.raw(src)
+        t = self.g.tensor(src)
+        axis, start, stop, pad_to = cut
+        rows, cols = t.shape
+        block, block_bytes = GGML_QUANT_SIZES[t.ggml_type]
+        row_bytes = cols // block * block_bytes
+        if axis == 0:  # whole rows: a view of the map, padded with zero rows (zero in every type) if asked
+            part = self.g.raw(src)[start * row_bytes: stop * row_bytes]
+            if pad_to and pad_to > stop - start:
+                part = np.concatenate([part, np.zeros((pad_to - (stop - start)) * row_bytes, np.uint8)])
+            return part
+        # column blocks of every row: only these bytes of each row are read
+        full = self.g.raw(src).reshape(rows, row_bytes)
+        return np.ascontiguousarray(full[:, start // block * block_bytes: stop // block * block_bytes]).reshape(-1)
+
+
+# -- processes --------------------------------------------------------------------------------------
+def launched() -> bool:
+    """True inside a process started by mlx.launch (it sets the rank for every backend)."""
+    return "MLX_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
+
+
+def join(tp: int):
+    """This process's (rank, group) in a tensor-parallel run over `tp` ranks, or a one-line RequestError
+    saying how to start one."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise RequestError(f"tp must be a positive integer, got {tp!r}")
+    if tp == 1:
+        return 0, None
+    import mlx.core as mx
+
+    if not mx.distributed.is_available():
+        raise UnsupportedError("this MLX build has no distributed backend (mx.distributed is unavailable)")
+    group = mx.distributed.init() if launched() else None
+    if group is None or group.size() != tp:
+        found = 1 if group is None else group.size()
+        raise RequestError(
+            f"tp={tp} needs {tp} processes started by mlx.launch (this run has {found}): "
+            f"`mlxinfer generate --tp {tp} ...` starts them, or `mlx.launch -n {tp} -- <your script>`"
+        )
+    return group.rank(), group
+
+
+def default_backend() -> str:
+    """mlx.launch's backend for local ranks: NCCL where MLX sees a CUDA GPU, else the TCP ring."""
+    import mlx.core as mx
+
+    return "nccl" if mx.cuda.is_available() else "ring"
+
+
+def relaunch(tp: int, argv: list[str]) -> int:
+    """Run `python -m mlxinfer <argv>` as `tp` local ranks under mlx.launch; returns the exit status.
+    NVLink multicast (NVLS) stays off unless the caller set NCCL_NVLS_ENABLE."""
+    launcher = shutil.which("mlx.launch")
+    cmd = [launcher] if launcher else [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"]
+    cmd += ["-n", str(tp), "--backend", default_backend()]
+    env = dict(os.environ)
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    for key in ("NCCL_NVLS_ENABLE", "OPENBLAS_NUM_THREADS"):
+        if key in env:
+            cmd += ["--env", f"{key}={env[key]}"]
+    cmd += ["--", sys.executable, "-m", "mlxinfer", *argv]
+    return subprocess.call(cmd, env=env)
