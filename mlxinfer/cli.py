@@ -45,11 +45,12 @@ def _read_prompt(args):
 
 
 def _generate(args) -> int:
-    from .distributed import launched, relaunch
+    from .distributed import check_split, launched, relaunch
 
     if args.tp < 1:
         raise RequestError(f"--tp must be a positive integer, got {args.tp}")
     if args.tp > 1 and not launched():  # start the ranks under mlx.launch; each runs this same command
+        check_split(args.model, args.tp)  # a model that cannot be split is refused here, once
         return relaunch(args.tp, args.argv)
     prompt = _read_prompt(args)
     engine = _load(args)

@@ -215,6 +215,15 @@ def join(tp: int):
     return group.rank(), group
 
 
+def check_split(model, tp: int) -> None:
+    """Refuse (one-line error) a model that cannot be split over `tp` ranks, before starting them."""
+    from .model_source import resolve_model
+    from .models import model_args
+
+    with GGUFFile(resolve_model(model)) as g:
+        Shard.plan(g, model_args(g), 0, tp)
+
+
 def default_backend() -> str:
     """mlx.launch's backend for local ranks: NCCL where MLX sees a CUDA GPU, else the TCP ring."""
     import mlx.core as mx

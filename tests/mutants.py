@@ -33,6 +33,7 @@ T_CLI = "tests/test_cli.py"
 T_TR = "tests/test_tracing.py"
 T_KER = "tests/test_kernels.py"
 T_SRV = "tests/test_server.py"
+T_TP = "tests/test_tp.py"
 
 CPU = "mlxinfer/backends/cpu.py"
 MLX = "mlxinfer/backends/mlx.py"
@@ -52,6 +53,7 @@ KERN = "mlxinfer/kernels.py"
 SCHED = "mlxinfer/scheduler.py"
 KVF = "mlxinfer/kv_cache.py"
 SERVER = "mlxinfer/server.py"
+DIST = "mlxinfer/distributed.py"
 
 ONLINE_SOFTMAX = '''
 
@@ -436,6 +438,27 @@ M = [
     ("kernel-softmax-warp-order", "kernels", KERN,
      [("return _butterfly(warp_totals[None, :], (4, 2, 1))[0]", "return _butterfly(warp_totals[None, :], (1, 2, 4))[0]")],
      [T_KER], "published_softmax_total: warp totals combined in the other order"),
+    ("tp-no-all-sum", "tensor parallel", LAYERS,
+     [('return x if shard.size == 1 else ops.all_sum(x, shard.group)', 'return x')],
+     [T_TP], "tensor parallel: the row-parallel products' partial sums are never added up"),
+    ("tp-heads-not-following-kv", "tensor parallel", DIST,
+     [("heads = (kv[0] * group_size, kv[1] * group_size)", "heads = split(args.n_heads, size)[rank]")],
+     [T_TP], "tensor parallel: query heads split on their own, not with their KV heads"),
+    ("tp-padding-kept", "tensor parallel", MLX,
+     [("return mx.reshape(mx.transpose(parts, (1, 0, 2)), (r, -1))[:, :cols]",
+       "return mx.reshape(parts, (r, -1))[:, :cols]")],
+     [T_TP], "tensor parallel (MLX): gathered logits laid out rank-major, not row by row"),
+    ("tp-column-cut-off-by-block", "tensor parallel", DIST,
+     [("return np.ascontiguousarray(full[:, start // block * block_bytes: stop // block * block_bytes])",
+       "return np.ascontiguousarray(full[:, start // block * block_bytes + block_bytes: stop // block * block_bytes + block_bytes])")],
+     [T_TP], "sharded GGUF view: column blocks read one block late"),
+    ("tp-seed-not-agreed", "tensor parallel", GEN,
+     [("self.seed = None if params.greedy else engine.agree(params.resolved_seed())",
+       "self.seed = None if params.greedy else params.resolved_seed()")],
+     [T_TP], "tensor parallel: each rank draws its own random seed"),
+    ("tp-rank1-prints", "tensor parallel", CLI,
+     [("        sys.stdout = open(os.devnull, \"w\")\n", "")],
+     [T_TP], "generate --tp: every rank prints the text"),
 ]
 
 
