@@ -63,8 +63,8 @@ def repack_q8_0(raw: np.ndarray, rows: int, cols: int):
     Exact: d*(q+128) - 128*d == d*q in float32 (an 11-bit scale times an 8-bit integer)."""
     b = raw.reshape(rows, cols // 32, 34)
     d = b[..., :2].copy().view(np.float16).astype(np.float32)  # [rows, nb, 1]
-    q = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # [rows, nb, 32]
-    w = np.ascontiguousarray(q.reshape(rows, cols)).view(np.uint32)
+    q = b[..., 2:] ^ np.uint8(0x80)  # int8 q as uint8 q + 128: the sign bit flipped; [rows, nb, 32], fresh
+    w = q.reshape(rows, cols).view(np.uint32)
     return w, d[..., 0], -128.0 * d[..., 0]
 
 
