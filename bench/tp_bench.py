@@ -79,7 +79,7 @@ def main(argv=None):
     def gathered(value):  # one float from every rank, in rank order
         if a.tp == 1:
             return [value]
-        v = mx.distributed.all_gather(mx.array([value], dtype=mx.float32), group=engine.shard.group, stream=mx.cpu)
+        v = mx.distributed.all_gather(mx.array([value], dtype=mx.float32), group=engine.shard.group)
         return [float(x) for x in np.array(v)]
 
     weights_mb = gathered(mx.get_active_memory() / 2**20)

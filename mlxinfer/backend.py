@@ -263,15 +263,14 @@ class Backend:
         Here through MLX for any backend; the MLX backend keeps it in its graph."""
         import mlx.core as mx
 
-        return self.from_numpy(np.array(mx.distributed.all_sum(mx.array(self.to_numpy(x)), group=group,
-                                                               stream=mx.cpu)))
+        return self.from_numpy(np.array(mx.distributed.all_sum(mx.array(self.to_numpy(x)), group=group)))
 
     def all_gather_cols(self, x, group, cols: int):
         """[R, C] on each rank -> [R, cols]: the ranks' columns side by side in rank order, the first
         `cols` kept (the output head's vocabulary shards; the last rank's padding is dropped)."""
         import mlx.core as mx
 
-        parts = np.array(mx.distributed.all_gather(mx.array(self.to_numpy(x)), group=group, stream=mx.cpu))
+        parts = np.array(mx.distributed.all_gather(mx.array(self.to_numpy(x)), group=group))
         r = x.shape[0]
         return self.from_numpy(parts.reshape(-1, r, x.shape[1]).transpose(1, 0, 2).reshape(r, -1)[:, :cols])
 

@@ -146,7 +146,7 @@ class Engine:
         import mlx.core as mx
 
         mine = mx.array(np.array([seed if self.shard.rank == 0 else 0], dtype=np.uint64).view(np.uint32))
-        return int(np.array(mx.distributed.all_sum(mine, group=self.shard.group, stream=mx.cpu)).view(np.uint64)[0])
+        return int(np.array(mx.distributed.all_sum(mine, group=self.shard.group)).view(np.uint64)[0])
 
     def encode_prompt(self, prompt, chat: bool = False) -> list[int]:
         """Token ids of a prompt: text, bytes (UTF-8), token ids, or a chat messages list rendered with
