@@ -68,11 +68,13 @@ def main(argv=None):
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", default=None, help="append JSON lines here (rank 0)")
+    p.add_argument("--no-compile", action="store_true", help="decode eagerly (no compiled decode step)")
     a = p.parse_args(argv)
 
     t0 = time.perf_counter()
     engine = mlxinfer.load(a.model, backend=a.backend, tp=a.tp)
     load_s = time.perf_counter() - t0
+    engine.compile_decode = not a.no_compile
     rank = engine.shard.rank
     import mlx.core as mx
 
@@ -92,7 +94,8 @@ def main(argv=None):
         row = dict(
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             model=os.path.basename(a.model), arch=engine.args.arch, layers=engine.args.n_layers,
-            hidden=engine.args.hidden, tp=a.tp, backend=engine.backend.describe(), prompt_tokens=n,
+            hidden=engine.args.hidden, tp=a.tp, compiled_decode=engine.compile_decode and engine.backend.compiles_decode,
+            backend=engine.backend.describe(), prompt_tokens=n,
             generated=res[0][2], runs=a.runs, load_s=round(load_s, 2),
             time_to_first_token_ms=statistics.median(r[0] for r in res),
             time_to_first_token_ms_min=min(r[0] for r in res), time_to_first_token_ms_max=max(r[0] for r in res),

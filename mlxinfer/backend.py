@@ -90,6 +90,7 @@ class Backend:
     device = "cpu"
     kernel: str | None = None
     lazy = False  # ops build a graph evaluated later: the engine queues the next pass before reading
+    compiles_decode = False  # decode passes may run as one compiled step (`compile_decode`)
 
     def __init__(self, attention: str = "fused"):
         if attention not in ATTENTION_PATHS:
@@ -139,6 +140,12 @@ class Backend:
 
     def resize_store(self, store, slots: int, capacity: int):
         """A [slots, capacity, width] store holding `store`'s rows (grown or trimmed; the rest zero)."""
+        raise NotImplementedError
+
+    def compile_decode(self, forward, state):
+        """`forward(ids, positions, row_slots, row_lens) -> logits` compiled into one step whose
+        `state` (lists of cache tensors, written by the step) is updated in place. Backends that set
+        `compiles_decode` implement it."""
         raise NotImplementedError
 
     def start(self, *xs) -> None:

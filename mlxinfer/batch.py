@@ -49,6 +49,16 @@ class Batch:
         self.row_lens = ops.index_array([n for n, k in zip(self.kv_lens, self.lengths) for _ in range(k)])
         self._per_sequence: dict[int, object] = {}
 
+    @classmethod
+    def decode_template(cls, ops, n: int, positions, row_slots, row_lens):
+        """The batch a compiled decode step is traced with: n sequences of one row each, every array
+        given (traced inputs), no host value that the graph could depend on (its slots, starts and
+        lengths are placeholders: a compiled step reads only the arrays)."""
+        b = cls(ops, list(range(n)), [0] * n, [1] * n)
+        b.positions, b.row_slots, b.row_lens = positions, row_slots, row_lens
+        b._positions_host = None  # per-sequence host positions do not exist here
+        return b
+
     def __len__(self) -> int:
         return len(self.slots)
 

@@ -29,7 +29,7 @@ from .chat import render_chat
 from .distributed import Shard, join
 from .errors import GGUFError, RequestError
 from .gguf_file import GGUFFile
-from .kv_cache import KV_CACHES
+from .kv_cache import KV_CACHES, PreallocKVCache
 from .metrics import Metrics
 from .model_source import resolve_model
 from .models import architecture, model_args
@@ -105,6 +105,7 @@ class _Pass:
 
 class Engine:
     pipeline = True  # on a lazy backend, queue the next pass before reading the current one's tokens
+    compile_decode = True  # decode passes as one compiled step where the backend can (see _compiled)
 
     def __init__(self, path, backend, kv: str = "prealloc", prefill_chunk: int | None = None, tp: int = 1):
         if kv not in KV_CACHES:
@@ -246,7 +247,10 @@ class Engine:
         batch = Batch(ops, [s.slot for s, _ in plan], [s.cached for s, _ in plan], [n for _, n in plan],
                       logits_for=[s.cached + n >= len(s.prompt) for s, n in plan])
         cache.reserve(batch)
-        logits = self.model(ops, ids, batch, cache)
+        if self._compiled(plan, cache):
+            logits = self._decode_step(cache, len(plan))(ids, batch.positions, batch.row_slots, batch.row_lens)
+        else:
+            logits = self.model(ops, ids, batch, cache)
         step = _Pass(sampled)
         if sampled:
             sampler = Sampler([s.params for s in sampled], [s.rng for s in sampled])
@@ -261,6 +265,25 @@ class Engine:
             s.last = (step.tokens, row)
             s.sampled += 1
         return step
+
+    def _compiled(self, plan, cache) -> bool:
+        """Whether this pass runs as the compiled decode step: every sequence decodes one token, into
+        a preallocated cache, on a backend that compiles (MLX with its GPU attention kernel)."""
+        return (self.compile_decode and self.backend.compiles_decode and isinstance(cache, PreallocKVCache)
+                and all(n == 1 and s.cached >= len(s.prompt) for s, n in plan))
+
+    def _decode_step(self, cache, n: int):
+        """The compiled decode step of `n` sequences over `cache` (made once per cache and batch size;
+        the backend retraces it when the cache's capacity, a shape, changes)."""
+        steps = cache.__dict__.setdefault("decode_steps", {})
+        if n not in steps:
+            ops = self.backend
+
+            def forward(ids, positions, row_slots, row_lens):
+                return self.model(ops, ids, Batch.decode_template(ops, n, positions, row_slots, row_lens), cache)
+
+            steps[n] = ops.compile_decode(forward, [cache.keys, cache.values])
+        return steps[n]
 
     def _read(self, step: _Pass, cache, batch_size: int):
         """Read a pass's tokens (waits for the device), hand out their text, finish sequences. A pass

@@ -32,6 +32,7 @@ class TracingBackend:
     loading, to_numpy, name, device...) pass through untouched."""
 
     lazy = False  # every op is evaluated as it is traced: nothing to pipeline
+    compiles_decode = False  # a compiled step would run its ops unseen
 
     def __init__(self, inner: Backend, stream=sys.stderr):
         self.inner = inner

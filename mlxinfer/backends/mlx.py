@@ -363,6 +363,16 @@ class MLXBackend(Backend):
         return sampler.sample_mlx(logits)
 
     # -- fused attention ----------------------------------------------------------------------
+    @property
+    def compiles_decode(self) -> bool:
+        """A decode pass is shape-stable (fixed batch and cache capacity, positions and lengths as
+        arrays) where attention runs our GPU kernel, which reads each row's length from an array; the
+        graph path slices the cache by host lengths and is never compiled."""
+        return self.attention == "fused" and self.kernel in ("cuda", "metal")
+
+    def compile_decode(self, forward, state):
+        return mx.compile(forward, inputs=state, outputs=state)
+
     def all_sum(self, x, group):
         return mx.distributed.all_sum(x, group=group)
 

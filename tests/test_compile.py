@@ -1,0 +1,129 @@
+"""The compiled decode step (Engine._decode_step, MLX's mx.compile): a decode pass traced once per batch
+size and cache capacity, the cache stores carried as state.
+
+On a GPU the MLX backend compiles its own attention kernel (tests/test_mlx_backend.py checks it against
+the eager engine there). On this CPU its graph attention slices the cache by host lengths and is never
+compiled, so these tests give the MLX CPU backend a length-from-array attention (`LengthMasked`: each
+decode row over its slot's whole capacity, later keys masked) and check the plumbing: compiled equals
+eager bit for bit, across cache growth (a retrace), several batch sizes, slots freed and reused.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlxinfer
+from mlxinfer.backends.mlx import MLXBackend
+from mlxinfer.generate import Engine
+
+
+class LengthMasked(MLXBackend):
+    """MLX CPU with a decode attention that reads positions and lengths from arrays only."""
+
+    @property
+    def compiles_decode(self):
+        return True
+
+    def fused_attention_override(self, q, kv, batch, spec):
+        if batch.n_rows != len(batch) or kv.store is None:  # not a decode pass: the usual path
+            return super().fused_attention_override(q, kv, batch, spec)
+        keys, values = kv.store
+        n, cap = q.shape[0], keys.shape[1]
+        k, v = keys[batch.row_slots], values[batch.row_slots]  # [N, cap, KV*D]
+        kh = mx.reshape(k, (n, cap, spec.n_kv_heads, spec.head_dim)).transpose(0, 2, 1, 3)
+        vh = mx.reshape(v, (n, cap, spec.n_kv_heads, spec.head_dim)).transpose(0, 2, 1, 3)
+        qh = mx.reshape(q, (n, spec.n_kv_heads, spec.group, spec.head_dim))
+        scores = (qh @ mx.swapaxes(kh, -1, -2)) * spec.scale  # [N, KV, G, cap]
+        hidden = mx.arange(cap)[None, :] >= batch.row_lens[:, None]
+        scores = mx.where(hidden[:, None, None, :], -np.inf, scores)
+        ctx = mx.softmax(scores, axis=-1, precise=True) @ vh  # [N, KV, G, D]
+        return mx.reshape(ctx, (n, spec.n_heads * spec.head_dim))
+
+
+def engines(path, step=None):
+    out = []
+    for compiled in (False, True):
+        e = Engine(path, LengthMasked(device="cpu"))
+        e.compile_decode = compiled
+        out.append(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from mlxinfer.synthetic import write_synthetic_model
+
+    return write_synthetic_model(tmp_path_factory.mktemp("c") / "m.gguf", arch="qwen3", n_layers=2, hidden=64,
+                                 ffn=128, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=320, tied_output=False)
+
+
+def test_compiled_decode_equals_eager_across_cache_growth(model, monkeypatch):
+    eager, compiled = engines(model)
+    traces = []
+    real = Engine._decode_step
+
+    def counting(self, cache, n):
+        steps = cache.__dict__.get("decode_steps", {})
+        if n not in steps:
+            traces.append(n)
+        return real(self, cache, n)
+
+    monkeypatch.setattr(Engine, "_decode_step", counting)
+    prompt = list(range(3, 250))  # the cache grows past 256 positions while decoding: a new shape
+    a = eager.generate(prompt, max_tokens=20)
+    b = compiled.generate(prompt, max_tokens=20)
+    assert b.token_ids == a.token_ids and b.logprobs == a.logprobs  # bitwise: the same floats
+    assert traces == [1]  # one compiled step for batch size 1, made once
+
+
+def test_compiled_batch_decode_with_sequences_finishing_apart(model):
+    eager, compiled = engines(model)
+    prompts = [list(range(5, 5 + n)) for n in (3, 40, 17)]
+    kw = dict(max_tokens=12, temperature=0.9, seed=7)
+    want = eager.generate_batch(prompts, **kw)
+    got = compiled.generate_batch(prompts, **kw)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    short = compiled.generate_batch(prompts, max_tokens=4)  # a second batch reuses slots
+    assert [g.token_ids for g in short] == [w.token_ids for w in eager.generate_batch(prompts, max_tokens=4)]
+
+
+def test_compiled_step_is_actually_used(model, monkeypatch):
+    _, compiled = engines(model)
+    calls = []
+    real = Engine._compiled
+
+    def spy(self, plan, cache):
+        out = real(self, plan, cache)
+        calls.append(out)
+        return out
+
+    monkeypatch.setattr(Engine, "_compiled", spy)
+    compiled.generate([3, 4, 5], max_tokens=6)
+    assert calls[0] is False and calls.count(True) == 5  # the prompt's pass eager, five decode passes compiled
+
+
+def test_graph_attention_and_tracing_never_compile(model):
+    plain = mlxinfer.load(model, backend="mlx", device="cpu")
+    assert not plain.backend.compiles_decode  # the graph path reads host lengths
+    from mlxinfer.tracing import install_tracer
+
+    assert not install_tracer(engines(model)[1]).compiles_decode
+
+
+def gpu_kernel():
+    return mx.cuda.is_available() and "cuda" or (mx.metal.is_available() and "metal") or None
+
+
+@pytest.mark.skipif(not gpu_kernel(), reason="needs an MLX GPU (CUDA or Metal) for the attention kernel")
+def test_gpu_compiled_decode_equals_eager_bitwise(model):
+    kind = gpu_kernel()
+    runs = []
+    for compiled in (False, True):
+        e = Engine(model, MLXBackend(device="gpu", kernel=kind))
+        e.compile_decode = compiled
+        assert e.backend.compiles_decode
+        one = e.generate(list(range(3, 300)), max_tokens=24)
+        many = e.generate_batch([list(range(5, 5 + n)) for n in (3, 40, 17)], max_tokens=12, temperature=0.9,
+                                seed=3)
+        runs.append((one.token_ids, one.logprobs, [g.token_ids for g in many], [g.logprobs for g in many]))
+    assert runs[1] == runs[0]
