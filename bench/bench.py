@@ -137,10 +137,12 @@ def measure_row(job: dict) -> dict:
     engine = mlxinfer.load(job["model"], backend=job["backend"], attention=job["attention"], device=job["device"],
                            kv=job["kv"], prefill_chunk=job["prefill_chunk"], **threads)
     load_s = time.perf_counter() - t0
+    engine.compile_decode = os.environ.get("MLXINFER_BENCH_COMPILE", "1") != "0"  # 0: decode eagerly
     row = run_case(engine, job["n"], job["gen"], job["runs"], job["batch"], job["sync"], job["warmup_tokens"])
     name = f"mlxinfer {job['backend']}" + (" (sync)" if job["sync"] else "")
     row.update(engine=name, device=job["device"], attention=job["attention"], backend=engine.backend.describe(),
-               load_s=load_s, kind=job["kind"], blas_threads=blas_threads() if job["backend"] == "cpu" else None,
+               load_s=load_s, kind=job["kind"],
+               compiled_decode=engine.compile_decode and engine.backend.compiles_decode, blas_threads=blas_threads() if job["backend"] == "cpu" else None,
                openblas_thread_timeout=os.environ.get("OPENBLAS_THREAD_TIMEOUT"))
     return row
 
