@@ -18,7 +18,7 @@ LAUNCH="python3 -c 'from mlx._distributed_utils.launch import main; main()'"
   --vocab 151936 --untied --type Q8_0 --random-blocks 2>&1 | tail -1; ls -l "$M"; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 ARGS="--cases ${CASES:-17,511} --gen ${GEN:-64} --runs ${RUNS:-3} --out $OUT/tp.jsonl"
-for MODE in compile no-compile; do
+for MODE in ${MODES:-compile no-compile}; do
 C=""; [ $MODE = no-compile ] && C=--no-compile
 echo "== TP=1 $C"; python3 bench/tp_bench.py "$M" --tp 1 $ARGS $C 2>&1 | tail -3
 echo "== TP=2 $C"; eval $LAUNCH -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 -- python3 bench/tp_bench.py "$M" --tp 2 $ARGS $C 2>&1 | tail -4

@@ -367,8 +367,9 @@ class MLXBackend(Backend):
     def compiles_decode(self) -> bool:
         """A decode pass is shape-stable (fixed batch and cache capacity, positions and lengths as
         arrays) where attention runs our GPU kernel, which reads each row's length from an array; the
-        graph path slices the cache by host lengths and is never compiled."""
-        return self.attention == "fused" and self.kernel in ("cuda", "metal")
+        graph path slices the cache by host lengths and is never compiled. Not with per-sequence
+        products either: compiled, their bits changed with the batch size on the H200."""
+        return self.attention == "fused" and self.kernel in ("cuda", "metal") and not self.per_sequence_linear
 
     def compile_decode(self, forward, state):
         return mx.compile(forward, inputs=state, outputs=state)
