@@ -12,9 +12,9 @@ token ids:
 - `tokenizer.json`: the `tokenizers.Tokenizer` that `mlxinfer.tokenizer` builds from the GGUF (byte-level
   BPE, llama.cpp's pre-tokenizer splits, CONTROL tokens special, USER_DEFINED tokens added), saved as is;
   a BOS post-processor only where the GGUF asks for BOS (`tokenizer.ggml.add_bos_token`).
-- `tokenizer_config.json`: `tokenizer_class` PreTrainedTokenizerFast (a model-specific class such as
-  Qwen2Tokenizer would let transformers rebuild the pipeline its own way), BOS/EOS tokens, and the GGUF's
-  `tokenizer.chat_template` (a minimal ChatML template where the file has none).
+- `tokenizer_config.json`: `tokenizer_class` PreTrainedTokenizerFast (the generic class: tokenizer.json
+  used as written, whatever the architecture; Qwen2Tokenizer gave the same ids here), BOS/EOS tokens, and
+  the GGUF's `tokenizer.chat_template` (a minimal ChatML template where the file has none).
 - `generation_config.json`: `eos_token_id` = every end-of-generation id our engine stops at (EOS, EOT and
   the ChatML/Llama end tokens), which mlx-lm reads as its stop set.
 
