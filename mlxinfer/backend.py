@@ -142,10 +142,9 @@ class Backend:
         """A [slots, capacity, width] store holding `store`'s rows (grown or trimmed; the rest zero)."""
         raise NotImplementedError
 
-    def compile_decode(self, forward, state):
-        """`forward(ids, positions, row_slots, row_lens) -> logits` compiled into one step whose
-        `state` (lists of cache tensors, written by the step) is updated in place. Backends that set
-        `compiles_decode` implement it."""
+    def compile_decode(self, forward):
+        """`forward` (a decode pass: arrays in, logits and the written cache stores out) compiled into
+        one step. Backends that set `compiles_decode` implement it."""
         raise NotImplementedError
 
     def start(self, *xs) -> None:

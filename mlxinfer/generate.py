@@ -29,7 +29,7 @@ from .chat import render_chat
 from .distributed import Shard, join
 from .errors import GGUFError, RequestError
 from .gguf_file import GGUFFile
-from .kv_cache import KV_CACHES, PreallocKVCache
+from .kv_cache import KV_CACHES, PagedKVCache, PreallocKVCache
 from .metrics import Metrics
 from .model_source import resolve_model
 from .models import architecture, model_args
@@ -134,6 +134,7 @@ class Engine:
         self.shard = Shard.plan(self.gguf, self.args, rank, tp, group)
         self.kv_width = self.shard.n_kv_heads * self.args.head_dim  # this rank's KV heads
         self.model = arch.Model(backend, self.gguf, self.args, self.shard)
+        self._steps = {}  # compiled decode steps, by (cache class, batch size)
 
     # -- helpers ------------------------------------------------------------------------------
     def new_cache(self):
@@ -248,7 +249,11 @@ class Engine:
                       logits_for=[s.cached + n >= len(s.prompt) for s, n in plan])
         cache.reserve(batch)
         if self._compiled(plan, cache):
-            logits = self._decode_step(cache, len(plan))(ids, batch.positions, batch.row_slots, batch.row_lens)
+            paged = cache.decode_index(ops, batch) if isinstance(cache, PagedKVCache) else ()
+            step = self._decode_step(type(cache), len(plan))
+            logits, keys, values = step(ids, batch.positions, batch.row_slots, batch.row_lens, cache.keys,
+                                        cache.values, *paged)
+            cache.keys[:], cache.values[:] = keys, values
         else:
             logits = self.model(ops, ids, batch, cache)
         step = _Pass(sampled)
@@ -268,22 +273,33 @@ class Engine:
 
     def _compiled(self, plan, cache) -> bool:
         """Whether this pass runs as the compiled decode step: every sequence decodes one token, into
-        a preallocated cache, on a backend that compiles (MLX with its GPU attention kernel)."""
-        return (self.compile_decode and self.backend.compiles_decode and isinstance(cache, PreallocKVCache)
+        a preallocated or paged cache, on a backend that compiles (MLX with its GPU attention kernel)."""
+        return (self.compile_decode and self.backend.compiles_decode
+                and isinstance(cache, (PreallocKVCache, PagedKVCache))
                 and all(n == 1 and s.cached >= len(s.prompt) for s, n in plan))
 
-    def _decode_step(self, cache, n: int):
-        """The compiled decode step of `n` sequences over `cache` (made once per cache and batch size;
-        the backend retraces it when the cache's capacity, a shape, changes)."""
-        steps = cache.__dict__.setdefault("decode_steps", {})
-        if n not in steps:
+    def _decode_step(self, kind: type, n: int):
+        """The compiled decode step of `n` sequences over a cache of class `kind`: (ids, positions,
+        slots, lengths, keys, values[, paged index]) -> (logits, keys, values), the per-layer stores
+        in and out. Made once per engine, batch size and cache class; the backend retraces it only
+        when a shape changes (the cache's capacity), so later requests reuse the trace."""
+        key = (kind, n)
+        if key not in self._steps:
             ops = self.backend
 
-            def forward(ids, positions, row_slots, row_lens):
-                return self.model(ops, ids, Batch.decode_template(ops, n, positions, row_slots, row_lens), cache)
+            def forward(ids, positions, row_slots, row_lens, keys, values, *paged):
+                batch = Batch.decode_template(ops, n, positions, row_slots, row_lens)
+                if paged:  # the paged cache's write targets and gather rows (PagedKVCache.decode_index)
+                    blocks, offsets, rows, row_seq = paged
+                    batch.paged_index = dict(blocks=blocks, offsets=offsets,
+                                             padded=(rows, row_seq, rows.shape[0] // n))
+                stores = object.__new__(kind)  # the cache as `update` sees it: only its stores are read
+                stores.keys, stores.values = list(keys), list(values)
+                logits = self.model(ops, ids, batch, stores)
+                return logits, stores.keys, stores.values
 
-            steps[n] = ops.compile_decode(forward, [cache.keys, cache.values])
-        return steps[n]
+            self._steps[key] = ops.compile_decode(forward)
+        return self._steps[key]
 
     def _read(self, step: _Pass, cache, batch_size: int):
         """Read a pass's tokens (waits for the device), hand out their text, finish sequences. A pass

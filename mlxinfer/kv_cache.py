@@ -334,7 +334,11 @@ class PagedKVCache(_Slots):
 
     def _index(self, ops, batch) -> dict:
         """Built once per pass: the pool (block, offset) each row of the pass is written to, and per
-        sequence the pool rows (block * block_size + offset) of its positions 0..S-1."""
+        sequence the pool rows (block * block_size + offset) of its positions 0..S-1. A compiled decode
+        step's batch brings its own (`decode_index`, traced inputs)."""
+        traced = getattr(batch, "paged_index", None)
+        if traced is not None:
+            return traced
         if self._rows[0] is not batch:
             bs = self.block_size
             blocks, offsets, lists = [], [], []
@@ -358,6 +362,17 @@ class PagedKVCache(_Slots):
             row_seq = [b for b, n in enumerate(batch.lengths) for _ in range(n)]  # length: never read
             index.update(padded=(ops.index_array(padded), ops.index_array(row_seq), s_max))
         return index["padded"]
+
+    def decode_index(self, ops, batch, bucket: int = 256) -> tuple:
+        """The host-built arrays a compiled decode step takes: (blocks, offsets) the rows are written
+        to, and (padded pool rows, row -> sequence) of every sequence's positions 0..S_max-1 with S_max
+        rounded up to `bucket`, so that the step's shapes change once per `bucket` positions, not per
+        token (the kernel reads each row only up to its length: the padding is never read)."""
+        index = self._index(ops, batch)
+        s_max = bucket * -(-max(batch.kv_lens) // bucket)
+        padded = [r for rows in index["lists"] for r in rows + [0] * (s_max - len(rows))]
+        row_seq = list(range(len(batch)))
+        return index["blocks"], index["offsets"], ops.index_array(padded), ops.index_array(row_seq)
 
     def pass_rows(self, ops, batch) -> list:
         return self._index(ops, batch)["rows"]

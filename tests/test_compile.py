@@ -25,11 +25,18 @@ class LengthMasked(MLXBackend):
         return True
 
     def fused_attention_override(self, q, kv, batch, spec):
-        if batch.n_rows != len(batch) or kv.store is None:  # not a decode pass: the usual path
-            return super().fused_attention_override(q, kv, batch, spec)
-        keys, values = kv.store
-        n, cap = q.shape[0], keys.shape[1]
-        k, v = keys[batch.row_slots], values[batch.row_slots]  # [N, cap, KV*D]
+        if batch.n_rows != len(batch) or (kv.store is None and not hasattr(kv, "batch_rows")):
+            return super().fused_attention_override(q, kv, batch, spec)  # not a decode pass: the usual path
+        n = q.shape[0]
+        if kv.store is not None:
+            keys, values = kv.store
+            k, v = keys[batch.row_slots], values[batch.row_slots]  # [N, cap, KV*D]
+        else:  # paged: every sequence's rows gathered from the blocks, padded to S_max
+            rows, row_seq, s_max = kv.batch_rows(self)
+            w = kv.keys.shape[2]
+            k = kv.keys.reshape(-1, w)[rows].reshape(n, s_max, w)[row_seq]
+            v = kv.values.reshape(-1, w)[rows].reshape(n, s_max, w)[row_seq]
+        cap = k.shape[1]
         kh = mx.reshape(k, (n, cap, spec.n_kv_heads, spec.head_dim)).transpose(0, 2, 1, 3)
         vh = mx.reshape(v, (n, cap, spec.n_kv_heads, spec.head_dim)).transpose(0, 2, 1, 3)
         qh = mx.reshape(q, (n, spec.n_kv_heads, spec.group, spec.head_dim))
@@ -40,10 +47,10 @@ class LengthMasked(MLXBackend):
         return mx.reshape(ctx, (n, spec.n_heads * spec.head_dim))
 
 
-def engines(path, step=None):
+def engines(path, kv="prealloc"):
     out = []
     for compiled in (False, True):
-        e = Engine(path, LengthMasked(device="cpu"))
+        e = Engine(path, LengthMasked(device="cpu"), kv=kv)
         e.compile_decode = compiled
         out.append(e)
     return out
@@ -57,27 +64,22 @@ def model(tmp_path_factory):
                                  ffn=128, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=320, tied_output=False)
 
 
-def test_compiled_decode_equals_eager_across_cache_growth(model, monkeypatch):
-    eager, compiled = engines(model)
-    traces = []
-    real = Engine._decode_step
-
-    def counting(self, cache, n):
-        steps = cache.__dict__.get("decode_steps", {})
-        if n not in steps:
-            traces.append(n)
-        return real(self, cache, n)
-
-    monkeypatch.setattr(Engine, "_decode_step", counting)
+@pytest.mark.parametrize("kv", ["prealloc", "paged"])
+def test_compiled_decode_equals_eager_across_cache_growth(model, kv):
+    eager, compiled = engines(model, kv)
     prompt = list(range(3, 250))  # the cache grows past 256 positions while decoding: a new shape
     a = eager.generate(prompt, max_tokens=20)
     b = compiled.generate(prompt, max_tokens=20)
     assert b.token_ids == a.token_ids and b.logprobs == a.logprobs  # bitwise: the same floats
-    assert traces == [1]  # one compiled step for batch size 1, made once
+    assert list(compiled._steps) == [(type(compiled.new_cache()), 1)]  # one step for batch size 1
+    step = compiled._steps[(type(compiled.new_cache()), 1)]
+    c = compiled.generate(prompt, max_tokens=20)  # a new request, a new cache: the same compiled step
+    assert c.token_ids == a.token_ids and compiled._steps[(type(compiled.new_cache()), 1)] is step
 
 
-def test_compiled_batch_decode_with_sequences_finishing_apart(model):
-    eager, compiled = engines(model)
+@pytest.mark.parametrize("kv", ["prealloc", "paged"])
+def test_compiled_batch_decode_with_sequences_finishing_apart(model, kv):
+    eager, compiled = engines(model, kv)
     prompts = [list(range(5, 5 + n)) for n in (3, 40, 17)]
     kw = dict(max_tokens=12, temperature=0.9, seed=7)
     want = eager.generate_batch(prompts, **kw)

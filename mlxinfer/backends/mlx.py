@@ -371,8 +371,8 @@ class MLXBackend(Backend):
         products either: compiled, their bits changed with the batch size on the H200."""
         return self.attention == "fused" and self.kernel in ("cuda", "metal") and not self.per_sequence_linear
 
-    def compile_decode(self, forward, state):
-        return mx.compile(forward, inputs=state, outputs=state)
+    def compile_decode(self, forward):
+        return mx.compile(forward)
 
     def all_sum(self, x, group):
         return mx.distributed.all_sum(x, group=group)
