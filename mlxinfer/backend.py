@@ -263,6 +263,16 @@ class Backend:
         log-probabilities [R] float32 of the chosen tokens under the model's softmax)."""
         raise NotImplementedError
 
+    # -- composite ops: defaults built from the primitives (the reference), overridable ----------
+    def rms_norm(self, x, weight, eps: float):
+        """x * rsqrt(mean(x^2) + eps) * weight, row by row: sum_squares_rows, scale by 1/n, add_scalar
+        eps, rsqrt, mul_rows, hadamard with the [1, n] weight row. A backend may override it with a
+        fused kernel (MLX: mx.fast.rms_norm); the tracing backend always runs this default."""
+        n = x.shape[1]
+        mean_sq = self.scale(self.sum_squares_rows(x), 1.0 / n)
+        inv = self.rsqrt(self.add_scalar(mean_sq, eps))
+        return self.hadamard(self.mul_rows(x, inv), weight)
+
     # -- collectives (tensor parallelism, `mlxinfer.distributed`) ------------------------------
     def all_sum(self, x, group):
         """The elementwise sum of `x` over the ranks of `group` (an mx.distributed group), on every rank.

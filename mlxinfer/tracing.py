@@ -67,6 +67,10 @@ class TracingBackend:
             self.pass_time += dt
         return out
 
+    def rms_norm(self, x, weight, eps):
+        # The primitive default, on the tracer: its primitives are what the op-count formulas count.
+        return Backend.rms_norm(self, x, weight, eps)
+
     def fused_attention(self, q, kv, batch, spec):
         # The per-head reference runs on the tracer, so the primitives it is built from are counted.
         if self.inner.attention == "per-head":

@@ -249,3 +249,24 @@ def test_an_unverified_kernel_that_fails_its_self_check_is_not_used(capsys):
     assert wrong.kernel == "graph" and wrong.gpu_kernels is None and wrong.fallback == problem
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mlxinfer: warning: the attention kernels failed their self-check")
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_fused_rms_norm_matches_its_primitive_default(device):
+    """The MLX override of the composite `rms_norm` (mx.fast.rms_norm) against the protocol's default
+    built from primitives, on the same device: bit for bit on the CPU (measured), within 2 ulp-ish on a
+    GPU (a reduction in another order)."""
+    from mlxinfer.backend import Backend
+
+    if device == "gpu" and not gpu_kind():
+        pytest.skip("needs an MLX GPU")
+    b = MLXBackend(device=device)
+    rng = np.random.default_rng(0)
+    for rows, cols, eps in ((1, 576, 1e-5), (7, 1024, 1e-6), (48, 128, 1e-6)):
+        x = b.from_numpy(rng.standard_normal((rows, cols)).astype(np.float32) * 3)
+        w = b.from_numpy((1 + 0.1 * rng.standard_normal((1, cols))).astype(np.float32))
+        got, want = np.array(b.rms_norm(x, w, eps)), np.array(Backend.rms_norm(b, x, w, eps))
+        if device == "cpu":
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -4,7 +4,8 @@ Every step is one backend op, so the tracing backend sees the whole forward pass
 batch's packed rows ([N, cols], see `mlxinfer.batch`); products with weights pass the batch's row
 groups so that a backend can keep each sequence's floats independent of its neighbours.
 
-RMSNorm = sum_squares_rows, scale by 1/n, add eps, rsqrt, mul_rows, hadamard with the weight row.
+RMSNorm is the backend's composite op `rms_norm`: by default sum_squares_rows, scale by 1/n, add eps,
+rsqrt, mul_rows, hadamard with the weight row (`Backend.rms_norm`); MLX fuses it.
 
 Under tensor parallelism (`mlxinfer.distributed`) each rank holds a slice of every product; `all_sum`
 joins the partial sums of a row-parallel product and `output_logits` gathers the vocabulary shards.
@@ -15,11 +16,9 @@ from __future__ import annotations
 
 
 def rms_norm(ops, x, weight, eps: float):
-    """x * rsqrt(mean(x^2) + eps) * weight, row by row."""
-    n = x.shape[1]
-    mean_sq = ops.scale(ops.sum_squares_rows(x), 1.0 / n)
-    inv = ops.rsqrt(ops.add_scalar(mean_sq, eps))
-    return ops.hadamard(ops.mul_rows(x, inv), weight)
+    """x * rsqrt(mean(x^2) + eps) * weight, row by row (the backend's composite op; its default is
+    built from the primitives, see Backend.rms_norm)."""
+    return ops.rms_norm(x, weight, eps)
 
 
 def head_rms_norm(ops, x, weight, n_heads: int, head_dim: int, eps: float):
