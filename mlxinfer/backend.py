@@ -142,6 +142,11 @@ class Backend:
         """A [slots, capacity, width] store holding `store`'s rows (grown or trimmed; the rest zero)."""
         raise NotImplementedError
 
+    def compiles_pass(self, batch, spec) -> bool:
+        """Whether this decode batch's attention would read only the batch's arrays (no host length),
+        so that a compiled step traced with placeholder host values computes it."""
+        return False
+
     def compile_decode(self, forward):
         """`forward` (a decode pass: arrays in, logits and the written cache stores out) compiled into
         one step. Backends that set `compiles_decode` implement it."""

@@ -48,6 +48,7 @@ class Batch:
         self.logit_rows = ops.index_array(logit_rows)
         self.row_lens = ops.index_array([n for n, k in zip(self.kv_lens, self.lengths) for _ in range(k)])
         self._per_sequence: dict[int, object] = {}
+        self.traced = False  # True in the batch a compiled step is traced with (decode_template)
 
     @classmethod
     def decode_template(cls, ops, n: int, positions, row_slots, row_lens):
@@ -56,11 +57,12 @@ class Batch:
         lengths are placeholders: a compiled step reads only the arrays)."""
         b = cls(ops, list(range(n)), [0] * n, [1] * n)
         b.positions, b.row_slots, b.row_lens = positions, row_slots, row_lens
-        b._positions_host = None  # per-sequence host positions do not exist here
+        b.traced = True
+        b.slots = b.starts = b.kv_lens = b._positions_host = None  # placeholders: reading them fails
         return b
 
     def __len__(self) -> int:
-        return len(self.slots)
+        return len(self.lengths)
 
     @property
     def logits_of_every_row(self) -> bool:

@@ -51,7 +51,17 @@ def _generate(args) -> int:
         raise RequestError(f"--tp must be a positive integer, got {args.tp}")
     if args.tp > 1 and not launched():  # start the ranks under mlx.launch; each runs this same command
         check_split(args.model, args.tp)  # a model that cannot be split is refused here, once
-        return relaunch(args.tp, args.argv)
+        prompt = _read_prompt(args)  # a prompt from stdin reaches the ranks as a file (their stdin is closed)
+        if args.prompt != "-":
+            return relaunch(args.tp, args.argv, args.device)
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(prefix="mlxinfer-prompt-", suffix=".txt") as f:
+            f.write(prompt if isinstance(prompt, bytes) else prompt.encode())
+            f.flush()
+            argv = list(args.argv)
+            argv.remove("-")
+            return relaunch(args.tp, argv + ["--prompt-file", f.name], args.device)
     prompt = _read_prompt(args)
     engine = _load(args)
     if engine.shard.rank > 0:  # rank 0 prints the text and the metrics; the others print nothing
@@ -268,20 +278,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from .distributed import record_status
+
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    rc = 1
     try:
-        return args.func(args)
+        rc = args.func(args)
+        return rc
     except MlxinferError as e:
         sys.stdout.flush()
         print(f"mlxinfer: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("mlxinfer: interrupted", file=sys.stderr)
-        return 130
+        rc = 130
+        return rc
     except MemoryError:
         print("mlxinfer: error: out of memory", file=sys.stderr)
         return 1
+    finally:
+        record_status(rc)  # in a rank of `generate --tp N`: tell the parent how it ended
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ by an all-sum of rank 0's choice.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -96,17 +97,25 @@ class Shard:
         kv = split(args.n_kv_heads, size)[rank]
         heads = (kv[0] * group_size, kv[1] * group_size)
         d = args.head_dim
-        down = g.tensor("blk.0.ffn_down.weight")
-        o = g.tensor("blk.0.attn_output.weight")
-        block = GGML_QUANT_SIZES[down.ggml_type][0]
-        if args.ffn % block or args.ffn // block < size:
+        # Column cuts must fall on quantization block boundaries of every layer's tensor (files may mix
+        # types across layers): the FFN is split in units of the largest ffn_down block, and the head
+        # boundaries (whole GQA groups) are checked against every attn_output block.
+        unit = 1
+        for i in range(args.n_layers):
+            t = g.tensor(f"blk.{i}.ffn_down.weight")
+            unit = math.lcm(unit, GGML_QUANT_SIZES[t.ggml_type][0])
+        if args.ffn % unit or args.ffn // unit < size:
             raise RequestError(f"{g.path}: FFN width {args.ffn} cannot be split over {size} ranks in whole "
-                               f"{down.ggml_type.name} blocks of {block}")
-        o_block = GGML_QUANT_SIZES[o.ggml_type][0]
-        if d % o_block:
-            raise RequestError(f"{g.path}: head dim {d} is not a multiple of attn_output's "
-                               f"{o.ggml_type.name} block of {o_block}: its columns cannot be split by head")
-        ffn = split(args.ffn, size, block)[rank]
+                               f"quantization blocks of {unit} (ffn_down)")
+        cuts = [k[0] * group_size * d for k in split(args.n_kv_heads, size)[1:]]
+        for i in range(args.n_layers):
+            t = g.tensor(f"blk.{i}.attn_output.weight")
+            o_block = GGML_QUANT_SIZES[t.ggml_type][0]
+            bad = [c for c in cuts if c % o_block]
+            if bad:
+                raise RequestError(f"{g.path}: blk.{i}.attn_output.weight ({t.ggml_type.name}, blocks of {o_block}) "
+                                   f"cannot be cut by head at column {bad[0]} for {size} ranks")
+        ffn = split(args.ffn, size, unit)[rank]
         rows = -(-args.vocab_size // size)
         vocab = (min(rank * rows, args.vocab_size), min((rank + 1) * rows, args.vocab_size))
         cut = {}
@@ -224,23 +233,55 @@ def check_split(model, tp: int) -> None:
         Shard.plan(g, model_args(g), 0, tp)
 
 
-def default_backend() -> str:
-    """mlx.launch's backend for local ranks: NCCL where MLX sees a CUDA GPU, else the TCP ring."""
+def default_backend(device: str | None = None) -> str:
+    """mlx.launch's backend for local ranks: NCCL where MLX runs on a CUDA GPU, else the TCP ring."""
     import mlx.core as mx
 
-    return "nccl" if mx.cuda.is_available() else "ring"
+    return "nccl" if mx.cuda.is_available() and device != "cpu" else "ring"
 
 
-def relaunch(tp: int, argv: list[str]) -> int:
-    """Run `python -m mlxinfer <argv>` as `tp` local ranks under mlx.launch; returns the exit status.
-    NVLink multicast (NVLS) stays off unless the caller set NCCL_NVLS_ENABLE."""
+STATUS_DIR = "MLXINFER_TP_STATUS_DIR"  # where each rank of a relaunched run leaves its exit status
+
+
+def record_status(rc: int) -> None:
+    """In a rank started by `relaunch`: leave this rank's exit status for the parent."""
+    where = os.environ.get(STATUS_DIR)
+    if where and "MLX_RANK" in os.environ:
+        with open(os.path.join(where, f"rank{int(os.environ['MLX_RANK'])}"), "w") as f:
+            f.write(str(rc))
+
+
+def relaunch(tp: int, argv: list[str], device: str | None = None) -> int:
+    """Run `python -m mlxinfer <argv>` as `tp` local ranks under mlx.launch (stdin closed: a prompt from
+    stdin is passed as a file); returns 0 only if every rank exited 0 (mlx.launch itself returns 0 when
+    ranks fail). NVLink multicast (NVLS) stays off unless the caller set NCCL_NVLS_ENABLE."""
+    import tempfile
+
+    if not _mx_distributed():
+        raise UnsupportedError("this MLX build has no distributed backend (mx.distributed is unavailable)")
     launcher = shutil.which("mlx.launch")
     cmd = [launcher] if launcher else [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"]
-    cmd += ["-n", str(tp), "--backend", default_backend()]
+    cmd += ["-n", str(tp), "--backend", default_backend(device)]
     env = dict(os.environ)
     env.setdefault("NCCL_NVLS_ENABLE", "0")
-    for key in ("NCCL_NVLS_ENABLE", "OPENBLAS_NUM_THREADS"):
-        if key in env:
-            cmd += ["--env", f"{key}={env[key]}"]
-    cmd += ["--", sys.executable, "-m", "mlxinfer", *argv]
-    return subprocess.call(cmd, env=env)
+    with tempfile.TemporaryDirectory(prefix="mlxinfer-tp-") as status:
+        env[STATUS_DIR] = status
+        for key in ("NCCL_NVLS_ENABLE", "OPENBLAS_NUM_THREADS", STATUS_DIR):
+            if key in env:
+                cmd += ["--env", f"{key}={env[key]}"]
+        cmd += ["--", sys.executable, "-m", "mlxinfer", *argv]
+        launcher_rc = subprocess.call(cmd, env=env, stdin=subprocess.DEVNULL)
+        codes = []
+        for r in range(tp):
+            try:
+                with open(os.path.join(status, f"rank{r}")) as f:
+                    codes.append(int(f.read().strip() or 1))
+            except (OSError, ValueError):
+                codes.append(1)  # killed, or never got as far as recording
+    return next((c for c in codes if c), launcher_rc)
+
+
+def _mx_distributed() -> bool:
+    import mlx.core as mx
+
+    return mx.distributed.is_available()

@@ -37,6 +37,7 @@ from .sampling import Sampler, SamplingParams
 from .tokenizer import GGUFTokenizer
 
 DEFAULT_PREFILL_CHUNK = 512
+MAX_COMPILED_STEPS = 16  # compiled decode steps an engine keeps (one per cache class and batch size)
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -73,7 +74,9 @@ class _Sequence:
     def __init__(self, engine, prompt_ids, params, max_tokens, stop, slot, t0):
         self.prompt = prompt_ids
         self.params = params
-        self.seed = None if params.greedy else engine.agree(params.resolved_seed())
+        self.seed = None if params.greedy else params.resolved_seed()
+        if self.seed is not None and (params.seed is None or params.seed < 0):
+            self.seed = engine.agree(self.seed)  # a random seed: every rank of a TP run takes rank 0's
         self.rng = None if params.greedy else engine.backend.new_random(self.seed)
         self.max_tokens = max_tokens
         self.stop = stop
@@ -248,7 +251,7 @@ class Engine:
         batch = Batch(ops, [s.slot for s, _ in plan], [s.cached for s, _ in plan], [n for _, n in plan],
                       logits_for=[s.cached + n >= len(s.prompt) for s, n in plan])
         cache.reserve(batch)
-        if self._compiled(plan, cache):
+        if self._compiled(plan, cache, batch):
             paged = cache.decode_index(ops, batch) if isinstance(cache, PagedKVCache) else ()
             step = self._decode_step(type(cache), len(plan))
             logits, keys, values = step(ids, batch.positions, batch.row_slots, batch.row_lens, cache.keys,
@@ -271,12 +274,14 @@ class Engine:
             s.sampled += 1
         return step
 
-    def _compiled(self, plan, cache) -> bool:
+    def _compiled(self, plan, cache, batch) -> bool:
         """Whether this pass runs as the compiled decode step: every sequence decodes one token, into
-        a preallocated or paged cache, on a backend that compiles (MLX with its GPU attention kernel)."""
+        a preallocated or paged cache, on a backend that compiles (MLX with its GPU attention kernel)
+        and whose attention for this batch reads nothing but the batch's arrays (`compiles_pass`)."""
         return (self.compile_decode and self.backend.compiles_decode
                 and isinstance(cache, (PreallocKVCache, PagedKVCache))
-                and all(n == 1 and s.cached >= len(s.prompt) for s, n in plan))
+                and all(n == 1 and s.cached >= len(s.prompt) for s, n in plan)
+                and self.backend.compiles_pass(batch, self.model.spec))
 
     def _decode_step(self, kind: type, n: int):
         """The compiled decode step of `n` sequences over a cache of class `kind`: (ids, positions,
@@ -284,7 +289,11 @@ class Engine:
         in and out. Made once per engine, batch size and cache class; the backend retraces it only
         when a shape changes (the cache's capacity), so later requests reuse the trace."""
         key = (kind, n)
-        if key not in self._steps:
+        if key in self._steps:
+            self._steps[key] = self._steps.pop(key)  # most recently used last
+        else:
+            while len(self._steps) >= MAX_COMPILED_STEPS:  # each holds its traces: keep the recent ones
+                del self._steps[next(iter(self._steps))]
             ops = self.backend
 
             def forward(ids, positions, row_slots, row_lens, keys, values, *paged):

@@ -254,6 +254,8 @@ def main(argv=None):
     p.add_argument("--random-blocks", action="store_true",
                    help="Q8_0: draw quantized blocks directly (fast, streamed; for large shapes)")
     a = p.parse_args(argv)
+    if a.random_blocks and a.type != "Q8_0":
+        p.error(f"--random-blocks writes Q8_0 only, not --type {a.type}")
     write_synthetic_model(a.path, SyntheticSpec(a.arch, a.layers, a.hidden, a.ffn, a.heads, a.kv_heads,
                                                 a.head_dim, a.vocab, tied_output=not a.untied, qtype=a.type,
                                                 seed=a.seed, random_blocks=a.random_blocks))

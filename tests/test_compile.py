@@ -94,8 +94,8 @@ def test_compiled_step_is_actually_used(model, monkeypatch):
     calls = []
     real = Engine._compiled
 
-    def spy(self, plan, cache):
-        out = real(self, plan, cache)
+    def spy(self, plan, cache, batch):
+        out = real(self, plan, cache, batch)
         calls.append(out)
         return out
 
@@ -130,3 +130,20 @@ def test_gpu_compiled_decode_equals_eager_bitwise(model, kv):
                                 seed=3)
         runs.append((one.token_ids, one.logprobs, [g.token_ids for g in many], [g.logprobs for g in many]))
     assert runs[1] == runs[0]
+
+
+def test_a_pass_the_kernel_would_not_take_is_never_compiled(model):
+    """The graph path slices the cache by host lengths: a pass that would take it (here: few rows over
+    a long cache) runs eagerly, and a traced batch's host fields cannot be read by mistake."""
+    from mlxinfer.backend import AttentionSpec
+    from mlxinfer.batch import Batch
+
+    b = LengthMasked(device="cpu")
+    spec = AttentionSpec.standard(4, 2, 32)
+    assert b.compiles_pass(Batch(b, [0], [100], [1]), spec)
+    assert not b.compiles_pass(Batch(b, [0], [2000], [1]), spec)  # few long rows: graph path, eager
+    assert not b.compiles_pass(Batch(b, [0], [10], [1]), AttentionSpec.standard(2, 1, 512))  # past the kernel
+    t = Batch.decode_template(b, 2, mx.array([5, 6]), mx.array([0, 1]), mx.array([6, 7]))
+    assert t.traced and len(t) == 2 and t.n_rows == 2
+    with pytest.raises(TypeError):
+        max(t.kv_lens)

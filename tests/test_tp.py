@@ -157,10 +157,11 @@ def test_uneven_heads_give_each_rank_its_own_kv_share(tp_runs):
 
 def test_random_seed_is_agreed_so_ranks_sample_the_same_tokens(tp_runs):
     r0, r1 = tp_runs[1][3]
-    assert len(r0["tokens_fused"]) == 12
-    assert r0["tokens_fused"].tolist() == r1["tokens_fused"].tolist()
+    for path in ("tokens_fused", "tokens_per_head"):  # (a sampled end-of-generation token may stop early)
+        assert len(r0[path]) >= 1 and r0[path].tolist() == r1[path].tolist()
     # a fresh random seed per generation: the fused and the per-head run drew different seeds
-    assert r0["tokens_fused"].tolist() != r0["tokens_per_head"].tolist()
+    if min(len(r0["tokens_fused"]), len(r0["tokens_per_head"])) >= 4:
+        assert r0["tokens_fused"].tolist() != r0["tokens_per_head"].tolist()
 
 
 def test_cli_tp2_prints_the_text_and_metrics_once(smollm2_path):
@@ -182,3 +183,28 @@ def test_cli_tp_refusal_is_one_line(synthetic):
     assert r.stderr.strip().splitlines() == [
         f"mlxinfer: error: tensor parallelism over 2 ranks needs at least 2 KV heads; {path} has 4 query heads "
         "and 1 KV heads"]
+
+
+def test_head_cut_inside_a_k_quant_block_of_any_layer_is_refused(synthetic, monkeypatch):
+    """Files mix types across layers: every layer's attn_output block must contain no head boundary."""
+    from dataclasses import replace
+
+    from gguf import GGMLQuantizationType as Q
+
+    g = GGUFFile(synthetic(n_layers=3, hidden=128, ffn=256, n_heads=4, n_kv_heads=2, head_dim=64, qtype="Q8_0"))
+    args = model_args(g)
+    assert Shard.plan(g, args, 0, 2).heads == (0, 2)  # the cut at column 128: fine in blocks of 32
+    name = "blk.2.attn_output.weight"
+    monkeypatch.setitem(g.tensors, name, replace(g.tensors[name], ggml_type=Q.Q4_K))  # blocks of 256
+    with pytest.raises(RequestError, match=r"blk.2.attn_output.weight \(Q4_K, blocks of 256\) cannot be cut by "
+                                           r"head at column 128 for 2 ranks"):
+        Shard.plan(g, args, 0, 2)
+
+
+def test_cli_tp_reads_stdin_once_and_fails_loudly(smollm2_path):
+    base = [sys.executable, "-m", "mlxinfer", "generate", "--model", smollm2_path, "--backend", "cpu", "--tp", "2"]
+    r = subprocess.run(base + ["-", "--max-tokens", "3"], input="The capital of France is", capture_output=True,
+                       text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith(" Paris"), r.stderr[-2000:]
+    bad = subprocess.run(base + ["hi", "--temp", "-1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert bad.returncode == 1 and "temperature" in bad.stderr  # every rank failed: so does the command

@@ -375,6 +375,11 @@ class MLXBackend(Backend):
         products either: compiled, their bits changed with the batch size on the H200."""
         return self.attention == "fused" and self.kernel in ("cuda", "metal") and not self.per_sequence_linear
 
+    def compiles_pass(self, batch, spec):
+        # exactly the passes the override sends to the kernel (not the graph path, which slices by host
+        # lengths: a head_dim past the kernel's limit, or few rows over long caches)
+        return spec.head_dim <= kernels.MAX_HEAD_DIM and not self._few_long_rows(batch, spec)
+
     def compile_decode(self, forward):
         return mx.compile(forward)
 
@@ -387,7 +392,10 @@ class MLXBackend(Backend):
         return mx.reshape(mx.transpose(parts, (1, 0, 2)), (r, -1))[:, :cols]
 
     def fused_attention_override(self, q, kv, batch, spec):
-        if self.kernel == "graph" or spec.head_dim > kernels.MAX_HEAD_DIM or self._few_long_rows(batch, spec):
+        if batch.traced:  # a compiled step: the kernel reads every length from the batch's arrays
+            if self.kernel == "graph" or spec.head_dim > kernels.MAX_HEAD_DIM:
+                raise RuntimeError("a compiled decode step reached the graph attention path")
+        elif self.kernel == "graph" or spec.head_dim > kernels.MAX_HEAD_DIM or self._few_long_rows(batch, spec):
             return self._graph_attention(q, kv, batch, spec)
         if kv.store is not None:  # the whole batch in one launch, reading the cache in place
             keys, values = kv.store
