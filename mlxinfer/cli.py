@@ -50,7 +50,10 @@ def _generate(args) -> int:
     if args.tp < 1:
         raise RequestError(f"--tp must be a positive integer, got {args.tp}")
     if args.tp > 1 and not launched():  # start the ranks under mlx.launch; each runs this same command
-        check_split(args.model, args.tp)  # a model that cannot be split is refused here, once
+        from .sampling import SamplingParams
+
+        check_split(args.model, args.tp)  # a model that cannot be split is refused here, once,
+        SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)  # as are bad sampling options
         prompt = _read_prompt(args)  # a prompt from stdin reaches the ranks as a file (their stdin is closed)
         if args.prompt != "-":
             return relaunch(args.tp, args.argv, args.device)

@@ -207,4 +207,9 @@ def test_cli_tp_reads_stdin_once_and_fails_loudly(smollm2_path):
                        text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0 and r.stdout.startswith(" Paris"), r.stderr[-2000:]
     bad = subprocess.run(base + ["hi", "--temp", "-1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert bad.returncode == 1 and "temperature" in bad.stderr  # every rank failed: so does the command
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [  # refused before any rank starts
+        "mlxinfer: error: bad sampling option: temperature must be >= 0, got -1.0"]
+    # a failure inside the ranks (here: the prompt does not fit the context) fails the command too
+    long = subprocess.run(base + ["--max-tokens", "3", "-"], input="word " * 9000, capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert long.returncode == 1 and "context length" in long.stderr, long.stderr[-2000:]
