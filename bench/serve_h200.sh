@@ -2,7 +2,7 @@
 # Issue 11: mlx-lm's server and ours on the same synthetic Qwen3-0.6B-shaped Q8_0 weights, one after the other,
 # bench/serve_bench.py at concurrency 1, 8 and 32 against each. One device call, from the repo root:
 #   bash bench/serve_h200.sh   (needs $OUT; MLX in $SITE=/tmp/site from .mlxcuda2/setup.sh; carry .mlxcuda2 and
-#   .peerwheels, the git-ignored wheels that bench/mlx_lm_server_peer.py --help says how to make)
+#   .peerwheels, the git-ignored wheels that `bash bench/peerwheels/make.sh` makes)
 # Writes $OUT/mlxlm.jsonl, $OUT/ours.jsonl (serve_bench's JSON lines, engine labels filled in), $OUT/probe.jsonl
 # (one greedy request each: usage, text), $OUT/write.log, $OUT/mlxlm_server.log, $OUT/ours_server.log.
 # Every step is bounded (LEVEL_TIMEOUT per bench level, 300 s per server start and per probe request).
