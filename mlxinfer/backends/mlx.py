@@ -376,9 +376,9 @@ class MLXBackend(Backend):
         return self.attention == "fused" and self.kernel in ("cuda", "metal") and not self.per_sequence_linear
 
     def compiles_pass(self, batch, spec):
-        # exactly the passes the override sends to the kernel (not the graph path, which slices by host
-        # lengths: a head_dim past the kernel's limit, or few rows over long caches)
-        return spec.head_dim <= kernels.MAX_HEAD_DIM and not self._few_long_rows(batch, spec)
+        # the passes the override sends to the kernel (with `compiles_decode`, there is one): the graph
+        # path slices the cache by host lengths
+        return not self._pass_needs_graph(batch, spec)
 
     def compile_decode(self, forward):
         return mx.compile(forward)
@@ -392,10 +392,9 @@ class MLXBackend(Backend):
         return mx.reshape(mx.transpose(parts, (1, 0, 2)), (r, -1))[:, :cols]
 
     def fused_attention_override(self, q, kv, batch, spec):
-        if batch.traced:  # a compiled step: the kernel reads every length from the batch's arrays
-            if self.kernel == "graph" or spec.head_dim > kernels.MAX_HEAD_DIM:
+        if self.kernel == "graph" or self._pass_needs_graph(batch, spec):
+            if batch.traced:  # a compiled step has no host lengths: compiles_pass keeps these passes eager
                 raise RuntimeError("a compiled decode step reached the graph attention path")
-        elif self.kernel == "graph" or spec.head_dim > kernels.MAX_HEAD_DIM or self._few_long_rows(batch, spec):
             return self._graph_attention(q, kv, batch, spec)
         if kv.store is not None:  # the whole batch in one launch, reading the cache in place
             keys, values = kv.store
@@ -416,6 +415,13 @@ class MLXBackend(Backend):
             outs.append(kernels.fused_attention(self.kernel, q[r0:r1], k[None], v[None], zeros,
                                                 batch.positions_of(self, b), row_len, spec))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
+
+    @classmethod
+    def _pass_needs_graph(cls, batch, spec) -> bool:
+        """Whether this pass's attention takes the graph override even with a GPU kernel: a head_dim
+        past the kernel's limit, or few rows over long caches (not asked of a traced batch, whose host
+        lengths are placeholders)."""
+        return spec.head_dim > kernels.MAX_HEAD_DIM or (not batch.traced and cls._few_long_rows(batch, spec))
 
     @staticmethod
     def _few_long_rows(batch, spec) -> bool:
