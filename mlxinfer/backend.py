@@ -281,19 +281,22 @@ class Backend:
     # -- collectives (tensor parallelism, `mlxinfer.distributed`) ------------------------------
     def all_sum(self, x, group):
         """The elementwise sum of `x` over the ranks of `group` (an mx.distributed group), on every rank.
-        Here through MLX for any backend; the MLX backend keeps it in its graph."""
-        import mlx.core as mx
+        Here through MLX arrays for any backend; the MLX backend keeps it in its graph."""
+        from .distributed import all_sum
 
-        return self.from_numpy(np.array(mx.distributed.all_sum(mx.array(self.to_numpy(x)), group=group)))
+        return self._through_mlx(all_sum, x, group)
 
     def all_gather_cols(self, x, group, cols: int):
         """[R, C] on each rank -> [R, cols]: the ranks' columns side by side in rank order, the first
         `cols` kept (the output head's vocabulary shards; the last rank's padding is dropped)."""
+        from .distributed import all_gather_cols
+
+        return self._through_mlx(all_gather_cols, x, group, cols)
+
+    def _through_mlx(self, collective, x, *args):
         import mlx.core as mx
 
-        parts = np.array(mx.distributed.all_gather(mx.array(self.to_numpy(x)), group=group))
-        r = x.shape[0]
-        return self.from_numpy(parts.reshape(-1, r, x.shape[1]).transpose(1, 0, 2).reshape(r, -1)[:, :cols])
+        return self.from_numpy(np.array(collective(mx.array(self.to_numpy(x)), *args)))
 
     # -- the composite op ---------------------------------------------------------------------
     def fused_attention(self, q, kv, batch, spec: AttentionSpec):

@@ -197,6 +197,24 @@ class ShardedGGUF:
         return np.ascontiguousarray(full[:, start // block * block_bytes: stop // block * block_bytes]).reshape(-1)
 
 
+# -- collectives (on mx arrays; the backends' all_sum and all_gather_cols) ----------------------------
+def all_sum(x, group):
+    """The elementwise sum of the mx array `x` over the ranks of `group`, on every rank."""
+    import mlx.core as mx
+
+    return mx.distributed.all_sum(x, group=group)
+
+
+def all_gather_cols(x, group, cols: int):
+    """[R, C] on each rank -> [R, cols]: the ranks' columns side by side in rank order, the first `cols`
+    kept (the output head's vocabulary shards; the last rank's padding is dropped)."""
+    import mlx.core as mx
+
+    r, c = x.shape
+    parts = mx.reshape(mx.distributed.all_gather(x, group=group), (-1, r, c))
+    return mx.reshape(mx.transpose(parts, (1, 0, 2)), (r, -1))[:, :cols]
+
+
 # -- processes --------------------------------------------------------------------------------------
 def launched() -> bool:
     """True inside a process started by mlx.launch (it sets the rank for every backend)."""

@@ -37,7 +37,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from .. import kernels  # noqa: E402
+from .. import distributed, kernels  # noqa: E402
 from ..backend import AttentionSpec, Backend  # noqa: E402
 from ..errors import GGUFError, RequestError  # noqa: E402
 
@@ -384,12 +384,10 @@ class MLXBackend(Backend):
         return mx.compile(forward)
 
     def all_sum(self, x, group):
-        return mx.distributed.all_sum(x, group=group)
+        return distributed.all_sum(x, group)
 
     def all_gather_cols(self, x, group, cols):
-        r, c = x.shape
-        parts = mx.reshape(mx.distributed.all_gather(x, group=group), (-1, r, c))
-        return mx.reshape(mx.transpose(parts, (1, 0, 2)), (r, -1))[:, :cols]
+        return distributed.all_gather_cols(x, group, cols)
 
     def fused_attention_override(self, q, kv, batch, spec):
         if self.kernel == "graph" or self._pass_needs_graph(batch, spec):
