@@ -135,11 +135,6 @@ class Shard:
         """The file as this rank's loaders see it (the file itself when nothing is sliced)."""
         return g if self.size == 1 else ShardedGGUF(g, self.tensors)
 
-    def describe(self) -> str:
-        return (f"rank {self.rank}/{self.size}: query heads {self.heads[0]}-{self.heads[1] - 1}, KV heads "
-                f"{self.kv_heads[0]}-{self.kv_heads[1] - 1}, FFN {self.ffn[0]}-{self.ffn[1] - 1}, vocab "
-                f"{self.vocab[0]}-{self.vocab[1] - 1}")
-
 
 class ShardedGGUF:
     """A GGUF file whose sliced tensors read as this rank's slice: `tensor(name)` has the slice's shape,
@@ -230,8 +225,7 @@ def join(tp: int):
         return 0, None
     import mlx.core as mx
 
-    if not mx.distributed.is_available():
-        raise UnsupportedError("this MLX build has no distributed backend (mx.distributed is unavailable)")
+    _require_distributed()
     group = mx.distributed.init() if launched() else None
     if group is None or group.size() != tp:
         found = 1 if group is None else group.size()
@@ -275,8 +269,7 @@ def relaunch(tp: int, argv: list[str], device: str | None = None) -> int:
     ranks fail). NVLink multicast (NVLS) stays off unless the caller set NCCL_NVLS_ENABLE."""
     import tempfile
 
-    if not _mx_distributed():
-        raise UnsupportedError("this MLX build has no distributed backend (mx.distributed is unavailable)")
+    _require_distributed()
     launcher = shutil.which("mlx.launch")
     cmd = [launcher] if launcher else [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"]
     cmd += ["-n", str(tp), "--backend", default_backend(device)]
@@ -299,7 +292,8 @@ def relaunch(tp: int, argv: list[str], device: str | None = None) -> int:
     return next((c for c in codes if c), launcher_rc)
 
 
-def _mx_distributed() -> bool:
+def _require_distributed() -> None:
     import mlx.core as mx
 
-    return mx.distributed.is_available()
+    if not mx.distributed.is_available():
+        raise UnsupportedError("this MLX build has no distributed backend (mx.distributed is unavailable)")

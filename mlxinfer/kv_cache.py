@@ -24,6 +24,15 @@ import math
 from .errors import RequestError
 
 
+def _resize_stores(ops, keys: list, values: list, rows: int, capacity: int, width: int) -> None:
+    """Every layer's key and value store made [rows, capacity, width], in the lists: a new zeroed one
+    where there is none, else the old one grown or trimmed (its rows kept)."""
+    for stores in (keys, values):
+        for i, store in enumerate(stores):
+            stores[i] = (ops.new_store(rows, capacity, width) if store is None
+                         else ops.resize_store(store, rows, capacity))
+
+
 class _Slots:
     """Slot bookkeeping shared by the caches: which slots are in use and how many tokens each holds."""
 
@@ -86,18 +95,12 @@ class PreallocKVCache(_Slots):
     def _resize(self, n_slots: int, capacity: int) -> None:
         if (n_slots, capacity) == (self.n_slots, self.capacity):
             return
-        ops = self.ops
-        for i in range(self.n_layers):
-            if n_slots == 0:
-                self.keys[i] = self.values[i] = None
-            elif self.keys[i] is None:
-                self.keys[i] = ops.new_store(n_slots, capacity, self.width)
-                self.values[i] = ops.new_store(n_slots, capacity, self.width)
-            else:
-                self.keys[i] = ops.resize_store(self.keys[i], n_slots, capacity)
-                self.values[i] = ops.resize_store(self.values[i], n_slots, capacity)
+        if n_slots == 0:
+            self.keys[:] = self.values[:] = [None] * self.n_layers
+        else:
+            _resize_stores(self.ops, self.keys, self.values, n_slots, capacity, self.width)
         self.n_slots, self.capacity = n_slots, capacity
-        ops.sync(*[x for x in self.keys + self.values if x is not None])
+        self.ops.sync(*[x for x in self.keys + self.values if x is not None])
 
     def _fit(self) -> None:
         """Size the stores to the slots in use and the longest sequence, rounded up to a step."""
@@ -239,14 +242,7 @@ class PagedKVCache(_Slots):
 
     # -- blocks ------------------------------------------------------------------------------
     def _grow(self, n_blocks: int) -> None:
-        ops = self.ops
-        for i in range(self.n_layers):
-            if self.keys[i] is None:
-                self.keys[i] = ops.new_store(n_blocks, self.block_size, self.width)
-                self.values[i] = ops.new_store(n_blocks, self.block_size, self.width)
-            else:
-                self.keys[i] = ops.resize_store(self.keys[i], n_blocks, self.block_size)
-                self.values[i] = ops.resize_store(self.values[i], n_blocks, self.block_size)
+        _resize_stores(self.ops, self.keys, self.values, n_blocks, self.block_size, self.width)
         self.free.extend(range(n_blocks - 1, self.n_blocks - 1, -1))
         self.refs.extend([0] * (n_blocks - self.n_blocks))
         self.n_blocks = n_blocks

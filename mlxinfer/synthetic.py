@@ -93,6 +93,11 @@ def _add(writer, name, data, qtype: GGMLQuantizationType):
         writer.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
 
 
+def _norm_values(rng, n: int) -> np.ndarray:
+    """A norm weight vector: 1 + 0.1 N(0, 1)."""
+    return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+
 def _random_q8_0(rng, shape, std) -> np.ndarray:
     """Q8_0 blocks drawn directly, not quantized from floats: per 32 values an fp16 scale std/73.6 and
     32 uniform int8 quants (their std is ~73.6), so the values have about the asked std. Written this
@@ -148,7 +153,7 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
         return _write_random_blocks(w, spec, rng, str(path))
     for t, _, name, _, shape in tensors(spec.args()):
         if t.kind == NORM:
-            data = (1.0 + 0.1 * rng.standard_normal(shape[0])).astype(np.float32)
+            data = _norm_values(rng, shape[0])
         else:
             data = _tensor(rng, shape, 1.0 if t.kind == EMBEDDING else shape[1] ** -0.5)
         _add(w, name, data, qtype)
@@ -174,7 +179,7 @@ def _write_random_blocks(w: GGUFWriter, spec: SyntheticSpec, rng, path: str) -> 
     w.write_ti_data_to_file()
     for t, _, name, _, shape in specs:
         if t.kind == NORM:
-            w.write_tensor_data((1.0 + 0.1 * rng.standard_normal(shape[0])).astype(np.float32))
+            w.write_tensor_data(_norm_values(rng, shape[0]))
         else:
             w.write_tensor_data(_random_q8_0(rng, shape, 1.0 if t.kind == EMBEDDING else shape[1] ** -0.5))
     w.close()
