@@ -150,8 +150,10 @@ class Engine:
             return seed
         import mlx.core as mx
 
+        from .distributed import all_sum
+
         mine = mx.array(np.array([seed if self.shard.rank == 0 else 0], dtype=np.uint64).view(np.uint32))
-        return int(np.array(mx.distributed.all_sum(mine, group=self.shard.group)).view(np.uint64)[0])
+        return int(np.array(all_sum(mine, self.shard.group)).view(np.uint64)[0])
 
     def encode_prompt(self, prompt, chat: bool = False) -> list[int]:
         """Token ids of a prompt: text, bytes (UTF-8), token ids, or a chat messages list rendered with
