@@ -3,11 +3,16 @@ keys and values, GQA 16/8, head_dim 128, float32, at several contexts, for
 
 - `fused`: mlxinfer's fused attention kernel (`mlxinfer.kernels.fused_attention`, CUDA or Metal) reading
   the [slots, capacity, KV*D] cache in place, each row's length from an array;
+  with the launch plan it picks for such passes (CUDA: the split kernels) and, as `one_launch`, the
+  one-launch kernel (one block per row and head) forced;
 - `sdpa`: `mx.fast.scaled_dot_product_attention` on [B, 16, 1, 128] queries and [B, 8, S, 128] keys
   and values (MLX's own fused kernel; no mask needed for one query row that sees every key).
 
 Each case evaluates the op `--reps` times in a row (one graph per call, evaluated) and reports the
-median microseconds per call. Needs an MLX GPU.
+median microseconds per call (`*_us`: launch and synchronisation included, as a decode step without
+compilation pays them), and the median over `--reps` graphs of 20 independent calls each, per call
+(`*_us_in20`: closer to the kernels' own time, as inside a compiled step). Before timing it checks that
+both plans give the same bits and that they agree with sdpa to 1e-4. Needs an MLX GPU.
 
     python3 bench/decode_attention.py --contexts 512,2048,8192,32768 --batch 1,8 --out results.jsonl
 """
@@ -30,14 +35,15 @@ from mlxinfer import kernels  # noqa: E402
 from mlxinfer.backend import AttentionSpec  # noqa: E402
 
 
-def timed(fn, reps):
+def timed(fn, reps, chain=1):
+    """Median microseconds per call, `chain` calls per evaluated graph."""
     for _ in range(3):
-        mx.eval(fn())
+        mx.eval([fn() for _ in range(chain)])
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        mx.eval(fn())
-        times.append((time.perf_counter() - t) * 1e6)
+        mx.eval([fn() for _ in range(chain)])
+        times.append((time.perf_counter() - t) * 1e6 / chain)
     return statistics.median(times)
 
 
@@ -65,10 +71,21 @@ def main(argv=None):
             kh = mx.contiguous(mx.transpose(mx.reshape(keys, (b, s, 8, 128)), (0, 2, 1, 3)))
             vh = mx.contiguous(mx.transpose(mx.reshape(values, (b, s, 8, 128)), (0, 2, 1, 3)))
             mx.eval(q, keys, values, kh, vh)
-            fused = timed(lambda: kernels.fused_attention(kind, q, keys, values, slots, pos, lens, spec), a.reps)
-            sdpa = timed(lambda: mx.fast.scaled_dot_product_attention(qh, kh, vh, scale=spec.scale), a.reps)
-            row = dict(batch=b, context=s, fused_us=round(fused, 1), sdpa_us=round(sdpa, 1),
-                       fused_over_sdpa=round(fused / sdpa, 2), kernel=kind)
+            ops = {"fused": lambda: kernels.fused_attention(kind, q, keys, values, slots, pos, lens, spec),
+                   "one_launch": lambda: kernels.fused_attention(kind, q, keys, values, slots, pos, lens, spec,
+                                                                 split=False),
+                   "sdpa": lambda: mx.fast.scaled_dot_product_attention(qh, kh, vh, scale=spec.scale)}
+            out = {name: np.array(op()).reshape(b, -1) for name, op in ops.items()}
+            same = np.array_equal(out["fused"].view(np.uint32), out["one_launch"].view(np.uint32))
+            err = float(np.max(np.abs(out["fused"] - out["sdpa"])))
+            if not same or err > 1e-4:
+                sys.exit(f"decode_attention: plans differ (bitwise equal: {same}) or far from sdpa ({err:.3g})")
+            row = dict(batch=b, context=s, split=kernels.uses_split(kind, b, spec), kernel=kind)
+            for name, op in ops.items():
+                row[f"{name}_us"] = round(timed(op, a.reps), 1)
+                row[f"{name}_us_in20"] = round(timed(op, max(5, a.reps // 5), chain=20), 1)
+            row["fused_over_sdpa"] = round(row["fused_us"] / row["sdpa_us"], 2)
+            row["fused_over_sdpa_in20"] = round(row["fused_us_in20"] / row["sdpa_us_in20"], 2)
             print(json.dumps(row), flush=True)
             if a.out:
                 with open(a.out, "a") as f:

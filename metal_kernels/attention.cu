@@ -129,3 +129,104 @@ for (long item = blockIdx.x; item < items; item += gridDim.x) {
   for (int d = tid; d < D; d += MLXI_THREADS) out[r * H * D + h * D + d] = part[d];
   __syncthreads();
 }
+//@@BODY attn_scores
+// Split attention, step 1 of 3 (few query rows over long caches: decode). The same arithmetic as
+// fused_attention, spread over the GPU: p[r, h, j] = the scaled, masked score of row r, head h against
+// key j < row_len[r], for every head of one KV head's group (its key is read once per group).
+// Block b takes keys kb*64 .. kb*64+63 of (row r, KV head g), b = (r*KV + g)*nkb + kb; each warp takes
+// every 8th of them. q [N, H*D]; k [slots, CAP, KV*D]; p [N, H, CAP]; dims as fused_attention's.
+const long cap = dims[0];
+const int H = dims[1], KV = dims[2], D = dims[3], CAUSAL = dims[4], WINDOW = dims[5];
+const int G = H / KV;
+const long nkb = (cap + 63) / 64;
+const long blk = (long)blockIdx.y * gridDim.x + blockIdx.x;
+const long kb = blk % nkb, rg = blk / nkb;
+const long r = rg / KV;
+const int g = rg % KV;
+const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+if (r < dims[6]) {
+  const long S = row_len[r];
+  const int pos = row_pos[r];
+  const long kvw = (long)KV * D;
+  const float sc = scale[0];
+  const float* kg = k + (long)row_slot[r] * cap * kvw + g * D;
+  const long jend = min(kb * 64 + 64, S);
+  for (long j = kb * 64 + wid; j < jend; j += MLXI_WARPS) {
+    const bool hidden = (CAUSAL && j > pos) || (WINDOW > 0 && j <= pos - WINDOW);
+    for (int hh = 0; hh < G; ++hh) {
+      const long h = (long)g * G + hh;
+      const float s = __fmul_rn(mlxi_dot(q + r * H * D + h * D, 1, kg + j * kvw, 1, D, lane), sc);
+      if (lane == 0) p[(r * H + h) * cap + j] = hidden ? -INFINITY : s;
+    }
+  }
+}
+//@@BODY attn_softmax
+// Split attention, step 2 of 3: one block per (row r, head h) turns its scores x[r, h, :row_len[r]]
+// into attention weights with the one softmax (mlxi_softmax). x, out [N, H, CAP].
+const long cap = dims[0];
+const long rh = blockIdx.x;
+const int S = row_len[rh / dims[1]];
+__shared__ float red[MLXI_WARPS];
+float* y = out + rh * cap;
+for (int j = threadIdx.x; j < S; j += MLXI_THREADS) y[j] = x[rh * cap + j];
+__syncthreads();
+mlxi_softmax(y, S, threadIdx.x, red);
+//@@BODY attn_context
+// Split attention, step 3 of 3: out[r, h, d] = dot(p[r, h, :S], v[:S, d]) in the published order. Block
+// b = ((r*KV + g)*nd + c) takes head dimensions c*8 .. c*8+7 of KV head g for row r; thread (l, dd) =
+// (tid / 8, tid % 8) keeps lane l's partial sums (s = l, l+32, ... in increasing s) for up to 4 heads
+// of the group at once, reading v[s, d] once for all of them; the 32 partials per head are then
+// combined as a tree over l (part[l] += part[l + off] for l < off, off = 16, 8, 4, 2, 1: what lane 0
+// of the butterfly computes), exactly as fused_attention does. p [N, H, CAP]; v [slots, CAP, KV*D].
+const long cap = dims[0];
+const int H = dims[1], KV = dims[2], D = dims[3];
+const int G = H / KV, nd = (D + 7) / 8;
+const long blk = (long)blockIdx.y * gridDim.x + blockIdx.x;
+const int c = blk % nd;
+const long rg = blk / nd;
+const long r = rg / KV;
+const int g = rg % KV;
+const int tid = threadIdx.x, l = tid >> 3, d = c * 8 + (tid & 7);
+__shared__ float part[MLXI_THREADS];
+if (r < dims[6]) {
+  const long S = row_len[r];
+  const long kvw = (long)KV * D;
+  const float* vd = v + (long)row_slot[r] * cap * kvw + g * D + d;
+  for (int h0 = 0; h0 < G; h0 += 4) {
+    const int nh = min(4, G - h0);
+    const float* pr = p + (r * H + (long)g * G + h0) * cap;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (d < D) {
+      long i = l;
+      for (; i + 7 * 32 < S; i += 8 * 32) {  // 8 loads in flight, then the adds in the chain's order
+        float vv[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) vv[u] = vd[(i + u * 32) * kvw];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if (e < nh) acc[e] = __fadd_rn(acc[e], __fmul_rn(pr[e * cap + i + u * 32], vv[u]));
+          }
+        }
+      }
+      for (; i < S; i += 32) {
+        const float vi = vd[i * kvw];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (e < nh) acc[e] = __fadd_rn(acc[e], __fmul_rn(pr[e * cap + i], vi));
+        }
+      }
+    }
+    for (int e = 0; e < nh; ++e) {
+      part[tid] = acc[e];
+      for (int off = 16; off > 0; off >>= 1) {
+        __syncthreads();
+        if (l < off) part[tid] = __fadd_rn(part[tid], part[tid + off * 8]);
+      }
+      __syncthreads();
+      if (l == 0 && d < D) out[r * H * D + (g * G + h0 + e) * D + d] = part[tid];
+      __syncthreads();
+    }
+  }
+}

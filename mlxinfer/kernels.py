@@ -39,7 +39,13 @@ _INPUTS = {
     "matmul": (["a", "bt", "dims"], ["out"]),
     "softmax": (["x", "dims"], ["out"]),
     "fused_attention": (["q", "k", "v", "row_slot", "row_pos", "row_len", "scale", "dims"], ["out", "p"]),
+    "attn_scores": (["q", "k", "row_slot", "row_pos", "row_len", "scale", "dims"], ["p"]),
+    "attn_softmax": (["x", "row_len", "dims"], ["out"]),
+    "attn_context": (["p", "v", "row_slot", "row_len", "dims"], ["out"]),
 }
+SPLIT_KINDS = ("cuda",)  # the split attention kernels exist in these sources (Metal: one launch only)
+SPLIT_MAX_ITEMS = 1024  # (row, head) work items up to which the split kernels run: their scratch is
+# 2 x items x capacity floats, the same bound as the one-launch kernel's MAX_BLOCKS x capacity
 
 
 @lru_cache(maxsize=None)
@@ -67,9 +73,8 @@ def matmul(kind: str, a, bt, group: int = 1):
     nb, m, k = a.shape
     n = bt.shape[1]
     blocks = -(-nb * m * n // 8)  # 8 warps per block, one output per warp
-    cols = min(blocks, 65535)  # a 2-D grid: one dimension cannot hold them all
     (out,) = _kernel(kind, "matmul")(
-        inputs=[a, bt, _dims(nb, m, n, k, group)], grid=(cols * THREADS, -(-blocks // cols), 1),
+        inputs=[a, bt, _dims(nb, m, n, k, group)], grid=_grid(blocks),
         threadgroup=(THREADS, 1, 1), output_shapes=[(nb, m, n)], output_dtypes=[mx.float32])
     return out
 
@@ -85,15 +90,45 @@ def softmax(kind: str, x):
     return out
 
 
-def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec):
-    """A batch's attention in one launch: q [N, H*D]; keys and values [slots, capacity, KV*D]; per row
-    its cache slot, position and its sequence's length (int32 arrays). -> [N, H*D]."""
+def _grid(blocks: int) -> tuple[int, int, int]:
+    """A launch of `blocks` blocks of THREADS threads as a 2-D grid (one dimension holds 65,535)."""
+    cols = min(blocks, 65535)
+    return (cols * THREADS, -(-blocks // cols), 1)
+
+
+def uses_split(kind: str, rows: int, spec) -> bool:
+    """Whether `fused_attention` takes the split kernels for a pass of `rows` query rows."""
+    return kind in SPLIT_KINDS and rows * spec.n_heads <= SPLIT_MAX_ITEMS
+
+
+def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec, split: bool | None = None):
+    """A batch's attention: q [N, H*D]; keys and values [slots, capacity, KV*D]; per row its cache slot,
+    position and its sequence's length (int32 arrays). -> [N, H*D].
+
+    Two launch plans compute the same bits. Few rows (decode: `uses_split`, or split=True) take the split
+    kernels: scores with one warp per key, the softmax with one block per (row, head), the context with
+    one thread per partial sum of the published order; every key is spread over the GPU. Many rows
+    (prefill chunks) take the one-launch kernel, one block per (row, head) work item."""
     import mlx.core as mx
 
     n = q.shape[0]
     cap = keys.shape[1]
-    blocks = min(n * spec.n_heads, MAX_BLOCKS)
     dims = _dims(cap, spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.causal), int(spec.window or 0), n)
+    if split if split is not None else uses_split(kind, n, spec):
+        scale = mx.array([spec.scale], dtype=mx.float32)
+        shape = [(n, spec.n_heads, cap)]
+        (scores,) = _kernel(kind, "attn_scores")(
+            inputs=[q, keys, row_slot, row_pos, row_len, scale, dims], grid=_grid(n * spec.n_kv_heads * -(-cap // 64)),
+            threadgroup=(THREADS, 1, 1), output_shapes=shape, output_dtypes=[mx.float32])
+        (probs,) = _kernel(kind, "attn_softmax")(
+            inputs=[scores, row_len, dims], grid=(n * spec.n_heads * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+            output_shapes=shape, output_dtypes=[mx.float32])
+        (out,) = _kernel(kind, "attn_context")(
+            inputs=[probs, values, row_slot, row_len, dims], grid=_grid(n * spec.n_kv_heads * -(-spec.head_dim // 8)),
+            threadgroup=(THREADS, 1, 1), output_shapes=[(n, spec.n_heads * spec.head_dim)],
+            output_dtypes=[mx.float32])
+        return out
+    blocks = min(n * spec.n_heads, MAX_BLOCKS)
     out, _ = _kernel(kind, "fused_attention")(
         inputs=[q, keys, values, row_slot, row_pos, row_len, mx.array([spec.scale], dtype=mx.float32), dims],
         grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),

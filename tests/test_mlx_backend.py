@@ -127,6 +127,43 @@ def test_fused_attention_override_on_the_paged_cache(make, case):
     assert_matches_default(make(), case, kv="paged")
 
 
+needs_cuda = pytest.mark.skipif(gpu_kind() != "cuda", reason="the split kernels are CUDA's (needs an NVIDIA GPU)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("plan", ["split", "one-launch"])
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(case=attention_inputs())
+def test_both_cuda_launch_plans_are_byte_identical(plan, case):
+    """Every pass forced through one plan (split kernels, or the one-launch kernel), whatever its size."""
+    from mlxinfer import kernels
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "SPLIT_MAX_ITEMS", 10**9 if plan == "split" else 0)
+        assert_matches_default(MLXBackend(device="gpu", kernel="cuda"), case)
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows,s,window", [(1, 70000, None), (3, 5000, None), (2, 3000, 100), (64, 4100, None)])
+def test_split_and_one_launch_kernels_agree_on_long_caches(rows, s, window):
+    """Decode-shaped passes over long caches (Qwen3's 16/8 heads of 128), both plans, bit for bit: rows
+    at the end of caches of different lengths, more keys than one block's 64, and a sliding window."""
+    from mlxinfer import kernels
+    from mlxinfer.backend import AttentionSpec
+
+    spec = AttentionSpec.standard(16, 8, 128, window=window)
+    rng = np.random.default_rng(rows * s)
+    keys = mx.array(rng.standard_normal((rows, s, 8 * 128), dtype=np.float32) * 4)
+    values = mx.array(rng.standard_normal((rows, s, 8 * 128), dtype=np.float32))
+    q = mx.array(rng.standard_normal((rows, 16 * 128), dtype=np.float32) * 4)
+    lens = mx.array(np.linspace(s // 3, s, rows).astype(np.int32))
+    slots = mx.arange(rows, dtype=mx.int32)
+    got = {split: np.array(kernels.fused_attention("cuda", q, keys, values, slots, lens - 1, lens, spec, split=split))
+           for split in (True, False)}
+    assert np.isfinite(got[True]).all()
+    assert np.array_equal(got[True].view(np.uint32), got[False].view(np.uint32))
+
+
 @pytest.mark.parametrize("make", OVERRIDES)
 @pytest.mark.parametrize("rows,kv,group,d,window", [
     ([(5, 5)], 1, 2, 32, None), ([(3, 20), (1, 9), (4, 4)], 3, 3, 64, None), ([(6, 40), (1, 30)], 2, 2, 32, 7),

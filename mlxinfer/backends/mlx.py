@@ -128,6 +128,11 @@ def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
     view = cache.update(backend, 0, backend.from_numpy(kv_np[0, s - t:]), backend.from_numpy(kv_np[1, s - t:]), batch)
     try:
         fused = np.array(backend.fused_attention_override(q, view, batch, spec))
+        plans = {"": fused}
+        if backend.kernel in kernels.SPLIT_KINDS:  # the other launch plan, on the same inputs
+            split = not kernels.uses_split(backend.kernel, t, spec)
+            plans[" (split)" if split else " (one launch)"] = np.array(kernels.fused_attention(
+                backend.kernel, q, *view.store, batch.row_slots, batch.positions, batch.row_lens, spec, split=split))
         ref = np.array(backend.per_head_attention(q, view, batch, spec))
         a, b = q[:, :d], backend.from_numpy(kv_np[0, :, :d])
         prod = np.array(backend.matmul(a, mx.transpose(b)))
@@ -140,9 +145,11 @@ def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
     want_soft = np.array(mx.softmax(mx.array(prod), axis=-1, precise=True))
     if not np.allclose(soft, want_soft, rtol=1e-5, atol=1e-6):
         return f"softmax kernel differs from MLX's softmax by {np.max(np.abs(soft - want_soft)):.3g}"
-    same = fused.view(np.uint32) == ref.view(np.uint32)
-    if not same.all():
-        return f"fused attention kernel differs from the per-head reference in {int((~same).sum())} of {same.size} values"
+    for plan, got in plans.items():
+        same = got.view(np.uint32) == ref.view(np.uint32)
+        if not same.all():
+            return (f"fused attention kernel{plan} differs from the per-head reference in {int((~same).sum())} "
+                    f"of {same.size} values")
     return None
 
 
@@ -414,19 +421,23 @@ class MLXBackend(Backend):
                                                 batch.positions_of(self, b), row_len, spec))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
 
-    @classmethod
-    def _pass_needs_graph(cls, batch, spec) -> bool:
+    def _pass_needs_graph(self, batch, spec) -> bool:
         """Whether this pass's attention takes the graph override even with a GPU kernel: a head_dim
-        past the kernel's limit, or few rows over long caches (not asked of a traced batch, whose host
-        lengths are placeholders)."""
-        return spec.head_dim > kernels.MAX_HEAD_DIM or (not batch.traced and cls._few_long_rows(batch, spec))
+        past the kernel's limit, or (where the kernel has no split plan: Metal) few rows over long
+        caches (not asked of a traced batch, whose host lengths are placeholders)."""
+        if spec.head_dim > kernels.MAX_HEAD_DIM:
+            return True
+        if self.kernel in ("cuda", "metal") and kernels.uses_split(self.kernel, batch.n_rows, spec):
+            return False
+        return not batch.traced and self._few_long_rows(batch, spec)
 
     @staticmethod
     def _few_long_rows(batch, spec) -> bool:
         """A pass of few query rows over long caches (one sequence decoding at 8k: 16 work items for a
-        GPU of 132 SMs) runs faster as the graph override, whose products spread every score over the
-        GPU. Both paths compute the same bits; this only picks the faster one (measured on the H200,
-        2026-11-30: 84 vs 22 tok/s decoding at 8,192 tokens of context)."""
+        GPU of 132 SMs) runs faster as the graph override than as the one-launch kernel, whose products
+        spread every score over the GPU. Both paths compute the same bits; this only picks the faster
+        one (measured on the H200, 2026-11-30: 84 vs 22 tok/s decoding at 8,192 tokens of context).
+        Where the split kernels exist (CUDA) they take these passes instead."""
         return batch.n_rows * spec.n_heads < 256 and max(batch.kv_lens) > 1024
 
     def _graph_attention(self, q, kv, batch, spec):
