@@ -11,7 +11,9 @@ keys and values, GQA 16/8, head_dim 128, float32, at several contexts, for
 Each case evaluates the op `--reps` times in a row (one graph per call, evaluated) and reports the
 median microseconds per call (`*_us`: launch and synchronisation included, as a decode step without
 compilation pays them), and the median over `--reps` graphs of 20 independent calls each, per call
-(`*_us_in20`: closer to the kernels' own time, as inside a compiled step). Before timing it checks that
+(`*_us_in20`: closer to the kernels' own time, as inside a compiled step); for the split plan also its
+first step alone and its first two (`split_scores_us_in20`, `split_scores_softmax_us_in20`); and
+`*_us_compiled20`: the op as an mx.compile'd function, 20 calls per graph (no Python graph building). Before timing it checks that
 both plans give the same bits and that they agree with sdpa to 1e-4. Needs an MLX GPU.
 
     python3 bench/decode_attention.py --contexts 512,2048,8192,32768 --batch 1,8 --out results.jsonl
@@ -84,8 +86,21 @@ def main(argv=None):
             for name, op in ops.items():
                 row[f"{name}_us"] = round(timed(op, a.reps), 1)
                 row[f"{name}_us_in20"] = round(timed(op, max(5, a.reps // 5), chain=20), 1)
+            if row["split"]:  # the split plan's steps: scores alone, scores + softmax (in graphs of 20)
+                for steps, name in ((1, "scores"), (2, "scores_softmax")):
+                    row[f"split_{name}_us_in20"] = round(timed(lambda st=steps: kernels._split_attention(
+                        kind, q, keys, values, slots, pos, lens, spec, steps=st), max(5, a.reps // 5), chain=20), 1)
+            compiled = {  # under mx.compile: no Python graph building per call
+                "fused": (mx.compile(lambda q_, k_, v_: kernels.fused_attention(kind, q_, k_, v_, slots, pos, lens, spec)),
+                          (q, keys, values)),
+                "sdpa": (mx.compile(lambda q_, k_, v_: mx.fast.scaled_dot_product_attention(q_, k_, v_, scale=spec.scale)),
+                         (qh, kh, vh))}
+            for name, (fn, args) in compiled.items():
+                row[f"{name}_us_compiled20"] = round(timed(lambda fn=fn, args=args: fn(*args), max(5, a.reps // 5),
+                                                           chain=20), 1)
             row["fused_over_sdpa"] = round(row["fused_us"] / row["sdpa_us"], 2)
             row["fused_over_sdpa_in20"] = round(row["fused_us_in20"] / row["sdpa_us_in20"], 2)
+            row["fused_over_sdpa_compiled20"] = round(row["fused_us_compiled20"] / row["sdpa_us_compiled20"], 2)
             print(json.dumps(row), flush=True)
             if a.out:
                 with open(a.out, "a") as f:

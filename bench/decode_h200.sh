@@ -3,7 +3,8 @@
 #   OUT=... bash bench/decode_h200.sh
 # 1. the GPU tests of the attention kernels and the compiled step (tests/test_kernels.py, test_mlx_backend.py,
 #    test_compile.py, test_cuda_limits.py; STEPS=tests), 2. bench/decode_attention.py (our kernels vs
-#    mx.fast.sdpa; STEPS=micro), 3. bench/bench.py against mlx-lm at the CASES prompts (STEPS=bench).
+#    mx.fast.sdpa; STEPS=micro), 3. bench/bench.py against mlx-lm at the CASES prompts (STEPS=bench),
+# 4. bench/attention_plans.py (prefill and decode with each attention launch plan; STEPS=plans).
 # Writes $OUT/tests.log, $OUT/decode-attention.jsonl, $OUT/bench/ (results.jsonl, results.md, plot), $OUT/bench.log.
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -15,13 +16,16 @@ log() { echo "[$((SECONDS - T0)) s] $*"; }
 for step in $STEPS; do
   case $step in
     tests)
-      MLXINFER_PROPERTY_EXAMPLES=${EXAMPLES:-40} timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -x -p no:cacheprovider \
+      MLXINFER_PROPERTY_EXAMPLES=${EXAMPLES:-40} timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -x -p no:cacheprovider -k "not smollm2" \
         tests/test_kernels.py tests/test_mlx_backend.py tests/test_compile.py tests/test_cuda_limits.py \
         >"$OUT/tests.log" 2>&1; rc=$?
       tail -5 "$OUT/tests.log"; log "tests rc=$rc"; [ $rc -eq 0 ] || exit 1 ;;
     micro)
       timeout ${MICRO_TIMEOUT:-200} python3 bench/decode_attention.py --contexts 512,2048,8192,32768 --batch 1,8 \
         --out "$OUT/decode-attention.jsonl"; log "decode_attention rc=$?" ;;
+    plans)
+      timeout ${PLANS_TIMEOUT:-300} python3 bench/attention_plans.py --cases "${PLAN_CASES:-17,511,2047,8191}" \
+        --out "$OUT/attention-plans.jsonl"; log "attention_plans rc=$?" ;;
     bench)
       timeout ${BENCH_TIMEOUT:-400} python3 bench/bench.py --backends mlx --devices gpu --attention fused --runs "$RUNS" \
         --cases "$CASES" --peers mlx-lm --out "$OUT/bench" >"$OUT/bench.log" 2>&1; rc=$?

@@ -133,54 +133,126 @@ for (long item = blockIdx.x; item < items; item += gridDim.x) {
 // Split attention, step 1 of 3 (few query rows over long caches: decode). The same arithmetic as
 // fused_attention, spread over the GPU: p[r, h, j] = the scaled, masked score of row r, head h against
 // key j < row_len[r], for every head of one KV head's group (its key is read once per group).
-// Block b takes keys kb*64 .. kb*64+63 of (row r, KV head g), b = (r*KV + g)*nkb + kb; each warp takes
-// every 8th of them. q [N, H*D]; k [slots, CAP, KV*D]; p [N, H, CAP]; dims as fused_attention's.
-const long cap = dims[0];
-const int H = dims[1], KV = dims[2], D = dims[3], CAUSAL = dims[4], WINDOW = dims[5];
-const int G = H / KV;
+// Block b takes keys kb*64 .. kb*64+63 of (row r, KV head g), b = (r*KV + g)*nkb + kb; warp w takes
+// keys w, w+8, ..., w+56 of them, loading all 8 before the dot products (mlxi_dot's order, from
+// registers: lane l adds its terms i = l, l+32, ... in increasing i, then the butterfly).
+// q [N, H*D]; k [slots, CAP, KV*D]; p [N, H, CAP]. The split kernels take the attention's shape as
+// compile-time constants (H, KV, D, CAUSAL, WINDOW, SCALE_BITS: the scale's float32 bits), the capacity
+// and row count from the inputs' shapes: no small arrays to move per launch.
+const long cap = k_shape[1], n = q_shape[0];
+constexpr int G = H / KV, NT = (D + 31) / 32;
+const float sc = __int_as_float(SCALE_BITS);
 const long nkb = (cap + 63) / 64;
 const long blk = (long)blockIdx.y * gridDim.x + blockIdx.x;
 const long kb = blk % nkb, rg = blk / nkb;
 const long r = rg / KV;
 const int g = rg % KV;
 const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-if (r < dims[6]) {
+if (r < n) {
   const long S = row_len[r];
   const int pos = row_pos[r];
-  const long kvw = (long)KV * D;
-  const float sc = scale[0];
+  constexpr long kvw = (long)KV * D;
   const float* kg = k + (long)row_slot[r] * cap * kvw + g * D;
-  const long jend = min(kb * 64 + 64, S);
-  for (long j = kb * 64 + wid; j < jend; j += MLXI_WARPS) {
-    const bool hidden = (CAUSAL && j > pos) || (WINDOW > 0 && j <= pos - WINDOW);
-    for (int hh = 0; hh < G; ++hh) {
-      const long h = (long)g * G + hh;
-      const float s = __fmul_rn(mlxi_dot(q + r * H * D + h * D, 1, kg + j * kvw, 1, D, lane), sc);
-      if (lane == 0) p[(r * H + h) * cap + j] = hidden ? -INFINITY : s;
+  float qr[G][NT], kr[8][NT];
+#pragma unroll
+  for (int hh = 0; hh < G; ++hh) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const int i = lane + 32 * t;
+      qr[hh][t] = i < D ? q[r * H * D + ((long)g * G + hh) * D + i] : 0.0f;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    const long j = kb * 64 + wid + 8 * u;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const int i = lane + 32 * t;
+      kr[u][t] = (j < S && i < D) ? kg[j * kvw + i] : 0.0f;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    const long j = kb * 64 + wid + 8 * u;
+    if (j < S) {  // the same for every lane of the warp: the butterfly below has all 32
+      const bool hidden = (CAUSAL && j > pos) || (WINDOW > 0 && j <= pos - WINDOW);
+#pragma unroll
+      for (int hh = 0; hh < G; ++hh) {
+        float s = 0.0f;
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          if (lane + 32 * t < D) s = __fadd_rn(s, __fmul_rn(qr[hh][t], kr[u][t]));
+        }
+        for (int off = 16; off > 0; off >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
+        if (lane == 0) p[(r * H + (long)g * G + hh) * cap + j] = hidden ? -INFINITY : __fmul_rn(s, sc);
+      }
     }
   }
 }
 //@@BODY attn_softmax
-// Split attention, step 2 of 3: one block per (row r, head h) turns its scores x[r, h, :row_len[r]]
-// into attention weights with the one softmax (mlxi_softmax). x, out [N, H, CAP].
-const long cap = dims[0];
+// Split attention, step 2 of 3: one block per (row r, head h) turns its scores x[r, h, :S], S =
+// row_len[r], into attention weights: mlxi_softmax's arithmetic (the max, thread t's chain of
+// exponentials j = t, t+256, ... in increasing j, the butterflies, the division), reading x 8 loads
+// at a time (mlxi_softmax works in place, so each of its loads waits for the store before it).
+// x, out [N, H, CAP].
+const long cap = x_shape[2];
 const long rh = blockIdx.x;
-const int S = row_len[rh / dims[1]];
-__shared__ float red[MLXI_WARPS];
+const int S = row_len[rh / x_shape[1]];
+const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+constexpr int T = MLXI_THREADS;
+const float* xr = x + rh * cap;
 float* y = out + rh * cap;
-for (int j = threadIdx.x; j < S; j += MLXI_THREADS) y[j] = x[rh * cap + j];
+__shared__ float red[MLXI_WARPS];
+float m = -INFINITY;
+int j = tid;
+for (; j + 7 * T < S; j += 8 * T) {
+  float t[8];
+#pragma unroll
+  for (int u = 0; u < 8; ++u) t[u] = xr[j + u * T];
+#pragma unroll
+  for (int u = 0; u < 8; ++u) m = fmaxf(m, t[u]);
+}
+for (; j < S; j += T) m = fmaxf(m, xr[j]);
+for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+if (lane == 0) red[wid] = m;
 __syncthreads();
-mlxi_softmax(y, S, threadIdx.x, red);
+m = red[0];
+for (int w = 1; w < MLXI_WARPS; ++w) m = fmaxf(m, red[w]);
+__syncthreads();
+float s = 0.0f;
+j = tid;
+for (; j + 7 * T < S; j += 8 * T) {
+  float t[8];
+#pragma unroll
+  for (int u = 0; u < 8; ++u) t[u] = xr[j + u * T];
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    const float e = expf(__fsub_rn(t[u], m));
+    y[j + u * T] = e;
+    s = __fadd_rn(s, e);
+  }
+}
+for (; j < S; j += T) {
+  const float e = expf(__fsub_rn(xr[j], m));
+  y[j] = e;
+  s = __fadd_rn(s, e);
+}
+for (int off = 16; off > 0; off >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
+if (lane == 0) red[wid] = s;
+__syncthreads();
+float total = red[lane & 7];
+for (int off = 4; off > 0; off >>= 1) total = __fadd_rn(total, __shfl_xor_sync(0xffffffffu, total, off));
+for (j = tid; j < S; j += T) y[j] = __fdiv_rn(y[j], total);  // this thread's own values
 //@@BODY attn_context
 // Split attention, step 3 of 3: out[r, h, d] = dot(p[r, h, :S], v[:S, d]) in the published order. Block
 // b = ((r*KV + g)*nd + c) takes head dimensions c*8 .. c*8+7 of KV head g for row r; thread (l, dd) =
 // (tid / 8, tid % 8) keeps lane l's partial sums (s = l, l+32, ... in increasing s) for up to 4 heads
-// of the group at once, reading v[s, d] once for all of them; the 32 partials per head are then
-// combined as a tree over l (part[l] += part[l + off] for l < off, off = 16, 8, 4, 2, 1: what lane 0
-// of the butterfly computes), exactly as fused_attention does. p [N, H, CAP]; v [slots, CAP, KV*D].
-const long cap = dims[0];
-const int H = dims[1], KV = dims[2], D = dims[3];
-const int G = H / KV, nd = (D + 7) / 8;
+// of the group at once, reading v[s, d] once for all of them (16 keys' loads in flight); the 32
+// partials per head are then combined as a tree over l (part[l] += part[l + off] for l < off, off =
+// 16, 8, 4, 2, 1: what lane 0 of the butterfly computes), exactly as fused_attention does.
+// p [N, H, CAP]; v [slots, CAP, KV*D]; compile-time H, KV, D as attn_scores'.
+const long cap = p_shape[2], n = p_shape[0];
+constexpr int G = H / KV, nd = (D + 7) / 8;
 const long blk = (long)blockIdx.y * gridDim.x + blockIdx.x;
 const int c = blk % nd;
 const long rg = blk / nd;
@@ -188,9 +260,9 @@ const long r = rg / KV;
 const int g = rg % KV;
 const int tid = threadIdx.x, l = tid >> 3, d = c * 8 + (tid & 7);
 __shared__ float part[MLXI_THREADS];
-if (r < dims[6]) {
+if (r < n) {
   const long S = row_len[r];
-  const long kvw = (long)KV * D;
+  constexpr long kvw = (long)KV * D;
   const float* vd = v + (long)row_slot[r] * cap * kvw + g * D + d;
   for (int h0 = 0; h0 < G; h0 += 4) {
     const int nh = min(4, G - h0);
@@ -198,12 +270,12 @@ if (r < dims[6]) {
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (d < D) {
       long i = l;
-      for (; i + 7 * 32 < S; i += 8 * 32) {  // 8 loads in flight, then the adds in the chain's order
-        float vv[8];
+      for (; i + 15 * 32 < S; i += 16 * 32) {  // 16 keys' loads in flight, then the adds in the chain's order
+        float vv[16];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) vv[u] = vd[(i + u * 32) * kvw];
+        for (int u = 0; u < 16; ++u) vv[u] = vd[(i + u * 32) * kvw];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
+        for (int u = 0; u < 16; ++u) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             if (e < nh) acc[e] = __fadd_rn(acc[e], __fmul_rn(pr[e * cap + i + u * 32], vv[u]));

@@ -39,13 +39,18 @@ _INPUTS = {
     "matmul": (["a", "bt", "dims"], ["out"]),
     "softmax": (["x", "dims"], ["out"]),
     "fused_attention": (["q", "k", "v", "row_slot", "row_pos", "row_len", "scale", "dims"], ["out", "p"]),
-    "attn_scores": (["q", "k", "row_slot", "row_pos", "row_len", "scale", "dims"], ["p"]),
-    "attn_softmax": (["x", "row_len", "dims"], ["out"]),
-    "attn_context": (["p", "v", "row_slot", "row_len", "dims"], ["out"]),
+    "attn_scores": (["q", "k", "row_slot", "row_pos", "row_len"], ["p"]),
+    "attn_softmax": (["x", "row_len"], ["out"]),
+    "attn_context": (["p", "v", "row_slot", "row_len"], ["out"]),
 }
 SPLIT_KINDS = ("cuda",)  # the split attention kernels exist in these sources (Metal: one launch only)
 SPLIT_MAX_ITEMS = 1024  # (row, head) work items up to which the split kernels run: their scratch is
-# 2 x items x capacity floats, the same bound as the one-launch kernel's MAX_BLOCKS x capacity
+# 2 x items x capacity floats, the same bound as the one-launch kernel's MAX_BLOCKS x capacity ...
+SPLIT_MAX_SCRATCH = 1 << 25  # ... or, for more items, while items x capacity stays within this many
+# floats (128 MiB a buffer: a 512-row prefill chunk of 16 heads over a cache of up to 4,096 rows). MLX
+# keeps a pass's scratch until the whole chunk is evaluated: up to 28 layers x 2 buffers = 7 GiB for
+# Qwen3-0.6B, the price of a 23% shorter prefill at 2,047 tokens on the H200 (bench/attention_plans.py:
+# 277 vs 361 ms; peak 9.4 vs 4.0 GB; mlx-lm's own peak at 8,191 tokens is 22 GB)
 
 
 @lru_cache(maxsize=None)
@@ -96,43 +101,60 @@ def _grid(blocks: int) -> tuple[int, int, int]:
     return (cols * THREADS, -(-blocks // cols), 1)
 
 
-def uses_split(kind: str, rows: int, spec) -> bool:
-    """Whether `fused_attention` takes the split kernels for a pass of `rows` query rows."""
-    return kind in SPLIT_KINDS and rows * spec.n_heads <= SPLIT_MAX_ITEMS
+def uses_split(kind: str, rows: int, spec, capacity: int = 0) -> bool:
+    """Whether `fused_attention` takes the split kernels for a pass of `rows` query rows over a cache
+    of `capacity` rows."""
+    items = rows * spec.n_heads
+    return kind in SPLIT_KINDS and (items <= SPLIT_MAX_ITEMS or items * capacity <= SPLIT_MAX_SCRATCH)
 
 
 def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec, split: bool | None = None):
     """A batch's attention: q [N, H*D]; keys and values [slots, capacity, KV*D]; per row its cache slot,
     position and its sequence's length (int32 arrays). -> [N, H*D].
 
-    Two launch plans compute the same bits. Few rows (decode: `uses_split`, or split=True) take the split
-    kernels: scores with one warp per key, the softmax with one block per (row, head), the context with
-    one thread per partial sum of the published order; every key is spread over the GPU. Many rows
-    (prefill chunks) take the one-launch kernel, one block per (row, head) work item."""
+    Two launch plans compute the same bits. Few rows (decode) and short prefill chunks (`uses_split`, or
+    split=True) take the split kernels: scores with one warp per key, the softmax with one block per
+    (row, head), the context with one thread per partial sum of the published order; every key is
+    spread over the GPU. Long prefill chunks over long caches take the one-launch kernel, one block per
+    (row, head) work item, whose scratch is bounded by its grid."""
     import mlx.core as mx
 
+    if split if split is not None else uses_split(kind, q.shape[0], spec, keys.shape[1]):
+        return _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec)
     n = q.shape[0]
     cap = keys.shape[1]
     dims = _dims(cap, spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.causal), int(spec.window or 0), n)
-    if split if split is not None else uses_split(kind, n, spec):
-        scale = mx.array([spec.scale], dtype=mx.float32)
-        shape = [(n, spec.n_heads, cap)]
-        (scores,) = _kernel(kind, "attn_scores")(
-            inputs=[q, keys, row_slot, row_pos, row_len, scale, dims], grid=_grid(n * spec.n_kv_heads * -(-cap // 64)),
-            threadgroup=(THREADS, 1, 1), output_shapes=shape, output_dtypes=[mx.float32])
-        (probs,) = _kernel(kind, "attn_softmax")(
-            inputs=[scores, row_len, dims], grid=(n * spec.n_heads * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-            output_shapes=shape, output_dtypes=[mx.float32])
-        (out,) = _kernel(kind, "attn_context")(
-            inputs=[probs, values, row_slot, row_len, dims], grid=_grid(n * spec.n_kv_heads * -(-spec.head_dim // 8)),
-            threadgroup=(THREADS, 1, 1), output_shapes=[(n, spec.n_heads * spec.head_dim)],
-            output_dtypes=[mx.float32])
-        return out
     blocks = min(n * spec.n_heads, MAX_BLOCKS)
     out, _ = _kernel(kind, "fused_attention")(
         inputs=[q, keys, values, row_slot, row_pos, row_len, mx.array([spec.scale], dtype=mx.float32), dims],
         grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(n, spec.n_heads * spec.head_dim), (blocks, cap)], output_dtypes=[mx.float32, mx.float32])
+    return out
+
+
+def _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, steps: int = 3):
+    """The split plan: scores, softmax, context (`steps` < 3 stops early and returns that step's output:
+    bench/decode_attention.py times the steps). The attention's shape is compiled into the kernels."""
+    import mlx.core as mx
+
+    n, cap = q.shape[0], keys.shape[1]
+    scale_bits = int(np.array(spec.scale, dtype=np.float32).view(np.int32))
+    template = [("H", spec.n_heads), ("KV", spec.n_kv_heads), ("D", spec.head_dim), ("CAUSAL", bool(spec.causal)),
+                ("WINDOW", int(spec.window or 0)), ("SCALE_BITS", scale_bits)]
+    shape = [(n, spec.n_heads, cap)]
+    (out,) = _kernel(kind, "attn_scores")(
+        inputs=[q, keys, row_slot, row_pos, row_len], template=template,
+        grid=_grid(n * spec.n_kv_heads * -(-cap // 64)), threadgroup=(THREADS, 1, 1),
+        output_shapes=shape, output_dtypes=[mx.float32])
+    if steps > 1:
+        (out,) = _kernel(kind, "attn_softmax")(
+            inputs=[out, row_len], grid=(n * spec.n_heads * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+            output_shapes=shape, output_dtypes=[mx.float32])
+    if steps > 2:
+        (out,) = _kernel(kind, "attn_context")(
+            inputs=[out, values, row_slot, row_len], template=template,
+            grid=_grid(n * spec.n_kv_heads * -(-spec.head_dim // 8)), threadgroup=(THREADS, 1, 1),
+            output_shapes=[(n, spec.n_heads * spec.head_dim)], output_dtypes=[mx.float32])
     return out
 
 

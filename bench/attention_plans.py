@@ -1,0 +1,65 @@
+"""Which attention launch plan is faster on a CUDA GPU, for prefill and for decode (issue 10)? For each
+prompt, in one process, one engine: the one-launch kernel for every pass, the split kernels for every
+pass, and the default rule (`kernels.uses_split`); each after a warm-up, its compiled decode steps
+made afresh (the plan is chosen when a step is traced). Reports time to first token (median of
+--runs) and decode tokens/s over --tokens greedy tokens (median), and checks that every plan generates
+the same tokens (the bits themselves are tests/test_mlx_backend.py's).
+
+    python3 bench/attention_plans.py --cases 17,511,2047,8191 [--model qwen3-0.6b-synthetic|smollm2|PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import mlx.core as mx  # noqa: E402
+
+import mlxinfer  # noqa: E402
+from bench import resolve  # noqa: E402
+from mlxinfer import kernels  # noqa: E402
+from peers import prompt_ids  # noqa: E402
+
+PLANS = {"one-launch": (0, 0), "split": (10**9, 10**18),  # (SPLIT_MAX_ITEMS, SPLIT_MAX_SCRATCH)
+         "auto": (kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b-synthetic", help="as bench/bench.py's --model")
+    p.add_argument("--cases", default="17,511,2047,8191")
+    p.add_argument("--plans", default=",".join(PLANS))
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    engine = mlxinfer.load(resolve(a.model, os.path.join(HERE, "models")), backend="mlx")
+    for n in (int(x) for x in a.cases.split(",")):
+        ids = prompt_ids(n, engine.args.vocab_size)
+        row, tokens = {"prompt": n, "kernel": engine.backend.kernel, "tokens": a.tokens}, {}
+        for plan in a.plans.split(","):
+            kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = PLANS[plan]
+            engine._steps.clear()  # compiled steps chose their plan when traced
+            mx.reset_peak_memory()
+            tokens[plan] = engine.generate(ids, max_tokens=a.tokens, temperature=0).token_ids  # + warm-up
+            gens = [engine.generate(ids, max_tokens=a.tokens, temperature=0) for _ in range(a.runs)]
+            row[f"{plan}_ttft_ms"] = round(statistics.median(g.metrics.time_to_first_token_ms for g in gens), 1)
+            row[f"{plan}_decode_tok_s"] = round(statistics.median(g.metrics.decode_tokens_per_second for g in gens), 1)
+            row[f"{plan}_peak_mib"] = round(mx.get_peak_memory() / 2**20)
+        kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = PLANS["auto"]
+        row["same_tokens"] = len({tuple(t) for t in tokens.values()}) == 1
+        print(json.dumps(row), flush=True)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
