@@ -26,7 +26,7 @@ and to OUT/results.md, JSON lines to OUT/results.jsonl (a "header" line, then on
 as measured) and, with a sweep and matplotlib installed, OUT/decode_vs_context.png.
 
 Peers, when installed: llama.cpp through llama-cpp-python on the same GGUF, same thread count, and
-mlx-lm on the same weights (see bench/peers.py). Their rows sit in the same table (batch 1).
+mlx-lm on the same weights (see bench/peers.py). Their rows sit in the same table (batch 1; mlx-lm also at the --batch sizes, through its BatchGenerator).
 """
 
 from __future__ import annotations
@@ -398,7 +398,7 @@ def main(argv=None):
                     (rows if job["kind"] == "case" else sweep_rows).append(row)
                     print(json.dumps(row), file=log, flush=True)
     peer_rows, peer_notes = run_peers([x for x in a.peers.split(",") if x and x != "none"], path, cases, a.gen,
-                                      a.runs, a.threads)
+                                      a.runs, a.threads, batches)
     rows += peer_rows
     add_ratios(rows)
     add_ratios(sweep_rows)
@@ -421,15 +421,18 @@ def main(argv=None):
 
 
 def peer_ratios(rows) -> str:
-    out = ["ours / peer, decode tokens/s per sequence (batch 1):"]
-    ours = [r for r in rows if r["engine"].startswith("mlxinfer") and r.get("batch_size", 1) == 1 and "error" not in r]
+    """Ours / peer at the same prompt and batch size: decode tokens/s per sequence at batch 1, total
+    generated tokens/s (whole call, prefill included) at batch B > 1."""
+    out = ["ours / peer, decode tokens/s per sequence (batch 1) and total tokens/s (batch B > 1):"]
+    ours = [r for r in rows if r["engine"].startswith("mlxinfer") and "error" not in r]
     peers = [r for r in rows if not r["engine"].startswith("mlxinfer")]
     for p in peers:
+        b = p.get("batch_size", 1)
+        key = "decode_tokens_per_second" if b == 1 else "total_tokens_per_second"
         for o in ours:
-            if o["prompt_tokens"] == p["prompt_tokens"] and p["decode_tokens_per_second"] > 0:
+            if o["prompt_tokens"] == p["prompt_tokens"] and o.get("batch_size", 1) == b and p[key] > 0:
                 out.append(f"  {o['engine']}/{o.get('device') or '-'} {o['attention']} {o.get('kv_cache')} vs "
-                           f"{p['engine']} (prompt {p['prompt_tokens']}): "
-                           f"{o['decode_tokens_per_second'] / p['decode_tokens_per_second']:.2f}x")
+                           f"{p['engine']} (prompt {p['prompt_tokens']}, batch {b}): {o[key] / p[key]:.2f}x")
     return "\n".join(out)
 
 

@@ -5,9 +5,12 @@
   quantization (Q8_0/Q4_0/Q4_1 repacked exactly to MLX affine group-32, as our MLX backend does;
   other types as float32), then `mlx_lm.stream_generate`.
 
-Each returns rows shaped like bench.py's (batch 1, no KV cache choice): median decode tokens/s and time
-to first token with their min and max over runs, token intervals, whole-call tokens/s. Peak memory:
-MLX's peak allocation (MiB) for mlx-lm; not measured for llama.cpp (0).
+Each returns rows shaped like bench.py's (no KV cache choice): median decode tokens/s and time to first
+token with their min and max over runs, token intervals, whole-call tokens/s. Batch 1 only for
+llama.cpp; mlx-lm also at batch B > 1: its `BatchGenerator` (what `batch_generate` and `mlx_lm.server`
+run) on the same B prompts as bench.py's generate_batch rows, all inserted at once, every sequence
+running to the token budget (no stop tokens). Peak memory: MLX's peak allocation (MiB) for mlx-lm; not
+measured for llama.cpp (0).
 """
 
 from __future__ import annotations
@@ -141,7 +144,38 @@ def write_mlx_lm_model(path, out_dir):
     return out_dir
 
 
-def mlx_lm_rows(path, cases, n_gen, runs):
+def mlx_lm_batch_run(model, prompts, n_gen) -> dict:
+    """One BatchGenerator run over `prompts` (B > 1), shaped like bench.py's generate_batch runs."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.generate import BatchGenerator
+
+    b = len(prompts)
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    gen = BatchGenerator(model, max_tokens=n_gen, completion_batch_size=b, prefill_batch_size=b)
+    uids = gen.insert(prompts, [n_gen] * b)
+    stamps = {u: [] for u in uids}
+    while responses := gen.next_generated():
+        now = time.perf_counter()
+        for r in responses:
+            stamps[r.uid].append(now)
+    gen.close()
+    wall = time.perf_counter() - t0
+    ttft = [(ts[0] - t0) * 1000 for ts in stamps.values()]
+    decode = [1000.0 * (len(ts) - 1) / ((ts[-1] - ts[0]) * 1000) for ts in stamps.values() if len(ts) > 1]
+    generated = [len(ts) for ts in stamps.values()]
+    return dict(engine=f"mlx-lm {mlx_lm.__version__} BatchGenerator ({mx.default_device()})", device=None,
+                attention="-", kv_cache="-", batch_size=b, prefill_chunk=None, prompt_tokens=len(prompts[0]),
+                generated=statistics.median(generated), generated_total=sum(generated),
+                time_to_first_token_ms=statistics.fmean(ttft),
+                decode_tokens_per_second=statistics.fmean(decode) if decode else 0.0,
+                aggregate_decode_tokens_per_second=sum(decode), total_tokens_per_second=sum(generated) / wall,
+                peak_memory_mb=mx.get_peak_memory() / (1024 * 1024), wall_s=wall,
+                intervals=[(y - x) * 1000 for ts in stamps.values() for x, y in zip(ts, ts[1:])], kind="case")
+
+
+def mlx_lm_rows(path, cases, n_gen, runs, batches=(1,)):
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.generate import generate_step
@@ -150,7 +184,14 @@ def mlx_lm_rows(path, cases, n_gen, runs):
     with tempfile.TemporaryDirectory() as tmp:
         model, _ = load_model(__import__("pathlib").Path(write_mlx_lm_model(path, tmp)))
     rows = []
-    for n in cases:
+    for b in (x for x in batches if x > 1):
+        for n in cases:
+            prompts = [prompt_ids(n, model.args.vocab_size, seed=i) for i in range(b)]  # bench.py's prompts
+            mlx_lm_batch_run(model, [p[:min(n, 16)] for p in prompts], 4)  # warm-up, as bench.py's
+            row = summarize([mlx_lm_batch_run(model, prompts, n_gen) for _ in range(runs)])
+            row.update(max_tokens=n_gen)
+            rows.append(row)
+    for n in (cases if 1 in batches else []):
         ids = mx.array(prompt_ids(n, model.args.vocab_size))
         per_run = []
         for r in range(runs + 1):
@@ -167,7 +208,7 @@ def mlx_lm_rows(path, cases, n_gen, runs):
     return rows
 
 
-def run_peers(names, path, cases, n_gen, runs, threads):
+def run_peers(names, path, cases, n_gen, runs, threads, batches=(1,)):
     """Each peer in its own process, so a peer that crashes (llama.cpp builds that use CPU features the
     machine reports but cannot run die with SIGILL) costs its rows, not the benchmark."""
     import subprocess
@@ -175,7 +216,7 @@ def run_peers(names, path, cases, n_gen, runs, threads):
     rows, notes = [], []
     for name in names:
         cmd = [sys.executable, os.path.abspath(__file__), name, path, ",".join(map(str, cases)), str(n_gen),
-               str(runs), str(threads)]
+               str(runs), str(threads), ",".join(map(str, batches))]
         r = subprocess.run(cmd, capture_output=True, text=True)
         got = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
         rows += got
@@ -192,12 +233,13 @@ def run_peers(names, path, cases, n_gen, runs, threads):
 def _main():
     name, path, cases, n_gen, runs, threads = sys.argv[1:7]
     cases = [int(c) for c in cases.split(",") if c]
+    batches = [int(b) for b in (sys.argv[7] if len(sys.argv) > 7 else "1").split(",") if b]
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         if name == "llama.cpp":
-            rows = llama_cpp_rows(path, cases, int(n_gen), int(runs), int(threads))
+            rows = llama_cpp_rows(path, cases, int(n_gen), int(runs), int(threads)) if 1 in batches else []
         elif name == "mlx-lm":
-            rows = mlx_lm_rows(path, cases, int(n_gen), int(runs))
+            rows = mlx_lm_rows(path, cases, int(n_gen), int(runs), batches)
         else:
             raise SystemExit(f"unknown peer {name!r}")
     except ImportError:
