@@ -9,7 +9,7 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 : "${OUT:?set OUT}"
-STEPS=${STEPS:-tests micro bench}; CASES=${CASES:-17,511,8191}; RUNS=${RUNS:-3}
+STEPS=${STEPS:-tests micro bench}; CASES=${CASES:-17,511,8191}; RUNS=${RUNS:-3}  # BATCH: bench.py --batch (1)
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 T0=$SECONDS
 log() { echo "[$((SECONDS - T0)) s] $*"; }
@@ -27,7 +27,7 @@ for step in $STEPS; do
       timeout ${PLANS_TIMEOUT:-300} python3 bench/attention_plans.py --cases "${PLAN_CASES:-17,511,2047,8191}" \
         --out "$OUT/attention-plans.jsonl"; log "attention_plans rc=$?" ;;
     bench)
-      timeout ${BENCH_TIMEOUT:-400} python3 bench/bench.py --backends mlx --devices gpu --attention fused --runs "$RUNS" \
+      timeout ${BENCH_TIMEOUT:-400} python3 bench/bench.py --backends mlx --devices gpu --attention fused --runs "$RUNS" --batch "${BATCH:-1}" \
         --cases "$CASES" --peers mlx-lm --out "$OUT/bench" >"$OUT/bench.log" 2>&1; rc=$?
       tail -25 "$OUT/bench.log"; log "bench rc=$rc" ;;
   esac
