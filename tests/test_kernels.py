@@ -106,3 +106,16 @@ def test_gpu_softmax_kernel(n):
     e = np.exp(x.astype(np.float64) - x.max(1, keepdims=True))
     np.testing.assert_allclose(got, e / e.sum(1, keepdims=True), rtol=2e-6, atol=1e-9)
     assert np.all(np.isfinite(got))
+
+
+def test_launch_plan_rule():
+    """Which passes take the split kernels (`kernels.uses_split`): decode of up to 64 sequences of 16 heads
+    over any cache, prefill chunks while their scratch fits; never on Metal (no split kernels there)."""
+    from mlxinfer.backend import AttentionSpec
+
+    spec = AttentionSpec.standard(16, 8, 128)
+    assert kernels.uses_split("cuda", 1, spec, 40960)
+    assert kernels.uses_split("cuda", 64, spec, 40960) and not kernels.uses_split("cuda", 65, spec, 40960)
+    assert kernels.uses_split("cuda", 511, spec, 768) and kernels.uses_split("cuda", 512, spec, 4096)
+    assert not kernels.uses_split("cuda", 512, spec, 4097)
+    assert not kernels.uses_split("metal", 1, spec, 512)

@@ -164,6 +164,21 @@ def test_split_and_one_launch_kernels_agree_on_long_caches(rows, s, window):
     assert np.array_equal(got[True].view(np.uint32), got[False].view(np.uint32))
 
 
+@pytest.mark.parametrize("kernel,graph", [("cuda", False), ("metal", True)])
+def test_one_sequence_over_a_long_cache_stays_on_the_kernel_where_it_splits(kernel, graph):
+    """A decode pass of one sequence over 8,000 keys: CUDA takes its split kernels (and may compile the
+    step), Metal (no split kernels) the graph override."""
+    from mlxinfer.backend import AttentionSpec
+    from mlxinfer.batch import Batch
+
+    b = MLXBackend(device="cpu", kernel="graph")
+    b.kernel = kernel  # pretend: the dispatch rule only, nothing is launched
+    spec = AttentionSpec.standard(16, 8, 128)
+    batch = Batch(b, [0], [7999], [1])
+    assert b._pass_needs_graph(batch, spec) is graph
+    assert b._pass_needs_graph(Batch(b, [0], [99], [1]), spec) is False
+
+
 @pytest.mark.parametrize("make", OVERRIDES)
 @pytest.mark.parametrize("rows,kv,group,d,window", [
     ([(5, 5)], 1, 2, 32, None), ([(3, 20), (1, 9), (4, 4)], 3, 3, 64, None), ([(6, 40), (1, 30)], 2, 2, 32, 7),
