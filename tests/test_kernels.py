@@ -1,6 +1,8 @@
 """mlxinfer's published GPU summation order: its numpy emulation is checked here on any machine; on a
 CUDA (or Metal) GPU the kernels are checked against the emulation bit for bit."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -119,3 +121,68 @@ def test_launch_plan_rule():
     assert kernels.uses_split("cuda", 511, spec, 768) and kernels.uses_split("cuda", 512, spec, 4096)
     assert not kernels.uses_split("cuda", 512, spec, 4097)
     assert not kernels.uses_split("metal", 1, spec, 512)
+
+
+INT_INPUTS = {"row_slot", "row_pos", "row_len", "dims"}
+SPLIT_TEMPLATE = {"H": 16, "KV": 8, "D": 128, "CAUSAL": "true", "WINDOW": 0, "SCALE_BITS": 1035273459}
+TEMPLATED = {"attn_scores", "attn_context"}  # the kernels kernels._split_attention passes `template` to
+STUB = """
+struct Shape { int v[8]; __device__ long operator[](int i) const { return v[i]; } };
+#define INFINITY __int_as_float(0x7f800000)
+"""
+
+
+def _nvrtc():
+    """libnvrtc through ctypes (the nvidia-cuda-nvrtc wheel, Linux x86-64), or None."""
+    import ctypes
+    import glob
+
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in nvidia.__path__:
+        for lib in sorted(glob.glob(os.path.join(root, "cuda_nvrtc", "lib", "libnvrtc.so*"))):
+            try:
+                return ctypes.CDLL(lib)
+            except OSError:
+                pass
+    return None
+
+
+def _cuda_kernel_source(name: str, body: str, header: str) -> str:
+    """The source MLX's cuda_kernel compiles for a body: our header, then a __global__ function with
+    each input (and its `_shape` where the body uses it), each output, the template constants."""
+    inputs, outputs = kernels._INPUTS[name]
+    params = []
+    for i in inputs:
+        params.append(f"const {'int' if i in INT_INPUTS else 'float'}* {i}")
+        if f"{i}_shape" in body:
+            params.append(f"const __grid_constant__ Shape {i}_shape")
+    params += [f"float* {o}" for o in outputs]
+    consts = "".join(f"  constexpr {'bool' if v == 'true' else 'int'} {k} = {v};\n" for k, v in SPLIT_TEMPLATE.items()
+                     if name in TEMPLATED)
+    return f"{STUB}{header}\n__global__ void k_{name}({', '.join(params)}) {{\n{consts}{body}\n}}\n"
+
+
+def test_cuda_sources_compile_with_nvrtc():
+    """Every CUDA kernel body compiles (NVRTC, sm_90, no GPU needed), as MLX's cuda_kernel would build it:
+    a typo in metal_kernels/attention.cu fails here, on any Linux x86-64 machine, not first on a GPU."""
+    import ctypes
+
+    lib = _nvrtc()
+    if lib is None:
+        pytest.skip("needs NVRTC (pip install nvidia-cuda-nvrtc-cu12; Linux x86-64)")
+    header, bodies = kernels.kernel_source("cuda")
+    opts = [b"--gpu-architecture=compute_90", b"-default-device", b"--std=c++17"]
+    for name, body in bodies.items():
+        src = _cuda_kernel_source(name, body, header).encode()
+        prog = ctypes.c_void_p()
+        assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, name.encode(), 0, None, None) == 0
+        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        assert rc == 0, f"{name}: {log.value.decode(errors='replace')}"
