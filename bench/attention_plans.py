@@ -11,7 +11,6 @@ the same tokens (the bits themselves are tests/test_mlx_backend.py's).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -25,7 +24,7 @@ import mlx.core as mx  # noqa: E402
 import mlxinfer  # noqa: E402
 from bench import resolve  # noqa: E402
 from mlxinfer import kernels  # noqa: E402
-from peers import prompt_ids  # noqa: E402
+from peers import emit, prompt_ids  # noqa: E402
 
 PLANS = {"one-launch": (0, 0), "split": (10**9, 10**18),  # (SPLIT_MAX_ITEMS, SPLIT_MAX_SCRATCH)
          "auto": (kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH)}
@@ -55,10 +54,7 @@ def main(argv=None):
             row[f"{plan}_peak_mib"] = round(mx.get_peak_memory() / 2**20)
         kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = PLANS["auto"]
         row["same_tokens"] = len({tuple(t) for t in tokens.values()}) == 1
-        print(json.dumps(row), flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(row, a.out)
 
 
 if __name__ == "__main__":

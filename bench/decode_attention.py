@@ -22,19 +22,20 @@ both plans give the same bits and that they agree with sdpa to 1e-4. Needs an ML
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mlxinfer import kernels  # noqa: E402
 from mlxinfer.backend import AttentionSpec  # noqa: E402
+from peers import emit  # noqa: E402
 
 
 def timed(fn, reps, chain=1):
@@ -101,10 +102,7 @@ def main(argv=None):
             row["fused_over_sdpa"] = round(row["fused_us"] / row["sdpa_us"], 2)
             row["fused_over_sdpa_in20"] = round(row["fused_us_in20"] / row["sdpa_us_in20"], 2)
             row["fused_over_sdpa_compiled20"] = round(row["fused_us_compiled20"] / row["sdpa_us_compiled20"], 2)
-            print(json.dumps(row), flush=True)
-            if a.out:
-                with open(a.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            emit(row, a.out)
 
 
 if __name__ == "__main__":

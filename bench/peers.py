@@ -32,6 +32,14 @@ def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
     return rng.integers(0, min(vocab - 300, 50000) if vocab > 600 else 256, size=n).tolist()
 
 
+def emit(row: dict, out: str | None) -> None:
+    """Print a result row as a JSON line, and append it to the file `out` (if given)."""
+    print(json.dumps(row), flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 SPREAD_KEYS = ("time_to_first_token_ms", "decode_tokens_per_second", "total_tokens_per_second",
                "aggregate_decode_tokens_per_second", "peak_memory_mb", "wall_s")
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -29,7 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import mlxinfer  # noqa: E402
 import numpy as np  # noqa: E402
-from peers import prompt_ids  # noqa: E402
+from peers import emit, prompt_ids  # noqa: E402
 
 
 def generate_runs(engine, prompt, n_gen, runs):
@@ -118,10 +117,7 @@ def main(argv=None):
             row["all_sum_ms_per_token_in_place"] = 1000 / row["decode_tokens_per_second"] - 1000 / without
         rows.append(row)
         if rank == 0:
-            print(json.dumps(row), flush=True)
-            if a.out:
-                with open(a.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            emit(row, a.out)
 
 
 if __name__ == "__main__":

@@ -21,15 +21,42 @@
 #define MLXI_WARPS 8
 #define MLXI_MAX_D 256  // largest head dimension of the fused kernel (shared memory: 32 KiB)
 
+// The warp's total of its lanes' partial sums: the butterfly s += shfl_xor(s, off), off = 16, 8, 4, 2, 1.
+__device__ __forceinline__ float mlxi_warp_total(float s) {
+  for (int off = 16; off > 0; off >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
+  return s;
+}
+
 __device__ __forceinline__ float mlxi_dot(const float* a, long sa, const float* b, long sb, int n, int lane) {
   float s = 0.0f;
   for (int i = lane; i < n; i += 32) {
     s = __fadd_rn(s, __fmul_rn(a[(long)i * sa], b[(long)i * sb]));
   }
-  for (int off = 16; off > 0; off >>= 1) {
-    s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
-  }
-  return s;
+  return mlxi_warp_total(s);
+}
+
+// The block's max of its threads' values m (MLXI_THREADS threads; exact in any order); red: 8 floats of
+// shared memory, free again when this returns.
+__device__ __forceinline__ float mlxi_block_max(float m, int lane, int wid, float* red) {
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if (lane == 0) red[wid] = m;
+  __syncthreads();
+  m = red[0];
+  for (int w = 1; w < MLXI_WARPS; ++w) m = fmaxf(m, red[w]);
+  __syncthreads();
+  return m;
+}
+
+// The block's total of its threads' partial sums s in the published order: each warp's butterfly
+// (16, 8, 4, 2, 1), then the 8 warp totals' butterfly (4, 2, 1); every thread gets the same bits. red as
+// above; the caller synchronises before reusing it.
+__device__ __forceinline__ float mlxi_block_total(float s, int lane, int wid, float* red) {
+  s = mlxi_warp_total(s);
+  if (lane == 0) red[wid] = s;
+  __syncthreads();
+  float total = red[lane & 7];
+  for (int off = 4; off > 0; off >>= 1) total = __fadd_rn(total, __shfl_xor_sync(0xffffffffu, total, off));
+  return total;
 }
 
 // In-place softmax of x[0..n) by the whole block (MLXI_THREADS threads); red: 8 floats of shared memory.
@@ -37,23 +64,14 @@ __device__ __forceinline__ void mlxi_softmax(float* x, int n, int tid, float* re
   const int lane = tid & 31, wid = tid >> 5;
   float m = -INFINITY;
   for (int j = tid; j < n; j += MLXI_THREADS) m = fmaxf(m, x[j]);
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-  if (lane == 0) red[wid] = m;
-  __syncthreads();
-  m = red[0];
-  for (int w = 1; w < MLXI_WARPS; ++w) m = fmaxf(m, red[w]);
-  __syncthreads();
+  m = mlxi_block_max(m, lane, wid, red);
   float s = 0.0f;
   for (int j = tid; j < n; j += MLXI_THREADS) {
     const float e = expf(__fsub_rn(x[j], m));
     x[j] = e;
     s = __fadd_rn(s, e);
   }
-  for (int off = 16; off > 0; off >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
-  if (lane == 0) red[wid] = s;
-  __syncthreads();
-  float total = red[lane & 7];
-  for (int off = 4; off > 0; off >>= 1) total = __fadd_rn(total, __shfl_xor_sync(0xffffffffu, total, off));
+  const float total = mlxi_block_total(s, lane, wid, red);
   for (int j = tid; j < n; j += MLXI_THREADS) x[j] = __fdiv_rn(x[j], total);
   __syncthreads();
 }
@@ -183,7 +201,7 @@ if (r < n) {
         for (int t = 0; t < NT; ++t) {
           if (lane + 32 * t < D) s = __fadd_rn(s, __fmul_rn(qr[hh][t], kr[u][t]));
         }
-        for (int off = 16; off > 0; off >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
+        s = mlxi_warp_total(s);
         if (lane == 0) p[(r * H + (long)g * G + hh) * cap + j] = hidden ? -INFINITY : __fmul_rn(s, sc);
       }
     }
@@ -213,12 +231,7 @@ for (; j + 7 * T < S; j += 8 * T) {
   for (int u = 0; u < 8; ++u) m = fmaxf(m, t[u]);
 }
 for (; j < S; j += T) m = fmaxf(m, xr[j]);
-for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-if (lane == 0) red[wid] = m;
-__syncthreads();
-m = red[0];
-for (int w = 1; w < MLXI_WARPS; ++w) m = fmaxf(m, red[w]);
-__syncthreads();
+m = mlxi_block_max(m, lane, wid, red);
 float s = 0.0f;
 j = tid;
 for (; j + 7 * T < S; j += 8 * T) {
@@ -237,11 +250,7 @@ for (; j < S; j += T) {
   y[j] = e;
   s = __fadd_rn(s, e);
 }
-for (int off = 16; off > 0; off >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
-if (lane == 0) red[wid] = s;
-__syncthreads();
-float total = red[lane & 7];
-for (int off = 4; off > 0; off >>= 1) total = __fadd_rn(total, __shfl_xor_sync(0xffffffffu, total, off));
+const float total = mlxi_block_total(s, lane, wid, red);
 for (j = tid; j < S; j += T) y[j] = __fdiv_rn(y[j], total);  // this thread's own values
 //@@BODY attn_context
 // Split attention, step 3 of 3: out[r, h, d] = dot(p[r, h, :S], v[:S, d]) in the published order. Block
