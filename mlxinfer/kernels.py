@@ -6,7 +6,10 @@ Three kernels share one published summation order (written out at the top of eac
 (every softmax of scores on a GPU) and `fused_attention` (a whole batch's attention in one launch:
 decode rows and prefill chunks alike, each row reading its own sequence's cache slot up to its own
 length; its blocks stride over the (row, head) work items, so its score scratch is sized by the grid).
-Because the per-head reference and the fused kernel are built from the same device functions, they
+On CUDA the fused attention has a second launch plan for few rows, the split kernels `attn_scores`,
+`attn_softmax` and `attn_context` (`_split_attention`, chosen by `uses_split`): the same arithmetic,
+spread over the GPU one key, one (row, head) and one partial-sum chain at a time.
+Because the per-head reference and the fused kernels are built from the same device functions, they
 agree bit for bit on any number of query rows, which MLX's own products cannot promise (on CUDA a
 product of more than one row goes to cuBLASLt, whose order is unpublished).
 
