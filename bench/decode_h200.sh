@@ -5,6 +5,8 @@
 #    test_compile.py, test_cuda_limits.py; STEPS=tests), 2. bench/decode_attention.py (our kernels vs
 #    mx.fast.sdpa; STEPS=micro), 3. bench/bench.py against mlx-lm at the CASES prompts (STEPS=bench),
 # 4. bench/attention_plans.py (prefill and decode with each attention launch plan; STEPS=plans).
+# Durations on a lent H200 (2026-11-30): tests ~170 s on a fresh machine (kernel compilation), micro ~30 s,
+# plans ~150 s, bench 160-220 s: a device call holds at most 600 s, so run tests and the rest in two calls.
 # Writes $OUT/tests.log, $OUT/decode-attention.jsonl, $OUT/bench/ (results.jsonl, results.md, plot), $OUT/bench.log.
 set -u
 cd "$(dirname "$0")/.." || exit 1
