@@ -173,3 +173,17 @@ def test_large_blocks_softmaxed_on_several_threads_stay_byte_identical():
     assert 4 * 64 * 4096 >= PARALLEL_SOFTMAX_ELEMENTS
     assert_matches_default(backend, case)
     assert backend._pool is not None  # the threaded path ran
+
+
+@pytest.mark.parametrize("rows", [[(512, 909)], [(200, 1306), (1, 4085)]])
+def test_bits_do_not_depend_on_the_blas_thread_count(rows):
+    """OpenBLAS's threaded gemm sums a chunk's weights x values product ([T x S] x [S x 64]) in another
+    order than its one-thread gemm for these S (measured); the cpu backend's activation products run on
+    one BLAS thread each, so the override and the reference give the same bits on 1 and 2 threads."""
+    case = make_case(rows, 3, 3, 64, None, seed=5)
+    got = {}
+    for threads in (1, 2):
+        backend = CPUBackend(threads=threads)  # sets the process's BLAS threads
+        got[threads] = run_both(backend, case)
+    for one, two in zip(got[1], got[2]):
+        assert np.array_equal(one.view(np.uint32), two.view(np.uint32))

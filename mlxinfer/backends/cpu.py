@@ -8,6 +8,13 @@ whose float orders differ, so `linear` multiplies each sequence's rows on their 
 sequence's floats are those it would get alone, whatever else shares the pass. The price is that a
 batch of decode rows makes one gemv per sequence instead of one gemm for all (the MLX backend, whose
 products are row-invariant, batches them).
+
+Thread invariance: OpenBLAS's threaded gemm sums a long product differently from its one-thread gemm
+(measured: attention weights x values, [512 x S] x [S x 64], for S = 909, 1,306, 4,085, ...), so the
+activation x activation products (`matmul`, and the fused override's) always run on one BLAS thread,
+and the override spreads a head group's per-head products over the backend's own threads instead: the
+same one-thread BLAS call per head, whatever the thread count. Weight products (`linear`) keep the BLAS
+threads (every shape tried gave the same bits on 1 and 2).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from ..errors import GGUFError
 
 PARALLEL_SOFTMAX_ELEMENTS = 1 << 18  # score blocks at least this large are softmaxed on all BLAS threads
 TILE_ELEMENTS = 1 << 19  # rows of scores processed together: ~2 MB of float32
+PARALLEL_PRODUCT_MACS = 1 << 20  # per-head attention products at least this large run on all threads
 
 
 def default_threads() -> int:
@@ -49,6 +57,19 @@ def set_blas_threads(threads: int | None) -> int:
         raise RequestError(f"threads must be a positive integer, got {threads!r}")
     threadpool_limits(limits=threads, user_api="blas")
     return threads
+
+
+_CONTROLLER = None
+
+
+def one_blas_thread():
+    """A context in which numpy's BLAS runs on one thread (threadpoolctl; the controller is made once)."""
+    global _CONTROLLER
+    if _CONTROLLER is None:
+        from threadpoolctl import ThreadpoolController
+
+        _CONTROLLER = ThreadpoolController()
+    return _CONTROLLER.limit(limits=1, user_api="blas")
 
 
 def _softmax_last_axis(x: np.ndarray, in_place: bool = False) -> np.ndarray:
@@ -98,7 +119,7 @@ class CPUBackend(Backend):
         self._dequantized: dict[str, np.ndarray] = {}
         self._rope_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._scores: np.ndarray | None = None
-        self._pool = None  # threads for large softmax blocks (made on first use)
+        self._pool = None  # threads for large softmax blocks and per-head products (made on first use)
         self._bias_key, self._bias = None, []
         self.threads = set_blas_threads(threads)
 
@@ -153,7 +174,8 @@ class CPUBackend(Backend):
         return np.concatenate([np.matmul(x[r0:r1], w) for r0, r1 in groups])
 
     def matmul(self, a, b):
-        return np.matmul(a, b)
+        with one_blas_thread():  # the same bits on any thread count (module docstring)
+            return np.matmul(a, b)
 
     def transpose_2d(self, x):
         return x.T
@@ -252,6 +274,14 @@ class CPUBackend(Backend):
         return sampler.sample_numpy(np.asarray(logits, dtype=np.float32))
 
     # -- fused attention override -------------------------------------------------------------
+    def _threads(self):
+        """The backend's own worker threads (made on first use): large softmax blocks and per-head products."""
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=self.threads)
+        return self._pool
+
     def _scratch(self, *shape) -> np.ndarray:
         """A reused float32 buffer of `shape` (a view of one growing allocation): a long prompt's score
         blocks are tens of MB, and a fresh allocation of that size costs more in page faults than
@@ -287,35 +317,42 @@ class CPUBackend(Backend):
         if self.threads < 2 or scores.size < PARALLEL_SOFTMAX_ELEMENTS:
             work(0, n)
             return scores
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._pool = ThreadPoolExecutor(max_workers=self.threads)
         bounds = np.linspace(0, n, self.threads + 1).astype(int)
-        list(self._pool.map(lambda ab: work(*ab), [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]))
+        list(self._threads().map(lambda ab: work(*ab), [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]))
         return scores
 
     def fused_attention_override(self, q, kv, batch, spec):
-        """Per sequence and KV head, the head group's products in two batched numpy calls and one
-        softmax, no per-head tensors; byte-identical to `per_head_attention`: each head's K and V are
-        contiguous [S, D] blocks (as the reference's copies are), the score product reads K through a
-        transposed view (as `transpose_2d` does), numpy's batched matmul runs the same BLAS call per
-        head that the reference runs once, and the softmax runs the same ufuncs in place. One KV head
-        at a time, in a reused buffer, keeps a long prompt's scores ([group, T, S]) in cache."""
-        kvh, d, group = spec.n_kv_heads, spec.head_dim, spec.group
-        out = np.empty((q.shape[0], spec.n_heads * d), dtype=np.float32)
+        """Per sequence, every head's products and one softmax over all heads' scores, no per-head
+        tensors; byte-identical to `per_head_attention`: each KV head's K and V are contiguous [S, D]
+        blocks (as the reference's copies are), query head h reads KV head h // group, the score
+        product reads K through a transposed view (as `transpose_2d` does), each head's product is the
+        one-thread BLAS call the reference makes (`_per_head`), and the softmax runs the same ufuncs in
+        place, row by row, in a reused buffer."""
+        kvh, d, group, heads = spec.n_kv_heads, spec.head_dim, spec.group, spec.n_heads
+        out = np.empty((q.shape[0], heads * d), dtype=np.float32)
         for b, (r0, r1) in enumerate(batch.rows):
             t = r1 - r0
             k, v = kv.sequence(self, b)
-            qb = q[r0:r1].reshape(t, spec.n_heads, d)
+            qh = np.ascontiguousarray(q[r0:r1].reshape(t, heads, d).transpose(1, 0, 2))  # [H, T, D]
+            kh = [np.ascontiguousarray(k[:, j * d:(j + 1) * d]) for j in range(kvh)]  # [S, D] each
+            vh = [np.ascontiguousarray(v[:, j * d:(j + 1) * d]) for j in range(kvh)]
             masked = t > 1 or spec.window
             positions = batch.positions_of(self, b) if masked else None
-            for j in range(kvh):
-                qh = np.ascontiguousarray(qb[:, j * group:(j + 1) * group].transpose(1, 0, 2))  # [group, T, D]
-                kh = np.ascontiguousarray(k[:, j * d:(j + 1) * d])  # [S, D]
-                vh = np.ascontiguousarray(v[:, j * d:(j + 1) * d])
-                scores = np.matmul(qh, kh.T, out=self._scratch(group, t, kh.shape[0]))  # [group, T, S]
-                attn = self._scores_to_probabilities(scores, spec.scale, positions, spec)
-                ctx = np.matmul(attn, vh)  # [group, T, D]
-                out[r0:r1].reshape(t, spec.n_heads, d)[:, j * group:(j + 1) * group] = ctx.transpose(1, 0, 2)
+            scores = self._scratch(heads, t, k.shape[0])  # [H, T, S]
+            self._per_head(lambda h: np.matmul(qh[h], kh[h // group].T, out=scores[h]), heads, t * d * k.shape[0])
+            attn = self._scores_to_probabilities(scores, spec.scale, positions, spec)
+            ctx = np.empty((heads, t, d), dtype=np.float32)
+            self._per_head(lambda h: np.matmul(attn[h], vh[h // group], out=ctx[h]), heads, t * d * k.shape[0])
+            out[r0:r1] = ctx.transpose(1, 0, 2).reshape(t, heads * d)
         return out
+
+    def _per_head(self, product, heads: int, macs: int):
+        """product(h) for every head h, each one BLAS call on one BLAS thread (the reference's
+        `matmul`); products of at least PARALLEL_PRODUCT_MACS spread over the backend's threads, a head
+        each: the same calls, whatever the thread count."""
+        with one_blas_thread():
+            if self.threads < 2 or heads < 2 or macs < PARALLEL_PRODUCT_MACS:
+                for h in range(heads):
+                    product(h)
+            else:
+                list(self._threads().map(product, range(heads)))
