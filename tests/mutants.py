@@ -70,8 +70,8 @@ def _online_softmax(x):
 M = [
     # -- attention -------------------------------------------------------------------------------
     ("att-scale-q-first", "attention", CPU,
-     [("self._per_head(lambda h: np.matmul(qh[h], kh[h // group].T, out=scores[h]), heads, t * d * k.shape[0])",
-       "self._per_head(lambda h: np.matmul(qh[h] * np.float32(spec.scale), kh[h // group].T, out=scores[h]), heads, t * d * k.shape[0])"),
+     [("self._per_head(lambda h: np.matmul(qh[h], kh[h // group].T, out=scores[h]), heads, macs)",
+       "self._per_head(lambda h: np.matmul(qh[h] * np.float32(spec.scale), kh[h // group].T, out=scores[h]), heads, macs)"),
       ("attn = self._scores_to_probabilities(scores, spec.scale, positions, spec)",
        "attn = self._scores_to_probabilities(scores, 1.0, positions, spec)")],
      [T_ATT], "cpu override: q scaled before the product instead of the scores after"),
@@ -448,8 +448,7 @@ M = [
      [("items * capacity <= SPLIT_MAX_SCRATCH", "True")],
      [T_KER], "launch plan: every prefill chunk takes the split kernels, whatever their scratch"),
     ("mlx-long-rows-to-graph-on-cuda", "kernels", MLX,
-     [("        if self.kernel in (\"cuda\", \"metal\") and kernels.uses_split(self.kernel, batch.n_rows, spec):\n"
-       "            return False\n", "")],
+     [("        if kernels.uses_split(self.kernel, batch.n_rows, spec):\n            return False\n", "")],
      [T_MLX], "MLX backend: one sequence over a long cache sent to the (never compiled) graph path on CUDA"),
     ("mlx-rms-norm-eps-dropped", "model", MLX,
      [("return mx.fast.rms_norm(x, mx.reshape(weight, (-1,)), eps)", "return mx.fast.rms_norm(x, mx.reshape(weight, (-1,)), 0.0)")],

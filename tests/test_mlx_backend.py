@@ -140,6 +140,7 @@ def test_both_cuda_launch_plans_are_byte_identical(plan, case):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "SPLIT_MAX_ITEMS", 10**9 if plan == "split" else 0)
+        mp.setattr(kernels, "SPLIT_MAX_SCRATCH", 10**18 if plan == "split" else 0)
         assert_matches_default(MLXBackend(device="gpu", kernel="cuda"), case)
 
 

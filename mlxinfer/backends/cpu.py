@@ -12,7 +12,7 @@ products are row-invariant, batches them).
 Thread invariance: OpenBLAS's threaded gemm sums a long product differently from its one-thread gemm
 (measured: attention weights x values, [512 x S] x [S x 64], for S = 909, 1,306, 4,085, ...), so the
 activation x activation products (`matmul`, and the fused override's) always run on one BLAS thread,
-and the override spreads a head group's per-head products over the backend's own threads instead: the
+and the override spreads a sequence's per-head products over the backend's own threads instead: the
 same one-thread BLAS call per head, whatever the thread count. Weight products (`linear`) keep the BLAS
 threads (every shape tried gave the same bits on 1 and 2).
 """
@@ -338,11 +338,12 @@ class CPUBackend(Backend):
             vh = [np.ascontiguousarray(v[:, j * d:(j + 1) * d]) for j in range(kvh)]
             masked = t > 1 or spec.window
             positions = batch.positions_of(self, b) if masked else None
+            macs = t * d * k.shape[0]  # of each head's product, either one
             scores = self._scratch(heads, t, k.shape[0])  # [H, T, S]
-            self._per_head(lambda h: np.matmul(qh[h], kh[h // group].T, out=scores[h]), heads, t * d * k.shape[0])
+            self._per_head(lambda h: np.matmul(qh[h], kh[h // group].T, out=scores[h]), heads, macs)
             attn = self._scores_to_probabilities(scores, spec.scale, positions, spec)
             ctx = np.empty((heads, t, d), dtype=np.float32)
-            self._per_head(lambda h: np.matmul(attn[h], vh[h // group], out=ctx[h]), heads, t * d * k.shape[0])
+            self._per_head(lambda h: np.matmul(attn[h], vh[h // group], out=ctx[h]), heads, macs)
             out[r0:r1] = ctx.transpose(1, 0, 2).reshape(t, heads * d)
         return out
 

@@ -427,7 +427,7 @@ class MLXBackend(Backend):
         caches (not asked of a traced batch, whose host lengths are placeholders)."""
         if spec.head_dim > kernels.MAX_HEAD_DIM:
             return True
-        if self.kernel in ("cuda", "metal") and kernels.uses_split(self.kernel, batch.n_rows, spec):
+        if kernels.uses_split(self.kernel, batch.n_rows, spec):
             return False
         return not batch.traced and self._few_long_rows(batch, spec)
 
