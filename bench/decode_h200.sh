@@ -4,7 +4,9 @@
 # 1. the GPU tests of the attention kernels and the compiled step (tests/test_kernels.py, test_mlx_backend.py,
 #    test_compile.py, test_cuda_limits.py; STEPS=tests), 2. bench/decode_attention.py (our kernels vs
 #    mx.fast.sdpa; STEPS=micro), 3. bench/bench.py against mlx-lm at the CASES prompts (STEPS=bench),
-# 4. bench/attention_plans.py (prefill and decode with each attention launch plan; STEPS=plans).
+# 4. bench/attention_plans.py (prefill and decode with each attention launch plan; STEPS=plans),
+# 5. bench/step_profile.py (host time per decode token, ours and mlx-lm's, at MLX's default CUDA graph size
+#    and at OPS_PER_GRAPH ops per graph; STEPS=profile).
 # Durations on a lent H200 (2026-11-30): tests ~170 s on a fresh machine (kernel compilation), micro ~30 s,
 # plans ~150 s, bench 160-220 s: a device call holds at most 600 s, so run tests and the rest in two calls.
 # Writes $OUT/tests.log, $OUT/decode-attention.jsonl, $OUT/bench/ (results.jsonl, results.md, plot), $OUT/bench.log.
@@ -28,6 +30,14 @@ for step in $STEPS; do
     plans)
       timeout ${PLANS_TIMEOUT:-300} python3 bench/attention_plans.py --cases "${PLAN_CASES:-17,511,2047,8191}" \
         --out "$OUT/attention-plans.jsonl"; log "attention_plans rc=$?" ;;
+    profile)
+      for ops in default ${OPS_PER_GRAPH:-1000}; do
+        if [ "$ops" = default ]; then unset MLX_MAX_OPS_PER_BUFFER; else export MLX_MAX_OPS_PER_BUFFER=$ops; fi
+        timeout ${PROFILE_TIMEOUT:-150} python3 bench/step_profile.py --cases "${PROFILE_CASES:-17,511}" \
+          --variants "${VARIANTS:-default,separate,one-launch,no-attention}" --out "$OUT/step-profile.jsonl"
+        log "step_profile (ops per graph: $ops) rc=$?"
+      done
+      unset MLX_MAX_OPS_PER_BUFFER ;;
     bench)
       timeout ${BENCH_TIMEOUT:-400} python3 bench/bench.py --backends mlx --devices gpu --attention fused --runs "$RUNS" --batch "${BATCH:-1}" \
         --cases "$CASES" --peers mlx-lm --out "$OUT/bench" >"$OUT/bench.log" 2>&1; rc=$?

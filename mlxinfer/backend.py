@@ -126,6 +126,12 @@ class Backend:
         """A weight matrix stored in GGUF as [out, in] rows, as a handle `linear` reads as [in, out]."""
         raise NotImplementedError
 
+    def load_weight_group(self, gguf, names):
+        """Weight matrices that multiply the same activations (a layer's Q, K and V; gate and up), as
+        one handle for `linear_group`; iterating it gives each matrix's `linear` handle in order.
+        Default: the tuple of their `load_weight` handles."""
+        return tuple(self.load_weight(gguf, n) for n in names)
+
     def load_embedding(self, gguf, name: str):
         """A [vocab, hidden] table for `gather_rows`."""
         raise NotImplementedError
@@ -277,6 +283,12 @@ class Backend:
         mean_sq = self.scale(self.sum_squares_rows(x), 1.0 / n)
         inv = self.rsqrt(self.add_scalar(mean_sq, eps))
         return self.hadamard(self.mul_rows(x, inv), weight)
+
+    def linear_group(self, x, ws, groups=None):
+        """x times each matrix of a `load_weight_group` handle: a tuple of products, one per matrix.
+        Default: one `linear` each (what the tracing backend counts); a backend may multiply once by
+        the matrices side by side (MLX: one launch instead of three for Q, K and V)."""
+        return tuple(self.linear(x, w, groups) for w in ws)
 
     # -- collectives (tensor parallelism, `mlxinfer.distributed`) ------------------------------
     def all_sum(self, x, group):

@@ -71,6 +71,10 @@ class TracingBackend:
         # The primitive default, on the tracer: its primitives are what the op-count formulas count.
         return Backend.rms_norm(self, x, weight, eps)
 
+    def linear_group(self, x, ws, groups=None):
+        # The default too: one counted `linear` per matrix of the group.
+        return Backend.linear_group(self, x, ws, groups)
+
     def fused_attention(self, q, kv, batch, spec):
         # The per-head reference runs on the tracer, so the primitives it is built from are counted.
         if self.inner.attention == "per-head":

@@ -58,6 +58,27 @@ class QuantizedWeight:
         return mx.dequantize(self.w[ids], self.scales[ids], self.biases[ids], group_size=GROUP, bits=self.bits)
 
 
+@dataclass
+class WeightGroup:
+    """Matrices that multiply the same activations, side by side as one (`merged`: QuantizedWeight
+    rows stacked, or a float [in, sum(out)] array), so `linear_group` is one product; iterating gives
+    each matrix as a view of `merged` (the per-matrix handles the default `linear_group` multiplies)."""
+
+    merged: object
+    sizes: tuple[int, ...]  # each matrix's output columns
+
+    def __iter__(self):
+        start = 0
+        for n in self.sizes:
+            m = self.merged
+            if isinstance(m, QuantizedWeight):
+                yield QuantizedWeight(m.w[start:start + n], m.scales[start:start + n], m.biases[start:start + n],
+                                      m.bits, (n, m.shape[1]))
+            else:
+                yield m[:, start:start + n]
+            start += n
+
+
 def repack_q8_0(raw: np.ndarray, rows: int, cols: int):
     """GGUF Q8_0 blocks (f16 d, 32 x int8 q; x = d*q) -> MLX 8-bit affine: q+128, scale d, bias -128 d.
     Exact: d*(q+128) - 128*d == d*q in float32 (an 11-bit scale times an 8-bit integer)."""
@@ -240,30 +261,57 @@ class MLXBackend(Backend):
     def peak_memory_mb(self) -> float:
         return mx.get_peak_memory() / (1024 * 1024)
 
+    @staticmethod
+    def _read(g, name, transposed: bool):
+        """A 2-D weight in host memory: ((w, scales, biases), bits) repacked exactly, or ((matrix,),
+        None) in float32, [out, in], or [in, out] when `transposed`."""
+        t = g.tensor(name)
+        if len(t.shape) != 2:
+            raise GGUFError(f"{g.path}: tensor {name!r} should be a matrix, found shape {list(t.shape)}")
+        rows, cols = t.shape
+        if t.ggml_type in REPACK:
+            repack, bits = REPACK[t.ggml_type]
+            return repack(g.raw(name), rows, cols), bits
+        m = g.dequantize(name)
+        return (np.ascontiguousarray(m.T if transposed else m, dtype=np.float32),), None
+
+    @staticmethod
+    def _to_device(arrays, bits):
+        out = [mx.array(a) for a in arrays]
+        mx.eval(*out)
+        if bits is None:
+            return out[0]
+        w, scales, biases = out
+        return QuantizedWeight(w, scales, biases, bits, (w.shape[0], scales.shape[1] * GROUP))
+
     def _matrix(self, g, name, transposed: bool):
         """A 2-D weight: QuantizedWeight (exact repack; one copy serves both the embedding and a tied
         output head), or a float32 array, [out, in] for row gathers or [in, out] (`transposed`) for
         matmuls, since `x @ W` is ~2.5x faster than `x @ W.T` on MLX's CPU. Cached per layout."""
-        t = g.tensor(name)
-        if len(t.shape) != 2:
-            raise GGUFError(f"{g.path}: tensor {name!r} should be a matrix, found shape {list(t.shape)}")
-        quantized = t.ggml_type in REPACK
+        quantized = g.tensor(name).ggml_type in REPACK
         key = (name, transposed and not quantized)
         if key not in self._cache:
-            rows, cols = t.shape
-            if quantized:
-                repack, bits = REPACK[t.ggml_type]
-                w, s, b = repack(g.raw(name), rows, cols)
-                out = QuantizedWeight(mx.array(w), mx.array(s), mx.array(b), bits, (rows, cols))
-            else:
-                m = g.dequantize(name)
-                out = mx.array(np.ascontiguousarray(m.T if transposed else m, dtype=np.float32))
-            mx.eval(out.w if quantized else out)
-            self._cache[key] = out
+            self._cache[key] = self._to_device(*self._read(g, name, transposed))
         return self._cache[key]
 
     def load_weight(self, g, name):
         return self._matrix(g, name, transposed=True)
+
+    def load_weight_group(self, g, names):
+        """The matrices stacked into one (one product for Q, K and V, one for gate and up: two and one
+        fewer launches a layer) where they share a layout: all quantized with the same bits, or all
+        float; otherwise their separate handles. Quantized rows are stacked as they are, so each
+        output column is the same dot product of the same quantized row as the separate product's.
+        Stacked in host memory: the parts never reach the device."""
+        parts = [self._read(g, n, transposed=True) for n in names]
+        bits = {b for _, b in parts}
+        if len(bits) != 1:
+            return tuple(self._to_device(*p) for p in parts)
+        (bits,) = bits
+        axis = 1 if bits is None else 0  # float [in, out] side by side; quantized [out, ...] rows stacked
+        sizes = tuple(arrays[0].shape[axis] for arrays, _ in parts)
+        stacked = [np.concatenate([arrays[i] for arrays, _ in parts], axis=axis) for i in range(len(parts[0][0]))]
+        return WeightGroup(self._to_device(stacked, bits), sizes)
 
     def load_embedding(self, g, name):
         return self._matrix(g, name, transposed=False)
@@ -290,6 +338,16 @@ class MLXBackend(Backend):
         if isinstance(w, QuantizedWeight):
             return mx.quantized_matmul(x, w.w, w.scales, w.biases, transpose=True, group_size=GROUP, bits=w.bits)
         return mx.matmul(x, w)
+
+    def linear_group(self, x, ws, groups=None):
+        if not isinstance(ws, WeightGroup):
+            return super().linear_group(x, ws, groups)
+        y = self.linear(x, ws.merged, groups)
+        out, start = [], 0
+        for n in ws.sizes:  # column slices: views (one decode row's slice is contiguous)
+            out.append(y[:, start:start + n])
+            start += n
+        return tuple(out)
 
     def matmul(self, a, b):
         if self.gpu_kernels:

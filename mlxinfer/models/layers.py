@@ -2,7 +2,9 @@
 
 Every step is one backend op, so the tracing backend sees the whole forward pass. Activations are the
 batch's packed rows ([N, cols], see `mlxinfer.batch`); products with weights pass the batch's row
-groups so that a backend can keep each sequence's floats independent of its neighbours.
+groups so that a backend can keep each sequence's floats independent of its neighbours. Matrices that
+multiply the same rows (Q, K, V; gate, up) are one `linear_group` call: one product where the backend
+can put them side by side (MLX), one `linear` each by default.
 
 RMSNorm is the backend's composite op `rms_norm`: by default sum_squares_rows, scale by 1/n, add eps,
 rsqrt, mul_rows, hadamard with the weight row (`Backend.rms_norm`); MLX fuses it.
@@ -35,9 +37,8 @@ def all_sum(ops, x, shard):
 
 def swiglu_mlp(ops, x, w, groups, shard):
     """down(silu(gate(x)) * up(x)), summed over the ranks' shares of the FFN width."""
-    gate = ops.silu(ops.linear(x, w.ffn_gate, groups))
-    up = ops.linear(x, w.ffn_up, groups)
-    return all_sum(ops, ops.linear(ops.hadamard(gate, up), w.ffn_down, groups), shard)
+    gate, up = ops.linear_group(x, w.ffn_gate_up, groups)
+    return all_sum(ops, ops.linear(ops.hadamard(ops.silu(gate), up), w.ffn_down, groups), shard)
 
 
 def output_logits(ops, x, w, batch, eps: float, shard, vocab: int):

@@ -22,9 +22,7 @@ class Model:
 
     def attention(self, ops, x, w, batch, cache, layer: int):
         a, sp, groups = self.args, self.spec, batch.rows
-        q = ops.linear(x, w.attn_q, groups)
-        k = ops.linear(x, w.attn_k, groups)
-        v = ops.linear(x, w.attn_v, groups)
+        q, k, v = ops.linear_group(x, w.attn_qkv, groups)
         q = head_rms_norm(ops, q, w.attn_q_norm, sp.n_heads, a.head_dim, a.rms_eps)
         k = head_rms_norm(ops, k, w.attn_k_norm, sp.n_kv_heads, a.head_dim, a.rms_eps)
         q = ops.rope(q, batch.positions, sp.n_heads, a.head_dim, a.rope_base, traditional=False)

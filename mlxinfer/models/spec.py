@@ -139,6 +139,10 @@ LAYER_TENSORS = (
                lambda a: (a.hidden, a.ffn)),
 )
 
+# Layer matrices that multiply the same activations, loaded as one handle (`Backend.load_weight_group`)
+# and multiplied by `linear_group`: key of the group -> keys of its matrices, in output order.
+WEIGHT_GROUPS = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_gate_up": ("ffn_gate", "ffn_up")}
+
 
 def tensors(args: ModelArgs):
     """(TensorSpec, layer index or None, gguf name, hf name, shape) of every tensor the model reads,
@@ -175,7 +179,8 @@ def load_norm(ops, g, name):
 
 def load_weights(ops, g, args: ModelArgs, shard=None) -> SimpleNamespace:
     """The model's weights on `ops`: `w.token_embd`, `w.output_norm`, `w.output` (the output head; the
-    embedding matrix when tied) and `w.layers[i].attn_q` ... named by the spec's keys. With a
+    embedding matrix when tied) and `w.layers[i].attn_norm` ... named by the spec's keys, except the
+    matrices of a `WEIGHT_GROUPS` entry: one handle under the group's key (`w.layers[i].attn_qkv`). With a
     tensor-parallel `shard` (mlxinfer.distributed) the weight matrices are read through the shard's view
     of the file: only this rank's slice of each; the embedding and the norms whole."""
     check_shapes(g, args)
@@ -184,8 +189,16 @@ def load_weights(ops, g, args: ModelArgs, shard=None) -> SimpleNamespace:
     loaders = {MATRIX: lambda g_, n: ops.load_weight(view, n), NORM: lambda g_, n: load_norm(ops, g_, n),
                EMBEDDING: ops.load_embedding}
     w = SimpleNamespace(layers=[SimpleNamespace() for _ in range(args.n_layers)])
+    grouped = {k: group for group, keys in WEIGHT_GROUPS.items() for k in keys}
+    names = {}  # layer -> {key: gguf name} of its grouped matrices
     for t, i, name, _, _ in tensors(args):
+        if i is not None and t.key in grouped:
+            names.setdefault(i, {})[t.key] = name
+            continue
         setattr(w if i is None else w.layers[i], t.key, loaders[t.kind](g, name))
+    for i, layer in names.items():
+        for group, keys in WEIGHT_GROUPS.items():
+            setattr(w.layers[i], group, ops.load_weight_group(view, [layer[k] for k in keys]))
     if args.tied_output:
         w.output = ops.load_weight(view, "output.weight" if sharded else "token_embd.weight")
     return w

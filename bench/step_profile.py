@@ -1,0 +1,206 @@
+"""Where a decode token's time goes, ours beside mlx-lm's (issue 10, target 1's profile).
+
+MLX evaluates lazily: a decode token costs host time to build its graph (Python, or one call of our
+compiled step), host time to encode that graph for the GPU (`mx.async_eval`: every primitive's
+eval_gpu, CUDA graph building and launch), and then waiting for the GPU. With one step in flight
+(both engines pipeline) a token's interval is max(host, GPU) plus what does not overlap. This script
+times the three host parts of every decode token, per engine, at each prompt length:
+
+- `build_ms`: building the step's graph (ours: `Engine._launch` minus its `async_eval`; mlx-lm: the
+  model call inside `generate_step`);
+- `encode_ms`: `mx.async_eval` (the C++ eval of every primitive: kernel launches into CUDA graphs);
+- `wait_ms`: blocked reading the previous token (ours: `to_numpy`; mlx-lm: the rest of the interval);
+- `interval_ms`: the median time between tokens.
+
+When `wait_ms` is near zero the step is host-bound: fewer primitives (not faster kernels) is the way
+to a faster token. `--variants` adds our engine with the attention kernel's launch plan forced
+(`one-launch`), with Q, K, V and gate, up as separate products (`separate`), and with attention replaced by a copy of the queries (`no-attention`: wrong text, the
+rest of the step's cost). Run each MLX_MAX_OPS_PER_BUFFER setting in its own process (MLX reads it
+once). Writes JSON lines. Made for an MLX GPU (`--device cpu` only tries the script).
+
+    python3 bench/step_profile.py --cases 17,511 --gen 64 --out profile.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import mlx.core as mx  # noqa: E402
+
+import mlxinfer  # noqa: E402
+from bench import resolve  # noqa: E402
+from mlxinfer import kernels  # noqa: E402
+from peers import emit, prompt_ids, write_mlx_lm_model  # noqa: E402
+
+
+class Clock:
+    """Accumulates host time per label, per token."""
+
+    def __init__(self):
+        self.per_token: list[dict] = []
+        self.now: dict = {}
+
+    def add(self, label, dt):
+        self.now[label] = self.now.get(label, 0.0) + dt
+
+    def token(self):
+        self.per_token.append(self.now)
+        self.now = {}
+
+
+def _median(rows, key):
+    return round(statistics.median(r.get(key, 0.0) for r in rows) * 1000, 3)
+
+
+def profile_ours(path, n, gen, variant, device):
+    from mlxinfer.backend import Backend
+    from mlxinfer.backends.mlx import MLXBackend
+
+    grouped = MLXBackend.load_weight_group
+    if variant == "separate":  # Q, K, V (gate, up) as separate products, as before weight groups
+        MLXBackend.load_weight_group = Backend.load_weight_group
+    try:
+        engine = mlxinfer.load(path, backend="mlx", device=device)
+    finally:
+        MLXBackend.load_weight_group = grouped
+    engine.tokenizer = dataclasses.replace(engine.tokenizer, eog_ids=frozenset())  # always `gen` tokens
+    ops = engine.backend
+    limits = kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH
+    if variant == "one-launch":
+        kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = 0, 0
+    elif variant == "no-attention":
+        ops.fused_attention = lambda q, kv, batch, spec: q + 0.0
+    clock = Clock()
+    start, to_numpy, launch = ops.start, ops.to_numpy, engine._launch
+
+    def timed_start(*xs):
+        t = time.perf_counter()
+        start(*xs)
+        clock.add("encode", time.perf_counter() - t)
+
+    def timed_to_numpy(x):
+        t = time.perf_counter()
+        out = to_numpy(x)
+        clock.add("wait", time.perf_counter() - t)
+        return out
+
+    def timed_launch(plan, cache):
+        t = time.perf_counter()
+        out = launch(plan, cache)
+        clock.add("launch", time.perf_counter() - t)
+        clock.token()
+        return out
+
+    ids = prompt_ids(n, engine.args.vocab_size)
+    engine.generate(ids[:n], max_tokens=8)  # warm-up: kernels compiled, the step traced
+    ops.start, ops.to_numpy, engine._launch = timed_start, timed_to_numpy, timed_launch
+    times, rows = [], []
+    try:
+        for _ in range(2):
+            clock.per_token.clear()
+            g = engine.generate(ids, max_tokens=gen)
+            times.append(g.metrics.token_intervals_ms)
+            rows += clock.per_token[1:]  # decode passes (the first is the prompt's)
+    finally:
+        kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = limits
+    for r in rows:
+        r["build"] = r.get("launch", 0.0) - r.get("encode", 0.0)
+    intervals = [x for t in times for x in t]
+    return dict(engine=f"mlxinfer ({variant})", prompt=n, gen=gen, tokens=len(rows),
+                interval_ms=round(statistics.median(intervals), 3), build_ms=_median(rows, "build"),
+                encode_ms=_median(rows, "encode"), wait_ms=_median(rows, "wait"),
+                decode_tok_s=round(g.metrics.decode_tokens_per_second, 1))
+
+
+def profile_mlx_lm(path, n, gen):
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, _ = load_model(__import__("pathlib").Path(write_mlx_lm_model(path, tmp)))
+    clock = Clock()
+
+    class Timed:
+        """The model, its calls timed (graph building)."""
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+        def __call__(self, *a, **k):
+            t = time.perf_counter()
+            out = model(*a, **k)
+            clock.add("build", time.perf_counter() - t)
+            return out
+
+    async_eval = mx.async_eval
+
+    def timed_async_eval(*xs):
+        t = time.perf_counter()
+        async_eval(*xs)
+        clock.add("encode", time.perf_counter() - t)
+
+    ids = mx.array(prompt_ids(n, model.args.vocab_size))
+    for _ in generate_step(ids[:n], model, max_tokens=8):
+        pass
+    mx.async_eval = timed_async_eval
+    try:
+        intervals, rows = [], []
+        for _ in range(2):
+            clock.per_token.clear()
+            t0 = time.perf_counter()
+            for i, _ in enumerate(generate_step(ids, Timed(), max_tokens=gen)):
+                now = time.perf_counter()
+                clock.now["interval"] = now - t0
+                clock.token()
+                t0 = now
+                if i:
+                    intervals.append(clock.per_token[-1]["interval"] * 1000)
+            rows += clock.per_token[1:]
+    finally:
+        mx.async_eval = async_eval
+    for r in rows:
+        r["wait"] = max(0.0, r["interval"] - r.get("build", 0.0) - r.get("encode", 0.0))
+    return dict(engine=f"mlx-lm {mlx_lm.__version__}", prompt=n, gen=gen, tokens=len(rows),
+                interval_ms=round(statistics.median(intervals), 3), build_ms=_median(rows, "build"),
+                encode_ms=_median(rows, "encode"), wait_ms=_median(rows, "wait"),
+                decode_tok_s=round(1000 / statistics.fmean(intervals), 1))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="17,511")
+    p.add_argument("--gen", type=int, default=64)
+    p.add_argument("--engines", default="ours,mlx-lm")
+    p.add_argument("--variants", default="default", help="ours: default, one-launch, separate, no-attention")
+    p.add_argument("--model", default="qwen3-0.6b-synthetic", help="bench.py's names or a GGUF path")
+    p.add_argument("--device", default="gpu", help="gpu, or cpu to try the script without one")
+    p.add_argument("--cache", default=os.path.join(HERE, "models"))
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if a.device == "gpu" and not (mx.cuda.is_available() or mx.metal.is_available()):
+        sys.exit("step_profile: needs an MLX GPU (CUDA or Metal), or --device cpu")
+    mx.set_default_device(mx.gpu if a.device == "gpu" else mx.cpu)
+    path = resolve(a.model, a.cache)
+    env = {k: os.environ.get(k) for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_USE_CUDA_GRAPHS")}
+    for n in (int(x) for x in a.cases.split(",")):
+        for engine in a.engines.split(","):
+            variants = a.variants.split(",") if engine == "ours" else [None]
+            for v in variants:
+                row = profile_ours(path, n, a.gen, v, a.device) if engine == "ours" else profile_mlx_lm(path, n, a.gen)
+                row.update({k: v for k, v in env.items() if v is not None})
+                emit(row, a.out)
+
+
+if __name__ == "__main__":
+    main()
