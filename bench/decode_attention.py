@@ -16,6 +16,11 @@ first step alone and its first two (`split_scores_us_in20`, `split_scores_softma
 `*_us_compiled20`: the op as an mx.compile'd function, 20 calls per graph (no Python graph building). Before timing it checks that
 both plans give the same bits and that they agree with sdpa to 1e-4. Needs an MLX GPU.
 
+`--gpu-clock` (CUDA) measures instead the device time alone: 20 calls chained (each call's output is
+the next call's query), between two GPU clock stamps (bench/gpu_clock.py), all in one CUDA graph
+(MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER set high), per call (`*_gpu_us`); for the split plan
+also its first step and first two steps, chained through a glue op whose own time is `glue_gpu_us`.
+
     python3 bench/decode_attention.py --contexts 512,2048,8192,32768 --batch 1,8 --out results.jsonl
 """
 
@@ -27,12 +32,16 @@ import statistics
 import sys
 import time
 
+if "--gpu-clock" in sys.argv:  # read by MLX when its GPU stream starts: before the import
+    os.environ["MLX_MAX_OPS_PER_BUFFER"] = os.environ["MLX_MAX_MB_PER_BUFFER"] = "1000000"
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from gpu_clock import elapsed_us, stamp  # noqa: E402
 from mlxinfer import kernels  # noqa: E402
 from mlxinfer.backend import AttentionSpec  # noqa: E402
 from peers import emit  # noqa: E402
@@ -50,12 +59,51 @@ def timed(fn, reps, chain=1):
     return statistics.median(times)
 
 
+def gpu_time(fn, x0, reps, chain=20):
+    """Median device microseconds per call of fn over a chain of `chain` calls, x -> fn(x)."""
+    times = []
+    for r in range(reps + 2):
+        x = x0
+        s0 = stamp(x)
+        for _ in range(chain):
+            x = fn(x)
+        s1 = stamp(x)
+        mx.eval(s0, s1, x)
+        if r >= 2:
+            times.append(elapsed_us(s0, s1) / chain)
+    return statistics.median(times)
+
+
+def gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, reps):
+    """The --gpu-clock row of one case."""
+    row = dict(batch=b, context=s, split=kernels.uses_split(kind, b, spec), kernel=kind, clock="gpu")
+    fused = lambda x: kernels.fused_attention(kind, x, keys, values, slots, pos, lens, spec)  # noqa: E731
+    row["fused_gpu_us"] = round(gpu_time(fused, q, reps), 1)
+    one = lambda x: kernels.fused_attention(kind, x, keys, values, slots, pos, lens, spec, split=False)  # noqa: E731
+    row["one_launch_gpu_us"] = round(gpu_time(one, q, reps), 1)
+    sdpa = lambda x: mx.fast.scaled_dot_product_attention(x, kh, vh, scale=spec.scale)  # noqa: E731
+    row["sdpa_gpu_us"] = round(gpu_time(sdpa, qh, reps), 1)
+    # the split plan's first steps, chained through a glue op (the next query = x + 0 * first output
+    # value: two small kernels), and the glue alone, so a step's time is (its chain - glue)
+    def glue(x, out):
+        return x + 0.0 * out.reshape(-1)[:1]
+
+    row["glue_gpu_us"] = round(gpu_time(lambda x: glue(x, x), q, reps), 1)
+    for steps, name in ((1, "scores"), (2, "scores_softmax")):
+        fn = lambda x, st=steps: glue(x, kernels._split_attention(kind, x, keys, values, slots, pos, lens, spec,  # noqa: E731
+                                                                 steps=st))
+        row[f"split_{name}_glued_gpu_us"] = round(gpu_time(fn, q, reps), 1)
+    row["fused_over_sdpa_gpu"] = round(row["fused_gpu_us"] / row["sdpa_gpu_us"], 2)
+    return row
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="512,2048,8192,32768")
     p.add_argument("--batch", default="1")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--out", default=None)
+    p.add_argument("--gpu-clock", action="store_true", help="device time per call only (CUDA)")
     a = p.parse_args(argv)
     kind = "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else None
     if kind is None:
@@ -83,6 +131,10 @@ def main(argv=None):
             err = float(np.max(np.abs(out["fused"] - out["sdpa"])))
             if not same or err > 1e-4:
                 sys.exit(f"decode_attention: plans differ (bitwise equal: {same}) or far from sdpa ({err:.3g})")
+            if a.gpu_clock:
+                emit(gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, max(5, a.reps // 5)),
+                     a.out)
+                continue
             row = dict(batch=b, context=s, split=kernels.uses_split(kind, b, spec), kernel=kind)
             for name, op in ops.items():
                 row[f"{name}_us"] = round(timed(op, a.reps), 1)

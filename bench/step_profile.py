@@ -12,8 +12,11 @@ times the three host parts of every decode token, per engine, at each prompt len
 - `wait_ms`: blocked reading the previous token (ours: `to_numpy`; mlx-lm: the rest of the interval);
 - `interval_ms`: the median time between tokens.
 
-When `wait_ms` is near zero the step is host-bound: fewer primitives (not faster kernels) is the way
-to a faster token. `--variants` adds our engine with the attention kernel's launch plan forced
+`--gpu-clock` (CUDA) adds `gpu_ms`: the device time of the forward pass alone (ours: the compiled
+step; mlx-lm: its model call), between two GPU clock stamps (bench/gpu_clock.py) evaluated with the
+step; it sets MLX_MAX_OPS_PER_BUFFER and MLX_MAX_MB_PER_BUFFER so high that each evaluation is one
+CUDA graph, launched once encoded, so no host gap falls between the stamps. When `gpu_ms` is well
+below the interval the step is host-bound: fewer primitives, not faster kernels, make a faster token. `--variants` adds our engine with the attention kernel's launch plan forced
 (`one-launch`), with Q, K, V and gate, up as separate products (`separate`), and with attention replaced by a copy of the queries (`no-attention`: wrong text, the
 rest of the step's cost). Run each MLX_MAX_OPS_PER_BUFFER setting in its own process (MLX reads it
 once). Writes JSON lines. Made for an MLX GPU (`--device cpu` only tries the script).
@@ -31,6 +34,9 @@ import sys
 import tempfile
 import time
 
+if "--gpu-clock" in sys.argv:  # read by MLX when its GPU stream starts: before the import
+    os.environ["MLX_MAX_OPS_PER_BUFFER"] = os.environ["MLX_MAX_MB_PER_BUFFER"] = "1000000"
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
@@ -39,16 +45,40 @@ import mlx.core as mx  # noqa: E402
 
 import mlxinfer  # noqa: E402
 from bench import resolve  # noqa: E402
+from gpu_clock import elapsed_us, stamp  # noqa: E402
 from mlxinfer import kernels  # noqa: E402
 from peers import emit, prompt_ids, write_mlx_lm_model  # noqa: E402
 
 
 class Clock:
-    """Accumulates host time per label, per token."""
+    """Accumulates host time per label, per token; and, with `gpu`, GPU clock stamps around each pass."""
 
-    def __init__(self):
+    def __init__(self, gpu: bool = False):
         self.per_token: list[dict] = []
         self.now: dict = {}
+        self.gpu = gpu
+        self.stamps: list[tuple] = []  # (first, last) of each timed pass
+        self.pending: list = []  # stamps to evaluate with the pass's outputs
+
+    def around(self, first_input, fn):
+        """fn() with GPU stamps after `first_input` and after its first output (self.gpu only)."""
+        if not self.gpu:
+            return fn()
+        s0 = stamp(first_input)
+        out = fn()
+        s1 = stamp(out[0] if isinstance(out, tuple) else out)
+        self.stamps.append((s0, s1))
+        self.pending += [s0, s1]
+        return out
+
+    def take_pending(self) -> list:
+        out, self.pending = self.pending, []
+        return out
+
+    def gpu_ms(self):
+        if not self.stamps:
+            return None
+        return round(statistics.median(elapsed_us(a, b) for a, b in self.stamps) / 1000, 3)
 
     def add(self, label, dt):
         self.now[label] = self.now.get(label, 0.0) + dt
@@ -62,7 +92,7 @@ def _median(rows, key):
     return round(statistics.median(r.get(key, 0.0) for r in rows) * 1000, 3)
 
 
-def profile_ours(path, n, gen, variant, device):
+def profile_ours(path, n, gen, variant, device, gpu_clock=False):
     from mlxinfer.backend import Backend
     from mlxinfer.backends.mlx import MLXBackend
 
@@ -80,13 +110,17 @@ def profile_ours(path, n, gen, variant, device):
         kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = 0, 0
     elif variant == "no-attention":
         ops.fused_attention = lambda q, kv, batch, spec: q + 0.0
-    clock = Clock()
-    start, to_numpy, launch = ops.start, ops.to_numpy, engine._launch
+    clock = Clock(gpu_clock)
+    start, to_numpy, launch, decode_step = ops.start, ops.to_numpy, engine._launch, engine._decode_step
 
     def timed_start(*xs):
         t = time.perf_counter()
-        start(*xs)
+        start(*xs, *clock.take_pending())
         clock.add("encode", time.perf_counter() - t)
+
+    def stamped_decode_step(kind, batch_size):
+        step = decode_step(kind, batch_size)
+        return lambda ids, *rest: clock.around(ids, lambda: step(ids, *rest))
 
     def timed_to_numpy(x):
         t = time.perf_counter()
@@ -104,10 +138,12 @@ def profile_ours(path, n, gen, variant, device):
     ids = prompt_ids(n, engine.args.vocab_size)
     engine.generate(ids[:n], max_tokens=8)  # warm-up: kernels compiled, the step traced
     ops.start, ops.to_numpy, engine._launch = timed_start, timed_to_numpy, timed_launch
+    engine._decode_step = stamped_decode_step
     times, rows = [], []
     try:
         for _ in range(2):
             clock.per_token.clear()
+            clock.stamps.clear()
             g = engine.generate(ids, max_tokens=gen)
             times.append(g.metrics.token_intervals_ms)
             rows += clock.per_token[1:]  # decode passes (the first is the prompt's)
@@ -118,18 +154,18 @@ def profile_ours(path, n, gen, variant, device):
     intervals = [x for t in times for x in t]
     return dict(engine=f"mlxinfer ({variant})", prompt=n, gen=gen, tokens=len(rows),
                 interval_ms=round(statistics.median(intervals), 3), build_ms=_median(rows, "build"),
-                encode_ms=_median(rows, "encode"), wait_ms=_median(rows, "wait"),
+                encode_ms=_median(rows, "encode"), wait_ms=_median(rows, "wait"), gpu_ms=clock.gpu_ms(),
                 decode_tok_s=round(g.metrics.decode_tokens_per_second, 1))
 
 
-def profile_mlx_lm(path, n, gen):
+def profile_mlx_lm(path, n, gen, gpu_clock=False):
     import mlx_lm
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model, _ = load_model(__import__("pathlib").Path(write_mlx_lm_model(path, tmp)))
-    clock = Clock()
+    clock = Clock(gpu_clock)
 
     class Timed:
         """The model, its calls timed (graph building)."""
@@ -139,7 +175,7 @@ def profile_mlx_lm(path, n, gen):
 
         def __call__(self, *a, **k):
             t = time.perf_counter()
-            out = model(*a, **k)
+            out = clock.around(a[0], lambda: model(*a, **k))
             clock.add("build", time.perf_counter() - t)
             return out
 
@@ -147,7 +183,7 @@ def profile_mlx_lm(path, n, gen):
 
     def timed_async_eval(*xs):
         t = time.perf_counter()
-        async_eval(*xs)
+        async_eval(*xs, *clock.take_pending())
         clock.add("encode", time.perf_counter() - t)
 
     ids = mx.array(prompt_ids(n, model.args.vocab_size))
@@ -158,6 +194,7 @@ def profile_mlx_lm(path, n, gen):
         intervals, rows = [], []
         for _ in range(2):
             clock.per_token.clear()
+            clock.stamps.clear()
             t0 = time.perf_counter()
             for i, _ in enumerate(generate_step(ids, Timed(), max_tokens=gen)):
                 now = time.perf_counter()
@@ -173,7 +210,7 @@ def profile_mlx_lm(path, n, gen):
         r["wait"] = max(0.0, r["interval"] - r.get("build", 0.0) - r.get("encode", 0.0))
     return dict(engine=f"mlx-lm {mlx_lm.__version__}", prompt=n, gen=gen, tokens=len(rows),
                 interval_ms=round(statistics.median(intervals), 3), build_ms=_median(rows, "build"),
-                encode_ms=_median(rows, "encode"), wait_ms=_median(rows, "wait"),
+                encode_ms=_median(rows, "encode"), wait_ms=_median(rows, "wait"), gpu_ms=clock.gpu_ms(),
                 decode_tok_s=round(1000 / statistics.fmean(intervals), 1))
 
 
@@ -185,11 +222,14 @@ def main(argv=None):
     p.add_argument("--variants", default="default", help="ours: default, one-launch, separate, no-attention")
     p.add_argument("--model", default="qwen3-0.6b-synthetic", help="bench.py's names or a GGUF path")
     p.add_argument("--device", default="gpu", help="gpu, or cpu to try the script without one")
+    p.add_argument("--gpu-clock", action="store_true", help="add gpu_ms (CUDA; one CUDA graph per evaluation)")
     p.add_argument("--cache", default=os.path.join(HERE, "models"))
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.device == "gpu" and not (mx.cuda.is_available() or mx.metal.is_available()):
         sys.exit("step_profile: needs an MLX GPU (CUDA or Metal), or --device cpu")
+    if a.gpu_clock and not (a.device == "gpu" and mx.cuda.is_available()):
+        sys.exit("step_profile: --gpu-clock needs MLX's CUDA backend")
     mx.set_default_device(mx.gpu if a.device == "gpu" else mx.cpu)
     path = resolve(a.model, a.cache)
     env = {k: os.environ.get(k) for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_USE_CUDA_GRAPHS")}
@@ -197,7 +237,8 @@ def main(argv=None):
         for engine in a.engines.split(","):
             variants = a.variants.split(",") if engine == "ours" else [None]
             for v in variants:
-                row = profile_ours(path, n, a.gen, v, a.device) if engine == "ours" else profile_mlx_lm(path, n, a.gen)
+                row = (profile_ours(path, n, a.gen, v, a.device, a.gpu_clock) if engine == "ours"
+                       else profile_mlx_lm(path, n, a.gen, a.gpu_clock))
                 row.update({k: v for k, v in env.items() if v is not None})
                 emit(row, a.out)
 
