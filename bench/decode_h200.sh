@@ -6,7 +6,8 @@
 #    mx.fast.sdpa; STEPS=micro), 3. bench/bench.py against mlx-lm at the CASES prompts (STEPS=bench),
 # 4. bench/attention_plans.py (prefill and decode with each attention launch plan; STEPS=plans),
 # 5. bench/step_profile.py (host time per decode token, ours and mlx-lm's, at MLX's default CUDA graph size
-#    and at OPS_PER_GRAPH ops per graph; STEPS=profile).
+#    and at OPS_PER_GRAPH ops per graph; STEPS=profile), 6. the device time alone (GPU clock stamps) of each
+#    attention op and of the whole decode step, ours and mlx-lm's (STEPS=gpuclock).
 # Durations on a lent H200 (2026-11-30): tests ~170 s on a fresh machine (kernel compilation), micro ~30 s,
 # plans ~150 s, bench 160-220 s: a device call holds at most 600 s, so run tests and the rest in two calls.
 # Writes $OUT/tests.log, $OUT/decode-attention.jsonl, $OUT/bench/ (results.jsonl, results.md, plot), $OUT/bench.log.
@@ -38,6 +39,12 @@ for step in $STEPS; do
         log "step_profile (ops per graph: $ops) rc=$?"
       done
       unset MLX_MAX_OPS_PER_BUFFER ;;
+    gpuclock)
+      timeout ${MICRO_TIMEOUT:-200} python3 bench/decode_attention.py --gpu-clock --contexts 512,2048,8192,32768 \
+        --batch 1,8 --out "$OUT/decode-attention-gpu.jsonl"; log "decode_attention --gpu-clock rc=$?"
+      timeout ${PROFILE_TIMEOUT:-200} python3 bench/step_profile.py --gpu-clock --cases "${PROFILE_CASES:-17,511}" \
+        --variants "${VARIANTS:-default,no-attention}" --out "$OUT/step-profile-gpu.jsonl"
+      log "step_profile --gpu-clock rc=$?" ;;
     bench)
       timeout ${BENCH_TIMEOUT:-400} python3 bench/bench.py --backends mlx --devices gpu --attention fused --runs "$RUNS" --batch "${BATCH:-1}" \
         --cases "$CASES" --peers mlx-lm --out "$OUT/bench" >"$OUT/bench.log" 2>&1; rc=$?

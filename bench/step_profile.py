@@ -92,7 +92,7 @@ def _median(rows, key):
     return round(statistics.median(r.get(key, 0.0) for r in rows) * 1000, 3)
 
 
-def profile_ours(path, n, gen, variant, device, gpu_clock=False):
+def profile_ours(path, cases, gen, variant, device, gpu_clock=False):
     from mlxinfer.backend import Backend
     from mlxinfer.backends.mlx import MLXBackend
 
@@ -135,30 +135,33 @@ def profile_ours(path, n, gen, variant, device, gpu_clock=False):
         clock.token()
         return out
 
-    ids = prompt_ids(n, engine.args.vocab_size)
-    engine.generate(ids[:n], max_tokens=8)  # warm-up: kernels compiled, the step traced
     ops.start, ops.to_numpy, engine._launch = timed_start, timed_to_numpy, timed_launch
     engine._decode_step = stamped_decode_step
-    times, rows = [], []
+    out = []
     try:
-        for _ in range(2):
-            clock.per_token.clear()
-            clock.stamps.clear()
-            g = engine.generate(ids, max_tokens=gen)
-            times.append(g.metrics.token_intervals_ms)
-            rows += clock.per_token[1:]  # decode passes (the first is the prompt's)
+        for n in cases:
+            ids = prompt_ids(n, engine.args.vocab_size)
+            engine.generate(ids, max_tokens=8)  # warm-up: kernels compiled, the step traced
+            times, rows = [], []
+            for _ in range(2):
+                clock.per_token.clear()
+                clock.stamps.clear()
+                g = engine.generate(ids, max_tokens=gen)
+                times.append(g.metrics.token_intervals_ms)
+                rows += clock.per_token[1:]  # decode passes (the first is the prompt's)
+            for r in rows:
+                r["build"] = r.get("launch", 0.0) - r.get("encode", 0.0)
+            intervals = [x for t in times for x in t]
+            out.append(dict(engine=f"mlxinfer ({variant})", prompt=n, gen=gen, tokens=len(rows),
+                            interval_ms=round(statistics.median(intervals), 3), build_ms=_median(rows, "build"),
+                            encode_ms=_median(rows, "encode"), wait_ms=_median(rows, "wait"), gpu_ms=clock.gpu_ms(),
+                            decode_tok_s=round(g.metrics.decode_tokens_per_second, 1)))
     finally:
         kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = limits
-    for r in rows:
-        r["build"] = r.get("launch", 0.0) - r.get("encode", 0.0)
-    intervals = [x for t in times for x in t]
-    return dict(engine=f"mlxinfer ({variant})", prompt=n, gen=gen, tokens=len(rows),
-                interval_ms=round(statistics.median(intervals), 3), build_ms=_median(rows, "build"),
-                encode_ms=_median(rows, "encode"), wait_ms=_median(rows, "wait"), gpu_ms=clock.gpu_ms(),
-                decode_tok_s=round(g.metrics.decode_tokens_per_second, 1))
+    return out
 
 
-def profile_mlx_lm(path, n, gen, gpu_clock=False):
+def profile_mlx_lm(path, cases, gen, gpu_clock=False):
     import mlx_lm
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model
@@ -186,32 +189,35 @@ def profile_mlx_lm(path, n, gen, gpu_clock=False):
         async_eval(*xs, *clock.take_pending())
         clock.add("encode", time.perf_counter() - t)
 
-    ids = mx.array(prompt_ids(n, model.args.vocab_size))
-    for _ in generate_step(ids[:n], model, max_tokens=8):
-        pass
-    mx.async_eval = timed_async_eval
-    try:
-        intervals, rows = [], []
-        for _ in range(2):
-            clock.per_token.clear()
-            clock.stamps.clear()
-            t0 = time.perf_counter()
-            for i, _ in enumerate(generate_step(ids, Timed(), max_tokens=gen)):
-                now = time.perf_counter()
-                clock.now["interval"] = now - t0
-                clock.token()
-                t0 = now
-                if i:
-                    intervals.append(clock.per_token[-1]["interval"] * 1000)
-            rows += clock.per_token[1:]
-    finally:
-        mx.async_eval = async_eval
-    for r in rows:
-        r["wait"] = max(0.0, r["interval"] - r.get("build", 0.0) - r.get("encode", 0.0))
-    return dict(engine=f"mlx-lm {mlx_lm.__version__}", prompt=n, gen=gen, tokens=len(rows),
-                interval_ms=round(statistics.median(intervals), 3), build_ms=_median(rows, "build"),
-                encode_ms=_median(rows, "encode"), wait_ms=_median(rows, "wait"), gpu_ms=clock.gpu_ms(),
-                decode_tok_s=round(1000 / statistics.fmean(intervals), 1))
+    out = []
+    for n in cases:
+        ids = mx.array(prompt_ids(n, model.args.vocab_size))
+        for _ in generate_step(ids, model, max_tokens=8):
+            pass
+        mx.async_eval = timed_async_eval
+        try:
+            intervals, rows = [], []
+            for _ in range(2):
+                clock.per_token.clear()
+                clock.stamps.clear()
+                t0 = time.perf_counter()
+                for i, _ in enumerate(generate_step(ids, Timed(), max_tokens=gen)):
+                    now = time.perf_counter()
+                    clock.now["interval"] = now - t0
+                    clock.token()
+                    t0 = now
+                    if i:
+                        intervals.append(clock.per_token[-1]["interval"] * 1000)
+                rows += clock.per_token[1:]
+        finally:
+            mx.async_eval = async_eval
+        for r in rows:
+            r["wait"] = max(0.0, r["interval"] - r.get("build", 0.0) - r.get("encode", 0.0))
+        out.append(dict(engine=f"mlx-lm {mlx_lm.__version__}", prompt=n, gen=gen, tokens=len(rows),
+                        interval_ms=round(statistics.median(intervals), 3), build_ms=_median(rows, "build"),
+                        encode_ms=_median(rows, "encode"), wait_ms=_median(rows, "wait"), gpu_ms=clock.gpu_ms(),
+                        decode_tok_s=round(1000 / statistics.fmean(intervals), 1)))
+    return out
 
 
 def main(argv=None):
@@ -233,15 +239,14 @@ def main(argv=None):
     mx.set_default_device(mx.gpu if a.device == "gpu" else mx.cpu)
     path = resolve(a.model, a.cache)
     env = {k: os.environ.get(k) for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_USE_CUDA_GRAPHS")}
-    for n in (int(x) for x in a.cases.split(",")):
-        for engine in a.engines.split(","):
-            variants = a.variants.split(",") if engine == "ours" else [None]
-            for v in variants:
-                row = (profile_ours(path, n, a.gen, v, a.device, a.gpu_clock) if engine == "ours"
-                       else profile_mlx_lm(path, n, a.gen, a.gpu_clock))
+    cases = [int(x) for x in a.cases.split(",")]
+    for engine in a.engines.split(","):
+        for v in (a.variants.split(",") if engine == "ours" else [None]):
+            rows = (profile_ours(path, cases, a.gen, v, a.device, a.gpu_clock) if engine == "ours"
+                    else profile_mlx_lm(path, cases, a.gen, a.gpu_clock))
+            for row in rows:
                 row.update({k: v for k, v in env.items() if v is not None})
                 emit(row, a.out)
-
 
 if __name__ == "__main__":
     main()
