@@ -34,6 +34,7 @@ T_TR = "tests/test_tracing.py"
 T_KER = "tests/test_kernels.py"
 T_SRV = "tests/test_server.py"
 T_TP = "tests/test_tp.py"
+T_WG = "tests/test_weight_groups.py"
 
 CPU = "mlxinfer/backends/cpu.py"
 MLX = "mlxinfer/backends/mlx.py"
@@ -453,6 +454,16 @@ M = [
     ("mlx-rms-norm-eps-dropped", "model", MLX,
      [("return mx.fast.rms_norm(x, mx.reshape(weight, (-1,)), eps)", "return mx.fast.rms_norm(x, mx.reshape(weight, (-1,)), 0.0)")],
      [T_MLX], "MLX backend: the fused RMSNorm drops epsilon"),
+    # -- weight groups (Q, K, V and gate, up stacked into one product on MLX) -------------------------
+    ("wg-float-view-column-early", "weight groups", MLX,
+     [("                yield m[:, start:start + n]", "                yield m[:, max(start - 1, 0):max(start - 1, 0) + n]")],
+     [T_WG], "MLX weight group: iterating a float group, K's, V's and up's views start one column early (shapes right)"),
+    ("wg-quant-view-scales-early", "weight groups", MLX,
+     [("m.scales[start:start + n]", "m.scales[max(start - 1, 0):max(start - 1, 0) + n]")],
+     [T_WG], "MLX weight group: iterating a quantized group, K's, V's and up's views take scales one row early"),
+    ("wg-group-ignores-sequences", "weight groups", MLX,
+     [("y = self.linear(x, ws.merged, groups)", "y = self.linear(x, ws.merged)")],
+     [T_WG], "MLX linear_group: the stacked product drops the sequence groups (per_sequence_linear ignored)"),
     ("tp-no-all-sum", "tensor parallel", LAYERS,
      [('return x if shard.size == 1 else ops.all_sum(x, shard.group)', 'return x')],
      [T_TP], "tensor parallel: the row-parallel products' partial sums are never added up"),
