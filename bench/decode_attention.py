@@ -12,14 +12,14 @@ Each case evaluates the op `--reps` times in a row (one graph per call, evaluate
 median microseconds per call (`*_us`: launch and synchronisation included, as a decode step without
 compilation pays them), and the median over `--reps` graphs of 20 independent calls each, per call
 (`*_us_in20`: closer to the kernels' own time, as inside a compiled step); for the split plan also its
-first step alone and its first two (`split_scores_us_in20`, `split_scores_softmax_us_in20`); and
+first step alone (`split_scores_us_in20`); and
 `*_us_compiled20`: the op as an mx.compile'd function, 20 calls per graph (no Python graph building). Before timing it checks that
 both plans give the same bits and that they agree with sdpa to 1e-4. Needs an MLX GPU.
 
 `--gpu-clock` (CUDA) measures instead the device time alone: 20 calls chained (each call's output is
 the next call's query), between two GPU clock stamps (bench/gpu_clock.py), all in one CUDA graph
 (MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER set high), per call (`*_gpu_us`); for the split plan
-also its first step and first two steps, chained through a glue op whose own time is `glue_gpu_us`.
+also its first step (the scores), chained through a glue op whose own time is `glue_gpu_us`.
 
     python3 bench/decode_attention.py --contexts 512,2048,8192,32768 --batch 1,8 --out results.jsonl
 """
@@ -89,10 +89,8 @@ def gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, re
         return x + 0.0 * out.reshape(-1)[:1]
 
     row["glue_gpu_us"] = round(gpu_time(lambda x: glue(x, x), q, reps), 1)
-    for steps, name in ((1, "scores"), (2, "scores_softmax")):
-        fn = lambda x, st=steps: glue(x, kernels._split_attention(kind, x, keys, values, slots, pos, lens, spec,  # noqa: E731
-                                                                 steps=st))
-        row[f"split_{name}_glued_gpu_us"] = round(gpu_time(fn, q, reps), 1)
+    fn = lambda x: glue(x, kernels._split_attention(kind, x, keys, values, slots, pos, lens, spec, steps=1))  # noqa: E731
+    row["split_scores_glued_gpu_us"] = round(gpu_time(fn, q, reps), 1)
     row["fused_over_sdpa_gpu"] = round(row["fused_gpu_us"] / row["sdpa_gpu_us"], 2)
     return row
 
@@ -139,10 +137,9 @@ def main(argv=None):
             for name, op in ops.items():
                 row[f"{name}_us"] = round(timed(op, a.reps), 1)
                 row[f"{name}_us_in20"] = round(timed(op, max(5, a.reps // 5), chain=20), 1)
-            if row["split"]:  # the split plan's steps: scores alone, scores + softmax (in graphs of 20)
-                for steps, name in ((1, "scores"), (2, "scores_softmax")):
-                    row[f"split_{name}_us_in20"] = round(timed(lambda st=steps: kernels._split_attention(
-                        kind, q, keys, values, slots, pos, lens, spec, steps=st), max(5, a.reps // 5), chain=20), 1)
+            if row["split"]:  # the split plan's first step alone, the scores (in graphs of 20)
+                row["split_scores_us_in20"] = round(timed(lambda: kernels._split_attention(
+                    kind, q, keys, values, slots, pos, lens, spec, steps=1), max(5, a.reps // 5), chain=20), 1)
             compiled = {  # under mx.compile: no Python graph building per call
                 "fused": (mx.compile(lambda q_, k_, v_: kernels.fused_attention(kind, q_, k_, v_, slots, pos, lens, spec)),
                           (q, keys, values)),

@@ -6,9 +6,10 @@ Three kernels share one published summation order (written out at the top of eac
 (every softmax of scores on a GPU) and `fused_attention` (a whole batch's attention in one launch:
 decode rows and prefill chunks alike, each row reading its own sequence's cache slot up to its own
 length; its blocks stride over the (row, head) work items, so its score scratch is sized by the grid).
-On CUDA the fused attention has a second launch plan for few rows, the split kernels `attn_scores`,
-`attn_softmax` and `attn_context` (`_split_attention`, chosen by `uses_split`): the same arithmetic,
-spread over the GPU one key, one (row, head) and one partial-sum chain at a time.
+On CUDA the fused attention has a second launch plan for few rows, the split kernels `attn_scores`
+and `attn_context` (`_split_attention`, chosen by `uses_split`): the same arithmetic, spread over the
+GPU one key, then one partial-sum chain at a time (each `attn_context` block recomputes its heads'
+softmax max and total, in the softmax kernel's order, rather than a third launch writing them).
 Because the per-head reference and the fused kernels are built from the same device functions, they
 agree bit for bit on any number of query rows, which MLX's own products cannot promise (on CUDA a
 product of more than one row goes to cuBLASLt, whose order is unpublished).
@@ -43,8 +44,7 @@ _INPUTS = {
     "softmax": (["x", "dims"], ["out"]),
     "fused_attention": (["q", "k", "v", "row_slot", "row_pos", "row_len", "scale", "dims"], ["out", "p"]),
     "attn_scores": (["q", "k", "row_slot", "row_pos", "row_len"], ["p"]),
-    "attn_softmax": (["x", "row_len"], ["out"]),
-    "attn_context": (["p", "v", "row_slot", "row_len"], ["out"]),
+    "attn_context": (["x", "v", "row_slot", "row_len"], ["out"]),
 }
 SPLIT_KINDS = ("cuda",)  # the split attention kernels exist in these sources (Metal: one launch only)
 SPLIT_MAX_ITEMS = 1024  # (row, head) work items up to which the split kernels run: their scratch is
@@ -116,9 +116,8 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
     position and its sequence's length (int32 arrays). -> [N, H*D].
 
     Two launch plans compute the same bits. Few rows (decode) and short prefill chunks (`uses_split`, or
-    split=True) take the split kernels: scores with one warp per key, the softmax with one block per
-    (row, head), the context with one thread per partial sum of the published order; every key is
-    spread over the GPU. Long prefill chunks over long caches take the one-launch kernel, one block per
+    split=True) take the split kernels: scores with one warp per key, then softmax and context with
+    one thread per partial sum of the published order; every key is spread over the GPU. Long prefill chunks over long caches take the one-launch kernel, one block per
     (row, head) work item, whose scratch is bounded by its grid."""
     import mlx.core as mx
 
@@ -135,25 +134,22 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
     return out
 
 
-def _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, steps: int = 3):
-    """The split plan: scores, softmax, context (`steps` < 3 stops early and returns that step's output:
-    bench/decode_attention.py times the steps). The attention's shape is compiled into the kernels."""
+def _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, steps: int = 2):
+    """The split plan: scores, then softmax and context (`steps=1` stops after the scores and returns
+    them: bench/decode_attention.py times the steps). The attention's shape is compiled into the
+    kernels. Two launches: each launch of a custom kernel costs ~18 us of host time on the H200
+    (bench/step_profile.py), more than the softmax's own GPU time at decode."""
     import mlx.core as mx
 
     n, cap = q.shape[0], keys.shape[1]
     scale_bits = int(np.array(spec.scale, dtype=np.float32).view(np.int32))
     template = [("H", spec.n_heads), ("KV", spec.n_kv_heads), ("D", spec.head_dim), ("CAUSAL", bool(spec.causal)),
                 ("WINDOW", int(spec.window or 0)), ("SCALE_BITS", scale_bits)]
-    shape = [(n, spec.n_heads, cap)]
     (out,) = _kernel(kind, "attn_scores")(
         inputs=[q, keys, row_slot, row_pos, row_len], template=template,
         grid=_grid(n * spec.n_kv_heads * -(-cap // 64)), threadgroup=(THREADS, 1, 1),
-        output_shapes=shape, output_dtypes=[mx.float32])
+        output_shapes=[(n, spec.n_heads, cap)], output_dtypes=[mx.float32])
     if steps > 1:
-        (out,) = _kernel(kind, "attn_softmax")(
-            inputs=[out, row_len], grid=(n * spec.n_heads * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-            output_shapes=shape, output_dtypes=[mx.float32])
-    if steps > 2:
         (out,) = _kernel(kind, "attn_context")(
             inputs=[out, values, row_slot, row_len], template=template,
             grid=_grid(n * spec.n_kv_heads * -(-spec.head_dim // 8)), threadgroup=(THREADS, 1, 1),
