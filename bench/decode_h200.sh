@@ -6,7 +6,7 @@
 #    mx.fast.sdpa; STEPS=micro), 3. bench/bench.py against mlx-lm at the CASES prompts (STEPS=bench),
 # 4. bench/attention_plans.py (prefill and decode with each attention launch plan; STEPS=plans),
 # 5. bench/step_profile.py (host time per decode token, ours and mlx-lm's, at MLX's default CUDA graph size
-#    and at OPS_PER_GRAPH ops per graph; STEPS=profile), 6. the device time alone (GPU clock stamps) of each
+#    and at 1000 ops per graph (OPS_PER_GRAPH: the list; STEPS=profile), 6. the device time alone (GPU clock stamps) of each
 #    attention op and of the whole decode step, ours and mlx-lm's (STEPS=gpuclock).
 # Durations on a lent H200 (2026-11-30): tests ~170 s on a fresh machine (kernel compilation), micro ~30 s,
 # plans ~150 s, bench 160-220 s: a device call holds at most 600 s, so run tests and the rest in two calls.
@@ -22,7 +22,7 @@ for step in $STEPS; do
   case $step in
     tests)
       MLXINFER_PROPERTY_EXAMPLES=${EXAMPLES:-40} timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -x -p no:cacheprovider -k "not smollm2" \
-        tests/test_kernels.py tests/test_mlx_backend.py tests/test_compile.py tests/test_cuda_limits.py \
+        ${TESTS:-tests/test_kernels.py tests/test_mlx_backend.py tests/test_compile.py tests/test_cuda_limits.py} \
         >"$OUT/tests.log" 2>&1; rc=$?
       tail -5 "$OUT/tests.log"; log "tests rc=$rc"; [ $rc -eq 0 ] || exit 1 ;;
     micro)
@@ -32,7 +32,7 @@ for step in $STEPS; do
       timeout ${PLANS_TIMEOUT:-300} python3 bench/attention_plans.py --cases "${PLAN_CASES:-17,511,2047,8191}" \
         --out "$OUT/attention-plans.jsonl"; log "attention_plans rc=$?" ;;
     profile)
-      for ops in default ${OPS_PER_GRAPH:-1000}; do
+      for ops in ${OPS_PER_GRAPH:-default 1000}; do
         if [ "$ops" = default ]; then unset MLX_MAX_OPS_PER_BUFFER; else export MLX_MAX_OPS_PER_BUFFER=$ops; fi
         timeout ${PROFILE_TIMEOUT:-150} python3 bench/step_profile.py --cases "${PROFILE_CASES:-17,511}" \
           --variants "${VARIANTS:-default,separate,one-launch,no-attention}" --out "$OUT/step-profile.jsonl"
