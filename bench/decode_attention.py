@@ -18,7 +18,8 @@ both plans give the same bits and that they agree with sdpa to 1e-4. Needs an ML
 
 `--gpu-clock` (CUDA) measures instead the device time alone: 20 calls chained (each call's output is
 the next call's query), between two GPU clock stamps (bench/gpu_clock.py), all in one CUDA graph
-(MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER set high), per call (`*_gpu_us`); for the split plan
+(MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER set high), per call (`*_gpu_us`; the split plan's two- and three-launch forms forced as
+`split_two_launches_gpu_us` and `split_three_launches_gpu_us`); for the split plan
 also its first step (the scores), chained through a glue op whose own time is `glue_gpu_us`.
 
     python3 bench/decode_attention.py --contexts 512,2048,8192,32768 --batch 1,8 --out results.jsonl
@@ -76,11 +77,15 @@ def gpu_time(fn, x0, reps, chain=20):
 
 def gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, reps):
     """The --gpu-clock row of one case."""
-    row = dict(batch=b, context=s, split=kernels.uses_split(kind, b, spec), kernel=kind, clock="gpu")
+    row = dict(batch=b, context=s, split=kernels.uses_split(kind, b, spec), kernel=kind, clock="gpu",
+               two_launches=kernels.uses_two_launches(b, s))
     fused = lambda x: kernels.fused_attention(kind, x, keys, values, slots, pos, lens, spec)  # noqa: E731
     row["fused_gpu_us"] = round(gpu_time(fused, q, reps), 1)
     one = lambda x: kernels.fused_attention(kind, x, keys, values, slots, pos, lens, spec, split=False)  # noqa: E731
     row["one_launch_gpu_us"] = round(gpu_time(one, q, reps), 1)
+    for two, name in ((True, "two"), (False, "three")):  # the split plan's two forms, forced
+        fn = lambda x, t=two: kernels._split_attention(kind, x, keys, values, slots, pos, lens, spec, two_launches=t)  # noqa: E731
+        row[f"split_{name}_launches_gpu_us"] = round(gpu_time(fn, q, reps), 1)
     sdpa = lambda x: mx.fast.scaled_dot_product_attention(x, kh, vh, scale=spec.scale)  # noqa: E731
     row["sdpa_gpu_us"] = round(gpu_time(sdpa, qh, reps), 1)
     # the split plan's first steps, chained through a glue op (the next query = x + 0 * first output

@@ -148,7 +148,8 @@ for (long item = blockIdx.x; item < items; item += gridDim.x) {
   __syncthreads();
 }
 //@@BODY attn_scores
-// Split attention, step 1 of 2 (few query rows over long caches: decode). The same arithmetic as
+// Split attention, step 1 (few query rows over long caches: decode; short prefill chunks). Then either
+// attn_softmax_context (two launches: decode) or attn_softmax and attn_context (three: many rows). The same arithmetic as
 // fused_attention, spread over the GPU: p[r, h, j] = the scaled, masked score of row r, head h against
 // key j < row_len[r], for every head of one KV head's group (its key is read once per group).
 // Block b takes keys kb*64 .. kb*64+63 of (row r, KV head g), b = (r*KV + g)*nkb + kb; warp w takes
@@ -207,8 +208,8 @@ if (r < n) {
     }
   }
 }
-//@@BODY attn_context
-// Split attention, step 2 of 2: the softmax and the context. Block b = ((r*KV + g)*nd + c) takes head
+//@@BODY attn_softmax_context
+// Split attention, two-launch form (decode), step 2: the softmax and the context. Block b = ((r*KV + g)*nd + c) takes head
 // dimensions c*8 .. c*8+7 of KV head g for row r, for the group's heads up to 4 at a time:
 // 1. for each head, its scores x[r, h, :S] (S = row_len[r]) give the max m (exact in any order) and
 //    the total in mlxi_softmax's order (thread t's chain of e_j = expf(x_j - m), j = t, t+256, ... in
@@ -274,6 +275,110 @@ if (r < n) {  // the same for the whole block
         for (int e = 0; e < 4; ++e) {
           const float pu = __shfl_sync(0xffffffffu, pe[e], (lane & ~7) | u);
           if (e < nh && i < S) acc[e] = __fadd_rn(acc[e], __fmul_rn(pu, vv[u]));
+        }
+      }
+    }
+    for (int e = 0; e < nh; ++e) {
+      part[tid] = acc[e];
+      for (int off = 16; off > 0; off >>= 1) {
+        __syncthreads();
+        if (l < off) part[tid] = __fadd_rn(part[tid], part[tid + off * 8]);
+      }
+      __syncthreads();
+      if (l == 0 && d < D) out[r * H * D + (g * G + h0 + e) * D + d] = part[tid];
+      __syncthreads();
+    }
+  }
+}
+//@@BODY attn_softmax
+// Split attention, three-launch form, step 2: one block per (row r, head h) turns its scores x[r, h, :S], S =
+// row_len[r], into attention weights: mlxi_softmax's arithmetic (the max, thread t's chain of
+// exponentials j = t, t+256, ... in increasing j, the butterflies, the division), reading x 8 loads
+// at a time (mlxi_softmax works in place, so each of its loads waits for the store before it).
+// x, out [N, H, CAP].
+const long cap = x_shape[2];
+const long rh = blockIdx.x;
+const int S = row_len[rh / x_shape[1]];
+const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+constexpr int T = MLXI_THREADS;
+const float* xr = x + rh * cap;
+float* y = out + rh * cap;
+__shared__ float red[MLXI_WARPS];
+float m = -INFINITY;
+int j = tid;
+for (; j + 7 * T < S; j += 8 * T) {
+  float t[8];
+#pragma unroll
+  for (int u = 0; u < 8; ++u) t[u] = xr[j + u * T];
+#pragma unroll
+  for (int u = 0; u < 8; ++u) m = fmaxf(m, t[u]);
+}
+for (; j < S; j += T) m = fmaxf(m, xr[j]);
+m = mlxi_block_max(m, lane, wid, red);
+float s = 0.0f;
+j = tid;
+for (; j + 7 * T < S; j += 8 * T) {
+  float t[8];
+#pragma unroll
+  for (int u = 0; u < 8; ++u) t[u] = xr[j + u * T];
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    const float e = expf(__fsub_rn(t[u], m));
+    y[j + u * T] = e;
+    s = __fadd_rn(s, e);
+  }
+}
+for (; j < S; j += T) {
+  const float e = expf(__fsub_rn(xr[j], m));
+  y[j] = e;
+  s = __fadd_rn(s, e);
+}
+const float total = mlxi_block_total(s, lane, wid, red);
+for (j = tid; j < S; j += T) y[j] = __fdiv_rn(y[j], total);  // this thread's own values
+//@@BODY attn_context
+// Split attention, three-launch form, step 3: out[r, h, d] = dot(p[r, h, :S], v[:S, d]) in the published order. Block
+// b = ((r*KV + g)*nd + c) takes head dimensions c*8 .. c*8+7 of KV head g for row r; thread (l, dd) =
+// (tid / 8, tid % 8) keeps lane l's partial sums (s = l, l+32, ... in increasing s) for up to 4 heads
+// of the group at once, reading v[s, d] once for all of them (16 keys' loads in flight); the 32
+// partials per head are then combined as a tree over l (part[l] += part[l + off] for l < off, off =
+// 16, 8, 4, 2, 1: what lane 0 of the butterfly computes), exactly as fused_attention does.
+// p [N, H, CAP]; v [slots, CAP, KV*D]; compile-time H, KV, D as attn_scores'.
+const long cap = p_shape[2], n = p_shape[0];
+constexpr int G = H / KV, nd = (D + 7) / 8;
+const long blk = (long)blockIdx.y * gridDim.x + blockIdx.x;
+const int c = blk % nd;
+const long rg = blk / nd;
+const long r = rg / KV;
+const int g = rg % KV;
+const int tid = threadIdx.x, l = tid >> 3, d = c * 8 + (tid & 7);
+__shared__ float part[MLXI_THREADS];
+if (r < n) {
+  const long S = row_len[r];
+  constexpr long kvw = (long)KV * D;
+  const float* vd = v + (long)row_slot[r] * cap * kvw + g * D + d;
+  for (int h0 = 0; h0 < G; h0 += 4) {
+    const int nh = min(4, G - h0);
+    const float* pr = p + (r * H + (long)g * G + h0) * cap;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (d < D) {
+      long i = l;
+      for (; i + 15 * 32 < S; i += 16 * 32) {  // 16 keys' loads in flight, then the adds in the chain's order
+        float vv[16];
+#pragma unroll
+        for (int u = 0; u < 16; ++u) vv[u] = vd[(i + u * 32) * kvw];
+#pragma unroll
+        for (int u = 0; u < 16; ++u) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if (e < nh) acc[e] = __fadd_rn(acc[e], __fmul_rn(pr[e * cap + i + u * 32], vv[u]));
+          }
+        }
+      }
+      for (; i < S; i += 32) {
+        const float vi = vd[i * kvw];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (e < nh) acc[e] = __fadd_rn(acc[e], __fmul_rn(pr[e * cap + i], vi));
         }
       }
     }

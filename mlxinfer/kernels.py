@@ -6,10 +6,12 @@ Three kernels share one published summation order (written out at the top of eac
 (every softmax of scores on a GPU) and `fused_attention` (a whole batch's attention in one launch:
 decode rows and prefill chunks alike, each row reading its own sequence's cache slot up to its own
 length; its blocks stride over the (row, head) work items, so its score scratch is sized by the grid).
-On CUDA the fused attention has a second launch plan for few rows, the split kernels `attn_scores`
-and `attn_context` (`_split_attention`, chosen by `uses_split`): the same arithmetic, spread over the
-GPU one key, then one partial-sum chain at a time (each `attn_context` block recomputes its heads'
-softmax max and total, in the softmax kernel's order, rather than a third launch writing them).
+On CUDA the fused attention has a second launch plan for few rows, the split kernels
+(`_split_attention`, chosen by `uses_split`): the same arithmetic, spread over the GPU one key, then
+one partial-sum chain at a time: `attn_scores`, then for decode `attn_softmax_context` (each block
+recomputes its heads' softmax max and total in the softmax kernel's order: one launch fewer, which
+saves more host time than the recomputation costs on the GPU while few rows read short caches) or,
+for many rows over longer caches (`uses_two_launches`), `attn_softmax` and `attn_context`.
 Because the per-head reference and the fused kernels are built from the same device functions, they
 agree bit for bit on any number of query rows, which MLX's own products cannot promise (on CUDA a
 product of more than one row goes to cuBLASLt, whose order is unpublished).
@@ -44,7 +46,9 @@ _INPUTS = {
     "softmax": (["x", "dims"], ["out"]),
     "fused_attention": (["q", "k", "v", "row_slot", "row_pos", "row_len", "scale", "dims"], ["out", "p"]),
     "attn_scores": (["q", "k", "row_slot", "row_pos", "row_len"], ["p"]),
-    "attn_context": (["x", "v", "row_slot", "row_len"], ["out"]),
+    "attn_softmax_context": (["x", "v", "row_slot", "row_len"], ["out"]),
+    "attn_softmax": (["x", "row_len"], ["out"]),
+    "attn_context": (["p", "v", "row_slot", "row_len"], ["out"]),
 }
 SPLIT_KINDS = ("cuda",)  # the split attention kernels exist in these sources (Metal: one launch only)
 SPLIT_MAX_ITEMS = 1024  # (row, head) work items up to which the split kernels run: their scratch is
@@ -104,6 +108,17 @@ def _grid(blocks: int) -> tuple[int, int, int]:
     return (cols * THREADS, -(-blocks // cols), 1)
 
 
+TWO_LAUNCH_ROWS = 1  # the split plan's two-launch form for up to this many rows, or ...
+TWO_LAUNCH_MAX_KEYS = 1 << 14  # ... while rows x capacity <= this: its recomputed softmax costs GPU time that grows with rows x keys, its saved launch ~18 us of host
+# time (H200, 2026-11-30, bench/decode_attention.py --gpu-clock: one row 86 vs 86 us at 8,192 keys and
+# 294 vs 342 at 32,768; eight rows 62 vs 55 at 2,048 and 221 vs 181 at 8,192)
+
+
+def uses_two_launches(rows: int, capacity: int) -> bool:
+    """Whether the split plan computes softmax and context in one launch (`attn_softmax_context`)."""
+    return rows <= TWO_LAUNCH_ROWS or rows * capacity <= TWO_LAUNCH_MAX_KEYS
+
+
 def uses_split(kind: str, rows: int, spec, capacity: int = 0) -> bool:
     """Whether `fused_attention` takes the split kernels for a pass of `rows` query rows over a cache
     of `capacity` rows."""
@@ -134,26 +149,34 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
     return out
 
 
-def _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, steps: int = 2):
-    """The split plan: scores, then softmax and context (`steps=1` stops after the scores and returns
-    them: bench/decode_attention.py times the steps). The attention's shape is compiled into the
-    kernels. Two launches: each launch of a custom kernel costs ~18 us of host time on the H200
-    (bench/step_profile.py), more than the softmax's own GPU time at decode."""
+def _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, steps: int = 3,
+                     two_launches: bool | None = None):
+    """The split plan: scores, then softmax and context in one launch (`two_launches`, by default
+    `uses_two_launches`) or two. `steps=1` stops after the scores and returns them (bench/
+    decode_attention.py times the steps). The attention's shape is compiled into the kernels."""
     import mlx.core as mx
 
     n, cap = q.shape[0], keys.shape[1]
     scale_bits = int(np.array(spec.scale, dtype=np.float32).view(np.int32))
     template = [("H", spec.n_heads), ("KV", spec.n_kv_heads), ("D", spec.head_dim), ("CAUSAL", bool(spec.causal)),
                 ("WINDOW", int(spec.window or 0)), ("SCALE_BITS", scale_bits)]
+    shape = [(n, spec.n_heads, cap)]
     (out,) = _kernel(kind, "attn_scores")(
         inputs=[q, keys, row_slot, row_pos, row_len], template=template,
         grid=_grid(n * spec.n_kv_heads * -(-cap // 64)), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(n, spec.n_heads, cap)], output_dtypes=[mx.float32])
-    if steps > 1:
-        (out,) = _kernel(kind, "attn_context")(
-            inputs=[out, values, row_slot, row_len], template=template,
-            grid=_grid(n * spec.n_kv_heads * -(-spec.head_dim // 8)), threadgroup=(THREADS, 1, 1),
-            output_shapes=[(n, spec.n_heads * spec.head_dim)], output_dtypes=[mx.float32])
+        output_shapes=shape, output_dtypes=[mx.float32])
+    if steps == 1:
+        return out
+    context = dict(grid=_grid(n * spec.n_kv_heads * -(-spec.head_dim // 8)), threadgroup=(THREADS, 1, 1),
+                   output_shapes=[(n, spec.n_heads * spec.head_dim)], output_dtypes=[mx.float32])
+    if two_launches if two_launches is not None else uses_two_launches(n, cap):
+        (out,) = _kernel(kind, "attn_softmax_context")(inputs=[out, values, row_slot, row_len], template=template,
+                                                       **context)
+        return out
+    (out,) = _kernel(kind, "attn_softmax")(
+        inputs=[out, row_len], grid=(n * spec.n_heads * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=shape, output_dtypes=[mx.float32])
+    (out,) = _kernel(kind, "attn_context")(inputs=[out, values, row_slot, row_len], template=template, **context)
     return out
 
 

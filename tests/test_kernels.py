@@ -19,7 +19,7 @@ needs_gpu = pytest.mark.skipif(GPU is None, reason="needs an MLX GPU (Metal or C
 
 
 def test_kernel_sources_hold_every_kernel():
-    split = {"attn_scores", "attn_context"}
+    split = {"attn_scores", "attn_softmax_context", "attn_softmax", "attn_context"}
     for kind in ("cuda", "metal"):
         header, bodies = kernels.kernel_source(kind)
         assert set(bodies) == {"matmul", "softmax", "fused_attention"} | (split if kind in kernels.SPLIT_KINDS else set())
@@ -121,11 +121,15 @@ def test_launch_plan_rule():
     assert kernels.uses_split("cuda", 511, spec, 768) and kernels.uses_split("cuda", 512, spec, 4096)
     assert not kernels.uses_split("cuda", 512, spec, 4097)
     assert not kernels.uses_split("metal", 1, spec, 512)
+    # the split plan's form: two launches for one row over any cache, or while rows x capacity <= 2^14
+    assert kernels.uses_two_launches(1, 40960) and kernels.uses_two_launches(8, 2048)
+    assert not kernels.uses_two_launches(8, 2049) and not kernels.uses_two_launches(2, 8193)
+    assert not kernels.uses_two_launches(511, 768)  # prefill chunks: three launches
 
 
 INT_INPUTS = {"row_slot", "row_pos", "row_len", "dims"}
 SPLIT_TEMPLATE = {"H": 16, "KV": 8, "D": 128, "CAUSAL": "true", "WINDOW": 0, "SCALE_BITS": 1035273459}
-TEMPLATED = {"attn_scores", "attn_context"}  # the kernels kernels._split_attention passes `template` to
+TEMPLATED = {"attn_scores", "attn_softmax_context", "attn_context"}  # the kernels kernels._split_attention passes `template` to
 STUB = """
 struct Shape { int v[8]; __device__ long operator[](int i) const { return v[i]; } };
 #define INFINITY __int_as_float(0x7f800000)

@@ -131,23 +131,27 @@ needs_cuda = pytest.mark.skipif(gpu_kind() != "cuda", reason="the split kernels 
 
 
 @needs_cuda
-@pytest.mark.parametrize("plan", ["split", "one-launch"])
+@pytest.mark.parametrize("plan", ["split, two launches", "split, three launches", "one-launch"])
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(case=attention_inputs())
 def test_both_cuda_launch_plans_are_byte_identical(plan, case):
-    """Every pass forced through one plan (split kernels, or the one-launch kernel), whatever its size."""
+    """Every pass forced through one plan (the split kernels in their two- or three-launch form, or the
+    one-launch kernel), whatever its size."""
     from mlxinfer import kernels
 
+    split, two = plan.startswith("split"), "two" in plan
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernels, "SPLIT_MAX_ITEMS", 10**9 if plan == "split" else 0)
-        mp.setattr(kernels, "SPLIT_MAX_SCRATCH", 10**18 if plan == "split" else 0)
+        mp.setattr(kernels, "SPLIT_MAX_ITEMS", 10**9 if split else 0)
+        mp.setattr(kernels, "SPLIT_MAX_SCRATCH", 10**18 if split else 0)
+        mp.setattr(kernels, "TWO_LAUNCH_ROWS", 10**9 if two else 0)
+        mp.setattr(kernels, "TWO_LAUNCH_MAX_KEYS", 10**18 if two else 0)
         assert_matches_default(MLXBackend(device="gpu", kernel="cuda"), case)
 
 
 @needs_cuda
 @pytest.mark.parametrize("rows,s,window", [(1, 70000, None), (3, 5000, None), (2, 3000, 100), (64, 4100, None)])
 def test_split_and_one_launch_kernels_agree_on_long_caches(rows, s, window):
-    """Decode-shaped passes over long caches (Qwen3's 16/8 heads of 128), both plans, bit for bit: rows
+    """Decode-shaped passes over long caches (Qwen3's 16/8 heads of 128), every plan, bit for bit: rows
     at the end of caches of different lengths, more keys than one block's 64, and a sliding window."""
     from mlxinfer import kernels
     from mlxinfer.backend import AttentionSpec
@@ -159,10 +163,12 @@ def test_split_and_one_launch_kernels_agree_on_long_caches(rows, s, window):
     q = mx.array(rng.standard_normal((rows, 16 * 128), dtype=np.float32) * 4)
     lens = mx.array(np.linspace(s // 3, s, rows).astype(np.int32))
     slots = mx.arange(rows, dtype=mx.int32)
-    got = {split: np.array(kernels.fused_attention("cuda", q, keys, values, slots, lens - 1, lens, spec, split=split))
-           for split in (True, False)}
+    got = {two: np.array(kernels._split_attention("cuda", q, keys, values, slots, lens - 1, lens, spec,
+                                                   two_launches=two)) for two in (True, False)}
+    got["one"] = np.array(kernels.fused_attention("cuda", q, keys, values, slots, lens - 1, lens, spec, split=False))
     assert np.isfinite(got[True]).all()
-    assert np.array_equal(got[True].view(np.uint32), got[False].view(np.uint32))
+    assert np.array_equal(got[True].view(np.uint32), got["one"].view(np.uint32))
+    assert np.array_equal(got[False].view(np.uint32), got["one"].view(np.uint32))
 
 
 @pytest.mark.parametrize("kernel,graph", [("cuda", False), ("metal", True)])
