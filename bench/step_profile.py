@@ -10,7 +10,10 @@ times the three host parts of every decode token, per engine, at each prompt len
   model call inside `generate_step`);
 - `encode_ms`: `mx.async_eval` (the C++ eval of every primitive: kernel launches into CUDA graphs);
 - `wait_ms`: blocked reading the previous token (ours: `to_numpy`; mlx-lm: the rest of the interval);
-- `interval_ms`: the median time between tokens.
+- `interval_ms`: the median time between decode tokens (`decode_tok_s`: 1000 / their mean).
+
+Ours' build is all of `Engine._launch` but the encoding: the batch's arrays, the compiled step's call
+and the sampling graph; mlx-lm's is its model call only (its sampling graph lands in `wait`).
 
 `--gpu-clock` (CUDA) adds `gpu_ms`: the device time of the forward pass alone (ours: the compiled
 step; mlx-lm: its model call), between two GPU clock stamps (bench/gpu_clock.py) evaluated with the
@@ -143,9 +146,9 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False):
             ids = prompt_ids(n, engine.args.vocab_size)
             engine.generate(ids, max_tokens=8)  # warm-up: kernels compiled, the step traced
             times, rows = [], []
+            clock.stamps.clear()  # ours: decode passes only (the prompt's pass is not the compiled step)
             for _ in range(2):
                 clock.per_token.clear()
-                clock.stamps.clear()
                 g = engine.generate(ids, max_tokens=gen)
                 times.append(g.metrics.token_intervals_ms)
                 rows += clock.per_token[1:]  # decode passes (the first is the prompt's)
@@ -155,7 +158,7 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False):
             out.append(dict(engine=f"mlxinfer ({variant})", prompt=n, gen=gen, tokens=len(rows),
                             interval_ms=round(statistics.median(intervals), 3), build_ms=_median(rows, "build"),
                             encode_ms=_median(rows, "encode"), wait_ms=_median(rows, "wait"), gpu_ms=clock.gpu_ms(),
-                            decode_tok_s=round(g.metrics.decode_tokens_per_second, 1)))
+                            decode_tok_s=round(1000 / statistics.fmean(intervals), 1)))
     finally:
         kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = limits
     return out
@@ -196,7 +199,7 @@ def profile_mlx_lm(path, cases, gen, gpu_clock=False):
             pass
         mx.async_eval = timed_async_eval
         try:
-            intervals, rows = [], []
+            intervals, rows, stamps = [], [], []
             for _ in range(2):
                 clock.per_token.clear()
                 clock.stamps.clear()
@@ -209,8 +212,10 @@ def profile_mlx_lm(path, cases, gen, gpu_clock=False):
                     if i:
                         intervals.append(clock.per_token[-1]["interval"] * 1000)
                 rows += clock.per_token[1:]
+                stamps += clock.stamps[1:]  # its first model call is the prompt's
         finally:
             mx.async_eval = async_eval
+        clock.stamps = stamps
         for r in rows:
             r["wait"] = max(0.0, r["interval"] - r.get("build", 0.0) - r.get("encode", 0.0))
         out.append(dict(engine=f"mlx-lm {mlx_lm.__version__}", prompt=n, gen=gen, tokens=len(rows),

@@ -11,7 +11,7 @@ On CUDA the fused attention has a second launch plan for few rows, the split ker
 one partial-sum chain at a time: `attn_scores`, then for decode `attn_softmax_context` (each block
 recomputes its heads' softmax max and total in the softmax kernel's order: one launch fewer, which
 saves more host time than the recomputation costs on the GPU while few rows read short caches) or,
-for many rows over longer caches (`uses_two_launches`), `attn_softmax` and `attn_context`.
+for many rows over longer caches, `attn_softmax` and `attn_context` (the choice: `uses_two_launches`).
 Because the per-head reference and the fused kernels are built from the same device functions, they
 agree bit for bit on any number of query rows, which MLX's own products cannot promise (on CUDA a
 product of more than one row goes to cuBLASLt, whose order is unpublished).
@@ -109,9 +109,11 @@ def _grid(blocks: int) -> tuple[int, int, int]:
 
 
 TWO_LAUNCH_ROWS = 1  # the split plan's two-launch form for up to this many rows, or ...
-TWO_LAUNCH_MAX_KEYS = 1 << 14  # ... while rows x capacity <= this: its recomputed softmax costs GPU time that grows with rows x keys, its saved launch ~18 us of host
-# time (H200, 2026-11-30, bench/decode_attention.py --gpu-clock: one row 86 vs 86 us at 8,192 keys and
-# 294 vs 342 at 32,768; eight rows 62 vs 55 at 2,048 and 221 vs 181 at 8,192)
+TWO_LAUNCH_MAX_KEYS = 1 << 14  # ... while rows x capacity <= this. Its recomputed softmax costs GPU
+# time growing with rows x keys; its saved launch ~16-21 us of host time, and decode is host-bound. H200,
+# 2026-11-30 13:30 UTC, bench/decode_attention.py --gpu-clock, two vs three launches forced, one run: one
+# row 25.5 vs 34.6 / 30.9 vs 24.0 / 112 vs 99.5 / 315 vs 333 us at 512 / 2,048 / 8,192 / 32,768 keys;
+# eight rows 21.5 vs 18.7 / 61.6 vs 54.6 / 221 vs 181 / 876 vs 710 (single calls move up to 1.4x)
 
 
 def uses_two_launches(rows: int, capacity: int) -> bool:
@@ -131,9 +133,11 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
     position and its sequence's length (int32 arrays). -> [N, H*D].
 
     Two launch plans compute the same bits. Few rows (decode) and short prefill chunks (`uses_split`, or
-    split=True) take the split kernels: scores with one warp per key, then softmax and context with
-    one thread per partial sum of the published order; every key is spread over the GPU. Long prefill chunks over long caches take the one-launch kernel, one block per
-    (row, head) work item, whose scratch is bounded by its grid."""
+    split=True) take the split kernels: scores with one warp per key, then the softmax and the context
+    with one thread per partial-sum chain of the published order (in one launch, or the softmax with
+    one block per row and head first: `uses_two_launches`); every key is spread over the GPU. Long
+    prefill chunks over long caches take the one-launch kernel, one block per (row, head) work item,
+    whose scratch is bounded by its grid."""
     import mlx.core as mx
 
     if split if split is not None else uses_split(kind, q.shape[0], spec, keys.shape[1]):
@@ -153,9 +157,12 @@ def _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, st
                      two_launches: bool | None = None):
     """The split plan: scores, then softmax and context in one launch (`two_launches`, by default
     `uses_two_launches`) or two. `steps=1` stops after the scores and returns them (bench/
-    decode_attention.py times the steps). The attention's shape is compiled into the kernels."""
+    decode_attention.py times the steps), `steps=3` runs the whole plan. The attention's shape is
+    compiled into the kernels."""
     import mlx.core as mx
 
+    if steps not in (1, 3):
+        raise ValueError(f"steps must be 1 (scores) or 3 (the whole plan), got {steps}")
     n, cap = q.shape[0], keys.shape[1]
     scale_bits = int(np.array(spec.scale, dtype=np.float32).view(np.int32))
     template = [("H", spec.n_heads), ("KV", spec.n_kv_heads), ("D", spec.head_dim), ("CAUSAL", bool(spec.causal)),

@@ -149,18 +149,23 @@ def test_both_cuda_launch_plans_are_byte_identical(plan, case):
 
 
 @needs_cuda
-@pytest.mark.parametrize("rows,s,window", [(1, 70000, None), (3, 5000, None), (2, 3000, 100), (64, 4100, None)])
-def test_split_and_one_launch_kernels_agree_on_long_caches(rows, s, window):
-    """Decode-shaped passes over long caches (Qwen3's 16/8 heads of 128), every plan, bit for bit: rows
-    at the end of caches of different lengths, more keys than one block's 64, and a sliding window."""
+@pytest.mark.parametrize("rows,s,window,heads", [(1, 70000, None, (16, 8, 128)), (3, 5000, None, (16, 8, 128)),
+                                                 (2, 3000, 100, (16, 8, 128)), (64, 4100, None, (16, 8, 128)),
+                                                 (2, 700, None, (10, 2, 12)), (3, 300, 50, (8, 1, 36))])
+def test_split_and_one_launch_kernels_agree_on_long_caches(rows, s, window, heads):
+    """Decode-shaped passes over long caches, every plan, bit for bit: rows at the end of caches of
+    different lengths, more keys than one block's 64, a sliding window; Qwen3's 16/8 heads of 128, and
+    groups of 5 and 8 heads (the context kernels' second pass over a group's heads) with head
+    dimensions that are not a multiple of 8 (a partial last block of dimensions)."""
     from mlxinfer import kernels
     from mlxinfer.backend import AttentionSpec
 
-    spec = AttentionSpec.standard(16, 8, 128, window=window)
+    h, kvh, d = heads
+    spec = AttentionSpec.standard(h, kvh, d, window=window)
     rng = np.random.default_rng(rows * s)
-    keys = mx.array(rng.standard_normal((rows, s, 8 * 128), dtype=np.float32) * 4)
-    values = mx.array(rng.standard_normal((rows, s, 8 * 128), dtype=np.float32))
-    q = mx.array(rng.standard_normal((rows, 16 * 128), dtype=np.float32) * 4)
+    keys = mx.array(rng.standard_normal((rows, s, kvh * d), dtype=np.float32) * 4)
+    values = mx.array(rng.standard_normal((rows, s, kvh * d), dtype=np.float32))
+    q = mx.array(rng.standard_normal((rows, h * d), dtype=np.float32) * 4)
     lens = mx.array(np.linspace(s // 3, s, rows).astype(np.int32))
     slots = mx.arange(rows, dtype=mx.int32)
     got = {two: np.array(kernels._split_attention("cuda", q, keys, values, slots, lens - 1, lens, spec,

@@ -150,10 +150,11 @@ def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
     try:
         fused = np.array(backend.fused_attention_override(q, view, batch, spec))
         plans = {"": fused}
-        if backend.kernel in kernels.SPLIT_KINDS:  # the other launch plan, on the same inputs
-            split = not kernels.uses_split(backend.kernel, t, spec)
-            plans[" (split)" if split else " (one launch)"] = np.array(kernels.fused_attention(
-                backend.kernel, q, *view.store, batch.row_slots, batch.positions, batch.row_lens, spec, split=split))
+        if backend.kernel in kernels.SPLIT_KINDS:  # every launch plan, on the same inputs
+            args = (backend.kernel, q, *view.store, batch.row_slots, batch.positions, batch.row_lens, spec)
+            plans[" (one launch)"] = np.array(kernels.fused_attention(*args, split=False))
+            for two, form in ((True, "two"), (False, "three")):
+                plans[f" (split, {form} launches)"] = np.array(kernels._split_attention(*args, two_launches=two))
         ref = np.array(backend.per_head_attention(q, view, batch, spec))
         a, b = q[:, :d], backend.from_numpy(kv_np[0, :, :d])
         prod = np.array(backend.matmul(a, mx.transpose(b)))
