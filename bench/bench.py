@@ -190,6 +190,25 @@ def configs(backends, attentions, devices):
                 yield b, None, a
 
 
+def source_digest() -> str:
+    """sha256 (12 hex digits) of the engine's sources (mlxinfer/**/*.py, metal_kernels/*), file names
+    and contents in name order: identifies the code a result came from whatever the git metadata says."""
+    import hashlib
+
+    root = os.path.dirname(HERE)
+    h = hashlib.sha256()
+    for top in ("mlxinfer", "metal_kernels"):
+        for d, dirs, files in sorted(os.walk(os.path.join(root, top))):
+            dirs.sort()
+            for f in sorted(files):
+                if f.endswith((".py", ".cu", ".metal")):
+                    path = os.path.join(d, f)
+                    h.update(os.path.relpath(path, root).encode() + b"\0")
+                    with open(path, "rb") as fh:
+                        h.update(fh.read())
+    return h.hexdigest()[:12]
+
+
 def machine() -> dict:
     from importlib.metadata import version
 
@@ -213,9 +232,12 @@ def machine() -> dict:
             return ""
 
     dirty = git("status", "--porcelain", "--untracked-files=no", "mlxinfer")
+    commit = git("rev-parse", "--short", "HEAD") + (" + uncommitted changes under mlxinfer/" if dirty else "")
+    if os.environ.get("MLXINFER_COMMIT"):  # a copied tree whose git metadata is not its own (a lent GPU)
+        commit = f"{os.environ['MLXINFER_COMMIT']} (given; the copy's git says {commit})"
     return dict(
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        commit=git("rev-parse", "--short", "HEAD") + (" + uncommitted changes under mlxinfer/" if dirty else ""),
+        commit=commit, source=source_digest(),
         machine=f"{platform.platform()}, {platform.machine()}, {os.cpu_count()} cpus" + (f", GPU {gpu}" if gpu else ""),
         versions=f"python {platform.python_version()}, numpy {np.__version__}, {mlx_v}, gguf {version('gguf')}, "
                  f"mlxinfer {mlxinfer.__version__}",
@@ -225,7 +247,7 @@ def machine() -> dict:
 
 def header(info: dict, model_path: str, argv: list[str]) -> str:
     return (f"date: {info['date']}\nmachine: {info['machine']}\n{info['versions']}\n"
-            f"mlxinfer commit: {info['commit']} ({os.path.dirname(HERE)})\n"
+            f"mlxinfer commit: {info['commit']} ({os.path.dirname(HERE)}); sources {info['source']}\n"
             f"load average at start (1, 5, 15 min): {info['load_average']}\n"
             f"model: {model_path}\ncommand: python3 bench/bench.py {' '.join(argv)}\n")
 

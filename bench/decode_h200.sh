@@ -11,6 +11,8 @@
 # Durations on a lent H200 (2026-11-30): tests ~170 s on a fresh machine (kernel compilation), micro ~30 s,
 # plans ~150 s, bench 160-220 s: a device call holds at most 600 s, so run tests and the rest in two calls.
 # Writes $OUT/tests.log, $OUT/decode-attention.jsonl, $OUT/bench/ (results.jsonl, results.md, plot), $OUT/bench.log.
+# A lent machine's copy of the tree carries stale git metadata: pass MLXINFER_COMMIT=<this checkout's HEAD>
+# so bench.py's header names the code (it also prints a digest of the sources, bench.py source_digest).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 : "${OUT:?set OUT}"
