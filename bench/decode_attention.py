@@ -20,7 +20,11 @@ both plans give the same bits and that they agree with sdpa to 1e-4. Needs an ML
 the next call's query), between two GPU clock stamps (bench/gpu_clock.py), all in one CUDA graph
 (MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER set high), per call (`*_gpu_us`; the split plan's two- and three-launch forms forced as
 `split_two_launches_gpu_us` and `split_three_launches_gpu_us`); for the split plan
-also its first step (the scores), chained through a glue op whose own time is `glue_gpu_us`.
+also its first step (the scores), chained through a glue op whose own time is `glue_gpu_us`. The first
+stamp depends only on the (evaluated) query, so in MLX's CUDA graph it may run beside the first call's
+first kernel (an error of at most that kernel's time over the 20 calls). Two graphs of warm-up, then the
+median of `--reps`/5 graphs; the plans run in a fixed order, and single calls of one kernel moved by up
+to 1.4x between measurements of one run on the H200.
 
     python3 bench/decode_attention.py --contexts 512,2048,8192,32768 --batch 1,8 --out results.jsonl
 """
