@@ -1,11 +1,12 @@
 """Which attention launch plan is faster on a CUDA GPU, for prefill and for decode (issue 10)? For each
 prompt, in one process, one engine: the one-launch kernel for every pass, the split kernels for every
-pass, and the default rule (`kernels.uses_split`); each after a warm-up, its compiled decode steps
+pass, the default rule (`kernels.uses_split`), and the default rule with the tiled prefill kernels
+(`kernels.TILED`, off by default until measured); each after a warm-up, its compiled decode steps
 made afresh (the plan is chosen when a step is traced). Reports time to first token (median of
 --runs) and decode tokens/s over --tokens greedy tokens (median), and checks that every plan generates
 the same tokens (the bits themselves are tests/test_mlx_backend.py's).
 
-    python3 bench/attention_plans.py --cases 17,511,2047,8191 [--model qwen3-0.6b-synthetic|smollm2|PATH]
+    python3 bench/attention_plans.py --cases 17,511,2047,8191 [--plans auto,tiled] [--model qwen3-0.6b-synthetic|smollm2|PATH]
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ from bench import resolve  # noqa: E402
 from mlxinfer import kernels  # noqa: E402
 from peers import emit, prompt_ids  # noqa: E402
 
-PLANS = {"one-launch": (0, 0), "split": (10**9, 10**18),  # (SPLIT_MAX_ITEMS, SPLIT_MAX_SCRATCH)
-         "auto": (kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH)}
+AUTO = dict(SPLIT_MAX_ITEMS=kernels.SPLIT_MAX_ITEMS, SPLIT_MAX_SCRATCH=kernels.SPLIT_MAX_SCRATCH, TILED=kernels.TILED)
+PLANS = {"one-launch": dict(AUTO, SPLIT_MAX_ITEMS=0, SPLIT_MAX_SCRATCH=0),
+         "split": dict(AUTO, SPLIT_MAX_ITEMS=10**9, SPLIT_MAX_SCRATCH=10**18),
+         "auto": AUTO,
+         "tiled": dict(AUTO, TILED=True)}  # the default rule with the tiled prefill kernels (kernels.TILED)
 
 
 def main(argv=None):
@@ -44,7 +48,8 @@ def main(argv=None):
         ids = prompt_ids(n, engine.args.vocab_size)
         row, tokens = {"prompt": n, "kernel": engine.backend.kernel, "tokens": a.tokens}, {}
         for plan in a.plans.split(","):
-            kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = PLANS[plan]
+            for name, value in PLANS[plan].items():
+                setattr(kernels, name, value)
             engine._steps.clear()  # compiled steps chose their plan when traced
             mx.reset_peak_memory()
             tokens[plan] = engine.generate(ids, max_tokens=a.tokens, temperature=0).token_ids  # + warm-up
@@ -52,7 +57,8 @@ def main(argv=None):
             row[f"{plan}_ttft_ms"] = round(statistics.median(g.metrics.time_to_first_token_ms for g in gens), 1)
             row[f"{plan}_decode_tok_s"] = round(statistics.median(g.metrics.decode_tokens_per_second for g in gens), 1)
             row[f"{plan}_peak_mib"] = round(mx.get_peak_memory() / 2**20)
-        kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = PLANS["auto"]
+        for name, value in AUTO.items():
+            setattr(kernels, name, value)
         row["same_tokens"] = len({tuple(t) for t in tokens.values()}) == 1
         emit(row, a.out)
 

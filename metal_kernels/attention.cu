@@ -394,3 +394,207 @@ if (r < n) {
     }
   }
 }
+//@@BODY attn_scores_tiled
+// Split attention, step 1, in tiles (prefill chunks: many query rows share each key). The same scores
+// as attn_scores, bit for bit: each dot product in the published order, computed by one thread: lane
+// l's partial sum (terms c = l, l+32, ... in increasing c) for l in bit-reversed order, combined
+// pairwise as they come (after the i-th partial, ctz(i+1) merges), which is the butterfly's tree
+// (16, 8, 4, 2, 1: lane 0 adds p0 + p16, then + (p8 + p24), ...). Query vectors are (row, head) pairs
+// of one KV head g's group, flattened f = r*G + hh; block (ft, g, kt) takes vectors ft*32 .. ft*32+31
+// against keys kt*32 .. kt*32+31, both staged in shared memory (each key read once per 32 vectors, not
+// once per row); thread t computes vectors 2*(t/16) and +1 against keys 2*(t%16) and +1. Rows whose
+// cache slot differs from the tile's first row read their keys from global memory (same values).
+// Keys a query may not see are written -INFINITY without their product (as attn_scores writes them).
+// q [N, H*D]; k [slots, CAP, KV*D]; p [N, H, CAP]; compile-time H, KV, D (<= 128), CAUSAL, WINDOW, SCALE_BITS.
+const long cap = k_shape[1], n = q_shape[0];
+constexpr int G = H / KV;
+constexpr long kvw = (long)KV * D;
+const float sc = __int_as_float(SCALE_BITS);
+const long nkt = (cap + 31) / 32;
+const long blk = (long)blockIdx.y * gridDim.x + blockIdx.x;
+const long kt = blk % nkt, rest = blk / nkt;
+const int g = rest % KV;
+const long ft = rest / KV;
+const long nf = n * G;
+const int tid = threadIdx.x;
+__shared__ float Qs[32][D + 1];
+__shared__ float Ks[32][D + 1];
+if (ft * 32 < nf) {  // the same for the whole block
+  const long slot0 = row_slot[(ft * 32) / G];
+  for (int idx = tid; idx < 32 * D; idx += MLXI_THREADS) {
+    const int v = idx / D, c = idx % D;
+    const long f = ft * 32 + v;
+    Qs[v][c] = f < nf ? q[(f / G) * H * D + (g * G + f % G) * D + c] : 0.0f;
+    const long j = kt * 32 + v;
+    Ks[v][c] = j < cap ? k[(slot0 * cap + j) * kvw + g * D + c] : 0.0f;
+  }
+  __syncthreads();
+  const int va = 2 * (tid / 16), ja = 2 * (tid % 16);
+  long r[2];
+  int h[2], S[2], pos[2];
+  bool own[2], live[2];
+  const float* krow[2];  // the row's own keys of KV head g (read where its slot is not the tile's)
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const long f = ft * 32 + va + e;
+    live[e] = f < nf;
+    r[e] = live[e] ? f / G : 0;
+    h[e] = g * G + (int)(f % G);
+    S[e] = row_len[r[e]];
+    pos[e] = row_pos[r[e]];
+    own[e] = row_slot[r[e]] == slot0;
+    krow[e] = k + (long)row_slot[r[e]] * cap * kvw + g * D;
+  }
+  bool hidden[2][2], write[2][2], any = false;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const long j = kt * 32 + ja + u;
+      write[e][u] = live[e] && j < S[e];
+      hidden[e][u] = (CAUSAL && j > pos[e]) || (WINDOW > 0 && j <= pos[e] - WINDOW);
+      any = any || (write[e][u] && !hidden[e][u]);
+    }
+  }
+  if (any) {
+    float st[2][2][6];
+    int depth = 0;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int l = (int)(__brev((unsigned)i) >> 27);  // bit-reversed i (5 bits)
+      float part[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+#pragma unroll
+      for (int c = l; c < D; c += 32) {
+        float kv[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) kv[u] = Ks[ja + u][c];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float qv = Qs[va + e][c];
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            const long j = kt * 32 + ja + u;
+            const float kk = own[e] ? kv[u] : (j < cap ? krow[e][j * kvw + c] : 0.0f);
+            part[e][u] = __fadd_rn(part[e][u], __fmul_rn(qv, kk));
+          }
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+#pragma unroll
+        for (int u = 0; u < 2; ++u) st[e][u][depth] = part[e][u];
+      }
+      ++depth;
+      for (int m = __ffs(i + 1) - 1; m > 0; --m) {  // ctz(i + 1) merges
+        --depth;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+#pragma unroll
+          for (int u = 0; u < 2; ++u) st[e][u][depth - 1] = __fadd_rn(st[e][u][depth - 1], st[e][u][depth]);
+        }
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        if (write[e][u] && !hidden[e][u]) p[(r[e] * H + h[e]) * cap + kt * 32 + ja + u] = __fmul_rn(st[e][u][0], sc);
+      }
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      if (write[e][u] && hidden[e][u]) p[(r[e] * H + h[e]) * cap + kt * 32 + ja + u] = -INFINITY;
+    }
+  }
+}
+//@@BODY attn_context_tiled
+// Split attention, three-launch form, step 3, in tiles (prefill chunks): the context of attn_context,
+// bit for bit. Vectors f = r*G + hh as in attn_scores_tiled; block (ft, g, dt) takes vectors ft*32 ..
+// ft*32+31 and head dimensions dt*16 .. dt*16+15; thread t computes vector t/8, dimensions
+// dt*16 + 2*(t%8) and +1, keeping for each its 32 lane partial sums: key i adds to partial i % 32, in
+// increasing i (lane l's chain i = l, l+32, ...), keys i < S of its row only; then the butterfly's tree
+// over the 32 partials. Keys come 32 at a time (the tile's weights and values staged in shared memory);
+// rows whose slot differs from the tile's first row read their values from global memory.
+// p [N, H, CAP] (attn_softmax's output); v [slots, CAP, KV*D]; out [N, H*D]; compile-time H, KV, D.
+const long cap = p_shape[2], n = p_shape[0];
+constexpr int G = H / KV, ND = (D + 15) / 16;
+constexpr long kvw = (long)KV * D;
+const long blk = (long)blockIdx.y * gridDim.x + blockIdx.x;
+const int dt = blk % ND;
+const long rest = blk / ND;
+const int g = rest % KV;
+const long ft = rest / KV;
+const long nf = n * G;
+const int tid = threadIdx.x, vv = tid / 8, d0 = dt * 16 + 2 * (tid % 8);
+__shared__ float Ps[32][33];
+__shared__ float Vs[32][16];
+if (ft * 32 < nf) {  // the same for the whole block
+  const long slot0 = row_slot[(ft * 32) / G];
+  const long f = ft * 32 + vv;
+  const bool live = f < nf;
+  const long r = live ? f / G : 0;
+  const int h = g * G + (int)(f % G);
+  const int S = live ? row_len[r] : 0;
+  const bool own = row_slot[r] == slot0;
+  const float* vrow = v + (long)row_slot[r] * cap * kvw + g * D;
+  int smax = 0;  // the longest row of the tile: the key tiles to walk
+  for (int e = 0; e < 32; ++e) {
+    const long fe = ft * 32 + e;
+    if (fe < nf) smax = max(smax, row_len[fe / G]);
+  }
+  float acc[2][32];
+#pragma unroll
+  for (int o = 0; o < 2; ++o) {
+#pragma unroll
+    for (int l = 0; l < 32; ++l) acc[o][l] = 0.0f;
+  }
+  for (int m = 0; m * 32 < smax; ++m) {
+    __syncthreads();  // the previous tile's readers are done
+    for (int idx = tid; idx < 32 * 32; idx += MLXI_THREADS) {
+      const int e = idx / 32, l = idx % 32;
+      const long fe = ft * 32 + e;
+      const long i = (long)m * 32 + l;
+      Ps[e][l] = (fe < nf && i < cap) ? p[((fe / G) * H + g * G + fe % G) * cap + i] : 0.0f;
+    }
+    for (int idx = tid; idx < 32 * 16; idx += MLXI_THREADS) {
+      const int l = idx / 16, c = idx % 16;
+      const long i = (long)m * 32 + l;
+      Vs[l][c] = (i < cap && dt * 16 + c < D) ? v[(slot0 * cap + i) * kvw + g * D + dt * 16 + c] : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int l = 0; l < 32; ++l) {
+      const long i = (long)m * 32 + l;
+      if (i < S) {
+        const float pw = Ps[vv][l];
+#pragma unroll
+        for (int o = 0; o < 2; ++o) {
+          const int d = d0 + o;
+          if (d < D) {
+            const float val = own ? Vs[l][d - dt * 16] : vrow[i * kvw + d];
+            acc[o][l] = __fadd_rn(acc[o][l], __fmul_rn(pw, val));
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 0; o < 2; ++o) {
+    const int d = d0 + o;
+    if (live && d < D) {
+      float a[16];
+#pragma unroll
+      for (int l = 0; l < 16; ++l) a[l] = __fadd_rn(acc[o][l], acc[o][l + 16]);
+#pragma unroll
+      for (int l = 0; l < 8; ++l) a[l] = __fadd_rn(a[l], a[l + 8]);
+#pragma unroll
+      for (int l = 0; l < 4; ++l) a[l] = __fadd_rn(a[l], a[l + 4]);
+#pragma unroll
+      for (int l = 0; l < 2; ++l) a[l] = __fadd_rn(a[l], a[l + 2]);
+      out[r * H * D + h * D + d] = __fadd_rn(a[0], a[1]);
+    }
+  }
+}
