@@ -59,6 +59,19 @@ __device__ __forceinline__ float mlxi_block_total(float s, int lane, int wid, fl
   return total;
 }
 
+// The context kernels' chains: part[l * 8 + dd] (thread tid = l * 8 + dd) holds lane l's partial sum of
+// value dd; the block combines them as the butterfly's tree over l (part[l] += part[l + off] for l < off,
+// off = 16, 8, 4, 2, 1: what lane 0 of the butterfly computes), leaving each total in part[dd]. Called
+// by the whole block (MLXI_THREADS threads); ends with a barrier.
+__device__ __forceinline__ void mlxi_chain_tree(float* part, int tid) {
+  const int l = tid >> 3;
+  for (int off = 16; off > 0; off >>= 1) {
+    __syncthreads();
+    if (l < off) part[tid] = __fadd_rn(part[tid], part[tid + off * 8]);
+  }
+  __syncthreads();
+}
+
 // In-place softmax of x[0..n) by the whole block (MLXI_THREADS threads); red: 8 floats of shared memory.
 __device__ __forceinline__ void mlxi_softmax(float* x, int n, int tid, float* red) {
   const int lane = tid & 31, wid = tid >> 5;
@@ -280,11 +293,7 @@ if (r < n) {  // the same for the whole block
     }
     for (int e = 0; e < nh; ++e) {
       part[tid] = acc[e];
-      for (int off = 16; off > 0; off >>= 1) {
-        __syncthreads();
-        if (l < off) part[tid] = __fadd_rn(part[tid], part[tid + off * 8]);
-      }
-      __syncthreads();
+      mlxi_chain_tree(part, tid);
       if (l == 0 && d < D) out[r * H * D + (g * G + h0 + e) * D + d] = part[tid];
       __syncthreads();
     }
@@ -384,11 +393,7 @@ if (r < n) {
     }
     for (int e = 0; e < nh; ++e) {
       part[tid] = acc[e];
-      for (int off = 16; off > 0; off >>= 1) {
-        __syncthreads();
-        if (l < off) part[tid] = __fadd_rn(part[tid], part[tid + off * 8]);
-      }
-      __syncthreads();
+      mlxi_chain_tree(part, tid);
       if (l == 0 && d < D) out[r * H * D + (g * G + h0 + e) * D + d] = part[tid];
       __syncthreads();
     }
