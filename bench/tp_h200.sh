@@ -3,7 +3,7 @@
 # (`source .mlxcuda2/setup.sh`): writes a synthetic Qwen3-14B-shaped Q8_0 model (random blocks, ~15.7 GB),
 # then bench/tp_bench.py at TP=1 (one process, one GPU) and TP=2 (mlx.launch, NCCL, one GPU per rank),
 # then the CLI as a user runs it (`mlxinfer generate --tp 2`). JSON lines and logs go to ${OUT:-/tmp/out}.
-#   SHAPE=14b|32b  CASES=17,511  GEN=64  RUNS=3
+#   SHAPE=14b|32b  CASES=17,511  GEN=64  RUNS=3  NCCL_EXTRA="NCCL_PROTO=LL ..." (passed to the TP=2 ranks)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off (the device tool's rule)
@@ -21,6 +21,7 @@ ARGS="--cases ${CASES:-17,511} --gen ${GEN:-64} --runs ${RUNS:-3} --out $OUT/tp.
 for MODE in ${MODES:-compile no-compile}; do
 C=""; [ $MODE = no-compile ] && C=--no-compile
 echo "== TP=1 $C"; python3 bench/tp_bench.py "$M" --tp 1 $ARGS $C 2>&1 | tail -3
-echo "== TP=2 $C"; eval $LAUNCH -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 -- python3 bench/tp_bench.py "$M" --tp 2 $ARGS $C 2>&1 | tail -4
+X=""; for kv in ${NCCL_EXTRA:-}; do X="$X --env $kv"; done
+echo "== TP=2 $C ${NCCL_EXTRA:-}"; eval $LAUNCH -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 $X -- python3 bench/tp_bench.py "$M" --tp 2 $ARGS $C 2>&1 | tail -4
 done
 echo "== CLI"; python3 -m mlxinfer generate "The capital of France is" --model "$M" --max-tokens 16 --tp 2 2>&1 | tail -16
