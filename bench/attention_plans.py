@@ -1,7 +1,9 @@
 """Which attention launch plan is faster on a CUDA GPU, for prefill and for decode (issue 10)? For each
 prompt, in one process, one engine: the one-launch kernel for every pass, the split kernels for every
 pass, the default rule (`kernels.uses_split`), and the default rule with the tiled prefill kernels
-(`kernels.TILED`, off by default until measured); each after a warm-up, its compiled decode steps
+(`kernels.TILED`, off by default until measured), and the default rule with attention replaced by a copy
+of the queries (`no-attention`: an ablation, wrong text, what the rest of a pass costs; left out of
+same_tokens); each after a warm-up, its compiled decode steps
 made afresh (the plan is chosen when a step is traced). Reports time to first token (median of
 --runs) and decode tokens/s over --tokens greedy tokens (median), and checks that every plan generates
 the same tokens (the bits themselves are tests/test_mlx_backend.py's).
@@ -12,6 +14,7 @@ the same tokens (the bits themselves are tests/test_mlx_backend.py's).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -31,7 +34,8 @@ AUTO = dict(SPLIT_MAX_ITEMS=kernels.SPLIT_MAX_ITEMS, SPLIT_MAX_SCRATCH=kernels.S
 PLANS = {"one-launch": dict(AUTO, SPLIT_MAX_ITEMS=0, SPLIT_MAX_SCRATCH=0),
          "split": dict(AUTO, SPLIT_MAX_ITEMS=10**9, SPLIT_MAX_SCRATCH=10**18),
          "auto": AUTO,
-         "tiled": dict(AUTO, TILED=True)}  # the default rule with the tiled prefill kernels (kernels.TILED)
+         "tiled": dict(AUTO, TILED=True),  # the default rule with the tiled prefill kernels (kernels.TILED)
+         "no-attention": AUTO}  # the ablation: fused_attention returns q + 0
 
 
 def main(argv=None):
@@ -44,6 +48,7 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     engine = mlxinfer.load(resolve(a.model, os.path.join(HERE, "models")), backend="mlx")
+    engine.tokenizer = dataclasses.replace(engine.tokenizer, eog_ids=frozenset())  # always --tokens tokens
     for n in (int(x) for x in a.cases.split(",")):
         ids = prompt_ids(n, engine.args.vocab_size)
         row, tokens = {"prompt": n, "kernel": engine.backend.kernel, "tokens": a.tokens}, {}
@@ -51,12 +56,18 @@ def main(argv=None):
             for name, value in PLANS[plan].items():
                 setattr(kernels, name, value)
             engine._steps.clear()  # compiled steps chose their plan when traced
+            if plan == "no-attention":
+                engine.backend.fused_attention = lambda q, kv, batch, spec: q + 0.0
             mx.reset_peak_memory()
             tokens[plan] = engine.generate(ids, max_tokens=a.tokens, temperature=0).token_ids  # + warm-up
             gens = [engine.generate(ids, max_tokens=a.tokens, temperature=0) for _ in range(a.runs)]
             row[f"{plan}_ttft_ms"] = round(statistics.median(g.metrics.time_to_first_token_ms for g in gens), 1)
             row[f"{plan}_decode_tok_s"] = round(statistics.median(g.metrics.decode_tokens_per_second for g in gens), 1)
             row[f"{plan}_peak_mib"] = round(mx.get_peak_memory() / 2**20)
+            if plan == "no-attention":
+                del engine.backend.fused_attention  # the class's method again
+                engine._steps.clear()
+                del tokens[plan]
         for name, value in AUTO.items():
             setattr(kernels, name, value)
         row["same_tokens"] = len({tuple(t) for t in tokens.values()}) == 1
