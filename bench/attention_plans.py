@@ -1,7 +1,6 @@
 """Which attention launch plan is faster on a CUDA GPU, for prefill and for decode (issue 10)? For each
 prompt, in one process, one engine: the one-launch kernel for every pass, the split kernels for every
-pass, the default rule (`kernels.uses_split`), the default rule with one query row a block in prefill
-chunks (`row-a-block`: kernels.PREFILL_ROWS = 1, as before rows were grouped), the tiled prefill kernels
+pass, the default rule (`kernels.uses_split`), and the default rule with the tiled prefill kernels
 (`kernels.TILED`, off by default until measured), and the default rule with attention replaced by a copy
 of the queries (`no-attention`: an ablation, wrong text, what the rest of a pass costs; left out of
 same_tokens); each after a warm-up, its compiled decode steps
@@ -31,12 +30,10 @@ from bench import resolve  # noqa: E402
 from mlxinfer import kernels  # noqa: E402
 from peers import emit, prompt_ids  # noqa: E402
 
-AUTO = dict(SPLIT_MAX_ITEMS=kernels.SPLIT_MAX_ITEMS, SPLIT_MAX_SCRATCH=kernels.SPLIT_MAX_SCRATCH, TILED=kernels.TILED,
-            PREFILL_ROWS=kernels.PREFILL_ROWS)
+AUTO = dict(SPLIT_MAX_ITEMS=kernels.SPLIT_MAX_ITEMS, SPLIT_MAX_SCRATCH=kernels.SPLIT_MAX_SCRATCH, TILED=kernels.TILED)
 PLANS = {"one-launch": dict(AUTO, SPLIT_MAX_ITEMS=0, SPLIT_MAX_SCRATCH=0),
          "split": dict(AUTO, SPLIT_MAX_ITEMS=10**9, SPLIT_MAX_SCRATCH=10**18),
          "auto": AUTO,
-         "row-a-block": dict(AUTO, PREFILL_ROWS=1),  # the default rule, prefill chunks one query row a block
          "tiled": dict(AUTO, TILED=True),  # the default rule with the tiled prefill kernels (kernels.TILED)
          "no-attention": AUTO}  # the ablation: fused_attention returns q + 0
 

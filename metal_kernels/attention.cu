@@ -161,72 +161,58 @@ for (long item = blockIdx.x; item < items; item += gridDim.x) {
   __syncthreads();
 }
 //@@BODY attn_scores
-// Split attention, step 1 (few query rows over long caches: decode; prefill chunks). Then either
+// Split attention, step 1 (few query rows over long caches: decode; short prefill chunks). Then either
 // attn_softmax_context (two launches: decode) or attn_softmax and attn_context (three: many rows). The same arithmetic as
 // fused_attention, spread over the GPU: p[r, h, j] = the scaled, masked score of row r, head h against
 // key j < row_len[r], for every head of one KV head's group (its key is read once per group).
-// Block b takes keys kb*64 .. kb*64+63 of (rows rb*ROWS .. rb*ROWS+ROWS-1, KV head g), b = (rb*KV + g)*nkb
-// + kb; warp w takes keys w, w+8, ..., w+56 of them, loading all 8 into registers once for the block's
-// rows (again only where a row's cache slot differs from the one loaded) before the dot products
-// (mlxi_dot's order, from registers: lane l adds its terms i = l, l+32, ... in increasing i, then the
-// butterfly). ROWS = 1 for decode; a prefill chunk's rows share their sequence's keys, so ROWS > 1
-// reads each key once per ROWS rows instead of once per row. Keys a row may not see get -INFINITY
-// without their product (the value the product would have been replaced by).
+// Block b takes keys kb*64 .. kb*64+63 of (row r, KV head g), b = (r*KV + g)*nkb + kb; warp w takes
+// keys w, w+8, ..., w+56 of them, loading all 8 before the dot products (mlxi_dot's order, from
+// registers: lane l adds its terms i = l, l+32, ... in increasing i, then the butterfly).
 // q [N, H*D]; k [slots, CAP, KV*D]; p [N, H, CAP]. The split kernels take the attention's shape as
-// compile-time constants (H, KV, D, CAUSAL, WINDOW, SCALE_BITS: the scale's float32 bits; ROWS), the
-// capacity and row count from the inputs' shapes: no small arrays to move per launch.
+// compile-time constants (H, KV, D, CAUSAL, WINDOW, SCALE_BITS: the scale's float32 bits), the capacity
+// and row count from the inputs' shapes: no small arrays to move per launch.
 const long cap = k_shape[1], n = q_shape[0];
 constexpr int G = H / KV, NT = (D + 31) / 32;
-constexpr long kvw = (long)KV * D;
 const float sc = __int_as_float(SCALE_BITS);
 const long nkb = (cap + 63) / 64;
 const long blk = (long)blockIdx.y * gridDim.x + blockIdx.x;
 const long kb = blk % nkb, rg = blk / nkb;
-const long r0 = rg / KV * ROWS;
+const long r = rg / KV;
 const int g = rg % KV;
 const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-const long j0 = kb * 64;
-float qr[G][NT], kr[8][NT];
-long loaded = -1;  // the cache slot whose keys kr holds (the same for the whole block)
-for (long r = r0; r < min(n, r0 + (long)ROWS); ++r) {
+if (r < n) {
   const long S = row_len[r];
   const int pos = row_pos[r];
-  if (j0 >= S) continue;
-  const bool some_visible = !(CAUSAL && j0 > pos) && !(WINDOW > 0 && j0 + 63 <= pos - WINDOW);
-  if (some_visible) {
-    const long slot = row_slot[r];
-    if (slot != loaded) {
-      const float* kg = k + slot * cap * kvw + g * D;
-      const long bound = ROWS == 1 ? S : cap;  // later rows of the slot may hold more keys
+  constexpr long kvw = (long)KV * D;
+  const float* kg = k + (long)row_slot[r] * cap * kvw + g * D;
+  float qr[G][NT], kr[8][NT];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const long j = j0 + wid + 8 * u;
+  for (int hh = 0; hh < G; ++hh) {
 #pragma unroll
-        for (int t = 0; t < NT; ++t) {
-          const int i = lane + 32 * t;
-          kr[u][t] = (j < bound && i < D) ? kg[j * kvw + i] : 0.0f;
-        }
-      }
-      loaded = slot;
-    }
-#pragma unroll
-    for (int hh = 0; hh < G; ++hh) {
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const int i = lane + 32 * t;
-        qr[hh][t] = i < D ? q[r * H * D + ((long)g * G + hh) * D + i] : 0.0f;
-      }
+    for (int t = 0; t < NT; ++t) {
+      const int i = lane + 32 * t;
+      qr[hh][t] = i < D ? q[r * H * D + ((long)g * G + hh) * D + i] : 0.0f;
     }
   }
 #pragma unroll
   for (int u = 0; u < 8; ++u) {
-    const long j = j0 + wid + 8 * u;
+    const long j = kb * 64 + wid + 8 * u;
+    const bool hidden = (CAUSAL && j > pos) || (WINDOW > 0 && j <= pos - WINDOW);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const int i = lane + 32 * t;
+      kr[u][t] = (j < S && !hidden && i < D) ? kg[j * kvw + i] : 0.0f;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    const long j = kb * 64 + wid + 8 * u;
     if (j < S) {  // the same for every lane of the warp: the butterfly below has all 32
       const bool hidden = (CAUSAL && j > pos) || (WINDOW > 0 && j <= pos - WINDOW);
 #pragma unroll
       for (int hh = 0; hh < G; ++hh) {
         float s = 0.0f;
-        if (!hidden) {
+        if (!hidden) {  // a key the row may not see: -INFINITY without its product (half a causal chunk's)
 #pragma unroll
           for (int t = 0; t < NT; ++t) {
             if (lane + 32 * t < D) s = __fadd_rn(s, __fmul_rn(qr[hh][t], kr[u][t]));
@@ -363,39 +349,29 @@ const float total = mlxi_block_total(s, lane, wid, red);
 for (j = tid; j < S; j += T) y[j] = __fdiv_rn(y[j], total);  // this thread's own values
 //@@BODY attn_context
 // Split attention, three-launch form, step 3: out[r, h, d] = dot(p[r, h, :S], v[:S, d]) in the published order. Block
-// b = ((rb*KV + g)*nd + c) takes head dimensions c*8 .. c*8+7 of KV head g for rows rb*ROWS .. rb*ROWS+ROWS-1;
-// thread (l, dd) = (tid / 8, tid % 8) keeps lane l's partial sums (s = l, l+32, ... in increasing s) for
-// up to 4 heads of the group at once and, where the block's rows share one cache slot and one length
-// (a prefill chunk's rows), for all its rows at once, reading v[s, d] once for all of them (16 keys'
-// loads in flight); otherwise it takes the rows one at a time. The 32 partials per (row, head) are then
-// combined as a tree over l (part[l] += part[l + off] for l < off, off = 16, 8, 4, 2, 1: what lane 0 of
-// the butterfly computes), exactly as fused_attention does.
-// p [N, H, CAP]; v [slots, CAP, KV*D]; compile-time H, KV, D, ROWS as attn_scores'.
+// b = ((r*KV + g)*nd + c) takes head dimensions c*8 .. c*8+7 of KV head g for row r; thread (l, dd) =
+// (tid / 8, tid % 8) keeps lane l's partial sums (s = l, l+32, ... in increasing s) for up to 4 heads
+// of the group at once, reading v[s, d] once for all of them (16 keys' loads in flight); the 32
+// partials per head are then combined as a tree over l (part[l] += part[l + off] for l < off, off =
+// 16, 8, 4, 2, 1: what lane 0 of the butterfly computes), exactly as fused_attention does.
+// p [N, H, CAP]; v [slots, CAP, KV*D]; compile-time H, KV, D as attn_scores'.
 const long cap = p_shape[2], n = p_shape[0];
 constexpr int G = H / KV, nd = (D + 7) / 8;
-constexpr long kvw = (long)KV * D;
 const long blk = (long)blockIdx.y * gridDim.x + blockIdx.x;
 const int c = blk % nd;
 const long rg = blk / nd;
-const long r0 = rg / KV * ROWS, r1 = min(n, r0 + (long)ROWS);
+const long r = rg / KV;
 const int g = rg % KV;
 const int tid = threadIdx.x, l = tid >> 3, d = c * 8 + (tid & 7);
 __shared__ float part[MLXI_THREADS];
-bool together = true;  // the same for the whole block
-for (long r = r0 + 1; r < r1; ++r) together = together && row_slot[r] == row_slot[r0] && row_len[r] == row_len[r0];
-for (long ra = r0; ra < r1; ra += together ? ROWS : 1) {
-  const int nr = together ? (int)(r1 - r0) : 1;
-  const long S = row_len[ra];
-  const float* vd = v + (long)row_slot[ra] * cap * kvw + g * D + d;
+if (r < n) {
+  const long S = row_len[r];
+  constexpr long kvw = (long)KV * D;
+  const float* vd = v + (long)row_slot[r] * cap * kvw + g * D + d;
   for (int h0 = 0; h0 < G; h0 += 4) {
     const int nh = min(4, G - h0);
-    const float* pr = p + (ra * H + (long)g * G + h0) * cap;  // row ra + rr, head h0 + e: pr[(rr * H + e) * cap]
-    float acc[ROWS][4];
-#pragma unroll
-    for (int rr = 0; rr < ROWS; ++rr) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[rr][e] = 0.0f;
-    }
+    const float* pr = p + (r * H + (long)g * G + h0) * cap;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (d < D) {
       long i = l;
       for (; i + 15 * 32 < S; i += 16 * 32) {  // 16 keys' loads in flight, then the adds in the chain's order
@@ -405,36 +381,24 @@ for (long ra = r0; ra < r1; ra += together ? ROWS : 1) {
 #pragma unroll
         for (int u = 0; u < 16; ++u) {
 #pragma unroll
-          for (int rr = 0; rr < ROWS; ++rr) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              if (rr < nr && e < nh) acc[rr][e] = __fadd_rn(acc[rr][e], __fmul_rn(pr[(rr * H + e) * cap + i + u * 32], vv[u]));
-            }
+          for (int e = 0; e < 4; ++e) {
+            if (e < nh) acc[e] = __fadd_rn(acc[e], __fmul_rn(pr[e * cap + i + u * 32], vv[u]));
           }
         }
       }
       for (; i < S; i += 32) {
         const float vi = vd[i * kvw];
 #pragma unroll
-        for (int rr = 0; rr < ROWS; ++rr) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            if (rr < nr && e < nh) acc[rr][e] = __fadd_rn(acc[rr][e], __fmul_rn(pr[(rr * H + e) * cap + i], vi));
-          }
+        for (int e = 0; e < 4; ++e) {
+          if (e < nh) acc[e] = __fadd_rn(acc[e], __fmul_rn(pr[e * cap + i], vi));
         }
       }
     }
-#pragma unroll
-    for (int rr = 0; rr < ROWS; ++rr) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (rr < nr && e < nh) {
-          part[tid] = acc[rr][e];
-          mlxi_chain_tree(part, tid);
-          if (l == 0 && d < D) out[(ra + rr) * H * D + (g * G + h0 + e) * D + d] = part[tid];
-          __syncthreads();
-        }
-      }
+    for (int e = 0; e < nh; ++e) {
+      part[tid] = acc[e];
+      mlxi_chain_tree(part, tid);
+      if (l == 0 && d < D) out[r * H * D + (g * G + h0 + e) * D + d] = part[tid];
+      __syncthreads();
     }
   }
 }

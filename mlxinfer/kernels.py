@@ -123,17 +123,6 @@ def uses_two_launches(rows: int, capacity: int) -> bool:
     return rows <= TWO_LAUNCH_ROWS or rows * capacity <= TWO_LAUNCH_MAX_KEYS
 
 
-PREFILL_ROWS = 8  # the three-launch form's scores and context blocks take this many rows each ...
-PREFILL_MIN_ROWS = 64  # ... in passes of at least this many rows (prefill chunks, whose rows share their
-# sequence's keys and values: each read once per PREFILL_ROWS rows, not once per row); fewer rows (decode
-# batches, one row per sequence) keep one row a block, which spreads them over more blocks
-
-
-def rows_per_block(rows: int, two_launches: bool) -> int:
-    """Query rows per block of `attn_scores` and `attn_context` (the kernels' ROWS)."""
-    return PREFILL_ROWS if not two_launches and rows >= PREFILL_MIN_ROWS else 1
-
-
 TILED = False  # prefill chunks' scores and context through the tiled kernels (`attn_scores_tiled`,
 # `attn_context_tiled`: each key staged once per 32 query vectors, not read once per row); written on
 # 2026-11-30, compiled with NVRTC, not yet run on a GPU: off until tests/test_mlx_backend.py has passed
@@ -180,12 +169,11 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
 
 
 def _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, steps: int = 3,
-                     two_launches: bool | None = None, tiled: bool | None = None, rows: int | None = None):
+                     two_launches: bool | None = None, tiled: bool | None = None):
     """The split plan: scores, then softmax and context in one launch (`two_launches`, by default
     `uses_two_launches`) or two. `steps=1` stops after the scores and returns them (bench/
     decode_attention.py times the steps), `steps=3` runs the whole plan. The attention's shape is
-    compiled into the kernels, and so is `rows`, the query rows per block (by default
-    `rows_per_block`)."""
+    compiled into the kernels."""
     import mlx.core as mx
 
     if steps not in (1, 3):
@@ -199,15 +187,13 @@ def _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, st
         two_launches = uses_two_launches(n, cap)
     if tiled if tiled is not None else (not two_launches and uses_tiled(n, spec)):
         return _tiled_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, template, steps)
-    rows = rows or rows_per_block(n, two_launches)
-    template = template + [("ROWS", rows)]
     (out,) = _kernel(kind, "attn_scores")(
         inputs=[q, keys, row_slot, row_pos, row_len], template=template,
-        grid=_grid(-(-n // rows) * spec.n_kv_heads * -(-cap // 64)), threadgroup=(THREADS, 1, 1),
+        grid=_grid(n * spec.n_kv_heads * -(-cap // 64)), threadgroup=(THREADS, 1, 1),
         output_shapes=shape, output_dtypes=[mx.float32])
     if steps == 1:
         return out
-    context = dict(grid=_grid(-(-n // rows) * spec.n_kv_heads * -(-spec.head_dim // 8)), threadgroup=(THREADS, 1, 1),
+    context = dict(grid=_grid(n * spec.n_kv_heads * -(-spec.head_dim // 8)), threadgroup=(THREADS, 1, 1),
                    output_shapes=[(n, spec.n_heads * spec.head_dim)], output_dtypes=[mx.float32])
     if two_launches:
         (out,) = _kernel(kind, "attn_softmax_context")(inputs=[out, values, row_slot, row_len], template=template,

@@ -151,13 +151,6 @@ def test_launch_plan_rule():
     assert not kernels.uses_two_launches(511, 768)  # prefill chunks: three launches
 
 
-def test_prefill_chunks_group_rows_per_block_and_decode_batches_do_not():
-    assert kernels.rows_per_block(511, two_launches=False) == kernels.PREFILL_ROWS > 1
-    assert kernels.rows_per_block(kernels.PREFILL_MIN_ROWS, two_launches=False) == kernels.PREFILL_ROWS
-    assert kernels.rows_per_block(32, two_launches=False) == 1  # 32 decode rows over long caches
-    assert kernels.rows_per_block(1, two_launches=True) == 1
-
-
 INT_INPUTS = {"row_slot", "row_pos", "row_len", "dims"}
 SPLIT_TEMPLATE = {"H": 16, "KV": 8, "D": 128, "CAUSAL": "true", "WINDOW": 0, "SCALE_BITS": 1035273459}
 TEMPLATED = {"attn_scores", "attn_softmax_context", "attn_context", "attn_scores_tiled", "attn_context_tiled"}  # the kernels kernels._split_attention passes `template` to
@@ -185,10 +178,9 @@ def _nvrtc():
     return None
 
 
-def _cuda_kernel_source(name: str, body: str, header: str, rows: int = 1) -> str:
+def _cuda_kernel_source(name: str, body: str, header: str) -> str:
     """The source MLX's cuda_kernel compiles for a body: our header, then a __global__ function with
-    each input (and its `_shape` where the body uses it), each output, the template constants (ROWS:
-    query rows per block)."""
+    each input (and its `_shape` where the body uses it), each output, the template constants."""
     inputs, outputs = kernels._INPUTS[name]
     params = []
     for i in inputs:
@@ -196,8 +188,8 @@ def _cuda_kernel_source(name: str, body: str, header: str, rows: int = 1) -> str
         if f"{i}_shape" in body:
             params.append(f"const __grid_constant__ Shape {i}_shape")
     params += [f"float* {o}" for o in outputs]
-    consts = "".join(f"  constexpr {'bool' if v == 'true' else 'int'} {k} = {v};\n"
-                     for k, v in dict(SPLIT_TEMPLATE, ROWS=rows).items() if name in TEMPLATED)
+    consts = "".join(f"  constexpr {'bool' if v == 'true' else 'int'} {k} = {v};\n" for k, v in SPLIT_TEMPLATE.items()
+                     if name in TEMPLATED)
     return f"{STUB}{header}\n__global__ void k_{name}({', '.join(params)}) {{\n{consts}{body}\n}}\n"
 
 
@@ -211,8 +203,8 @@ def test_cuda_sources_compile_with_nvrtc():
         pytest.skip("needs NVRTC (pip install nvidia-cuda-nvrtc-cu12; Linux x86-64)")
     header, bodies = kernels.kernel_source("cuda")
     opts = [b"--gpu-architecture=compute_90", b"-default-device", b"--std=c++17"]
-    for name, body, rows in [(n, b, r) for n, b in bodies.items() for r in ((1, kernels.PREFILL_ROWS) if "ROWS" in b else (1,))]:
-        src = _cuda_kernel_source(name, body, header, rows).encode()
+    for name, body in bodies.items():
+        src = _cuda_kernel_source(name, body, header).encode()
         prog = ctypes.c_void_p()
         assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, name.encode(), 0, None, None) == 0
         rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
@@ -221,4 +213,4 @@ def test_cuda_sources_compile_with_nvrtc():
         log = ctypes.create_string_buffer(size.value)
         lib.nvrtcGetProgramLog(prog, log)
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        assert rc == 0, f"{name} (ROWS={rows}): {log.value.decode(errors='replace')}"
+        assert rc == 0, f"{name}: {log.value.decode(errors='replace')}"

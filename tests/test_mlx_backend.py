@@ -143,7 +143,6 @@ def test_both_cuda_launch_plans_are_byte_identical(plan, case):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "TILED", plan == "split, tiled")
         mp.setattr(kernels, "TILED_MIN_ROWS", 0)
-        mp.setattr(kernels, "PREFILL_MIN_ROWS", 0)  # the three-launch form: PREFILL_ROWS rows a block
         mp.setattr(kernels, "SPLIT_MAX_ITEMS", 10**9 if split else 0)
         mp.setattr(kernels, "SPLIT_MAX_SCRATCH", 10**18 if split else 0)
         mp.setattr(kernels, "TWO_LAUNCH_ROWS", 10**9 if two else 0)
@@ -188,12 +187,11 @@ def test_split_and_one_launch_kernels_agree_on_long_caches(rows, s, window, head
 @pytest.mark.parametrize("chunks,window,heads", [([(0, 70, 300), (1, 13, 13)], None, (16, 8, 128)),
                                                 ([(2, 64, 64), (0, 9, 500), (1, 40, 900)], None, (10, 2, 12)),
                                                 ([(1, 75, 200)], 50, (8, 1, 36))])
-def test_prefill_chunks_agree_with_rows_grouped_per_block(chunks, window, heads):
+def test_prefill_chunks_agree_across_plans(chunks, window, heads):
     """Prefill-shaped passes (chunks of several sequences, each (slot, rows, length): its rows at the end
-    of its keys) through the three-launch form with PREFILL_ROWS rows a block (the blocks whose rows
-    share a slot and a length read each key and value once for them all; blocks straddling two
-    sequences take their rows one at a time) and with one row a block, and the one-launch kernel: bit
-    for bit. Groups of 5 and 8 heads, head dimensions 12 and 36, a sliding window."""
+    of its keys, the keys after a row's position hidden from it) through the split kernels in both forms
+    and the one-launch kernel: bit for bit. Groups of 2, 5 and 8 heads, head dimensions 12, 36 and 128,
+    a sliding window."""
     from mlxinfer import kernels
     from mlxinfer.backend import AttentionSpec
 
@@ -208,13 +206,11 @@ def test_prefill_chunks_agree_with_rows_grouped_per_block(chunks, window, heads)
     lens = np.concatenate([np.full(rows, length) for _, rows, length in chunks]).astype(np.int32)
     q = mx.array(rng.standard_normal((len(slots), h * d), dtype=np.float32) * 4)
     args = (q, keys, values, mx.array(slots), mx.array(pos), mx.array(lens), spec)
-    assert kernels.rows_per_block(len(slots), two_launches=False) == kernels.PREFILL_ROWS  # the default's
-    got = {rows: np.array(kernels._split_attention("cuda", *args, two_launches=False, tiled=False, rows=rows))
-           for rows in (kernels.PREFILL_ROWS, 1)}
     one = np.array(kernels.fused_attention("cuda", *args, split=False))
     assert np.isfinite(one).all()
-    for rows, out in got.items():
-        assert np.array_equal(out.view(np.uint32), one.view(np.uint32)), f"{rows} rows a block"
+    for two in (True, False):
+        out = np.array(kernels._split_attention("cuda", *args, two_launches=two, tiled=False))
+        assert np.array_equal(out.view(np.uint32), one.view(np.uint32)), f"two launches: {two}"
 
 
 @pytest.mark.parametrize("kernel,graph", [("cuda", False), ("metal", True)])

@@ -155,8 +155,6 @@ def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
             plans[" (one launch)"] = np.array(kernels.fused_attention(*args, split=False))
             for two, form in ((True, "two"), (False, "three")):
                 plans[f" (split, {form} launches)"] = np.array(kernels._split_attention(*args, two_launches=two))
-            plans[" (split, three launches, rows grouped)"] = np.array(
-                kernels._split_attention(*args, two_launches=False, rows=kernels.PREFILL_ROWS))
         ref = np.array(backend.per_head_attention(q, view, batch, spec))
         a, b = q[:, :d], backend.from_numpy(kv_np[0, :, :d])
         prod = np.array(backend.matmul(a, mx.transpose(b)))
