@@ -1,14 +1,13 @@
 """Which attention launch plan is faster on a CUDA GPU, for prefill and for decode (issue 10)? For each
 prompt, in one process, one engine: the one-launch kernel for every pass, the split kernels for every
-pass, the default rule (`kernels.uses_split`), and the default rule with the tiled prefill kernels
-(`kernels.TILED`, off by default until measured), and the default rule with attention replaced by a copy
+pass, the default rule (`kernels.uses_split`), and the default rule with attention replaced by a copy
 of the queries (`no-attention`: an ablation, wrong text, what the rest of a pass costs; left out of
 same_tokens); each after a warm-up, its compiled decode steps
 made afresh (the plan is chosen when a step is traced). Reports time to first token (median of
 --runs) and decode tokens/s over --tokens greedy tokens (median), and checks that every plan generates
 the same tokens (the bits themselves are tests/test_mlx_backend.py's).
 
-    python3 bench/attention_plans.py --cases 17,511,2047,8191 [--plans auto,tiled] [--model qwen3-0.6b-synthetic|smollm2|PATH]
+    python3 bench/attention_plans.py --cases 17,511,2047,8191 [--plans auto,no-attention] [--model qwen3-0.6b-synthetic|smollm2|PATH]
 """
 
 from __future__ import annotations
@@ -30,11 +29,10 @@ from bench import resolve  # noqa: E402
 from mlxinfer import kernels  # noqa: E402
 from peers import emit, prompt_ids  # noqa: E402
 
-AUTO = dict(SPLIT_MAX_ITEMS=kernels.SPLIT_MAX_ITEMS, SPLIT_MAX_SCRATCH=kernels.SPLIT_MAX_SCRATCH, TILED=kernels.TILED)
+AUTO = dict(SPLIT_MAX_ITEMS=kernels.SPLIT_MAX_ITEMS, SPLIT_MAX_SCRATCH=kernels.SPLIT_MAX_SCRATCH)
 PLANS = {"one-launch": dict(AUTO, SPLIT_MAX_ITEMS=0, SPLIT_MAX_SCRATCH=0),
          "split": dict(AUTO, SPLIT_MAX_ITEMS=10**9, SPLIT_MAX_SCRATCH=10**18),
          "auto": AUTO,
-         "tiled": dict(AUTO, TILED=True),  # the default rule with the tiled prefill kernels (kernels.TILED)
          "no-attention": AUTO}  # the ablation: fused_attention returns q + 0
 
 

@@ -32,7 +32,7 @@ for step in $STEPS; do
         --out "$OUT/decode-attention.jsonl"; log "decode_attention rc=$?" ;;
     plans)
       timeout ${PLANS_TIMEOUT:-300} python3 bench/attention_plans.py --cases "${PLAN_CASES:-17,511,2047,8191}" \
-        --plans "${PLANS:-one-launch,split,auto,tiled}" \
+        --plans "${PLANS:-one-launch,split,auto}" \
         --out "$OUT/attention-plans.jsonl"; log "attention_plans rc=$?" ;;
     profile)
       for ops in ${OPS_PER_GRAPH:-default 1000}; do

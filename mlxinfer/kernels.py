@@ -49,8 +49,6 @@ _INPUTS = {
     "attn_softmax_context": (["x", "v", "row_slot", "row_len"], ["out"]),
     "attn_softmax": (["x", "row_len"], ["out"]),
     "attn_context": (["p", "v", "row_slot", "row_len"], ["out"]),
-    "attn_scores_tiled": (["q", "k", "row_slot", "row_pos", "row_len"], ["p"]),
-    "attn_context_tiled": (["p", "v", "row_slot", "row_len"], ["out"]),
 }
 SPLIT_KINDS = ("cuda",)  # the split attention kernels exist in these sources (Metal: one launch only)
 SPLIT_MAX_ITEMS = 1024  # (row, head) work items up to which the split kernels run: their scratch is
@@ -123,19 +121,6 @@ def uses_two_launches(rows: int, capacity: int) -> bool:
     return rows <= TWO_LAUNCH_ROWS or rows * capacity <= TWO_LAUNCH_MAX_KEYS
 
 
-TILED = False  # prefill chunks' scores and context through the tiled kernels (`attn_scores_tiled`,
-# `attn_context_tiled`: each key staged once per 32 query vectors, not read once per row); written on
-# 2026-11-30, compiled with NVRTC, not yet run on a GPU: off until tests/test_mlx_backend.py has passed
-# there and bench/attention_plans.py has measured it
-TILED_MIN_ROWS = 64  # rows of a pass from which the tiled kernels take it (when TILED)
-TILED_MAX_HEAD_DIM = 128  # their shared memory holds 2 x 32 x (D + 1) floats
-
-
-def uses_tiled(rows: int, spec) -> bool:
-    """Whether the split plan's three-launch form takes the tiled scores and context kernels."""
-    return TILED and rows >= TILED_MIN_ROWS and spec.head_dim <= TILED_MAX_HEAD_DIM
-
-
 def uses_split(kind: str, rows: int, spec, capacity: int = 0) -> bool:
     """Whether `fused_attention` takes the split kernels for a pass of `rows` query rows over a cache
     of `capacity` rows."""
@@ -169,7 +154,7 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
 
 
 def _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, steps: int = 3,
-                     two_launches: bool | None = None, tiled: bool | None = None):
+                     two_launches: bool | None = None):
     """The split plan: scores, then softmax and context in one launch (`two_launches`, by default
     `uses_two_launches`) or two. `steps=1` stops after the scores and returns them (bench/
     decode_attention.py times the steps), `steps=3` runs the whole plan. The attention's shape is
@@ -185,8 +170,6 @@ def _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, st
     shape = [(n, spec.n_heads, cap)]
     if two_launches is None:
         two_launches = uses_two_launches(n, cap)
-    if tiled if tiled is not None else (not two_launches and uses_tiled(n, spec)):
-        return _tiled_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, template, steps)
     (out,) = _kernel(kind, "attn_scores")(
         inputs=[q, keys, row_slot, row_pos, row_len], template=template,
         grid=_grid(n * spec.n_kv_heads * -(-cap // 64)), threadgroup=(THREADS, 1, 1),
@@ -215,26 +198,6 @@ def _attn_softmax(kind, scores, row_len):
     return out
 
 
-def _tiled_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, template, steps):
-    """The split plan's three-launch form with the tiled scores and context kernels (`uses_tiled`)."""
-    import mlx.core as mx
-
-    n, cap, kv = q.shape[0], keys.shape[1], spec.n_kv_heads
-    tiles = -(-n * spec.group // 32)  # of 32 query vectors (row, head of the KV group)
-    shape = [(n, spec.n_heads, cap)]
-    (out,) = _kernel(kind, "attn_scores_tiled")(
-        inputs=[q, keys, row_slot, row_pos, row_len], template=template, grid=_grid(tiles * kv * -(-cap // 32)),
-        threadgroup=(THREADS, 1, 1), output_shapes=shape, output_dtypes=[mx.float32])
-    if steps == 1:
-        return out
-    out = _attn_softmax(kind, out, row_len)
-    (out,) = _kernel(kind, "attn_context_tiled")(
-        inputs=[out, values, row_slot, row_len], template=template,
-        grid=_grid(tiles * kv * -(-spec.head_dim // 16)), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(n, spec.n_heads * spec.head_dim)], output_dtypes=[mx.float32])
-    return out
-
-
 # -- the published order in numpy (float32, bit-exact for the sums) ---------------------------------
 def _butterfly(partials: np.ndarray, offsets) -> np.ndarray:
     """Combine partial sums on the last axis as the kernels' xor butterfly does; returns lane 0's."""
@@ -257,25 +220,6 @@ def published_dot(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
         prod = (a[:, None, i:i + w] * bt[None, :, i:i + w]).astype(np.float32)
         partial[:, :, :w] = (partial[:, :, :w] + prod).astype(np.float32)
     return _butterfly(partial, (16, 8, 4, 2, 1))
-
-
-def published_dot_by_one_thread(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
-    """published_dot as the tiled kernels compute it, one thread per dot product: lane l's partial sum
-    for l in bit-reversed order (0, 16, 8, 24, 4, ...), each pushed on a stack and merged pairwise
-    ctz(i + 1) times after the i-th: the butterfly's tree. Bit for bit published_dot."""
-    a, bt = np.asarray(a, np.float32), np.asarray(bt, np.float32)
-    k = a.shape[1]
-    stack = []
-    for i in range(32):
-        lane = int(f"{i:05b}"[::-1], 2)
-        part = np.zeros((a.shape[0], bt.shape[0]), np.float32)
-        for c in range(lane, k, 32):
-            part = (part + (a[:, None, c] * bt[None, :, c]).astype(np.float32)).astype(np.float32)
-        stack.append(part)
-        for _ in range(((i + 1) & -(i + 1)).bit_length() - 1):
-            right = stack.pop()
-            stack[-1] = (stack[-1] + right).astype(np.float32)
-    return stack[0]
 
 
 def published_softmax_total(e: np.ndarray) -> np.float32:

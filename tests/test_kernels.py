@@ -19,8 +19,7 @@ needs_gpu = pytest.mark.skipif(GPU is None, reason="needs an MLX GPU (Metal or C
 
 
 def test_kernel_sources_hold_every_kernel():
-    split = {"attn_scores", "attn_softmax_context", "attn_softmax", "attn_context", "attn_scores_tiled",
-             "attn_context_tiled"}
+    split = {"attn_scores", "attn_softmax_context", "attn_softmax", "attn_context"}
     for kind in ("cuda", "metal"):
         header, bodies = kernels.kernel_source(kind)
         assert set(bodies) == {"matmul", "softmax", "fused_attention"} | (split if kind in kernels.SPLIT_KINDS else set())
@@ -111,29 +110,6 @@ def test_gpu_softmax_kernel(n):
     assert np.all(np.isfinite(got))
 
 
-def test_one_thread_computes_the_published_dot_exactly():
-    """The tiled kernels compute each dot product in one thread: the 32 lane partials in bit-reversed
-    order, merged pairwise as they come. That is the butterfly's tree, bit for bit (published_dot is
-    checked against the GPU's butterfly in test_gpu_matmul_kernel_follows_the_published_order); the
-    natural order merged the same way is not."""
-    rng = np.random.default_rng(5)
-    for k in (1, 12, 31, 32, 33, 64, 100, 128, 200):
-        a = (rng.standard_normal((6, k)) * 10).astype(np.float32)
-        b = (rng.standard_normal((9, k)) * 10).astype(np.float32)
-        assert np.array_equal(kernels.published_dot_by_one_thread(a, b).view(np.uint32),
-                              kernels.published_dot(a, b).view(np.uint32))
-    a = (rng.standard_normal((40, 128)) * 10).astype(np.float32)
-    b = (rng.standard_normal((40, 128)) * 10).astype(np.float32)
-    seq = np.zeros((32, 40, 40), np.float32)  # each lane's partial, its terms in increasing order
-    for l in range(32):
-        for c in range(l, 128, 32):
-            seq[l] = (seq[l] + (a[:, None, c] * b[None, :, c]).astype(np.float32)).astype(np.float32)
-    natural = seq
-    while len(natural) > 1:  # pairwise over lanes in natural order: (p0 + p1) + (p2 + p3) ...
-        natural = (natural[0::2] + natural[1::2]).astype(np.float32)
-    assert not np.array_equal(natural[0].view(np.uint32), kernels.published_dot(a, b).view(np.uint32))
-
-
 def test_launch_plan_rule():
     """Which passes take the split kernels (`kernels.uses_split`): decode of up to 64 sequences of 16 heads
     over any cache, prefill chunks while their scratch fits; never on Metal (no split kernels there)."""
@@ -153,7 +129,7 @@ def test_launch_plan_rule():
 
 INT_INPUTS = {"row_slot", "row_pos", "row_len", "dims"}
 SPLIT_TEMPLATE = {"H": 16, "KV": 8, "D": 128, "CAUSAL": "true", "WINDOW": 0, "SCALE_BITS": 1035273459}
-TEMPLATED = {"attn_scores", "attn_softmax_context", "attn_context", "attn_scores_tiled", "attn_context_tiled"}  # the kernels kernels._split_attention passes `template` to
+TEMPLATED = {"attn_scores", "attn_softmax_context", "attn_context"}  # the kernels kernels._split_attention passes `template` to
 STUB = """
 struct Shape { int v[8]; __device__ long operator[](int i) const { return v[i]; } };
 #define INFINITY __int_as_float(0x7f800000)

@@ -131,18 +131,16 @@ needs_cuda = pytest.mark.skipif(gpu_kind() != "cuda", reason="the split kernels 
 
 
 @needs_cuda
-@pytest.mark.parametrize("plan", ["split, two launches", "split, three launches", "split, tiled", "one-launch"])
+@pytest.mark.parametrize("plan", ["split, two launches", "split, three launches", "one-launch"])
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(case=attention_inputs())
 def test_both_cuda_launch_plans_are_byte_identical(plan, case):
-    """Every pass forced through one plan (the split kernels in their two- or three-launch form, the
-    latter with the tiled kernels too, or the one-launch kernel), whatever its size."""
+    """Every pass forced through one plan (the split kernels in their two- or three-launch form, or the
+    one-launch kernel), whatever its size."""
     from mlxinfer import kernels
 
     split, two = plan.startswith("split"), "two" in plan
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernels, "TILED", plan == "split, tiled")
-        mp.setattr(kernels, "TILED_MIN_ROWS", 0)
         mp.setattr(kernels, "SPLIT_MAX_ITEMS", 10**9 if split else 0)
         mp.setattr(kernels, "SPLIT_MAX_SCRATCH", 10**18 if split else 0)
         mp.setattr(kernels, "TWO_LAUNCH_ROWS", 10**9 if two else 0)
@@ -171,16 +169,11 @@ def test_split_and_one_launch_kernels_agree_on_long_caches(rows, s, window, head
     lens = mx.array(np.linspace(s // 3, s, rows).astype(np.int32))
     slots = mx.arange(rows, dtype=mx.int32)
     got = {two: np.array(kernels._split_attention("cuda", q, keys, values, slots, lens - 1, lens, spec,
-                                                   two_launches=two, tiled=False)) for two in (True, False)}
-    if d <= kernels.TILED_MAX_HEAD_DIM:
-        got["tiled"] = np.array(kernels._split_attention("cuda", q, keys, values, slots, lens - 1, lens, spec,
-                                                         two_launches=False, tiled=True))
+                                                   two_launches=two)) for two in (True, False)}
     got["one"] = np.array(kernels.fused_attention("cuda", q, keys, values, slots, lens - 1, lens, spec, split=False))
     assert np.isfinite(got[True]).all()
     assert np.array_equal(got[True].view(np.uint32), got["one"].view(np.uint32))
     assert np.array_equal(got[False].view(np.uint32), got["one"].view(np.uint32))
-    if "tiled" in got:
-        assert np.array_equal(got["tiled"].view(np.uint32), got["one"].view(np.uint32))
 
 
 @needs_cuda
@@ -209,7 +202,7 @@ def test_prefill_chunks_agree_across_plans(chunks, window, heads):
     one = np.array(kernels.fused_attention("cuda", *args, split=False))
     assert np.isfinite(one).all()
     for two in (True, False):
-        out = np.array(kernels._split_attention("cuda", *args, two_launches=two, tiled=False))
+        out = np.array(kernels._split_attention("cuda", *args, two_launches=two))
         assert np.array_equal(out.view(np.uint32), one.view(np.uint32)), f"two launches: {two}"
 
 
