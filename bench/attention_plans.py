@@ -56,19 +56,21 @@ def main(argv=None):
             engine._steps.clear()  # compiled steps chose their plan when traced
             if plan == "no-attention":
                 engine.backend.fused_attention = lambda q, kv, batch, spec: q + 0.0
-            mx.reset_peak_memory()
-            tokens[plan] = engine.generate(ids, max_tokens=a.tokens, temperature=0).token_ids  # + warm-up
-            gens = [engine.generate(ids, max_tokens=a.tokens, temperature=0) for _ in range(a.runs)]
+            try:
+                mx.reset_peak_memory()
+                tokens[plan] = engine.generate(ids, max_tokens=a.tokens, temperature=0).token_ids  # + warm-up
+                gens = [engine.generate(ids, max_tokens=a.tokens, temperature=0) for _ in range(a.runs)]
+            finally:
+                if plan == "no-attention":
+                    del engine.backend.fused_attention  # the class's method again
+                    engine._steps.clear()
+                    tokens.pop(plan, None)
             row[f"{plan}_ttft_ms"] = round(statistics.median(g.metrics.time_to_first_token_ms for g in gens), 1)
             row[f"{plan}_decode_tok_s"] = round(statistics.median(g.metrics.decode_tokens_per_second for g in gens), 1)
             row[f"{plan}_peak_mib"] = round(mx.get_peak_memory() / 2**20)
-            if plan == "no-attention":
-                del engine.backend.fused_attention  # the class's method again
-                engine._steps.clear()
-                del tokens[plan]
         for name, value in AUTO.items():
             setattr(kernels, name, value)
-        row["same_tokens"] = len({tuple(t) for t in tokens.values()}) == 1
+        row["same_tokens"] = len({tuple(t) for t in tokens.values()}) == 1 if len(tokens) > 1 else None
         emit(row, a.out)
 
 

@@ -101,7 +101,7 @@ def main(argv=None):
             decode_tokens_per_second=statistics.median(r[1] for r in res),
             decode_tokens_per_second_min=min(r[1] for r in res), decode_tokens_per_second_max=max(r[1] for r in res),
             weights_mb_per_rank=weights_mb, peak_memory_mb_per_rank=gathered(mx.get_peak_memory() / 2**20),
-            nccl_env={k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
+            nccl_env={k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_") and k != "NCCL_EXTRA"},
         )
         if a.tp > 1:
             row["all_sum_ms_per_token_isolated"] = all_sum_ms(engine)
