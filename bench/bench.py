@@ -133,7 +133,8 @@ def run_case(engine, n_prompt: int, n_gen: int, runs: int, batch: int = 1, sync:
 def measure_row(job: dict) -> dict:
     """One row, in this process (a fresh child of the benchmark): load the engine, warm up, run."""
     t0 = time.perf_counter()
-    threads = dict(threads=job["threads"]) if job["backend"] == "cpu" and job.get("threads") else {}
+    on_cpu = job["backend"] == "cpu" or job["device"] == "cpu"  # the cpu backend's BLAS threads, MLX CPU's product threads
+    threads = dict(threads=job["threads"]) if on_cpu and job.get("threads") else {}
     engine = mlxinfer.load(job["model"], backend=job["backend"], attention=job["attention"], device=job["device"],
                            kv=job["kv"], prefill_chunk=job["prefill_chunk"], **threads)
     load_s = time.perf_counter() - t0
@@ -372,7 +373,8 @@ def main(argv=None):
                    help="peer engines, comma-separated (llama.cpp, mlx-lm), or 'none' (default: %(default)s)")
     p.add_argument("--replot", default=None, help="only redraw the plot from a results.jsonl")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
-                   help="BLAS threads of the cpu backend (load(threads=...)) and threads of the llama.cpp peer "
+                   help="BLAS threads of the cpu backend and product threads of MLX's CPU device (load(threads=...)), "
+                        "and threads of the llama.cpp peer "
                         "(default: the CPU count, %(default)s; the engine's own default follows the load average "
                         "at load time, which would make a row depend on what ran just before it)")
     p.add_argument("--out", default=os.path.join(HERE, "out"),

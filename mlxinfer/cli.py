@@ -227,7 +227,8 @@ def _model_options(p, sampling: bool = True) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prompt tokens per prefill pass (default: 512)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="BLAS threads of the cpu backend (default: the cores not already busy)")
+                   help="CPU threads: the cpu backend's BLAS threads, or the threads MLX's CPU device cuts "
+                        "each quantized weight product over (default: the cores not already busy)")
     if not sampling:
         return
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")

@@ -214,8 +214,10 @@ def test_threads_option(tmp_path):
     assert r.returncode == 0 and "backend: cpu (1 BLAS thread)" in r.stderr
     assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "--threads", "0", "hi"),
                           "threads must be a positive integer, got 0")
-    assert_one_line_error(run_cli("generate", "--model", p, "--backend", "mlx", "--threads", "2", "hi"),
-                          "MLX schedules its own")
+    r = run_cli("generate", "--model", p, "--backend", "mlx", "--device", "cpu", "--threads", "2", "--max-tokens", "2", "hi")
+    assert r.returncode == 0 and "2 product threads" in r.stderr
+    assert_one_line_error(run_cli("generate", "--model", p, "--backend", "mlx", "--device", "cpu", "--threads", "0", "hi"),
+                          "threads must be a positive integer, got 0")
 
 
 def test_inspect_sorts_tensors_naturally(tmp_path):

@@ -82,6 +82,47 @@ def test_mlx_logits_match_cpu_reference_on_smollm2(smollm2_path):
     assert np.max(np.abs(decode_logits(cpu, ids, 6) - decode_logits(ml, ids, 6))) < SMOLLM2_ATOL
 
 
+def test_cpu_product_threads_give_the_same_bits(smollm2_path, monkeypatch):
+    """On MLX's CPU device each quantized weight product is cut by output rows over `threads` streams
+    (threads): prefill and decode logits are bitwise those of one thread, and the cut really happens."""
+    from mlxinfer.backends.mlx import MLXBackend
+
+    cuts = []
+    split = MLXBackend._split_quantized_matmul
+    monkeypatch.setattr(MLXBackend, "_split_quantized_matmul", lambda self, x, w: cuts.append(w.shape) or split(self, x, w))
+    one = mlxinfer.load(smollm2_path, backend="mlx", device="cpu", threads=1)
+    assert not cuts
+    ids = one.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+    logits = {}
+    for threads in (1, 2, 3):
+        e = one if threads == 1 else mlxinfer.load(smollm2_path, backend="mlx", device="cpu", threads=threads)
+        assert f"{threads} product thread" in e.backend.describe()
+        logits[threads] = np.concatenate([np.atleast_2d(e.logits(ids)), decode_logits(e, ids, 3)])
+    assert {rows for rows, _ in cuts} >= {960, 3072, 49152}  # Q, K, V; gate, up; the output head
+    for threads in (2, 3):
+        assert np.array_equal(logits[threads].view(np.uint32), logits[1].view(np.uint32)), threads
+
+
+def test_cpu_product_threads_are_checked(monkeypatch):
+    from mlxinfer.backends import mlx as mlx_backend
+    from mlxinfer.errors import MlxinferError
+
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(MlxinferError, match="threads must be a positive integer"):
+            mlx_backend.MLXBackend(device="cpu", threads=bad)
+    monkeypatch.setattr(mlx_backend, "gpu_kind", lambda: "cuda")  # pretend: the check comes before the device
+    with pytest.raises(MlxinferError, match="on a GPU MLX schedules its own"):
+        mlx_backend.MLXBackend(device="gpu", threads=2)
+    from mlxinfer.backends import cpu
+
+    monkeypatch.setattr(cpu, "default_threads", lambda: 4)  # as if four cores were free
+    monkeypatch.delenv("MLX_RANK", raising=False)
+    monkeypatch.delenv("OMPI_COMM_WORLD_RANK", raising=False)
+    assert mlx_backend.MLXBackend(device="cpu").threads == 4
+    monkeypatch.setenv("MLX_RANK", "0")  # a rank of mlx.launch: one product thread, the cores are shared
+    assert mlx_backend.MLXBackend(device="cpu").threads == 1
+
+
 def test_q4_k_and_f16_weights_are_dequantized_not_misread(tmp_path):
     """K-quants go through gguf's dequantisation, never mx.load (which mis-decodes Q4_K)."""
     from tests.test_gguf import random_kquant_rows

@@ -32,8 +32,6 @@ def make_backend(name: str = "auto", attention: str = "fused", device: str | Non
         from .cpu import CPUBackend
 
         return CPUBackend(attention=attention, threads=threads)
-    if threads is not None:
-        raise RequestError("--threads sets the cpu backend's BLAS threads; MLX schedules its own")
     from .mlx import MLXBackend
 
-    return MLXBackend(attention=attention, device=device, kernel=kernel)
+    return MLXBackend(attention=attention, device=device, kernel=kernel, threads=threads)

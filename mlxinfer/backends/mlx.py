@@ -23,6 +23,8 @@ Fused attention, chosen by platform (overridable with `kernel=`):
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 from dataclasses import dataclass
 
@@ -42,6 +44,7 @@ from ..backend import AttentionSpec, Backend  # noqa: E402
 from ..errors import GGUFError, RequestError  # noqa: E402
 
 GROUP = 32
+SPLIT_MIN_ROWS = 256  # quantized products are cut over the CPU threads where each part has this many rows
 
 
 @dataclass
@@ -180,7 +183,7 @@ class MLXBackend(Backend):
     lazy = True
 
     def __init__(self, attention: str = "fused", device: str | None = None, kernel: str | None = None,
-                 verify=verify_gpu_kernels, per_sequence_linear: bool = False):
+                 verify=verify_gpu_kernels, per_sequence_linear: bool = False, threads: int | None = None):
         super().__init__(attention)
         # MLX's GPU products are not row-invariant (README: batch invariance); this multiplies each
         # sequence's rows on their own, as the cpu backend does, at the price of batching.
@@ -192,9 +195,23 @@ class MLXBackend(Backend):
             raise RequestError(f"unknown device {device!r} (choose cpu or gpu)")
         if device == "gpu" and gpu is None:
             raise RequestError("--device gpu: MLX has no GPU here (neither Metal nor CUDA is available)")
+        if threads is not None and device == "gpu":
+            raise RequestError("--threads sets the threads of the CPU's weight products; on a GPU MLX schedules its own")
         self.device = device
         self.mx_device = mx.gpu if device == "gpu" else mx.cpu
         self.activate()
+        # MLX runs a CPU stream's work on one thread: a quantized product's output rows are cut into
+        # `threads` parts, each multiplied on its own stream (bitwise the whole product: every output
+        # is the same dot product of the same row). One stream per rank under tensor parallelism.
+        if device == "cpu":
+            from .cpu import default_threads
+
+            if threads is None:
+                threads = 1 if distributed.launched() else default_threads()
+            if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+                raise RequestError(f"threads must be a positive integer, got {threads!r}")
+        self.threads = threads or 1
+        self._streams = [mx.new_stream(mx.cpu) for _ in range(self.threads - 1)]
         if kernel not in (None, "graph", "metal", "cuda"):
             raise RequestError(f"unknown fused attention kernel {kernel!r} (graph, metal or cuda)")
         if kernel in ("metal", "cuda") and (device != "gpu" or gpu != kernel):
@@ -220,7 +237,7 @@ class MLXBackend(Backend):
 
     def describe(self) -> str:
         if self.device == "cpu":
-            return "mlx (cpu, graph attention)"
+            return f"mlx (cpu, graph attention, {self.threads} product thread{'s' if self.threads != 1 else ''})"
         ops = f"{self.gpu_kernels} kernels" if self.gpu_kernels else "MLX ops"
         return f"mlx (gpu, {self.kernel} attention, {ops})"
 
@@ -337,8 +354,22 @@ class MLXBackend(Backend):
         if self.per_sequence_linear and groups is not None and len(groups) > 1:
             return mx.concatenate([self.linear(x[r0:r1], w) for r0, r1 in groups])
         if isinstance(w, QuantizedWeight):
+            if self._streams and w.shape[0] >= SPLIT_MIN_ROWS * self.threads:
+                return self._split_quantized_matmul(x, w)
             return mx.quantized_matmul(x, w.w, w.scales, w.biases, transpose=True, group_size=GROUP, bits=w.bits)
         return mx.matmul(x, w)
+
+    def _split_quantized_matmul(self, x, w):
+        """x @ w.T with w's output rows in `threads` parts, the first on the current stream, each other
+        on its own CPU stream (its own thread), then side by side."""
+        cuts = np.linspace(0, w.shape[0], self.threads + 1).astype(int)
+        parts = []
+        for i, stream in enumerate([None, *self._streams]):
+            a, b = cuts[i], cuts[i + 1]
+            with mx.stream(stream) if stream is not None else contextlib.nullcontext():
+                parts.append(mx.quantized_matmul(x, w.w[a:b], w.scales[a:b], w.biases[a:b], transpose=True,
+                                                 group_size=GROUP, bits=w.bits))
+        return mx.concatenate(parts, axis=-1)
 
     def linear_group(self, x, ws, groups=None):
         if not isinstance(ws, WeightGroup):
