@@ -27,7 +27,9 @@ EXAMPLES = int(os.environ.get("MLXINFER_PROPERTY_EXAMPLES", 40))
 def override_backends():
     """(id, backend factory or None, reason) for every override of the MLX backend: run what can run here."""
     gpu = gpu_kind()
-    yield "graph-cpu", lambda **kw: MLXBackend(device="cpu", kernel="graph", **kw), None
+    yield "graph-cpu", lambda **kw: MLXBackend(device="cpu", kernel="graph", threads=1, **kw), None
+    # products and attention's KV heads cut over three CPU streams (uneven parts of 8 or 2 heads)
+    yield "graph-cpu-3-threads", lambda **kw: MLXBackend(device="cpu", kernel="graph", threads=3, **kw), None
     for kind in ("cuda", "metal"):
         reason = None if gpu == kind else f"needs an MLX {kind} GPU (this machine has {gpu or 'no GPU'})"
         yield f"{kind}-kernel", (lambda k=kind, **kw: MLXBackend(device="gpu", kernel=k, **kw)), reason
@@ -83,8 +85,9 @@ def test_mlx_logits_match_cpu_reference_on_smollm2(smollm2_path):
 
 
 def test_cpu_product_threads_give_the_same_bits(smollm2_path, monkeypatch):
-    """On MLX's CPU device each quantized weight product is cut by output rows over `threads` streams
-    (threads): prefill and decode logits are bitwise those of one thread, and the cut really happens."""
+    """On MLX's CPU device each quantized weight product is cut by output rows, and attention by KV
+    heads, over `threads` streams (threads): prefill and decode logits are bitwise those of one thread,
+    and the cut really happens."""
     from mlxinfer.backends.mlx import MLXBackend
 
     cuts = []

@@ -200,9 +200,10 @@ class MLXBackend(Backend):
         self.device = device
         self.mx_device = mx.gpu if device == "gpu" else mx.cpu
         self.activate()
-        # MLX runs a CPU stream's work on one thread: a quantized product's output rows are cut into
-        # `threads` parts, each multiplied on its own stream (bitwise the whole product: every output
-        # is the same dot product of the same row). One stream per rank under tensor parallelism.
+        # MLX runs a CPU stream's work on one thread: a quantized product's output rows, and the graph
+        # attention's KV heads, are cut into `threads` parts, each on its own stream (bitwise the whole:
+        # every output is the same dot product of the same row; every head the same BLAS calls). One
+        # stream per rank under tensor parallelism.
         if device == "cpu":
             from .cpu import default_threads
 
@@ -359,14 +360,19 @@ class MLXBackend(Backend):
             return mx.quantized_matmul(x, w.w, w.scales, w.biases, transpose=True, group_size=GROUP, bits=w.bits)
         return mx.matmul(x, w)
 
+    def _cpu_parts(self, n: int):
+        """[((start, end), stream context)]: n items cut into up to `threads` nearly equal parts, the
+        first on the current stream, each other on its own CPU stream (MLX gives a stream its own thread)."""
+        k = min(n, self.threads)
+        cuts = np.linspace(0, n, k + 1).astype(int)
+        streams = [contextlib.nullcontext()] + [mx.stream(st) for st in self._streams[:k - 1]]
+        return [((int(cuts[i]), int(cuts[i + 1])), streams[i]) for i in range(k)]
+
     def _split_quantized_matmul(self, x, w):
-        """x @ w.T with w's output rows in `threads` parts, the first on the current stream, each other
-        on its own CPU stream (its own thread), then side by side."""
-        cuts = np.linspace(0, w.shape[0], self.threads + 1).astype(int)
+        """x @ w.T with w's output rows cut over the CPU threads (`_cpu_parts`), then side by side."""
         parts = []
-        for i, stream in enumerate([None, *self._streams]):
-            a, b = cuts[i], cuts[i + 1]
-            with mx.stream(stream) if stream is not None else contextlib.nullcontext():
+        for (a, b), stream in self._cpu_parts(w.shape[0]):
+            with stream:
                 parts.append(mx.quantized_matmul(x, w.w[a:b], w.scales[a:b], w.biases[a:b], transpose=True,
                                                  group_size=GROUP, bits=w.bits))
         return mx.concatenate(parts, axis=-1)
@@ -546,17 +552,21 @@ class MLXBackend(Backend):
             if self.gpu_kernels:
                 scores = kernels.matmul(self.gpu_kernels, mx.reshape(qh, (kvh * group, t, d)), kh, group)
                 scores = scores * spec.scale
-            else:
-                vh = mx.contiguous(mx.transpose(mx.reshape(v, (s, kvh, d)), (1, 0, 2)))[:, None]
-                scores = mx.matmul(qh, mx.swapaxes(kh[:, None], -1, -2)) * spec.scale  # [KV, G, T, S]
-            if t > 1 or spec.window:
-                scores = self.mask_scores(scores, batch.positions_of(self, b), spec.causal, spec.window)
-            if self.gpu_kernels:
+                if t > 1 or spec.window:
+                    scores = self.mask_scores(scores, batch.positions_of(self, b), spec.causal, spec.window)
                 attn = kernels.softmax(self.gpu_kernels, mx.reshape(scores, (-1, s)))
                 vt = mx.contiguous(mx.transpose(mx.reshape(v, (s, kvh, d)), (1, 2, 0)))  # [KV, D, S]
                 ctx = kernels.matmul(self.gpu_kernels, mx.reshape(attn, (kvh * group, t, s)), vt, group)
                 ctx = mx.reshape(ctx, (kvh, group, t, d))
-            else:
-                ctx = mx.matmul(self.softmax_rows(scores), vh)  # [KV, G, T, D]
+            else:  # the KV heads cut over the CPU threads, each part on its own stream
+                vh = mx.contiguous(mx.transpose(mx.reshape(v, (s, kvh, d)), (1, 0, 2)))[:, None]
+                parts = []
+                for (h0, h1), stream in self._cpu_parts(kvh):
+                    with stream:
+                        scores = mx.matmul(qh[h0:h1], mx.swapaxes(kh[h0:h1, None], -1, -2)) * spec.scale  # [KV, G, T, S]
+                        if t > 1 or spec.window:
+                            scores = self.mask_scores(scores, batch.positions_of(self, b), spec.causal, spec.window)
+                        parts.append(mx.matmul(self.softmax_rows(scores), vh[h0:h1]))  # [KV, G, T, D]
+                ctx = parts[0] if len(parts) == 1 else mx.concatenate(parts)
             outs.append(mx.reshape(mx.transpose(ctx, (2, 0, 1, 3)), (t, spec.n_heads * d)))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
