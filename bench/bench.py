@@ -133,7 +133,7 @@ def run_case(engine, n_prompt: int, n_gen: int, runs: int, batch: int = 1, sync:
 def measure_row(job: dict) -> dict:
     """One row, in this process (a fresh child of the benchmark): load the engine, warm up, run."""
     t0 = time.perf_counter()
-    on_cpu = job["backend"] == "cpu" or job["device"] == "cpu"  # the cpu backend's BLAS threads, MLX CPU's product threads
+    on_cpu = job["backend"] == "cpu" or job["device"] == "cpu"  # the cpu backend's BLAS threads, MLX CPU's threads
     threads = dict(threads=job["threads"]) if on_cpu and job.get("threads") else {}
     engine = mlxinfer.load(job["model"], backend=job["backend"], attention=job["attention"], device=job["device"],
                            kv=job["kv"], prefill_chunk=job["prefill_chunk"], **threads)
@@ -373,7 +373,7 @@ def main(argv=None):
                    help="peer engines, comma-separated (llama.cpp, mlx-lm), or 'none' (default: %(default)s)")
     p.add_argument("--replot", default=None, help="only redraw the plot from a results.jsonl")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
-                   help="BLAS threads of the cpu backend and product threads of MLX's CPU device (load(threads=...)), "
+                   help="BLAS threads of the cpu backend and threads of MLX's CPU device (load(threads=...)), "
                         "and threads of the llama.cpp peer "
                         "(default: the CPU count, %(default)s; the engine's own default follows the load average "
                         "at load time, which would make a row depend on what ran just before it)")

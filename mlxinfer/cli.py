@@ -228,7 +228,8 @@ def _model_options(p, sampling: bool = True) -> None:
                    help="prompt tokens per prefill pass (default: 512)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads: the cpu backend's BLAS threads, or the threads MLX's CPU device cuts "
-                        "each quantized weight product over (default: the cores not already busy)")
+                        "large quantized weight products and attention over (default: the cores not already "
+                        "busy; not with --device gpu)")
     if not sampling:
         return
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")

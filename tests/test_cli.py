@@ -215,7 +215,7 @@ def test_threads_option(tmp_path):
     assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "--threads", "0", "hi"),
                           "threads must be a positive integer, got 0")
     r = run_cli("generate", "--model", p, "--backend", "mlx", "--device", "cpu", "--threads", "2", "--max-tokens", "2", "hi")
-    assert r.returncode == 0 and "2 product threads" in r.stderr
+    assert r.returncode == 0 and "2 threads)" in r.stderr
     assert_one_line_error(run_cli("generate", "--model", p, "--backend", "mlx", "--device", "cpu", "--threads", "0", "hi"),
                           "threads must be a positive integer, got 0")
 

@@ -99,11 +99,27 @@ def test_cpu_product_threads_give_the_same_bits(smollm2_path, monkeypatch):
     logits = {}
     for threads in (1, 2, 3):
         e = one if threads == 1 else mlxinfer.load(smollm2_path, backend="mlx", device="cpu", threads=threads)
-        assert f"{threads} product thread" in e.backend.describe()
+        assert f"{threads} thread" in e.backend.describe()
         logits[threads] = np.concatenate([np.atleast_2d(e.logits(ids)), decode_logits(e, ids, 3)])
     assert {rows for rows, _ in cuts} >= {960, 3072, 49152}  # Q, K, V; gate, up; the output head
     for threads in (2, 3):
         assert np.array_equal(logits[threads].view(np.uint32), logits[1].view(np.uint32)), threads
+
+
+def test_cpu_threads_work_from_another_thread(smollm2_path):
+    """The server generates in a worker thread: the CPU streams must work there (MLX's plain streams
+    fail outside the thread that made them), with the same tokens as one thread in the main thread."""
+    import threading
+
+    one = mlxinfer.load(smollm2_path, backend="mlx", device="cpu", threads=1)
+    two = mlxinfer.load(smollm2_path, backend="mlx", device="cpu", threads=2)
+    want = one.generate("The capital of France is", max_tokens=6, temperature=0).token_ids
+    got = {}
+    worker = threading.Thread(target=lambda: got.update(
+        ids=two.generate("The capital of France is", max_tokens=6, temperature=0).token_ids))
+    worker.start()
+    worker.join(timeout=120)
+    assert got.get("ids") == want
 
 
 def test_cpu_product_threads_are_checked(monkeypatch):
@@ -113,7 +129,7 @@ def test_cpu_product_threads_are_checked(monkeypatch):
     for bad in (0, -1, True, 1.5):
         with pytest.raises(MlxinferError, match="threads must be a positive integer"):
             mlx_backend.MLXBackend(device="cpu", threads=bad)
-    monkeypatch.setattr(mlx_backend, "gpu_kind", lambda: "cuda")  # pretend: the check comes before the device
+    monkeypatch.setattr(mlx_backend, "gpu_kind", lambda: "cuda")  # pretend there is one: the threads check comes before the device is touched
     with pytest.raises(MlxinferError, match="on a GPU MLX schedules its own"):
         mlx_backend.MLXBackend(device="gpu", threads=2)
     from mlxinfer.backends import cpu
@@ -122,7 +138,7 @@ def test_cpu_product_threads_are_checked(monkeypatch):
     monkeypatch.delenv("MLX_RANK", raising=False)
     monkeypatch.delenv("OMPI_COMM_WORLD_RANK", raising=False)
     assert mlx_backend.MLXBackend(device="cpu").threads == 4
-    monkeypatch.setenv("MLX_RANK", "0")  # a rank of mlx.launch: one product thread, the cores are shared
+    monkeypatch.setenv("MLX_RANK", "0")  # a rank of mlx.launch: one thread, the cores are shared
     assert mlx_backend.MLXBackend(device="cpu").threads == 1
 
 

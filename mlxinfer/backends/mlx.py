@@ -24,7 +24,6 @@ Fused attention, chosen by platform (overridable with `kernel=`):
 from __future__ import annotations
 
 import contextlib
-
 import os
 from dataclasses import dataclass
 
@@ -44,7 +43,16 @@ from ..backend import AttentionSpec, Backend  # noqa: E402
 from ..errors import GGUFError, RequestError  # noqa: E402
 
 GROUP = 32
-SPLIT_MIN_ROWS = 256  # quantized products are cut over the CPU threads where each part has this many rows
+SPLIT_MIN_ROWS = 256  # quantized products are cut over the CPU threads in parts of at least this many rows
+_CPU_STREAMS: list = []  # shared by every MLX backend; thread-local: each thread that uses one gets its own
+
+
+def _cpu_streams(n: int) -> list:
+    """n of the shared CPU streams (made on first need). MLX's plain streams work only in the thread
+    that made them, and the server generates in a worker thread: these are thread-local streams."""
+    while len(_CPU_STREAMS) < n:
+        _CPU_STREAMS.append(mx.new_thread_local_stream(mx.cpu))
+    return _CPU_STREAMS[:n]
 
 
 @dataclass
@@ -200,10 +208,10 @@ class MLXBackend(Backend):
         self.device = device
         self.mx_device = mx.gpu if device == "gpu" else mx.cpu
         self.activate()
-        # MLX runs a CPU stream's work on one thread: a quantized product's output rows, and the graph
-        # attention's KV heads, are cut into `threads` parts, each on its own stream (bitwise the whole:
-        # every output is the same dot product of the same row; every head the same BLAS calls). One
-        # stream per rank under tensor parallelism.
+        # MLX runs a CPU stream's work on one thread: quantized products of at least 2 x SPLIT_MIN_ROWS
+        # output rows are cut by rows, and the graph attention by KV heads, into up to `threads` parts,
+        # each on its own stream (bitwise the whole: every output is the same dot product of the same
+        # row; every head the same BLAS calls). One thread under tensor parallelism (ranks share cores).
         if device == "cpu":
             from .cpu import default_threads
 
@@ -212,7 +220,7 @@ class MLXBackend(Backend):
             if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
                 raise RequestError(f"threads must be a positive integer, got {threads!r}")
         self.threads = threads or 1
-        self._streams = [mx.new_stream(mx.cpu) for _ in range(self.threads - 1)]
+        self._streams = _cpu_streams(self.threads - 1)
         if kernel not in (None, "graph", "metal", "cuda"):
             raise RequestError(f"unknown fused attention kernel {kernel!r} (graph, metal or cuda)")
         if kernel in ("metal", "cuda") and (device != "gpu" or gpu != kernel):
@@ -238,7 +246,7 @@ class MLXBackend(Backend):
 
     def describe(self) -> str:
         if self.device == "cpu":
-            return f"mlx (cpu, graph attention, {self.threads} product thread{'s' if self.threads != 1 else ''})"
+            return f"mlx (cpu, graph attention, {self.threads} thread{'s' if self.threads != 1 else ''})"
         ops = f"{self.gpu_kernels} kernels" if self.gpu_kernels else "MLX ops"
         return f"mlx (gpu, {self.kernel} attention, {ops})"
 
@@ -355,15 +363,16 @@ class MLXBackend(Backend):
         if self.per_sequence_linear and groups is not None and len(groups) > 1:
             return mx.concatenate([self.linear(x[r0:r1], w) for r0, r1 in groups])
         if isinstance(w, QuantizedWeight):
-            if self._streams and w.shape[0] >= SPLIT_MIN_ROWS * self.threads:
+            if self._streams and w.shape[0] >= 2 * SPLIT_MIN_ROWS:
                 return self._split_quantized_matmul(x, w)
             return mx.quantized_matmul(x, w.w, w.scales, w.biases, transpose=True, group_size=GROUP, bits=w.bits)
         return mx.matmul(x, w)
 
-    def _cpu_parts(self, n: int):
-        """[((start, end), stream context)]: n items cut into up to `threads` nearly equal parts, the
-        first on the current stream, each other on its own CPU stream (MLX gives a stream its own thread)."""
-        k = min(n, self.threads)
+    def _cpu_parts(self, n: int, min_size: int = 1):
+        """[((start, end), stream context)]: n items cut into up to `threads` nearly equal parts of at
+        least min_size, the first on the current stream, each other on its own CPU stream (MLX gives a
+        stream its own thread)."""
+        k = max(1, min(n // min_size, self.threads))
         cuts = np.linspace(0, n, k + 1).astype(int)
         streams = [contextlib.nullcontext()] + [mx.stream(st) for st in self._streams[:k - 1]]
         return [((int(cuts[i]), int(cuts[i + 1])), streams[i]) for i in range(k)]
@@ -371,7 +380,7 @@ class MLXBackend(Backend):
     def _split_quantized_matmul(self, x, w):
         """x @ w.T with w's output rows cut over the CPU threads (`_cpu_parts`), then side by side."""
         parts = []
-        for (a, b), stream in self._cpu_parts(w.shape[0]):
+        for (a, b), stream in self._cpu_parts(w.shape[0], SPLIT_MIN_ROWS):
             with stream:
                 parts.append(mx.quantized_matmul(x, w.w[a:b], w.scales[a:b], w.biases[a:b], transpose=True,
                                                  group_size=GROUP, bits=w.bits))
