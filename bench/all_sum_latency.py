@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
+import sys
 import time
 
 import mlx.core as mx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peers import emit  # noqa: E402
 
 
 def median_ms(fn, reps):
@@ -63,10 +66,7 @@ def main(argv=None):
                 nccl_env={k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_") and k != "NCCL_DEBUG"},
             )
             if group.rank() == 0:
-                print(json.dumps(row), flush=True)
-                if a.out:
-                    with open(a.out, "a") as f:
-                        f.write(json.dumps(row) + "\n")
+                emit(row, a.out)
 
 
 if __name__ == "__main__":

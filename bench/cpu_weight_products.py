@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
+import sys
 import time
 
 import mlx.core as mx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peers import emit  # noqa: E402
 import numpy as np
 
 SHAPES = [(576, 1536), (1536, 576), (1024, 3072), (3072, 1024)]  # (in, out): SmolLM2 FFN, Qwen3-0.6B FFN
@@ -65,10 +68,7 @@ def main(argv=None):
                        qmm_us=round(median_us(qmm, a.reps), 1), f32_us=round(median_us(lambda: x @ wd.T, a.reps), 1),
                        qmm_two_streams_us=round(median_us(two_streams, a.reps), 1),
                        two_streams_bitwise=bool(np.array_equal(np.array(qmm()), np.array(two_streams()))))
-            print(json.dumps(row), flush=True)
-            if a.out:
-                with open(a.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            emit(row, a.out)
 
 
 if __name__ == "__main__":
