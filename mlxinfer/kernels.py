@@ -182,19 +182,10 @@ def _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, st
         (out,) = _kernel(kind, "attn_softmax_context")(inputs=[out, values, row_slot, row_len], template=template,
                                                        **context)
         return out
-    out = _attn_softmax(kind, out, row_len)
+    (out,) = _kernel(kind, "attn_softmax")(  # one block per (row, head)
+        inputs=[out, row_len], grid=(n * spec.n_heads * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=shape, output_dtypes=[mx.float32])
     (out,) = _kernel(kind, "attn_context")(inputs=[out, values, row_slot, row_len], template=template, **context)
-    return out
-
-
-def _attn_softmax(kind, scores, row_len):
-    """The three-launch form's softmax step: one block per (row, head) of scores [N, H, CAP]."""
-    import mlx.core as mx
-
-    n, h, _ = scores.shape
-    (out,) = _kernel(kind, "attn_softmax")(
-        inputs=[scores, row_len], grid=(n * h * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[scores.shape], output_dtypes=[mx.float32])
     return out
 
 
