@@ -227,19 +227,22 @@ if (r < n) {
 //@@BODY attn_softmax_context
 // Split attention, two-launch form (decode), step 2: the softmax and the context. Block b = ((r*KV + g)*nd + c) takes head
 // dimensions c*8 .. c*8+7 of KV head g for row r, for the group's heads up to 4 at a time:
-// 1. for each head, its scores x[r, h, :S] (S = row_len[r]) give the max m (exact in any order) and
-//    the total in mlxi_softmax's order (thread t's chain of e_j = expf(x_j - m), j = t, t+256, ... in
+// 1. the heads' scores x[r, h, :S] (S = row_len[r]) give each head's max m (exact in any order) and
+//    total in mlxi_softmax's order (thread t's chain of e_j = expf(x_j - m), j = t, t+256, ... in
 //    increasing j; the block butterflies), as the softmax kernel computes them: every block of the
-//    (row, KV head) computes the same m and total;
+//    (row, KV head) computes the same m and total. Each thread has SU of its loads per head in
+//    flight before it uses them (the adds stay in the chain's order);
 // 2. out[r, h, d] = dot(p[:S], v[:S, d]) in the published order, p_i = e_i / total computed on the
 //    fly with the softmax's operations (the bits the softmax kernel writes): thread (l, dd) = (tid / 8,
 //    tid % 8) keeps lane l's partial sums (i = l, l+32, ... in increasing i) for up to 4 heads,
-//    reading v[i, d] once for all of them; the 8 threads of one l (dd = 0..7, one warp) share the
-//    exponentials: for 8 consecutive keys of chain l, thread dd computes key dd's p and the warp
-//    shuffles them. The 32 partials per head are then combined as a tree over l (part[l] += part[l +
-//    off] for l < off, off = 16, 8, 4, 2, 1: what lane 0 of the butterfly computes), exactly as
-//    fused_attention does.
-// x [N, H, CAP] (attn_scores' output); v [slots, CAP, KV*D]; compile-time H, KV, D as attn_scores'.
+//    reading v[i, d] once for all of them, KU keys of its chain at a time (KU loads in flight); the 8
+//    threads of one l (dd = 0..7, one warp) share the exponentials: for each 8 consecutive keys of
+//    chain l, thread dd computes key dd's p and the warp shuffles them. The 32 partials per head are
+//    then combined as a tree over l (part[l] += part[l + off] for l < off, off = 16, 8, 4, 2, 1: what
+//    lane 0 of the butterfly computes), exactly as fused_attention does.
+// x [N, H, CAP] (attn_scores' output); v [slots, CAP, KV*D]; compile-time H, KV, D as attn_scores', and
+// the loads in flight SU (1 or 8) and KU (8 or 32): more for one row, whose 128 blocks leave the GPU
+// waiting on memory, fewer for several rows, whose blocks share the SMs (kernels.split_unroll).
 const long cap = x_shape[2], n = x_shape[0];
 constexpr int G = H / KV, nd = (D + 7) / 8;
 constexpr int T = MLXI_THREADS;
@@ -259,37 +262,77 @@ if (r < n) {  // the same for the whole block
     const int nh = min(4, G - h0);
     const float* xr = x + (r * H + (long)g * G + h0) * cap;
     float m[4], total[4];
-    for (int e = 0; e < nh; ++e) {  // 1. the softmax's max and total, per head
-      const float* xe = xr + e * cap;
-      float mx = -INFINITY;
-      for (int j = tid; j < S; j += T) mx = fmaxf(mx, xe[j]);
-      m[e] = mlxi_block_max(mx, lane, wid, red);
-      float s = 0.0f;
-      for (int j = tid; j < S; j += T) s = __fadd_rn(s, expf(__fsub_rn(xe[j], m[e])));
-      total[e] = mlxi_block_total(s, lane, wid, red);
-      __syncthreads();  // red is reused by the next head
+    {  // 1. the softmax's max and total, per head
+      float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+      int j = tid;
+      for (; j + (SU - 1) * T < S; j += SU * T) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (e < nh) {
+            float t[SU];
+#pragma unroll
+            for (int u = 0; u < SU; ++u) t[u] = xr[e * cap + j + u * T];
+#pragma unroll
+            for (int u = 0; u < SU; ++u) mx[e] = fmaxf(mx[e], t[u]);
+          }
+        }
+      }
+      for (; j < S; j += T) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (e < nh) mx[e] = fmaxf(mx[e], xr[e * cap + j]);
+        }
+      }
+      for (int e = 0; e < nh; ++e) m[e] = mlxi_block_max(mx[e], lane, wid, red);
+      float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      j = tid;
+      for (; j + (SU - 1) * T < S; j += SU * T) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (e < nh) {
+            float t[SU];
+#pragma unroll
+            for (int u = 0; u < SU; ++u) t[u] = xr[e * cap + j + u * T];
+#pragma unroll
+            for (int u = 0; u < SU; ++u) s[e] = __fadd_rn(s[e], expf(__fsub_rn(t[u], m[e])));
+          }
+        }
+      }
+      for (; j < S; j += T) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (e < nh) s[e] = __fadd_rn(s[e], expf(__fsub_rn(xr[e * cap + j], m[e])));
+        }
+      }
+      for (int e = 0; e < nh; ++e) {
+        total[e] = mlxi_block_total(s[e], lane, wid, red);
+        __syncthreads();  // red is reused by the next head
+      }
     }
     // 2. the context; the loop bound is the warp's (its chains l start at 4 * wid): shuffles need all 32
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (long k0 = 0; 4L * wid + 32 * k0 < S; k0 += 8) {
-      const long mine = l + 32 * (k0 + dd);  // the key whose p this thread computes
-      float pe[4];
+    for (long k0 = 0; 4L * wid + 32 * k0 < S; k0 += KU) {
+      float vv[KU];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        pe[e] = (e < nh && mine < S) ? __fdiv_rn(expf(__fsub_rn(xr[e * cap + mine], m[e])), total[e]) : 0.0f;
-      }
-      float vv[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
+      for (int u = 0; u < KU; ++u) {
         const long i = l + 32 * (k0 + u);
         vv[u] = (i < S) ? vd[i * kvw] : 0.0f;
       }
+      float pe[KU / 8][4];  // [group of 8 keys][head]: the p of key k0 + 8 * q + dd of chain l
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
+      for (int q8 = 0; q8 < KU / 8; ++q8) {
+        const long mine = l + 32 * (k0 + 8 * q8 + dd);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          pe[q8][e] = (e < nh && mine < S) ? __fdiv_rn(expf(__fsub_rn(xr[e * cap + mine], m[e])), total[e]) : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
         const long i = l + 32 * (k0 + u);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float pu = __shfl_sync(0xffffffffu, pe[e], (lane & ~7) | u);
+          const float pu = __shfl_sync(0xffffffffu, pe[u >> 3][e], (lane & ~7) | (u & 7));
           if (e < nh && i < S) acc[e] = __fadd_rn(acc[e], __fmul_rn(pu, vv[u]));
         }
       }

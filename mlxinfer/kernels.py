@@ -116,6 +116,16 @@ TWO_LAUNCH_MAX_KEYS = 1 << 14  # ... while rows x capacity <= this. Its recomput
 # eight rows 21.5 vs 18.7 / 61.6 vs 54.6 / 221 vs 181 / 876 vs 710 (single calls move up to 1.4x)
 
 
+def split_unroll(rows: int) -> list[tuple[str, int]]:
+    """`attn_softmax_context`'s loads in flight per thread: SU scores per head in its softmax pass,
+    KU values in its context loop. One row has 128 blocks for 132 SMs, each waiting on memory: more
+    loads in flight (H200, bench/decode_attention.py --gpu-clock, 2026-11-30 17:17 UTC: 21.5 vs 35.1 /
+    46.3 vs 85.3 / 247 vs 286 us at 2,048 / 8,192 / 32,768 keys); with 8 rows the same kernel was
+    slower (29.5 vs 22.3 us at 512 keys, 69.6 vs 64.7 at 2,048: more registers, fewer blocks at once),
+    so several rows keep the former (1, 8). The arithmetic and its order are the same either way."""
+    return [("SU", 8), ("KU", 32)] if rows == 1 else [("SU", 1), ("KU", 8)]
+
+
 def uses_two_launches(rows: int, capacity: int) -> bool:
     """Whether the split plan computes softmax and context in one launch (`attn_softmax_context`)."""
     return rows <= TWO_LAUNCH_ROWS or rows * capacity <= TWO_LAUNCH_MAX_KEYS
@@ -179,8 +189,8 @@ def _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, st
     context = dict(grid=_grid(n * spec.n_kv_heads * -(-spec.head_dim // 8)), threadgroup=(THREADS, 1, 1),
                    output_shapes=[(n, spec.n_heads * spec.head_dim)], output_dtypes=[mx.float32])
     if two_launches:
-        (out,) = _kernel(kind, "attn_softmax_context")(inputs=[out, values, row_slot, row_len], template=template,
-                                                       **context)
+        (out,) = _kernel(kind, "attn_softmax_context")(inputs=[out, values, row_slot, row_len],
+                                                       template=template + split_unroll(n), **context)
         return out
     (out,) = _kernel(kind, "attn_softmax")(  # one block per (row, head)
         inputs=[out, row_len], grid=(n * spec.n_heads * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),

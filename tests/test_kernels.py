@@ -154,9 +154,10 @@ def _nvrtc():
     return None
 
 
-def _cuda_kernel_source(name: str, body: str, header: str) -> str:
+def _cuda_kernel_source(name: str, body: str, header: str, extra: tuple = ()) -> str:
     """The source MLX's cuda_kernel compiles for a body: our header, then a __global__ function with
-    each input (and its `_shape` where the body uses it), each output, the template constants."""
+    each input (and its `_shape` where the body uses it), each output, the template constants (and
+    `extra` ones: (name, value) pairs)."""
     inputs, outputs = kernels._INPUTS[name]
     params = []
     for i in inputs:
@@ -165,7 +166,7 @@ def _cuda_kernel_source(name: str, body: str, header: str) -> str:
             params.append(f"const __grid_constant__ Shape {i}_shape")
     params += [f"float* {o}" for o in outputs]
     consts = "".join(f"  constexpr {'bool' if v == 'true' else 'int'} {k} = {v};\n" for k, v in SPLIT_TEMPLATE.items()
-                     if name in TEMPLATED)
+                     if name in TEMPLATED) + "".join(f"  constexpr int {k} = {v};\n" for k, v in extra)
     return f"{STUB}{header}\n__global__ void k_{name}({', '.join(params)}) {{\n{consts}{body}\n}}\n"
 
 
@@ -179,8 +180,12 @@ def test_cuda_sources_compile_with_nvrtc():
         pytest.skip("needs NVRTC (pip install nvidia-cuda-nvrtc-cu12; Linux x86-64)")
     header, bodies = kernels.kernel_source("cuda")
     opts = [b"--gpu-architecture=compute_90", b"-default-device", b"--std=c++17"]
-    for name, body in bodies.items():
-        src = _cuda_kernel_source(name, body, header).encode()
+    builds = [(name, body, ()) for name, body in bodies.items() if name != "attn_softmax_context"]
+    builds += [("attn_softmax_context", bodies["attn_softmax_context"], tuple(kernels.split_unroll(rows)))
+               for rows in (1, 8)]  # both unrollings it is launched with
+    assert {n for n, _, _ in builds} == set(bodies)
+    for name, body, extra in builds:
+        src = _cuda_kernel_source(name, body, header, extra).encode()
         prog = ctypes.c_void_p()
         assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, name.encode(), 0, None, None) == 0
         rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
