@@ -72,6 +72,36 @@ __device__ __forceinline__ void mlxi_chain_tree(float* part, int tid) {
   __syncthreads();
 }
 
+// Whether key j is hidden from a query at position pos: past it (causal), or WINDOW or more before it.
+__device__ __forceinline__ bool mlxi_hidden(long j, int pos, int causal, int window) {
+  return (causal && j > pos) || (window > 0 && j <= pos - window);
+}
+
+// Thread tid's pass over the scores x[e * cap + j] of up to 4 heads e < nh, j = tid, tid + 256, ... < S
+// in increasing j: f(e, x_j) for each, SU loads per head in flight before f sees them.
+template <int SU, typename F>
+__device__ __forceinline__ void mlxi_scores_pass(const float* x, long cap, int nh, int S, int tid, F f) {
+  int j = tid;
+  for (; j + (SU - 1) * MLXI_THREADS < S; j += SU * MLXI_THREADS) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (e < nh) {
+        float t[SU];
+#pragma unroll
+        for (int u = 0; u < SU; ++u) t[u] = x[e * cap + j + u * MLXI_THREADS];
+#pragma unroll
+        for (int u = 0; u < SU; ++u) f(e, t[u]);
+      }
+    }
+  }
+  for (; j < S; j += MLXI_THREADS) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (e < nh) f(e, x[e * cap + j]);
+    }
+  }
+}
+
 // In-place softmax of x[0..n) by the whole block (MLXI_THREADS threads); red: 8 floats of shared memory.
 __device__ __forceinline__ void mlxi_softmax(float* x, int n, int tid, float* red) {
   const int lane = tid & 31, wid = tid >> 5;
@@ -137,8 +167,7 @@ for (long item = blockIdx.x; item < items; item += gridDim.x) {
   // 1. scores, scaled after the product, masked; 2. softmax: both in the published order.
   for (int j = wid; j < S; j += MLXI_WARPS) {
     const float s = __fmul_rn(mlxi_dot(qh, 1, kb + j * kvw, 1, D, lane), sc);
-    const bool hidden = (CAUSAL && j > pos) || (WINDOW > 0 && j <= pos - WINDOW);
-    if (lane == 0) pr[j] = hidden ? -INFINITY : s;
+    if (lane == 0) pr[j] = mlxi_hidden(j, pos, CAUSAL, WINDOW) ? -INFINITY : s;
   }
   __syncthreads();
   mlxi_softmax(pr, S, tid, red);
@@ -197,7 +226,7 @@ if (r < n) {
 #pragma unroll
   for (int u = 0; u < 8; ++u) {
     const long j = kb * 64 + wid + 8 * u;
-    const bool hidden = (CAUSAL && j > pos) || (WINDOW > 0 && j <= pos - WINDOW);
+    const bool hidden = mlxi_hidden(j, pos, CAUSAL, WINDOW);
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       const int i = lane + 32 * t;
@@ -208,7 +237,7 @@ if (r < n) {
   for (int u = 0; u < 8; ++u) {
     const long j = kb * 64 + wid + 8 * u;
     if (j < S) {  // the same for every lane of the warp: the butterfly below has all 32
-      const bool hidden = (CAUSAL && j > pos) || (WINDOW > 0 && j <= pos - WINDOW);
+      const bool hidden = mlxi_hidden(j, pos, CAUSAL, WINDOW);
 #pragma unroll
       for (int hh = 0; hh < G; ++hh) {
         float s = 0.0f;
@@ -264,46 +293,10 @@ if (r < n) {  // the same for the whole block
     float m[4], total[4];
     {  // 1. the softmax's max and total, per head
       float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-      int j = tid;
-      for (; j + (SU - 1) * T < S; j += SU * T) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (e < nh) {
-            float t[SU];
-#pragma unroll
-            for (int u = 0; u < SU; ++u) t[u] = xr[e * cap + j + u * T];
-#pragma unroll
-            for (int u = 0; u < SU; ++u) mx[e] = fmaxf(mx[e], t[u]);
-          }
-        }
-      }
-      for (; j < S; j += T) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (e < nh) mx[e] = fmaxf(mx[e], xr[e * cap + j]);
-        }
-      }
+      mlxi_scores_pass<SU>(xr, cap, nh, S, tid, [&](int e, float t) { mx[e] = fmaxf(mx[e], t); });
       for (int e = 0; e < nh; ++e) m[e] = mlxi_block_max(mx[e], lane, wid, red);
       float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      j = tid;
-      for (; j + (SU - 1) * T < S; j += SU * T) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (e < nh) {
-            float t[SU];
-#pragma unroll
-            for (int u = 0; u < SU; ++u) t[u] = xr[e * cap + j + u * T];
-#pragma unroll
-            for (int u = 0; u < SU; ++u) s[e] = __fadd_rn(s[e], expf(__fsub_rn(t[u], m[e])));
-          }
-        }
-      }
-      for (; j < S; j += T) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (e < nh) s[e] = __fadd_rn(s[e], expf(__fsub_rn(xr[e * cap + j], m[e])));
-        }
-      }
+      mlxi_scores_pass<SU>(xr, cap, nh, S, tid, [&](int e, float t) { s[e] = __fadd_rn(s[e], expf(__fsub_rn(t, m[e]))); });
       for (int e = 0; e < nh; ++e) {
         total[e] = mlxi_block_total(s[e], lane, wid, red);
         __syncthreads();  // red is reused by the next head
