@@ -13,7 +13,8 @@ graph nodes) and of the whole evaluation (encoding + waiting for the GPU), in mi
   at every launch: does its size show?);
 - `custom_template`: the tiny kernel with six template constants, as our split attention kernels have;
 - `attn_decode`: our decode attention for one row (`kernels.fused_attention`, two launches) on a
-  [1, 2048, 8*128] cache, chained through its output as the next query.
+  [1, 2048, 8*128] cache, chained through its output as the next query; per launch (two per call;
+  the runs of 17:31 and 17:35 UTC wrote this row per call, as `attn_decode (2 launches)`).
 
     python3 bench/launch_cost.py --n 200 --reps 15 --out results.jsonl
 """
@@ -52,7 +53,8 @@ def custom(name: str, header: str = ""):
     return f
 
 
-def measure(step, x, n: int, reps: int) -> dict:
+def measure(step, x, n: int, reps: int, launches: int = 1) -> dict:
+    """Median µs per launch over `reps` evaluations of a compiled chain of n steps of `launches` each."""
     chain = mx.compile(lambda v: _chain(step, v, n))
     for _ in range(3):
         mx.eval(chain(x))
@@ -64,8 +66,8 @@ def measure(step, x, n: int, reps: int) -> dict:
         t1 = time.perf_counter()
         mx.eval(y)
         t2 = time.perf_counter()
-        enc.append((t1 - t0) * 1e6 / n)
-        tot.append((t2 - t0) * 1e6 / n)
+        enc.append((t1 - t0) * 1e6 / (n * launches))
+        tot.append((t2 - t0) * 1e6 / (n * launches))
     return dict(encode_us_per_launch=round(statistics.median(enc), 2), total_us_per_launch=round(statistics.median(tot), 2))
 
 
@@ -113,7 +115,7 @@ def main(argv=None) -> int:
     def attn(v):
         return kernels.fused_attention("cuda", v, keys, values, slot, pos, length, spec)
     n = max(1, a.n // 4)
-    rows.append(dict(variant="attn_decode (2 launches)", n=n, **measure(attn, q, n, a.reps)))
+    rows.append(dict(variant="attn_decode", launches_per_call=2, n=n, **measure(attn, q, n, a.reps, launches=2)))
     emit(rows[-1], a.out)
     return 0
 

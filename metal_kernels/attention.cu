@@ -275,6 +275,7 @@ if (r < n) {
 const long cap = x_shape[2], n = x_shape[0];
 constexpr int G = H / KV, nd = (D + 7) / 8;
 constexpr int T = MLXI_THREADS;
+static_assert(SU >= 1 && KU >= 8 && KU % 8 == 0, "SU >= 1; KU a multiple of 8 (each thread computes one p of every 8 keys)");
 const long blk = (long)blockIdx.y * gridDim.x + blockIdx.x;
 const int c = blk % nd;
 const long rg = blk / nd;

@@ -120,7 +120,8 @@ def split_unroll(rows: int) -> list[tuple[str, int]]:
     """`attn_softmax_context`'s loads in flight per thread: SU scores per head in its softmax pass,
     KU values in its context loop. One row has 128 blocks for 132 SMs, each waiting on memory: more
     loads in flight (H200, bench/decode_attention.py --gpu-clock, 2026-11-30 17:17 UTC: 21.5 vs 35.1 /
-    46.3 vs 85.3 / 247 vs 286 us at 2,048 / 8,192 / 32,768 keys); with 8 rows the same kernel was
+    247 vs 286 us at 2,048 / 32,768 keys; at 8,192 46 vs 85 in one column, 72 vs 73 in the other,
+    which times the same kernels); with 8 rows the same kernel was
     slower (29.5 vs 22.3 us at 512 keys, 69.6 vs 64.7 at 2,048: more registers, fewer blocks at once),
     so several rows keep the former (1, 8). The arithmetic and its order are the same either way."""
     return [("SU", 8), ("KU", 32)] if rows == 1 else [("SU", 1), ("KU", 8)]

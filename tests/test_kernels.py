@@ -181,8 +181,8 @@ def test_cuda_sources_compile_with_nvrtc():
     header, bodies = kernels.kernel_source("cuda")
     opts = [b"--gpu-architecture=compute_90", b"-default-device", b"--std=c++17"]
     builds = [(name, body, ()) for name, body in bodies.items() if name != "attn_softmax_context"]
-    builds += [("attn_softmax_context", bodies["attn_softmax_context"], tuple(kernels.split_unroll(rows)))
-               for rows in (1, 8)]  # both unrollings it is launched with
+    unrollings = {tuple(kernels.split_unroll(rows)) for rows in range(1, 1025)}  # every one it is launched with
+    builds += [("attn_softmax_context", bodies["attn_softmax_context"], u) for u in sorted(unrollings)]
     assert {n for n, _, _ in builds} == set(bodies)
     for name, body, extra in builds:
         src = _cuda_kernel_source(name, body, header, extra).encode()
