@@ -75,15 +75,15 @@ def test_attention_paths_compute_causal_gqa_attention(rows, kv, group, d, window
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_large_score_blocks_in_tiles_and_threads_are_byte_identical(threads):
-    """Scores of a long prefill chunk are scaled, masked and softmaxed in row tiles, spread over the BLAS
-    threads when the block is large: with 1 and 2 threads (whatever the machine's load would choose),
-    and with tiles and thread blocks that start inside a head's rows, every row is still the
-    reference's, and attention."""
-    from mlxinfer.backends.cpu import PARALLEL_SOFTMAX_ELEMENTS, TILE_ELEMENTS
+    """Scores of a long prefill chunk are scaled, masked and softmaxed in row tiles: with 1 thread all
+    heads' rows form one block whose tiles start inside a head's rows, with 2 (whatever the machine's
+    load would choose) each head is a task of its own on the backend's threads; every row is still
+    the reference's, and attention."""
+    from mlxinfer.backends.cpu import PARALLEL_PRODUCT_MACS, TILE_ELEMENTS
 
-    t, group, s = 50, 3, 4096
-    case = make_case([(t, s)], 1, group, 16, window=1000, seed=9)
-    assert group * t * s >= PARALLEL_SOFTMAX_ELEMENTS and (TILE_ELEMENTS // s) % t and (group * t // 2) % t
+    t, group, s, d = 50, 3, 4096, 16
+    case = make_case([(t, s)], 1, group, d, window=1000, seed=9)
+    assert t * d * s >= PARALLEL_PRODUCT_MACS and (TILE_ELEMENTS // s) % t
     assert_matches_default(CPUBackend(threads=threads), case)
     fused, _ = run_both(CPUBackend(threads=threads), case)
     np.testing.assert_allclose(fused, naive_attention(case), atol=2e-5, rtol=1e-4)
@@ -163,14 +163,15 @@ def test_harness_refuses_an_override_that_calls_the_reference():
         assert_matches_default(Cheat(), make_case([(2, 8)], 1, 1, 16))
 
 
-def test_large_blocks_softmaxed_on_several_threads_stay_byte_identical():
-    """A long prefill chunk's scores are softmaxed in row blocks on two threads: same bits."""
-    from mlxinfer.backends.cpu import PARALLEL_SOFTMAX_ELEMENTS
+def test_heads_of_long_chunks_on_several_threads_stay_byte_identical():
+    """Long prefill chunks run one task per head on two threads (each with its own score buffer),
+    a decode row between them all heads as one task: same bits."""
+    from mlxinfer.backends.cpu import PARALLEL_PRODUCT_MACS
 
     case = make_case([(64, 4096), (1, 3000), (40, 700)], 2, 4, 64, seed=9)
     case.q *= 4  # spread softmax rows
     backend = CPUBackend(threads=2)
-    assert 4 * 64 * 4096 >= PARALLEL_SOFTMAX_ELEMENTS
+    assert 40 * 64 * 700 >= PARALLEL_PRODUCT_MACS > 1 * 64 * 3000
     assert_matches_default(backend, case)
     assert backend._pool is not None  # the threaded path ran
 
