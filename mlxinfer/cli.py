@@ -229,7 +229,7 @@ def _model_options(p, sampling: bool = True) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads: the cpu backend's BLAS threads, or the threads MLX's CPU device cuts "
                         "large quantized weight products and attention over (default: the cores not already "
-                        "busy; not with --device gpu)")
+                        "busy, at most cores / N with --tp N; not with --device gpu)")
     if not sampling:
         return
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")

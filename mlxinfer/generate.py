@@ -483,12 +483,10 @@ def load(model: str | os.PathLike | None = None, backend: str = "auto", attentio
     attention, "graph", "metal" or "cuda" (default: by platform). kv: "prealloc" or "basic".
     prefill_chunk: prompt tokens per prefill pass (default 512). threads: the cpu backend's BLAS
     threads, or on MLX's CPU device the threads its large quantized weight products and its attention
-    are cut over (default: the cores not already busy; one inside mlx.launch; None on a GPU). tp: ranks
+    are cut over (default: the cores not already busy, at most cores // tp; None on a GPU). tp: ranks
     of a tensor-parallel run (mlxinfer.distributed); the process must be one of `tp` started by
     mlx.launch."""
     join(tp)  # a tp run that was not launched fails before anything is loaded
-    if tp > 1 and threads is None and backend == "cpu":  # local ranks share the cores
-        threads = max(1, (os.cpu_count() or 1) // tp)
-    ops = make_backend(backend, attention, device, kernel, threads)
+    ops = make_backend(backend, attention, device, kernel, threads, ranks=tp)  # the ranks share the cores
     path = resolve_model(model)
     return Engine(path, ops, kv=kv, prefill_chunk=prefill_chunk, tp=tp)

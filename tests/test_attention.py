@@ -176,6 +176,19 @@ def test_heads_of_long_chunks_on_several_threads_stay_byte_identical():
     assert backend._pool is not None  # the threaded path ran
 
 
+def test_a_head_task_over_several_tiles_stays_byte_identical():
+    """One head's task whose rows span several softmax tiles (T > TILE_ELEMENTS // S), with a window,
+    on two threads: same bits."""
+    from mlxinfer.backends.cpu import PARALLEL_PRODUCT_MACS, TILE_ELEMENTS
+
+    t, s, d = 200, 4096, 16
+    case = make_case([(t, s)], 2, 2, d, window=1500, seed=3)
+    assert t > TILE_ELEMENTS // s and t * d * s >= PARALLEL_PRODUCT_MACS
+    backend = CPUBackend(threads=2)
+    assert_matches_default(backend, case)
+    assert backend._pool is not None
+
+
 @pytest.mark.parametrize("rows", [[(512, 909)], [(200, 1306), (1, 4085)]])
 def test_bits_do_not_depend_on_the_blas_thread_count(rows):
     """OpenBLAS's threaded gemm sums a chunk's weights x values product ([T x S] x [S x 64]) in another

@@ -132,14 +132,18 @@ def test_cpu_product_threads_are_checked(monkeypatch):
     monkeypatch.setattr(mlx_backend, "gpu_kind", lambda: "cuda")  # pretend there is one: the threads check comes before the device is touched
     with pytest.raises(MlxinferError, match="on a GPU MLX schedules its own"):
         mlx_backend.MLXBackend(device="gpu", threads=2)
-    from mlxinfer.backends import cpu
+    from mlxinfer.backends.cpu import CPUBackend
 
-    monkeypatch.setattr(cpu, "default_threads", lambda: 4)  # as if four cores were free
-    monkeypatch.delenv("MLX_RANK", raising=False)
-    monkeypatch.delenv("OMPI_COMM_WORLD_RANK", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)  # as if four idle cores
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert mlx_backend.MLXBackend(device="cpu").threads == 4
-    monkeypatch.setenv("MLX_RANK", "0")  # a rank of mlx.launch: one thread, the cores are shared
+    assert mlx_backend.MLXBackend(device="cpu", ranks=2).threads == 2  # one of two tp ranks: its share
+    assert mlx_backend.MLXBackend(device="cpu", ranks=8).threads == 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.6, 0.0, 0.0))  # three cores busy
     assert mlx_backend.MLXBackend(device="cpu").threads == 1
+    assert CPUBackend(ranks=2).threads == 1  # the same rule for the cpu backend's BLAS threads
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert CPUBackend(ranks=2).threads == 2
 
 
 def test_q4_k_and_f16_weights_are_dequantized_not_misread(tmp_path):

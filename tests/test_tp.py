@@ -144,6 +144,33 @@ def test_tp2_logits_and_greedy_text_match_one_process(tp_runs, i):
     np.testing.assert_array_equal(runs[i][0]["logits_fused"], runs[i][1]["logits_fused"])
 
 
+def test_ranks_share_the_cores(tp_runs):
+    """Each rank's backend takes at most its share of the machine's cores (load(tp=...) passes the
+    ranks to the backend's default thread count)."""
+    _, runs = tp_runs
+    for case in runs:
+        for rank in case:
+            assert 1 <= int(rank["threads"]) <= max(1, (os.cpu_count() or 1) // 2)
+
+
+def test_load_passes_the_ranks_to_the_backend(monkeypatch):
+    """load(tp=N) builds its backend for one of N processes sharing the cores (deterministic: the
+    process count reaches the backend, whatever the machine's load)."""
+    import mlxinfer.generate as generate
+
+    seen = {}
+
+    def backend(*args, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop before loading")
+
+    monkeypatch.setattr(generate, "join", lambda tp: (0, None))
+    monkeypatch.setattr(generate, "make_backend", backend)
+    with pytest.raises(RuntimeError, match="stop before loading"):
+        generate.load("unused.gguf", backend="cpu", tp=3)
+    assert seen["ranks"] == 3
+
+
 @pytest.mark.parametrize("i", [0, 1, 2, 3])
 def test_fused_is_bitwise_per_head_on_every_rank(tp_runs, i):
     for rank in tp_runs[1][i]:

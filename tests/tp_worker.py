@@ -32,6 +32,7 @@ def main(cases_path, out_dir):
             out[f"tokens_{key}"] = np.array(gen.token_ids, dtype=np.int64)
         out["fused_equals_per_head"] = np.array(np.array_equal(out["logits_fused"], out["logits_per_head"]))
         out["kv_width"] = np.array(engine.kv_width)
+        out["threads"] = np.array(engine.backend.threads)  # the ranks share the machine's cores
         rank = engine.shard.rank
         np.savez(os.path.join(out_dir, f"case{i}.rank{rank}.npz"), **out)
 

@@ -19,7 +19,7 @@ def mlx_gpu_available() -> bool:
 
 
 def make_backend(name: str = "auto", attention: str = "fused", device: str | None = None,
-                 kernel: str | None = None, threads: int | None = None) -> Backend:
+                 kernel: str | None = None, threads: int | None = None, ranks: int = 1) -> Backend:
     if name not in BACKENDS:
         raise RequestError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
     if name == "auto":
@@ -31,7 +31,7 @@ def make_backend(name: str = "auto", attention: str = "fused", device: str | Non
             raise RequestError(f"--kernel {kernel} selects an MLX attention kernel; the cpu backend has its own")
         from .cpu import CPUBackend
 
-        return CPUBackend(attention=attention, threads=threads)
+        return CPUBackend(attention=attention, threads=threads, ranks=ranks)
     from .mlx import MLXBackend
 
-    return MLXBackend(attention=attention, device=device, kernel=kernel, threads=threads)
+    return MLXBackend(attention=attention, device=device, kernel=kernel, threads=threads, ranks=ranks)

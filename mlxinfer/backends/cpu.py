@@ -32,27 +32,29 @@ TILE_ELEMENTS = 1 << 19  # rows of scores processed together: ~2 MB of float32
 PARALLEL_PRODUCT_MACS = 1 << 20  # heads whose products are at least this large run on the backend's threads
 
 
-def default_threads() -> int:
-    """BLAS threads when the user names none: the cores not already busy (load average over the last
-    minute). OpenBLAS threads spin while they wait, so one thread per core that another process is
-    using makes every product wait for a descheduled thread: on this project's 2-core machine, with
-    another process busy, decode fell from 31 to 1.4-2.6 tok/s with 2 threads and held 20.5 with 1."""
+def default_threads(ranks: int = 1) -> int:
+    """Threads when the user names none (the cpu backend's BLAS threads; MLX's CPU streams): the cores
+    not already busy (load average over the last minute), and at most the machine's share of one of
+    `ranks` processes of a tensor-parallel run, which share its cores. OpenBLAS threads spin while they
+    wait, so one thread per core that another process is using makes every product wait for a
+    descheduled thread: on this project's 2-core machine, with another process busy, decode fell from
+    31 to 1.4-2.6 tok/s with 2 threads and held 20.5 with 1."""
     cores = os.cpu_count() or 1
     try:
         busy = int(os.getloadavg()[0] + 0.5)
     except OSError:
         busy = 0
-    return max(1, min(cores, cores - busy))
+    return max(1, min(cores // max(1, ranks), cores - busy))
 
 
-def set_blas_threads(threads: int | None) -> int:
-    """Limit numpy's BLAS to `threads` (None: `default_threads()`), with threadpoolctl; returns it."""
+def set_blas_threads(threads: int | None, ranks: int = 1) -> int:
+    """Limit numpy's BLAS to `threads` (None: `default_threads(ranks)`), with threadpoolctl; returns it."""
     from threadpoolctl import threadpool_limits
 
     from ..errors import RequestError
 
     if threads is None:
-        threads = default_threads()
+        threads = default_threads(ranks)
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise RequestError(f"threads must be a positive integer, got {threads!r}")
     threadpool_limits(limits=threads, user_api="blas")
@@ -114,14 +116,14 @@ class CPUBackend(Backend):
     name = "cpu"
     device = "cpu"
 
-    def __init__(self, attention: str = "fused", threads: int | None = None):
+    def __init__(self, attention: str = "fused", threads: int | None = None, ranks: int = 1):
         super().__init__(attention)
         self._dequantized: dict[str, np.ndarray] = {}
         self._rope_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._local = threading.local()  # each thread's score buffer (`_scratch`)
         self._pool = None  # threads for the heads of long prefill chunks (made on first use)
         self._bias_key, self._bias = None, []
-        self.threads = set_blas_threads(threads)
+        self.threads = set_blas_threads(threads, ranks)  # ranks: processes sharing this machine's cores
 
     def describe(self) -> str:
         return f"cpu ({self.threads} BLAS thread{'s' if self.threads != 1 else ''})"
@@ -319,11 +321,13 @@ class CPUBackend(Backend):
         copies are), query head h reads KV head h // group, the score product reads K through a
         transposed view (as `transpose_2d` does), each product is the one-thread BLAS call the
         reference makes, and the softmax runs the same ufuncs in place, row by row, in a reused buffer.
-        A long prefill chunk (each head's product at least PARALLEL_PRODUCT_MACS) runs one task per head
-        on the backend's threads: the head's score product, softmax and context product back to back,
-        its [T, S] scores in its thread's own buffer (one head's block, not all heads' tens of MB, is
-        what moves between them: 10% faster at 8,000 tokens on this project's 2-core VM); shorter
-        passes (decode) run all heads as one task, their softmax as one block."""
+        A pass whose per-head products are at least PARALLEL_PRODUCT_MACS (long prefill chunks; decode
+        beyond 2^20 / head_dim keys) runs one task per head on the backend's threads: the head's score
+        product, softmax and context product back to back, its [T, S] scores in its thread's own buffer
+        (presumably why it is faster: one head's block, not all heads' tens of MB, moves between them;
+        36.5 / 35.9 vs 38.4 s to the first token of 8,000 tokens on this project's 2-core VM, one
+        sitting, bench/results/cpu-prefill-v1-vs-v2-1756.txt); smaller passes run all heads as one
+        task, their softmax as one block."""
         kvh, d, group, heads = spec.n_kv_heads, spec.head_dim, spec.group, spec.n_heads
         out = np.empty((q.shape[0], heads * d), dtype=np.float32)
         for b, (r0, r1) in enumerate(batch.rows):

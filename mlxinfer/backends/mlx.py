@@ -191,7 +191,8 @@ class MLXBackend(Backend):
     lazy = True
 
     def __init__(self, attention: str = "fused", device: str | None = None, kernel: str | None = None,
-                 verify=verify_gpu_kernels, per_sequence_linear: bool = False, threads: int | None = None):
+                 verify=verify_gpu_kernels, per_sequence_linear: bool = False, threads: int | None = None,
+                 ranks: int = 1):
         super().__init__(attention)
         # MLX's GPU products are not row-invariant (README: batch invariance); this multiplies each
         # sequence's rows on their own, as the cpu backend does, at the price of batching.
@@ -211,12 +212,13 @@ class MLXBackend(Backend):
         # MLX runs a CPU stream's work on one thread: quantized products of at least 2 x SPLIT_MIN_ROWS
         # output rows are cut by rows, and the graph attention by KV heads, into up to `threads` parts,
         # each on its own stream (bitwise the whole: every output is the same dot product of the same
-        # row; every head the same BLAS calls). One thread under tensor parallelism (ranks share cores).
+        # row; every head the same BLAS calls). By default the free cores, at most cores // ranks (the
+        # processes of a tensor-parallel run share them; `cpu.default_threads`).
         if device == "cpu":
             from .cpu import default_threads
 
             if threads is None:
-                threads = 1 if distributed.launched() else default_threads()
+                threads = default_threads(ranks)
             if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
                 raise RequestError(f"threads must be a positive integer, got {threads!r}")
         self.threads = threads or 1
