@@ -2,7 +2,8 @@
 prompt, in one process, one engine: the one-launch kernel for every pass, the split kernels for every
 pass, the default rule (`kernels.uses_split`), and the default rule with attention replaced by a copy
 of the queries (`no-attention`: an ablation, wrong text, what the rest of a pass costs; left out of
-same_tokens); each after a warm-up, its compiled decode steps
+same_tokens; a second engine with its own backend, bench/ablations.py, so its peak memory holds both
+engines' weights); each after a warm-up, its compiled decode steps
 made afresh (the plan is chosen when a step is traced). Reports time to first token (median of
 --runs) and decode tokens/s over --tokens greedy tokens (median), and checks that every plan generates
 the same tokens (the bits themselves are tests/test_mlx_backend.py's).
@@ -45,8 +46,10 @@ def main(argv=None):
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    engine = mlxinfer.load(resolve(a.model, os.path.join(HERE, "models")), backend="mlx")
+    path = resolve(a.model, os.path.join(HERE, "models"))
+    engine = mlxinfer.load(path, backend="mlx")
     engine.tokenizer = dataclasses.replace(engine.tokenizer, eog_ids=frozenset())  # always --tokens tokens
+    ablated = None  # the no-attention plan's engine: its own backend (bench/ablations.py), made when asked
     for n in (int(x) for x in a.cases.split(",")):
         ids = prompt_ids(n, engine.args.vocab_size)
         row, tokens = {"prompt": n, "kernel": engine.backend.kernel, "tokens": a.tokens}, {}
@@ -54,17 +57,20 @@ def main(argv=None):
             for name, value in PLANS[plan].items():
                 setattr(kernels, name, value)
             engine._steps.clear()  # compiled steps chose their plan when traced
+            eng = engine
             if plan == "no-attention":
-                engine.backend.fused_attention = lambda q, kv, batch, spec: q + 0.0
-            try:
-                mx.reset_peak_memory()
-                tokens[plan] = engine.generate(ids, max_tokens=a.tokens, temperature=0).token_ids  # + warm-up
-                gens = [engine.generate(ids, max_tokens=a.tokens, temperature=0) for _ in range(a.runs)]
-            finally:
-                if plan == "no-attention":
-                    del engine.backend.fused_attention  # the class's method again
-                    engine._steps.clear()
-                    tokens.pop(plan, None)
+                if ablated is None:
+                    from ablations import NoAttention
+
+                    ablated = mlxinfer.Engine(path, NoAttention())
+                    ablated.tokenizer = engine.tokenizer
+                eng = ablated
+                eng._steps.clear()
+            mx.reset_peak_memory()
+            tokens[plan] = eng.generate(ids, max_tokens=a.tokens, temperature=0).token_ids  # + warm-up
+            gens = [eng.generate(ids, max_tokens=a.tokens, temperature=0) for _ in range(a.runs)]
+            if plan == "no-attention":
+                tokens.pop(plan, None)  # wrong text by design: not compared
             row[f"{plan}_ttft_ms"] = round(statistics.median(g.metrics.time_to_first_token_ms for g in gens), 1)
             row[f"{plan}_decode_tok_s"] = round(statistics.median(g.metrics.decode_tokens_per_second for g in gens), 1)
             row[f"{plan}_peak_mib"] = round(mx.get_peak_memory() / 2**20)

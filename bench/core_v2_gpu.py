@@ -25,6 +25,8 @@ import mlx.core as mx  # noqa: E402
 
 import mlxinfer  # noqa: E402
 from mlxinfer.backends.mlx import MLXBackend  # noqa: E402
+
+from ablations import OwnProducts  # noqa: E402
 from mlxinfer.synthetic import SyntheticSpec, write_synthetic_model  # noqa: E402
 
 QWEN3_06B = SyntheticSpec(arch="qwen3", n_layers=28, hidden=1024, ffn=3072, n_heads=16, n_kv_heads=8, head_dim=128,
@@ -105,9 +107,7 @@ def main():
         engine = mlxinfer.Engine(path, MLXBackend(**kw))
         for n in (17, 511):
             emit(out, what="single sequence", path=name, prompt=n, **timed_generate(engine, prompt(n), a.gen, a.runs))
-    mlx_ops = MLXBackend(attention="per-head")
-    mlx_ops.gpu_kernels = None  # MLX's own matmul and softmax: the cost of routing through our kernels
-    engine = mlxinfer.Engine(path, mlx_ops)
+    engine = mlxinfer.Engine(path, OwnProducts(attention="per-head"))  # the cost of routing through our kernels
     for n in ((17, 511) if "single" in parts else ()):
         emit(out, what="single sequence", path="per-head, MLX's own products", prompt=n,
              **timed_generate(engine, prompt(n), a.gen, a.runs))
@@ -154,9 +154,7 @@ def long_prompt(out, path, a):
     for label, kw, chunk in (("cuda kernel", dict(kernel="cuda"), 512), ("cuda kernel", dict(kernel="cuda"), 2048),
                              ("graph, MLX's own products", dict(kernel="graph"), 512),
                              ("per-head", dict(attention="per-head"), 512)):
-        backend = MLXBackend(**kw)
-        if "MLX's own" in label:
-            backend.gpu_kernels = None
+        backend = (OwnProducts if "MLX's own" in label else MLXBackend)(**kw)
         engine = mlxinfer.Engine(path, backend, prefill_chunk=chunk)
         engine.generate(prompt(64), max_tokens=2)  # warm-up (kernel compilation)
         mx.reset_peak_memory()

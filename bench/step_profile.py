@@ -96,23 +96,16 @@ def _median(rows, key):
 
 
 def profile_ours(path, cases, gen, variant, device, gpu_clock=False):
-    from mlxinfer.backend import Backend
+    from ablations import NoAttention, SeparateWeights
     from mlxinfer.backends.mlx import MLXBackend
 
-    grouped = MLXBackend.load_weight_group
-    if variant == "separate":  # Q, K, V (gate, up) as separate products, as before weight groups
-        MLXBackend.load_weight_group = Backend.load_weight_group
-    try:
-        engine = mlxinfer.load(path, backend="mlx", device=device)
-    finally:
-        MLXBackend.load_weight_group = grouped
+    backend = {"separate": SeparateWeights, "no-attention": NoAttention}.get(variant, MLXBackend)
+    engine = mlxinfer.Engine(path, backend(device=device))
     engine.tokenizer = dataclasses.replace(engine.tokenizer, eog_ids=frozenset())  # always `gen` tokens
     ops = engine.backend
     limits = kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH
     if variant == "one-launch":
         kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = 0, 0
-    elif variant == "no-attention":
-        ops.fused_attention = lambda q, kv, batch, spec: q + 0.0
     clock = Clock(gpu_clock)
     start, to_numpy, launch, decode_step = ops.start, ops.to_numpy, engine._launch, engine._decode_step
 

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import mlxinfer  # noqa: E402
 import numpy as np  # noqa: E402
+from ablations import NoAllSum  # noqa: E402
 from peers import emit, prompt_ids  # noqa: E402
 
 
@@ -84,7 +85,7 @@ def main(argv=None):
         return [float(x) for x in np.array(v)]
 
     weights_mb = gathered(mx.get_active_memory() / 2**20)
-    rows = []
+    rows, ablated = [], None
     for n in (int(c) for c in a.cases.split(",")):
         prompt = prompt_ids(n, engine.args.vocab_size)
         generate_runs(engine, prompt, 8, 1)  # warm-up (kernels compiled, cache sized)
@@ -103,17 +104,13 @@ def main(argv=None):
             weights_mb_per_rank=weights_mb, peak_memory_mb_per_rank=gathered(mx.get_peak_memory() / 2**20),
             nccl_env={k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_") and k != "NCCL_EXTRA"},
         )
-        if a.tp > 1:
+        if a.tp > 1 and a.backend == "mlx":  # (the ablation is an MLX backend)
             row["all_sum_ms_per_token_isolated"] = all_sum_ms(engine)
-            real = engine.backend.all_sum
-            engine.backend.all_sum = lambda x, group: x  # ablation: no all-sum (wrong text, same work otherwise)
-            engine._steps.clear()  # compiled steps traced with the all-sum would keep it: trace again
-            try:
-                generate_runs(engine, prompt, 8, 1)
-                without = statistics.median(r[1] for r in generate_runs(engine, prompt, a.gen, a.runs))
-            finally:
-                engine.backend.all_sum = real
-                engine._steps.clear()
+            if ablated is None:  # no all-sum (wrong text, same work otherwise): an engine of its own
+                ablated = mlxinfer.Engine(a.model, NoAllSum(), tp=a.tp)
+                ablated.compile_decode = engine.compile_decode
+            generate_runs(ablated, prompt, 8, 1)
+            without = statistics.median(r[1] for r in generate_runs(ablated, prompt, a.gen, a.runs))
             row["decode_tokens_per_second_without_all_sum"] = without
             row["all_sum_ms_per_token_in_place"] = 1000 / row["decode_tokens_per_second"] - 1000 / without
         rows.append(row)
