@@ -250,7 +250,8 @@ class MLXBackend(Backend):
         if self.device == "cpu":
             return f"mlx (cpu, graph attention, {self.threads} thread{'s' if self.threads != 1 else ''})"
         ops = f"{self.gpu_kernels} kernels" if self.gpu_kernels else "MLX ops"
-        return f"mlx (gpu, {self.kernel} attention, {ops})"
+        rows = ", each sequence's rows multiplied alone" if self.per_sequence_linear else ""
+        return f"mlx (gpu, {self.kernel} attention, {ops}{rows})"
 
     def label(self) -> str:
         return f"MLX/{self.device.upper()}"
