@@ -78,7 +78,7 @@ __device__ __forceinline__ bool mlxi_hidden(long j, int pos, int causal, int win
 }
 
 // Thread tid's pass over the scores x[e * cap + j] of up to 4 heads e < nh, j = tid, tid + 256, ... < S
-// in increasing j: f(e, x_j) for each, SU loads per head in flight before f sees them.
+// in increasing j: f(e, j, x_j) for each, SU loads per head in flight before f sees them.
 template <int SU, typename F>
 __device__ __forceinline__ void mlxi_scores_pass(const float* x, long cap, int nh, int S, int tid, F f) {
   int j = tid;
@@ -90,14 +90,14 @@ __device__ __forceinline__ void mlxi_scores_pass(const float* x, long cap, int n
 #pragma unroll
         for (int u = 0; u < SU; ++u) t[u] = x[e * cap + j + u * MLXI_THREADS];
 #pragma unroll
-        for (int u = 0; u < SU; ++u) f(e, t[u]);
+        for (int u = 0; u < SU; ++u) f(e, j + u * MLXI_THREADS, t[u]);
       }
     }
   }
   for (; j < S; j += MLXI_THREADS) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      if (e < nh) f(e, x[e * cap + j]);
+      if (e < nh) f(e, j, x[e * cap + j]);
     }
   }
 }
@@ -294,10 +294,10 @@ if (r < n) {  // the same for the whole block
     float m[4], total[4];
     {  // 1. the softmax's max and total, per head
       float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-      mlxi_scores_pass<SU>(xr, cap, nh, S, tid, [&](int e, float t) { mx[e] = fmaxf(mx[e], t); });
+      mlxi_scores_pass<SU>(xr, cap, nh, S, tid, [&](int e, int, float t) { mx[e] = fmaxf(mx[e], t); });
       for (int e = 0; e < nh; ++e) m[e] = mlxi_block_max(mx[e], lane, wid, red);
       float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      mlxi_scores_pass<SU>(xr, cap, nh, S, tid, [&](int e, float t) { s[e] = __fadd_rn(s[e], expf(__fsub_rn(t, m[e]))); });
+      mlxi_scores_pass<SU>(xr, cap, nh, S, tid, [&](int e, int, float t) { s[e] = __fadd_rn(s[e], expf(__fsub_rn(t, m[e]))); });
       for (int e = 0; e < nh; ++e) {
         total[e] = mlxi_block_total(s[e], lane, wid, red);
         __syncthreads();  // red is reused by the next head
@@ -343,7 +343,8 @@ if (r < n) {  // the same for the whole block
 // Split attention, three-launch form, step 2: one block per (row r, head h) turns its scores x[r, h, :S], S =
 // row_len[r], into attention weights: mlxi_softmax's arithmetic (the max, thread t's chain of
 // exponentials j = t, t+256, ... in increasing j, the butterflies, the division), reading x 8 loads
-// at a time (mlxi_softmax works in place, so each of its loads waits for the store before it).
+// at a time (mlxi_scores_pass; mlxi_softmax works in place, so each of its loads waits for the store
+// before it).
 // x, out [N, H, CAP].
 const long cap = x_shape[2];
 const long rh = blockIdx.x;
@@ -354,36 +355,16 @@ const float* xr = x + rh * cap;
 float* y = out + rh * cap;
 __shared__ float red[MLXI_WARPS];
 float m = -INFINITY;
-int j = tid;
-for (; j + 7 * T < S; j += 8 * T) {
-  float t[8];
-#pragma unroll
-  for (int u = 0; u < 8; ++u) t[u] = xr[j + u * T];
-#pragma unroll
-  for (int u = 0; u < 8; ++u) m = fmaxf(m, t[u]);
-}
-for (; j < S; j += T) m = fmaxf(m, xr[j]);
+mlxi_scores_pass<8>(xr, cap, 1, S, tid, [&](int, int, float v) { m = fmaxf(m, v); });
 m = mlxi_block_max(m, lane, wid, red);
 float s = 0.0f;
-j = tid;
-for (; j + 7 * T < S; j += 8 * T) {
-  float t[8];
-#pragma unroll
-  for (int u = 0; u < 8; ++u) t[u] = xr[j + u * T];
-#pragma unroll
-  for (int u = 0; u < 8; ++u) {
-    const float e = expf(__fsub_rn(t[u], m));
-    y[j + u * T] = e;
-    s = __fadd_rn(s, e);
-  }
-}
-for (; j < S; j += T) {
-  const float e = expf(__fsub_rn(xr[j], m));
+mlxi_scores_pass<8>(xr, cap, 1, S, tid, [&](int, int j, float v) {
+  const float e = expf(__fsub_rn(v, m));
   y[j] = e;
   s = __fadd_rn(s, e);
-}
+});
 const float total = mlxi_block_total(s, lane, wid, red);
-for (j = tid; j < S; j += T) y[j] = __fdiv_rn(y[j], total);  // this thread's own values
+for (int j = tid; j < S; j += T) y[j] = __fdiv_rn(y[j], total);  // this thread's own values
 //@@BODY attn_context
 // Split attention, three-launch form, step 3: out[r, h, d] = dot(p[r, h, :S], v[:S, d]) in the published order. Block
 // b = ((r*KV + g)*nd + c) takes head dimensions c*8 .. c*8+7 of KV head g for row r; thread (l, dd) =
