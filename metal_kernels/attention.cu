@@ -102,6 +102,77 @@ __device__ __forceinline__ void mlxi_scores_pass(const float* x, long cap, int n
   }
 }
 
+// Butterfly-order position of the k-th chain a thread closes when it walks all 32 chains itself: the
+// 5-bit reversal of k. Taken in this order, the tree over l (part[l] += part[l + off], off = 16, 8, 4,
+// 2, 1) joins neighbours: after chain k, the pending left operands lvl[b] of the levels b where k has
+// a 1 bit are added in (lvl[b] + x: the lower l on the left, as part[l] + part[l + off]), and x waits
+// at the level of k's lowest 0 bit. After k = 31 x is the tree's total, the same bits as
+// mlxi_chain_tree's part[0] and the warp butterfly's lane 0.
+__host__ __device__ constexpr int mlxi_chain_at(int k) {
+  return ((k & 1) << 4) | ((k & 2) << 2) | (k & 4) | ((k & 8) >> 2) | ((k & 16) >> 4);
+}
+
+// One thread's context for R rows r0 .. r0+R-1 (one sequence: one cache slot, S keys) and NH heads
+// hb .. hb+NH-1, head dimensions d0 .. d0+3 (< D): out[r, h, d] = dot(p[r, h, :S], v[:S, d]) in the
+// published order, the thread walking all 32 chains (keys i = l, l+32, ... in increasing i) in
+// mlxi_chain_at's order and joining their totals as above. vd: v of the slot and KV head; p [N, H, cap].
+template <int R, int NH, int D, int UR>
+__device__ __forceinline__ void mlxi_context_tile(const float* p, const float* vd, long kvw, float* out, long cap,
+                                                  long r0, int hb, int H, int d0, int S) {
+  const float* pr[R][NH];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int e = 0; e < NH; ++e) pr[r][e] = p + ((r0 + r) * H + hb + e) * cap;
+  }
+  float lvl[5][R][NH][4];
+#pragma unroll
+  for (int k = 0; k < 32; ++k) {
+    const int l = mlxi_chain_at(k);
+    float a[R][NH][4] = {};
+#pragma unroll UR
+    for (int i = l; i < S; i += 32) {
+      float vv[4];
+      if (D % 4 == 0) {  // 16-byte aligned: every offset is a multiple of 4 floats
+        const float4 t4 = *reinterpret_cast<const float4*>(vd + (long)i * kvw + d0);
+        vv[0] = t4.x; vv[1] = t4.y; vv[2] = t4.z; vv[3] = t4.w;
+      } else {
+#pragma unroll
+        for (int dd = 0; dd < 4; ++dd) vv[dd] = vd[(long)i * kvw + min(d0 + dd, D - 1)];
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int e = 0; e < NH; ++e) {
+          const float pe = pr[r][e][i];
+#pragma unroll
+          for (int dd = 0; dd < 4; ++dd) a[r][e][dd] = __fadd_rn(a[r][e][dd], __fmul_rn(pe, vv[dd]));
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int e = 0; e < NH; ++e) {
+#pragma unroll
+        for (int dd = 0; dd < 4; ++dd) {
+          float x = a[r][e][dd];
+#pragma unroll
+          for (int b = 0; b < 5; ++b) {
+            if ((k >> b) & 1) {
+              x = __fadd_rn(lvl[b][r][e][dd], x);
+            } else {
+              lvl[b][r][e][dd] = x;
+              break;
+            }
+          }
+          if (k == 31 && d0 + dd < D) out[(r0 + r) * H * D + (long)(hb + e) * D + d0 + dd] = x;
+        }
+      }
+    }
+  }
+}
+
 // In-place softmax of x[0..n) by the whole block (MLXI_THREADS threads); red: 8 floats of shared memory.
 __device__ __forceinline__ void mlxi_softmax(float* x, int n, int tid, float* red) {
   const int lane = tid & 31, wid = tid >> 5;
@@ -417,6 +488,152 @@ if (r < n) {
       mlxi_chain_tree(part, tid);
       if (l == 0 && d < D) out[r * H * D + (g * G + h0 + e) * D + d] = part[tid];
       __syncthreads();
+    }
+  }
+}
+//@@BODY attn_context_rows
+// Split attention, three-launch form, step 3 for passes whose sequences bring many rows (prefill
+// chunks): the same bits as attn_context, without shared memory or barriers. Warp w takes rows r0 =
+// 2 * (w / (KV * DC)) and r0 + 1, KV head g = (w / DC) % KV and head dimensions c * 128 .. c * 128 + 127
+// (c = w % DC); lane l of it dimensions c * 128 + 4l .. +3, for the group's heads NHB (1 or 2) at a
+// time (mlxi_context_tile: each thread walks all 32 chains itself, UR keys of a chain unrolled, so
+// p[r, h, i] is one address for the whole warp and v[i, d..d+3] one 16-byte load per lane). Two rows share their loads of v when they
+// belong to one sequence (one slot, one length); otherwise each row runs alone.
+// p [N, H, CAP]; v [slots, CAP, KV*D]; compile-time H, KV, D as attn_scores'.
+const long cap = p_shape[2], n = p_shape[0];
+constexpr int G = H / KV, DC = (D + 127) / 128;
+constexpr long kvw = (long)KV * D;
+const long w = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS + (threadIdx.x >> 5);
+const int c = w % DC;
+const int g = (w / DC) % KV;
+const long r0 = 2 * (w / ((long)DC * KV));
+const int d0 = c * 128 + (threadIdx.x & 31) * 4;
+if (r0 < n && d0 < D) {  // no barriers or shuffles below: idle lanes may leave
+  const bool pair = r0 + 1 < n && row_slot[r0 + 1] == row_slot[r0] && row_len[r0 + 1] == row_len[r0];
+  for (long r = r0; r < r0 + (pair ? 1 : min(2L, n - r0)); ++r) {
+    const float* vd = v + (long)row_slot[r] * cap * kvw + g * D;
+    const int S = row_len[r];
+#pragma unroll
+    for (int h0 = 0; h0 < G; h0 += NHB) {
+      if (pair) {
+        if (h0 + 2 <= G && NHB == 2) mlxi_context_tile<2, 2, D, UR>(p, vd, kvw, out, cap, r, g * G + h0, H, d0, S);
+        else mlxi_context_tile<2, 1, D, UR>(p, vd, kvw, out, cap, r, g * G + h0, H, d0, S);
+      } else {
+        if (h0 + 2 <= G && NHB == 2) mlxi_context_tile<1, 2, D, UR>(p, vd, kvw, out, cap, r, g * G + h0, H, d0, S);
+        else mlxi_context_tile<1, 1, D, UR>(p, vd, kvw, out, cap, r, g * G + h0, H, d0, S);
+      }
+    }
+  }
+}
+//@@BODY attn_scores_rows
+// Split attention, step 1 for passes whose sequences bring many rows (prefill chunks): the same bits as
+// attn_scores, a tile of up to 32 rows of one sequence x 32 keys x one KV head per block. The host
+// cuts each sequence's rows into tiles (tiles[2t], tiles[2t+1]: first row, rows <= 32). Block b =
+// (tile * KV + g) * nkt + kt stages keys kt*32 .. kt*32+31 of KV head g and, two heads at a time, the
+// tile's queries in shared memory, laid out by the dot's lanes ([lane l][term t]: i = l + 32t); warp w
+// takes rows 4w .. 4w+3, lane j key kt*32 + j, for both heads: 8 dot products a thread, each summed
+// as mlxi_dot sums it: lane l's terms in increasing t, then the butterfly's tree over l, the thread
+// taking the 32 lanes' partials in mlxi_chain_at's order (what a warp's shuffles add, added here in
+// registers). Scaled after the product; a key hidden from a row gets -INFINITY (whole tiles of hidden
+// keys without products). Head dimensions up to 128 (NT <= 4).
+// q [N, H*D]; k [slots, CAP, KV*D]; tiles [2 * tiles]; p [N, H, CAP]; compile-time H, KV, D as attn_scores'.
+const long cap = k_shape[1];
+constexpr int G = H / KV, NT = (D + 31) / 32;
+static_assert(NT <= 4, "attn_scores_rows holds head dimensions up to 128");
+constexpr long kvw = (long)KV * D;
+const float sc = __int_as_float(SCALE_BITS);
+const long nkt = (cap + 31) / 32;
+const long blk = (long)blockIdx.y * gridDim.x + blockIdx.x;
+const long kt = blk % nkt, tg = blk / nkt;
+const int g = tg % KV;
+const long tile = tg / KV;
+const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+__shared__ float4 ks[32 * 32];      // [l][key]: the key's terms t = 0..3 at i = l + 32t
+__shared__ float4 qs[32 * 2 * 32];  // [row][head][l]
+if (tile < tiles_shape[0] / 2) {  // the same for the whole block
+  const long r0 = tiles[2 * tile];
+  const int nr = tiles[2 * tile + 1];
+  const int S = row_len[r0], slot = row_slot[r0];
+  const long j0 = kt * 32;
+  if (j0 < S) {
+    // every row of the tile has the same S and slot (one sequence); positions grow by one a row
+    const int pos0 = row_pos[r0], posn = row_pos[r0 + nr - 1];
+    // whether some key of this tile is seen by a row at a position in [pos0, posn] (rows of one
+    // sequence's chunk: consecutive positions); where none is, the tile's scores are -INFINITY
+    bool any = false;
+    for (long j = j0; j < min(j0 + 32, (long)S); ++j) {
+      any = any || !((CAUSAL && j > posn) || (WINDOW > 0 && j <= pos0 - WINDOW));
+    }
+    const float* kg = k + (long)slot * cap * kvw + g * D;
+    if (any) {
+      // a warp writes 32 consecutive floats (8 keys x 4 terms of one l): no bank conflicts
+      for (int idx = tid; idx < 32 * 32 * 4; idx += MLXI_THREADS) {
+        const int t = idx & 3, l = (idx >> 5) & 31, key = (idx >> 10) * 8 + ((idx >> 2) & 7), d = l + 32 * t;
+        const long j = j0 + key;
+        reinterpret_cast<float*>(ks)[(l * 32 + key) * 4 + t] = (j < S && d < D) ? kg[j * kvw + d] : 0.0f;
+      }
+    }
+    const long j = j0 + lane;
+    for (int hb = 0; hb < G; hb += 2) {
+      if (any) {
+        __syncthreads();  // qs of the previous heads read
+        for (int idx = tid; idx < 32 * 2 * 128; idx += MLXI_THREADS) {  // as ks: 8 l x 4 terms a warp
+          const int t = idx & 3, l = ((idx >> 5) & 3) * 8 + ((idx >> 2) & 7), re = idx >> 7, d = l + 32 * t;
+          const int row = re >> 1, e = re & 1;
+          const bool ok = row < nr && hb + e < G && d < D;
+          reinterpret_cast<float*>(qs)[(re * 32 + l) * 4 + t] =
+              ok ? q[(r0 + row) * H * D + (long)(g * G + hb + e) * D + d] : 0.0f;
+        }
+        __syncthreads();
+      }
+      float lvl[5][4][2], tot[4][2];
+#pragma unroll
+      for (int kk = 0; kk < 32; ++kk) {
+        const int l = mlxi_chain_at(kk);
+        if (any) {
+          const float4 kv4 = ks[l * 32 + lane];
+          const float kt4[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
+#pragma unroll
+          for (int rr = 0; rr < 4; ++rr) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float4 q4 = qs[((wid * 4 + rr) * 2 + e) * 32 + l];
+              const float qt4[4] = {q4.x, q4.y, q4.z, q4.w};
+              float x = 0.0f;
+#pragma unroll
+              for (int t = 0; t < NT; ++t) {
+                if (l + 32 * t < D) x = __fadd_rn(x, __fmul_rn(qt4[t], kt4[t]));
+              }
+#pragma unroll
+              for (int b = 0; b < 5; ++b) {
+                if ((kk >> b) & 1) {
+                  x = __fadd_rn(lvl[b][rr][e], x);
+                } else {
+                  lvl[b][rr][e] = x;
+                  break;
+                }
+              }
+              if (kk == 31) tot[rr][e] = x;
+            }
+          }
+        }
+      }
+      if (j < S) {
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr) {
+          const int row = wid * 4 + rr;
+          if (row < nr) {
+            const int pos = row_pos[r0 + row];
+            const bool hidden = mlxi_hidden(j, pos, CAUSAL, WINDOW);
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              if (hb + e < G) {
+                p[((r0 + row) * H + (long)g * G + hb + e) * cap + j] = (hidden || !any) ? -INFINITY : __fmul_rn(tot[rr][e], sc);
+              }
+            }
+          }
+        }
+      }
     }
   }
 }

@@ -49,6 +49,8 @@ _INPUTS = {
     "attn_softmax_context": (["x", "v", "row_slot", "row_len"], ["out"]),
     "attn_softmax": (["x", "row_len"], ["out"]),
     "attn_context": (["p", "v", "row_slot", "row_len"], ["out"]),
+    "attn_context_rows": (["p", "v", "row_slot", "row_len"], ["out"]),
+    "attn_scores_rows": (["q", "k", "row_slot", "row_pos", "row_len", "tiles"], ["p"]),
 }
 SPLIT_KINDS = ("cuda",)  # the split attention kernels exist in these sources (Metal: one launch only)
 SPLIT_MAX_ITEMS = 1024  # (row, head) work items up to which the split kernels run: their scratch is
@@ -116,6 +118,20 @@ TWO_LAUNCH_MAX_KEYS = 1 << 14  # ... while rows x capacity <= this. Its recomput
 # eight rows 21.5 vs 18.7 / 61.6 vs 54.6 / 221 vs 181 / 876 vs 710 (single calls move up to 1.4x)
 
 
+CONTEXT_ROWS_MIN = 16  # the three-launch form's context by rows (`attn_context_rows`: a thread walks
+# all 32 chains of two rows of one sequence) once a sequence brings this many rows to the pass (a
+# prefill chunk); decode rows keep `attn_context` (a thread per chain), whose parallelism does not need
+# many rows. H200, 2026-11-30 18:59 UTC (bench/prefill_attention.py and Nsight Compute, 511-row chunk):
+# attn_context took 434 us of the chunk's 570 us of attention.
+
+
+CONTEXT_ROWS_FORM = [("NHB", 1), ("UR", 4)]  # attn_context_rows: heads a thread takes at once (1 or 2),
+# keys of a chain unrolled (loads in flight); the arithmetic and its order are the same for any. H200,
+# 2026-11-30 19:21 UTC, bench/prefill_attention.py --context-forms (bench/results/h200-prefill-attention-1921.jsonl),
+# the 511-row chunk's whole attention: 288.0 / 280.0 / 217.5 / 221.1 us with NHB x UR = 2x2 / 2x4 / 1x4 /
+# 1x8 (2x2: 146 registers, one block an SM; 1x4: 96); 2,047 rows: 5,060 / 4,729 / 3,383 / 4,229 us
+
+
 def split_unroll(rows: int) -> list[tuple[str, int]]:
     """`attn_softmax_context`'s loads in flight per thread: SU scores per head in its softmax pass,
     KU values in its context loop. One row has 128 blocks for 132 SMs, each waiting on memory: more
@@ -139,7 +155,8 @@ def uses_split(kind: str, rows: int, spec, capacity: int = 0) -> bool:
     return kind in SPLIT_KINDS and (items <= SPLIT_MAX_ITEMS or items * capacity <= SPLIT_MAX_SCRATCH)
 
 
-def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec, split: bool | None = None):
+def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec, split: bool | None = None,
+                    seq_rows=None):
     """A batch's attention: q [N, H*D]; keys and values [slots, capacity, KV*D]; per row its cache slot,
     position and its sequence's length (int32 arrays). -> [N, H*D].
 
@@ -148,11 +165,14 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
     with one thread per partial-sum chain of the published order (in one launch, or the softmax with
     one block per row and head first: `uses_two_launches`); every key is spread over the GPU. Long
     prefill chunks over long caches take the one-launch kernel, one block per (row, head) work item,
-    whose scratch is bounded by its grid."""
+    whose scratch is bounded by its grid. `seq_rows`: each sequence's rows of the pass, (first, end)
+    host ints (None: one row each, as in a compiled decode step): sequences that bring at least
+    `CONTEXT_ROWS_MIN` rows take the split plan's kernels by rows (`attn_scores_rows`,
+    `attn_context_rows`)."""
     import mlx.core as mx
 
     if split if split is not None else uses_split(kind, q.shape[0], spec, keys.shape[1]):
-        return _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec)
+        return _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, seq_rows=seq_rows)
     n = q.shape[0]
     cap = keys.shape[1]
     dims = _dims(cap, spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.causal), int(spec.window or 0), n)
@@ -165,15 +185,16 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
 
 
 def _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, steps: int = 3,
-                     two_launches: bool | None = None):
+                     two_launches: bool | None = None, seq_rows=None, by_rows: bool | None = None):
     """The split plan: scores, then softmax and context in one launch (`two_launches`, by default
-    `uses_two_launches`) or two. `steps=1` stops after the scores and returns them (bench/
-    decode_attention.py times the steps), `steps=3` runs the whole plan. The attention's shape is
-    compiled into the kernels."""
+    `uses_two_launches`) or two. `steps=1` stops after the scores and returns them, `steps=2` after the
+    three-launch form's softmax (bench/decode_attention.py and prefill_attention.py time the steps),
+    `steps=3` runs the whole plan. `seq_rows` as fused_attention's; `by_rows` forces the kernels by rows
+    (True) or the others (False). The attention's shape is compiled into the kernels."""
     import mlx.core as mx
 
-    if steps not in (1, 3):
-        raise ValueError(f"steps must be 1 (scores) or 3 (the whole plan), got {steps}")
+    if steps not in (1, 2, 3):
+        raise ValueError(f"steps must be 1 (scores), 2 (and softmax) or 3 (the whole plan), got {steps}")
     n, cap = q.shape[0], keys.shape[1]
     scale_bits = int(np.array(spec.scale, dtype=np.float32).view(np.int32))
     template = [("H", spec.n_heads), ("KV", spec.n_kv_heads), ("D", spec.head_dim), ("CAUSAL", bool(spec.causal)),
@@ -181,21 +202,40 @@ def _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, st
     shape = [(n, spec.n_heads, cap)]
     if two_launches is None:
         two_launches = uses_two_launches(n, cap)
-    (out,) = _kernel(kind, "attn_scores")(
-        inputs=[q, keys, row_slot, row_pos, row_len], template=template,
-        grid=_grid(n * spec.n_kv_heads * -(-cap // 64)), threadgroup=(THREADS, 1, 1),
-        output_shapes=shape, output_dtypes=[mx.float32])
+    if by_rows is None:
+        by_rows = seq_rows is not None and max(r1 - r0 for r0, r1 in seq_rows) >= CONTEXT_ROWS_MIN
+    if seq_rows is None:
+        seq_rows = [(r, r + 1) for r in range(n)]
+    if by_rows and spec.head_dim <= 128:  # tiles of up to 32 rows of one sequence x 32 keys
+        tiles = [(t0, min(32, r1 - t0)) for r0, r1 in seq_rows for t0 in range(r0, r1, 32)]
+        (out,) = _kernel(kind, "attn_scores_rows")(
+            inputs=[q, keys, row_slot, row_pos, row_len, mx.array(np.array(tiles, dtype=np.int32).reshape(-1))],
+            template=template, grid=_grid(len(tiles) * spec.n_kv_heads * -(-cap // 32)),
+            threadgroup=(THREADS, 1, 1), output_shapes=shape, output_dtypes=[mx.float32])
+    else:
+        (out,) = _kernel(kind, "attn_scores")(
+            inputs=[q, keys, row_slot, row_pos, row_len], template=template,
+            grid=_grid(n * spec.n_kv_heads * -(-cap // 64)), threadgroup=(THREADS, 1, 1),
+            output_shapes=shape, output_dtypes=[mx.float32])
     if steps == 1:
         return out
     context = dict(grid=_grid(n * spec.n_kv_heads * -(-spec.head_dim // 8)), threadgroup=(THREADS, 1, 1),
                    output_shapes=[(n, spec.n_heads * spec.head_dim)], output_dtypes=[mx.float32])
-    if two_launches:
+    if two_launches and steps == 3:
         (out,) = _kernel(kind, "attn_softmax_context")(inputs=[out, values, row_slot, row_len],
                                                        template=template + split_unroll(n), **context)
         return out
     (out,) = _kernel(kind, "attn_softmax")(  # one block per (row, head)
         inputs=[out, row_len], grid=(n * spec.n_heads * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=shape, output_dtypes=[mx.float32])
+    if steps == 2:
+        return out
+    if by_rows:  # a warp per (two rows, KV head, 128 head dimensions)
+        warps = -(-n // 2) * spec.n_kv_heads * -(-spec.head_dim // 128)
+        context["grid"] = _grid(-(-warps // (THREADS // 32)))
+        (out,) = _kernel(kind, "attn_context_rows")(inputs=[out, values, row_slot, row_len],
+                                                    template=template + CONTEXT_ROWS_FORM, **context)
+        return out
     (out,) = _kernel(kind, "attn_context")(inputs=[out, values, row_slot, row_len], template=template, **context)
     return out
 

@@ -19,7 +19,7 @@ needs_gpu = pytest.mark.skipif(GPU is None, reason="needs an MLX GPU (Metal or C
 
 
 def test_kernel_sources_hold_every_kernel():
-    split = {"attn_scores", "attn_softmax_context", "attn_softmax", "attn_context"}
+    split = {"attn_scores", "attn_softmax_context", "attn_softmax", "attn_context", "attn_context_rows", "attn_scores_rows"}
     for kind in ("cuda", "metal"):
         header, bodies = kernels.kernel_source(kind)
         assert set(bodies) == {"matmul", "softmax", "fused_attention"} | (split if kind in kernels.SPLIT_KINDS else set())
@@ -127,9 +127,9 @@ def test_launch_plan_rule():
     assert not kernels.uses_two_launches(511, 768)  # prefill chunks: three launches
 
 
-INT_INPUTS = {"row_slot", "row_pos", "row_len", "dims"}
+INT_INPUTS = {"row_slot", "row_pos", "row_len", "dims", "tiles"}
 SPLIT_TEMPLATE = {"H": 16, "KV": 8, "D": 128, "CAUSAL": "true", "WINDOW": 0, "SCALE_BITS": 1035273459}
-TEMPLATED = {"attn_scores", "attn_softmax_context", "attn_context"}  # the kernels kernels._split_attention passes `template` to
+TEMPLATED = {"attn_scores", "attn_softmax_context", "attn_context", "attn_context_rows", "attn_scores_rows"}  # the kernels kernels._split_attention passes `template` to
 STUB = """
 struct Shape { int v[8]; __device__ long operator[](int i) const { return v[i]; } };
 #define INFINITY __int_as_float(0x7f800000)
@@ -180,7 +180,10 @@ def test_cuda_sources_compile_with_nvrtc():
         pytest.skip("needs NVRTC (pip install nvidia-cuda-nvrtc-cu12; Linux x86-64)")
     header, bodies = kernels.kernel_source("cuda")
     opts = [b"--gpu-architecture=compute_90", b"-default-device", b"--std=c++17"]
-    builds = [(name, body, ()) for name, body in bodies.items() if name != "attn_softmax_context"]
+    builds = [(name, body, ()) for name, body in bodies.items() if name not in ("attn_softmax_context", "attn_context_rows")]
+    forms = [(("NHB", nhb), ("UR", ur)) for nhb in (1, 2) for ur in (1, 2, 4, 8)]
+    assert tuple(kernels.CONTEXT_ROWS_FORM) in forms
+    builds += [("attn_context_rows", bodies["attn_context_rows"], f) for f in forms]
     unrollings = {tuple(kernels.split_unroll(rows)) for rows in range(1, 1025)}  # every one it is launched with
     builds += [("attn_softmax_context", bodies["attn_softmax_context"], u) for u in sorted(unrollings)]
     assert {n for n, _, _ in builds} == set(bodies)

@@ -195,12 +195,13 @@ needs_cuda = pytest.mark.skipif(gpu_kind() != "cuda", reason="the split kernels 
 
 
 @needs_cuda
-@pytest.mark.parametrize("plan", ["split, two launches", "split, three launches", "one-launch"])
+@pytest.mark.parametrize("plan", ["split, two launches", "split, three launches", "split, three launches, context by rows",
+                                  "one-launch"])
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(case=attention_inputs())
 def test_both_cuda_launch_plans_are_byte_identical(plan, case):
-    """Every pass forced through one plan (the split kernels in their two- or three-launch form, or the
-    one-launch kernel), whatever its size."""
+    """Every pass forced through one plan (the split kernels in their two- or three-launch form, the
+    latter with either context kernel, or the one-launch kernel), whatever its size."""
     from mlxinfer import kernels
 
     split, two = plan.startswith("split"), "two" in plan
@@ -209,6 +210,7 @@ def test_both_cuda_launch_plans_are_byte_identical(plan, case):
         mp.setattr(kernels, "SPLIT_MAX_SCRATCH", 10**18 if split else 0)
         mp.setattr(kernels, "TWO_LAUNCH_ROWS", 10**9 if two else 0)
         mp.setattr(kernels, "TWO_LAUNCH_MAX_KEYS", 10**18 if two else 0)
+        mp.setattr(kernels, "CONTEXT_ROWS_MIN", 1 if "rows" in plan else 10**9)
         assert_matches_default(MLXBackend(device="gpu", kernel="cuda"), case)
 
 
@@ -234,21 +236,27 @@ def test_split_and_one_launch_kernels_agree_on_long_caches(rows, s, window, head
     slots = mx.arange(rows, dtype=mx.int32)
     got = {two: np.array(kernels._split_attention("cuda", q, keys, values, slots, lens - 1, lens, spec,
                                                    two_launches=two)) for two in (True, False)}
+    got["rows"] = np.array(kernels._split_attention("cuda", q, keys, values, slots, lens - 1, lens, spec,
+                                                    two_launches=False, by_rows=True))
     got["one"] = np.array(kernels.fused_attention("cuda", q, keys, values, slots, lens - 1, lens, spec, split=False))
     assert np.isfinite(got[True]).all()
-    assert np.array_equal(got[True].view(np.uint32), got["one"].view(np.uint32))
-    assert np.array_equal(got[False].view(np.uint32), got["one"].view(np.uint32))
+    for plan in (True, False, "rows"):
+        assert np.array_equal(got[plan].view(np.uint32), got["one"].view(np.uint32)), plan
 
 
 @needs_cuda
 @pytest.mark.parametrize("chunks,window,heads", [([(0, 70, 300), (1, 13, 13)], None, (16, 8, 128)),
                                                 ([(2, 64, 64), (0, 9, 500), (1, 40, 900)], None, (10, 2, 12)),
-                                                ([(1, 75, 200)], 50, (8, 1, 36))])
+                                                ([(1, 75, 200)], 50, (8, 1, 36)),
+                                                ([(0, 33, 90), (2, 8, 8)], None, (6, 2, 18)),
+                                                ([(1, 20, 300)], None, (4, 2, 160))])
 def test_prefill_chunks_agree_across_plans(chunks, window, heads):
     """Prefill-shaped passes (chunks of several sequences, each (slot, rows, length): its rows at the end
-    of its keys, the keys after a row's position hidden from it) through the split kernels in both forms
-    and the one-launch kernel: bit for bit. Groups of 2, 5 and 8 heads, head dimensions 12, 36 and 128,
-    a sliding window."""
+    of its keys, the keys after a row's position hidden from it) through the split kernels in both forms,
+    the three-launch one with either context kernel (by rows: two rows of one sequence a thread, a row
+    alone where a pair would straddle two sequences or the last row is odd), and the one-launch kernel:
+    bit for bit. Groups of 2, 3, 5 and 8 heads, head dimensions 12, 18 (not a multiple of 4), 36, 128
+    and 160 (two warps of dimensions), a sliding window."""
     from mlxinfer import kernels
     from mlxinfer.backend import AttentionSpec
 
@@ -265,9 +273,11 @@ def test_prefill_chunks_agree_across_plans(chunks, window, heads):
     args = (q, keys, values, mx.array(slots), mx.array(pos), mx.array(lens), spec)
     one = np.array(kernels.fused_attention("cuda", *args, split=False))
     assert np.isfinite(one).all()
-    for two in (True, False):
-        out = np.array(kernels._split_attention("cuda", *args, two_launches=two))
-        assert np.array_equal(out.view(np.uint32), one.view(np.uint32)), f"two launches: {two}"
+    ends = np.cumsum([rows for _, rows, _ in chunks]).tolist()
+    seq_rows = list(zip([0] + ends[:-1], ends))
+    for two, rows in ((True, False), (False, False), (False, True)):
+        out = np.array(kernels._split_attention("cuda", *args, two_launches=two, seq_rows=seq_rows, by_rows=rows))
+        assert np.array_equal(out.view(np.uint32), one.view(np.uint32)), f"two launches: {two}, by rows: {rows}"
 
 
 @pytest.mark.parametrize("kernel,graph", [("cuda", False), ("metal", True)])

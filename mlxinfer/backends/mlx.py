@@ -166,6 +166,8 @@ def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
             plans[" (one launch)"] = np.array(kernels.fused_attention(*args, split=False))
             for two, form in ((True, "two"), (False, "three")):
                 plans[f" (split, {form} launches)"] = np.array(kernels._split_attention(*args, two_launches=two))
+            plans[" (split, three launches, context by rows)"] = np.array(kernels._split_attention(
+                *args, two_launches=False, seq_rows=batch.rows, by_rows=True))
         ref = np.array(backend.per_head_attention(q, view, batch, spec))
         a, b = q[:, :d], backend.from_numpy(kv_np[0, :, :d])
         prod = np.array(backend.matmul(a, mx.transpose(b)))
@@ -509,24 +511,26 @@ class MLXBackend(Backend):
             if batch.traced:  # a compiled step has no host lengths: compiles_pass keeps these passes eager
                 raise RuntimeError("a compiled decode step reached the graph attention path")
             return self._graph_attention(q, kv, batch, spec)
+        seq_rows = None if batch.traced else batch.rows  # a compiled step decodes: one row a sequence
         if kv.store is not None:  # the whole batch in one launch, reading the cache in place
             keys, values = kv.store
             return kernels.fused_attention(self.kernel, q, keys, values, batch.row_slots, batch.positions,
-                                           batch.row_lens, spec)
+                                           batch.row_lens, spec, seq_rows=seq_rows)
         if hasattr(kv, "batch_rows"):  # paged: the batch's rows gathered from the blocks, one launch
             rows, row_seq, s_max = kv.batch_rows(self)
             n, w = kv.keys.shape[0] * kv.keys.shape[1], kv.keys.shape[2]
             keys = kv.keys.reshape(n, w)[rows].reshape(len(batch), s_max, w)
             values = kv.values.reshape(n, w)[rows].reshape(len(batch), s_max, w)
             return kernels.fused_attention(self.kernel, q, keys, values, row_seq, batch.positions,
-                                           batch.row_lens, spec)
+                                           batch.row_lens, spec, seq_rows=seq_rows)
         outs = []  # a cache with no single store (basic): one launch per sequence, its K/V as slot 0
         for b, (r0, r1) in enumerate(batch.rows):
             k, v = kv.sequence(self, b)
             zeros = mx.zeros((r1 - r0,), dtype=mx.int32)
             row_len = mx.full((r1 - r0,), k.shape[0], dtype=mx.int32)
             outs.append(kernels.fused_attention(self.kernel, q[r0:r1], k[None], v[None], zeros,
-                                                batch.positions_of(self, b), row_len, spec))
+                                                batch.positions_of(self, b), row_len, spec,
+                                                seq_rows=[(0, r1 - r0)]))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
 
     def _pass_needs_graph(self, batch, spec) -> bool:
