@@ -280,6 +280,67 @@ def test_prefill_chunks_agree_across_plans(chunks, window, heads):
         assert np.array_equal(out.view(np.uint32), one.view(np.uint32)), f"two launches: {two}, by rows: {rows}"
 
 
+def _launches(monkeypatch):
+    """Record the split plan's kernel launches (name, inputs) instead of running them (no GPU needed)."""
+    from mlxinfer import kernels
+
+    launched = []
+
+    def fake(kind, name):
+        def launch(inputs, output_shapes, **_):
+            launched.append((name, inputs))
+            return [mx.zeros(shape) for shape in output_shapes]
+        return launch
+
+    monkeypatch.setattr(kernels, "_kernel", fake)
+    return launched
+
+
+@pytest.mark.parametrize("lengths,cap,d,want", [
+    ([20, 1], 2048, 128, ["attn_scores_rows", "attn_softmax", "attn_context_rows"]),  # a chunk beside a decode row
+    ([15, 1], 2048, 128, ["attn_scores", "attn_softmax", "attn_context"]),  # no sequence brings 16 rows
+    ([70], 2048, 160, ["attn_scores", "attn_softmax", "attn_context_rows"]),  # head_dim > 128: the scores by key
+    ([20, 1], 256, 128, ["attn_scores_rows", "attn_softmax_context"]),  # rows x capacity <= 2^14: two launches
+])
+def test_prefill_chunks_take_the_kernels_by_rows(monkeypatch, lengths, cap, d, want):
+    """The host side of the kernels by rows: the backend hands the kernels each sequence's rows, a
+    sequence of CONTEXT_ROWS_MIN rows or more picks them (the context by rows in the three-launch form;
+    small passes keep the two-launch form), and the score tiles cut each sequence's rows into runs of at
+    most 32 that never straddle two sequences."""
+    from mlxinfer import kernels
+    from mlxinfer.backend import AttentionSpec
+    from mlxinfer.batch import Batch
+
+    launched = _launches(monkeypatch)
+    b = MLXBackend(device="cpu", kernel="graph")
+    b.kernel = "cuda"  # pretend: the dispatch only, nothing is launched
+    spec = AttentionSpec.standard(16, 8, d)
+    batch = Batch(b, list(range(len(lengths))), [0] * len(lengths), lengths)
+    n = sum(lengths)
+    kv = type("View", (), {"store": (mx.zeros((len(lengths), cap, 8 * d)), mx.zeros((len(lengths), cap, 8 * d)))})()
+    b.fused_attention_override(mx.zeros((n, 16 * d)), kv, batch, spec)
+    assert [name for name, _ in launched] == want
+    if want[0] == "attn_scores_rows":
+        tiles = np.array(launched[0][1][-1]).reshape(-1, 2).tolist()
+        assert tiles == [[0, 20], [20, 1]]
+    launched.clear()  # a compiled decode step's batch has no host rows: the kernels one row a sequence
+    template = Batch.decode_template(b, n, mx.zeros((n,), mx.int32), mx.zeros((n,), mx.int32), mx.ones((n,), mx.int32))
+    b.fused_attention_override(mx.zeros((n, 16 * d)), kv, template, spec)
+    assert "attn_scores_rows" not in [name for name, _ in launched]
+
+
+def test_score_tiles_never_straddle_sequences(monkeypatch):
+    from mlxinfer import kernels
+    from mlxinfer.backend import AttentionSpec
+
+    launched = _launches(monkeypatch)
+    spec = AttentionSpec.standard(4, 2, 64)
+    z = mx.zeros((3 * 256,), mx.int32)
+    kernels._split_attention("cuda", mx.zeros((102, 256)), mx.zeros((3, 256, 128)), mx.zeros((3, 256, 128)), z, z, z,
+                             spec, two_launches=False, seq_rows=[(0, 70), (70, 101), (101, 102)])
+    assert np.array(launched[0][1][-1]).reshape(-1, 2).tolist() == [[0, 32], [32, 32], [64, 6], [70, 31], [101, 1]]
+
+
 @pytest.mark.parametrize("kernel,graph", [("cuda", False), ("metal", True)])
 def test_one_sequence_over_a_long_cache_stays_on_the_kernel_where_it_splits(kernel, graph):
     """A decode pass of one sequence over 8,000 keys: CUDA takes its split kernels (and may compile the

@@ -1,0 +1,39 @@
+"""The attention kernels' launches for Nsight Compute (CUDA): a 511-row causal prefill chunk (the plan
+fused_attention picks for it, and the split plan's three-launch form with the kernels one row a
+sequence), one decode row over 32,768 and over 2,048 keys, and mx.fast.scaled_dot_product_attention on
+the same shapes, each launched once after MLX compiles it. Run it under ncu, e.g. (H200, 2026-11-30,
+bench/results/h200-ncu-attention-1910.txt and h200-ncu-prefill-rows-1922.txt):
+
+    ncu --kernel-name regex:"attn_(scores|context)" --section SpeedOfLight --section LaunchStats \
+        --section Occupancy --section WarpStateStats python3 bench/ncu_attention.py
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mlxinfer import kernels  # noqa: E402
+from mlxinfer.backend import AttentionSpec  # noqa: E402
+
+if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+    sys.exit("ncu_attention: needs MLX's CUDA backend")
+spec = AttentionSpec.standard(16, 8, 128)
+rng = np.random.default_rng(0)
+for t, cap, s in ((511, 512, None), (1, 32768, 32768), (1, 2048, 2048)):
+    q = mx.array(rng.standard_normal((t, 2048), dtype=np.float32))
+    k = mx.array(rng.standard_normal((1, cap, 1024), dtype=np.float32))
+    v = mx.array(rng.standard_normal((1, cap, 1024), dtype=np.float32))
+    n = s or t
+    pos = mx.arange(t, dtype=mx.int32) if s is None else mx.full((1,), s - 1, dtype=mx.int32)
+    lens = mx.full((t,), n, dtype=mx.int32)
+    args = (q, k, v, mx.zeros((t,), dtype=mx.int32), pos, lens, spec)
+    mx.eval(kernels.fused_attention("cuda", *args, seq_rows=[(0, t)]))
+    if t > 1:
+        mx.eval(kernels._split_attention("cuda", *args, two_launches=False))
+    heads = (lambda x, h: mx.reshape(x, (1, -1, h, 128)).transpose(0, 2, 1, 3))
+    mx.eval(mx.fast.scaled_dot_product_attention(heads(q, 16), heads(k[:, :n], 8), heads(v[:, :n], 8),
+                                                 scale=spec.scale, mask="causal" if t > 1 else None))
