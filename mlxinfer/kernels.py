@@ -12,6 +12,10 @@ one partial-sum chain at a time: `attn_scores`, then for decode `attn_softmax_co
 recomputes its heads' softmax max and total in the softmax kernel's order: one launch fewer, which
 saves more host time than the recomputation costs on the GPU while few rows read short caches) or,
 for many rows over longer caches, `attn_softmax` and `attn_context` (the choice: `uses_two_launches`).
+A sequence that brings many rows (a prefill chunk: `CONTEXT_ROWS_MIN`) takes the kernels by rows
+instead, `attn_scores_rows` (32 rows x 32 keys of one sequence a block, in shared memory) and, in the
+three-launch form, `attn_context_rows` (a thread walks all 32 chains of two rows): each thread sums the
+32 lane partials of the published order itself, in the butterfly's tree order.
 Because the per-head reference and the fused kernels are built from the same device functions, they
 agree bit for bit on any number of query rows, which MLX's own products cannot promise (on CUDA a
 product of more than one row goes to cuBLASLt, whose order is unpublished).
