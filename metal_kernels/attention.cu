@@ -13,6 +13,10 @@
 //     its 32 partials by the butterfly above; the 8 warp totals w_0..w_7 are combined by a butterfly
 //     with off = 4, 2, 1; y_j = e_j / total (__fdiv_rn).
 //
+// The kernels by rows (attn_scores_rows, attn_context_rows) reach the same bits by a second route: one
+// thread adds the 32 lane partials (or chain totals) itself, taking them in the butterfly's tree order
+// (mlxi_chain_at), instead of calling mlxi_warp_total / mlxi_chain_tree.
+//
 // mlxinfer.kernels.published_dot / published_softmax_sum emulate this order in numpy float32 (the sums
 // exactly; expf differs from numpy's exp in the last bit), and tests/test_kernels.py checks the kernels
 // against the emulation on a CUDA GPU.
@@ -548,6 +552,7 @@ const long kt = blk % nkt, tg = blk / nkt;
 const int g = tg % KV;
 const long tile = tg / KV;
 const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+// 48 KiB of static shared memory: the static limit, no room for more
 __shared__ float4 ks[32 * 32];      // [l][key]: the key's terms t = 0..3 at i = l + 32t
 __shared__ float4 qs[32 * 2 * 32];  // [row][head][l]
 if (tile < tiles_shape[0] / 2) {  // the same for the whole block
@@ -556,7 +561,8 @@ if (tile < tiles_shape[0] / 2) {  // the same for the whole block
   const int S = row_len[r0], slot = row_slot[r0];
   const long j0 = kt * 32;
   if (j0 < S) {
-    // every row of the tile has the same S and slot (one sequence); positions grow by one a row
+    // every row of the tile has the same S and slot (one sequence); positions grow by one a row (Batch
+    // lays each sequence's rows at consecutive positions, batch.py; the skip below relies on it)
     const int pos0 = row_pos[r0], posn = row_pos[r0 + nr - 1];
     // whether some key of this tile is seen by a row at a position in [pos0, posn] (rows of one
     // sequence's chunk: consecutive positions); where none is, the tile's scores are -INFINITY

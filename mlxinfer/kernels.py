@@ -12,7 +12,7 @@ one partial-sum chain at a time: `attn_scores`, then for decode `attn_softmax_co
 recomputes its heads' softmax max and total in the softmax kernel's order: one launch fewer, which
 saves more host time than the recomputation costs on the GPU while few rows read short caches) or,
 for many rows over longer caches, `attn_softmax` and `attn_context` (the choice: `uses_two_launches`).
-A sequence that brings many rows (a prefill chunk: `CONTEXT_ROWS_MIN`) takes the kernels by rows
+A pass where a sequence brings many rows (a prefill chunk: `uses_rows`) takes the kernels by rows
 instead, `attn_scores_rows` (32 rows x 32 keys of one sequence a block, in shared memory) and, in the
 three-launch form, `attn_context_rows` (a thread walks all 32 chains of two rows): each thread sums the
 32 lane partials of the published order itself, in the butterfly's tree order.
@@ -122,11 +122,17 @@ TWO_LAUNCH_MAX_KEYS = 1 << 14  # ... while rows x capacity <= this. Its recomput
 # eight rows 21.5 vs 18.7 / 61.6 vs 54.6 / 221 vs 181 / 876 vs 710 (single calls move up to 1.4x)
 
 
-CONTEXT_ROWS_MIN = 16  # the three-launch form's context by rows (`attn_context_rows`: a thread walks
-# all 32 chains of two rows of one sequence) once a sequence brings this many rows to the pass (a
-# prefill chunk); decode rows keep `attn_context` (a thread per chain), whose parallelism does not need
-# many rows. H200, 2026-11-30 18:59 UTC (bench/prefill_attention.py and Nsight Compute, 511-row chunk):
-# attn_context took 434 us of the chunk's 570 us of attention.
+ROWS_MIN = 64  # a pass takes the kernels by rows (`attn_scores_rows`; in the three-launch form also
+ROWS_MAX_KEYS_PER_ROW = 64  # `attn_context_rows`) when one of its sequences brings at least ROWS_MIN
+# rows (a prefill chunk) and the capacity is at most ROWS_MAX_KEYS_PER_ROW times that many: every row
+# of such a pass, decode rows beside the chunk included, then runs by rows (a decode row alone: a thread
+# walks all of its keys), so a few rows over a long cache keep the kernels by key, which spread every
+# key and chain over the GPU. H200, 2026-11-30 18:59 UTC (bench/prefill_attention.py and Nsight
+# Compute): of a 511-row chunk's 570 us of attention, attn_scores took 299 and attn_context 434 (ncu
+# times), and by rows the whole was 217.5 us at 19:21; measured at 511 and 2,047 rows over caches of
+# their own length only (16-row chunks were taken by rows in the 19:26 bench.py run, 17-token prompt:
+# 15.4 ms to the first token on a slow lease; the bound is now 64 until shorter chunks and longer
+# caches are measured).
 
 
 CONTEXT_ROWS_FORM = [("NHB", 1), ("UR", 4)]  # attn_context_rows: heads a thread takes at once (1 or 2),
@@ -159,6 +165,25 @@ def uses_split(kind: str, rows: int, spec, capacity: int = 0) -> bool:
     return kind in SPLIT_KINDS and (items <= SPLIT_MAX_ITEMS or items * capacity <= SPLIT_MAX_SCRATCH)
 
 
+def uses_rows(seq_rows, capacity: int) -> bool:
+    """Whether a split pass takes the kernels by rows (see ROWS_MIN); seq_rows: each sequence's (first,
+    end) rows, None for a compiled decode step (never by rows)."""
+    if seq_rows is None:
+        return False
+    longest = max(r1 - r0 for r0, r1 in seq_rows)
+    return longest >= ROWS_MIN and capacity <= ROWS_MAX_KEYS_PER_ROW * longest
+
+
+@lru_cache(maxsize=256)
+def _score_tiles(seq_rows: tuple):
+    """attn_scores_rows' tiles: each sequence's rows cut into runs of at most 32 (first row, rows), as
+    one int32 array (cached: every layer of a pass asks for the same)."""
+    import mlx.core as mx
+
+    tiles = [(t0, min(32, r1 - t0)) for r0, r1 in seq_rows for t0 in range(r0, r1, 32)]
+    return mx.array(np.array(tiles, dtype=np.int32).reshape(-1))
+
+
 def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec, split: bool | None = None,
                     seq_rows=None):
     """A batch's attention: q [N, H*D]; keys and values [slots, capacity, KV*D]; per row its cache slot,
@@ -171,7 +196,7 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
     prefill chunks over long caches take the one-launch kernel, one block per (row, head) work item,
     whose scratch is bounded by its grid. `seq_rows`: each sequence's rows of the pass, (first, end)
     host ints (None: one row each, as in a compiled decode step): sequences that bring at least
-    `CONTEXT_ROWS_MIN` rows take the split plan's kernels by rows (`attn_scores_rows`,
+    ROWS_MIN rows take the split plan's kernels by rows (`uses_rows`: `attn_scores_rows`,
     `attn_context_rows`)."""
     import mlx.core as mx
 
@@ -207,14 +232,18 @@ def _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, st
     if two_launches is None:
         two_launches = uses_two_launches(n, cap)
     if by_rows is None:
-        by_rows = seq_rows is not None and max(r1 - r0 for r0, r1 in seq_rows) >= CONTEXT_ROWS_MIN
+        by_rows = uses_rows(seq_rows, cap)
     if seq_rows is None:
         seq_rows = [(r, r + 1) for r in range(n)]
+    seq_rows = tuple((int(r0), int(r1)) for r0, r1 in seq_rows)
+    if seq_rows[0][0] != 0 or seq_rows[-1][1] != n or any(r1 <= r0 for r0, r1 in seq_rows) or any(
+            a[1] != b[0] for a, b in zip(seq_rows, seq_rows[1:])):
+        raise ValueError(f"seq_rows must cut the pass's {n} rows into consecutive runs, got {seq_rows[:4]}...")
     if by_rows and spec.head_dim <= 128:  # tiles of up to 32 rows of one sequence x 32 keys
-        tiles = [(t0, min(32, r1 - t0)) for r0, r1 in seq_rows for t0 in range(r0, r1, 32)]
+        tiles = _score_tiles(seq_rows)
         (out,) = _kernel(kind, "attn_scores_rows")(
-            inputs=[q, keys, row_slot, row_pos, row_len, mx.array(np.array(tiles, dtype=np.int32).reshape(-1))],
-            template=template, grid=_grid(len(tiles) * spec.n_kv_heads * -(-cap // 32)),
+            inputs=[q, keys, row_slot, row_pos, row_len, tiles],
+            template=template, grid=_grid(tiles.size // 2 * spec.n_kv_heads * -(-cap // 32)),
             threadgroup=(THREADS, 1, 1), output_shapes=shape, output_dtypes=[mx.float32])
     else:
         (out,) = _kernel(kind, "attn_scores")(

@@ -210,7 +210,8 @@ def test_both_cuda_launch_plans_are_byte_identical(plan, case):
         mp.setattr(kernels, "SPLIT_MAX_SCRATCH", 10**18 if split else 0)
         mp.setattr(kernels, "TWO_LAUNCH_ROWS", 10**9 if two else 0)
         mp.setattr(kernels, "TWO_LAUNCH_MAX_KEYS", 10**18 if two else 0)
-        mp.setattr(kernels, "CONTEXT_ROWS_MIN", 1 if "rows" in plan else 10**9)
+        mp.setattr(kernels, "ROWS_MIN", 1 if "rows" in plan else 10**9)
+        mp.setattr(kernels, "ROWS_MAX_KEYS_PER_ROW", 10**9)
         assert_matches_default(MLXBackend(device="gpu", kernel="cuda"), case)
 
 
@@ -297,16 +298,18 @@ def _launches(monkeypatch):
 
 
 @pytest.mark.parametrize("lengths,cap,d,want", [
-    ([20, 1], 2048, 128, ["attn_scores_rows", "attn_softmax", "attn_context_rows"]),  # a chunk beside a decode row
-    ([15, 1], 2048, 128, ["attn_scores", "attn_softmax", "attn_context"]),  # no sequence brings 16 rows
+    ([70, 1], 2048, 128, ["attn_scores_rows", "attn_softmax", "attn_context_rows"]),  # a chunk beside a decode row
+    ([63, 1], 2048, 128, ["attn_scores", "attn_softmax", "attn_context"]),  # no sequence brings 64 rows
+    ([70, 1], 8192, 128, ["attn_scores", "attn_softmax", "attn_context"]),  # a cache past 64 keys a chunk row
     ([70], 2048, 160, ["attn_scores", "attn_softmax", "attn_context_rows"]),  # head_dim > 128: the scores by key
-    ([20, 1], 256, 128, ["attn_scores_rows", "attn_softmax_context"]),  # rows x capacity <= 2^14: two launches
+    ([64], 256, 128, ["attn_scores_rows", "attn_softmax_context"]),  # rows x capacity <= 2^14: two launches
 ])
 def test_prefill_chunks_take_the_kernels_by_rows(monkeypatch, lengths, cap, d, want):
-    """The host side of the kernels by rows: the backend hands the kernels each sequence's rows, a
-    sequence of CONTEXT_ROWS_MIN rows or more picks them (the context by rows in the three-launch form;
-    small passes keep the two-launch form), and the score tiles cut each sequence's rows into runs of at
-    most 32 that never straddle two sequences."""
+    """The host side of the kernels by rows: the backend hands the kernels each sequence's rows, a pass
+    with a sequence of ROWS_MIN rows or more over a cache of at most ROWS_MAX_KEYS_PER_ROW keys a row of
+    it picks them (the context by rows in the three-launch form; small passes keep the two-launch form),
+    and the score tiles cut each sequence's rows into runs of at most 32 that never straddle two
+    sequences."""
     from mlxinfer import kernels
     from mlxinfer.backend import AttentionSpec
     from mlxinfer.batch import Batch
@@ -322,7 +325,7 @@ def test_prefill_chunks_take_the_kernels_by_rows(monkeypatch, lengths, cap, d, w
     assert [name for name, _ in launched] == want
     if want[0] == "attn_scores_rows":
         tiles = np.array(launched[0][1][-1]).reshape(-1, 2).tolist()
-        assert tiles == [[0, 20], [20, 1]]
+        assert tiles == ([[0, 32], [32, 32], [64, 6], [70, 1]] if lengths == [70, 1] else [[0, 32], [32, 32]])
     launched.clear()  # a compiled decode step's batch has no host rows: the kernels one row a sequence
     template = Batch.decode_template(b, n, mx.zeros((n,), mx.int32), mx.zeros((n,), mx.int32), mx.ones((n,), mx.int32))
     b.fused_attention_override(mx.zeros((n, 16 * d)), kv, template, spec)
@@ -339,6 +342,10 @@ def test_score_tiles_never_straddle_sequences(monkeypatch):
     kernels._split_attention("cuda", mx.zeros((102, 256)), mx.zeros((3, 256, 128)), mx.zeros((3, 256, 128)), z, z, z,
                              spec, two_launches=False, seq_rows=[(0, 70), (70, 101), (101, 102)])
     assert np.array(launched[0][1][-1]).reshape(-1, 2).tolist() == [[0, 32], [32, 32], [64, 6], [70, 31], [101, 1]]
+    for bad in ([(0, 70), (71, 102)], [(0, 101)], [(1, 102)], [(0, 70), (70, 70), (70, 102)]):
+        with pytest.raises(ValueError, match="consecutive runs"):
+            kernels._split_attention("cuda", mx.zeros((102, 256)), mx.zeros((3, 256, 128)), mx.zeros((3, 256, 128)),
+                                     z, z, z, spec, two_launches=False, seq_rows=bad, by_rows=True)
 
 
 @pytest.mark.parametrize("kernel,graph", [("cuda", False), ("metal", True)])
