@@ -2,7 +2,7 @@
 fused_attention picks for it, and the split plan's three-launch form with the kernels one row a
 sequence), one decode row over 32,768 and over 2,048 keys, and mx.fast.scaled_dot_product_attention on
 the same shapes, each launched once after MLX compiles it. Run it under ncu, e.g. (H200, 2026-11-30,
-bench/results/h200-ncu-attention-1910.txt and h200-ncu-prefill-rows-1922.txt):
+bench/results/h200-ncu-attention-1900.txt, -1910.txt and h200-ncu-prefill-rows-1922.txt):
 
     ncu --kernel-name regex:"attn_(scores|context)" --section SpeedOfLight --section LaunchStats \
         --section Occupancy --section WarpStateStats python3 bench/ncu_attention.py

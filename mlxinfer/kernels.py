@@ -127,9 +127,9 @@ ROWS_MAX_KEYS_PER_ROW = 64  # `attn_context_rows`) when one of its sequences bri
 # rows (a prefill chunk) and the capacity is at most ROWS_MAX_KEYS_PER_ROW times that many: every row
 # of such a pass, decode rows beside the chunk included, then runs by rows (a decode row alone: a thread
 # walks all of its keys), so a few rows over a long cache keep the kernels by key, which spread every
-# key and chain over the GPU. H200, 2026-11-30 18:59 UTC (bench/prefill_attention.py and Nsight
-# Compute): of a 511-row chunk's 570 us of attention, attn_scores took 299 and attn_context 434 (ncu
-# times), and by rows the whole was 217.5 us at 19:21; measured at 511 and 2,047 rows over caches of
+# key and chain over the GPU. H200, 2026-11-30 18:59 UTC: a 511-row chunk's attention took 569 us
+# (bench/prefill_attention.py), of which Nsight Compute (locked clocks) gave attn_scores 299 us and
+# attn_context 434; by rows the whole was 217.5 us at 19:21; measured at 511 and 2,047 rows over caches of
 # their own length only (16-row chunks were taken by rows in the 19:26 bench.py run, 17-token prompt:
 # 15.4 ms to the first token on a slow lease; the bound is now 64 until shorter chunks and longer
 # caches are measured).
@@ -195,9 +195,9 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
     one block per row and head first: `uses_two_launches`); every key is spread over the GPU. Long
     prefill chunks over long caches take the one-launch kernel, one block per (row, head) work item,
     whose scratch is bounded by its grid. `seq_rows`: each sequence's rows of the pass, (first, end)
-    host ints (None: one row each, as in a compiled decode step): sequences that bring at least
-    ROWS_MIN rows take the split plan's kernels by rows (`uses_rows`: `attn_scores_rows`,
-    `attn_context_rows`)."""
+    host ints (None: one row each, as in a compiled decode step): a split pass where a sequence brings
+    at least ROWS_MIN rows over a cache of at most ROWS_MAX_KEYS_PER_ROW keys a row of it runs all its
+    rows by rows (`uses_rows`: `attn_scores_rows`, `attn_context_rows`)."""
     import mlx.core as mx
 
     if split if split is not None else uses_split(kind, q.shape[0], spec, keys.shape[1]):

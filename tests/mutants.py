@@ -459,7 +459,7 @@ M = [
     ("kernel-score-tiles-straddle", "kernels", KERN,
      [("tiles = [(t0, min(32, r1 - t0))", "tiles = [(t0, min(32, r1 - r0))")],
      [T_MLX], "kernels by rows: a sequence's last score tile counted from its first row (runs into the next sequence)"),
-    ("kernel-rows-min-off-by-one", "kernels", KERN,
+    ("kernel-rows-min-raised", "kernels", KERN,
      [("return longest >= ROWS_MIN and capacity", "return longest > ROWS_MIN + 8 and capacity")],
      [T_MLX], "kernels by rows: a 70-row chunk keeps the kernels by key"),
     ("kernel-rows-over-long-caches", "kernels", KERN,
