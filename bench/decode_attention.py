@@ -19,7 +19,8 @@ both plans give the same bits and that they agree with sdpa to 1e-4. Needs an ML
 `--gpu-clock` (CUDA) measures instead the device time alone: 20 calls chained (each call's output is
 the next call's query), between two GPU clock stamps (bench/gpu_clock.py), all in one CUDA graph
 (MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER set high), per call (`*_gpu_us`; the split plan's two- and three-launch forms forced as
-`split_two_launches_gpu_us` and `split_three_launches_gpu_us`); for the split plan
+`split_two_launches_gpu_us` and `split_three_launches_gpu_us`; with `--prefetch`, one row also with
+`kernels.PREFETCH = 1` as `fused_prefetch_gpu_us`, then the default again as `fused_gpu_us_again`); for the split plan
 also its first step (the scores), chained through a glue op whose own time is `glue_gpu_us`. The first
 stamp depends only on the (evaluated) query, so in MLX's CUDA graph it may run beside the first call's
 first kernel (an error of at most that kernel's time over the 20 calls). Two graphs of warm-up, then the
@@ -79,7 +80,7 @@ def gpu_time(fn, x0, reps, chain=20):
     return statistics.median(times)
 
 
-def gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, reps):
+def gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, reps, prefetch=False):
     """The --gpu-clock row of one case."""
     row = dict(batch=b, context=s, split=kernels.uses_split(kind, b, spec), kernel=kind, clock="gpu",
                two_launches=kernels.uses_two_launches(b, s))
@@ -101,6 +102,16 @@ def gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, re
     fn = lambda x: glue(x, kernels._split_attention(kind, x, keys, values, slots, pos, lens, spec, steps=1))  # noqa: E731
     row["split_scores_glued_gpu_us"] = round(gpu_time(fn, q, reps), 1)
     row["fused_over_sdpa_gpu"] = round(row["fused_gpu_us"] / row["sdpa_gpu_us"], 2)
+    if prefetch and b == 1:  # attn_softmax_context's prefetching form (kernels.PREFETCH), bit for bit first
+        want = np.array(fused(q)).view(np.uint32)
+        kernels.PREFETCH = 1
+        try:
+            if not np.array_equal(np.array(fused(q)).view(np.uint32), want):
+                sys.exit("decode_attention: the prefetching form differs from the default")
+            row["fused_prefetch_gpu_us"] = round(gpu_time(fused, q, reps), 1)
+        finally:
+            kernels.PREFETCH = 0
+        row["fused_gpu_us_again"] = round(gpu_time(fused, q, reps), 1)  # the default again, after it
     return row
 
 
@@ -111,6 +122,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--out", default=None)
     p.add_argument("--gpu-clock", action="store_true", help="device time per call only (CUDA)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="with --gpu-clock: also time one row with kernels.PREFETCH = 1 (fused_prefetch_gpu_us)")
     a = p.parse_args(argv)
     kind = "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else None
     if kind is None:
@@ -139,8 +152,8 @@ def main(argv=None):
             if not same or err > 1e-4:
                 sys.exit(f"decode_attention: plans differ (bitwise equal: {same}) or far from sdpa ({err:.3g})")
             if a.gpu_clock:
-                emit(gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, max(5, a.reps // 5)),
-                     a.out)
+                emit(gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, max(5, a.reps // 5),
+                              prefetch=a.prefetch), a.out)
                 continue
             row = dict(batch=b, context=s, split=kernels.uses_split(kind, b, spec), kernel=kind)
             for name, op in ops.items():

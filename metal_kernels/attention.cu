@@ -177,6 +177,16 @@ __device__ __forceinline__ void mlxi_context_tile(const float* p, const float* v
   }
 }
 
+// Chain l's values vd[i * kvw] of keys i = l + 32 * (k0 + u), u < KU (0 past S): the context loop's loads.
+template <int KU>
+__device__ __forceinline__ void mlxi_chain_values(float* dst, const float* vd, long kvw, int l, long k0, int S) {
+#pragma unroll
+  for (int u = 0; u < KU; ++u) {
+    const long i = l + 32 * (k0 + u);
+    dst[u] = (i < S) ? vd[i * kvw] : 0.0f;
+  }
+}
+
 // In-place softmax of x[0..n) by the whole block (MLXI_THREADS threads); red: 8 floats of shared memory.
 __device__ __forceinline__ void mlxi_softmax(float* x, int n, int tid, float* red) {
   const int lane = tid & 31, wid = tid >> 5;
@@ -346,7 +356,9 @@ if (r < n) {
 //    lane 0 of the butterfly computes), exactly as fused_attention does.
 // x [N, H, CAP] (attn_scores' output); v [slots, CAP, KV*D]; compile-time H, KV, D as attn_scores', and
 // the loads in flight SU (1 or 8) and KU (8 or 32): more for one row, whose 128 blocks leave the GPU
-// waiting on memory, fewer for several rows, whose blocks share the SMs (kernels.split_unroll).
+// waiting on memory, fewer for several rows, whose blocks share the SMs (kernels.split_unroll); PF
+// (0 or 1): whether the values are prefetched, the chain's first KU before step 1 and each next KU
+// during the current KU's arithmetic (an experiment for one row, off by default: not yet measured).
 const long cap = x_shape[2], n = x_shape[0];
 constexpr int G = H / KV, nd = (D + 7) / 8;
 constexpr int T = MLXI_THREADS;
@@ -366,6 +378,8 @@ if (r < n) {  // the same for the whole block
   for (int h0 = 0; h0 < G; h0 += 4) {
     const int nh = min(4, G - h0);
     const float* xr = x + (r * H + (long)g * G + h0) * cap;
+    float vv[KU];  // PF: the first KU values of the chain are loaded now, in flight during step 1
+    if (PF) mlxi_chain_values<KU>(vv, vd, kvw, l, 0, S);
     float m[4], total[4];
     {  // 1. the softmax's max and total, per head
       float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
@@ -381,12 +395,9 @@ if (r < n) {  // the same for the whole block
     // 2. the context; the loop bound is the warp's (its chains l start at 4 * wid): shuffles need all 32
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (long k0 = 0; 4L * wid + 32 * k0 < S; k0 += KU) {
-      float vv[KU];
-#pragma unroll
-      for (int u = 0; u < KU; ++u) {
-        const long i = l + 32 * (k0 + u);
-        vv[u] = (i < S) ? vd[i * kvw] : 0.0f;
-      }
+      float vn[KU];  // PF: the next KU values, in flight during this step's arithmetic
+      if (PF) mlxi_chain_values<KU>(vn, vd, kvw, l, k0 + KU, S);
+      else mlxi_chain_values<KU>(vv, vd, kvw, l, k0, S);
       float pe[KU / 8][4];  // [group of 8 keys][head]: the p of key k0 + 8 * q + dd of chain l
 #pragma unroll
       for (int q8 = 0; q8 < KU / 8; ++q8) {
@@ -404,6 +415,10 @@ if (r < n) {  // the same for the whole block
           const float pu = __shfl_sync(0xffffffffu, pe[u >> 3][e], (lane & ~7) | (u & 7));
           if (e < nh && i < S) acc[e] = __fadd_rn(acc[e], __fmul_rn(pu, vv[u]));
         }
+      }
+      if (PF) {
+#pragma unroll
+        for (int u = 0; u < KU; ++u) vv[u] = vn[u];
       }
     }
     for (int e = 0; e < nh; ++e) {
