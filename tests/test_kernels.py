@@ -26,6 +26,42 @@ def test_kernel_sources_hold_every_kernel():
         assert "mlxi_dot" in header and "mlxi_softmax" in header
 
 
+def test_the_kernels_by_rows_join_partials_in_the_butterflys_order():
+    """attn_scores_rows and attn_context_rows add the 32 lane partials (chain totals) in one thread:
+    lanes taken in mlxi_chain_at's order (read from the CUDA source), each joining a stack of pending
+    sums (lvl[b] + x at each 1 bit of k, x waits at the lowest 0 bit). That must give the butterfly's
+    bits (lane 0 of s += shfl_xor(s, off), off = 16..1) for any partials, so the GPU can check the
+    kernels bit for bit against the others; on any machine, this checks the order itself."""
+    import re
+    from importlib import resources
+
+    src = resources.files("metal_kernels").joinpath("attention.cu").read_text(encoding="utf-8")
+    expr = re.search(r"mlxi_chain_at\(int k\) \{\s*return (.*?);", src, re.S).group(1)
+    order = [eval(expr, {}, {"k": k}) for k in range(32)]  # noqa: S307 (our own source's expression)
+    assert sorted(order) == list(range(32))
+    rng = np.random.default_rng(3)
+    mags = np.float32(10.0) ** rng.uniform(-6, 6, (4000, 32)).astype(np.float32)
+    parts = (mags * rng.choice([-1, 1], (4000, 32))).astype(np.float32)
+    parts[rng.random((4000, 32)) < 0.05] = 0.0
+    parts[rng.random((4000, 32)) < 0.02] = -0.0
+    lvl = [None] * 5
+    for k in range(32):
+        x = parts[:, order[k]]
+        for b in range(5):
+            if (k >> b) & 1:
+                x = (lvl[b] + x).astype(np.float32)
+            else:
+                lvl[b] = x
+                break
+    want = kernels._butterfly(parts, (16, 8, 4, 2, 1))
+    assert np.array_equal(x.view(np.uint32), want.view(np.uint32))
+    # the order is visible: lanes in plain order give other bits on some of these
+    seq = parts[:, 0]
+    for lane in range(1, 32):
+        seq = (seq + parts[:, lane]).astype(np.float32)
+    assert not np.array_equal(seq.view(np.uint32), want.view(np.uint32))
+
+
 def test_published_dot_is_a_dot_product_in_its_own_order():
     rng = np.random.default_rng(0)
     a = (rng.standard_normal((5, 200)) * 10).astype(np.float32)
