@@ -302,6 +302,13 @@ def main(argv=None) -> int:
     except MemoryError:
         print("mlxinfer: error: out of memory", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader of stdout went away (`mlxinfer generate ... | head`): stop quietly
+        try:  # and keep Python's flush at exit from failing again on the closed pipe
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (AttributeError, OSError, ValueError):
+            pass
+        rc = 141  # 128 + SIGPIPE, what a shell reports for such a pipeline
+        return rc
     finally:
         record_status(rc)  # in a rank of `generate --tp N`: tell the parent how it ended
 

@@ -283,3 +283,26 @@ def test_the_package_exports_what_it_lists():
 
     assert [name for name in mlxinfer.__all__ if not hasattr(mlxinfer, name)] == []
     assert issubclass(mlxinfer.RequestError, mlxinfer.MlxinferError)
+
+
+def test_generate_into_a_closed_pipe_stops_quietly(tmp_path, monkeypatch, capsys):
+    """`mlxinfer generate ... | head -c 1`: once the reader has gone, a write raises BrokenPipeError;
+    the command stops with the shell's status for it (141) and no traceback."""
+    from mlxinfer.cli import main
+    from mlxinfer.synthetic import write_synthetic_model
+
+    path = write_synthetic_model(tmp_path / "m.gguf", arch="qwen3", n_layers=1, vocab_size=320)
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+        def fileno(self):
+            raise OSError("no descriptor")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["generate", "--model", str(path), "--backend", "cpu", "--max-tokens", "4", "hello"]) == 141
+    assert "Traceback" not in capsys.readouterr().err
