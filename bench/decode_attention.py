@@ -80,6 +80,12 @@ def gpu_time(fn, x0, reps, chain=20):
     return statistics.median(times)
 
 
+def glue(x, out):
+    """The next query of a chain that times a step alone: x + 0 * one value of the step's output (two
+    small kernels, timed on their own as `glue_gpu_us`)."""
+    return x + 0.0 * out.reshape(-1)[:1]
+
+
 def gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, reps, prefetch=False):
     """The --gpu-clock row of one case."""
     row = dict(batch=b, context=s, split=kernels.uses_split(kind, b, spec), kernel=kind, clock="gpu",
@@ -93,11 +99,8 @@ def gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, re
         row[f"split_{name}_launches_gpu_us"] = round(gpu_time(fn, q, reps), 1)
     sdpa = lambda x: mx.fast.scaled_dot_product_attention(x, kh, vh, scale=spec.scale)  # noqa: E731
     row["sdpa_gpu_us"] = round(gpu_time(sdpa, qh, reps), 1)
-    # the split plan's first steps, chained through a glue op (the next query = x + 0 * first output
-    # value: two small kernels), and the glue alone, so a step's time is (its chain - glue)
-    def glue(x, out):
-        return x + 0.0 * out.reshape(-1)[:1]
-
+    # the split plan's first step chained through the glue op, and the glue alone: a step's time is
+    # (its chain - glue)
     row["glue_gpu_us"] = round(gpu_time(lambda x: glue(x, x), q, reps), 1)
     fn = lambda x: glue(x, kernels._split_attention(kind, x, keys, values, slots, pos, lens, spec, steps=1))  # noqa: E731
     row["split_scores_glued_gpu_us"] = round(gpu_time(fn, q, reps), 1)

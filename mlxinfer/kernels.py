@@ -181,6 +181,16 @@ def uses_rows(seq_rows, capacity: int) -> bool:
 
 
 @lru_cache(maxsize=256)
+def _checked_rows(seq_rows: tuple, n: int) -> tuple:
+    """seq_rows as given, once checked to cut the pass's n rows into consecutive runs (cached: every
+    layer of a pass hands the same)."""
+    if seq_rows[0][0] != 0 or seq_rows[-1][1] != n or any(r1 <= r0 for r0, r1 in seq_rows) or any(
+            a[1] != b[0] for a, b in zip(seq_rows, seq_rows[1:])):
+        raise ValueError(f"seq_rows must cut the pass's {n} rows into consecutive runs, got {seq_rows[:4]}...")
+    return seq_rows
+
+
+@lru_cache(maxsize=256)
 def _score_tiles(seq_rows: tuple):
     """attn_scores_rows' tiles: each sequence's rows cut into runs of at most 32 (first row, rows), as
     one int32 array (cached: every layer of a pass asks for the same)."""
@@ -237,16 +247,12 @@ def _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, st
     shape = [(n, spec.n_heads, cap)]
     if two_launches is None:
         two_launches = uses_two_launches(n, cap)
+    if seq_rows is not None:  # None: one row a sequence (a decode step), nothing to check
+        seq_rows = _checked_rows(tuple((int(r0), int(r1)) for r0, r1 in seq_rows), n)
     if by_rows is None:
         by_rows = uses_rows(seq_rows, cap)
-    if seq_rows is None:
-        seq_rows = [(r, r + 1) for r in range(n)]
-    seq_rows = tuple((int(r0), int(r1)) for r0, r1 in seq_rows)
-    if seq_rows[0][0] != 0 or seq_rows[-1][1] != n or any(r1 <= r0 for r0, r1 in seq_rows) or any(
-            a[1] != b[0] for a, b in zip(seq_rows, seq_rows[1:])):
-        raise ValueError(f"seq_rows must cut the pass's {n} rows into consecutive runs, got {seq_rows[:4]}...")
     if by_rows and spec.head_dim <= 128:  # tiles of up to 32 rows of one sequence x 32 keys
-        tiles = _score_tiles(seq_rows)
+        tiles = _score_tiles(tuple((r, r + 1) for r in range(n)) if seq_rows is None else seq_rows)
         (out,) = _kernel(kind, "attn_scores_rows")(
             inputs=[q, keys, row_slot, row_pos, row_len, tiles],
             template=template, grid=_grid(tiles.size // 2 * spec.n_kv_heads * -(-cap // 32)),
