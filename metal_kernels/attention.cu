@@ -116,6 +116,21 @@ __host__ __device__ constexpr int mlxi_chain_at(int k) {
   return ((k & 1) << 4) | ((k & 2) << 2) | (k & 4) | ((k & 8) >> 2) | ((k & 16) >> 4);
 }
 
+// Chain (or lane) k's total x joins the tree of the 32, taken in mlxi_chain_at's order (see there);
+// returns the tree's total after k = 31. k must be a compile-time constant (an unrolled loop).
+__device__ __forceinline__ float mlxi_tree_join(float (&lvl)[5], float x, int k) {
+#pragma unroll
+  for (int b = 0; b < 5; ++b) {
+    if ((k >> b) & 1) {
+      x = __fadd_rn(lvl[b], x);
+    } else {
+      lvl[b] = x;
+      break;
+    }
+  }
+  return x;
+}
+
 // One thread's context for R rows r0 .. r0+R-1 (one sequence: one cache slot, S keys) and NH heads
 // hb .. hb+NH-1, head dimensions d0 .. d0+3 (< D): out[r, h, d] = dot(p[r, h, :S], v[:S, d]) in the
 // published order, the thread walking all 32 chains (keys i = l, l+32, ... in increasing i) in
@@ -129,7 +144,7 @@ __device__ __forceinline__ void mlxi_context_tile(const float* p, const float* v
 #pragma unroll
     for (int e = 0; e < NH; ++e) pr[r][e] = p + ((r0 + r) * H + hb + e) * cap;
   }
-  float lvl[5][R][NH][4];
+  float lvl[R][NH][4][5];
 #pragma unroll
   for (int k = 0; k < 32; ++k) {
     const int l = mlxi_chain_at(k);
@@ -160,16 +175,7 @@ __device__ __forceinline__ void mlxi_context_tile(const float* p, const float* v
       for (int e = 0; e < NH; ++e) {
 #pragma unroll
         for (int dd = 0; dd < 4; ++dd) {
-          float x = a[r][e][dd];
-#pragma unroll
-          for (int b = 0; b < 5; ++b) {
-            if ((k >> b) & 1) {
-              x = __fadd_rn(lvl[b][r][e][dd], x);
-            } else {
-              lvl[b][r][e][dd] = x;
-              break;
-            }
-          }
+          const float x = mlxi_tree_join(lvl[r][e][dd], a[r][e][dd], k);
           if (k == 31 && d0 + dd < D) out[(r0 + r) * H * D + (long)(hb + e) * D + d0 + dd] = x;
         }
       }
@@ -607,7 +613,7 @@ if (tile < tiles_shape[0] / 2) {  // the same for the whole block
         }
         __syncthreads();
       }
-      float lvl[5][4][2], tot[4][2];
+      float lvl[4][2][5], tot[4][2];
 #pragma unroll
       for (int kk = 0; kk < 32; ++kk) {
         const int l = mlxi_chain_at(kk);
@@ -625,15 +631,7 @@ if (tile < tiles_shape[0] / 2) {  // the same for the whole block
               for (int t = 0; t < NT; ++t) {
                 if (l + 32 * t < D) x = __fadd_rn(x, __fmul_rn(qt4[t], kt4[t]));
               }
-#pragma unroll
-              for (int b = 0; b < 5; ++b) {
-                if ((kk >> b) & 1) {
-                  x = __fadd_rn(lvl[b][rr][e], x);
-                } else {
-                  lvl[b][rr][e] = x;
-                  break;
-                }
-              }
+              x = mlxi_tree_join(lvl[rr][e], x, kk);
               if (kk == 31) tot[rr][e] = x;
             }
           }
