@@ -589,7 +589,7 @@ if (tile < tiles_shape[0] / 2) {  // the same for the whole block
     // sequence's chunk: consecutive positions); where none is, the tile's scores are -INFINITY
     bool any = false;
     for (long j = j0; j < min(j0 + 32, (long)S); ++j) {
-      any = any || !((CAUSAL && j > posn) || (WINDOW > 0 && j <= pos0 - WINDOW));
+      any = any || !(mlxi_hidden(j, posn, CAUSAL, 0) || mlxi_hidden(j, pos0, 0, WINDOW));
     }
     const float* kg = k + (long)slot * cap * kvw + g * D;
     if (any) {
