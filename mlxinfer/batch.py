@@ -18,6 +18,14 @@ from itertools import accumulate
 from .errors import RequestError
 
 
+MIN_INDEX_ENTRIES = 4  # MLX's CUDA allocator keeps arrays of up to 8 bytes (two int32) in its small pool
+# of host memory, which the GPU reads across the bus: every kernel that reads one row's slot, position
+# or length of a one-sequence decode step waited on it (H200, 2026-11-30 21:15 UTC, bench/decode_attention.py
+# --gpu-clock, one row: 19.6 / 35.5 / 62.8 / 246.0 us at 512 / 2,048 / 8,192 / 32,768 keys; the same rows
+# padded to 4 entries: 8.9 / 13.2 / 42.3 / 226.2). Every index array is a slice of one `packed` array
+# of at least 4 x MIN_INDEX_ENTRIES int32.
+
+
 class Batch:
     def __init__(self, ops, slots, starts, lengths, all_logits: bool = False, logits_for=None):
         if not (len(slots) == len(starts) == len(lengths)) or not slots:
@@ -42,24 +50,53 @@ class Batch:
             logit_rows = [r1 - 1 for (_, r1), w in zip(self.rows, wanted) if w]
             self.logit_groups = tuple((i, i + 1) for i in range(len(logit_rows)))
         self.n_logit_rows = len(logit_rows)
+        self._ops = ops
         self._positions_host = positions
-        self.positions = ops.index_array(positions)
-        self.row_slots = ops.index_array(row_slots)
-        self.logit_rows = ops.index_array(logit_rows)
-        self.row_lens = ops.index_array([n for n, k in zip(self.kv_lens, self.lengths) for _ in range(k)])
+        self._host_rows = (positions, row_slots, [n for n, k in zip(self.kv_lens, self.lengths) for _ in range(k)],
+                           logit_rows)
+        self._arrays = None  # (positions, row_slots, row_lens, logit_rows): made on first use (`packed`)
         self._per_sequence: dict[int, object] = {}
         self.traced = False  # True in the batch a compiled step is traced with (decode_template)
 
     @classmethod
-    def decode_template(cls, ops, n: int, positions, row_slots, row_lens):
+    def decode_template(cls, ops, n: int, positions, row_slots, row_lens, logit_rows=None):
         """The batch a compiled decode step is traced with: n sequences of one row each, every array
         given (traced inputs), no host value that the graph could depend on (its slots, starts and
         lengths are placeholders: a compiled step reads only the arrays)."""
         b = cls(ops, list(range(n)), [0] * n, [1] * n)
-        b.positions, b.row_slots, b.row_lens = positions, row_slots, row_lens
+        b._arrays = (positions, row_slots, row_lens, b.logit_rows if logit_rows is None else logit_rows, None)
         b.traced = True
         b.slots = b.starts = b.kv_lens = b._positions_host = None  # placeholders: reading them fails
         return b
+
+    @property
+    def packed(self):
+        """The pass's four index arrays in one: [positions | row_slots | row_lens | logit_rows], each
+        `width` (index_width) entries, zero-padded; made from the host lists once, on first use, as
+        one array (one transfer), of which `positions` etc. are slices."""
+        if self._arrays is None:
+            w = self.index_width
+            packed = [0] * (4 * w)
+            for i, values in enumerate(self._host_rows):
+                packed[i * w:i * w + len(values)] = values
+            whole = self._ops.index_array(packed)
+            self._arrays = tuple(whole[i * w:i * w + len(v)] for i, v in enumerate(self._host_rows)) + (whole,)
+        return self._arrays[4]
+
+    @property
+    def index_width(self) -> int:
+        """Entries per index array in `packed`: at least MIN_INDEX_ENTRIES (see there)."""
+        return max(self.n_rows, self.n_logit_rows, MIN_INDEX_ENTRIES)
+
+    def _index(self, i: int):
+        if self._arrays is None:
+            self.packed
+        return self._arrays[i]
+
+    positions = property(lambda self: self._index(0), doc="each row's position (index array)")
+    row_slots = property(lambda self: self._index(1), doc="each row's cache slot")
+    row_lens = property(lambda self: self._index(2), doc="each row's sequence length after this pass")
+    logit_rows = property(lambda self: self._index(3), doc="the rows whose logits are computed")
 
     def __len__(self) -> int:
         return len(self.lengths)

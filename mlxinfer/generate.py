@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .backends import make_backend
-from .batch import Batch
+from .batch import MIN_INDEX_ENTRIES, Batch
 from .chat import render_chat
 from .distributed import Shard, join
 from .errors import GGUFError, RequestError
@@ -138,6 +138,7 @@ class Engine:
         self.kv_width = self.shard.n_kv_heads * self.args.head_dim  # this rank's KV heads
         self.model = arch.Model(backend, self.gguf, self.args, self.shard)
         self._steps = {}  # compiled decode steps, by (cache class, batch size)
+        self._next_rows = None  # ((slot, position) of each row, packed index arrays) for the next step
 
     # -- helpers ------------------------------------------------------------------------------
     def new_cache(self):
@@ -253,12 +254,19 @@ class Engine:
         batch = Batch(ops, [s.slot for s, _ in plan], [s.cached for s, _ in plan], [n for _, n in plan],
                       logits_for=[s.cached + n >= len(s.prompt) for s, n in plan])
         cache.reserve(batch)
+        carried = ()
         if self._compiled(plan, cache, batch):
             paged = cache.decode_index(ops, batch) if isinstance(cache, PagedKVCache) else ()
             step = self._decode_step(type(cache), len(plan))
-            logits, keys, values = step(ids, batch.positions, batch.row_slots, batch.row_lens, cache.keys,
-                                        cache.values, *paged)
+            rows = [(s.slot, s.cached) for s, _ in plan]
+            if self._next_rows is not None and self._next_rows[0] == rows:
+                packed = self._next_rows[1]  # the last step's, one row further on (made on the device)
+            else:
+                packed = batch.packed  # from the host
+            logits, keys, values, packed = step(ids, packed, cache.keys, cache.values, *paged)
             cache.keys[:], cache.values[:] = keys, values
+            self._next_rows = ([(slot, pos + 1) for slot, pos in rows], packed)
+            carried = (packed,)
         else:
             logits = self.model(ops, ids, batch, cache)
         step = _Pass(sampled)
@@ -268,7 +276,7 @@ class Engine:
             step.outputs = (step.tokens, step.logprobs)
         else:  # a pass of mid-prompt chunks: its product is the cache
             step.outputs = tuple(cache.arrays())
-        ops.start(*step.outputs)
+        ops.start(*step.outputs, *carried)
         for s, n in plan:
             s.cached += n
         for row, s in enumerate(sampled):
@@ -286,10 +294,14 @@ class Engine:
                 and self.backend.compiles_pass(batch, self.model.spec))
 
     def _decode_step(self, kind: type, n: int):
-        """The compiled decode step of `n` sequences over a cache of class `kind`: (ids, positions,
-        slots, lengths, keys, values[, paged index]) -> (logits, keys, values), the per-layer stores
-        in and out. Made once per engine, batch size and cache class; the backend retraces it only
-        when a shape changes (the cache's capacity), so later requests reuse the trace."""
+        """The compiled decode step of `n` sequences over a cache of class `kind`: (ids, packed index
+        arrays (Batch.packed), keys, values[, paged index]) -> (logits, keys, values, the next step's
+        packed arrays), the per-layer stores in and out. The next step's positions and lengths are one
+        more, made on the device: a run of steps over the same sequences reads no index array from the
+        host (MLX's CUDA backend keeps arrays made on the host in managed memory, which the GPU
+        migrates or reads across the bus; `_launch` passes them on). Made once per engine, batch size
+        and cache class; the backend retraces it only when a shape changes (the cache's capacity), so
+        later requests reuse the trace."""
         key = (kind, n)
         if key in self._steps:
             self._steps[key] = self._steps.pop(key)  # most recently used last
@@ -298,8 +310,11 @@ class Engine:
                 del self._steps[next(iter(self._steps))]
             ops = self.backend
 
-            def forward(ids, positions, row_slots, row_lens, keys, values, *paged):
-                batch = Batch.decode_template(ops, n, positions, row_slots, row_lens)
+            width = max(n, MIN_INDEX_ENTRIES)  # Batch.index_width of n one-row sequences
+            one_more = ops.index_array([1] * width + [0] * width + [1] * width + [0] * width)  # positions, lengths
+
+            def forward(ids, packed, keys, values, *paged):
+                batch = Batch.decode_template(ops, n, *(packed[i * width:i * width + n] for i in range(4)))
                 if paged:  # the paged cache's write targets and gather rows (PagedKVCache.decode_index)
                     blocks, offsets, rows, row_seq = paged
                     batch.paged_index = dict(blocks=blocks, offsets=offsets,
@@ -307,7 +322,7 @@ class Engine:
                 stores = object.__new__(kind)  # the cache as `update` sees it: only its stores are read
                 stores.keys, stores.values = list(keys), list(values)
                 logits = self.model(ops, ids, batch, stores)
-                return logits, stores.keys, stores.values
+                return logits, stores.keys, stores.values, packed + one_more
 
             self._steps[key] = ops.compile_decode(forward)
         return self._steps[key]

@@ -35,6 +35,7 @@ T_KER = "tests/test_kernels.py"
 T_SRV = "tests/test_server.py"
 T_TP = "tests/test_tp.py"
 T_WG = "tests/test_weight_groups.py"
+T_COMP = "tests/test_compile.py"
 
 CPU = "mlxinfer/backends/cpu.py"
 MLX = "mlxinfer/backends/mlx.py"
@@ -201,9 +202,20 @@ M = [
      [("keys[layer] = ops.concat_dim0(keys[layer], k_b)", "keys[layer] = ops.concat_dim0(k_b, keys[layer])")],
      [T_GEN, T_MOD], "basic cache: new keys prepended instead of appended"),
     ("batch-row-lens-wrong", "positions/KV", BATCH,
-     [("self.row_lens = ops.index_array([n for n, k in zip(self.kv_lens, self.lengths) for _ in range(k)])",
-       "self.row_lens = ops.index_array([n for n, k in zip(self.starts, self.lengths) for _ in range(k)])")],
+     [("[n for n, k in zip(self.kv_lens, self.lengths) for _ in range(k)]",
+       "[n for n, k in zip(self.starts, self.lengths) for _ in range(k)]")],
      [T_GEN, T_MLX], "Batch.row_lens: the cached length before the pass (read by the CUDA kernel)"),
+    ("batch-packed-offset", "positions/KV", BATCH,
+     [("packed[i * w:i * w + len(values)] = values", "packed[i * w + 1:i * w + 1 + len(values)] = values")],
+     [T_GEN, T_COMP], "Batch.packed: each index array one entry late in the packed array"),
+    ("compiled-next-rows-not-advanced", "positions/KV", GEN,
+     [("return logits, stores.keys, stores.values, packed + one_more",
+       "return logits, stores.keys, stores.values, packed")],
+     [T_COMP], "compiled decode: the next step's positions and lengths carried without the one more"),
+    ("compiled-next-rows-never-reused", "positions/KV", GEN,
+     [("self._next_rows = ([(slot, pos + 1) for slot, pos in rows], packed)",
+       "self._next_rows = ([(slot, pos) for slot, pos in rows], packed)")],
+     [T_COMP], "compiled decode: the carried index arrays never match the next step (built on the host every step)"),
     # -- batching --------------------------------------------------------------------------------
     ("batch-linear-ignores-groups", "batching", CPU,
      [("if groups is None or len(groups) == 1:", "if True:")],

@@ -104,6 +104,26 @@ def test_compiled_step_is_actually_used(model, monkeypatch):
     assert calls[0] is False and calls.count(True) == 5  # the prompt's pass eager, five decode passes compiled
 
 
+def test_decode_steps_carry_their_index_arrays_on_the_device(model, monkeypatch):
+    """A run of compiled steps over the same sequences makes its positions and lengths on the device
+    (each step returns the next's): the host builds index arrays for the prompt's pass and the first
+    decode step only, and again only when the batch changes; the tokens equal the eager engine's."""
+    from mlxinfer.batch import Batch
+
+    eager, compiled = engines(model)
+    built = []
+    real = Batch.packed.fget
+    monkeypatch.setattr(Batch, "packed", property(lambda self: built.append(self.lengths) or real(self)))
+    want = eager.generate([3, 4, 5], max_tokens=8).token_ids
+    built.clear()
+    assert compiled.generate([3, 4, 5], max_tokens=8).token_ids == want
+    assert built == [(3,), (1,)]  # the prompt's pass, then the first of seven decode steps
+    prompts = [list(range(5, 5 + n)) for n in (3, 9)]
+    want = [g.token_ids for g in eager.generate_batch(prompts, max_tokens=6)]
+    built.clear()
+    assert [g.token_ids for g in compiled.generate_batch(prompts, max_tokens=6)] == want
+    assert built.count((1, 1)) == 1  # both sequences decode together from the first step on
+
 def test_graph_attention_and_tracing_never_compile(model):
     plain = mlxinfer.load(model, backend="mlx", device="cpu")
     assert not plain.backend.compiles_decode  # the graph path reads host lengths
