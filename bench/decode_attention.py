@@ -19,8 +19,10 @@ both plans give the same bits and that they agree with sdpa to 1e-4. Needs an ML
 `--gpu-clock` (CUDA) measures instead the device time alone: 20 calls chained (each call's output is
 the next call's query), between two GPU clock stamps (bench/gpu_clock.py), all in one CUDA graph
 (MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER set high), per call (`*_gpu_us`; the split plan's two- and three-launch forms forced as
-`split_two_launches_gpu_us` and `split_three_launches_gpu_us`; with `--prefetch`, one row also with
-`kernels.PREFETCH = 1` as `fused_prefetch_gpu_us`, then the default again as `fused_gpu_us_again`); for the split plan
+`split_two_launches_gpu_us` and `split_three_launches_gpu_us`; with `--one-row-forms SU:KU:PF,...`, one
+row also with each of those `kernels.ONE_ROW_FORM`s as `fused_SU8_KU64_PF1_gpu_us` etc., then the default
+again as `fused_gpu_us_again`; for one or two rows also with each row array padded to 4 entries, as
+`fused_rows_padded_gpu_us`: MLX's CUDA allocator keeps arrays of up to 8 bytes in host memory); for the split plan
 also its first step (the scores), chained through a glue op whose own time is `glue_gpu_us`. The first
 stamp depends only on the (evaluated) query, so in MLX's CUDA graph it may run beside the first call's
 first kernel (an error of at most that kernel's time over the 20 calls). Two graphs of warm-up, then the
@@ -86,7 +88,22 @@ def glue(x, out):
     return x + 0.0 * out.reshape(-1)[:1]
 
 
-def gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, reps, prefetch=False):
+def form_name(form) -> str:
+    return "_".join(f"{k}{v}" for k, v in form)
+
+
+def parse_forms(text: str) -> list[tuple]:
+    """--one-row-forms "SU:KU:PF,..." -> [(("SU", su), ("KU", ku), ("PF", pf)), ...]"""
+    forms = []
+    for item in filter(None, text.split(",")):
+        su, ku, pf = (int(x) for x in item.split(":"))
+        if su < 1 or ku < 8 or ku % 8 or pf not in (0, 1):
+            raise SystemExit(f"decode_attention: bad form {item!r} (SU >= 1, KU a multiple of 8, PF 0 or 1)")
+        forms.append((("SU", su), ("KU", ku), ("PF", pf)))
+    return forms
+
+
+def gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, reps, forms=()):
     """The --gpu-clock row of one case."""
     row = dict(batch=b, context=s, split=kernels.uses_split(kind, b, spec), kernel=kind, clock="gpu",
                two_launches=kernels.uses_two_launches(b, s))
@@ -105,16 +122,25 @@ def gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, re
     fn = lambda x: glue(x, kernels._split_attention(kind, x, keys, values, slots, pos, lens, spec, steps=1))  # noqa: E731
     row["split_scores_glued_gpu_us"] = round(gpu_time(fn, q, reps), 1)
     row["fused_over_sdpa_gpu"] = round(row["fused_gpu_us"] / row["sdpa_gpu_us"], 2)
-    if prefetch and b == 1:  # attn_softmax_context's prefetching form (kernels.PREFETCH), bit for bit first
+    if b * 4 <= 8:  # MLX's CUDA allocator puts arrays of <= 8 bytes in its small pool of host (managed)
+        # memory, which the GPU reads across the bus: the same rows, each array padded to 4 entries
+        padded = [mx.concatenate([x, mx.zeros((4 - b,), dtype=mx.int32)]) for x in (slots, pos, lens)]
+        mx.eval(*padded)
+        fp = lambda x: kernels.fused_attention(kind, x, keys, values, *padded, spec)  # noqa: E731
+        if not np.array_equal(np.array(fp(q)).view(np.uint32), np.array(fused(q)).view(np.uint32)):
+            sys.exit("decode_attention: padded row arrays give other bits")
+        row["fused_rows_padded_gpu_us"] = round(gpu_time(fp, q, reps), 1)
+    for form in (forms if b == 1 else ()):  # one row's other attn_softmax_context forms, bit for bit first
         want = np.array(fused(q)).view(np.uint32)
-        kernels.PREFETCH = 1
+        default, kernels.ONE_ROW_FORM = kernels.ONE_ROW_FORM, form
         try:
             if not np.array_equal(np.array(fused(q)).view(np.uint32), want):
-                sys.exit("decode_attention: the prefetching form differs from the default")
-            row["fused_prefetch_gpu_us"] = round(gpu_time(fused, q, reps), 1)
+                sys.exit(f"decode_attention: form {form_name(form)} differs from the default")
+            row[f"fused_{form_name(form)}_gpu_us"] = round(gpu_time(fused, q, reps), 1)
         finally:
-            kernels.PREFETCH = 0
-        row["fused_gpu_us_again"] = round(gpu_time(fused, q, reps), 1)  # the default again, after it
+            kernels.ONE_ROW_FORM = default
+    if forms and b == 1:
+        row["fused_gpu_us_again"] = round(gpu_time(fused, q, reps), 1)  # the default again, after them
     return row
 
 
@@ -125,8 +151,9 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--out", default=None)
     p.add_argument("--gpu-clock", action="store_true", help="device time per call only (CUDA)")
-    p.add_argument("--prefetch", action="store_true",
-                   help="with --gpu-clock: also time one row with kernels.PREFETCH = 1 (fused_prefetch_gpu_us)")
+    p.add_argument("--one-row-forms", default="",
+                   help="with --gpu-clock: also time one row with these attn_softmax_context forms, "
+                        "SU:KU:PF,... (kernels.ONE_ROW_FORM; fused_SU8_KU32_PF1_gpu_us, ...)")
     a = p.parse_args(argv)
     kind = "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else None
     if kind is None:
@@ -156,7 +183,7 @@ def main(argv=None):
                 sys.exit(f"decode_attention: plans differ (bitwise equal: {same}) or far from sdpa ({err:.3g})")
             if a.gpu_clock:
                 emit(gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, max(5, a.reps // 5),
-                              prefetch=a.prefetch), a.out)
+                              forms=parse_forms(a.one_row_forms)), a.out)
                 continue
             row = dict(batch=b, context=s, split=kernels.uses_split(kind, b, spec), kernel=kind)
             for name, op in ops.items():

@@ -6,8 +6,12 @@ bench/results/h200-ncu-attention-1900.txt, -1910.txt and h200-ncu-prefill-rows-1
 
     ncu --kernel-name regex:"attn_(scores|context)" --section SpeedOfLight --section LaunchStats \
         --section Occupancy --section WarpStateStats python3 bench/ncu_attention.py
+
+`--decode-only`: the one-row cases alone, at 512, 2,048, 8,192 and 32,768 keys; `--repeat N`: each op N
+times (under `ncu --cache-control none` the later launches find the cache as a chain of calls leaves it).
 """
 
+import argparse
 import os
 import sys
 
@@ -21,9 +25,15 @@ from mlxinfer.backend import AttentionSpec  # noqa: E402
 
 if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
     sys.exit("ncu_attention: needs MLX's CUDA backend")
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--decode-only", action="store_true")
+p.add_argument("--repeat", type=int, default=1)
+a = p.parse_args()
 spec = AttentionSpec.standard(16, 8, 128)
 rng = np.random.default_rng(0)
-for t, cap, s in ((511, 512, None), (1, 32768, 32768), (1, 2048, 2048)):
+cases = [(1, s, s) for s in (512, 2048, 8192, 32768)] if a.decode_only else [(511, 512, None), (1, 32768, 32768),
+                                                                               (1, 2048, 2048)]
+for t, cap, s in cases:
     q = mx.array(rng.standard_normal((t, 2048), dtype=np.float32))
     k = mx.array(rng.standard_normal((1, cap, 1024), dtype=np.float32))
     v = mx.array(rng.standard_normal((1, cap, 1024), dtype=np.float32))
@@ -31,9 +41,10 @@ for t, cap, s in ((511, 512, None), (1, 32768, 32768), (1, 2048, 2048)):
     pos = mx.arange(t, dtype=mx.int32) if s is None else mx.full((1,), s - 1, dtype=mx.int32)
     lens = mx.full((t,), n, dtype=mx.int32)
     args = (q, k, v, mx.zeros((t,), dtype=mx.int32), pos, lens, spec)
-    mx.eval(kernels.fused_attention("cuda", *args, seq_rows=[(0, t)]))
-    if t > 1:
-        mx.eval(kernels._split_attention("cuda", *args, two_launches=False))
-    heads = (lambda x, h: mx.reshape(x, (1, -1, h, 128)).transpose(0, 2, 1, 3))
-    mx.eval(mx.fast.scaled_dot_product_attention(heads(q, 16), heads(k[:, :n], 8), heads(v[:, :n], 8),
-                                                 scale=spec.scale, mask="causal" if t > 1 else None))
+    for _ in range(a.repeat):
+        mx.eval(kernels.fused_attention("cuda", *args, seq_rows=[(0, t)]))
+        if t > 1:
+            mx.eval(kernels._split_attention("cuda", *args, two_launches=False))
+        heads = (lambda x, h: mx.reshape(x, (1, -1, h, 128)).transpose(0, 2, 1, 3))
+        mx.eval(mx.fast.scaled_dot_product_attention(heads(q, 16), heads(k[:, :n], 8), heads(v[:, :n], 8),
+                                                     scale=spec.scale, mask="causal" if t > 1 else None))

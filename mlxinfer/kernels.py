@@ -149,14 +149,16 @@ def split_unroll(rows: int) -> list[tuple[str, int]]:
     247 vs 286 us at 2,048 / 32,768 keys; at 8,192 46 vs 85 in one column, 72 vs 73 in the other,
     which times the same kernels); with 8 rows the same kernel was
     slower (29.5 vs 22.3 us at 512 keys, 69.6 vs 64.7 at 2,048: more registers, fewer blocks at once),
-    so several rows keep the former (1, 8). PF: whether one row prefetches its values (`PREFETCH`).
+    so several rows keep the former (1, 8). One row's form: `ONE_ROW_FORM`.
     The arithmetic and its order are the same either way."""
-    return [("SU", 8), ("KU", 32), ("PF", PREFETCH)] if rows == 1 else [("SU", 1), ("KU", 8), ("PF", 0)]
+    return list(ONE_ROW_FORM) if rows == 1 else [("SU", 1), ("KU", 8), ("PF", 0)]
 
 
-PREFETCH = 0  # one row's attn_softmax_context prefetches its values (1) or not (0): same arithmetic. An
-# experiment for issue 10's one-row microbenchmark (Nsight Compute, H200, 18:59 UTC: that kernel over
-# 32,768 keys at 12% of DRAM bandwidth, its value loads waiting between steps); not yet measured, so off
+ONE_ROW_FORM = (("SU", 8), ("KU", 32), ("PF", 0))  # one row's attn_softmax_context: SU, KU as above; PF
+# whether it prefetches its values (1: the chain's next KU loaded during the current KU's arithmetic) or
+# not (0); the same arithmetic. PF=1 is an experiment for issue 10's one-row microbenchmark (Nsight
+# Compute, H200, 18:59 UTC: that kernel over 32,768 keys at 12% of DRAM bandwidth, its value loads
+# waiting between steps); not yet measured, so off
 
 
 def uses_two_launches(rows: int, capacity: int) -> bool:
