@@ -21,8 +21,9 @@ the next call's query), between two GPU clock stamps (bench/gpu_clock.py), all i
 (MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER set high), per call (`*_gpu_us`; the split plan's two- and three-launch forms forced as
 `split_two_launches_gpu_us` and `split_three_launches_gpu_us`; with `--one-row-forms SU:KU:PF,...`, one
 row also with each of those `kernels.ONE_ROW_FORM`s as `fused_SU8_KU64_PF1_gpu_us` etc., then the default
-again as `fused_gpu_us_again`; for one or two rows also with each row array padded to 4 entries, as
-`fused_rows_padded_gpu_us`: MLX's CUDA allocator keeps arrays of up to 8 bytes in host memory); for the split plan
+again as `fused_gpu_us_again`; the row arrays (slot, position, length) are slices of arrays of at least 4
+entries, as the engine passes them, and for one or two rows `fused_rows_small_gpu_us` times arrays of
+their own size, which MLX's CUDA allocator keeps in host memory when they hold at most 8 bytes); for the split plan
 also its first step (the scores), chained through a glue op whose own time is `glue_gpu_us`. The first
 stamp depends only on the (evaluated) query, so in MLX's CUDA graph it may run beside the first call's
 first kernel (an error of at most that kernel's time over the 20 calls). Two graphs of warm-up, then the
@@ -52,6 +53,7 @@ import numpy as np  # noqa: E402
 from gpu_clock import elapsed_us, stamp  # noqa: E402
 from mlxinfer import kernels  # noqa: E402
 from mlxinfer.backend import AttentionSpec  # noqa: E402
+from mlxinfer.batch import MIN_INDEX_ENTRIES  # noqa: E402
 from peers import emit  # noqa: E402
 
 
@@ -123,13 +125,14 @@ def gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, re
     row["split_scores_glued_gpu_us"] = round(gpu_time(fn, q, reps), 1)
     row["fused_over_sdpa_gpu"] = round(row["fused_gpu_us"] / row["sdpa_gpu_us"], 2)
     if b * 4 <= 8:  # MLX's CUDA allocator puts arrays of <= 8 bytes in its small pool of host (managed)
-        # memory, which the GPU reads across the bus: the same rows, each array padded to 4 entries
-        padded = [mx.concatenate([x, mx.zeros((4 - b,), dtype=mx.int32)]) for x in (slots, pos, lens)]
-        mx.eval(*padded)
-        fp = lambda x: kernels.fused_attention(kind, x, keys, values, *padded, spec)  # noqa: E731
-        if not np.array_equal(np.array(fp(q)).view(np.uint32), np.array(fused(q)).view(np.uint32)):
-            sys.exit("decode_attention: padded row arrays give other bits")
-        row["fused_rows_padded_gpu_us"] = round(gpu_time(fp, q, reps), 1)
+        # memory, which the GPU reads across the bus (mlxinfer.batch.MIN_INDEX_ENTRIES): the same rows,
+        # each array of b entries alone, as the engine passed them before 6079cb6
+        small = [x[:b] + 0 for x in (slots, pos, lens)]
+        mx.eval(*small)
+        fs = lambda x: kernels.fused_attention(kind, x, keys, values, *small, spec)  # noqa: E731
+        if not np.array_equal(np.array(fs(q)).view(np.uint32), np.array(fused(q)).view(np.uint32)):
+            sys.exit("decode_attention: row arrays of b entries give other bits")
+        row["fused_rows_small_gpu_us"] = round(gpu_time(fs, q, reps), 1)
     for form in (forms if b == 1 else ()):  # one row's other attn_softmax_context forms, bit for bit first
         want = np.array(fused(q)).view(np.uint32)
         default, kernels.ONE_ROW_FORM = kernels.ONE_ROW_FORM, form
@@ -165,13 +168,14 @@ def main(argv=None):
             q = mx.array(rng.standard_normal((b, 16 * 128), dtype=np.float32))
             keys = mx.array(rng.standard_normal((b, s, 8 * 128), dtype=np.float32))
             values = mx.array(rng.standard_normal((b, s, 8 * 128), dtype=np.float32))
-            slots = mx.arange(b, dtype=mx.int32)
-            pos = mx.full((b,), s - 1, dtype=mx.int32)
-            lens = mx.full((b,), s, dtype=mx.int32)
+            width = max(b, MIN_INDEX_ENTRIES)  # as the engine passes them (Batch.packed): never <= 8 bytes
+            slots = mx.arange(width, dtype=mx.int32)[:b]
+            pos = mx.full((width,), s - 1, dtype=mx.int32)[:b]
+            lens = mx.full((width,), s, dtype=mx.int32)[:b]
             qh = mx.reshape(q, (b, 16, 1, 128))
             kh = mx.contiguous(mx.transpose(mx.reshape(keys, (b, s, 8, 128)), (0, 2, 1, 3)))
             vh = mx.contiguous(mx.transpose(mx.reshape(values, (b, s, 8, 128)), (0, 2, 1, 3)))
-            mx.eval(q, keys, values, kh, vh)
+            mx.eval(q, keys, values, kh, vh, slots, pos, lens)
             ops = {"fused": lambda: kernels.fused_attention(kind, q, keys, values, slots, pos, lens, spec),
                    "one_launch": lambda: kernels.fused_attention(kind, q, keys, values, slots, pos, lens, spec,
                                                                  split=False),
