@@ -20,7 +20,7 @@ from .errors import RequestError
 
 MIN_INDEX_ENTRIES = 4  # MLX's CUDA allocator keeps arrays of up to 8 bytes (two int32) in its small pool
 # of host memory, which the GPU reads across the bus: every kernel that reads one row's slot, position
-# or length of a one-sequence decode step waited on it (H200, 2026-11-30 21:15 UTC, bench/decode_attention.py
+# or length of a one-sequence decode step waited on it (H200, 2026-11-30 20:50 UTC, bench/decode_attention.py
 # --gpu-clock, one row: 19.6 / 35.5 / 62.8 / 246.0 us at 512 / 2,048 / 8,192 / 32,768 keys; the same rows
 # padded to 4 entries: 8.9 / 13.2 / 42.3 / 226.2). Every index array is a slice of one `packed` array
 # of at least 4 x MIN_INDEX_ENTRIES int32.
