@@ -19,8 +19,8 @@ both plans give the same bits and that they agree with sdpa to 1e-4. Needs an ML
 `--gpu-clock` (CUDA) measures instead the device time alone: 20 calls chained (each call's output is
 the next call's query), between two GPU clock stamps (bench/gpu_clock.py), all in one CUDA graph
 (MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER set high), per call (`*_gpu_us`; the split plan's two- and three-launch forms forced as
-`split_two_launches_gpu_us` and `split_three_launches_gpu_us`; with `--one-row-forms SU:KU:PF,...`, one
-row also with each of those `kernels.ONE_ROW_FORM`s as `fused_SU8_KU64_PF1_gpu_us` etc., then the default
+`split_two_launches_gpu_us` and `split_three_launches_gpu_us`; with `--one-row-forms SU:KU:PF:WS,...`, one
+row also with each of those `kernels.ONE_ROW_FORM`s as `fused_SU8_KU64_PF1_WS1_gpu_us` etc., then the default
 again as `fused_gpu_us_again`; the row arrays (slot, position, length) are slices of arrays of at least 4
 entries, as the engine passes them, and for one or two rows `fused_rows_small_gpu_us` times arrays of
 their own size, which MLX's CUDA allocator keeps in host memory when they hold at most 8 bytes); for the split plan
@@ -95,13 +95,13 @@ def form_name(form) -> str:
 
 
 def parse_forms(text: str) -> list[tuple]:
-    """--one-row-forms "SU:KU:PF,..." -> [(("SU", su), ("KU", ku), ("PF", pf)), ...]"""
+    """--one-row-forms "SU:KU:PF:WS,..." -> [(("SU", su), ("KU", ku), ("PF", pf), ("WS", ws)), ...]"""
     forms = []
     for item in filter(None, text.split(",")):
-        su, ku, pf = (int(x) for x in item.split(":"))
-        if su < 1 or ku < 8 or ku % 8 or pf not in (0, 1):
-            raise SystemExit(f"decode_attention: bad form {item!r} (SU >= 1, KU a multiple of 8, PF 0 or 1)")
-        forms.append((("SU", su), ("KU", ku), ("PF", pf)))
+        su, ku, pf, ws = (int(x) for x in item.split(":"))
+        if su < 1 or ku < 8 or ku % 8 or pf not in (0, 1) or ws not in (0, 1):
+            raise SystemExit(f"decode_attention: bad form {item!r} (SU >= 1, KU a multiple of 8, PF and WS 0 or 1)")
+        forms.append((("SU", su), ("KU", ku), ("PF", pf), ("WS", ws)))
     return forms
 
 
@@ -156,7 +156,7 @@ def main(argv=None):
     p.add_argument("--gpu-clock", action="store_true", help="device time per call only (CUDA)")
     p.add_argument("--one-row-forms", default="",
                    help="with --gpu-clock: also time one row with these attn_softmax_context forms, "
-                        "SU:KU:PF,... (kernels.ONE_ROW_FORM; fused_SU8_KU32_PF1_gpu_us, ...)")
+                        "SU:KU:PF:WS,... (kernels.ONE_ROW_FORM; fused_SU8_KU32_PF1_WS1_gpu_us, ...)")
     a = p.parse_args(argv)
     kind = "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else None
     if kind is None:

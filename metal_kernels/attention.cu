@@ -193,6 +193,17 @@ __device__ __forceinline__ void mlxi_chain_values(float* dst, const float* vd, l
   }
 }
 
+// The scores of one whole step of attn_softmax_context's context loop: xv[q][e] = xp[e * cap + 256 * q],
+// the score of key (chain l) k0 + 8 * q + dd for head e < nh (xp points at head 0's of key k0 + dd).
+template <int KU>
+__device__ __forceinline__ void mlxi_step_scores(float (&xv)[KU / 8][4], const float* xp, long cap, int nh) {
+#pragma unroll
+  for (int q8 = 0; q8 < KU / 8; ++q8) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) xv[q8][e] = e < nh ? xp[e * cap + 256 * q8] : 0.0f;
+  }
+}
+
 // In-place softmax of x[0..n) by the whole block (MLXI_THREADS threads); red: 8 floats of shared memory.
 __device__ __forceinline__ void mlxi_softmax(float* x, int n, int tid, float* red) {
   const int lane = tid & 31, wid = tid >> 5;
@@ -364,11 +375,13 @@ if (r < n) {
 // the loads in flight SU (1 or 8) and KU (8 or 32): more for one row, whose 128 blocks leave the GPU
 // waiting on memory, fewer for several rows, whose blocks share the SMs (kernels.split_unroll); PF
 // (0 or 1): whether the values are prefetched, the chain's first KU before step 1 and each next KU
-// during the current KU's arithmetic (an experiment for one row, off by default: not yet measured).
+// during the current KU's arithmetic; WS (0 or 1): whether the context loop takes whole steps without
+// checks first (2a below). The forms (kernels.split_unroll) change no operation and no order.
 const long cap = x_shape[2], n = x_shape[0];
 constexpr int G = H / KV, nd = (D + 7) / 8;
 constexpr int T = MLXI_THREADS;
-static_assert(SU >= 1 && KU >= 8 && KU % 8 == 0, "SU >= 1; KU a multiple of 8 (each thread computes one p of every 8 keys)");
+static_assert(SU >= 1 && KU >= 8 && KU % 8 == 0 && (WS == 0 || WS == 1),
+              "SU >= 1; KU a multiple of 8 (each thread computes one p of every 8 keys); WS 0 or 1");
 const long blk = (long)blockIdx.y * gridDim.x + blockIdx.x;
 const int c = blk % nd;
 const long rg = blk / nd;
@@ -398,9 +411,57 @@ if (r < n) {  // the same for the whole block
         __syncthreads();  // red is reused by the next head
       }
     }
-    // 2. the context; the loop bound is the warp's (its chains l start at 4 * wid): shuffles need all 32
+    // 2. the context. 2a (WS = 1): whole steps, where every chain of the block has its next KU keys
+    // (32 * (k0 + KU) <= S, the same for the whole block): no key is checked, the offsets are the
+    // compiler's constants, and with PF the next step's values and scores load during this step's
+    // arithmetic
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (long k0 = 0; 4L * wid + 32 * k0 < S; k0 += KU) {
+    const int whole = WS ? S / (32 * KU) : 0;
+    const float* vp = vd + (long)l * kvw;  // chain l's value of key l + 32 * k0
+    const float* xp = xr + l + 32 * dd;    // the score of key l + 32 * (k0 + dd), head 0
+    float xv[KU / 8][4];                   // [group of 8 keys][head]: the scores this thread turns into p
+    if (PF && whole > 0) mlxi_step_scores<KU>(xv, xp, cap, nh);
+    long k0 = 0;
+    for (int it = 0; it < whole; ++it, k0 += KU, vp += 32L * KU * kvw, xp += 32 * KU) {
+      float vn[KU], xn[KU / 8][4];
+      const bool next = it + 1 < whole;  // PF: the next step is whole too (the same for the block)
+      if (!PF) {
+#pragma unroll
+        for (int u = 0; u < KU; ++u) vv[u] = vp[32L * u * kvw];
+        mlxi_step_scores<KU>(xv, xp, cap, nh);
+      } else if (next) {
+#pragma unroll
+        for (int u = 0; u < KU; ++u) vn[u] = vp[32L * (KU + u) * kvw];
+        mlxi_step_scores<KU>(xn, xp + 32 * KU, cap, nh);
+      }
+      float pe[KU / 8][4];
+#pragma unroll
+      for (int q8 = 0; q8 < KU / 8; ++q8) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pe[q8][e] = e < nh ? __fdiv_rn(expf(__fsub_rn(xv[q8][e], m[e])), total[e]) : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pu = __shfl_sync(0xffffffffu, pe[u >> 3][e], (lane & ~7) | (u & 7));
+          if (e < nh) acc[e] = __fadd_rn(acc[e], __fmul_rn(pu, vv[u]));
+        }
+      }
+      if (PF && next) {
+#pragma unroll
+        for (int u = 0; u < KU; ++u) vv[u] = vn[u];
+#pragma unroll
+        for (int q8 = 0; q8 < KU / 8; ++q8) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) xv[q8][e] = xn[q8][e];
+        }
+      }
+    }
+    if (PF && whole > 0) mlxi_chain_values<KU>(vv, vd, kvw, l, k0, S);  // the first values of 2b
+    // 2b. the last steps, each key checked; the loop bound is the warp's (its chains l start at 4 * wid):
+    // shuffles need all 32
+    for (; 4L * wid + 32 * k0 < S; k0 += KU) {
       float vn[KU];  // PF: the next KU values, in flight during this step's arithmetic
       if (PF) mlxi_chain_values<KU>(vn, vd, kvw, l, k0 + KU, S);
       else mlxi_chain_values<KU>(vv, vd, kvw, l, k0, S);

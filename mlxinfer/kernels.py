@@ -151,14 +151,17 @@ def split_unroll(rows: int) -> list[tuple[str, int]]:
     slower (29.5 vs 22.3 us at 512 keys, 69.6 vs 64.7 at 2,048: more registers, fewer blocks at once),
     so several rows keep the former (1, 8). One row's form: `ONE_ROW_FORM`.
     The arithmetic and its order are the same either way."""
-    return list(ONE_ROW_FORM) if rows == 1 else [("SU", 1), ("KU", 8), ("PF", 0)]
+    return list(ONE_ROW_FORM) if rows == 1 else [("SU", 1), ("KU", 8), ("PF", 0), ("WS", 0)]
 
 
-ONE_ROW_FORM = (("SU", 8), ("KU", 32), ("PF", 0))  # one row's attn_softmax_context: SU, KU as above; PF
-# whether it prefetches its values (1: the chain's next KU loaded during the current KU's arithmetic) or
-# not (0); the same arithmetic. PF=1 is an experiment for issue 10's one-row microbenchmark (Nsight
-# Compute, H200, 18:59 UTC: that kernel over 32,768 keys at 12% of DRAM bandwidth, its value loads
-# waiting between steps); not yet measured, so off
+ONE_ROW_FORM = (("SU", 8), ("KU", 32), ("PF", 0), ("WS", 0))  # one row's attn_softmax_context: SU, KU as
+# above; PF whether it prefetches its values (1: the chain's next KU loaded during the current KU's
+# arithmetic) or not (0); WS whether its context loop takes whole steps without key checks first (1);
+# the same arithmetic in any form. H200, 2026-11-30 20:46 UTC (bench/decode_attention.py --gpu-clock
+# --one-row-forms, results/h200-decode-attention-forms-2046.jsonl): PF=1 no faster at 32,768 keys
+# (245.2 vs 246.0 us; with KU=64 246.0). Nsight Compute (18:59 UTC): over 32,768 keys the kernel issues
+# an instruction every ~4.8 cycles a scheduler from 2 warps, ~1,000 instructions a 32-key step, most of
+# them index arithmetic and key checks: WS cuts those
 
 
 def uses_two_launches(rows: int, capacity: int) -> bool:

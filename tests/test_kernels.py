@@ -222,8 +222,8 @@ def test_cuda_sources_compile_with_nvrtc():
     builds += [("attn_context_rows", bodies["attn_context_rows"], f) for f in forms]
     unrollings = {tuple(kernels.split_unroll(rows)) for rows in range(1, 1025)}  # every one it is launched with
     builds += [("attn_softmax_context", bodies["attn_softmax_context"], u) for u in sorted(unrollings)]
-    builds += [("attn_softmax_context", bodies["attn_softmax_context"], (("SU", 8), ("KU", ku), ("PF", pf)))
-               for ku, pf in ((32, 1), (64, 0), (64, 1))]  # the forms bench/decode_attention.py times
+    builds += [("attn_softmax_context", bodies["attn_softmax_context"], (("SU", 8), ("KU", ku), ("PF", pf), ("WS", ws)))
+               for ku, pf, ws in ((32, 1, 0), (32, 1, 1), (32, 0, 1), (64, 0, 1), (16, 1, 1))]  # test_mlx_backend's forms
     assert {n for n, _, _ in builds} == set(bodies)
     for name, body, extra in builds:
         src = _cuda_kernel_source(name, body, header, extra).encode()

@@ -245,6 +245,40 @@ def test_split_and_one_launch_kernels_agree_on_long_caches(rows, s, window, head
         assert np.array_equal(got[plan].view(np.uint32), got["one"].view(np.uint32)), plan
 
 
+ONE_ROW_FORMS = [(("SU", 8), ("KU", ku), ("PF", pf), ("WS", ws)) for ku, pf, ws in
+                 ((32, 0, 0), (32, 1, 0), (32, 0, 1), (32, 1, 1), (64, 0, 1), (16, 1, 1))]
+
+
+@needs_cuda
+@pytest.mark.parametrize("form", ONE_ROW_FORMS, ids=lambda f: "".join(f"{k}{v}" for k, v in f))
+def test_every_one_row_form_gives_the_one_launch_bits(form):
+    """attn_softmax_context's one-row forms (kernels.ONE_ROW_FORM: loads in flight, prefetching, whole
+    steps) change no operation: one row over caches whose lengths end a step exactly, fall one key
+    short of one or leave a partial last step, a sliding window, groups of 2 and 5 heads (a second pass
+    over the group) and head dimensions that are not a multiple of 8, bit for bit against the one-launch
+    kernel."""
+    from mlxinfer import kernels
+    from mlxinfer.backend import AttentionSpec
+
+    assert tuple(kernels.ONE_ROW_FORM) in ONE_ROW_FORMS
+    rng = np.random.default_rng(7)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "ONE_ROW_FORM", form)
+        for s, window, (h, kvh, d) in [(1, None, (16, 8, 128)), (1023, None, (16, 8, 128)), (2048, None, (16, 8, 128)),
+                                       (3001, None, (16, 8, 128)), (8191, 700, (16, 8, 128)), (2500, None, (10, 2, 12)),
+                                       (1500, 50, (8, 1, 36))]:
+            spec = AttentionSpec.standard(h, kvh, d, window=window)
+            cap = s + 5
+            keys = mx.array(rng.standard_normal((2, cap, kvh * d), dtype=np.float32) * 4)
+            values = mx.array(rng.standard_normal((2, cap, kvh * d), dtype=np.float32))
+            q = mx.array(rng.standard_normal((1, h * d), dtype=np.float32) * 4)
+            slot, pos, lens = (mx.array(np.array([v, 0, 0, 0], dtype=np.int32))[:1] for v in (1, s - 1, s))
+            got = np.array(kernels._split_attention("cuda", q, keys, values, slot, pos, lens, spec, two_launches=True))
+            want = np.array(kernels.fused_attention("cuda", q, keys, values, slot, pos, lens, spec, split=False))
+            assert np.isfinite(got).all()
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (s, window, h, kvh, d)
+
+
 @needs_cuda
 @pytest.mark.parametrize("chunks,window,heads", [([(0, 70, 300), (1, 13, 13)], None, (16, 8, 128)),
                                                 ([(2, 64, 64), (0, 9, 500), (1, 40, 900)], None, (10, 2, 12)),
