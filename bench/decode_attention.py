@@ -135,13 +135,14 @@ def gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, re
         row["fused_rows_small_gpu_us"] = round(gpu_time(fs, q, reps), 1)
     for form in (forms if b == 1 else ()):  # one row's other attn_softmax_context forms, bit for bit first
         want = np.array(fused(q)).view(np.uint32)
-        default, kernels.ONE_ROW_FORM = kernels.ONE_ROW_FORM, form
+        default = kernels.ONE_ROW_FORM, kernels.ONE_ROW_LONG_FORM
+        kernels.ONE_ROW_FORM = kernels.ONE_ROW_LONG_FORM = form
         try:
             if not np.array_equal(np.array(fused(q)).view(np.uint32), want):
                 sys.exit(f"decode_attention: form {form_name(form)} differs from the default")
             row[f"fused_{form_name(form)}_gpu_us"] = round(gpu_time(fused, q, reps), 1)
         finally:
-            kernels.ONE_ROW_FORM = default
+            kernels.ONE_ROW_FORM, kernels.ONE_ROW_LONG_FORM = default
     if forms and b == 1:
         row["fused_gpu_us_again"] = round(gpu_time(fused, q, reps), 1)  # the default again, after them
     return row
@@ -156,7 +157,7 @@ def main(argv=None):
     p.add_argument("--gpu-clock", action="store_true", help="device time per call only (CUDA)")
     p.add_argument("--one-row-forms", default="",
                    help="with --gpu-clock: also time one row with these attn_softmax_context forms, "
-                        "SU:KU:PF:WS,... (kernels.ONE_ROW_FORM; fused_SU8_KU32_PF1_WS1_gpu_us, ...)")
+                        "SU:KU:PF:WS,... (kernels.ONE_ROW_FORM and ONE_ROW_LONG_FORM; fused_SU8_KU32_PF1_WS1_gpu_us, ...)")
     a = p.parse_args(argv)
     kind = "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else None
     if kind is None:

@@ -142,26 +142,30 @@ CONTEXT_ROWS_FORM = [("NHB", 1), ("UR", 4)]  # attn_context_rows: heads a thread
 # 1x8 (2x2: 146 registers, one block an SM; 1x4: 96); 2,047 rows: 5,060 / 4,729 / 3,383 / 4,229 us
 
 
-def split_unroll(rows: int) -> list[tuple[str, int]]:
-    """`attn_softmax_context`'s loads in flight per thread: SU scores per head in its softmax pass,
-    KU values in its context loop. One row has 128 blocks for 132 SMs, each waiting on memory: more
-    loads in flight (H200, bench/decode_attention.py --gpu-clock, 2026-11-30 17:17 UTC: 21.5 vs 35.1 /
-    247 vs 286 us at 2,048 / 32,768 keys; at 8,192 46 vs 85 in one column, 72 vs 73 in the other,
-    which times the same kernels); with 8 rows the same kernel was
-    slower (29.5 vs 22.3 us at 512 keys, 69.6 vs 64.7 at 2,048: more registers, fewer blocks at once),
-    so several rows keep the former (1, 8). One row's form: `ONE_ROW_FORM`.
-    The arithmetic and its order are the same either way."""
-    return list(ONE_ROW_FORM) if rows == 1 else [("SU", 1), ("KU", 8), ("PF", 0), ("WS", 0)]
+def split_unroll(rows: int, capacity: int = 0) -> list[tuple[str, int]]:
+    """`attn_softmax_context`'s form: SU scores per head in flight in its softmax pass, KU values in its
+    context loop, PF (prefetch the next KU values and scores) and WS (whole steps without key checks
+    first; see the kernel). One row has 128 blocks for 132 SMs, each waiting on memory: more loads in
+    flight (H200, bench/decode_attention.py --gpu-clock, 2026-11-30 17:17 UTC: 21.5 vs 35.1 / 247 vs 286
+    us at 2,048 / 32,768 keys); with 8 rows the same kernel was slower (29.5 vs 22.3 us at 512 keys,
+    69.6 vs 64.7 at 2,048: more registers, fewer blocks at once), so several rows keep (1, 8) without
+    PF and WS. One row: `ONE_ROW_FORM` up to ONE_ROW_PREFETCH_KEYS of capacity, then
+    `ONE_ROW_LONG_FORM`. The arithmetic and its order are the same in every form."""
+    if rows > 1:
+        return [("SU", 1), ("KU", 8), ("PF", 0), ("WS", 0)]
+    return list(ONE_ROW_FORM if capacity <= ONE_ROW_PREFETCH_KEYS else ONE_ROW_LONG_FORM)
 
 
-ONE_ROW_FORM = (("SU", 8), ("KU", 32), ("PF", 0), ("WS", 0))  # one row's attn_softmax_context: SU, KU as
-# above; PF whether it prefetches its values (1: the chain's next KU loaded during the current KU's
-# arithmetic) or not (0); WS whether its context loop takes whole steps without key checks first (1);
-# the same arithmetic in any form. H200, 2026-11-30 20:46 UTC (bench/decode_attention.py --gpu-clock
-# --one-row-forms, results/h200-decode-attention-forms-2046.jsonl): PF=1 no faster at 32,768 keys
-# (245.2 vs 246.0 us; with KU=64 246.0). Nsight Compute (18:59 UTC): over 32,768 keys the kernel issues
-# an instruction every ~4.8 cycles a scheduler from 2 warps, ~1,000 instructions a 32-key step, most of
-# them index arithmetic and key checks: WS cuts those
+ONE_ROW_FORM = (("SU", 8), ("KU", 32), ("PF", 0), ("WS", 1))  # one row over a cache of up to
+ONE_ROW_PREFETCH_KEYS = 4096  # this many keys, and over longer ones:
+ONE_ROW_LONG_FORM = (("SU", 8), ("KU", 32), ("PF", 1), ("WS", 1))
+# H200, 2026-11-30 21:17 UTC, bench/decode_attention.py --gpu-clock --one-row-forms (one row, 20 calls
+# chained, results/h200-decode-attention-forms-2117.jsonl), us at 512 / 2,048 / 8,192 / 32,768 keys:
+# KU 32 without PF or WS (the form before) 8.9 / 13.2 / 45.0 / 233.5; KU 32, WS 10.5 at 2,048, 34.7 at
+# 8,192, 180.1 at 32,768; KU 32, PF and WS 11.4 / 33.3 / 111.7; sdpa 13.0 / 10.7 / 38.8 / 132.1. (At 20:46
+# PF alone was no faster: 245.2 vs 246.0 at 32,768.) Nsight Compute (18:59 UTC) had shown the form before
+# issuing an instruction every ~4.8 cycles a scheduler from 2 warps over 32,768 keys, ~1,000
+# instructions a 32-key step, most of them index arithmetic and key checks: what WS removes.
 
 
 def uses_two_launches(rows: int, capacity: int) -> bool:
@@ -273,7 +277,7 @@ def _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, st
                    output_shapes=[(n, spec.n_heads * spec.head_dim)], output_dtypes=[mx.float32])
     if two_launches and steps == 3:
         (out,) = _kernel(kind, "attn_softmax_context")(inputs=[out, values, row_slot, row_len],
-                                                       template=template + split_unroll(n), **context)
+                                                       template=template + split_unroll(n, cap), **context)
         return out
     (out,) = _kernel(kind, "attn_softmax")(  # one block per (row, head)
         inputs=[out, row_len], grid=(n * spec.n_heads * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),

@@ -260,10 +260,11 @@ def test_every_one_row_form_gives_the_one_launch_bits(form):
     from mlxinfer import kernels
     from mlxinfer.backend import AttentionSpec
 
-    assert tuple(kernels.ONE_ROW_FORM) in ONE_ROW_FORMS
+    assert {tuple(kernels.ONE_ROW_FORM), tuple(kernels.ONE_ROW_LONG_FORM)} <= set(ONE_ROW_FORMS)
     rng = np.random.default_rng(7)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "ONE_ROW_FORM", form)
+        mp.setattr(kernels, "ONE_ROW_LONG_FORM", form)
         for s, window, (h, kvh, d) in [(1, None, (16, 8, 128)), (1023, None, (16, 8, 128)), (2048, None, (16, 8, 128)),
                                        (3001, None, (16, 8, 128)), (8191, 700, (16, 8, 128)), (2500, None, (10, 2, 12)),
                                        (1500, 50, (8, 1, 36))]:
