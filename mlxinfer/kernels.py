@@ -160,7 +160,7 @@ ONE_ROW_FORM = (("SU", 8), ("KU", 32), ("PF", 0), ("WS", 1))  # one row over a c
 ONE_ROW_PREFETCH_KEYS = 4096  # this many keys, and over longer ones:
 ONE_ROW_LONG_FORM = (("SU", 8), ("KU", 32), ("PF", 1), ("WS", 1))
 # H200, 2026-11-30 21:17 UTC, bench/decode_attention.py --gpu-clock --one-row-forms (one row, 20 calls
-# chained, results/h200-decode-attention-forms-2117.jsonl), us at 512 / 2,048 / 8,192 / 32,768 keys:
+# chained, results/h200-decode-attention-forms-2117.jsonl; the rule: results/h200-decode-attention-gpu-2120.jsonl), us at 512 / 2,048 / 8,192 / 32,768 keys:
 # KU 32 without PF or WS (the form before) 8.9 / 13.2 / 45.0 / 233.5; KU 32, WS 10.5 at 2,048, 34.7 at
 # 8,192, 180.1 at 32,768; KU 32, PF and WS 11.4 / 33.3 / 111.7; sdpa 13.0 / 10.7 / 38.8 / 132.1. (At 20:46
 # PF alone was no faster: 245.2 vs 246.0 at 32,768.) Nsight Compute (18:59 UTC) had shown the form before
