@@ -64,7 +64,9 @@ class Batch:
         given (traced inputs), no host value that the graph could depend on (its slots, starts and
         lengths are placeholders: a compiled step reads only the arrays)."""
         b = cls(ops, list(range(n)), [0] * n, [1] * n)
-        b._arrays = (positions, row_slots, row_lens, b.logit_rows if logit_rows is None else logit_rows, None)
+        if logit_rows is None:  # every row samples (a decode step): rows 0..n-1
+            logit_rows = ops.index_array(list(range(n)) + [0] * max(0, MIN_INDEX_ENTRIES - n))[:n]
+        b._arrays = (positions, row_slots, row_lens, logit_rows, None)
         b.traced = True
         b.slots = b.starts = b.kv_lens = b._positions_host = None  # placeholders: reading them fails
         return b

@@ -142,7 +142,7 @@ CONTEXT_ROWS_FORM = [("NHB", 1), ("UR", 4)]  # attn_context_rows: heads a thread
 # 1x8 (2x2: 146 registers, one block an SM; 1x4: 96); 2,047 rows: 5,060 / 4,729 / 3,383 / 4,229 us
 
 
-def split_unroll(rows: int, capacity: int = 0) -> list[tuple[str, int]]:
+def split_unroll(rows: int, capacity: int) -> list[tuple[str, int]]:
     """`attn_softmax_context`'s form: SU scores per head in flight in its softmax pass, KU values in its
     context loop, PF (prefetch the next KU values and scores) and WS (whole steps without key checks
     first; see the kernel). One row has 128 blocks for 132 SMs, each waiting on memory: more loads in

@@ -21,7 +21,18 @@ from __future__ import annotations
 
 import math
 
+from .batch import MIN_INDEX_ENTRIES
 from .errors import RequestError
+
+
+def _packed(ops, *lists) -> tuple:
+    """Index arrays made from host lists as slices of one array (one transfer), each list's section at
+    least MIN_INDEX_ENTRIES long (see mlxinfer.batch: MLX's CUDA allocator keeps arrays of up to 8
+    bytes in host memory, read by the GPU across the bus)."""
+    widths = [max(len(x), MIN_INDEX_ENTRIES) for x in lists]
+    whole = ops.index_array([v for x, w in zip(lists, widths) for v in list(x) + [0] * (w - len(x))])
+    starts = [sum(widths[:i]) for i in range(len(lists))]
+    return tuple(whole[a:a + len(x)] for a, x in zip(starts, lists))
 
 
 def _resize_stores(ops, keys: list, values: list, rows: int, capacity: int, width: int) -> None:
@@ -239,6 +250,7 @@ class PagedKVCache(_Slots):
         self.lru: dict[int, None] = {}  # cached blocks no sequence uses, least recently used first
         self.hits = 0  # prompt tokens served from cached blocks
         self._rows = (None, None)
+        self._decode_rows = (None, None)  # (S_max and the block tables, their padded pool rows): decode_index
 
     # -- blocks ------------------------------------------------------------------------------
     def _grow(self, n_blocks: int) -> None:
@@ -328,23 +340,34 @@ class PagedKVCache(_Slots):
                 table.append(self._take())
             self.held[slot] = n
 
+    def _targets(self, batch) -> tuple[list, list]:
+        """The pool (block, offset) each row of the pass is written to (host lists)."""
+        bs = self.block_size
+        blocks, offsets = [], []
+        for slot, start, n in zip(batch.slots, batch.starts, batch.lengths):
+            table = self.tables[slot]
+            blocks += [table[p // bs] for p in range(start, start + n)]
+            offsets += [p % bs for p in range(start, start + n)]
+        return blocks, offsets
+
+    def _pool_rows(self, slot: int, n: int) -> list:
+        """The pool rows (block * block_size + offset) of positions 0..n-1 of `slot`'s sequence."""
+        bs = self.block_size
+        return [b * bs + o for b in self.tables[slot] for o in range(bs)][:n]
+
     def _index(self, ops, batch) -> dict:
-        """Built once per pass: the pool (block, offset) each row of the pass is written to, and per
-        sequence the pool rows (block * block_size + offset) of its positions 0..S-1. A compiled decode
-        step's batch brings its own (`decode_index`, traced inputs)."""
+        """Built once per pass: the pool (block, offset) each row of the pass is written to (one
+        packed index array, `_packed`), and per sequence the pool rows of its positions 0..S-1 (host
+        lists; arrays on request, `pass_rows`). A compiled decode step's batch brings its own
+        (`decode_index`, traced inputs)."""
         traced = getattr(batch, "paged_index", None)
         if traced is not None:
             return traced
         if self._rows[0] is not batch:
-            bs = self.block_size
-            blocks, offsets, lists = [], [], []
-            for slot, start, n, total in zip(batch.slots, batch.starts, batch.lengths, batch.kv_lens):
-                table = self.tables[slot]
-                blocks += [table[p // bs] for p in range(start, start + n)]
-                offsets += [p % bs for p in range(start, start + n)]
-                lists.append([table[p // bs] * bs + p % bs for p in range(total)])
-            self._rows = (batch, dict(blocks=ops.index_array(blocks), offsets=ops.index_array(offsets),
-                                      lists=lists, rows=[ops.index_array(r) for r in lists]))
+            blocks, offsets = self._targets(batch)
+            lists = [self._pool_rows(slot, total) for slot, total in zip(batch.slots, batch.kv_lens)]
+            blocks, offsets = _packed(ops, blocks, offsets)
+            self._rows = (batch, dict(blocks=blocks, offsets=offsets, lists=lists))
         return self._rows[1]
 
     def batch_rows(self, ops, batch):
@@ -356,22 +379,33 @@ class PagedKVCache(_Slots):
             s_max = max(batch.kv_lens)
             padded = [r for rows in index["lists"] for r in rows + [0] * (s_max - len(rows))]  # past a
             row_seq = [b for b, n in enumerate(batch.lengths) for _ in range(n)]  # length: never read
-            index.update(padded=(ops.index_array(padded), ops.index_array(row_seq), s_max))
+            padded, row_seq = _packed(ops, padded, row_seq)
+            index.update(padded=(padded, row_seq, s_max))
         return index["padded"]
 
     def decode_index(self, ops, batch, bucket: int = 256) -> tuple:
         """The host-built arrays a compiled decode step takes: (blocks, offsets) the rows are written
         to, and (padded pool rows, row -> sequence) of every sequence's positions 0..S_max-1 with S_max
         rounded up to `bucket`, so that the step's shapes change once per `bucket` positions, not per
-        token (the kernel reads each row only up to its length: the padding is never read)."""
-        index = self._index(ops, batch)
+        token (the kernel reads each row only up to its length: the padding is never read). The
+        padded rows follow the block tables alone (positions past a table's blocks: 0), so they are
+        rebuilt only when a table or S_max changes, once per block_size tokens, not every step; all
+        four are slices of one array (`_packed`)."""
         s_max = bucket * -(-max(batch.kv_lens) // bucket)
-        padded = [r for rows in index["lists"] for r in rows + [0] * (s_max - len(rows))]
-        row_seq = list(range(len(batch)))
-        return index["blocks"], index["offsets"], ops.index_array(padded), ops.index_array(row_seq)
+        tables = (s_max, tuple(tuple(self.tables[slot]) for slot in batch.slots))
+        if self._decode_rows[0] != tables:
+            padded = [r for slot in batch.slots for r in self._pool_rows(slot, s_max)
+                      + [0] * (s_max - min(s_max, len(self.tables[slot]) * self.block_size))]
+            self._decode_rows = (tables, padded)
+        blocks, offsets = self._targets(batch)
+        blocks, offsets, padded, row_seq = _packed(ops, blocks, offsets, self._decode_rows[1], list(range(len(batch))))
+        return blocks, offsets, padded, row_seq
 
     def pass_rows(self, ops, batch) -> list:
-        return self._index(ops, batch)["rows"]
+        index = self._index(ops, batch)
+        if "rows" not in index:
+            index["rows"] = [ops.index_array(r) for r in index["lists"]]
+        return index["rows"]
 
     def update(self, ops, layer: int, k, v, batch) -> PagedLayer:
         index = self._index(ops, batch)

@@ -216,6 +216,12 @@ M = [
      [("self._next_rows = ([(slot, pos + 1) for slot, pos in rows], packed)",
        "self._next_rows = ([(slot, pos) for slot, pos in rows], packed)")],
      [T_COMP], "compiled decode: the carried index arrays never match the next step (built on the host every step)"),
+    ("paged-decode-rows-every-step", "positions/KV", KV,
+     [("if self._decode_rows[0] != tables:", "if True:")],
+     [T_COMP], "paged compiled decode: the padded gather rows listed again for every token"),
+    ("index-arrays-unpadded", "positions/KV", KV,
+     [("widths = [max(len(x), MIN_INDEX_ENTRIES) for x in lists]", "widths = [len(x) for x in lists]")],
+     [T_GEN], "paged index arrays of one row in a buffer of 4 bytes (MLX CUDA: host memory)"),
     # -- batching --------------------------------------------------------------------------------
     ("batch-linear-ignores-groups", "batching", CPU,
      [("if groups is None or len(groups) == 1:", "if True:")],

@@ -124,6 +124,23 @@ def test_decode_steps_carry_their_index_arrays_on_the_device(model, monkeypatch)
     assert [g.token_ids for g in compiled.generate_batch(prompts, max_tokens=6)] == want
     assert built.count((1, 1)) == 1  # both sequences decode together from the first step on
 
+def test_paged_decode_rebuilds_its_gather_rows_once_a_block(model, monkeypatch):
+    """The paged cache's compiled decode step takes every sequence's pool rows, padded to S_max (a
+    multiple of 256): they follow the block tables and S_max alone, so the host lists them again when
+    one of those changes, not for every token; the tokens equal the eager engine's."""
+    from mlxinfer.kv_cache import PagedKVCache
+
+    eager, compiled = engines(model, "paged")
+    listed = []
+    real = PagedKVCache._pool_rows
+    monkeypatch.setattr(PagedKVCache, "_pool_rows", lambda self, slot, n: listed.append(n) or real(self, slot, n))
+    prompt = list(range(3, 250))  # 247 tokens: decoding to 267 passes S_max = 256, the gather rows' bucket
+    want = eager.generate(prompt, max_tokens=20).token_ids
+    listed.clear()
+    assert compiled.generate(prompt, max_tokens=20).token_ids == want
+    assert listed == [247, 256, 512]  # the prompt's pass, the first step, the step past 256 (not 20 steps)
+
+
 def test_graph_attention_and_tracing_never_compile(model):
     plain = mlxinfer.load(model, backend="mlx", device="cpu")
     assert not plain.backend.compiles_decode  # the graph path reads host lengths
