@@ -389,17 +389,17 @@ class PagedKVCache(_Slots):
         rounded up to `bucket`, so that the step's shapes change once per `bucket` positions, not per
         token (the kernel reads each row only up to its length: the padding is never read). The
         padded rows follow the block tables alone (positions past a table's blocks: 0), so they are
-        rebuilt only when a table or S_max changes, once per block_size tokens, not every step; all
-        four are slices of one array (`_packed`)."""
+        made again only when a table or S_max changes, not every step (one array, which then stays
+        where the GPU read it); the other three are slices of one array (`_packed`)."""
         s_max = bucket * -(-max(batch.kv_lens) // bucket)
         tables = (s_max, tuple(tuple(self.tables[slot]) for slot in batch.slots))
         if self._decode_rows[0] != tables:
             padded = [r for slot in batch.slots for r in self._pool_rows(slot, s_max)
                       + [0] * (s_max - min(s_max, len(self.tables[slot]) * self.block_size))]
-            self._decode_rows = (tables, padded)
+            self._decode_rows = (tables, ops.index_array(padded))
         blocks, offsets = self._targets(batch)
-        blocks, offsets, padded, row_seq = _packed(ops, blocks, offsets, self._decode_rows[1], list(range(len(batch))))
-        return blocks, offsets, padded, row_seq
+        blocks, offsets, row_seq = _packed(ops, blocks, offsets, list(range(len(batch))))
+        return blocks, offsets, self._decode_rows[1], row_seq
 
     def pass_rows(self, ops, batch) -> list:
         index = self._index(ops, batch)
