@@ -164,8 +164,9 @@ ONE_ROW_LONG_FORM = (("SU", 8), ("KU", 32), ("PF", 1), ("WS", 1))
 # KU 32 without PF or WS (the form before) 8.9 / 13.2 / 45.0 / 233.5; KU 32, WS 10.5 at 2,048, 34.7 at
 # 8,192, 180.1 at 32,768; KU 32, PF and WS 11.4 / 33.3 / 111.7; sdpa 13.0 / 10.7 / 38.8 / 132.1. (At 20:46
 # PF alone was no faster: 245.2 vs 246.0 at 32,768.) Nsight Compute (18:59 UTC) had shown the form before
-# issuing an instruction every ~4.8 cycles a scheduler from 2 warps over 32,768 keys, ~1,000
-# instructions a 32-key step, most of them index arithmetic and key checks: what WS removes.
+# issuing an instruction every ~4.8 cycles a scheduler from 2 warps over 32,768 keys; its SASS (nvcc
+# 13.0, read at 20:46) has ~1,040 instructions a 32-key step, most of them index arithmetic and key
+# checks: what WS removes.
 
 
 def uses_two_launches(rows: int, capacity: int) -> bool:
