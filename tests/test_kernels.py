@@ -236,3 +236,35 @@ def test_cuda_sources_compile_with_nvrtc():
         lib.nvrtcGetProgramLog(prog, log)
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
         assert rc == 0, f"{name}: {log.value.decode(errors='replace')}"
+
+
+@pytest.mark.parametrize("heads", [(16, 8, 128), (32, 8, 128), (32, 4, 128), (14, 2, 64), (8, 8, 256), (9, 3, 64)])
+def test_one_row_forms_keep_their_values_in_registers(heads, monkeypatch):
+    """One row's attn_softmax_context forms hold up to 2 x 32 values and their scores per thread in
+    flight (kernels.ONE_ROW_FORM, ONE_ROW_LONG_FORM): at the shapes of the models here (Qwen3 0.6B to
+    14B, SmolLM2, a 256-wide head) ptxas fits them in registers, no spills to local memory, which would
+    undo the point (NVRTC to sm_90 with ptxas' report; no GPU needed)."""
+    import ctypes
+
+    lib = _nvrtc()
+    if lib is None:
+        pytest.skip("needs NVRTC (pip install nvidia-cuda-nvrtc-cu12; Linux x86-64)")
+    h, kv, d = heads
+    monkeypatch.setitem(SPLIT_TEMPLATE, "H", h)
+    monkeypatch.setitem(SPLIT_TEMPLATE, "KV", kv)
+    monkeypatch.setitem(SPLIT_TEMPLATE, "D", d)
+    header, bodies = kernels.kernel_source("cuda")
+    opts = [b"--gpu-architecture=sm_90", b"-default-device", b"--std=c++17", b"--ptxas-options=-v"]
+    for form in (kernels.ONE_ROW_FORM, kernels.ONE_ROW_LONG_FORM):
+        src = _cuda_kernel_source("attn_softmax_context", bodies["attn_softmax_context"], header, tuple(form)).encode()
+        prog = ctypes.c_void_p()
+        assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"attn_softmax_context", 0, None, None) == 0
+        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        text = log.value.decode(errors="replace")
+        assert rc == 0, text
+        assert "0 bytes spill stores, 0 bytes spill loads" in text, (form, text[-400:])
