@@ -133,17 +133,17 @@ def gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, re
         if not np.array_equal(np.array(fs(q)).view(np.uint32), np.array(fused(q)).view(np.uint32)):
             sys.exit("decode_attention: row arrays of b entries give other bits")
         row["fused_rows_small_gpu_us"] = round(gpu_time(fs, q, reps), 1)
-    for form in (forms if b == 1 else ()):  # one row's other attn_softmax_context forms, bit for bit first
+    if forms and b == 1:  # one row's other attn_softmax_context forms, each bit for bit first
         want = np.array(fused(q)).view(np.uint32)
         default = kernels.ONE_ROW_FORM, kernels.ONE_ROW_LONG_FORM
-        kernels.ONE_ROW_FORM = kernels.ONE_ROW_LONG_FORM = form
-        try:
-            if not np.array_equal(np.array(fused(q)).view(np.uint32), want):
-                sys.exit(f"decode_attention: form {form_name(form)} differs from the default")
-            row[f"fused_{form_name(form)}_gpu_us"] = round(gpu_time(fused, q, reps), 1)
-        finally:
-            kernels.ONE_ROW_FORM, kernels.ONE_ROW_LONG_FORM = default
-    if forms and b == 1:
+        for form in forms:
+            kernels.ONE_ROW_FORM = kernels.ONE_ROW_LONG_FORM = form
+            try:
+                if not np.array_equal(np.array(fused(q)).view(np.uint32), want):
+                    sys.exit(f"decode_attention: form {form_name(form)} differs from the default")
+                row[f"fused_{form_name(form)}_gpu_us"] = round(gpu_time(fused, q, reps), 1)
+            finally:
+                kernels.ONE_ROW_FORM, kernels.ONE_ROW_LONG_FORM = default
         row["fused_gpu_us_again"] = round(gpu_time(fused, q, reps), 1)  # the default again, after them
     return row
 
@@ -159,6 +159,7 @@ def main(argv=None):
                    help="with --gpu-clock: also time one row with these attn_softmax_context forms, "
                         "SU:KU:PF:WS,... (kernels.ONE_ROW_FORM and ONE_ROW_LONG_FORM; fused_SU8_KU32_PF1_WS1_gpu_us, ...)")
     a = p.parse_args(argv)
+    forms = parse_forms(a.one_row_forms)  # a bad one fails before any case runs
     kind = "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else None
     if kind is None:
         sys.exit("decode_attention: needs an MLX GPU (CUDA or Metal)")
@@ -188,7 +189,7 @@ def main(argv=None):
                 sys.exit(f"decode_attention: plans differ (bitwise equal: {same}) or far from sdpa ({err:.3g})")
             if a.gpu_clock:
                 emit(gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, max(5, a.reps // 5),
-                              forms=parse_forms(a.one_row_forms)), a.out)
+                              forms=forms), a.out)
                 continue
             row = dict(batch=b, context=s, split=kernels.uses_split(kind, b, spec), kernel=kind)
             for name, op in ops.items():

@@ -7,13 +7,16 @@ rows, the activations' first dimension; sequence b's rows sit at positions start
 lengths[b] - 1. After the pass, its cache holds kv_lens[b] = starts[b] + lengths[b] tokens.
 
 The host lists drive loops that are per sequence by nature (the per-head reference attention, the cpu
-backend's per-sequence products); the backend arrays (`positions`, `row_slots`, `row_lens`, `logit_rows`: one entry per row)
-are what kernels and a compiled step read, so no position or length is baked into a graph.
+backend's per-sequence products); the backend arrays (`positions`, `row_slots`, `row_lens`, `logit_rows`:
+one entry per row; read-only, all slices of one `packed` array, `IndexArrays`) are what kernels and a
+compiled step read, so no position or length is baked into a graph.
 """
 
 from __future__ import annotations
 
+from functools import cached_property
 from itertools import accumulate
+from typing import NamedTuple
 
 from .errors import RequestError
 
@@ -22,8 +25,28 @@ MIN_INDEX_ENTRIES = 4  # MLX's CUDA allocator keeps arrays of up to 8 bytes (two
 # of host memory, which the GPU reads across the bus: every kernel that reads one row's slot, position
 # or length of a one-sequence decode step waited on it (H200, 2026-11-30 20:50 UTC, bench/decode_attention.py
 # --gpu-clock, one row: 19.6 / 35.5 / 62.8 / 246.0 us at 512 / 2,048 / 8,192 / 32,768 keys; the same rows
-# padded to 4 entries: 8.9 / 13.2 / 42.3 / 226.2). Every index array is a slice of one `packed` array
-# of at least 4 x MIN_INDEX_ENTRIES int32.
+# padded to 4 entries: 8.9 / 13.2 / 42.3 / 226.2). So index arrays are made by `pack_index_arrays`.
+
+
+def pack_index_arrays(ops, lists, width: int | None = None) -> tuple:
+    """Index arrays made from host lists as slices of one array (one transfer), each list in a section of
+    `width` entries (default: its own length), at least MIN_INDEX_ENTRIES, zero-padded.
+    -> (the whole array, (each list's slice, ...))."""
+    widths = [max(width or len(x), MIN_INDEX_ENTRIES) for x in lists]
+    whole = ops.index_array([v for x, w in zip(lists, widths) for v in list(x) + [0] * (w - len(x))])
+    starts = accumulate([0] + widths[:-1])
+    return whole, tuple(whole[a:a + len(x)] for a, x in zip(starts, lists))
+
+
+class IndexArrays(NamedTuple):
+    """A pass's index arrays, one entry per row (`logit_rows`: per sampled row), all slices of
+    `packed` = [positions | row_slots | row_lens | logit_rows], each section `Batch.index_width` long."""
+
+    packed: object
+    positions: object  # each row's position
+    row_slots: object  # each row's cache slot
+    row_lens: object  # each row's sequence length after the pass
+    logit_rows: object  # the rows whose logits are computed
 
 
 class Batch:
@@ -54,51 +77,45 @@ class Batch:
         self._positions_host = positions
         self._host_rows = (positions, row_slots, [n for n, k in zip(self.kv_lens, self.lengths) for _ in range(k)],
                            logit_rows)
-        self._arrays = None  # (positions, row_slots, row_lens, logit_rows): made on first use (`packed`)
         self._per_sequence: dict[int, object] = {}
         self.traced = False  # True in the batch a compiled step is traced with (decode_template)
 
     @classmethod
-    def decode_template(cls, ops, n: int, positions, row_slots, row_lens, logit_rows=None):
-        """The batch a compiled decode step is traced with: n sequences of one row each, every array
-        given (traced inputs), no host value that the graph could depend on (its slots, starts and
-        lengths are placeholders: a compiled step reads only the arrays)."""
+    def decode_template(cls, ops, n: int, packed):
+        """The batch a compiled decode step is traced with: n sequences of one row each, its index
+        arrays the slices of `packed` (a traced input, laid out as `IndexArrays`), no host value that
+        the graph could depend on (its slots, starts and lengths are placeholders: a compiled step reads
+        only the arrays)."""
         b = cls(ops, list(range(n)), [0] * n, [1] * n)
-        if logit_rows is None:  # every row samples (a decode step): rows 0..n-1
-            logit_rows = ops.index_array(list(range(n)) + [0] * max(0, MIN_INDEX_ENTRIES - n))[:n]
-        b._arrays = (positions, row_slots, row_lens, logit_rows, None)
+        w = b.index_width
+        b.index = IndexArrays(packed, *(packed[i * w:i * w + n] for i in range(4)))
         b.traced = True
         b.slots = b.starts = b.kv_lens = b._positions_host = None  # placeholders: reading them fails
         return b
 
-    @property
-    def packed(self):
-        """The pass's four index arrays in one: [positions | row_slots | row_lens | logit_rows], each
-        `width` (index_width) entries, zero-padded; made from the host lists once, on first use, as
-        one array (one transfer), of which `positions` etc. are slices."""
-        if self._arrays is None:
-            w = self.index_width
-            packed = [0] * (4 * w)
-            for i, values in enumerate(self._host_rows):
-                packed[i * w:i * w + len(values)] = values
-            whole = self._ops.index_array(packed)
-            self._arrays = tuple(whole[i * w:i * w + len(v)] for i, v in enumerate(self._host_rows)) + (whole,)
-        return self._arrays[4]
+    @staticmethod
+    def decode_step_delta(ops, n: int):
+        """What a decode step of n sequences adds to its packed index arrays to give the next step's:
+        positions and lengths one more, slots and logit rows the same."""
+        w = max(n, MIN_INDEX_ENTRIES)  # index_width of n one-row sequences
+        return ops.index_array([1] * w + [0] * w + [1] * w + [0] * w)
 
     @property
     def index_width(self) -> int:
-        """Entries per index array in `packed`: at least MIN_INDEX_ENTRIES (see there)."""
+        """Entries per section of the packed index arrays: at least MIN_INDEX_ENTRIES (see there)."""
         return max(self.n_rows, self.n_logit_rows, MIN_INDEX_ENTRIES)
 
-    def _index(self, i: int):
-        if self._arrays is None:
-            self.packed
-        return self._arrays[i]
+    @cached_property
+    def index(self) -> IndexArrays:
+        """The pass's index arrays, made from the host lists on first use, as one array."""
+        whole, arrays = pack_index_arrays(self._ops, self._host_rows, self.index_width)
+        return IndexArrays(whole, *arrays)
 
-    positions = property(lambda self: self._index(0), doc="each row's position (index array)")
-    row_slots = property(lambda self: self._index(1), doc="each row's cache slot")
-    row_lens = property(lambda self: self._index(2), doc="each row's sequence length after this pass")
-    logit_rows = property(lambda self: self._index(3), doc="the rows whose logits are computed")
+    packed = property(lambda self: self.index.packed, doc="the four index arrays in one (IndexArrays)")
+    positions = property(lambda self: self.index.positions, doc="each row's position (index array)")
+    row_slots = property(lambda self: self.index.row_slots, doc="each row's cache slot")
+    row_lens = property(lambda self: self.index.row_lens, doc="each row's sequence length after this pass")
+    logit_rows = property(lambda self: self.index.logit_rows, doc="the rows whose logits are computed")
 
     def __len__(self) -> int:
         return len(self.lengths)

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .backends import make_backend
-from .batch import MIN_INDEX_ENTRIES, Batch
+from .batch import Batch
 from .chat import render_chat
 from .distributed import Shard, join
 from .errors import GGUFError, RequestError
@@ -138,7 +138,7 @@ class Engine:
         self.kv_width = self.shard.n_kv_heads * self.args.head_dim  # this rank's KV heads
         self.model = arch.Model(backend, self.gguf, self.args, self.shard)
         self._steps = {}  # compiled decode steps, by (cache class, batch size)
-        self._next_rows = None  # ((slot, position) of each row, packed index arrays) for the next step
+        self._carried = None  # ((slot, position) of each row, packed index arrays) for the next decode step
 
     # -- helpers ------------------------------------------------------------------------------
     def new_cache(self):
@@ -258,15 +258,11 @@ class Engine:
         if self._compiled(plan, cache, batch):
             paged = cache.decode_index(ops, batch) if isinstance(cache, PagedKVCache) else ()
             step = self._decode_step(type(cache), len(plan))
-            rows = [(s.slot, s.cached) for s, _ in plan]
-            if self._next_rows is not None and self._next_rows[0] == rows:
-                packed = self._next_rows[1]  # the last step's, one row further on (made on the device)
-            else:
-                packed = batch.packed  # from the host
-            logits, keys, values, packed = step(ids, packed, cache.keys, cache.values, *paged)
+            logits, keys, values, next_packed = step(ids, self._step_index(plan, batch), cache.keys, cache.values,
+                                                     *paged)
             cache.keys[:], cache.values[:] = keys, values
-            self._next_rows = ([(slot, pos + 1) for slot, pos in rows], packed)
-            carried = (packed,)
+            self._carried = ([(s.slot, s.cached + 1) for s, _ in plan], next_packed)
+            carried = (next_packed,)  # started with this step's outputs, not left lazy for the next step
         else:
             logits = self.model(ops, ids, batch, cache)
         step = _Pass(sampled)
@@ -284,6 +280,14 @@ class Engine:
             s.sampled += 1
         return step
 
+    def _step_index(self, plan, batch):
+        """A compiled decode step's packed index arrays: the last step's next ones (made on the device)
+        when they are for the same rows, else the batch's, from the host. Their contents follow from
+        each row's (slot, position) alone, so a match is exact whatever ran in between."""
+        if self._carried is not None and self._carried[0] == [(s.slot, s.cached) for s, _ in plan]:
+            return self._carried[1]
+        return batch.packed
+
     def _compiled(self, plan, cache, batch) -> bool:
         """Whether this pass runs as the compiled decode step: every sequence decodes one token, into
         a preallocated or paged cache, on a backend that compiles (MLX with its GPU attention kernel)
@@ -299,7 +303,7 @@ class Engine:
         packed arrays), the per-layer stores in and out. The next step's positions and lengths are one
         more, made on the device: a run of steps over the same sequences reads no index array from the
         host (MLX's CUDA backend keeps arrays made on the host in managed memory, which the GPU
-        migrates or reads across the bus; `_launch` passes them on). Made once per engine, batch size
+        migrates or reads across the bus; `_launch` passes them on, `_step_index`). Made once per engine, batch size
         and cache class; the backend retraces it only when a shape changes (the cache's capacity), so
         later requests reuse the trace."""
         key = (kind, n)
@@ -310,11 +314,10 @@ class Engine:
                 del self._steps[next(iter(self._steps))]
             ops = self.backend
 
-            width = max(n, MIN_INDEX_ENTRIES)  # Batch.index_width of n one-row sequences
-            one_more = ops.index_array([1] * width + [0] * width + [1] * width + [0] * width)  # positions, lengths
+            one_more = Batch.decode_step_delta(ops, n)
 
             def forward(ids, packed, keys, values, *paged):
-                batch = Batch.decode_template(ops, n, *(packed[i * width:i * width + n] for i in range(4)))
+                batch = Batch.decode_template(ops, n, packed)
                 if paged:  # the paged cache's write targets and gather rows (PagedKVCache.decode_index)
                     blocks, offsets, rows, row_seq = paged
                     batch.paged_index = dict(blocks=blocks, offsets=offsets,

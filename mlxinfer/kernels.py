@@ -149,24 +149,30 @@ def split_unroll(rows: int, capacity: int) -> list[tuple[str, int]]:
     flight (H200, bench/decode_attention.py --gpu-clock, 2026-11-30 17:17 UTC: 21.5 vs 35.1 / 247 vs 286
     us at 2,048 / 32,768 keys); with 8 rows the same kernel was slower (29.5 vs 22.3 us at 512 keys,
     69.6 vs 64.7 at 2,048: more registers, fewer blocks at once), so several rows keep (1, 8) without
-    PF and WS. One row: `ONE_ROW_FORM` up to ONE_ROW_PREFETCH_KEYS of capacity, then
+    PF and WS. One row: `ONE_ROW_FORM` over caches of up to ONE_ROW_LONG_FORM_ABOVE keys, else
     `ONE_ROW_LONG_FORM`. The arithmetic and its order are the same in every form."""
     if rows > 1:
         return [("SU", 1), ("KU", 8), ("PF", 0), ("WS", 0)]
-    return list(ONE_ROW_FORM if capacity <= ONE_ROW_PREFETCH_KEYS else ONE_ROW_LONG_FORM)
+    return list(ONE_ROW_FORM if capacity <= ONE_ROW_LONG_FORM_ABOVE else ONE_ROW_LONG_FORM)
 
 
-ONE_ROW_FORM = (("SU", 8), ("KU", 32), ("PF", 0), ("WS", 1))  # one row over a cache of up to
-ONE_ROW_PREFETCH_KEYS = 4096  # this many keys, and over longer ones:
+ONE_ROW_FORM = (("SU", 8), ("KU", 32), ("PF", 0), ("WS", 1))  # one row, caches of up to ...
+ONE_ROW_LONG_FORM_ABOVE = 4096  # ... this many keys; above it:
 ONE_ROW_LONG_FORM = (("SU", 8), ("KU", 32), ("PF", 1), ("WS", 1))
-# H200, 2026-11-30 21:17 UTC, bench/decode_attention.py --gpu-clock --one-row-forms (one row, 20 calls
-# chained, results/h200-decode-attention-forms-2117.jsonl; the rule: results/h200-decode-attention-gpu-2120.jsonl), us at 512 / 2,048 / 8,192 / 32,768 keys:
-# KU 32 without PF or WS (the form before) 8.9 / 13.2 / 45.0 / 233.5; KU 32, WS 10.5 at 2,048, 34.7 at
-# 8,192, 180.1 at 32,768; KU 32, PF and WS 11.4 / 33.3 / 111.7; sdpa 13.0 / 10.7 / 38.8 / 132.1. (At 20:46
-# PF alone was no faster: 245.2 vs 246.0 at 32,768.) Nsight Compute (18:59 UTC) had shown the form before
-# issuing an instruction every ~4.8 cycles a scheduler from 2 warps over 32,768 keys; its SASS (nvcc
-# 13.0, read at 20:46) has ~1,040 instructions a 32-key step, most of them index arithmetic and key
-# checks: what WS removes.
+ONE_ROW_FORMS = tuple((("SU", 8), ("KU", ku), ("PF", pf), ("WS", ws)) for ku, pf, ws in  # every form
+                      ((32, 0, 0), (32, 1, 0), (32, 0, 1), (32, 1, 1), (64, 0, 1), (16, 1, 1)))  # measured:
+# tests/test_mlx_backend.py checks each bit for bit on a GPU, tests/test_kernels.py compiles each
+# H200, 2026-11-30 21:17 UTC, bench/decode_attention.py --gpu-clock --one-row-forms, one row, 20 calls
+# chained (results/h200-decode-attention-forms-2117.jsonl), us at 512 / 2,048 / 8,192 / 32,768 keys:
+#   KU 32 (the form before)  8.9 / 13.2 / 45.0 / 233.5
+#   KU 32, WS                9.5 / 10.5 / 34.7 / 180.1
+#   KU 32, PF, WS            9.7 / 11.4 / 33.3 / 111.7
+#   sdpa                    13.0 / 10.7 / 38.8 / 132.1
+# and with this rule at 21:20 (results/h200-decode-attention-gpu-2120.jsonl) 9.4 / 10.6 / 33.4 / 111.6
+# against sdpa's 13.1 / 10.7 / 38.3 / 129.4. (At 20:46 PF alone was no faster: 245.2 vs 246.0 us at
+# 32,768.) Nsight Compute (18:59 UTC) had shown the form before issuing an instruction every ~4.8 cycles
+# a scheduler from 2 warps over 32,768 keys; its SASS (nvcc 13.0, read at 20:46) has ~1,040
+# instructions a 32-key step, most of them index arithmetic and key checks: what WS removes.
 
 
 def uses_two_launches(rows: int, capacity: int) -> bool:

@@ -21,18 +21,8 @@ from __future__ import annotations
 
 import math
 
-from .batch import MIN_INDEX_ENTRIES
+from .batch import pack_index_arrays
 from .errors import RequestError
-
-
-def _packed(ops, *lists) -> tuple:
-    """Index arrays made from host lists as slices of one array (one transfer), each list's section at
-    least MIN_INDEX_ENTRIES long (see mlxinfer.batch: MLX's CUDA allocator keeps arrays of up to 8
-    bytes in host memory, read by the GPU across the bus)."""
-    widths = [max(len(x), MIN_INDEX_ENTRIES) for x in lists]
-    whole = ops.index_array([v for x, w in zip(lists, widths) for v in list(x) + [0] * (w - len(x))])
-    starts = [sum(widths[:i]) for i in range(len(lists))]
-    return tuple(whole[a:a + len(x)] for a, x in zip(starts, lists))
 
 
 def _resize_stores(ops, keys: list, values: list, rows: int, capacity: int, width: int) -> None:
@@ -356,8 +346,8 @@ class PagedKVCache(_Slots):
         return [b * bs + o for b in self.tables[slot] for o in range(bs)][:n]
 
     def _index(self, ops, batch) -> dict:
-        """Built once per pass: the pool (block, offset) each row of the pass is written to (one
-        packed index array, `_packed`), and per sequence the pool rows of its positions 0..S-1 (host
+        """Built once per pass: the pool (block, offset) each row of the pass is written to (slices of
+        one array, `pack_index_arrays`), and per sequence the pool rows of its positions 0..S-1 (host
         lists; arrays on request, `pass_rows`). A compiled decode step's batch brings its own
         (`decode_index`, traced inputs)."""
         traced = getattr(batch, "paged_index", None)
@@ -366,7 +356,7 @@ class PagedKVCache(_Slots):
         if self._rows[0] is not batch:
             blocks, offsets = self._targets(batch)
             lists = [self._pool_rows(slot, total) for slot, total in zip(batch.slots, batch.kv_lens)]
-            blocks, offsets = _packed(ops, blocks, offsets)
+            _, (blocks, offsets) = pack_index_arrays(ops, (blocks, offsets))
             self._rows = (batch, dict(blocks=blocks, offsets=offsets, lists=lists))
         return self._rows[1]
 
@@ -379,7 +369,7 @@ class PagedKVCache(_Slots):
             s_max = max(batch.kv_lens)
             padded = [r for rows in index["lists"] for r in rows + [0] * (s_max - len(rows))]  # past a
             row_seq = [b for b, n in enumerate(batch.lengths) for _ in range(n)]  # length: never read
-            padded, row_seq = _packed(ops, padded, row_seq)
+            _, (padded, row_seq) = pack_index_arrays(ops, (padded, row_seq))
             index.update(padded=(padded, row_seq, s_max))
         return index["padded"]
 
@@ -390,15 +380,14 @@ class PagedKVCache(_Slots):
         token (the kernel reads each row only up to its length: the padding is never read). The
         padded rows follow the block tables alone (positions past a table's blocks: 0), so they are
         made again only when a table or S_max changes, not every step (one array, which then stays
-        where the GPU read it); the other three are slices of one array (`_packed`)."""
+        where the GPU read it); the other three are slices of one array (`pack_index_arrays`)."""
         s_max = bucket * -(-max(batch.kv_lens) // bucket)
         tables = (s_max, tuple(tuple(self.tables[slot]) for slot in batch.slots))
         if self._decode_rows[0] != tables:
-            padded = [r for slot in batch.slots for r in self._pool_rows(slot, s_max)
-                      + [0] * (s_max - min(s_max, len(self.tables[slot]) * self.block_size))]
+            lists = [self._pool_rows(slot, s_max) for slot in batch.slots]
+            padded = [r for rows in lists for r in rows + [0] * (s_max - len(rows))]
             self._decode_rows = (tables, ops.index_array(padded))
-        blocks, offsets = self._targets(batch)
-        blocks, offsets, row_seq = _packed(ops, blocks, offsets, list(range(len(batch))))
+        _, (blocks, offsets, row_seq) = pack_index_arrays(ops, (*self._targets(batch), list(range(len(batch)))))
         return blocks, offsets, self._decode_rows[1], row_seq
 
     def pass_rows(self, ops, batch) -> list:

@@ -108,23 +108,25 @@ def test_decode_steps_carry_their_index_arrays_on_the_device(model, monkeypatch)
     """A run of compiled steps over the same sequences makes its positions and lengths on the device
     (each step returns the next's): the host builds index arrays for the prompt's pass and the first
     decode step only, and again only when the batch changes; the tokens equal the eager engine's."""
-    from mlxinfer.batch import Batch
+    from mlxinfer import batch
 
     eager, compiled = engines(model)
-    built = []
-    real = Batch.packed.fget
-    monkeypatch.setattr(Batch, "packed", property(lambda self: built.append(self.lengths) or real(self)))
+    built = []  # the rows of each pass whose index arrays the host builds
+    real = batch.pack_index_arrays
+    monkeypatch.setattr(batch, "pack_index_arrays",
+                        lambda ops, lists, *a: built.append(len(lists[0])) or real(ops, lists, *a))
     want = eager.generate([3, 4, 5], max_tokens=8).token_ids
     built.clear()
     assert compiled.generate([3, 4, 5], max_tokens=8).token_ids == want
-    assert built == [(3,), (1,)]  # the prompt's pass, then the first of seven decode steps
+    assert built == [3, 1]  # the prompt's pass, then the first of seven decode steps
     prompts = [list(range(5, 5 + n)) for n in (3, 9)]
     want = [g.token_ids for g in eager.generate_batch(prompts, max_tokens=6)]
     built.clear()
     assert [g.token_ids for g in compiled.generate_batch(prompts, max_tokens=6)] == want
-    assert built.count((1, 1)) == 1  # both sequences decode together from the first step on
+    assert built.count(2) == 1  # both sequences decode together from the first step on
 
-def test_paged_decode_rebuilds_its_gather_rows_once_a_block(model, monkeypatch):
+
+def test_paged_decode_lists_its_gather_rows_only_when_tables_or_s_max_change(model, monkeypatch):
     """The paged cache's compiled decode step takes every sequence's pool rows, padded to S_max (a
     multiple of 256): they follow the block tables and S_max alone, so the host lists them again when
     one of those changes, not for every token; the tokens equal the eager engine's."""
@@ -180,7 +182,7 @@ def test_a_pass_the_kernel_would_not_take_is_never_compiled(model):
     assert b.compiles_pass(Batch(b, [0], [100], [1]), spec)
     assert not b.compiles_pass(Batch(b, [0], [2000], [1]), spec)  # few long rows: graph path, eager
     assert not b.compiles_pass(Batch(b, [0], [10], [1]), AttentionSpec.standard(2, 1, 512))  # past the kernel
-    t = Batch.decode_template(b, 2, mx.array([5, 6]), mx.array([0, 1]), mx.array([6, 7]))
+    t = Batch.decode_template(b, 2, Batch(b, [0, 1], [5, 6], [1, 1]).packed)
     assert t.traced and len(t) == 2 and t.n_rows == 2
     with pytest.raises(TypeError):
         max(t.kv_lens)

@@ -347,15 +347,15 @@ def test_index_arrays_share_one_buffer_of_at_least_four_entries_each():
     the bus: a pass's index arrays (and the paged cache's) are slices of one array in which each has at
     least MIN_INDEX_ENTRIES entries, even for one row (the cpu backend's numpy views show the buffer)."""
     from mlxinfer.backends.cpu import CPUBackend
-    from mlxinfer.batch import MIN_INDEX_ENTRIES
-    from mlxinfer.kv_cache import _packed
+    from mlxinfer.batch import MIN_INDEX_ENTRIES, pack_index_arrays
 
     ops = CPUBackend()
     b = Batch(ops, slots=[3], starts=[7], lengths=[1])
     arrays = (b.positions, b.row_slots, b.row_lens, b.logit_rows)
     assert [a.tolist() for a in arrays] == [[7], [3], [8], [0]]
-    assert all(a.base is b.packed for a in arrays) and b.packed.size == 4 * MIN_INDEX_ENTRIES >= 16
-    blocks, offsets = _packed(ops, [5], [7, 8])
+    assert all(a.base is b.packed for a in arrays) and b.packed.size == 4 * MIN_INDEX_ENTRIES
+    assert MIN_INDEX_ENTRIES * 4 > 8  # bytes: past MLX's small pool
+    _, (blocks, offsets) = pack_index_arrays(ops, ([5], [7, 8]))
     assert blocks.tolist() == [5] and offsets.tolist() == [7, 8]
     assert blocks.base is offsets.base and blocks.base.size == 2 * MIN_INDEX_ENTRIES
 

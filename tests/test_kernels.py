@@ -206,11 +206,24 @@ def _cuda_kernel_source(name: str, body: str, header: str, extra: tuple = ()) ->
     return f"{STUB}{header}\n__global__ void k_{name}({', '.join(params)}) {{\n{consts}{body}\n}}\n"
 
 
+def _nvrtc_compile(lib, name: str, source: str, opts) -> tuple[int, str]:
+    """Compile one kernel source with NVRTC: (its result code, its log)."""
+    import ctypes
+
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None) == 0
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return rc, log.value.decode(errors="replace")
+
+
 def test_cuda_sources_compile_with_nvrtc():
     """Every CUDA kernel body compiles (NVRTC, sm_90, no GPU needed), as MLX's cuda_kernel would build it:
     a typo in metal_kernels/attention.cu fails here, on any Linux x86-64 machine, not first on a GPU."""
-    import ctypes
-
     lib = _nvrtc()
     if lib is None:
         pytest.skip("needs NVRTC (pip install nvidia-cuda-nvrtc-cu12; Linux x86-64)")
@@ -222,20 +235,11 @@ def test_cuda_sources_compile_with_nvrtc():
     builds += [("attn_context_rows", bodies["attn_context_rows"], f) for f in forms]
     unrollings = {tuple(kernels.split_unroll(rows, cap)) for rows in range(1, 1025) for cap in (1, 1 << 20)}  # all used
     builds += [("attn_softmax_context", bodies["attn_softmax_context"], u) for u in sorted(unrollings)]
-    builds += [("attn_softmax_context", bodies["attn_softmax_context"], (("SU", 8), ("KU", ku), ("PF", pf), ("WS", ws)))
-               for ku, pf, ws in ((32, 0, 0), (32, 1, 0), (32, 1, 1), (32, 0, 1), (64, 0, 1), (16, 1, 1))]  # test_mlx_backend's
+    builds += [("attn_softmax_context", bodies["attn_softmax_context"], form) for form in kernels.ONE_ROW_FORMS]
     assert {n for n, _, _ in builds} == set(bodies)
     for name, body, extra in builds:
-        src = _cuda_kernel_source(name, body, header, extra).encode()
-        prog = ctypes.c_void_p()
-        assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, name.encode(), 0, None, None) == 0
-        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        assert rc == 0, f"{name}: {log.value.decode(errors='replace')}"
+        rc, log = _nvrtc_compile(lib, name, _cuda_kernel_source(name, body, header, extra), opts)
+        assert rc == 0, f"{name}: {log}"
 
 
 @pytest.mark.parametrize("heads", [(16, 8, 128), (32, 8, 128), (32, 4, 128), (14, 2, 64), (8, 8, 256), (9, 3, 64)])
@@ -244,8 +248,6 @@ def test_one_row_forms_keep_their_values_in_registers(heads, monkeypatch):
     flight (kernels.ONE_ROW_FORM, ONE_ROW_LONG_FORM): at the shapes of the models here (Qwen3 0.6B to
     14B, SmolLM2, a 256-wide head) ptxas fits them in registers, no spills to local memory, which would
     undo the point (NVRTC to sm_90 with ptxas' report; no GPU needed)."""
-    import ctypes
-
     lib = _nvrtc()
     if lib is None:
         pytest.skip("needs NVRTC (pip install nvidia-cuda-nvrtc-cu12; Linux x86-64)")
@@ -256,15 +258,7 @@ def test_one_row_forms_keep_their_values_in_registers(heads, monkeypatch):
     header, bodies = kernels.kernel_source("cuda")
     opts = [b"--gpu-architecture=sm_90", b"-default-device", b"--std=c++17", b"--ptxas-options=-v"]
     for form in (kernels.ONE_ROW_FORM, kernels.ONE_ROW_LONG_FORM):
-        src = _cuda_kernel_source("attn_softmax_context", bodies["attn_softmax_context"], header, tuple(form)).encode()
-        prog = ctypes.c_void_p()
-        assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"attn_softmax_context", 0, None, None) == 0
-        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        text = log.value.decode(errors="replace")
-        assert rc == 0, text
-        assert "0 bytes spill stores, 0 bytes spill loads" in text, (form, text[-400:])
+        src = _cuda_kernel_source("attn_softmax_context", bodies["attn_softmax_context"], header, tuple(form))
+        rc, log = _nvrtc_compile(lib, "attn_softmax_context", src, opts)
+        assert rc == 0, log
+        assert "0 bytes spill stores, 0 bytes spill loads" in log, (form, log[-400:])

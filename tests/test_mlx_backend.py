@@ -12,6 +12,7 @@ from hypothesis import given, settings
 
 import mlx.core as mx
 import mlxinfer
+from mlxinfer import kernels
 from mlxinfer.backends.mlx import GROUP, REPACK, MLXBackend, gpu_kind, verify_gpu_kernels
 from mlxinfer.errors import RequestError
 from mlxinfer.sampling import MLXRandom, Sampler, SamplingParams, filter_probs_numpy
@@ -245,12 +246,8 @@ def test_split_and_one_launch_kernels_agree_on_long_caches(rows, s, window, head
         assert np.array_equal(got[plan].view(np.uint32), got["one"].view(np.uint32)), plan
 
 
-ONE_ROW_FORMS = [(("SU", 8), ("KU", ku), ("PF", pf), ("WS", ws)) for ku, pf, ws in
-                 ((32, 0, 0), (32, 1, 0), (32, 0, 1), (32, 1, 1), (64, 0, 1), (16, 1, 1))]
-
-
 @needs_cuda
-@pytest.mark.parametrize("form", ONE_ROW_FORMS, ids=lambda f: "".join(f"{k}{v}" for k, v in f))
+@pytest.mark.parametrize("form", kernels.ONE_ROW_FORMS, ids=lambda f: "".join(f"{k}{v}" for k, v in f))
 def test_every_one_row_form_gives_the_one_launch_bits(form):
     """attn_softmax_context's one-row forms (kernels.ONE_ROW_FORM: loads in flight, prefetching, whole
     steps) change no operation: one row over caches whose lengths end a step exactly, fall one key
@@ -260,7 +257,7 @@ def test_every_one_row_form_gives_the_one_launch_bits(form):
     from mlxinfer import kernels
     from mlxinfer.backend import AttentionSpec
 
-    assert {tuple(kernels.ONE_ROW_FORM), tuple(kernels.ONE_ROW_LONG_FORM)} <= set(ONE_ROW_FORMS)
+    assert {tuple(kernels.ONE_ROW_FORM), tuple(kernels.ONE_ROW_LONG_FORM)} <= set(kernels.ONE_ROW_FORMS)
     rng = np.random.default_rng(7)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "ONE_ROW_FORM", form)
@@ -345,7 +342,6 @@ def test_prefill_chunks_take_the_kernels_by_rows(monkeypatch, lengths, cap, d, w
     it picks them (the context by rows in the three-launch form; small passes keep the two-launch form),
     and the score tiles cut each sequence's rows into runs of at most 32 that never straddle two
     sequences."""
-    from mlxinfer import kernels
     from mlxinfer.backend import AttentionSpec
     from mlxinfer.batch import Batch
 
@@ -362,7 +358,7 @@ def test_prefill_chunks_take_the_kernels_by_rows(monkeypatch, lengths, cap, d, w
         tiles = np.array(launched[0][1][-1]).reshape(-1, 2).tolist()
         assert tiles == ([[0, 32], [32, 32], [64, 6], [70, 1]] if lengths == [70, 1] else [[0, 32], [32, 32]])
     launched.clear()  # a compiled decode step's batch has no host rows: the kernels one row a sequence
-    template = Batch.decode_template(b, n, mx.zeros((n,), mx.int32), mx.zeros((n,), mx.int32), mx.ones((n,), mx.int32))
+    template = Batch.decode_template(b, n, Batch(b, list(range(n)), [0] * n, [1] * n).packed)
     b.fused_attention_override(mx.zeros((n, 16 * d)), kv, template, spec)
     assert "attn_scores_rows" not in [name for name, _ in launched]
 
