@@ -193,6 +193,11 @@ __device__ __forceinline__ void mlxi_chain_values(float* dst, const float* vd, l
   }
 }
 
+// Attention weight p = e / total of a score x, e = expf(x - m): the softmax kernel's operations.
+__device__ __forceinline__ float mlxi_weight(float x, float m, float total) {
+  return __fdiv_rn(expf(__fsub_rn(x, m)), total);
+}
+
 // The scores of one whole step of attn_softmax_context's context loop: xv[q][e] = xp[e * cap + 256 * q],
 // the score of key (chain l) k0 + 8 * q + dd for head e < nh (xp points at head 0's of key k0 + dd).
 template <int KU>
@@ -438,7 +443,7 @@ if (r < n) {  // the same for the whole block
 #pragma unroll
       for (int q8 = 0; q8 < KU / 8; ++q8) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) pe[q8][e] = e < nh ? __fdiv_rn(expf(__fsub_rn(xv[q8][e], m[e])), total[e]) : 0.0f;
+        for (int e = 0; e < 4; ++e) pe[q8][e] = e < nh ? mlxi_weight(xv[q8][e], m[e], total[e]) : 0.0f;
       }
 #pragma unroll
       for (int u = 0; u < KU; ++u) {
@@ -471,7 +476,7 @@ if (r < n) {  // the same for the whole block
         const long mine = l + 32 * (k0 + 8 * q8 + dd);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          pe[q8][e] = (e < nh && mine < S) ? __fdiv_rn(expf(__fsub_rn(xr[e * cap + mine], m[e])), total[e]) : 0.0f;
+          pe[q8][e] = (e < nh && mine < S) ? mlxi_weight(xr[e * cap + mine], m[e], total[e]) : 0.0f;
         }
       }
 #pragma unroll
