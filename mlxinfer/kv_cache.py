@@ -25,6 +25,11 @@ from .batch import pack_index_arrays
 from .errors import RequestError
 
 
+def _padded(lists: list, n: int) -> list:
+    """The lists one after another, each zero-padded to n entries."""
+    return [v for x in lists for v in x + [0] * (n - len(x))]
+
+
 def _resize_stores(ops, keys: list, values: list, rows: int, capacity: int, width: int) -> None:
     """Every layer's key and value store made [rows, capacity, width], in the lists: a new zeroed one
     where there is none, else the old one grown or trimmed (its rows kept)."""
@@ -367,8 +372,8 @@ class PagedKVCache(_Slots):
         index = self._index(ops, batch)
         if "padded" not in index:
             s_max = max(batch.kv_lens)
-            padded = [r for rows in index["lists"] for r in rows + [0] * (s_max - len(rows))]  # past a
-            row_seq = [b for b, n in enumerate(batch.lengths) for _ in range(n)]  # length: never read
+            padded = _padded(index["lists"], s_max)  # past a length: never read
+            row_seq = [b for b, n in enumerate(batch.lengths) for _ in range(n)]
             _, (padded, row_seq) = pack_index_arrays(ops, (padded, row_seq))
             index.update(padded=(padded, row_seq, s_max))
         return index["padded"]
@@ -384,8 +389,7 @@ class PagedKVCache(_Slots):
         s_max = bucket * -(-max(batch.kv_lens) // bucket)
         tables = (s_max, tuple(tuple(self.tables[slot]) for slot in batch.slots))
         if self._decode_rows[0] != tables:
-            lists = [self._pool_rows(slot, s_max) for slot in batch.slots]
-            padded = [r for rows in lists for r in rows + [0] * (s_max - len(rows))]
+            padded = _padded([self._pool_rows(slot, s_max) for slot in batch.slots], s_max)
             self._decode_rows = (tables, ops.index_array(padded))
         _, (blocks, offsets, row_seq) = pack_index_arrays(ops, (*self._targets(batch), list(range(len(batch)))))
         return blocks, offsets, self._decode_rows[1], row_seq
