@@ -93,11 +93,11 @@ class Batch:
         b.slots = b.starts = b.kv_lens = b._positions_host = None  # placeholders: reading them fails
         return b
 
-    @staticmethod
-    def decode_step_delta(ops, n: int):
+    @classmethod
+    def decode_step_delta(cls, ops, n: int):
         """What a decode step of n sequences adds to its packed index arrays to give the next step's:
         positions and lengths one more, slots and logit rows the same."""
-        w = max(n, MIN_INDEX_ENTRIES)  # index_width of n one-row sequences
+        w = cls(ops, list(range(n)), [0] * n, [1] * n).index_width  # (no array is made)
         return ops.index_array([1] * w + [0] * w + [1] * w + [0] * w)
 
     @property
