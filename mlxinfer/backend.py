@@ -10,8 +10,10 @@ sequence (a prefill chunk gives several rows, a decode step one). Positions, slo
 backend as integer arrays made by `index_array`. Weight matrices are opaque handles made by
 `load_weight`; `linear(x, w)` treats them as the logical `[in, out]` matrix.
 
-`fused_attention` is the one composite op. `per_head_attention` below is its definition, built from the
-primitives; its op order is the contract every override must reproduce bit for bit.
+`fused_attention` is the composite op with a contract: `per_head_attention` below is its definition, built
+from the primitives; its op order is what every override must reproduce bit for bit. The other composite
+ops (`rms_norm`, `head_norm_rope`, `linear_group`) have defaults built from the primitives too, which the
+tracing backend runs; a backend's overrides of them fuse kernels or drop reshapes.
 """
 
 from __future__ import annotations
@@ -137,7 +139,8 @@ class Backend:
         raise NotImplementedError
 
     def load_vector(self, gguf, name: str):
-        """A 1-D parameter (norm weights) as a [1, n] row."""
+        """A 1-D parameter (norm weights) as a row that `hadamard` broadcasts over [N, n] rows: [1, n]
+        (numpy), or [n] where the backend's fused rms_norm takes it so (MLX: no reshape a call)."""
         raise NotImplementedError
 
     def new_store(self, slots: int, capacity: int, width: int):
@@ -213,7 +216,7 @@ class Backend:
         raise NotImplementedError
 
     def hadamard(self, a, b):
-        """Elementwise product; `b` may be a [1, N] row broadcast over the rows of `a`."""
+        """Elementwise product; `b` may be a row ([1, N] or [N], `load_vector`) broadcast over the rows of `a`."""
         raise NotImplementedError
 
     def add(self, a, b):
@@ -277,12 +280,22 @@ class Backend:
     # -- composite ops: defaults built from the primitives (the reference), overridable ----------
     def rms_norm(self, x, weight, eps: float):
         """x * rsqrt(mean(x^2) + eps) * weight, row by row: sum_squares_rows, scale by 1/n, add_scalar
-        eps, rsqrt, mul_rows, hadamard with the [1, n] weight row. A backend may override it with a
+        eps, rsqrt, mul_rows, hadamard with the weight row (`load_vector`). A backend may override it with a
         fused kernel (MLX: mx.fast.rms_norm); the tracing backend always runs this default."""
         n = x.shape[1]
         mean_sq = self.scale(self.sum_squares_rows(x), 1.0 / n)
         inv = self.rsqrt(self.add_scalar(mean_sq, eps))
         return self.hadamard(self.mul_rows(x, inv), weight)
+
+    def head_norm_rope(self, x, weight, positions, n_heads: int, head_dim: int, eps: float, base: float,
+                       traditional: bool):
+        """RMSNorm of each head's slice of [N, n_heads*head_dim] rows (weight: head_dim long), then
+        `rope` (Qwen3's q_norm / k_norm before RoPE): reshape to one row a head, rms_norm, reshape back,
+        rope. A backend may override it with the same kernels on fewer reshapes (MLX: two instead of
+        five, each reshape one more node of the decode step's graph for the host to evaluate)."""
+        n = x.shape[0]
+        y = self.reshape(self.rms_norm(self.reshape(x, n * n_heads, head_dim), weight, eps), n, n_heads * head_dim)
+        return self.rope(y, positions, n_heads, head_dim, base, traditional)
 
     def linear_group(self, x, ws, groups=None):
         """x times each matrix of a `load_weight_group` handle: a tuple of products, one per matrix.

@@ -531,9 +531,30 @@ def test_fused_rms_norm_matches_its_primitive_default(device):
     rng = np.random.default_rng(0)
     for rows, cols, eps in ((1, 576, 1e-5), (7, 1024, 1e-6), (48, 128, 1e-6)):
         x = b.from_numpy(rng.standard_normal((rows, cols)).astype(np.float32) * 3)
-        w = b.from_numpy((1 + 0.1 * rng.standard_normal((1, cols))).astype(np.float32))
+        w = b.from_numpy((1 + 0.1 * rng.standard_normal(cols)).astype(np.float32))  # 1-D, as load_vector's
         got, want = np.array(b.rms_norm(x, w, eps)), np.array(Backend.rms_norm(b, x, w, eps))
         if device == "cpu":
             np.testing.assert_array_equal(got, want)
         else:
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_head_norm_rope_override_matches_its_default_bitwise(device):
+    """The MLX override of `head_norm_rope` (the kernels on [N, heads, 1, head_dim], two reshapes) against
+    the protocol's default on the same backend (reshape to one row a head, rms_norm, reshape, rope): the
+    same floats, on the CPU and on a GPU; each row at its own position, both RoPE layouts."""
+    from mlxinfer.backend import Backend
+
+    if device == "gpu" and not gpu_kind():
+        pytest.skip("needs an MLX GPU")
+    b = MLXBackend(device=device)
+    rng = np.random.default_rng(1)
+    for rows, heads, dim, traditional in ((1, 16, 128, False), (5, 8, 128, False), (3, 9, 64, True)):
+        x = b.from_numpy(rng.standard_normal((rows, heads * dim)).astype(np.float32) * 3)
+        w = b.from_numpy((1 + 0.1 * rng.standard_normal(dim)).astype(np.float32))
+        pos = b.index_array(rng.choice(5000, rows, replace=False).tolist())
+        args = (x, w, pos, heads, dim, 1e-6, 1e6, traditional)
+        got, want = np.array(b.head_norm_rope(*args)), np.array(Backend.head_norm_rope(b, *args))
+        np.testing.assert_array_equal(got, want)
+        assert got.shape == (rows, heads * dim) and not np.array_equal(got[0], np.array(x)[0])

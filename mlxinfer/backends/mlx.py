@@ -349,7 +349,7 @@ class MLXBackend(Backend):
         return self._matrix(g, name, transposed=False)
 
     def load_vector(self, g, name):
-        return mx.array(np.ascontiguousarray(g.dequantize(name), dtype=np.float32).reshape(1, -1))
+        return mx.array(np.ascontiguousarray(g.dequantize(name), dtype=np.float32).reshape(-1))  # [n]
 
     def new_store(self, slots, capacity, width):
         self.activate()
@@ -439,14 +439,29 @@ class MLXBackend(Backend):
         return x * mx.sigmoid(x)
 
     def rms_norm(self, x, weight, eps):
-        # One fused kernel for the six primitives (on this CPU bitwise equal to them; tested)
-        return mx.fast.rms_norm(x, mx.reshape(weight, (-1,)), eps)
+        # One fused kernel for the six primitives (on this CPU bitwise equal to them; tested); the
+        # weight is 1-D already (`load_vector`): a reshape here was a graph node a call
+        return mx.fast.rms_norm(x, weight, eps)
+
+    def head_norm_rope(self, x, weight, positions, n_heads, head_dim, eps, base, traditional):
+        # The default's kernels on [N, heads, 1, head_dim] (rms_norm over the last axis): two reshapes
+        # instead of five (tested bitwise)
+        return self._per_head(x, n_heads, head_dim, lambda xh: self._rope(mx.fast.rms_norm(xh, weight, eps),
+                                                                           positions, head_dim, base, traditional))
 
     def rope(self, x, positions, n_heads, head_dim, base, traditional):
+        return self._per_head(x, n_heads, head_dim, lambda xh: self._rope(xh, positions, head_dim, base, traditional))
+
+    @staticmethod
+    def _per_head(x, n_heads, head_dim, fn):
+        """fn of [N, heads*head_dim] rows seen as [N, heads, 1, head_dim]: each row its own batch entry
+        (mx.fast.rope's array offset gives each batch entry its own position)."""
         n = x.shape[0]
-        xh = mx.reshape(x, (n, n_heads, 1, head_dim))  # each row its own batch entry, at its own offset
-        y = mx.fast.rope(xh, head_dim, traditional=traditional, base=base, scale=1.0, offset=positions)
-        return mx.reshape(y, (n, n_heads * head_dim))
+        return mx.reshape(fn(mx.reshape(x, (n, n_heads, 1, head_dim))), (n, n_heads * head_dim))
+
+    @staticmethod
+    def _rope(xh, positions, head_dim, base, traditional):
+        return mx.fast.rope(xh, head_dim, traditional=traditional, base=base, scale=1.0, offset=positions)
 
     def reshape(self, x, rows, cols):
         return mx.reshape(x, (rows, cols))

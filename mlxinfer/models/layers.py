@@ -23,13 +23,6 @@ def rms_norm(ops, x, weight, eps: float):
     return ops.rms_norm(x, weight, eps)
 
 
-def head_rms_norm(ops, x, weight, n_heads: int, head_dim: int, eps: float):
-    """RMSNorm of each head's slice of [N, n_heads*head_dim] rows (Qwen3's q_norm / k_norm)."""
-    n = x.shape[0]
-    y = rms_norm(ops, ops.reshape(x, n * n_heads, head_dim), weight, eps)
-    return ops.reshape(y, n, n_heads * head_dim)
-
-
 def all_sum(ops, x, shard):
     """The sum over ranks of a row-parallel product's partial results (x itself on one rank)."""
     return x if shard.size == 1 else ops.all_sum(x, shard.group)

@@ -8,7 +8,7 @@ output head tied to the embedding unless `output.weight` is present.
 
 from ..backend import AttentionSpec
 from ..distributed import Shard
-from .layers import all_sum, head_rms_norm, output_logits, rms_norm, swiglu_mlp
+from .layers import all_sum, output_logits, rms_norm, swiglu_mlp
 from .spec import ModelArgs, load_weights
 
 TRAITS = dict(rope_traditional=False, qk_norm=True)
@@ -23,10 +23,10 @@ class Model:
     def attention(self, ops, x, w, batch, cache, layer: int):
         a, sp, groups = self.args, self.spec, batch.rows
         q, k, v = ops.linear_group(x, w.attn_qkv, groups)
-        q = head_rms_norm(ops, q, w.attn_q_norm, sp.n_heads, a.head_dim, a.rms_eps)
-        k = head_rms_norm(ops, k, w.attn_k_norm, sp.n_kv_heads, a.head_dim, a.rms_eps)
-        q = ops.rope(q, batch.positions, sp.n_heads, a.head_dim, a.rope_base, traditional=False)
-        k = ops.rope(k, batch.positions, sp.n_kv_heads, a.head_dim, a.rope_base, traditional=False)
+        q = ops.head_norm_rope(q, w.attn_q_norm, batch.positions, sp.n_heads, a.head_dim, a.rms_eps, a.rope_base,
+                               traditional=False)
+        k = ops.head_norm_rope(k, w.attn_k_norm, batch.positions, sp.n_kv_heads, a.head_dim, a.rms_eps,
+                               a.rope_base, traditional=False)
         kv = cache.update(ops, layer, k, v, batch)
         out = ops.linear(ops.fused_attention(q, kv, batch, sp), w.attn_output, groups)
         return all_sum(ops, out, self.shard)
