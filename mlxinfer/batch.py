@@ -28,12 +28,17 @@ MIN_INDEX_ENTRIES = 4  # MLX's CUDA allocator keeps arrays of up to 8 bytes (two
 # padded to 4 entries: 8.9 / 13.2 / 42.3 / 226.2). So index arrays are made by `pack_index_arrays`.
 
 
+def zero_padded(lists, widths) -> list:
+    """The lists one after another, list i zero-padded to widths[i] entries."""
+    return [v for x, w in zip(lists, widths) for v in list(x) + [0] * (w - len(x))]
+
+
 def pack_index_arrays(ops, lists, width: int | None = None) -> tuple:
     """Index arrays made from host lists as slices of one array (one transfer), each list in a section of
     `width` entries (default: its own length), at least MIN_INDEX_ENTRIES, zero-padded.
     -> (the whole array, (each list's slice, ...))."""
     widths = [max(width or len(x), MIN_INDEX_ENTRIES) for x in lists]
-    whole = ops.index_array([v for x, w in zip(lists, widths) for v in list(x) + [0] * (w - len(x))])
+    whole = ops.index_array(zero_padded(lists, widths))
     starts = accumulate([0] + widths[:-1])
     return whole, tuple(whole[a:a + len(x)] for a, x in zip(starts, lists))
 

@@ -21,13 +21,8 @@ from __future__ import annotations
 
 import math
 
-from .batch import pack_index_arrays
+from .batch import pack_index_arrays, zero_padded
 from .errors import RequestError
-
-
-def _padded(lists: list, n: int) -> list:
-    """The lists one after another, each zero-padded to n entries."""
-    return [v for x in lists for v in x + [0] * (n - len(x))]
 
 
 def _resize_stores(ops, keys: list, values: list, rows: int, capacity: int, width: int) -> None:
@@ -372,7 +367,7 @@ class PagedKVCache(_Slots):
         index = self._index(ops, batch)
         if "padded" not in index:
             s_max = max(batch.kv_lens)
-            padded = _padded(index["lists"], s_max)  # past a length: never read
+            padded = zero_padded(index["lists"], [s_max] * len(index["lists"]))  # past a length: never read
             row_seq = [b for b, n in enumerate(batch.lengths) for _ in range(n)]
             _, (padded, row_seq) = pack_index_arrays(ops, (padded, row_seq))
             index.update(padded=(padded, row_seq, s_max))
@@ -389,7 +384,7 @@ class PagedKVCache(_Slots):
         s_max = bucket * -(-max(batch.kv_lens) // bucket)
         tables = (s_max, tuple(tuple(self.tables[slot]) for slot in batch.slots))
         if self._decode_rows[0] != tables:
-            padded = _padded([self._pool_rows(slot, s_max) for slot in batch.slots], s_max)
+            padded = zero_padded([self._pool_rows(slot, s_max) for slot in batch.slots], [s_max] * len(batch))
             self._decode_rows = (tables, ops.index_array(padded))
         _, (blocks, offsets, row_seq) = pack_index_arrays(ops, (*self._targets(batch), list(range(len(batch)))))
         return blocks, offsets, self._decode_rows[1], row_seq
