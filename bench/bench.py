@@ -261,17 +261,20 @@ def spread(r, key, fmt) -> str:
 
 
 def fmt_table(rows) -> str:
-    cols = ["engine", "device", "attention", "kv", "batch", "prompt", "gen", "TTFT ms", "decode tok/s/seq",
-            "total tok/s", "interval ms min/mean/max", "peak MiB", "fused/per-head"]
+    rounds = any(r.get("round", 1) > 1 for r in rows)
+    cols = (["round"] if rounds else []) + [
+        "engine", "device", "attention", "kv", "batch", "prompt", "gen", "TTFT ms", "decode tok/s/seq", "total tok/s",
+        "interval ms min/mean/max", "peak MiB", "fused/per-head"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
+        first = f"{r.get('round', 1)} | " if rounds else ""
         if "error" in r:
-            lines.append(f"| {r['engine']} | {r.get('device') or '-'} | {r['attention']} | {r['kv_cache']} | "
+            lines.append(f"| {first}{r['engine']} | {r.get('device') or '-'} | {r['attention']} | {r['kv_cache']} | "
                          f"{r['batch_size']} | {r['prompt_tokens']} | failed: {r['error']} |" + " |" * 6)
             continue
         gen = f"{r['generated']:g}" + (f" (min {r['generated_min']:g})" if r.get("generated_min", r["generated"])
                                         != r["generated"] else "")
-        lines.append("| " + " | ".join([
+        lines.append("| " + first + " | ".join([
             r["engine"], r.get("device") or "-", r["attention"], r.get("kv_cache", "-"), str(r.get("batch_size", 1)),
             str(r["prompt_tokens"]), gen,
             spread(r, "time_to_first_token_ms", ".1f"), spread(r, "decode_tokens_per_second", ".2f"),
@@ -286,7 +289,7 @@ def fmt_table(rows) -> str:
 
 
 def row_key(r, attention=None):
-    return (r["engine"], r.get("device"), r.get("kv_cache"), r.get("batch_size", 1), r["prompt_tokens"],
+    return (r.get("round", 1), r["engine"], r.get("device"), r.get("kv_cache"), r.get("batch_size", 1), r["prompt_tokens"],
             attention or r["attention"])
 
 
@@ -363,6 +366,11 @@ def main(argv=None):
                                                              "(default: %(default)s)")
     p.add_argument("--runs", type=int, default=3, help="measured runs per row, after one warm-up; the row is "
                                                        "their median, with min and max (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every row, ours and the peers', this many times, alternating which engine goes "
+                        "first (ours, peers; peers, ours; ...): on a machine whose speed drifts over minutes each "
+                        "round compares engines measured minutes apart at most; the ratios are given per round "
+                        "with their median (default: %(default)s)")
     p.add_argument("--warmup-tokens", type=int, default=0,
                    help="prompt tokens of the warm-up run (0: the case's whole prompt; a short warm-up saves "
                         "minutes where prefill is slow, e.g. MLX on a CPU) (default: %(default)s)")
@@ -398,6 +406,8 @@ def main(argv=None):
     batches = ints(a.batch)
     if not batches or min(batches) < 1:
         p.error("--batch needs positive batch sizes")
+    if a.rounds < 1:
+        p.error("--rounds needs at least 1")
     path = resolve(a.model, a.cache)
     info = machine()
     head = header(info, path, argv)
@@ -407,23 +417,38 @@ def main(argv=None):
     print(json.dumps(dict(kind="header", model=path, command="python3 bench/bench.py " + " ".join(argv), **info)),
           file=log, flush=True)
     cases, sweep = ints(a.cases), ints(a.sweep)
+    jobs = []
     for backend, device, attention in configs(a.backends.split(","), a.attention.split(","), a.devices.split(",")):
         for kv in kvs:
             for sync in ([False, True] if a.sync and backend == "mlx" else [False]):
                 spec = dict(model=path, backend=backend, device=device, attention=attention, kv=kv,
                             prefill_chunk=a.prefill_chunk, runs=a.runs, sync=sync, warmup_tokens=a.warmup_tokens,
                             threads=a.threads)
-                jobs = [dict(spec, kind="case", batch=b, n=n, gen=a.gen) for b in batches for n in cases]
+                jobs += [dict(spec, kind="case", batch=b, n=n, gen=a.gen) for b in batches for n in cases]
                 jobs += [dict(spec, kind="sweep", batch=1, n=n, gen=a.sweep_gen) for n in sweep]
-                for job in jobs:
-                    row = run_row_process(job)
-                    row["load_average_1min"] = round(os.getloadavg()[0], 2)
-                    row["finished_at"] = datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S UTC")
-                    (rows if job["kind"] == "case" else sweep_rows).append(row)
-                    print(json.dumps(row), file=log, flush=True)
-    peer_rows, peer_notes = run_peers([x for x in a.peers.split(",") if x and x != "none"], path, cases, a.gen,
-                                      a.runs, a.threads, batches)
+    peers = [x for x in a.peers.split(",") if x and x != "none"]
+    peer_rows, peer_notes = [], []
+
+    def ours(rnd):
+        for job in jobs:
+            row = run_row_process(job)
+            row.update(round=rnd, load_average_1min=round(os.getloadavg()[0], 2),
+                       finished_at=datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S UTC"))
+            (rows if job["kind"] == "case" else sweep_rows).append(row)
+            print(json.dumps(row), file=log, flush=True)
+
+    def theirs(rnd):
+        got, notes = run_peers(peers, path, cases, a.gen, a.runs, a.threads, batches)
+        for r in got:
+            r.update(round=rnd, finished_at=datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S UTC"))
+        peer_rows.extend(got)
+        peer_notes.extend(n for n in notes if n not in peer_notes)
+
+    for rnd in range(1, a.rounds + 1):  # rounds alternate which engine goes first: ours, peers; peers, ours; ...
+        for part in ((ours, theirs) if rnd % 2 else (theirs, ours)):
+            part(rnd)
     rows += peer_rows
+    rows.sort(key=lambda r: r.get("round", 1))  # stable: by round, ours before the peers in each
     add_ratios(rows)
     add_ratios(sweep_rows)
     text = fmt_table(rows)
@@ -445,18 +470,29 @@ def main(argv=None):
 
 
 def peer_ratios(rows) -> str:
-    """Ours / peer at the same prompt and batch size: decode tokens/s per sequence at batch 1, total
-    generated tokens/s (whole call, prefill included) at batch B > 1."""
+    """Ours / peer at the same prompt, batch size and round: decode tokens/s per sequence at batch 1,
+    total generated tokens/s (whole call, prefill included) at batch B > 1; with several rounds, each
+    round's ratio and then their median."""
     out = ["ours / peer, decode tokens/s per sequence (batch 1) and total tokens/s (batch B > 1):"]
     ours = [r for r in rows if r["engine"].startswith("mlxinfer") and "error" not in r]
     peers = [r for r in rows if not r["engine"].startswith("mlxinfer")]
+    rounds = {}
     for p in peers:
         b = p.get("batch_size", 1)
         key = "decode_tokens_per_second" if b == 1 else "total_tokens_per_second"
         for o in ours:
-            if o["prompt_tokens"] == p["prompt_tokens"] and o.get("batch_size", 1) == b and p[key] > 0:
-                out.append(f"  {o['engine']}/{o.get('device') or '-'} {o['attention']} {o.get('kv_cache')} vs "
-                           f"{p['engine']} (prompt {p['prompt_tokens']}, batch {b}): {o[key] / p[key]:.2f}x")
+            if (o["prompt_tokens"] == p["prompt_tokens"] and o.get("batch_size", 1) == b
+                    and o.get("round", 1) == p.get("round", 1) and p[key] > 0):
+                name = (f"{o['engine']}/{o.get('device') or '-'} {o['attention']} {o.get('kv_cache')} vs "
+                        f"{p['engine']} (prompt {p['prompt_tokens']}, batch {b})")
+                rounds.setdefault(name, []).append(o[key] / p[key])
+    for name, ratios in rounds.items():
+        if len(ratios) == 1:
+            out.append(f"  {name}: {ratios[0]:.2f}x")
+        else:
+            out.append(f"  {name}: rounds {' '.join(f'{x:.2f}x' for x in ratios)}; median "
+                       f"{statistics.median(ratios):.2f}x, at least 1.2x in {sum(x >= 1.2 for x in ratios)} of "
+                       f"{len(ratios)}")
     return "\n".join(out)
 
 

@@ -36,6 +36,7 @@ T_SRV = "tests/test_server.py"
 T_TP = "tests/test_tp.py"
 T_WG = "tests/test_weight_groups.py"
 T_COMP = "tests/test_compile.py"
+T_BENCH = "tests/test_bench.py"
 
 CPU = "mlxinfer/backends/cpu.py"
 MLX = "mlxinfer/backends/mlx.py"
@@ -56,6 +57,7 @@ SCHED = "mlxinfer/scheduler.py"
 KVF = "mlxinfer/kv_cache.py"
 SERVER = "mlxinfer/server.py"
 DIST = "mlxinfer/distributed.py"
+BENCH = "bench/bench.py"
 
 ONLINE_SOFTMAX = '''
 
@@ -557,6 +559,10 @@ M = [
     ("tp-rank1-prints", "tensor parallel", CLI,
      [("        sys.stdout = open(os.devnull, \"w\")\n", "")],
      [T_TP], "generate --tp: every rank prints the text"),
+    # -- the benchmark's comparison with its peers ------------------------------------------------------
+    ("bench-ratio-across-rounds", "bench", BENCH,
+     [('and o.get("round", 1) == p.get("round", 1) and p[key] > 0', 'and p[key] > 0')],
+     [T_BENCH], "bench.py: ours / peer ratios pair rows of different rounds"),
 ]
 
 
@@ -566,7 +572,8 @@ def _copy_tree(root: str) -> str:
                            text=True, check=True).stdout.split("\n")
     for name in filter(None, files):
         src = os.path.join(root, name)
-        if os.path.isfile(src) and not name.startswith("bench/"):
+        bench_script = name.startswith("bench/") and name.count("/") == 1 and name.endswith(".py")
+        if os.path.isfile(src) and (bench_script or not name.startswith("bench/")):  # not bench's results
             os.makedirs(os.path.dirname(os.path.join(dst, name)), exist_ok=True)
             shutil.copy2(src, os.path.join(dst, name))
     return dst

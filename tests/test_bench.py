@@ -1,0 +1,39 @@
+"""bench/bench.py's comparison with its peers: ratios pair rows of the same round only."""
+
+import importlib.util
+import os
+
+import pytest
+
+pytest.importorskip("mlx.core")  # bench.py imports the engine's MLX backend helpers
+
+
+def _bench(monkeypatch):
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    monkeypatch.syspath_prepend(here)  # bench.py imports its neighbour peers.py, as when run as a script
+    path = os.path.join(here, "bench.py")
+    spec = importlib.util.spec_from_file_location("bench_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(engine, rnd, tok_s, prompt=17):
+    return dict(engine=engine, round=rnd, prompt_tokens=prompt, batch_size=1, decode_tokens_per_second=tok_s,
+                total_tokens_per_second=tok_s, attention="fused", device="gpu", kv_cache="prealloc")
+
+
+def test_peer_ratios_pair_rows_of_one_round_and_give_their_median(monkeypatch):
+    bench = _bench(monkeypatch)
+    rows = [_row("mlxinfer mlx", 1, 300.0), _row("mlxinfer mlx", 2, 200.0), _row("mlxinfer mlx", 3, 260.0),
+            _row("mlx-lm", 1, 200.0), _row("mlx-lm", 2, 250.0), _row("mlx-lm", 3, 200.0)]
+    text = bench.peer_ratios(rows)
+    assert "rounds 1.50x 0.80x 1.30x; median 1.30x, at least 1.2x in 2 of 3" in text
+
+
+def test_peer_ratios_of_one_round_print_one_ratio(monkeypatch):
+    bench = _bench(monkeypatch)
+    text = bench.peer_ratios([_row("mlxinfer mlx", 1, 300.0), _row("mlx-lm", 1, 200.0, prompt=511),
+                              _row("mlx-lm", 1, 250.0)])
+    assert text.splitlines()[1].endswith("(prompt 17, batch 1): 1.20x")
+    assert "prompt 511" not in text
