@@ -722,3 +722,46 @@ if (tile < tiles_shape[0] / 2) {  // the same for the whole block
     }
   }
 }
+//@@BODY qk_norm_rope
+// Not attention's arithmetic but its inputs: Qwen3's q_norm / k_norm then RoPE (rotate-half) of a pass's
+// queries q [N, H*D] and keys k [N, KV*D] in one launch (the MLX backend's qk_norm_rope on CUDA; a decode
+// step's graph has one node here instead of ten a layer), with weights wq, wk [D] and each row's position
+// row_pos [N] -> qo, ko. One warp per (row, head), the queries' heads first; lane l holds d = l + 32i, so
+// with D a multiple of 64 each rotated pair (d, d + D/2) sits in one lane. The same operations as
+// mx.fast.rms_norm then mx.fast.rope (MLX 0.32's CUDA kernels: x * rsqrt(sum(x^2) / D + eps), then
+// times the weight; theta = pos * exp2(-(d / (D/2)) * log2(base)), x1 cos - x2 sin, x1 sin + x2 cos),
+// except the order of the sum of squares: each lane's terms in increasing i, rounded products, then the
+// butterfly (mlxi_warp_total). Compile-time H, KV, D; EPS_BITS and LOG2_BASE_BITS: float32 bits.
+constexpr int E = D / 32, HALF = E / 2;
+const float eps = __int_as_float(EPS_BITS), log2_base = __int_as_float(LOG2_BASE_BITS);
+const int lane = threadIdx.x & 31;
+const long w = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS + (threadIdx.x >> 5);
+if (w < (long)row_pos_shape[0] * (H + KV)) {  // w is the warp's: all its lanes take the shuffles below
+  const long r = w / (H + KV);
+  const int h = w % (H + KV);
+  const bool is_q = h < H;
+  const long at = is_q ? (r * H + h) * D : (r * KV + h - H) * D;
+  const float* x = (is_q ? q : k) + at;
+  const float* wt = is_q ? wq : wk;
+  float* y = (is_q ? qo : ko) + at;
+  float v[E];
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    v[i] = x[lane + 32 * i];
+    ss = __fadd_rn(ss, __fmul_rn(v[i], v[i]));
+  }
+  const float inv = rsqrtf(__fadd_rn(__fdiv_rn(mlxi_warp_total(ss), (float)D), eps));
+#pragma unroll
+  for (int i = 0; i < E; ++i) v[i] = __fmul_rn(wt[lane + 32 * i], __fmul_rn(v[i], inv));
+  const float L = (float)row_pos[r];
+#pragma unroll
+  for (int i = 0; i < HALF; ++i) {
+    const int d = lane + 32 * i;
+    const float theta = L * exp2f(-((float)d / (float)(D / 2)) * log2_base);
+    const float c = cosf(theta), s = sinf(theta);
+    const float x1 = v[i], x2 = v[i + HALF];
+    y[d] = x1 * c - x2 * s;
+    y[d + D / 2] = x1 * s + x2 * c;
+  }
+}

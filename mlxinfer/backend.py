@@ -12,7 +12,7 @@ backend as integer arrays made by `index_array`. Weight matrices are opaque hand
 
 `fused_attention` is the composite op with a contract: `per_head_attention` below is its definition, built
 from the primitives; its op order is what every override must reproduce bit for bit. The other composite
-ops (`rms_norm`, `head_norm_rope`, `linear_group`) have defaults built from the primitives too, which the
+ops (`rms_norm`, `qk_norm_rope`, `linear_group`) have defaults built from the primitives too, which the
 tracing backend runs; a backend's overrides of them fuse kernels or drop reshapes.
 """
 
@@ -287,15 +287,19 @@ class Backend:
         inv = self.rsqrt(self.add_scalar(mean_sq, eps))
         return self.hadamard(self.mul_rows(x, inv), weight)
 
-    def head_norm_rope(self, x, weight, positions, n_heads: int, head_dim: int, eps: float, base: float,
-                       traditional: bool):
-        """RMSNorm of each head's slice of [N, n_heads*head_dim] rows (weight: head_dim long), then
-        `rope` (Qwen3's q_norm / k_norm before RoPE): reshape to one row a head, rms_norm, reshape back,
-        rope. A backend may override it with the same kernels on fewer reshapes (MLX: two instead of
-        five, each reshape one more node of the decode step's graph for the host to evaluate)."""
-        n = x.shape[0]
-        y = self.reshape(self.rms_norm(self.reshape(x, n * n_heads, head_dim), weight, eps), n, n_heads * head_dim)
-        return self.rope(y, positions, n_heads, head_dim, base, traditional)
+    def qk_norm_rope(self, q, k, q_weight, k_weight, positions, n_heads: int, n_kv_heads: int, head_dim: int,
+                     eps: float, base: float, traditional: bool):
+        """Qwen3's q_norm / k_norm then RoPE: RMSNorm of each head's slice of the queries [N, n_heads*head_dim]
+        and keys [N, n_kv_heads*head_dim] (weights head_dim long), then `rope` -> (q, k). Default, for
+        each: reshape to one row a head, rms_norm, reshape back, rope. A backend may override it with
+        fewer graph nodes: MLX runs the same kernels with two reshapes instead of five, and on CUDA one
+        kernel for both (`kernels.qk_norm_rope`)."""
+        out = []
+        for x, weight, heads in ((q, q_weight, n_heads), (k, k_weight, n_kv_heads)):
+            n = x.shape[0]
+            y = self.reshape(self.rms_norm(self.reshape(x, n * heads, head_dim), weight, eps), n, heads * head_dim)
+            out.append(self.rope(y, positions, heads, head_dim, base, traditional))
+        return tuple(out)
 
     def linear_group(self, x, ws, groups=None):
         """x times each matrix of a `load_weight_group` handle: a tuple of products, one per matrix.

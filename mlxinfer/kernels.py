@@ -55,6 +55,7 @@ _INPUTS = {
     "attn_context": (["p", "v", "row_slot", "row_len"], ["out"]),
     "attn_context_rows": (["p", "v", "row_slot", "row_len"], ["out"]),
     "attn_scores_rows": (["q", "k", "row_slot", "row_pos", "row_len", "tiles"], ["p"]),
+    "qk_norm_rope": (["q", "k", "wq", "wk", "row_pos"], ["qo", "ko"]),
 }
 SPLIT_KINDS = ("cuda",)  # the split attention kernels exist in these sources (Metal: one launch only)
 SPLIT_MAX_ITEMS = 1024  # (row, head) work items up to which the split kernels run: their scratch is
@@ -335,3 +336,51 @@ def published_softmax_total(e: np.ndarray) -> np.float32:
         partial[:w] = (partial[:w] + e[i:i + w]).astype(np.float32)
     warp_totals = _butterfly(partial.reshape(8, 32), (16, 8, 4, 2, 1))
     return _butterfly(warp_totals[None, :], (4, 2, 1))[0]
+
+
+# -- Qwen3's per-head RMSNorm and RoPE of queries and keys, one launch (CUDA) ----------------------------
+def qk_norm_rope_fits(head_dim: int, traditional: bool) -> bool:
+    """Whether the qk_norm_rope kernel serves this shape: rotate-half RoPE, head_dim a multiple of 64 (each
+    rotated pair in one lane) up to MAX_HEAD_DIM."""
+    return not traditional and head_dim % 64 == 0 and head_dim <= MAX_HEAD_DIM
+
+
+def _f32_bits(x: float) -> int:
+    return int(np.array(x, dtype=np.float32).view(np.int32))
+
+
+@lru_cache(maxsize=None)
+def _log2f(x: float) -> float:
+    """C's log2f of float32 x: what MLX's rope kernels take of their float base (std::log2(float)); a
+    last-bit difference would move theta by ~4e-4 radians at position 40,000. Correctly rounded from
+    float64 where no C library answers."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        f = ctypes.CDLL(ctypes.util.find_library("m") or None).log2f
+    except (OSError, AttributeError):
+        return float(np.float32(np.log2(np.float64(np.float32(x)))))
+    f.restype, f.argtypes = ctypes.c_float, [ctypes.c_float]
+    return float(f(float(np.float32(x))))
+
+
+def qk_norm_rope(kind: str, q, k, wq, wk, row_pos, n_heads: int, n_kv_heads: int, head_dim: int, eps: float,
+                 base: float):
+    """(q, k) after each head's RMSNorm (weights wq, wk [head_dim]) and rotate-half RoPE at each row's
+    position, in one launch: q [N, n_heads*head_dim], k [N, n_kv_heads*head_dim] (a decode row's slices of
+    the Q/K/V product are contiguous; other slices are copied by MLX first). mx.fast.rms_norm and
+    mx.fast.rope's operations but for the sum of squares' order (metal_kernels/attention.cu), so not their
+    bits: tests/test_mlx_backend.py bounds the difference."""
+    import mlx.core as mx
+
+    if not qk_norm_rope_fits(head_dim, False):
+        raise ValueError(f"qk_norm_rope: head_dim {head_dim} is not a multiple of 64 up to {MAX_HEAD_DIM}")
+    n = q.shape[0]
+    log2_base = _log2f(base)
+    template = [("H", n_heads), ("KV", n_kv_heads), ("D", head_dim), ("EPS_BITS", _f32_bits(eps)),
+                ("LOG2_BASE_BITS", _f32_bits(log2_base))]
+    qo, ko = _kernel(kind, "qk_norm_rope")(
+        inputs=[q, k, wq, wk, row_pos], template=template, grid=_grid(-(-n * (n_heads + n_kv_heads) // 8)),
+        threadgroup=(THREADS, 1, 1), output_shapes=[q.shape, k.shape], output_dtypes=[mx.float32, mx.float32])
+    return qo, ko

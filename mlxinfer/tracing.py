@@ -71,9 +71,9 @@ class TracingBackend:
         # The primitive default, on the tracer: its primitives are what the op-count formulas count.
         return Backend.rms_norm(self, x, weight, eps)
 
-    def head_norm_rope(self, *args, **kwargs):
-        # The default too: reshape, rms_norm, reshape, rope
-        return Backend.head_norm_rope(self, *args, **kwargs)
+    def qk_norm_rope(self, *args, **kwargs):
+        # The default too: reshape, rms_norm, reshape, rope, for the queries and for the keys
+        return Backend.qk_norm_rope(self, *args, **kwargs)
 
     def linear_group(self, x, ws, groups=None):
         # The default too: one counted `linear` per matrix of the group.

@@ -19,11 +19,20 @@ needs_gpu = pytest.mark.skipif(GPU is None, reason="needs an MLX GPU (Metal or C
 
 
 def test_kernel_sources_hold_every_kernel():
-    split = {"attn_scores", "attn_softmax_context", "attn_softmax", "attn_context", "attn_context_rows", "attn_scores_rows"}
+    split = {"attn_scores", "attn_softmax_context", "attn_softmax", "attn_context", "attn_context_rows", "attn_scores_rows",
+             "qk_norm_rope"}  # (qk_norm_rope: CUDA only, like the split kernels)
     for kind in ("cuda", "metal"):
         header, bodies = kernels.kernel_source(kind)
         assert set(bodies) == {"matmul", "softmax", "fused_attention"} | (split if kind in kernels.SPLIT_KINDS else set())
         assert "mlxi_dot" in header and "mlxi_softmax" in header
+
+
+def test_qk_norm_rope_kernel_serves_rotate_half_heads_of_whole_lane_pairs():
+    """The qk_norm_rope kernel keeps each rotated pair (d, d + head_dim/2) in one lane (d = lane + 32i): head
+    dims that are multiples of 64 up to MAX_HEAD_DIM, rotate-half only; the rest take mx.fast's path."""
+    assert all(kernels.qk_norm_rope_fits(d, False) for d in (64, 128, 192, 256))
+    assert not any(kernels.qk_norm_rope_fits(d, False) for d in (32, 80, 96, 160, 320))
+    assert not kernels.qk_norm_rope_fits(128, True)
 
 
 def test_the_kernels_by_rows_join_partials_in_the_butterflys_order():
@@ -165,7 +174,7 @@ def test_launch_plan_rule():
 
 INT_INPUTS = {"row_slot", "row_pos", "row_len", "dims", "tiles"}
 SPLIT_TEMPLATE = {"H": 16, "KV": 8, "D": 128, "CAUSAL": "true", "WINDOW": 0, "SCALE_BITS": 1035273459}
-TEMPLATED = {"attn_scores", "attn_softmax_context", "attn_context", "attn_context_rows", "attn_scores_rows"}  # the kernels kernels._split_attention passes `template` to
+TEMPLATED = {"attn_scores", "attn_softmax_context", "attn_context", "attn_context_rows", "attn_scores_rows", "qk_norm_rope"}  # the kernels kernels._split_attention passes `template` to
 STUB = """
 struct Shape { int v[8]; __device__ long operator[](int i) const { return v[i]; } };
 #define INFINITY __int_as_float(0x7f800000)
@@ -229,13 +238,15 @@ def test_cuda_sources_compile_with_nvrtc():
         pytest.skip("needs NVRTC (pip install nvidia-cuda-nvrtc-cu12; Linux x86-64)")
     header, bodies = kernels.kernel_source("cuda")
     opts = [b"--gpu-architecture=compute_90", b"-default-device", b"--std=c++17"]
-    builds = [(name, body, ()) for name, body in bodies.items() if name not in ("attn_softmax_context", "attn_context_rows")]
+    builds = [(name, body, ()) for name, body in bodies.items() if name not in ("attn_softmax_context", "attn_context_rows", "qk_norm_rope")]
     forms = [(("NHB", nhb), ("UR", ur)) for nhb in (1, 2) for ur in (1, 2, 4, 8)]
     assert tuple(kernels.CONTEXT_ROWS_FORM) in forms
     builds += [("attn_context_rows", bodies["attn_context_rows"], f) for f in forms]
     unrollings = {tuple(kernels.split_unroll(rows, cap)) for rows in range(1, 1025) for cap in (1, 1 << 20)}  # all used
     builds += [("attn_softmax_context", bodies["attn_softmax_context"], u) for u in sorted(unrollings)]
     builds += [("attn_softmax_context", bodies["attn_softmax_context"], form) for form in kernels.ONE_ROW_FORMS]
+    builds += [("qk_norm_rope", bodies["qk_norm_rope"], (("EPS_BITS", kernels._f32_bits(1e-6)), ("LOG2_BASE_BITS", bits)))
+               for bits in (kernels._f32_bits(19.93), 1 << 30)]
     assert {n for n, _, _ in builds} == set(bodies)
     for name, body, extra in builds:
         rc, log = _nvrtc_compile(lib, name, _cuda_kernel_source(name, body, header, extra), opts)

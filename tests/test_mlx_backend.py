@@ -539,22 +539,61 @@ def test_fused_rms_norm_matches_its_primitive_default(device):
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+def _qk_norm_rope_cases(b, rng):
+    """Arguments of qk_norm_rope: (rows, heads, KV heads, head_dim, layout) at distinct positions up to
+    40,000 (theta = 40,000 radians in the first pair)."""
+    for rows, heads, kv, dim, traditional in ((1, 16, 8, 128, False), (5, 8, 2, 128, False), (3, 9, 3, 64, False),
+                                            (2, 4, 4, 64, True), (4, 6, 2, 256, False), (2, 4, 2, 96, False)):
+        x = rng.standard_normal((rows, (heads + kv) * dim)).astype(np.float32) * 3
+        q, k = (b.from_numpy(np.ascontiguousarray(a)) for a in (x[:, :heads * dim], x[:, heads * dim:]))
+        wq, wk = (b.from_numpy((1 + 0.1 * rng.standard_normal(dim)).astype(np.float32)) for _ in range(2))
+        pos = b.index_array(rng.choice(40000, rows, replace=False).tolist())
+        yield (q, k, wq, wk, pos, heads, kv, dim, 1e-6, 1e6, traditional)
+
+
 @pytest.mark.parametrize("device", ["cpu", "gpu"])
-def test_head_norm_rope_override_matches_its_default_bitwise(device):
-    """The MLX override of `head_norm_rope` (the kernels on [N, heads, 1, head_dim], two reshapes) against
-    the protocol's default on the same backend (reshape to one row a head, rms_norm, reshape, rope): the
-    same floats, on the CPU and on a GPU; each row at its own position, both RoPE layouts."""
+def test_qk_norm_rope_override_matches_its_default_bitwise(device):
+    """The MLX override of `qk_norm_rope` without the CUDA kernel (mx.fast's kernels on [N, heads, 1,
+    head_dim], two reshapes) against the protocol's default on the same backend (reshape to one row a head,
+    rms_norm, reshape, rope): the same floats, on the CPU and on a GPU; each row at its own position, both
+    RoPE layouts."""
     from mlxinfer.backend import Backend
 
     if device == "gpu" and not gpu_kind():
         pytest.skip("needs an MLX GPU")
     b = MLXBackend(device=device)
-    rng = np.random.default_rng(1)
-    for rows, heads, dim, traditional in ((1, 16, 128, False), (5, 8, 128, False), (3, 9, 64, True)):
-        x = b.from_numpy(rng.standard_normal((rows, heads * dim)).astype(np.float32) * 3)
-        w = b.from_numpy((1 + 0.1 * rng.standard_normal(dim)).astype(np.float32))
-        pos = b.index_array(rng.choice(5000, rows, replace=False).tolist())
-        args = (x, w, pos, heads, dim, 1e-6, 1e6, traditional)
-        got, want = np.array(b.head_norm_rope(*args)), np.array(Backend.head_norm_rope(b, *args))
-        np.testing.assert_array_equal(got, want)
-        assert got.shape == (rows, heads * dim) and not np.array_equal(got[0], np.array(x)[0])
+    b.gpu_kernels = None  # (on CUDA the override would take kernels.qk_norm_rope: the next test's)
+    for args in _qk_norm_rope_cases(b, np.random.default_rng(1)):
+        got, want = b.qk_norm_rope(*args), Backend.qk_norm_rope(b, *args)
+        for g, w, x in zip(got, want, args[:2]):
+            np.testing.assert_array_equal(np.array(g), np.array(w))
+            assert g.shape == x.shape and not np.array_equal(np.array(g)[0], np.array(x)[0])
+
+
+@pytest.mark.skipif(gpu_kind() != "cuda", reason="needs MLX's CUDA backend")
+def test_qk_norm_rope_cuda_kernel_matches_mx_fast_and_is_row_invariant():
+    """kernels.qk_norm_rope (one launch for the queries' and keys' per-head RMSNorm and RoPE) against the
+    protocol's default on the same GPU (mx.fast.rms_norm and mx.fast.rope): mx.fast's operations but the
+    sum of squares in another order, so within a few float32 ulps, not bit for bit; each row's output
+    does not depend on the other rows of the pass (a row alone gives the same bits), and a second launch
+    the same bits. Shapes the kernel does not serve (interleaved RoPE) take mx.fast's path: bit for bit."""
+    from mlxinfer.backend import Backend
+
+    b = MLXBackend(device="gpu")
+    assert b.gpu_kernels == "cuda"
+    for args in _qk_norm_rope_cases(b, np.random.default_rng(2)):
+        got, want = b.qk_norm_rope(*args), Backend.qk_norm_rope(b, *args)
+        fits = kernels.qk_norm_rope_fits(args[7], args[10])
+        for g, w in zip(got, want):
+            g, w = np.array(g), np.array(w)
+            if fits:
+                np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)
+            else:
+                np.testing.assert_array_equal(g, w)
+        if fits:
+            again = b.qk_norm_rope(*args)
+            last = args[0].shape[0] - 1
+            alone = b.qk_norm_rope(args[0][last:], args[1][last:], *args[2:4], args[4][last:], *args[5:])
+            for g, a, one in zip(got, again, alone):
+                np.testing.assert_array_equal(np.array(g), np.array(a))
+                np.testing.assert_array_equal(np.array(g)[last:], np.array(one))

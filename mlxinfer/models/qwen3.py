@@ -23,10 +23,8 @@ class Model:
     def attention(self, ops, x, w, batch, cache, layer: int):
         a, sp, groups = self.args, self.spec, batch.rows
         q, k, v = ops.linear_group(x, w.attn_qkv, groups)
-        q = ops.head_norm_rope(q, w.attn_q_norm, batch.positions, sp.n_heads, a.head_dim, a.rms_eps, a.rope_base,
-                               traditional=False)
-        k = ops.head_norm_rope(k, w.attn_k_norm, batch.positions, sp.n_kv_heads, a.head_dim, a.rms_eps,
-                               a.rope_base, traditional=False)
+        q, k = ops.qk_norm_rope(q, k, w.attn_q_norm, w.attn_k_norm, batch.positions, sp.n_heads, sp.n_kv_heads,
+                                a.head_dim, a.rms_eps, a.rope_base, traditional=False)
         kv = cache.update(ops, layer, k, v, batch)
         out = ops.linear(ops.fused_attention(q, kv, batch, sp), w.attn_output, groups)
         return all_sum(ops, out, self.shard)
