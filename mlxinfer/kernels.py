@@ -26,6 +26,7 @@ checked on any machine and the kernels are checked against it on a GPU.
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from importlib import resources
 
@@ -67,14 +68,63 @@ SPLIT_MAX_SCRATCH = 1 << 25  # ... or, for more items, while items x capacity st
 # 277 vs 361 ms; peak 9.4 vs 4.0 GB; mlx-lm's own peak at 8,191 tokens is 22 GB)
 
 
+def strip_comments(text: str) -> str:
+    """The source without its // comments and blank lines (the kernels have no /* */ comments and no
+    string literals)."""
+    lines = (line.split("//", 1)[0].rstrip() for line in text.split("\n"))
+    return "\n".join(line for line in lines if line.strip()) + "\n"
+
+
+def _header_units(header: str) -> list[tuple[str | None, str]]:
+    """A comment-free header cut into (name, text) units: each #define line (name None: always kept) and
+    each top-level definition, from its first line at column 0 to its closing brace at column 0."""
+    units, current = [], []
+    for line in header.split("\n"):
+        if not line:
+            continue
+        if not current and line.startswith("#"):
+            units.append((None, line))
+            continue
+        current.append(line)
+        if line == "}":
+            text = "\n".join(current)
+            units.append((re.search(r"\b(mlxi_\w+)\s*\(", text).group(1), text))
+            current = []
+    if current:
+        raise ValueError(f"kernel header: a definition without its closing brace at column 0: {current[0]!r}")
+    return units
+
+
+@lru_cache(maxsize=None)
+def kernel_parts(kind: str, name: str) -> tuple[str, str]:
+    """(header, body) of one kernel as handed to MLX. For CUDA, without comments, and the header holding
+    only the definitions the body reaches: MLX's CUDA custom kernel hashes its whole source on every
+    launch (CustomKernel::eval_gpu, to name its module), ~2 us per launch for our ~16 KB (std::hash
+    measured at 0.13 us per KB on this project's x86 VM) and a decode token launches 3 of ours a layer;
+    here ~1.5-7 KB. Metal's sources go as written (they cannot be compiled here to check a cut)."""
+    header, bodies = kernel_source(kind)
+    if kind != "cuda":
+        return header, bodies[name]
+    body = strip_comments(bodies[name])
+    units = _header_units(strip_comments(header))
+    defined = {n: text for n, text in units if n}
+    needed, todo = set(), set(re.findall(r"\bmlxi_\w+", body))
+    while todo:
+        n = todo.pop()
+        if n in defined and n not in needed:
+            needed.add(n)
+            todo |= set(re.findall(r"\bmlxi_\w+", defined[n]))
+    return "\n".join(text for n, text in units if n is None or n in needed) + "\n", body
+
+
 @lru_cache(maxsize=None)
 def _kernel(kind: str, name: str):
     import mlx.core as mx
 
-    header, bodies = kernel_source(kind)
+    header, body = kernel_parts(kind, name)
     make = mx.fast.metal_kernel if kind == "metal" else mx.fast.cuda_kernel
     inputs, outputs = _INPUTS[name]
-    return make(name=f"mlxinfer_{name}_{kind}", input_names=inputs, output_names=outputs, source=bodies[name],
+    return make(name=f"mlxinfer_{name}_{kind}", input_names=inputs, output_names=outputs, source=body,
                 header=header, ensure_row_contiguous=True)
 
 

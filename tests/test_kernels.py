@@ -3,6 +3,8 @@ CUDA (or Metal) GPU the kernels are checked against the emulation bit for bit.""
 
 import os
 
+import re
+
 import numpy as np
 import pytest
 
@@ -25,6 +27,26 @@ def test_kernel_sources_hold_every_kernel():
         header, bodies = kernels.kernel_source(kind)
         assert set(bodies) == {"matmul", "softmax", "fused_attention"} | (split if kind in kernels.SPLIT_KINDS else set())
         assert "mlxi_dot" in header and "mlxi_softmax" in header
+
+
+def test_cuda_kernels_go_to_mlx_without_comments_and_with_only_the_header_they_use():
+    """MLX hashes a CUDA custom kernel's whole source on every launch, so each kernel is handed its body
+    and the header definitions it reaches (transitively), no comments; the defines always. Metal's go as
+    written. (That the cut sources compile: test_cuda_sources_compile_with_nvrtc.)"""
+    full_header, bodies = kernels.kernel_source("cuda")
+    for name in bodies:
+        header, body = kernels.kernel_parts("cuda", name)
+        assert "//" not in header + body and "\n\n" not in header + body
+        assert header.startswith("#define MLXI_THREADS 256\n#define MLXI_WARPS 8\n")
+        assert kernels.strip_comments(bodies[name]) == body
+    header, _ = kernels.kernel_parts("cuda", "qk_norm_rope")  # uses mlxi_warp_total alone
+    assert re.findall(r"mlxi_\w+(?=\()", header) == ["mlxi_warp_total"]
+    header, _ = kernels.kernel_parts("cuda", "attn_softmax_context")  # a chain: mlxi_block_total -> warp_total
+    used = set(re.findall(r"mlxi_\w+(?=\()", header))
+    assert {"mlxi_block_total", "mlxi_warp_total", "mlxi_block_max"} <= used and "mlxi_context_tile" not in used
+    assert kernels.kernel_parts("metal", "fused_attention") == (kernels.kernel_source("metal")[0],
+                                                               kernels.kernel_source("metal")[1]["fused_attention"])
+    assert kernels.strip_comments("a;  // x\n\n  // y\n#pragma unroll\nb; // z\n") == "a;\n#pragma unroll\nb;\n"
 
 
 def test_qk_norm_rope_kernel_serves_rotate_half_heads_of_whole_lane_pairs():
@@ -236,7 +258,9 @@ def test_cuda_sources_compile_with_nvrtc():
     lib = _nvrtc()
     if lib is None:
         pytest.skip("needs NVRTC (pip install nvidia-cuda-nvrtc-cu12; Linux x86-64)")
-    header, bodies = kernels.kernel_source("cuda")
+    _, names = kernels.kernel_source("cuda")
+    parts = {name: kernels.kernel_parts("cuda", name) for name in names}  # what MLX is handed: no comments, ...
+    bodies = {name: body for name, (_, body) in parts.items()}  # ... each header cut to what its body reaches
     opts = [b"--gpu-architecture=compute_90", b"-default-device", b"--std=c++17"]
     builds = [(name, body, ()) for name, body in bodies.items() if name not in ("attn_softmax_context", "attn_context_rows", "qk_norm_rope")]
     forms = [(("NHB", nhb), ("UR", ur)) for nhb in (1, 2) for ur in (1, 2, 4, 8)]
@@ -249,7 +273,7 @@ def test_cuda_sources_compile_with_nvrtc():
                for bits in (kernels._f32_bits(19.93), 1 << 30)]
     assert {n for n, _, _ in builds} == set(bodies)
     for name, body, extra in builds:
-        rc, log = _nvrtc_compile(lib, name, _cuda_kernel_source(name, body, header, extra), opts)
+        rc, log = _nvrtc_compile(lib, name, _cuda_kernel_source(name, body, parts[name][0], extra), opts)
         assert rc == 0, f"{name}: {log}"
 
 
@@ -266,10 +290,10 @@ def test_one_row_forms_keep_their_values_in_registers(heads, monkeypatch):
     monkeypatch.setitem(SPLIT_TEMPLATE, "H", h)
     monkeypatch.setitem(SPLIT_TEMPLATE, "KV", kv)
     monkeypatch.setitem(SPLIT_TEMPLATE, "D", d)
-    header, bodies = kernels.kernel_source("cuda")
+    header, body = kernels.kernel_parts("cuda", "attn_softmax_context")
     opts = [b"--gpu-architecture=sm_90", b"-default-device", b"--std=c++17", b"--ptxas-options=-v"]
     for form in (kernels.ONE_ROW_FORM, kernels.ONE_ROW_LONG_FORM):
-        src = _cuda_kernel_source("attn_softmax_context", bodies["attn_softmax_context"], header, tuple(form))
+        src = _cuda_kernel_source("attn_softmax_context", body, header, tuple(form))
         rc, log = _nvrtc_compile(lib, "attn_softmax_context", src, opts)
         assert rc == 0, log
         assert "0 bytes spill stores, 0 bytes spill loads" in log, (form, log[-400:])
