@@ -319,9 +319,10 @@ def plot(sweep_rows, path):
                  f"{r.get('kv_cache', '')}{' B=' + str(r['batch_size']) if r.get('batch_size', 1) > 1 else ''}")
         med = r["decode_tokens_per_second"]
         lo, hi = r.get("decode_tokens_per_second_min", med), r.get("decode_tokens_per_second_max", med)
-        series.setdefault(label, []).append((r["prompt_tokens"], med, lo, hi))
-    for label, pts in series.items():  # the median, with a bar from the slowest to the fastest run
-        pts.sort()
+        series.setdefault(label, {}).setdefault(r["prompt_tokens"], []).append((med, lo, hi))
+    for label, by_x in series.items():  # the median (over --rounds, their medians'), a bar from the slowest run to the fastest
+        pts = sorted((x, statistics.median(m for m, _, _ in v), min(lo for _, lo, _ in v), max(hi for _, _, hi in v))
+                     for x, v in by_x.items())
         x, med = [p[0] for p in pts], [p[1] for p in pts]
         ax.errorbar(x, med, yerr=[[m - p[2] for m, p in zip(med, pts)], [p[3] - m for m, p in zip(med, pts)]],
                     marker="o", capsize=3, label=label)
@@ -491,7 +492,7 @@ def peer_ratios(rows) -> str:
             out.append(f"  {name}: {ratios[0]:.2f}x")
         else:
             out.append(f"  {name}: rounds {' '.join(f'{x:.2f}x' for x in ratios)}; median "
-                       f"{statistics.median(ratios):.2f}x, at least 1.2x in {sum(x >= 1.2 for x in ratios)} of "
+                       f"{statistics.median(ratios):.2f}x, at least 1.2x (unrounded) in {sum(x >= 1.2 for x in ratios)} of "
                        f"{len(ratios)}")
     return "\n".join(out)
 

@@ -725,7 +725,7 @@ if (tile < tiles_shape[0] / 2) {  // the same for the whole block
 //@@BODY qk_norm_rope
 // Not attention's arithmetic but its inputs: Qwen3's q_norm / k_norm then RoPE (rotate-half) of a pass's
 // queries q [N, H*D] and keys k [N, KV*D] in one launch (the MLX backend's qk_norm_rope on CUDA; a decode
-// step's graph has one node here instead of ten a layer), with weights wq, wk [D] and each row's position
+// step's graph has one node here instead of eight a layer), with weights wq, wk [D] and each row's position
 // row_pos [N] -> qo, ko. One warp per (row, head), the queries' heads first; lane l holds d = l + 32i, so
 // with D a multiple of 64 each rotated pair (d, d + D/2) sits in one lane. The same operations as
 // mx.fast.rms_norm then mx.fast.rope (MLX 0.32's CUDA kernels: x * rsqrt(sum(x^2) / D + eps), then

@@ -1,5 +1,7 @@
 """mlxinfer's own GPU kernels for the MLX backend, from `metal_kernels/attention.cu` (CUDA, through
 `mx.fast.cuda_kernel`) and `metal_kernels/attention.metal` (Metal, through `mx.fast.metal_kernel`).
+Besides attention's, CUDA has `qk_norm_rope` (Qwen3's per-head norms and RoPE of queries and keys, one
+launch; at the end of this file). Each CUDA kernel goes to MLX as `kernel_parts` cuts it.
 
 Three kernels share one published summation order (written out at the top of each source file):
 `matmul` (every activation x activation product on a GPU: attention's scores and context), `softmax`
@@ -101,7 +103,7 @@ def kernel_parts(kind: str, name: str) -> tuple[str, str]:
     only the definitions the body reaches: MLX's CUDA custom kernel hashes its whole source on every
     launch (CustomKernel::eval_gpu, to name its module), ~2 us per launch for our ~16 KB (std::hash
     measured at 0.13 us per KB on this project's x86 VM) and a decode token launches 3 of ours a layer;
-    here ~1.5-7 KB. Metal's sources go as written (they cannot be compiled here to check a cut)."""
+    here 0.9-7 KB. Metal's sources go as written (they cannot be compiled here to check a cut)."""
     header, bodies = kernel_source(kind)
     if kind != "cuda":
         return header, bodies[name]

@@ -28,7 +28,7 @@ def test_peer_ratios_pair_rows_of_one_round_and_give_their_median(monkeypatch):
     rows = [_row("mlxinfer mlx", 1, 300.0), _row("mlxinfer mlx", 2, 200.0), _row("mlxinfer mlx", 3, 260.0),
             _row("mlx-lm", 1, 200.0), _row("mlx-lm", 2, 250.0), _row("mlx-lm", 3, 200.0)]
     text = bench.peer_ratios(rows)
-    assert "rounds 1.50x 0.80x 1.30x; median 1.30x, at least 1.2x in 2 of 3" in text
+    assert "rounds 1.50x 0.80x 1.30x; median 1.30x, at least 1.2x (unrounded) in 2 of 3" in text
 
 
 def test_peer_ratios_of_one_round_print_one_ratio(monkeypatch):

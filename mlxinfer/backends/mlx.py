@@ -446,7 +446,7 @@ class MLXBackend(Backend):
     def qk_norm_rope(self, q, k, q_weight, k_weight, positions, n_heads, n_kv_heads, head_dim, eps, base,
                      traditional):
         if self.gpu_kernels == "cuda" and kernels.qk_norm_rope_fits(head_dim, traditional):
-            # one launch for both, reading the heads in place: the step's 4 launches and 6 views a layer
+            # one launch for both, reading the heads in place: the step's 4 launches and 4 views a layer
             # become 1 (not bit for bit mx.fast's: see kernels.qk_norm_rope)
             return kernels.qk_norm_rope("cuda", q, k, q_weight, k_weight, positions, n_heads, n_kv_heads, head_dim,
                                         eps, base)
