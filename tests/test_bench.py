@@ -37,3 +37,22 @@ def test_peer_ratios_of_one_round_print_one_ratio(monkeypatch):
                               _row("mlx-lm", 1, 250.0)])
     assert text.splitlines()[1].endswith("(prompt 17, batch 1): 1.20x")
     assert "prompt 511" not in text
+
+
+def _ab_trees(monkeypatch):
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    monkeypatch.syspath_prepend(here)
+    spec = importlib.util.spec_from_file_location("ab_trees_under_test", os.path.join(here, "ab_trees.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ab_trees_compares_each_round_s_intervals_and_counts_b_s_wins(monkeypatch):
+    ab = _ab_trees(monkeypatch)
+    intervals = {(1, "A"): 2.8, (1, "B"): 2.5, (2, "A"): 2.9, (2, "B"): 3.0, (3, "A"): 3.7, (3, "B"): 2.6}
+    rows = [dict(round=k, tree=t, prompt=17, interval_ms=v) for (k, t), v in intervals.items()]
+    text = ab.compare(rows)
+    assert "| 1 | A | 2.800 | 2.500 |" in text and "| 2 | B | 2.900 | 3.000 |" in text
+    assert "prompt 17: median interval A 2.900 ms, B 2.600 ms (B/A 0.897;" in text
+    assert text.endswith("B shorter in 2 of 3 rounds")
