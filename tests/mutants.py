@@ -575,6 +575,9 @@ M = [
     ("bench-ratio-across-rounds", "bench", BENCH,
      [('and o.get("round", 1) == p.get("round", 1) and p[key] > 0', 'and p[key] > 0')],
      [T_BENCH], "bench.py: ours / peer ratios pair rows of different rounds"),
+    ("ab-trees-wins-inverted", "bench", "bench/ab_trees.py",
+     [("B shorter in {sum(y < x for x, y in pairs)} of", "B shorter in {sum(y > x for x, y in pairs)} of")],
+     [T_BENCH], "ab_trees.py: counts the rounds where B was slower as B's wins"),
 ]
 
 
