@@ -42,7 +42,8 @@ class NoAllSum(MLXBackend):
 class OwnProducts(MLXBackend):
     """On a GPU, attention's activation products and softmax on MLX's own ops instead of our
     published-order kernels (`gpu_kernels`): what routing them through our kernels costs (on CUDA the
-    fused and per-head paths then differ in their bits)."""
+    fused and per-head paths then differ in their bits). Without `gpu_kernels` the CUDA norms-and-RoPE
+    kernel (`qk_norm_rope`) goes too: mx.fast's kernels take its place."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
