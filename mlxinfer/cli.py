@@ -95,8 +95,8 @@ def _generate(args) -> int:
     sys.stdout.flush()
     if not args.quiet:
         sys.stderr.write("\n" + result.metrics.format() + "\n")
-        if args.verbose and result.seed is not None:
-            sys.stderr.write(f"  seed: {result.seed}\n")
+    if args.verbose and result.seed is not None:  # (also with --quiet: the seed is what --verbose is asked for)
+        sys.stderr.write(f"mlxinfer: seed {result.seed}\n" if args.quiet else f"  seed: {result.seed}\n")
     if tracer:
         tracer.print_summary()
     return 0

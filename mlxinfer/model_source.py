@@ -43,7 +43,10 @@ def _sha256(path: Path) -> str:
 def default_model_path(quiet: bool = False) -> Path:
     """The default model's local path, downloading it on first use."""
     if os.environ.get("MLXINFER_MODEL"):
-        return Path(os.environ["MLXINFER_MODEL"])
+        path = Path(os.environ["MLXINFER_MODEL"])
+        if not path.is_file():  # said here, or the error would name a path the user never typed
+            raise MlxinferError(f"{path}: no such file (from the environment variable MLXINFER_MODEL)")
+        return path
     target = cache_dir() / DEFAULT_FILE
     if target.exists():
         return target

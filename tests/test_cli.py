@@ -80,6 +80,9 @@ def test_inspect_prints_model_summary(smollm2_path):
 def test_missing_file(tmp_path):
     assert_one_line_error(run_cli("generate", "--model", str(tmp_path / "none.gguf"), "hi"), "none.gguf", "no such file")
     assert_one_line_error(run_cli("inspect", str(tmp_path / "none.gguf")), "no such file")
+    r = subprocess.run([sys.executable, "-m", "mlxinfer.cli", "generate", "hi"], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "MLXINFER_MODEL": str(tmp_path / "gone.gguf")})
+    assert_one_line_error(r, "gone.gguf: no such file (from the environment variable MLXINFER_MODEL)")
 
 
 def test_not_a_gguf_file(tmp_path):
@@ -151,6 +154,13 @@ def test_runtime_request_errors(tmp_path):
     assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", ""), "empty prompt")
     assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "--device", "gpu", "hi"),
                           "the cpu backend runs on the CPU only")
+    try:
+        from mlxinfer.backends import mlx_gpu_available
+    except ImportError:
+        mlx_gpu_available = None
+    if mlx_gpu_available is not None and not mlx_gpu_available():  # auto + --device gpu: MLX's own answer
+        assert_one_line_error(run_cli("generate", "--model", p, "--device", "gpu", "hi"),
+                              "--device gpu: MLX has no GPU here")
     assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "--max-tokens", "0", "hi"),
                           "max_tokens must be a positive integer, got 0")
     assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "word " * 70),
@@ -306,3 +316,18 @@ def test_generate_into_a_closed_pipe_stops_quietly(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(sys, "stdout", ClosedPipe())
     assert main(["generate", "--model", str(path), "--backend", "cpu", "--max-tokens", "4", "hello"]) == 141
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_verbose_says_what_was_loaded_and_the_seed_even_when_quiet(tmp_path):
+    from mlxinfer.synthetic import write_synthetic_model
+
+    p = write_synthetic_model(tmp_path / "m.gguf", arch="llama", n_layers=1, context_length=64)
+    base = ["generate", "--model", p, "--backend", "cpu", "--max-tokens", "3", "--temp", "0.8", "hi"]
+    loud = run_cli(*base, "--verbose", "--seed", "77")
+    assert loud.returncode == 0, loud.stderr
+    assert f"mlxinfer: {p}: llama, 1 layers" in loud.stderr and "\n  seed: 77\n" in loud.stderr
+    quiet = run_cli(*base, "--verbose", "--quiet", "--seed", "77")
+    assert quiet.returncode == 0 and quiet.stdout == loud.stdout
+    assert quiet.stderr.strip().splitlines()[-1] == "mlxinfer: seed 77" and "metrics:" not in quiet.stderr
+    plain = run_cli(*base, "--seed", "77")
+    assert "seed" not in plain.stderr and plain.stdout == loud.stdout

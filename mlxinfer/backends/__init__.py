@@ -22,8 +22,8 @@ def make_backend(name: str = "auto", attention: str = "fused", device: str | Non
                  kernel: str | None = None, threads: int | None = None, ranks: int = 1) -> Backend:
     if name not in BACKENDS:
         raise RequestError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
-    if name == "auto":
-        name = "mlx" if mlx_gpu_available() else "cpu"
+    if name == "auto":  # MLX where it has a GPU, or where a GPU was asked for (MLX then says if it has none)
+        name = "mlx" if mlx_gpu_available() or device == "gpu" else "cpu"
     if name == "cpu":
         if device not in (None, "cpu"):
             raise RequestError(f"the cpu backend runs on the CPU only (asked for device {device!r})")
