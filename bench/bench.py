@@ -337,6 +337,11 @@ def plot(sweep_rows, path):
     print(f"wrote {path}", file=sys.stderr)
 
 
+def utc_now() -> str:
+    """The time of day in UTC, as rows record when they finished."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S UTC")
+
+
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -433,15 +438,14 @@ def main(argv=None):
     def ours(rnd):
         for job in jobs:
             row = run_row_process(job)
-            row.update(round=rnd, load_average_1min=round(os.getloadavg()[0], 2),
-                       finished_at=datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S UTC"))
+            row.update(round=rnd, load_average_1min=round(os.getloadavg()[0], 2), finished_at=utc_now())
             (rows if job["kind"] == "case" else sweep_rows).append(row)
             print(json.dumps(row), file=log, flush=True)
 
     def theirs(rnd):
         got, notes = run_peers(peers, path, cases, a.gen, a.runs, a.threads, batches)
         for r in got:
-            r.update(round=rnd, finished_at=datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S UTC"))
+            r.update(round=rnd, finished_at=utc_now())
         peer_rows.extend(got)
         peer_notes.extend(n for n in notes if n not in peer_notes)
 

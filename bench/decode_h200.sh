@@ -60,6 +60,6 @@ for step in $STEPS; do
          # `git archive <rev> mlxinfer metal_kernels bench | tar -x -C abB`: a lent machine's git is stale)
       timeout ${AB_TIMEOUT:-400} python3 bench/ab_trees.py --a-tree . --b-tree "${B_TREE:?set B_TREE}" \
         --rounds "${AB_ROUNDS:-4}" --cases "${AB_CASES:-17,511}" --out "$OUT/ab" >"$OUT/ab.log" 2>&1; rc=$?
-      cat "$OUT/ab.log" | tail -12; log "ab_trees rc=$rc" ;;
+      tail -12 "$OUT/ab.log"; log "ab_trees rc=$rc" ;;
   esac
 done
