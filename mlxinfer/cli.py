@@ -7,6 +7,7 @@ interactive conversation in the terminal with the model's chat template."""
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -38,10 +39,24 @@ def _read_prompt(args):
     if args.prompt is None:
         raise RequestError("no prompt: give PROMPT, - (read stdin) or --prompt-file FILE")
     if args.prompt == "-":
+        if sys.stdin is None:
+            raise RequestError("stdin is closed: there is no prompt to read (PROMPT -)")
         return sys.stdin.buffer.read()
     if any(0xDC80 <= ord(c) <= 0xDCFF for c in args.prompt):
         return os.fsencode(args.prompt)  # argv bytes that were not UTF-8 arrive as surrogate escapes
     return args.prompt
+
+
+def _check_options(args) -> None:
+    """--max-tokens, the sampling options and --stop, refused before the model loads (chat would
+    otherwise refuse them at every turn)."""
+    from .sampling import SamplingParams
+
+    if args.max_tokens < 1:
+        raise RequestError(f"--max-tokens must be a positive integer, got {args.max_tokens}")
+    SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)
+    if any(not s for s in args.stop or ()):
+        raise RequestError("a stop string must be non-empty text")
 
 
 def _generate(args) -> int:
@@ -49,11 +64,9 @@ def _generate(args) -> int:
 
     if args.tp < 1:
         raise RequestError(f"--tp must be a positive integer, got {args.tp}")
+    _check_options(args)
     if args.tp > 1 and not launched():  # start the ranks under mlx.launch; each runs this same command
-        from .sampling import SamplingParams
-
-        check_split(args.model, args.tp)  # a model that cannot be split is refused here, once,
-        SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)  # as are bad sampling options
+        check_split(args.model, args.tp)  # a model that cannot be split is refused here, once
         prompt = _read_prompt(args)  # a prompt from stdin reaches the ranks as a file (their stdin is closed)
         if args.prompt != "-":
             return relaunch(args.tp, args.argv, args.device)
@@ -151,6 +164,9 @@ def run_chat(engine, read_line, write, *, system: str | None = None, max_tokens:
 
 
 def _chat(args) -> int:
+    if sys.stdin is None:
+        raise RequestError("chat reads the conversation from stdin, which is closed")
+    _check_options(args)
     engine = _load(args)
     if not engine.tokenizer.chat_template:
         raise RequestError(f"{engine.path}: chat needs tokenizer.chat_template, which this file lacks")
@@ -182,6 +198,10 @@ def _serve(args) -> int:
         if v is not None and (v < 1 or (name == "port" and v > 65535)):
             raise RequestError(f"--{name.replace('_', '-')} must be a positive integer{' below 65536' if name == 'port' else ''}, got {v}")
     engine = _load(args)
+    if engine.kv == "paged":
+        from .scheduler import budget_blocks
+
+        budget_blocks(engine, args.kv_memory)  # a budget below one block fails here, not in the server's startup
     model_id = os.path.basename(engine.path)
     print(f"mlxinfer: serving {model_id} on http://{args.host}:{args.port}/v1 ({engine.backend.describe()}, "
           f"max batch {args.max_batch})", file=sys.stderr)
@@ -289,10 +309,13 @@ def main(argv=None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     rc = 1
     try:
+        if sys.stdout is None and args.command != "serve":  # started with stdout closed (`>&-`)
+            raise RequestError("stdout is closed: nowhere to write the output")
         rc = args.func(args)
         return rc
     except MlxinferError as e:
-        sys.stdout.flush()
+        if sys.stdout is not None:
+            sys.stdout.flush()
         print(f"mlxinfer: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -309,6 +332,14 @@ def main(argv=None) -> int:
             pass
         rc = 141  # 128 + SIGPIPE, what a shell reports for such a pipeline
         return rc
+    except OSError as e:  # e.g. stdout on a full disk (ENOSPC)
+        where = f"{e.filename}: " if e.filename else "writing the output: " if e.errno == errno.ENOSPC else ""
+        print(f"mlxinfer: error: {where}{e.strerror or e}", file=sys.stderr)
+        try:  # Python's flush at exit would fail on the same stream again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (AttributeError, OSError, ValueError):
+            pass
+        return 1
     finally:
         record_status(rc)  # in a rank of `generate --tp N`: tell the parent how it ended
 

@@ -147,8 +147,8 @@ class ShardedGGUF:
         self.g, self.cuts, self.path = g, cuts, g.path
         self.metadata, self.tensors = g.metadata, g.tensors
 
-    def get(self, key, default=None):
-        return self.g.get(key, default)
+    def get(self, key, default=None, kind=None):
+        return self.g.get(key, default, kind)
 
     def require(self, key, kind=(int, float)):
         return self.g.require(key, kind)

@@ -34,7 +34,7 @@ from .metrics import Metrics
 from .model_source import resolve_model
 from .models import architecture, model_args
 from .sampling import Sampler, SamplingParams
-from .tokenizer import GGUFTokenizer
+from .tokenizer import GGUFTokenizer, token_ids
 
 DEFAULT_PREFILL_CHUNK = 512
 MAX_COMPILED_STEPS = 16  # compiled decode steps an engine keeps (one per cache class and batch size)
@@ -174,10 +174,7 @@ class Engine:
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             ids = self._encode_messages(list(prompt))
         elif isinstance(prompt, (list, tuple, np.ndarray)):
-            try:
-                ids = [int(i) for i in prompt]
-            except (TypeError, ValueError):
-                raise RequestError("a prompt is text, token ids or a list of chat messages") from None
+            ids = token_ids(prompt)
             bad = [i for i in ids if not 0 <= i < self.args.vocab_size]
             if bad:
                 raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.args.vocab_size})")
@@ -420,6 +417,8 @@ class Engine:
             raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         if isinstance(stop, str):
             stop = [stop]
+        if stop is not None and not isinstance(stop, (list, tuple)):
+            raise RequestError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
         stop = list(stop or [])
         if any(not isinstance(x, str) or not x for x in stop):
             raise RequestError("a stop string must be non-empty text")

@@ -29,6 +29,9 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
 MAX_ARRAY_NESTING = 4
+MAX_ENTRIES = 1 << 16  # tensors, and metadata keys, a file may declare: real checkpoints hold a few
+# thousand tensors at most (a Llama-3 405B GGUF: ~1,140), and every entry costs a few hundred bytes of
+# Python objects, so a file of a million tiny tensors would take ~20x its size in memory to list
 
 # Scalar value types: struct format and size.
 _SCALARS = {
@@ -134,6 +137,22 @@ def _value_type(c: _Cursor, raw: int, key: str) -> GGUFValueType:
         raise c.fail(f"metadata key {key!r}: unknown value type {raw}") from None
 
 
+def typed_value(meta: dict, key: str, kind: type | tuple[type, ...], default: Any = None,
+                source: str = "<metadata>") -> Any:
+    """meta[key] if it is of `kind` (a type or a tuple of types; a bool only where `kind` names bool),
+    `default` when the key is absent. A file's metadata is untrusted: an array or a string where a
+    number belongs is a GGUFError naming the key, not a numpy error three calls later."""
+    if key not in meta:
+        return default
+    v = meta[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not (bool in kinds if isinstance(v, (bool, np.bool_)) else isinstance(v, kinds)):
+        found = "an array" if isinstance(v, (list, np.ndarray)) else type(v).__name__
+        want = " or ".join(k.__name__ for k in kinds)
+        raise GGUFError(f"{source}: metadata key {key!r} should be {want}, found {found}")
+    return v
+
+
 def _read_value(c: _Cursor, vtype: GGUFValueType, key: str, depth: int = 0) -> Any:
     if vtype in _SCALARS:
         fmt, size, _ = _SCALARS[vtype]
@@ -205,8 +224,11 @@ class GGUFFile:
         size = os.path.getsize(self.path)
         if size < 4:
             raise GGUFError(f"{self.path}: not a GGUF file (only {size} bytes)")
-        with open(self.path, "rb") as f:
-            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            with open(self.path, "rb") as f:
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as e:  # unreadable (permissions), or not a file mmap can map
+            raise GGUFError(f"{self.path}: cannot read it: {e.strerror or e}") from None
         self._buf = memoryview(self._mmap)
         try:
             self._parse()
@@ -250,16 +272,21 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: metadata count {n_kv} cannot fit in a {c.end}-byte file")
         if n_tensors * 32 > c.end - c.pos:
             raise GGUFError(f"{self.path}: tensor count {n_tensors} cannot fit in a {c.end}-byte file")
+        for what, n in (("metadata count", n_kv), ("tensor count", n_tensors)):
+            if n > MAX_ENTRIES:
+                raise GGUFError(f"{self.path}: {what} {n} is more than mlxinfer reads ({MAX_ENTRIES})")
 
         meta: dict[str, Any] = {}
         for i in range(n_kv):
             key = c.string(f"metadata key #{i}")
+            if key in meta:  # llama.cpp's gguf reader refuses these too
+                raise c.fail(f"duplicate metadata key {key!r}")
             vtype = _value_type(c, c.u32(f"value type of {key!r}"), key)
             meta[key] = _read_value(c, vtype, key)
         self.metadata = meta
 
-        align = meta.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not isinstance(align, int) or align <= 0 or align & (align - 1) or align > 1 << 20:
+        align = typed_value(meta, "general.alignment", int, DEFAULT_ALIGNMENT, str(self.path))
+        if align <= 0 or align & (align - 1) or align > 1 << 20:
             raise GGUFError(f"{self.path}: general.alignment {align!r} is not a power of two")
         self.alignment = align
 
@@ -322,17 +349,16 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: missing metadata key 'general.architecture'")
         return arch
 
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.metadata.get(key, default)
+    def get(self, key: str, default: Any = None, kind: type | tuple[type, ...] | None = None) -> Any:
+        """The key's value, `default` when absent; with `kind`, checked as `typed_value` does."""
+        if kind is None:
+            return self.metadata.get(key, default)
+        return typed_value(self.metadata, key, kind, default, str(self.path))
 
     def require(self, key: str, kind: type | tuple[type, ...] = (int, float)) -> Any:
         if key not in self.metadata:
             raise GGUFError(f"{self.path}: missing metadata key {key!r}")
-        v = self.metadata[key]
-        if kind is int and isinstance(v, (bool, np.bool_)) or not isinstance(v, kind):
-            want = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-            raise GGUFError(f"{self.path}: metadata key {key!r} should be {want}, found {type(v).__name__}")
-        return v
+        return typed_value(self.metadata, key, kind, None, str(self.path))
 
     # -- tensor data ---------------------------------------------------------------------------
     def tensor(self, name: str) -> TensorInfo:

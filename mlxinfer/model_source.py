@@ -99,6 +99,8 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     Hugging Face Hub (needs `huggingface_hub` installed and a network)."""
     if model is None:
         return default_model_path()
+    if not isinstance(model, (str, os.PathLike)):
+        raise MlxinferError(f"model should be a path (str or os.PathLike), got {type(model).__name__}")
     p = Path(model).expanduser()
     if p.exists():
         return p

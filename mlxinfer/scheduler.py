@@ -54,6 +54,24 @@ class Request:
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 
+def kv_bytes_per_token(engine) -> int:
+    """Bytes of KV cache one position takes: keys and values of every layer, float32."""
+    return 2 * engine.args.n_layers * engine.kv_width * 4
+
+
+def budget_blocks(engine, kv_memory: int | None) -> int | None:
+    """The paged cache's blocks under a budget of `kv_memory` bytes (None: unbounded); a budget below
+    one block is a RequestError (`mlxinfer serve` checks it before it starts listening)."""
+    if kv_memory is None:
+        return None
+    block = PagedKVCache.BLOCK_SIZE
+    n = kv_memory // (block * kv_bytes_per_token(engine))
+    if n < 1:
+        raise RequestError(f"kv_memory {kv_memory} holds less than one block of {block} positions "
+                           f"({block * kv_bytes_per_token(engine)} bytes)")
+    return n
+
+
 class Scheduler:
     def __init__(self, engine, max_batch: int = 8, max_queue: int = 64, kv_memory: int | None = None):
         for name, v in (("max_batch", max_batch), ("max_queue", max_queue)):
@@ -64,16 +82,11 @@ class Scheduler:
         self.engine = engine
         self.max_batch, self.max_queue, self.kv_memory = max_batch, max_queue, kv_memory
         a = engine.args
-        self.kv_bytes_per_token = 2 * a.n_layers * engine.kv_width * 4  # keys and values, float32
+        self.kv_bytes_per_token = kv_bytes_per_token(engine)
         self.paged = engine.kv == "paged"
         if self.paged:  # a fixed pool of blocks under the memory budget; prefixes are reused
-            block = PagedKVCache.BLOCK_SIZE
-            max_blocks = None if kv_memory is None else kv_memory // (block * self.kv_bytes_per_token)
-            if max_blocks is not None and max_blocks < 1:
-                raise RequestError(f"kv_memory {kv_memory} holds less than one block of {block} positions "
-                                   f"({block * self.kv_bytes_per_token} bytes)")
-            self.cache = PagedKVCache(engine.backend, a.n_layers, engine.kv_width, block_size=block,
-                                      max_blocks=max_blocks)
+            self.cache = PagedKVCache(engine.backend, a.n_layers, engine.kv_width, block_size=PagedKVCache.BLOCK_SIZE,
+                                      max_blocks=budget_blocks(engine, kv_memory))
         else:
             self.cache = engine.new_cache()
         self.waiting: deque[Request] = deque()

@@ -305,13 +305,19 @@ def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, k
             return EventSourceResponse(events(), ping=15)
 
         text, tokens, logprobs = [], [], []
+        clock = asyncio.get_running_loop().time
+        next_check = clock() + 0.5
         try:
             while True:
                 try:
                     ev = await asyncio.wait_for(queue.get(), timeout=0.5)
                 except asyncio.TimeoutError:
+                    ev = None
+                if clock() >= next_check:  # every half second, tokens arriving or not: a client that
+                    next_check = clock() + 0.5  # left stops its request within a second
                     if await request.is_disconnected():
                         raise ApiError(400, "client disconnected") from None
+                if ev is None:
                     continue
                 if isinstance(ev, FinishEvent):
                     break

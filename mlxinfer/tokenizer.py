@@ -64,6 +64,21 @@ PRE_TOKENIZERS: dict[str, tuple[list[str], bool]] = {
 }
 
 
+def token_ids(values) -> list[int]:
+    """`values` (a list, tuple or integer array of token ids) as a list of ints; anything but
+    integers (1.9, True, "5") is a RequestError rather than silently truncated or coerced."""
+    if isinstance(values, np.ndarray):
+        if values.dtype.kind not in "iu":
+            raise RequestError(f"token ids must be integers, got an array of {values.dtype}")
+        return [int(i) for i in values.reshape(-1)]
+    if not isinstance(values, (list, tuple)):
+        raise RequestError(f"token ids must be a list of integers, got {type(values).__name__}")
+    bad = next((v for v in values if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))), None)
+    if bad is not None:
+        raise RequestError(f"token ids must be integers, got {bad!r}")
+    return [int(i) for i in values]
+
+
 @dataclass
 class GGUFTokenizer:
     """Encode/decode with a GGUF model's vocabulary. Build with `GGUFTokenizer.from_metadata`."""
@@ -84,14 +99,16 @@ class GGUFTokenizer:
 
     @classmethod
     def from_metadata(cls, meta: dict, source: str = "<metadata>") -> "GGUFTokenizer":
-        model = meta.get("tokenizer.ggml.model")
+        from .gguf_file import typed_value
+
+        model = typed_value(meta, "tokenizer.ggml.model", str, None, source)
         if model is None:
             raise GGUFError(f"{source}: missing metadata key 'tokenizer.ggml.model'")
         if model != "gpt2":
             raise UnsupportedError(
                 f"{source}: tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')"
             )
-        pre = meta.get("tokenizer.ggml.pre", "default")
+        pre = typed_value(meta, "tokenizer.ggml.pre", str, "default", source)
         if pre not in PRE_TOKENIZERS:
             raise UnsupportedError(
                 f"{source}: pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(PRE_TOKENIZERS))})"
@@ -106,17 +123,18 @@ class GGUFTokenizer:
         types = meta.get("tokenizer.ggml.token_type")
         if types is None:
             types = np.full(n, TOKEN_NORMAL, dtype=np.int32)
-        types = np.asarray(types)
+        elif not isinstance(types, np.ndarray) or types.dtype.kind not in "iu":
+            raise GGUFError(f"{source}: metadata key 'tokenizer.ggml.token_type' should be an integer array")
         if types.shape != (n,):
             raise GGUFError(
                 f"{source}: tokenizer.ggml.token_type has {types.size} entries, expected {n} (one per token)"
             )
 
         def token_id(key):
-            v = meta.get(key)
+            v = typed_value(meta, key, int, None, source)
             if v is None:
                 return None
-            if not isinstance(v, int) or not 0 <= v < n:
+            if not 0 <= v < n:
                 raise GGUFError(f"{source}: {key} = {v!r} is not a token id in [0, {n})")
             return v
 
@@ -161,8 +179,8 @@ class GGUFTokenizer:
             pre=pre,
             bos_id=bos,
             eos_id=eos,
-            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None,
-            chat_template=meta.get("tokenizer.chat_template"),
+            add_bos=typed_value(meta, "tokenizer.ggml.add_bos_token", bool, False, source) and bos is not None,
+            chat_template=typed_value(meta, "tokenizer.chat_template", str, None, source),
             eog_ids=frozenset(eog),
         )
 
@@ -175,14 +193,19 @@ class GGUFTokenizer:
         if not isinstance(text, str):
             raise RequestError(f"encode() takes str, got {type(text).__name__}")
         self.hf.encode_special_tokens = not parse_special
-        ids = self.hf.encode(text, add_special_tokens=False).ids
+        try:
+            ids = self.hf.encode(text, add_special_tokens=False).ids
+        except TypeError:  # `tokenizers` takes only text that UTF-8 can encode: a lone surrogate is not
+            bad = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+            raise RequestError(f"text is not valid Unicode: a lone surrogate U+{ord(text[bad]):04X} at "
+                               f"character {bad}") from None
         if add_special and self.add_bos:
             ids = [self.bos_id] + ids
         return ids
 
     def decode(self, ids, skip_special: bool = False) -> str:
         """Text of token ids; bytes that do not form complete UTF-8 become U+FFFD."""
-        ids = [int(i) for i in ids]
+        ids = token_ids(ids)
         for i in ids:
             if not 0 <= i < len(self.tokens):
                 raise RequestError(f"token id {i} is outside the vocabulary [0, {len(self.tokens)})")

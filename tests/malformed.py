@@ -10,6 +10,7 @@ must fail, "load" when the file parses but loading the model must fail.
 from __future__ import annotations
 
 import os
+import re
 import struct
 import sys
 from dataclasses import dataclass
@@ -125,6 +126,11 @@ def cases(b: bytes):
     yield Case("tensor-count-2^40", _patch(b, 8, "<Q", 1 << 40), "parse", r"tensor count 1099511627776 cannot fit")
     yield Case("metadata-count-2^40", _patch(b, 16, "<Q", 1 << 40), "parse",
                r"metadata count 1099511627776 cannot fit")
+    pad = b"\0" * (32 << 17)  # room enough that only the cap on entries refuses the count
+    yield Case("tensor-count-2^17", _patch(b, 8, "<Q", 1 << 17) + pad, "parse",
+               r"tensor count 131072 is more than mlxinfer reads \(65536\)")
+    yield Case("metadata-count-2^17", _patch(b, 16, "<Q", 1 << 17) + pad, "parse",
+               r"metadata count 131072 is more than mlxinfer reads \(65536\)")
     yield Case("key-length-past-eof", _patch(b, first_kv[1], "<Q", len(b) * 4), "parse",
                r"metadata key #0 needs \d+ bytes.*left|truncated")
     tokens = _find_kv(lay, "tokenizer.ggml.tokens")
@@ -189,6 +195,26 @@ def cases(b: bytes):
                r"key_length 16 != value_length 8 is not supported")
     yield Case("head-dim-odd", rewrite(b, edits={"qwen3.attention.key_length": 15, "qwen3.attention.value_length": 15}),
                "load", r"head dimension 15 must be a positive even number")
+    # metadata of the wrong type: an array, a string or a bool where a number, a flag or a name belongs
+    yield Case("duplicate-key", b.replace(b"general.file_type", b"qwen3.block_count", 1), "parse",
+               r"duplicate metadata key 'qwen3.block_count'")
+    yield Case("alignment-bool", rewrite(b, edits={"general.alignment": True}), "parse",
+               r"metadata key 'general.alignment' should be int, found bool")
+    for name, key, value, want, found in (
+            ("key-length-array", "qwen3.attention.key_length", [16, 16], "int", "an array"),
+            ("head-count-kv-array", "qwen3.attention.head_count_kv", [2, 2], "int", "an array"),
+            ("rope-dims-string", "qwen3.rope.dimension_count", "16", "int", "str"),
+            ("vocab-size-array", "qwen3.vocab_size", [320], "int", "an array"),
+            ("freq-base-bool", "qwen3.rope.freq_base", True, "int or float", "bool"),
+            ("tokenizer-model-array", "tokenizer.ggml.model", ["gpt2", "gpt2"], "str", "an array"),
+            ("tokenizer-pre-int", "tokenizer.ggml.pre", 7, "str", "int"),
+            ("add-bos-array", "tokenizer.ggml.add_bos_token", [True, False], "bool", "an array"),
+            ("eos-bool", "tokenizer.ggml.eos_token_id", True, "int", "bool"),
+            ("chat-template-int", "tokenizer.chat_template", 5, "str", "int")):
+        yield Case(name, rewrite(b, edits={key: value}), "load",
+                   rf"metadata key '{re.escape(key)}' should be {want}, found {found}")
+    yield Case("token-type-strings", rewrite(b, edits={"tokenizer.ggml.token_type": ["x"] * 320}), "load",
+               r"metadata key 'tokenizer.ggml.token_type' should be an integer array")
 
 
 def rewrite(b: bytes, extra_token: bool = False, edits: dict | None = None) -> bytes:

@@ -162,7 +162,7 @@ def test_runtime_request_errors(tmp_path):
         assert_one_line_error(run_cli("generate", "--model", p, "--device", "gpu", "hi"),
                               "--device gpu: MLX has no GPU here")
     assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "--max-tokens", "0", "hi"),
-                          "max_tokens must be a positive integer, got 0")
+                          "--max-tokens must be a positive integer, got 0")
     assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "word " * 70),
                           "exceeds the model's context length 64")
     r = subprocess.run([sys.executable, "-m", "mlxinfer.cli", "generate", "--model", p, "--backend", "cpu",
@@ -223,11 +223,14 @@ def test_threads_option(tmp_path):
     r = run_cli("generate", "--model", p, "--backend", "cpu", "--threads", "1", "--max-tokens", "2", "hi")
     assert r.returncode == 0 and "backend: cpu (1 BLAS thread)" in r.stderr
     assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "--threads", "0", "hi"),
-                          "threads must be a positive integer, got 0")
+                          "threads must be an integer from 1 to")
+    limit = 4 * (os.cpu_count() or 1)
+    assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "--threads", str(limit + 1), "hi"),
+                          f"threads must be an integer from 1 to {limit} (4 per core here), got {limit + 1}")
     r = run_cli("generate", "--model", p, "--backend", "mlx", "--device", "cpu", "--threads", "2", "--max-tokens", "2", "hi")
     assert r.returncode == 0 and "2 threads)" in r.stderr
-    assert_one_line_error(run_cli("generate", "--model", p, "--backend", "mlx", "--device", "cpu", "--threads", "0", "hi"),
-                          "threads must be a positive integer, got 0")
+    assert_one_line_error(run_cli("generate", "--model", p, "--backend", "mlx", "--device", "cpu", "--threads", "100000",
+                                  "hi"), "threads must be an integer from 1 to")
 
 
 def test_inspect_sorts_tensors_naturally(tmp_path):
@@ -316,6 +319,34 @@ def test_generate_into_a_closed_pipe_stops_quietly(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(sys, "stdout", ClosedPipe())
     assert main(["generate", "--model", str(path), "--backend", "cpu", "--max-tokens", "4", "hello"]) == 141
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_closed_streams_a_full_disk_and_chat_options(tmp_path):
+    """stdin or stdout closed, stdout on a full disk, chat's bad options, serve's too small KV budget:
+    one line and status 1 each, refused before any turn or any listening."""
+    from mlxinfer.synthetic import write_synthetic_model
+
+    p = write_synthetic_model(tmp_path / "m.gguf", arch="qwen3", n_layers=1, vocab_size=320)
+    cmd = f"{sys.executable} -m mlxinfer.cli"
+
+    def sh(line):
+        return subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=120)
+
+    assert_one_line_error(sh(f"{cmd} generate --model {p} --backend cpu - <&-"), "stdin is closed")
+    assert_one_line_error(sh(f"echo hi | {cmd} chat --model {p} --backend cpu <&-"), "stdin, which is closed")
+    assert_one_line_error(sh(f"{cmd} generate --model {p} --backend cpu hi >&-"), "stdout is closed")
+    if os.path.exists("/dev/full"):
+        assert_one_line_error(sh(f"{cmd} generate --model {p} --backend cpu --max-tokens 4 hi >/dev/full"),
+                              "writing the output: No space left on device")
+    for args, fragment in ((["--max-tokens", "0"], "--max-tokens must be a positive integer, got 0"),
+                           (["--temp", "nan"], "temperature must be a finite number"),
+                           (["--stop", ""], "stop string must be non-empty")):
+        r = subprocess.run([sys.executable, "-m", "mlxinfer.cli", "chat", "--model", p, "--backend", "cpu", *args],
+                           input="hi\n", capture_output=True, text=True, timeout=120)
+        assert_one_line_error(r, fragment)
+        assert r.stdout == ""
+    assert_one_line_error(run_cli("serve", "--model", p, "--backend", "cpu", "--kv-memory", "1000", "--port", "1"),
+                          "kv_memory 1000 holds less than one block of 16 positions")
 
 
 def test_verbose_says_what_was_loaded_and_the_seed_even_when_quiet(tmp_path):

@@ -2,6 +2,7 @@
 generation, chunked prefill and the KV caches, on the cpu reference backend."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 import mlxinfer
 from mlxinfer.batch import Batch
 from mlxinfer.chat import render_chat
-from mlxinfer.errors import RequestError
+from mlxinfer.errors import MlxinferError, RequestError
 from mlxinfer.generate import FinishEvent, TokenEvent
 from mlxinfer.kv_cache import BasicKVCache, PreallocKVCache
 from mlxinfer.metrics import Metrics
@@ -179,6 +180,19 @@ def test_request_errors(engine):
         engine.generate([{"role": "wizard", "content": "hi"}])
     with pytest.raises(RequestError, match="stop string must be non-empty"):
         engine.generate("hi", stop=[""])
+    with pytest.raises(RequestError, match="stop must be a string or a list of strings, got int"):
+        engine.generate("hi", stop=5)
+    with pytest.raises(RequestError, match=r"lone surrogate U\+DCFF at character 1"):
+        engine.generate("a\udcff")
+    for ids, what in (([1.9], "1.9"), ([3, True], "True"), (np.array([1.0, 2.0]), "float64"), (["5"], "'5'")):
+        with pytest.raises(RequestError, match=f"token ids must be integers, got .*{re.escape(what)}"):
+            engine.generate(ids)
+    assert engine.encode_prompt(np.array([3, 4], dtype=np.int64)) == [3, 4]
+    with pytest.raises(RequestError, match="token ids must be integers"):
+        engine.tokenizer.decode(["a"])
+    for model in (123, b"m.gguf", object()):
+        with pytest.raises(MlxinferError, match="model should be a path"):
+            mlxinfer.load(model, backend="cpu")
     with pytest.raises(RequestError, match="at least one prompt"):
         engine.generate_batch([])
     for bad in (dict(temperature=float("nan")), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2),

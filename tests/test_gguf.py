@@ -140,6 +140,21 @@ def test_not_gguf_and_missing_file(tmp_path):
         GGUFFile(tmp_path / "nope.gguf")
 
 
+def test_unreadable_file(tmp_path, monkeypatch):
+    """A file the user may not read (EACCES: root reads any file, so the refusal is simulated)."""
+    from mlxinfer import gguf_file
+
+    p = tmp_path / "locked.gguf"
+    p.write_bytes(b"GGUF" + b"\0" * 100)
+
+    def refuse(path, mode="r", *a, **k):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(gguf_file, "open", refuse, raising=False)
+    with pytest.raises(GGUFError, match="locked.gguf: cannot read it: Permission denied"):
+        GGUFFile(p)
+
+
 def test_unsupported_version(tmp_path):
     p = tmp_path / "v9.gguf"
     p.write_bytes(b"GGUF" + struct.pack("<IQQ", 9, 0, 0))

@@ -222,6 +222,26 @@ def test_cancel_mid_stream_frees_the_slot(served, slow_passes):
     assert st["slots_in_use"] == 0 and st["running"] == 0 and time.monotonic() - t0 < 2.0  # 200 tokens take 4 s
 
 
+def test_a_client_that_leaves_a_busy_request_frees_its_slot(served, slow_passes):
+    """Not streamed: tokens keep arriving, and the server still notices the client left (200 tokens
+    take 4 s)."""
+    import socket
+
+    body = json.dumps({"model": MODEL, "prompt": LONG, "max_tokens": 200, "temperature": 0}).encode()
+    host, port = served.url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 5
+        while served.scheduler.stats()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert served.scheduler.stats()["running"] == 1
+        time.sleep(0.3)  # tokens are flowing
+    t0 = time.monotonic()
+    st = served.idle(timeout=2.5)
+    assert st["slots_in_use"] == 0 and st["running"] == 0 and time.monotonic() - t0 < 2.5
+
+
 @pytest.mark.parametrize("body,status,fragment", [
     (b"{not json", 400, "not valid JSON"),
     ({"model": MODEL, "prompt": 5}, 400, "prompt"),
@@ -232,11 +252,13 @@ def test_cancel_mid_stream_frees_the_slot(served, slow_passes):
     ({"model": MODEL, "prompt": [9999]}, 400, "outside the vocabulary"),
     ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n must be 1"),
     ({"model": MODEL, "prompt": "hi", "stop": [""]}, 400, "stop"),
+    ({"model": MODEL, "prompt": "a\udcff"}, 400, "lone surrogate U+DCFF"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "does not exist"),
 ])
 def test_bad_completion_requests(served, body, status, fragment):
-    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(served.url + "/v1/completions", headers={"content-type": "application/json"}, timeout=10, **kw)
+    content = body if isinstance(body, bytes) else json.dumps(body)  # ASCII JSON: "\udcff" as an escape
+    r = httpx.post(served.url + "/v1/completions", headers={"content-type": "application/json"}, timeout=10,
+                   content=content)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert fragment in err["message"] and set(err) == {"message", "type", "param", "code"}
@@ -247,9 +269,11 @@ def test_bad_completion_requests(served, body, status, fragment):
     ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
     ({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, 400, "content"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400, "top_logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, 400, "lone surrogate U+D800"),
 ])
 def test_bad_chat_requests(served, body, status, fragment):
-    r = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=10)
+    r = httpx.post(served.url + "/v1/chat/completions", content=json.dumps(body),
+                   headers={"content-type": "application/json"}, timeout=10)
     assert r.status_code == status, r.text
     assert fragment in r.json()["error"]["message"]
 

@@ -47,16 +47,22 @@ def default_threads(ranks: int = 1) -> int:
     return max(1, min(cores // max(1, ranks), cores - busy))
 
 
+def checked_threads(threads) -> int:
+    """A thread count the user asked for: a positive integer, at most 4 per core (more only waits on
+    itself, and MLX's CPU device makes a stream per thread)."""
+    from ..errors import RequestError
+
+    limit = 4 * (os.cpu_count() or 1)
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= limit:
+        raise RequestError(f"threads must be an integer from 1 to {limit} (4 per core here), got {threads!r}")
+    return threads
+
+
 def set_blas_threads(threads: int | None, ranks: int = 1) -> int:
     """Limit numpy's BLAS to `threads` (None: `default_threads(ranks)`), with threadpoolctl; returns it."""
     from threadpoolctl import threadpool_limits
 
-    from ..errors import RequestError
-
-    if threads is None:
-        threads = default_threads(ranks)
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise RequestError(f"threads must be a positive integer, got {threads!r}")
+    threads = checked_threads(default_threads(ranks) if threads is None else threads)
     threadpool_limits(limits=threads, user_api="blas")
     return threads
 

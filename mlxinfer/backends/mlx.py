@@ -217,12 +217,9 @@ class MLXBackend(Backend):
         # row; every head the same BLAS calls). By default the free cores, at most cores // ranks (the
         # processes of a tensor-parallel run share them; `cpu.default_threads`).
         if device == "cpu":
-            from .cpu import default_threads
+            from .cpu import checked_threads, default_threads
 
-            if threads is None:
-                threads = default_threads(ranks)
-            if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-                raise RequestError(f"threads must be a positive integer, got {threads!r}")
+            threads = checked_threads(default_threads(ranks) if threads is None else threads)
         self.threads = threads or 1
         self._streams = _cpu_streams(self.threads - 1)
         if kernel not in (None, "graph", "metal", "cuda"):

@@ -49,19 +49,19 @@ class ModelArgs:
             return v
 
         n_heads = req("attention.head_count")
-        n_kv = g.get(f"{a}.attention.head_count_kv", n_heads)
+        n_kv = g.get(f"{a}.attention.head_count_kv", n_heads, int)
         hidden = req("embedding_length")
         if not isinstance(n_kv, int) or n_kv <= 0 or n_heads % n_kv:
             raise GGUFError(
                 f"{g.path}: {a}.attention.head_count {n_heads} is not a multiple of head_count_kv {n_kv}"
             )
-        head_dim = g.get(f"{a}.attention.key_length", hidden // n_heads)
-        value_dim = g.get(f"{a}.attention.value_length", head_dim)
+        head_dim = g.get(f"{a}.attention.key_length", hidden // n_heads, int)
+        value_dim = g.get(f"{a}.attention.value_length", head_dim, int)
         if value_dim != head_dim:
             raise GGUFError(f"{g.path}: key_length {head_dim} != value_length {value_dim} is not supported")
         if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
             raise GGUFError(f"{g.path}: head dimension {head_dim!r} must be a positive even number")
-        rope_dims = g.get(f"{a}.rope.dimension_count", head_dim)
+        rope_dims = g.get(f"{a}.rope.dimension_count", head_dim, int)
         if rope_dims != head_dim:
             raise GGUFError(f"{g.path}: partial rotary embedding ({a}.rope.dimension_count {rope_dims} "
                             f"!= head dim {head_dim}) is not supported")
@@ -71,11 +71,11 @@ class ModelArgs:
                 f"{g.path}: tensor 'token_embd.weight' has shape {list(emb.shape)}, expected [vocab, {hidden}]"
             )
         vocab = emb.shape[0]
-        meta_vocab = g.get(f"{a}.vocab_size")
+        meta_vocab = g.get(f"{a}.vocab_size", None, int)
         if meta_vocab is not None and meta_vocab != vocab:
             raise GGUFError(f"{g.path}: {a}.vocab_size {meta_vocab} != token_embd.weight rows {vocab}")
         eps = g.require(f"{a}.attention.layer_norm_rms_epsilon", float)
-        base = g.get(f"{a}.rope.freq_base", 10000.0)
+        base = g.get(f"{a}.rope.freq_base", 10000.0, (int, float))
         for key, value in (("attention.layer_norm_rms_epsilon", eps), ("rope.freq_base", base)):
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise GGUFError(f"{g.path}: {a}.{key} = {value!r} is not a positive finite number")
