@@ -7,11 +7,25 @@ interactive conversation in the terminal with the model's chat template."""
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import sys
 
 from .errors import MlxinferError, RequestError
+
+
+class _OutputError(MlxinferError):
+    """Writing the generated text to stdout failed (a full disk, an I/O error; not a closed pipe)."""
+
+
+def _out(text: str) -> None:
+    """Write to stdout now (the text appears as it is generated)."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise _OutputError(f"writing the output: {e.strerror or e}") from None
 
 
 def _load(args):
@@ -57,6 +71,9 @@ def _check_options(args) -> None:
     SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)
     if any(not s for s in args.stop or ()):
         raise RequestError("a stop string must be non-empty text")
+    for name, text in [("--stop", s) for s in args.stop or ()] + [("--system", getattr(args, "system", None))]:
+        if text and any(0xDC80 <= ord(c) <= 0xDCFF for c in text):  # argv bytes that were not UTF-8
+            raise RequestError(f"{name} is not valid UTF-8")
 
 
 def _generate(args) -> int:
@@ -98,14 +115,9 @@ def _generate(args) -> int:
         print(f"mlxinfer: {engine.path}: {engine.args.arch}, {engine.args.n_layers} layers; backend "
               f"{engine.backend.describe()}, attention {engine.backend.attention}, kv {engine.kv}", file=sys.stderr)
 
-    def write(text):
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-    result = engine.generate(prompt, max_tokens=max_tokens, chat=args.chat, on_text=write,
+    result = engine.generate(prompt, max_tokens=max_tokens, chat=args.chat, on_text=_out,
                              on_forward=tracer.end_pass if tracer else None, **_sampling(args))
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    _out("\n")
     if not args.quiet:
         sys.stderr.write("\n" + result.metrics.format() + "\n")
     if args.verbose and result.seed is not None:  # (also with --quiet: the seed is what --verbose is asked for)
@@ -155,6 +167,8 @@ def run_chat(engine, read_line, write, *, system: str | None = None, max_tokens:
                     write("\n(the model's context is full: /reset to start again)")
         except KeyboardInterrupt:
             write(" [stopped]")
+        except _OutputError:
+            raise
         except MlxinferError as e:
             history.pop()
             write(f"mlxinfer: error: {e}\n")
@@ -174,10 +188,6 @@ def _chat(args) -> int:
     if interactive:
         print("mlxinfer chat: /reset forgets the conversation, /exit leaves; Ctrl-C stops a reply.", file=sys.stderr)
 
-    def write(text):
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
     def read_line(prompt):
         if interactive:
             return input(prompt)
@@ -186,7 +196,7 @@ def _chat(args) -> int:
             raise EOFError
         return line
 
-    run_chat(engine, read_line, write, system=args.system, max_tokens=args.max_tokens, sampling=_sampling(args))
+    run_chat(engine, read_line, _out, system=args.system, max_tokens=args.max_tokens, sampling=_sampling(args))
     return 0
 
 
@@ -213,7 +223,7 @@ def _serve(args) -> int:
 def _inspect(args) -> int:
     from .inspect import describe
 
-    sys.stdout.write(describe(args.file))
+    _out(describe(args.file))
     return 0
 
 
@@ -249,7 +259,7 @@ def _model_options(p, sampling: bool = True) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads: the cpu backend's BLAS threads, or the threads MLX's CPU device cuts "
                         "large quantized weight products and attention over (default: the cores not already "
-                        "busy, at most cores / N with --tp N; not with --device gpu)")
+                        "busy, at most cores / N with --tp N; at most 4 per core; not with --device gpu)")
     if not sampling:
         return
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
@@ -313,10 +323,14 @@ def main(argv=None) -> int:
             raise RequestError("stdout is closed: nowhere to write the output")
         rc = args.func(args)
         return rc
+    except _OutputError as e:  # stdout is unusable: say so, and keep Python's flush at exit from failing again
+        _quiet_stdout()
+        _say(f"mlxinfer: error: {e}")
+        return 1
     except MlxinferError as e:
         if sys.stdout is not None:
             sys.stdout.flush()
-        print(f"mlxinfer: error: {e}", file=sys.stderr)
+        _say(f"mlxinfer: error: {e}")
         return 1
     except KeyboardInterrupt:
         print("mlxinfer: interrupted", file=sys.stderr)
@@ -326,22 +340,27 @@ def main(argv=None) -> int:
         print("mlxinfer: error: out of memory", file=sys.stderr)
         return 1
     except BrokenPipeError:  # the reader of stdout went away (`mlxinfer generate ... | head`): stop quietly
-        try:  # and keep Python's flush at exit from failing again on the closed pipe
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (AttributeError, OSError, ValueError):
-            pass
+        _quiet_stdout()  # and keep Python's flush at exit from failing again on the closed pipe
         rc = 141  # 128 + SIGPIPE, what a shell reports for such a pipeline
         return rc
-    except OSError as e:  # e.g. stdout on a full disk (ENOSPC)
-        where = f"{e.filename}: " if e.filename else "writing the output: " if e.errno == errno.ENOSPC else ""
-        print(f"mlxinfer: error: {where}{e.strerror or e}", file=sys.stderr)
-        try:  # Python's flush at exit would fail on the same stream again
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (AttributeError, OSError, ValueError):
-            pass
-        return 1
     finally:
         record_status(rc)  # in a rank of `generate --tp N`: tell the parent how it ended
+
+
+def _quiet_stdout() -> None:
+    """Point stdout's descriptor at /dev/null (after a write to it failed)."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):
+        pass
+
+
+def _say(line: str) -> None:
+    """One line on stderr, if stderr can take it (it may be on the same full disk as stdout)."""
+    try:
+        print(line, file=sys.stderr)
+    except (AttributeError, OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

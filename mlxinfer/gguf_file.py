@@ -145,8 +145,10 @@ def typed_value(meta: dict, key: str, kind: type | tuple[type, ...], default: An
     if key not in meta:
         return default
     v = meta[key]
+    if isinstance(v, np.generic) and not isinstance(v, np.ndarray):  # numpy scalars of a hand-built dict
+        v = v.item()
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not (bool in kinds if isinstance(v, (bool, np.bool_)) else isinstance(v, kinds)):
+    if not (bool in kinds if isinstance(v, bool) else isinstance(v, kinds)):
         found = "an array" if isinstance(v, (list, np.ndarray)) else type(v).__name__
         want = " or ".join(k.__name__ for k in kinds)
         raise GGUFError(f"{source}: metadata key {key!r} should be {want}, found {found}")
@@ -344,10 +346,9 @@ class GGUFFile:
     # -- metadata helpers ----------------------------------------------------------------------
     @property
     def architecture(self) -> str:
-        arch = self.metadata.get("general.architecture")
-        if not isinstance(arch, str):
+        if "general.architecture" not in self.metadata:
             raise GGUFError(f"{self.path}: missing metadata key 'general.architecture'")
-        return arch
+        return typed_value(self.metadata, "general.architecture", str, None, str(self.path))
 
     def get(self, key: str, default: Any = None, kind: type | tuple[type, ...] | None = None) -> Any:
         """The key's value, `default` when absent; with `kind`, checked as `typed_value` does."""

@@ -310,17 +310,17 @@ def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, k
         try:
             while True:
                 try:
-                    ev = await asyncio.wait_for(queue.get(), timeout=0.5)
+                    ev = await asyncio.wait_for(queue.get(), timeout=max(0.01, next_check - clock()))
                 except asyncio.TimeoutError:
                     ev = None
+                if isinstance(ev, FinishEvent):
+                    break
                 if clock() >= next_check:  # every half second, tokens arriving or not: a client that
                     next_check = clock() + 0.5  # left stops its request within a second
                     if await request.is_disconnected():
                         raise ApiError(400, "client disconnected") from None
                 if ev is None:
                     continue
-                if isinstance(ev, FinishEvent):
-                    break
                 text.append(ev.text)
                 tokens.append(ev.token_id)
                 logprobs.append(ev.logprob)

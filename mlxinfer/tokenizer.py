@@ -65,17 +65,22 @@ PRE_TOKENIZERS: dict[str, tuple[list[str], bool]] = {
 
 
 def token_ids(values) -> list[int]:
-    """`values` (a list, tuple or integer array of token ids) as a list of ints; anything but
-    integers (1.9, True, "5") is a RequestError rather than silently truncated or coerced."""
-    if isinstance(values, np.ndarray):
-        if values.dtype.kind not in "iu":
-            raise RequestError(f"token ids must be integers, got an array of {values.dtype}")
-        return [int(i) for i in values.reshape(-1)]
-    if not isinstance(values, (list, tuple)):
+    """`values` (a list, tuple or other iterable of token ids, or a 1-D integer array) as a list of
+    ints; anything but integers (1.9, True, "5") is a RequestError rather than silently truncated or
+    coerced, and so is a 2-D array (a batch is `generate_batch`'s, not one prompt)."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__") and not hasattr(values, "__array__"):
         raise RequestError(f"token ids must be a list of integers, got {type(values).__name__}")
+    if not isinstance(values, (list, tuple)) and hasattr(values, "__array__"):
+        values = np.asarray(values)  # numpy and MLX arrays
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            raise RequestError(f"token ids must be integers in one dimension, got an array of {values.dtype} "
+                               f"with shape {values.shape}")
+        return values.tolist()
+    values = list(values)
     bad = next((v for v in values if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))), None)
     if bad is not None:
-        raise RequestError(f"token ids must be integers, got {bad!r}")
+        raise RequestError(f"token ids must be integers, got {repr(bad)[:40]}")
     return [int(i) for i in values]
 
 
@@ -123,7 +128,9 @@ class GGUFTokenizer:
         types = meta.get("tokenizer.ggml.token_type")
         if types is None:
             types = np.full(n, TOKEN_NORMAL, dtype=np.int32)
-        elif not isinstance(types, np.ndarray) or types.dtype.kind not in "iu":
+        elif isinstance(types, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in types):
+            types = np.array(types, dtype=np.int64)  # a hand-built metadata dict; files give arrays
+        if not isinstance(types, np.ndarray) or types.dtype.kind not in "iu":
             raise GGUFError(f"{source}: metadata key 'tokenizer.ggml.token_type' should be an integer array")
         if types.shape != (n,):
             raise GGUFError(
@@ -196,7 +203,9 @@ class GGUFTokenizer:
         try:
             ids = self.hf.encode(text, add_special_tokens=False).ids
         except TypeError:  # `tokenizers` takes only text that UTF-8 can encode: a lone surrogate is not
-            bad = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+            bad = next((i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF), None)
+            if bad is None:
+                raise
             raise RequestError(f"text is not valid Unicode: a lone surrogate U+{ord(text[bad]):04X} at "
                                f"character {bad}") from None
         if add_special and self.add_bos:

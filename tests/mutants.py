@@ -582,7 +582,7 @@ M = [
      [T_CLI], "MLXINFER_MODEL naming a missing file: the error does not say where the path came from"),
     # -- hardening: hostile files and careless input ----------------------------------------------------
     ("gguf-bool-taken-as-int", "hardening", "mlxinfer/gguf_file.py",
-     [("if not (bool in kinds if isinstance(v, (bool, np.bool_)) else isinstance(v, kinds)):",
+     [("if not (bool in kinds if isinstance(v, bool) else isinstance(v, kinds)):",
        "if not isinstance(v, kinds):")],
      ["tests/test_malformed.py"], "GGUF metadata: a bool accepted where an int belongs (alignment, eos id)"),
     ("gguf-duplicate-key-kept", "hardening", "mlxinfer/gguf_file.py",

@@ -336,8 +336,11 @@ def test_closed_streams_a_full_disk_and_chat_options(tmp_path):
     assert_one_line_error(sh(f"echo hi | {cmd} chat --model {p} --backend cpu <&-"), "stdin, which is closed")
     assert_one_line_error(sh(f"{cmd} generate --model {p} --backend cpu hi >&-"), "stdout is closed")
     if os.path.exists("/dev/full"):
-        assert_one_line_error(sh(f"{cmd} generate --model {p} --backend cpu --max-tokens 4 hi >/dev/full"),
-                              "writing the output: No space left on device")
+        for line in (f"{cmd} generate --model {p} --backend cpu --max-tokens 4 hi >/dev/full",
+                     f"echo hi | {cmd} chat --model {p} --backend cpu --max-tokens 4 >/dev/full",
+                     f"{cmd} inspect {p} >/dev/full"):
+            assert_one_line_error(sh(line), "writing the output: No space left on device")
+    assert_one_line_error(sh(f"{cmd} generate --model {p} --backend cpu --stop $'\\xff' hi"), "--stop is not valid UTF-8")
     for args, fragment in ((["--max-tokens", "0"], "--max-tokens must be a positive integer, got 0"),
                            (["--temp", "nan"], "temperature must be a finite number"),
                            (["--stop", ""], "stop string must be non-empty")):

@@ -185,11 +185,15 @@ def test_request_errors(engine):
     with pytest.raises(RequestError, match=r"lone surrogate U\+DCFF at character 1"):
         engine.generate("a\udcff")
     for ids, what in (([1.9], "1.9"), ([3, True], "True"), (np.array([1.0, 2.0]), "float64"), (["5"], "'5'")):
-        with pytest.raises(RequestError, match=f"token ids must be integers, got .*{re.escape(what)}"):
+        with pytest.raises(RequestError, match=f"token ids must be integers.*, got .*{re.escape(what)}"):
             engine.generate(ids)
     assert engine.encode_prompt(np.array([3, 4], dtype=np.int64)) == [3, 4]
+    assert engine.encode_prompt((np.int32(3), 4)) == [3, 4]
+    with pytest.raises(RequestError, match=r"in one dimension, got an array of int64 with shape \(2, 2\)"):
+        engine.generate(np.array([[3, 4], [5, 6]]))  # a batch is generate_batch's, not one prompt
     with pytest.raises(RequestError, match="token ids must be integers"):
         engine.tokenizer.decode(["a"])
+    assert engine.tokenizer.decode(range(3, 6)) == engine.tokenizer.decode([3, 4, 5])
     for model in (123, b"m.gguf", object()):
         with pytest.raises(MlxinferError, match="model should be a path"):
             mlxinfer.load(model, backend="cpu")

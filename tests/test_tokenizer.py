@@ -1,10 +1,11 @@
 import json
 import os
 
+import numpy as np
 import pytest
 
 import mlxinfer
-from mlxinfer.errors import UnsupportedError
+from mlxinfer.errors import GGUFError, UnsupportedError
 from mlxinfer.gguf_file import GGUFFile
 from mlxinfer.tokenizer import PRE_TOKENIZERS, GGUFTokenizer
 
@@ -139,3 +140,15 @@ def test_smollm2_bos_eos_and_template(smollm2_meta):
     assert (tok.bos_id, tok.eos_id, tok.add_bos) == (1, 2, False)
     assert tok.tokens[2] == "<|im_end|>"
     assert "<|im_start|>" in tok.chat_template
+
+
+def test_hand_built_metadata_takes_numpy_scalars_and_a_list_of_types(smollm2_meta):
+    """A metadata dict built in Python (not read from a file) may hold numpy scalars and a list of
+    token types; a file's wrong types are refused (tests/malformed.py)."""
+    meta = {**smollm2_meta, "tokenizer.ggml.eos_token_id": np.int32(2), "tokenizer.ggml.add_bos_token": np.True_,
+            "tokenizer.ggml.token_type": [int(t) for t in smollm2_meta["tokenizer.ggml.token_type"]]}
+    tok = GGUFTokenizer.from_metadata(meta)
+    assert (tok.eos_id, tok.add_bos) == (2, True) and type(tok.eos_id) is int
+    assert np.array_equal(tok.token_types, smollm2_meta["tokenizer.ggml.token_type"])
+    with pytest.raises(GGUFError, match="'tokenizer.ggml.eos_token_id' should be int, found float"):
+        GGUFTokenizer.from_metadata({**smollm2_meta, "tokenizer.ggml.eos_token_id": np.float32(2)})

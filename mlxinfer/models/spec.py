@@ -51,7 +51,7 @@ class ModelArgs:
         n_heads = req("attention.head_count")
         n_kv = g.get(f"{a}.attention.head_count_kv", n_heads, int)
         hidden = req("embedding_length")
-        if not isinstance(n_kv, int) or n_kv <= 0 or n_heads % n_kv:
+        if n_kv <= 0 or n_heads % n_kv:
             raise GGUFError(
                 f"{g.path}: {a}.attention.head_count {n_heads} is not a multiple of head_count_kv {n_kv}"
             )
