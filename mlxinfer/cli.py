@@ -200,6 +200,19 @@ def _chat(args) -> int:
     return 0
 
 
+def _check_listen(host: str, port: int) -> None:
+    """Whether the server could listen on host:port now (a port in use, an unknown host: one line)."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a listener still refuses
+            s.bind(addr)
+    except OSError as e:
+        raise RequestError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def _serve(args) -> int:
     from .server import serve
 
@@ -207,6 +220,7 @@ def _serve(args) -> int:
         v = getattr(args, name)
         if v is not None and (v < 1 or (name == "port" and v > 65535)):
             raise RequestError(f"--{name.replace('_', '-')} must be a positive integer{' below 65536' if name == 'port' else ''}, got {v}")
+    _check_listen(args.host, args.port)  # before the model loads: a port in use is a one-line error
     engine = _load(args)
     if engine.kv == "paged":
         from .scheduler import budget_blocks

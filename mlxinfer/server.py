@@ -175,8 +175,12 @@ def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, k
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        errors = e.errors()
+        # a value that fits no branch of a union (a prompt is text or token ids) gets an error per branch:
+        # the deepest says most ("prompt.0: ... a valid integer" for [1.9], not "prompt: ... a valid string")
+        first = max(errors, key=lambda x: len(x.get("loc", ())), default={})
+        branch = {"str", "int", "float", "bool", "list[int]"}  # pydantic's names of union branches in a loc
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body" and x not in branch)
         if first.get("type") == "json_invalid":
             return error_body(400, "request body is not valid JSON")
         return error_body(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where or None)

@@ -253,6 +253,7 @@ def test_a_client_that_leaves_a_busy_request_frees_its_slot(served, slow_passes)
     ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n must be 1"),
     ({"model": MODEL, "prompt": "hi", "stop": [""]}, 400, "stop"),
     ({"model": MODEL, "prompt": "a\udcff"}, 400, "lone surrogate U+DCFF"),
+    ({"model": MODEL, "prompt": [3, 1.9]}, 400, "prompt.1: Input should be a valid integer"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "does not exist"),
 ])
 def test_bad_completion_requests(served, body, status, fragment):
@@ -337,6 +338,16 @@ def test_cli_serve_bad_options(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mlxinfer", "serve", "--port", "0", "--model", str(tmp_path / "x.gguf")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "--port" in r.stderr
+    import socket
+
+    with socket.socket() as taken:  # a port another server holds: one line before the model loads
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "mlxinfer", "serve", "--port", str(port), "--model",
+                            str(tmp_path / "x.gguf")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in r.stderr
 
 
 def test_json_error_never_a_traceback_on_malformed_types(served):
