@@ -256,21 +256,25 @@ def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, k
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if chat else "text_completion"
 
-        def logprobs_of(token_ids, logprobs):
-            """OpenAI's logprobs object of some generated tokens (chat or completions shape)."""
+        def logprobs_of(token_ids, logprobs, offsets):
+            """OpenAI's logprobs object of some generated tokens (chat or completions shape); offsets:
+            where each token's text starts in the completion's text (completions' `text_offset`)."""
             if not want_logprobs:
                 return None
             toks = [engine.tokenizer.decode([t]) for t in token_ids]
             if chat:
                 return {"content": [{"token": t, "logprob": p, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
                                     for t, p in zip(toks, logprobs)]}
-            return {"tokens": toks, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": []}
+            return {"tokens": toks, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": list(offsets)}
 
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
 
+            sent = [0]  # characters of text streamed so far
+
             def chunk(delta_text, token=None, logprob=None, reason=None, first=False):
-                lp = None if token is None else logprobs_of([token], [logprob])
+                lp = None if token is None else logprobs_of([token], [logprob], [sent[0]])
+                sent[0] += len(delta_text)
                 if chat:
                     delta = ({"role": "assistant", "content": delta_text} if first else
                              ({"content": delta_text} if reason is None or delta_text else {}))
@@ -335,7 +339,11 @@ def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, k
             raise ApiError(503, f"request ended: {ev.finish_reason}", "server_error")
         text.append(ev.text)
         out = "".join(text)
-        lp = logprobs_of(tokens, logprobs)
+        offsets, at = [], 0
+        for piece in text[:len(tokens)]:  # each token's text, in the order they came
+            offsets.append(at)
+            at += len(piece)
+        lp = logprobs_of(tokens, logprobs, offsets)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": lp,
                       "finish_reason": ev.finish_reason}

@@ -142,6 +142,16 @@ def test_streaming_completion_with_logprobs(served, engine):
     assert "".join(c.choices[0].text for c in chunks) == want.text
     lps = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
     assert lps == pytest.approx(want.logprobs)
+    # text_offset: where each token's text starts in the completion, streamed or not
+    offsets, before = [], 0
+    for c in chunks:
+        if c.choices[0].logprobs:
+            assert c.choices[0].logprobs.text_offset == [before]
+            offsets.append(before)
+        before += len(c.choices[0].text)
+    whole = served.client.completions.create(model=MODEL, prompt=LONG, max_tokens=8, temperature=0, logprobs=1)
+    assert whole.choices[0].logprobs.text_offset == offsets and len(offsets) == len(want.token_ids)
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(want.text)
 
 
 def test_models_health_metrics(served):
