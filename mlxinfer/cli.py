@@ -41,6 +41,11 @@ def _sampling(args) -> dict:
                 stop=args.stop)
 
 
+def _argv_escaped(text: str) -> bool:
+    """Whether an argument held bytes that were not UTF-8 (Python passes them as surrogate escapes)."""
+    return any(0xDC80 <= ord(c) <= 0xDCFF for c in text)
+
+
 def _read_prompt(args):
     if args.prompt_file is not None:
         if args.prompt is not None:
@@ -56,23 +61,21 @@ def _read_prompt(args):
         if sys.stdin is None:
             raise RequestError("stdin is closed: there is no prompt to read (PROMPT -)")
         return sys.stdin.buffer.read()
-    if any(0xDC80 <= ord(c) <= 0xDCFF for c in args.prompt):
-        return os.fsencode(args.prompt)  # argv bytes that were not UTF-8 arrive as surrogate escapes
+    if _argv_escaped(args.prompt):
+        return os.fsencode(args.prompt)
     return args.prompt
 
 
 def _check_options(args) -> None:
     """--max-tokens, the sampling options and --stop, refused before the model loads (chat would
     otherwise refuse them at every turn)."""
-    from .sampling import SamplingParams
+    from .sampling import SamplingParams, stop_strings
 
     if args.max_tokens < 1:
         raise RequestError(f"--max-tokens must be a positive integer, got {args.max_tokens}")
     SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)
-    if any(not s for s in args.stop or ()):
-        raise RequestError("a stop string must be non-empty text")
-    for name, text in [("--stop", s) for s in args.stop or ()] + [("--system", getattr(args, "system", None))]:
-        if text and any(0xDC80 <= ord(c) <= 0xDCFF for c in text):  # argv bytes that were not UTF-8
+    for name, text in [("--stop", s) for s in stop_strings(args.stop)] + [("--system", getattr(args, "system", None))]:
+        if text and _argv_escaped(text):
             raise RequestError(f"{name} is not valid UTF-8")
 
 

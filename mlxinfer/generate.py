@@ -33,7 +33,7 @@ from .kv_cache import KV_CACHES, PagedKVCache, PreallocKVCache
 from .metrics import Metrics
 from .model_source import resolve_model
 from .models import architecture, model_args
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, stop_strings
 from .tokenizer import GGUFTokenizer, token_ids
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -415,13 +415,7 @@ class Engine:
     def _start(self, prompts, max_tokens, params, stop, chat):
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        if isinstance(stop, str):
-            stop = [stop]
-        if stop is not None and not isinstance(stop, (list, tuple)):
-            raise RequestError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
-        stop = list(stop or [])
-        if any(not isinstance(x, str) or not x for x in stop):
-            raise RequestError("a stop string must be non-empty text")
+        stop = stop_strings(stop)
         encoded = [self.encode_prompt(p, chat=chat) for p in prompts]
         for ids in encoded:
             self._check_context(len(ids), max_tokens)

@@ -145,7 +145,7 @@ def typed_value(meta: dict, key: str, kind: type | tuple[type, ...], default: An
     if key not in meta:
         return default
     v = meta[key]
-    if isinstance(v, np.generic) and not isinstance(v, np.ndarray):  # numpy scalars of a hand-built dict
+    if isinstance(v, np.generic):  # numpy scalars of a hand-built dict
         v = v.item()
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if not (bool in kinds if isinstance(v, bool) else isinstance(v, kinds)):
@@ -346,9 +346,7 @@ class GGUFFile:
     # -- metadata helpers ----------------------------------------------------------------------
     @property
     def architecture(self) -> str:
-        if "general.architecture" not in self.metadata:
-            raise GGUFError(f"{self.path}: missing metadata key 'general.architecture'")
-        return typed_value(self.metadata, "general.architecture", str, None, str(self.path))
+        return self.require("general.architecture", str)
 
     def get(self, key: str, default: Any = None, kind: type | tuple[type, ...] | None = None) -> Any:
         """The key's value, `default` when absent; with `kind`, checked as `typed_value` does."""

@@ -28,6 +28,20 @@ import numpy as np
 from .errors import RequestError
 
 
+def stop_strings(stop) -> list[str]:
+    """A request's stop strings as a list: None, one string, or a list or tuple of non-empty strings
+    (the engine, the server and the CLI all take them here)."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise RequestError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    if any(not isinstance(x, str) or not x for x in stop):
+        raise RequestError("a stop string must be non-empty text")
+    return list(stop)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0

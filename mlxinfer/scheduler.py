@@ -65,11 +65,11 @@ def budget_blocks(engine, kv_memory: int | None) -> int | None:
     if kv_memory is None:
         return None
     block = PagedKVCache.BLOCK_SIZE
-    n = kv_memory // (block * kv_bytes_per_token(engine))
-    if n < 1:
+    block_bytes = block * kv_bytes_per_token(engine)
+    if kv_memory < block_bytes:
         raise RequestError(f"kv_memory {kv_memory} holds less than one block of {block} positions "
-                           f"({block * kv_bytes_per_token(engine)} bytes)")
-    return n
+                           f"({block_bytes} bytes)")
+    return kv_memory // block_bytes
 
 
 class Scheduler:

@@ -26,7 +26,7 @@ from typing import Literal
 
 from .errors import MlxinferError, RequestError
 from .generate import FinishEvent
-from .sampling import SamplingParams
+from .sampling import SamplingParams, stop_strings
 from .scheduler import QueueFull, Scheduler, SchedulerClosed
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits a context window as text
@@ -210,9 +210,10 @@ def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, k
         if body.n != 1:
             raise ApiError(400, f"n must be 1, got {body.n}", param="n")
         max_tokens = body.max_completion_tokens or body.max_tokens or 16
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if any(not x for x in stop):
-            raise ApiError(400, "a stop string must be non-empty text", param="stop")
+        try:
+            stop = stop_strings(body.stop)
+        except RequestError as e:
+            raise ApiError(400, str(e), param="stop") from None
         try:
             params = SamplingParams(temperature=float(body.temperature), top_p=float(body.top_p), seed=body.seed)
             return scheduler().submit(prompt_ids, params, max_tokens, stop,

@@ -68,8 +68,9 @@ def token_ids(values) -> list[int]:
     """`values` (a list, tuple or other iterable of token ids, or a 1-D integer array) as a list of
     ints; anything but integers (1.9, True, "5") is a RequestError rather than silently truncated or
     coerced, and so is a 2-D array (a batch is `generate_batch`'s, not one prompt)."""
-    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__") and not hasattr(values, "__array__"):
-        raise RequestError(f"token ids must be a list of integers, got {type(values).__name__}")
+    not_ids = RequestError(f"token ids must be a list of integers, got {type(values).__name__}")
+    if isinstance(values, (str, bytes, dict)):
+        raise not_ids
     if not isinstance(values, (list, tuple)) and hasattr(values, "__array__"):
         values = np.asarray(values)  # numpy and MLX arrays
     if isinstance(values, np.ndarray):
@@ -77,7 +78,10 @@ def token_ids(values) -> list[int]:
             raise RequestError(f"token ids must be integers in one dimension, got an array of {values.dtype} "
                                f"with shape {values.shape}")
         return values.tolist()
-    values = list(values)
+    try:
+        values = list(values)
+    except TypeError:
+        raise not_ids from None
     bad = next((v for v in values if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))), None)
     if bad is not None:
         raise RequestError(f"token ids must be integers, got {repr(bad)[:40]}")

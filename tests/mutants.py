@@ -436,7 +436,7 @@ M = [
      [("top_p=float(body.top_p)", "top_p=1.0")],
      [T_SRV], "server drops top_p"),
     ("srv-drops-stop", "server", SERVER,
-     [("stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])", "stop = []")],
+     [("            stop = stop_strings(body.stop)\n", "            stop = stop_strings(body.stop) and []\n")],
      [T_SRV], "server drops stop strings"),
     ("srv-no-body-limit", "server", SERVER,
      [("if len(body) > self.limit:", "if False:"),

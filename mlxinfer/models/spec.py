@@ -59,7 +59,7 @@ class ModelArgs:
         value_dim = g.get(f"{a}.attention.value_length", head_dim, int)
         if value_dim != head_dim:
             raise GGUFError(f"{g.path}: key_length {head_dim} != value_length {value_dim} is not supported")
-        if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        if head_dim <= 0 or head_dim % 2:
             raise GGUFError(f"{g.path}: head dimension {head_dim!r} must be a positive even number")
         rope_dims = g.get(f"{a}.rope.dimension_count", head_dim, int)
         if rope_dims != head_dim:
@@ -77,7 +77,7 @@ class ModelArgs:
         eps = g.require(f"{a}.attention.layer_norm_rms_epsilon", float)
         base = g.get(f"{a}.rope.freq_base", 10000.0, (int, float))
         for key, value in (("attention.layer_norm_rms_epsilon", eps), ("rope.freq_base", base)):
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            if not math.isfinite(value) or value <= 0:
                 raise GGUFError(f"{g.path}: {a}.{key} = {value!r} is not a positive finite number")
         return cls(
             arch=a,
