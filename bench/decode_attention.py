@@ -114,14 +114,14 @@ def gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, re
     one = lambda x: kernels.fused_attention(kind, x, keys, values, slots, pos, lens, spec, split=False)  # noqa: E731
     row["one_launch_gpu_us"] = round(gpu_time(one, q, reps), 1)
     for two, name in ((True, "two"), (False, "three")):  # the split plan's two forms, forced
-        fn = lambda x, t=two: kernels._split_attention(kind, x, keys, values, slots, pos, lens, spec, two_launches=t)  # noqa: E731
+        fn = lambda x, t=two: kernels.split_attention(kind, x, keys, values, slots, pos, lens, spec, two_launches=t)  # noqa: E731
         row[f"split_{name}_launches_gpu_us"] = round(gpu_time(fn, q, reps), 1)
     sdpa = lambda x: mx.fast.scaled_dot_product_attention(x, kh, vh, scale=spec.scale)  # noqa: E731
     row["sdpa_gpu_us"] = round(gpu_time(sdpa, qh, reps), 1)
     # the split plan's first step chained through the glue op, and the glue alone: a step's time is
     # (its chain - glue)
     row["glue_gpu_us"] = round(gpu_time(lambda x: glue(x, x), q, reps), 1)
-    fn = lambda x: glue(x, kernels._split_attention(kind, x, keys, values, slots, pos, lens, spec, steps=1))  # noqa: E731
+    fn = lambda x: glue(x, kernels.split_attention(kind, x, keys, values, slots, pos, lens, spec, steps=1))  # noqa: E731
     row["split_scores_glued_gpu_us"] = round(gpu_time(fn, q, reps), 1)
     row["fused_over_sdpa_gpu"] = round(row["fused_gpu_us"] / row["sdpa_gpu_us"], 2)
     if b * 4 <= 8:  # MLX's CUDA allocator puts arrays of <= 8 bytes in its small pool of host (managed)
@@ -196,7 +196,7 @@ def main(argv=None):
                 row[f"{name}_us"] = round(timed(op, a.reps), 1)
                 row[f"{name}_us_in20"] = round(timed(op, max(5, a.reps // 5), chain=20), 1)
             if row["split"]:  # the split plan's first step alone, the scores (in graphs of 20)
-                row["split_scores_us_in20"] = round(timed(lambda: kernels._split_attention(
+                row["split_scores_us_in20"] = round(timed(lambda: kernels.split_attention(
                     kind, q, keys, values, slots, pos, lens, spec, steps=1), max(5, a.reps // 5), chain=20), 1)
             compiled = {  # under mx.compile: no Python graph building per call
                 "fused": (mx.compile(lambda q_, k_, v_: kernels.fused_attention(kind, q_, k_, v_, slots, pos, lens, spec)),

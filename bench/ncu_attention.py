@@ -44,7 +44,7 @@ for t, cap, s in cases:
     for _ in range(a.repeat):
         mx.eval(kernels.fused_attention("cuda", *args, seq_rows=[(0, t)]))
         if t > 1:
-            mx.eval(kernels._split_attention("cuda", *args, two_launches=False))
+            mx.eval(kernels.split_attention("cuda", *args, two_launches=False))
         heads = (lambda x, h: mx.reshape(x, (1, -1, h, 128)).transpose(0, 2, 1, 3))
         mx.eval(mx.fast.scaled_dot_product_attention(heads(q, 16), heads(k[:, :n], 8), heads(v[:, :n], 8),
                                                      scale=spec.scale, mask="causal" if t > 1 else None))

@@ -67,8 +67,8 @@ def main(argv=None):
         args = (keys, values, slots, pos, lens, spec)
         plans = {
             "auto": lambda x: kernels.fused_attention(kind, x, *args, seq_rows=[(0, t)]),
-            "split_three_rows": lambda x: kernels._split_attention(kind, x, *args, two_launches=False, seq_rows=[(0, t)]),
-            "split_three": lambda x: kernels._split_attention(kind, x, *args, two_launches=False),
+            "split_three_rows": lambda x: kernels.split_attention(kind, x, *args, two_launches=False, seq_rows=[(0, t)]),
+            "split_three": lambda x: kernels.split_attention(kind, x, *args, two_launches=False),
             "one_launch": lambda x: kernels.fused_attention(kind, x, *args, split=False),
         }
         outs = {name: np.array(fn(q)) for name, fn in plans.items()}
@@ -96,7 +96,7 @@ def main(argv=None):
         row["glue_gpu_us"] = round(gpu_time(lambda x: glue(x, x), q, a.reps), 1)
         for steps, name in ((1, "scores"), (2, "scores_softmax")):
             for rows, suffix in ((False, ""), (True, "_rows")):
-                fn = lambda x, s=steps, b=rows: glue(x, kernels._split_attention(  # noqa: E731
+                fn = lambda x, s=steps, b=rows: glue(x, kernels.split_attention(  # noqa: E731
                     kind, x, *args, steps=s, two_launches=False, seq_rows=[(0, t)], by_rows=b))
                 row[f"{name}{suffix}_glued_gpu_us"] = round(gpu_time(fn, q, a.reps), 1)
         sdpa = lambda x: mx.fast.scaled_dot_product_attention(x, kh, vh, scale=spec.scale, mask="causal")  # noqa: E731

@@ -9,7 +9,7 @@ Three kernels share one published summation order (written out at the top of eac
 decode rows and prefill chunks alike, each row reading its own sequence's cache slot up to its own
 length; its blocks stride over the (row, head) work items, so its score scratch is sized by the grid).
 On CUDA the fused attention has a second launch plan for few rows, the split kernels
-(`_split_attention`, chosen by `uses_split`): the same arithmetic, spread over the GPU one key, then
+(`split_attention`, chosen by `uses_split`): the same arithmetic, spread over the GPU one key, then
 one partial-sum chain at a time: `attn_scores`, then for decode `attn_softmax_context` (each block
 recomputes its heads' softmax max and total in the softmax kernel's order: one launch fewer, which
 saves more host time than the recomputation costs on the GPU while few rows read short caches) or,
@@ -286,7 +286,7 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
     import mlx.core as mx
 
     if split if split is not None else uses_split(kind, q.shape[0], spec, keys.shape[1]):
-        return _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, seq_rows=seq_rows)
+        return split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, seq_rows=seq_rows)
     n = q.shape[0]
     cap = keys.shape[1]
     dims = _dims(cap, spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.causal), int(spec.window or 0), n)
@@ -298,7 +298,7 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
     return out
 
 
-def _split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, steps: int = 3,
+def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, steps: int = 3,
                      two_launches: bool | None = None, seq_rows=None, by_rows: bool | None = None):
     """The split plan: scores, then softmax and context in one launch (`two_launches`, by default
     `uses_two_launches`) or two. `steps=1` stops after the scores and returns them, `steps=2` after the

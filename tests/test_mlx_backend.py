@@ -236,9 +236,9 @@ def test_split_and_one_launch_kernels_agree_on_long_caches(rows, s, window, head
     q = mx.array(rng.standard_normal((rows, h * d), dtype=np.float32) * 4)
     lens = mx.array(np.linspace(s // 3, s, rows).astype(np.int32))
     slots = mx.arange(rows, dtype=mx.int32)
-    got = {two: np.array(kernels._split_attention("cuda", q, keys, values, slots, lens - 1, lens, spec,
+    got = {two: np.array(kernels.split_attention("cuda", q, keys, values, slots, lens - 1, lens, spec,
                                                    two_launches=two)) for two in (True, False)}
-    got["rows"] = np.array(kernels._split_attention("cuda", q, keys, values, slots, lens - 1, lens, spec,
+    got["rows"] = np.array(kernels.split_attention("cuda", q, keys, values, slots, lens - 1, lens, spec,
                                                     two_launches=False, by_rows=True))
     got["one"] = np.array(kernels.fused_attention("cuda", q, keys, values, slots, lens - 1, lens, spec, split=False))
     assert np.isfinite(got[True]).all()
@@ -271,7 +271,7 @@ def test_every_one_row_form_gives_the_one_launch_bits(form):
             values = mx.array(rng.standard_normal((2, cap, kvh * d), dtype=np.float32))
             q = mx.array(rng.standard_normal((1, h * d), dtype=np.float32) * 4)
             slot, pos, lens = (mx.array(np.array([v, 0, 0, 0], dtype=np.int32))[:1] for v in (1, s - 1, s))
-            got = np.array(kernels._split_attention("cuda", q, keys, values, slot, pos, lens, spec, two_launches=True))
+            got = np.array(kernels.split_attention("cuda", q, keys, values, slot, pos, lens, spec, two_launches=True))
             want = np.array(kernels.fused_attention("cuda", q, keys, values, slot, pos, lens, spec, split=False))
             assert np.isfinite(got).all()
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (s, window, h, kvh, d)
@@ -309,7 +309,7 @@ def test_prefill_chunks_agree_across_plans(chunks, window, heads):
     ends = np.cumsum([rows for _, rows, _ in chunks]).tolist()
     seq_rows = list(zip([0] + ends[:-1], ends))
     for two, rows in ((True, False), (False, False), (False, True)):
-        out = np.array(kernels._split_attention("cuda", *args, two_launches=two, seq_rows=seq_rows, by_rows=rows))
+        out = np.array(kernels.split_attention("cuda", *args, two_launches=two, seq_rows=seq_rows, by_rows=rows))
         assert np.array_equal(out.view(np.uint32), one.view(np.uint32)), f"two launches: {two}, by rows: {rows}"
 
 
@@ -370,12 +370,12 @@ def test_score_tiles_never_straddle_sequences(monkeypatch):
     launched = _launches(monkeypatch)
     spec = AttentionSpec.standard(4, 2, 64)
     z = mx.zeros((3 * 256,), mx.int32)
-    kernels._split_attention("cuda", mx.zeros((102, 256)), mx.zeros((3, 256, 128)), mx.zeros((3, 256, 128)), z, z, z,
+    kernels.split_attention("cuda", mx.zeros((102, 256)), mx.zeros((3, 256, 128)), mx.zeros((3, 256, 128)), z, z, z,
                              spec, two_launches=False, seq_rows=[(0, 70), (70, 101), (101, 102)])
     assert np.array(launched[0][1][-1]).reshape(-1, 2).tolist() == [[0, 32], [32, 32], [64, 6], [70, 31], [101, 1]]
     for bad in ([(0, 70), (71, 102)], [(0, 101)], [(1, 102)], [(0, 70), (70, 70), (70, 102)]):
         with pytest.raises(ValueError, match="consecutive runs"):
-            kernels._split_attention("cuda", mx.zeros((102, 256)), mx.zeros((3, 256, 128)), mx.zeros((3, 256, 128)),
+            kernels.split_attention("cuda", mx.zeros((102, 256)), mx.zeros((3, 256, 128)), mx.zeros((3, 256, 128)),
                                      z, z, z, spec, two_launches=False, seq_rows=bad, by_rows=True)
 
 

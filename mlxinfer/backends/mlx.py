@@ -165,8 +165,8 @@ def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
             args = (backend.kernel, q, *view.store, batch.row_slots, batch.positions, batch.row_lens, spec)
             plans[" (one launch)"] = np.array(kernels.fused_attention(*args, split=False))
             for two, form in ((True, "two"), (False, "three")):
-                plans[f" (split, {form} launches)"] = np.array(kernels._split_attention(*args, two_launches=two))
-            plans[" (split, three launches, context by rows)"] = np.array(kernels._split_attention(
+                plans[f" (split, {form} launches)"] = np.array(kernels.split_attention(*args, two_launches=two))
+            plans[" (split, three launches, context by rows)"] = np.array(kernels.split_attention(
                 *args, two_launches=False, seq_rows=batch.rows, by_rows=True))
         ref = np.array(backend.per_head_attention(q, view, batch, spec))
         a, b = q[:, :d], backend.from_numpy(kv_np[0, :, :d])
