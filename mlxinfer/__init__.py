@@ -16,18 +16,21 @@ import os
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "12")
 
 from .errors import GGUFError, MlxinferError, RequestError, UnsupportedError  # noqa: E402
-from .generate import Engine, Generation, load  # noqa: E402
+from .engine import Engine, load  # noqa: E402
+from .loop import FinishEvent, Generation, TokenEvent  # noqa: E402
 from .tokenizer import GGUFTokenizer, load_tokenizer  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Engine",
+    "FinishEvent",
     "Generation",
     "GGUFError",
     "GGUFTokenizer",
     "MlxinferError",
     "RequestError",
+    "TokenEvent",
     "UnsupportedError",
     "load",
     "load_tokenizer",

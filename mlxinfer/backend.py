@@ -19,9 +19,15 @@ tracing backend runs; a backend's overrides of them fuse kernels or drop reshape
 from __future__ import annotations
 
 import math
+import resource
+import sys
 from dataclasses import dataclass
 
 import numpy as np
+
+from . import collectives
+from .errors import RequestError
+from .sampling import NumpyRandom
 
 # The protocol's op names, in one place: the tracing backend wraps exactly these.
 PRIMITIVE_OPS = (
@@ -96,8 +102,6 @@ class Backend:
 
     def __init__(self, attention: str = "fused"):
         if attention not in ATTENTION_PATHS:
-            from .errors import RequestError
-
             raise RequestError(f"unknown attention path {attention!r} (choose from {', '.join(ATTENTION_PATHS)})")
         self.attention = attention
 
@@ -169,16 +173,11 @@ class Backend:
 
     def new_random(self, seed: int):
         """A sequence's random state for `sample_tokens`, seeded."""
-        from .sampling import NumpyRandom
-
         return NumpyRandom(seed)
 
     def peak_memory_mb(self) -> float:
         """Peak memory so far: the process's peak resident set (backends with their own allocator
         report that allocator's peak)."""
-        import resource
-        import sys
-
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak / (1024 * 1024 if sys.platform == "darwin" else 1024)
 
@@ -307,25 +306,16 @@ class Backend:
         the matrices side by side (MLX: one launch instead of three for Q, K and V)."""
         return tuple(self.linear(x, w, groups) for w in ws)
 
-    # -- collectives (tensor parallelism, `mlxinfer.distributed`) ------------------------------
+    # -- collectives (tensor parallelism, `mlxinfer.collectives`) ------------------------------
     def all_sum(self, x, group):
         """The elementwise sum of `x` over the ranks of `group` (an mx.distributed group), on every rank.
         Here through MLX arrays for any backend; the MLX backend keeps it in its graph."""
-        from .distributed import all_sum
-
-        return self._through_mlx(all_sum, x, group)
+        return self.from_numpy(collectives.through_mlx(collectives.all_sum, self.to_numpy(x), group))
 
     def all_gather_cols(self, x, group, cols: int):
         """[R, C] on each rank -> [R, cols]: the ranks' columns side by side in rank order, the first
         `cols` kept (the output head's vocabulary shards; the last rank's padding is dropped)."""
-        from .distributed import all_gather_cols
-
-        return self._through_mlx(all_gather_cols, x, group, cols)
-
-    def _through_mlx(self, collective, x, *args):
-        import mlx.core as mx
-
-        return self.from_numpy(np.array(collective(mx.array(self.to_numpy(x)), *args)))
+        return self.from_numpy(collectives.through_mlx(collectives.all_gather_cols, self.to_numpy(x), group, cols))
 
     # -- the composite op ---------------------------------------------------------------------
     def fused_attention(self, q, kv, batch, spec: AttentionSpec):

@@ -22,10 +22,9 @@ from .errors import RequestError
 
 
 MIN_INDEX_ENTRIES = 4  # MLX's CUDA allocator keeps arrays of up to 8 bytes (two int32) in its small pool
-# of host memory, which the GPU reads across the bus: every kernel that reads one row's slot, position
-# or length of a one-sequence decode step waited on it (H200, 2026-11-30 20:50 UTC, bench/decode_attention.py
-# --gpu-clock, one row: 19.6 / 35.5 / 62.8 / 246.0 us at 512 / 2,048 / 8,192 / 32,768 keys; the same rows
-# padded to 4 entries: 8.9 / 13.2 / 42.3 / 226.2). So index arrays are made by `pack_index_arrays`.
+# of host memory, which the GPU reads across the bus: a kernel reading one row's slot, position or length
+# then waits on it (2x the attention's time at 512 keys on the H200). So index arrays are made by
+# `pack_index_arrays`, at least this many entries each.
 
 
 def zero_padded(lists, widths) -> list:
@@ -83,20 +82,24 @@ class Batch:
         self._host_rows = (positions, row_slots, [n for n, k in zip(self.kv_lens, self.lengths) for _ in range(k)],
                            logit_rows)
         self._per_sequence: dict[int, object] = {}
-        self.traced = False  # True in the batch a compiled step is traced with (decode_template)
 
     @classmethod
-    def decode_template(cls, ops, n: int, packed):
+    def traced_decode(cls, ops, n: int, packed):
         """The batch a compiled decode step is traced with: n sequences of one row each, its index
-        arrays the slices of `packed` (a traced input, laid out as `IndexArrays`), no host value that
-        the graph could depend on (its slots, starts and lengths are placeholders: a compiled step reads
-        only the arrays)."""
+        arrays the slices of `packed` (a traced input, laid out as `IndexArrays`), and no host value the
+        graph could depend on: its slots, starts and lengths are None (reading them fails), so
+        `max_kv_len` is None and a compiled step reads only the arrays."""
         b = cls(ops, list(range(n)), [0] * n, [1] * n)
         w = b.index_width
         b.index = IndexArrays(packed, *(packed[i * w:i * w + n] for i in range(4)))
-        b.traced = True
-        b.slots = b.starts = b.kv_lens = b._positions_host = None  # placeholders: reading them fails
+        b.slots = b.starts = b.kv_lens = b._positions_host = None
         return b
+
+    @property
+    def max_kv_len(self) -> int | None:
+        """The longest sequence after the pass, or None where the lengths live only in the index arrays
+        (a traced decode batch)."""
+        return None if self.kv_lens is None else max(self.kv_lens)
 
     @classmethod
     def decode_step_delta(cls, ops, n: int):

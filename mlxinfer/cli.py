@@ -8,9 +8,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
+import tempfile
 
+from . import __version__
+from .collectives import launched
+from .engine import load
 from .errors import MlxinferError, RequestError
+from .inspect import describe
+from .launch import check_split, record_status, relaunch
+from .loop import FinishEvent
+from .sampling import SamplingParams, stop_strings
+from .scheduler import budget_blocks
+from .tracing import install_tracer
 
 
 class _OutputError(MlxinferError):
@@ -29,8 +40,6 @@ def _out(text: str) -> None:
 
 
 def _load(args):
-    from .generate import load
-
     return load(args.model, backend=args.backend, attention=args.attention, device=args.device,
                 kernel=args.kernel, kv=args.kv, prefill_chunk=args.prefill_chunk, threads=args.threads,
                 tp=getattr(args, "tp", 1))
@@ -69,8 +78,6 @@ def _read_prompt(args):
 def _check_options(args) -> None:
     """--max-tokens, the sampling options and --stop, refused before the model loads (chat would
     otherwise refuse them at every turn)."""
-    from .sampling import SamplingParams, stop_strings
-
     if args.max_tokens < 1:
         raise RequestError(f"--max-tokens must be a positive integer, got {args.max_tokens}")
     SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)
@@ -80,8 +87,6 @@ def _check_options(args) -> None:
 
 
 def _generate(args) -> int:
-    from .distributed import check_split, launched, relaunch
-
     if args.tp < 1:
         raise RequestError(f"--tp must be a positive integer, got {args.tp}")
     _check_options(args)
@@ -90,8 +95,6 @@ def _generate(args) -> int:
         prompt = _read_prompt(args)  # a prompt from stdin reaches the ranks as a file (their stdin is closed)
         if args.prompt != "-":
             return relaunch(args.tp, args.argv, args.device)
-        import tempfile
-
         with tempfile.NamedTemporaryFile(prefix="mlxinfer-prompt-", suffix=".txt") as f:
             f.write(prompt if isinstance(prompt, bytes) else prompt.encode())
             f.flush()
@@ -105,11 +108,10 @@ def _generate(args) -> int:
         args.quiet, args.verbose, args.trace = True, False, False
     tracer = None
     if args.trace or (os.environ.get("MLXINFER_TRACE") == "1" and engine.shard.rank == 0):
-        from .tracing import install_tracer
-
         tracer = install_tracer(engine)
+    ids = engine.encode_prompt(prompt, chat=args.chat)  # once: the cap below and the generation read it
     max_tokens = args.max_tokens
-    room = engine.args.context_length - len(engine.encode_prompt(prompt, chat=args.chat))
+    room = engine.args.context_length - len(ids)
     if 0 < room < max_tokens:
         print(f"mlxinfer: note: --max-tokens {max_tokens} capped to {room}: the prompt leaves {room} tokens of "
               f"the model's context length {engine.args.context_length}", file=sys.stderr)
@@ -118,7 +120,7 @@ def _generate(args) -> int:
         print(f"mlxinfer: {engine.path}: {engine.args.arch}, {engine.args.n_layers} layers; backend "
               f"{engine.backend.describe()}, attention {engine.backend.attention}, kv {engine.kv}", file=sys.stderr)
 
-    result = engine.generate(prompt, max_tokens=max_tokens, chat=args.chat, on_text=_out,
+    result = engine.generate(ids, max_tokens=max_tokens, on_text=_out,
                              on_forward=tracer.end_pass if tracer else None, **_sampling(args))
     _out("\n")
     if not args.quiet:
@@ -134,8 +136,6 @@ def run_chat(engine, read_line, write, *, system: str | None = None, max_tokens:
     """The chat loop: read a line, stream the reply, keep the history. `read_line(prompt)` returns a
     line or raises EOFError; `/reset` forgets the history, `/exit` (or end of input) leaves. Ctrl-C
     during a reply stops that reply (what was said stays in the history); at the prompt it leaves."""
-    from .generate import FinishEvent
-
     def fresh():
         return [{"role": "system", "content": system}] if system else []
 
@@ -158,11 +158,11 @@ def run_chat(engine, read_line, write, *, system: str | None = None, max_tokens:
         history.append({"role": "user", "content": text})
         reply = []
         try:
-            n_prompt = len(engine.encode_prompt(history))
-            room = min(max_tokens, engine.args.context_length - n_prompt)
+            ids = engine.encode_prompt(history)  # once: the room left and the reply read it
+            room = min(max_tokens, engine.args.context_length - len(ids))
             if room < 1:
                 raise RequestError("the conversation fills the model's context: /reset to start again")
-            for event in engine.stream(history, max_tokens=room, **(sampling or {})):
+            for event in engine.stream(ids, max_tokens=room, **(sampling or {})):
                 if event.text:
                     write(event.text)
                     reply.append(event.text)  # what the user saw is what the history keeps
@@ -205,8 +205,6 @@ def _chat(args) -> int:
 
 def _check_listen(host: str, port: int) -> None:
     """Whether the server could listen on host:port now (a port in use, an unknown host: one line)."""
-    import socket
-
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind, proto) as s:
@@ -217,7 +215,7 @@ def _check_listen(host: str, port: int) -> None:
 
 
 def _serve(args) -> int:
-    from .server import serve
+    from .server import serve  # the server's packages are an optional extra: imported when serving
 
     for name in ("port", "max_batch", "max_queue", "kv_memory"):
         v = getattr(args, name)
@@ -226,8 +224,6 @@ def _serve(args) -> int:
     _check_listen(args.host, args.port)  # before the model loads: a port in use is a one-line error
     engine = _load(args)
     if engine.kv == "paged":
-        from .scheduler import budget_blocks
-
         budget_blocks(engine, args.kv_memory)  # a budget below one block fails here, not in the server's startup
     model_id = os.path.basename(engine.path)
     print(f"mlxinfer: serving {model_id} on http://{args.host}:{args.port}/v1 ({engine.backend.describe()}, "
@@ -238,8 +234,6 @@ def _serve(args) -> int:
 
 
 def _inspect(args) -> int:
-    from .inspect import describe
-
     _out(describe(args.file))
     return 0
 
@@ -289,8 +283,6 @@ def _model_options(p, sampling: bool = True) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-
     p = _Parser(prog="mlxinfer", description="Generate text from GGUF models with MLX or numpy.")
     p.add_argument("--version", action="version", version=f"mlxinfer {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -330,8 +322,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from .distributed import record_status
-
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     rc = 1

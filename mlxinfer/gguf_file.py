@@ -386,3 +386,59 @@ class GGUFFile:
             return raw.view(np.float16).astype(np.float32).reshape(t.shape)
         rows = raw.reshape(-1, t.nbytes // (t.n_elements // t.shape[-1]))
         return _gguf_dequantize(rows, t.ggml_type).astype(np.float32, copy=False).reshape(t.shape)
+
+
+class ShardedGGUF:
+    """A GGUF file whose sliced tensors read as this rank's slice: `tensor(name)` has the slice's shape,
+    `raw(name)` its bytes, `dequantize(name)` its floats; other tensors read as in the file.
+    `output.weight` of a model with a tied output head is the embedding's rows."""
+
+    dequantize = GGUFFile.dequantize  # the file's dequantizer, over this view's tensor() and raw()
+
+    def __init__(self, g: GGUFFile, cuts: dict):
+        self.g, self.cuts, self.path = g, cuts, g.path
+        self.metadata, self.tensors = g.metadata, g.tensors
+
+    def get(self, key, default=None, kind=None):
+        return self.g.get(key, default, kind)
+
+    def require(self, key, kind=(int, float)):
+        return self.g.require(key, kind)
+
+    def _source(self, name: str) -> str:
+        if name == "output.weight" and "output.weight" not in self.g.tensors:
+            return "token_embd.weight"
+        return name
+
+    def tensor(self, name: str) -> TensorInfo:
+        t = self.g.tensor(self._source(name))
+        cut = self.cuts.get(name)
+        if cut is None:
+            return t
+        axis, start, stop, pad_to = cut
+        rows, cols = t.shape
+        block, block_bytes = GGML_QUANT_SIZES[t.ggml_type]
+        if axis == 0:
+            n = pad_to or (stop - start)
+            return TensorInfo(name, (n, cols), t.ggml_type, t.offset, n * (cols // block) * block_bytes)
+        return TensorInfo(name, (rows, stop - start), t.ggml_type, t.offset,
+                          rows * ((stop - start) // block) * block_bytes)
+
+    def raw(self, name: str) -> np.ndarray:
+        src = self._source(name)
+        cut = self.cuts.get(name)
+        if cut is None:
+            return self.g.raw(src)
+        t = self.g.tensor(src)
+        axis, start, stop, pad_to = cut
+        rows, cols = t.shape
+        block, block_bytes = GGML_QUANT_SIZES[t.ggml_type]
+        row_bytes = cols // block * block_bytes
+        if axis == 0:  # whole rows: a view of the map, padded with zero rows (zero in every type) if asked
+            part = self.g.raw(src)[start * row_bytes: stop * row_bytes]
+            if pad_to and pad_to > stop - start:
+                part = np.concatenate([part, np.zeros((pad_to - (stop - start)) * row_bytes, np.uint8)])
+            return part
+        # column blocks of every row: only these bytes of each row are read
+        full = self.g.raw(src).reshape(rows, row_bytes)
+        return np.ascontiguousarray(full[:, start // block * block_bytes: stop // block * block_bytes]).reshape(-1)

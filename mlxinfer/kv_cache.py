@@ -10,11 +10,17 @@ sequence, `release(slot, tokens)` returns it; `reserve(batch)` makes room before
   values, written in place at (slot, position) by `scatter_rows`. Capacity grows in steps of `step`
   tokens (a prompt reserves its whole length at once) and shrinks again when the longest sequence is
   released, so memory follows the tokens held: slots x longest sequence, rounded up to a step.
-- `PagedKVCache` (`--kv paged`, the server's default): fixed-size blocks in one pool and a block table
-  per sequence; full blocks of finished sequences stay cached by a hash of their token prefix and are
-  reused by prompts that start with the same tokens (prefix reuse), evicted least-recently-used.
+- `PagedKVCache` (`--kv paged`, the server's default): a pool of fixed-size blocks per layer; which
+  blocks a sequence holds, which are shared and which stay cached for prefix reuse is the
+  `BlockManager`'s bookkeeping (`mlxinfer.block_manager`); this class owns the tensors and the index
+  arrays a pass reads.
 - `BasicKVCache` (the book's first cache, kept for comparison with `--kv basic`): per slot and layer a
   tensor grown by `concat_dim0`, which copies the whole tensor every step (O(S) per token per layer).
+
+The compiled decode step (`mlxinfer.decode_step`) sees a cache through one interface, which the caches
+with `compiles = True` implement: `step_inputs(ops, batch)` (the index arrays the step takes besides the
+stores), `step_cache(keys, values, inputs)` (a cache that writes the traced stores with those arrays:
+nothing in it comes from the host) and `set_stores(keys, values)` (the step's written stores adopted).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import math
 
 from .batch import pack_index_arrays, zero_padded
+from .block_manager import BlockManager, prefix_hash
 from .errors import RequestError
 
 
@@ -36,6 +43,8 @@ def _resize_stores(ops, keys: list, values: list, rows: int, capacity: int, widt
 
 class _Slots:
     """Slot bookkeeping shared by the caches: which slots are in use and how many tokens each holds."""
+
+    compiles = False  # implements the compiled decode step's interface (see the module docstring)
 
     def __init__(self):
         self.held: dict[int, int] = {}  # slot -> tokens held
@@ -57,6 +66,10 @@ class _Slots:
         """Announce that `slot` will soon hold `n_tokens` (a prompt): room is made once, not per chunk."""
         self.expected[slot] = n_tokens
 
+    def match_prefix(self, slot: int, prompt) -> int:
+        """The prompt tokens a fresh slot already holds from the cache (only the paged cache keeps any)."""
+        return 0
+
     def check(self, batch) -> None:
         for slot, start in zip(batch.slots, batch.starts):
             if slot not in self.held:
@@ -68,7 +81,12 @@ class _Slots:
     def in_use(self) -> int:
         return len(self.held)
 
+    def set_stores(self, keys, values) -> None:
+        """Adopt the stores a compiled decode step wrote."""
+        self.keys[:], self.values[:] = keys, values
 
+
+# -- preallocated slots ----------------------------------------------------------------------------
 class PreallocLayer:
     def __init__(self, keys, values, batch):
         self.keys, self.values, self.batch = keys, values, batch
@@ -82,14 +100,27 @@ class PreallocLayer:
         return ops.read_rows(self.keys, slot, n), ops.read_rows(self.values, slot, n)
 
 
-class PreallocKVCache(_Slots):
+class SlotStores:
+    """Per layer a [slots, capacity, width] key and value store, written in place at each row's (slot,
+    position): the preallocated cache's storage, and what its compiled decode step writes."""
+
+    def __init__(self, keys: list, values: list):
+        self.keys, self.values = keys, values
+
+    def update(self, ops, layer: int, k, v, batch) -> PreallocLayer:
+        self.keys[layer] = ops.scatter_rows(self.keys[layer], batch.row_slots, batch.positions, k)
+        self.values[layer] = ops.scatter_rows(self.values[layer], batch.row_slots, batch.positions, v)
+        return PreallocLayer(self.keys[layer], self.values[layer], batch)
+
+
+class PreallocKVCache(_Slots, SlotStores):
     name = "prealloc"
+    compiles = True
 
     def __init__(self, ops, n_layers: int, width: int, step: int = 256):
-        super().__init__()
+        _Slots.__init__(self)
+        SlotStores.__init__(self, [None] * n_layers, [None] * n_layers)
         self.ops, self.n_layers, self.width, self.step = ops, n_layers, width, step
-        self.keys: list = [None] * n_layers
-        self.values: list = [None] * n_layers
         self.n_slots = 0
         self.capacity = 0
 
@@ -126,11 +157,6 @@ class PreallocKVCache(_Slots):
             self.held[slot] = n
         self._fit()
 
-    def update(self, ops, layer: int, k, v, batch) -> PreallocLayer:
-        self.keys[layer] = ops.scatter_rows(self.keys[layer], batch.row_slots, batch.positions, k)
-        self.values[layer] = ops.scatter_rows(self.values[layer], batch.row_slots, batch.positions, v)
-        return PreallocLayer(self.keys[layer], self.values[layer], batch)
-
     def nbytes(self) -> int:
         return 2 * self.n_layers * self.n_slots * self.capacity * self.width * 4
 
@@ -138,7 +164,16 @@ class PreallocKVCache(_Slots):
         """The cache's tensors (what a pass that samples nothing produces)."""
         return [x for x in self.keys + self.values if x is not None]
 
+    # -- the compiled decode step's interface --------------------------------------------------
+    def step_inputs(self, ops, batch) -> tuple:
+        return ()  # the batch's own slots and positions say where each row goes
 
+    @staticmethod
+    def step_cache(keys, values, inputs) -> SlotStores:
+        return SlotStores(list(keys), list(values))
+
+
+# -- basic (concatenation) ---------------------------------------------------------------------------
 class BasicLayer:
     def __init__(self, cache, layer, batch):
         self.cache, self.layer, self.batch = cache, layer, batch
@@ -193,120 +228,109 @@ class BasicKVCache(_Slots):
         return [x for keys, values in self.entries.values() for x in keys + values if x is not None]
 
 
+# -- paged -----------------------------------------------------------------------------------------
+class PassRows:
+    """The pool rows one pass writes and reads: each row's (block, offset) write target, and for the
+    attention either every sequence's rows gathered at once (`padded`: positions 0..S_max-1 of each
+    sequence, [B * S_max], with each query row's sequence index `row_seq`) or one sequence's
+    (`sequence_rows`). Made from the block tables once per pass (`PagedKVCache.pass_rows`); a compiled
+    decode step is handed its own as traced arrays (`PagedKVCache.step_cache`)."""
+
+    def __init__(self, blocks, offsets, padded=None, lists=None, batch=None):
+        self.blocks, self.offsets = blocks, offsets
+        self.padded = padded  # (rows, row_seq, s_max), or built from `lists` on first use
+        self.lists, self.batch = lists, batch  # each sequence's pool rows (host lists)
+        self._arrays = {}
+
+    def batch_rows(self, ops):
+        if self.padded is None:
+            s_max = max(self.batch.kv_lens)
+            padded = zero_padded(self.lists, [s_max] * len(self.lists))  # past a length: never read
+            row_seq = [b for b, n in enumerate(self.batch.lengths) for _ in range(n)]
+            _, (padded, row_seq) = pack_index_arrays(ops, (padded, row_seq))
+            self.padded = (padded, row_seq, s_max)
+        return self.padded
+
+    def sequence_rows(self, ops, b: int):
+        if b not in self._arrays:
+            self._arrays[b] = ops.index_array(self.lists[b])
+        return self._arrays[b]
+
+
 class PagedLayer:
-    def __init__(self, keys, values, cache, batch):
-        self.keys, self.values, self.cache, self.batch = keys, values, cache, batch
+    def __init__(self, keys, values, rows: PassRows, width: int):
+        self.keys, self.values, self.rows, self.width = keys, values, rows, width
         self.store = None  # no tensor in [slot, position] layout: kernels gather (`batch_rows`)
 
     def batch_rows(self, ops):
-        """The pass's (padded pool rows, row -> sequence index, S_max): see PagedKVCache.batch_rows."""
-        return self.cache.batch_rows(ops, self.batch)
+        """The pass's (padded pool rows, row -> sequence index, S_max): see PassRows."""
+        return self.rows.batch_rows(ops)
 
     def sequence(self, ops, b: int):
-        rows = self.cache.pass_rows(ops, self.batch)[b]
+        rows = self.rows.sequence_rows(ops, b)
         n = self.keys.shape[0] * self.keys.shape[1]
-        return (ops.gather_rows(ops.reshape(self.keys, n, self.cache.width), rows),
-                ops.gather_rows(ops.reshape(self.values, n, self.cache.width), rows))
+        return (ops.gather_rows(ops.reshape(self.keys, n, self.width), rows),
+                ops.gather_rows(ops.reshape(self.values, n, self.width), rows))
+
+
+class BlockStores:
+    """Per layer a pool of [blocks, block_size, width] keys and values; a pass's rows written at their
+    (block, offset) and read by pool rows (`PassRows`)."""
+
+    def __init__(self, keys: list, values: list, rows: PassRows | None, width: int):
+        self.keys, self.values, self.rows, self.width = keys, values, rows, width
+
+    def update(self, ops, layer: int, k, v, batch) -> PagedLayer:
+        rows = self.rows
+        self.keys[layer] = ops.scatter_rows(self.keys[layer], rows.blocks, rows.offsets, k)
+        self.values[layer] = ops.scatter_rows(self.values[layer], rows.blocks, rows.offsets, v)
+        return PagedLayer(self.keys[layer], self.values[layer], rows, self.width)
 
 
 class PagedKVCache(_Slots):
     """Fixed-size blocks of `block_size` positions in one pool per layer ([blocks, block_size, KV*D]
-    for keys and for values) and a block table per slot, so sequences take memory a block at a time
-    and blocks can be shared: a finished sequence's full blocks stay cached under a hash of their
-    tokens and everything before them, and a new sequence whose prompt starts with the same tokens
-    takes them instead of prefilling them again (`match_prefix`); unreferenced cached blocks are
-    evicted least-recently-used when the pool is full. With `max_blocks` the pool never grows past it
-    (the server's memory budget); otherwise it doubles when full.
+    for keys and for values) and, through the `BlockManager`, a block table per slot, so sequences take
+    memory a block at a time and blocks can be shared: a finished sequence's full blocks stay cached and
+    a new sequence whose prompt starts with the same tokens takes them instead of prefilling them again
+    (`match_prefix`). With `max_blocks` the pool never grows past it (the server's memory budget);
+    otherwise it doubles when full.
 
     Attention reads a sequence's keys and values gathered from its blocks (`sequence`), so every
     fused-attention override meets the per-head reference on the same gathered rows."""
 
     name = "paged"
+    compiles = True
     BLOCK_SIZE = 16
 
     def __init__(self, ops, n_layers: int, width: int, step: int = 0, block_size: int = BLOCK_SIZE,
-                 max_blocks: int | None = None):
+                 max_blocks: int | None = None, hash_fn=prefix_hash):
         super().__init__()
         self.ops, self.n_layers, self.width, self.block_size = ops, n_layers, width, block_size
-        self.max_blocks = max_blocks
         self.keys: list = [None] * n_layers
         self.values: list = [None] * n_layers
-        self.n_blocks = 0
-        self.tables: dict[int, list[int]] = {}  # slot -> its blocks, in position order
-        self.refs: list[int] = []  # block -> sequences using it
-        self.free: list[int] = []
-        self.block_of: dict[int, int] = {}  # prefix hash -> cached block
-        self.hash_of: dict[int, int] = {}  # cached block -> its prefix hash
-        self.lru: dict[int, None] = {}  # cached blocks no sequence uses, least recently used first
-        self.hits = 0  # prompt tokens served from cached blocks
-        self._rows = (None, None)
-        self._decode_rows = (None, None)  # (S_max and the block tables, their padded pool rows): decode_index
+        self.blocks = BlockManager(block_size, self._grow, max_blocks, hash_fn)
+        self._pass = (None, None)  # (batch, its PassRows)
+        self._decode_rows = (None, None)  # (S_max and the block tables, their padded pool rows): step_inputs
 
-    # -- blocks ------------------------------------------------------------------------------
     def _grow(self, n_blocks: int) -> None:
         _resize_stores(self.ops, self.keys, self.values, n_blocks, self.block_size, self.width)
-        self.free.extend(range(n_blocks - 1, self.n_blocks - 1, -1))
-        self.refs.extend([0] * (n_blocks - self.n_blocks))
-        self.n_blocks = n_blocks
-
-    def _take(self) -> int:
-        if not self.free and self.lru:  # evict the least recently used cached block
-            block = next(iter(self.lru))
-            del self.lru[block], self.block_of[self.hash_of.pop(block)]
-            self.free.append(block)
-        if not self.free:
-            if self.max_blocks is not None and self.n_blocks >= self.max_blocks:
-                raise RequestError(f"KV cache full: all {self.n_blocks} blocks of {self.block_size} positions in use")
-            limit = self.max_blocks if self.max_blocks is not None else float("inf")
-            self._grow(int(min(limit, max(16, 2 * self.n_blocks))))
-        block = self.free.pop()
-        self.refs[block] = 1
-        return block
-
-    def _drop(self, block: int) -> None:
-        self.refs[block] -= 1
-        if self.refs[block] == 0:
-            if block in self.hash_of:
-                self.lru[block] = None
-            else:
-                self.free.append(block)
 
     @property
-    def blocks_used(self) -> int:
-        return sum(1 for r in self.refs if r > 0)
-
-    @property
-    def blocks_cached(self) -> int:
-        return len(self.lru)
-
-    def _hashes(self, tokens):
-        """The prefix hash of each full block of `tokens`: its tokens and everything before them."""
-        h, b = 0, self.block_size
-        for i in range(len(tokens) // b):
-            h = hash((h, tuple(tokens[i * b:(i + 1) * b])))
-            yield h
+    def max_blocks(self) -> int | None:
+        return self.blocks.max_blocks
 
     # -- slots -------------------------------------------------------------------------------
     def alloc(self) -> int:
         slot = super().alloc()
-        self.tables[slot] = []
+        self.blocks.new_table(slot)
         return slot
 
     def match_prefix(self, slot: int, prompt) -> int:
         """Give a fresh slot the cached blocks its prompt starts with (leaving at least one prompt token
-        to prefill, whose logits the first token needs); returns the tokens it now holds."""
-        table = self.tables[slot]
-        if table or self.held[slot]:
+        to prefill); returns the tokens it now holds."""
+        if self.held[slot]:
             raise RequestError(f"KV cache slot {slot} is not fresh")
-        for h in self._hashes(list(prompt)[:len(prompt) - 1]):
-            block = self.block_of.get(h)
-            if block is None:
-                break
-            self.lru.pop(block, None)
-            self.refs[block] += 1
-            table.append(block)
-        self.held[slot] = len(table) * self.block_size
-        self.hits += self.held[slot]
+        self.held[slot] = self.blocks.match_prefix(slot, prompt)
         return self.held[slot]
 
     def release(self, slot: int, tokens=None) -> None:
@@ -314,96 +338,62 @@ class PagedKVCache(_Slots):
         for later prompts that start with the same tokens."""
         held = self.held.get(slot, 0)
         super().release(slot)
-        table = self.tables.pop(slot)
-        if tokens is not None:
-            for block, h in zip(table, self._hashes(list(tokens)[:held])):
-                if h not in self.block_of and block not in self.hash_of:
-                    self.block_of[h], self.hash_of[block] = block, h
-        for block in table:
-            self._drop(block)
+        self.blocks.release(slot, None if tokens is None else list(tokens)[:held])
 
     def reserve(self, batch) -> None:
         self.check(batch)
         for slot, n in zip(batch.slots, batch.kv_lens):
-            table = self.tables[slot]
-            while len(table) * self.block_size < n:
-                table.append(self._take())
+            self.blocks.extend(slot, n)
             self.held[slot] = n
 
+    # -- the pass's pool rows ------------------------------------------------------------------
     def _targets(self, batch) -> tuple[list, list]:
-        """The pool (block, offset) each row of the pass is written to (host lists)."""
-        bs = self.block_size
         blocks, offsets = [], []
         for slot, start, n in zip(batch.slots, batch.starts, batch.lengths):
-            table = self.tables[slot]
-            blocks += [table[p // bs] for p in range(start, start + n)]
-            offsets += [p % bs for p in range(start, start + n)]
+            b, o = self.blocks.targets(slot, start, n)
+            blocks += b
+            offsets += o
         return blocks, offsets
 
-    def _pool_rows(self, slot: int, n: int) -> list:
-        """The pool rows (block * block_size + offset) of positions 0..n-1 of `slot`'s sequence."""
-        bs = self.block_size
-        return [b * bs + o for b in self.tables[slot] for o in range(bs)][:n]
+    def pass_rows(self, ops, batch) -> PassRows:
+        """The pass's write targets (slices of one array, `pack_index_arrays`) and each sequence's pool
+        rows (host lists; arrays on request), built once per pass."""
+        if self._pass[0] is not batch:
+            _, (blocks, offsets) = pack_index_arrays(ops, self._targets(batch))
+            lists = [self.blocks.pool_rows(slot, total) for slot, total in zip(batch.slots, batch.kv_lens)]
+            self._pass = (batch, PassRows(blocks, offsets, lists=lists, batch=batch))
+        return self._pass[1]
 
-    def _index(self, ops, batch) -> dict:
-        """Built once per pass: the pool (block, offset) each row of the pass is written to (slices of
-        one array, `pack_index_arrays`), and per sequence the pool rows of its positions 0..S-1 (host
-        lists; arrays on request, `pass_rows`). A compiled decode step's batch brings its own
-        (`decode_index`, traced inputs)."""
-        traced = getattr(batch, "paged_index", None)
-        if traced is not None:
-            return traced
-        if self._rows[0] is not batch:
-            blocks, offsets = self._targets(batch)
-            lists = [self._pool_rows(slot, total) for slot, total in zip(batch.slots, batch.kv_lens)]
-            _, (blocks, offsets) = pack_index_arrays(ops, (blocks, offsets))
-            self._rows = (batch, dict(blocks=blocks, offsets=offsets, lists=lists))
-        return self._rows[1]
+    def update(self, ops, layer: int, k, v, batch) -> PagedLayer:
+        return BlockStores(self.keys, self.values, self.pass_rows(ops, batch), self.width).update(ops, layer, k, v,
+                                                                                                  batch)
 
-    def batch_rows(self, ops, batch):
-        """For kernels that take the whole batch at once: (pool rows of every sequence's positions
-        0..S_max-1, padded, [B * S_max]; each query row's sequence index [N]; S_max). Built on first
-        request in a pass."""
-        index = self._index(ops, batch)
-        if "padded" not in index:
-            s_max = max(batch.kv_lens)
-            padded = zero_padded(index["lists"], [s_max] * len(index["lists"]))  # past a length: never read
-            row_seq = [b for b, n in enumerate(batch.lengths) for _ in range(n)]
-            _, (padded, row_seq) = pack_index_arrays(ops, (padded, row_seq))
-            index.update(padded=(padded, row_seq, s_max))
-        return index["padded"]
-
-    def decode_index(self, ops, batch, bucket: int = 256) -> tuple:
-        """The host-built arrays a compiled decode step takes: (blocks, offsets) the rows are written
-        to, and (padded pool rows, row -> sequence) of every sequence's positions 0..S_max-1 with S_max
-        rounded up to `bucket`, so that the step's shapes change once per `bucket` positions, not per
-        token (the kernel reads each row only up to its length: the padding is never read). The
-        padded rows follow the block tables alone (positions past a table's blocks: 0), so they are
-        made again only when a table or S_max changes, not every step (one array, which then stays
-        where the GPU read it); the other three are slices of one array (`pack_index_arrays`)."""
+    # -- the compiled decode step's interface --------------------------------------------------
+    def step_inputs(self, ops, batch, bucket: int = 256) -> tuple:
+        """(blocks, offsets) the rows are written to, and (padded pool rows, row -> sequence) of every
+        sequence's positions 0..S_max-1 with S_max rounded up to `bucket`, so that the step's shapes
+        change once per `bucket` positions, not per token (the kernel reads each row only up to its
+        length: the padding is never read). The padded rows follow the block tables alone (positions
+        past a table's blocks: 0), so they are made again only when a table or S_max changes, not every
+        step (one array, which then stays where the GPU read it); the other three are slices of one
+        array (`pack_index_arrays`)."""
         s_max = bucket * -(-max(batch.kv_lens) // bucket)
-        tables = (s_max, tuple(tuple(self.tables[slot]) for slot in batch.slots))
+        tables = (s_max, tuple(tuple(self.blocks.tables[slot]) for slot in batch.slots))
         if self._decode_rows[0] != tables:
-            padded = zero_padded([self._pool_rows(slot, s_max) for slot in batch.slots], [s_max] * len(batch))
+            padded = zero_padded([self.blocks.pool_rows(slot, s_max) for slot in batch.slots], [s_max] * len(batch))
             self._decode_rows = (tables, ops.index_array(padded))
         _, (blocks, offsets, row_seq) = pack_index_arrays(ops, (*self._targets(batch), list(range(len(batch)))))
         return blocks, offsets, self._decode_rows[1], row_seq
 
-    def pass_rows(self, ops, batch) -> list:
-        index = self._index(ops, batch)
-        if "rows" not in index:
-            index["rows"] = [ops.index_array(r) for r in index["lists"]]
-        return index["rows"]
+    @staticmethod
+    def step_cache(keys, values, inputs) -> BlockStores:
+        blocks, offsets, padded, row_seq = inputs  # one entry a sequence (a decode row each), but padded
+        rows = PassRows(blocks, offsets, padded=(padded, row_seq, padded.shape[0] // blocks.shape[0]))
+        return BlockStores(list(keys), list(values), rows, keys[0].shape[2])
 
-    def update(self, ops, layer: int, k, v, batch) -> PagedLayer:
-        index = self._index(ops, batch)
-        blocks, offsets = index["blocks"], index["offsets"]
-        self.keys[layer] = ops.scatter_rows(self.keys[layer], blocks, offsets, k)
-        self.values[layer] = ops.scatter_rows(self.values[layer], blocks, offsets, v)
-        return PagedLayer(self.keys[layer], self.values[layer], self, batch)
-
+    # -- reporting -----------------------------------------------------------------------------
     def nbytes(self) -> int:
-        return 2 * self.n_layers * self.n_blocks * self.block_size * self.width * 4
+        return 2 * self.n_layers * self.blocks.n_blocks * self.block_size * self.width * 4
 
     def arrays(self) -> list:
         return [x for x in self.keys + self.values if x is not None]

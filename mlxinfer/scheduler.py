@@ -1,5 +1,5 @@
-"""Continuous batching: one worker thread runs the engine's forward passes over every running request;
-new requests join at pass boundaries, each finishes (or is cancelled) on its own.
+"""Continuous batching: one worker thread steps one pass loop (`mlxinfer.loop`) over every running
+request; new requests join at pass boundaries, each finishes (or is cancelled) on its own.
 
     sched = Scheduler(engine, max_batch=8, max_queue=64, kv_memory=None)
     req = sched.submit(prompt_ids, SamplingParams(...), max_tokens=64, stop=[], on_event=callback)
@@ -7,11 +7,12 @@ new requests join at pass boundaries, each finishes (or is cancelled) on its own
     sched.cancel(req)                     # e.g. the client went away: its cache slot is freed within a pass
     sched.close()
 
-The passes are the engine's own (`Engine._plan`, `_launch`, `_read`): decode rows of every running
-request always go, prefill chunks of new requests fill the rest of a pass (one chunk's worth of rows),
-so a long prompt never stalls the running streams for more than one chunk's pass, and a request's chunks
-keep their boundaries, so on the cpu backend its floats (and its greedy text) are those it gets alone.
-On a lazy backend the next pass is queued before the current one is read, as in `Engine._run`.
+The passes are the loop's (`Loop.step`): decode rows of every running request always go, prefill
+chunks of new requests fill the rest of a pass (one chunk's worth of rows), so a long prompt never
+stalls the running streams for more than one chunk's pass, and a request's chunks keep their
+boundaries, so on the cpu backend its floats (and its greedy text) are those it gets alone. This module
+adds what a server needs around the loop: a queue, admission under the batch and memory limits, a
+worker thread, cancellation from other threads, and statistics.
 
 Admission: at most `max_batch` requests run; up to `max_queue` wait (beyond that `submit` raises
 `QueueFull`); with `kv_memory` (bytes) a request waits until the preallocated cache, grown for it
@@ -28,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .errors import MlxinferError, RequestError
-from .generate import FinishEvent, _Sequence
 from .kv_cache import PagedKVCache
+from .loop import FinishEvent, Sequence
 
 
 class QueueFull(MlxinferError):
@@ -49,7 +50,7 @@ class Request:
     on_event: Callable
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
-    seq: _Sequence | None = None
+    seq: Sequence | None = None
     done: bool = False
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
@@ -81,27 +82,24 @@ class Scheduler:
             raise RequestError(f"kv_memory must be a positive number of bytes, got {kv_memory!r}")
         self.engine = engine
         self.max_batch, self.max_queue, self.kv_memory = max_batch, max_queue, kv_memory
-        a = engine.args
         self.kv_bytes_per_token = kv_bytes_per_token(engine)
         self.paged = engine.kv == "paged"
-        if self.paged:  # a fixed pool of blocks under the memory budget; prefixes are reused
-            self.cache = PagedKVCache(engine.backend, a.n_layers, engine.kv_width, block_size=PagedKVCache.BLOCK_SIZE,
-                                      max_blocks=budget_blocks(engine, kv_memory))
-        else:
-            self.cache = engine.new_cache()
+        # paged: a fixed pool of blocks under the memory budget, prefixes reused across requests
+        self.cache = engine.new_cache(max_blocks=budget_blocks(engine, kv_memory)) if self.paged else engine.new_cache()
+        self.loop = engine.new_loop(self.cache)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.by_seq: dict[int, Request] = {}  # id(request.seq) -> request, for the loop's events
         self.cv = threading.Condition()
         self.closed = False
         self.error: BaseException | None = None
-        self.passes = 0
         self.thread = threading.Thread(target=self._loop, name="mlxinfer-scheduler", daemon=True)
         self.thread.start()
 
     # -- called from other threads -------------------------------------------------------------
     def check(self, n_prompt: int, max_tokens: int) -> None:
         """Raise RequestError where a request can never run (context, or the memory budget)."""
-        self.engine._check_context(n_prompt, max_tokens)
+        self.engine.check_context(n_prompt, max_tokens)
         need = self._positions(n_prompt + max_tokens) * self.kv_bytes_per_token
         if self.kv_memory is not None and need > self.kv_memory:
             raise RequestError(f"prompt of {n_prompt} tokens plus max_tokens {max_tokens} needs {need} bytes of KV "
@@ -135,11 +133,15 @@ class Scheduler:
             st = dict(running=len(self.running), waiting=len(self.waiting), slots_in_use=self.cache.in_use,
                       kv_bytes=self.cache.nbytes(), passes=self.passes)
             if self.paged:
-                c = self.cache
-                st.update(blocks_used=c.blocks_used, blocks_cached=c.blocks_cached,
-                          blocks_free=(c.max_blocks or c.n_blocks) - c.blocks_used - c.blocks_cached,
-                          prefix_hit_tokens=c.hits)
+                b = self.cache.blocks
+                st.update(blocks_used=b.used, blocks_cached=b.n_cached,
+                          blocks_free=(b.max_blocks or b.n_blocks) - b.used - b.n_cached, prefix_hit_tokens=b.hits)
             return st
+
+    @property
+    def passes(self) -> int:
+        """Forward passes run so far."""
+        return self.loop.passes
 
     def close(self, timeout: float = 10.0) -> None:
         with self.cv:
@@ -173,21 +175,20 @@ class Scheduler:
             if not self._fits(req):
                 break
             self.waiting.popleft()
-            slot = self.cache.alloc()
-            self.cache.expect(slot, len(req.prompt) + 1)
-            req.seq = _Sequence(self.engine, req.prompt, req.params, req.max_tokens, req.stop, slot, req.submitted)
-            if self.paged:  # the prompt's cached prefix is not prefilled again
-                req.cached_tokens = req.seq.cached = self.cache.match_prefix(slot, req.prompt)
+            req.seq = self.loop.admit(req.prompt, req.params, req.max_tokens, req.stop, t0=req.submitted)
+            req.cached_tokens = req.seq.cached_tokens  # the prompt's cached prefix is not prefilled again
+            self.by_seq[id(req.seq)] = req
             self.running.append(req)
 
     def _end(self, req: Request, reason: str) -> None:
-        """A request leaves the batch without a FinishEvent from the engine (cancelled, or an error)."""
-        s = req.seq
-        if s.finish is None:
-            s.finish = reason
-            self.cache.release(s.slot, (s.prompt + s.out)[:s.cached])
-        self.running.remove(req)
+        """A request leaves the batch without a FinishEvent from the loop (cancelled, or an error)."""
+        self.loop.release(req.seq, reason)
+        self._leave(req)
         self._deliver(req, FinishEvent(reason, None, None))
+
+    def _leave(self, req: Request) -> None:
+        self.running.remove(req)
+        del self.by_seq[id(req.seq)]
 
     def _deliver(self, req: Request, event) -> None:
         if req.done:
@@ -199,29 +200,23 @@ class Scheduler:
             req.cancelled = True
 
     def _loop(self) -> None:
-        engine, pending = self.engine, None
-        pipelined = engine.pipeline and engine.backend.lazy
-        by_seq: dict[int, Request] = {}
         try:
             while True:
                 with self.cv:
                     self._admit()
-                    while not self.running and pending is None and not self.closed:
+                    while not self.loop.busy and not self.closed:
                         self.cv.wait()
                         self._admit()
                     if self.closed:
                         break
-                    seqs = [r.seq for r in self.running]
-                    by_seq = {id(r.seq): r for r in self.running}
-                plan = engine._plan(seqs)
-                step = engine._launch(plan, self.cache) if plan else None
-                self.passes += step is not None
-                if pending is not None:
-                    self._read(pending, by_seq)
-                pending = step
-                if not pipelined and pending is not None:
-                    self._read(pending, by_seq)
-                    pending = None
+                for seq, event in self.loop.step():
+                    req = self.by_seq.get(id(seq))
+                    if req is None:
+                        continue
+                    self._deliver(req, event)
+                    if isinstance(event, FinishEvent):
+                        with self.cv:
+                            self._leave(req)
         except BaseException as e:  # noqa: BLE001 - every waiting client must hear of it
             self.error = e
             raise
@@ -232,14 +227,3 @@ class Scheduler:
                     self._end(req, "error" if self.error else "cancelled")
                 while self.waiting:
                     self._deliver(self.waiting.popleft(), FinishEvent("error" if self.error else "cancelled", None, None))
-
-    def _read(self, step, by_seq) -> None:
-        for s, event in self.engine._read(step, self.cache, len(by_seq)):
-            req = by_seq.get(id(s))
-            if req is None:
-                continue
-            self._deliver(req, event)
-            if isinstance(event, FinishEvent):
-                with self.cv:
-                    if req in self.running:
-                        self.running.remove(req)

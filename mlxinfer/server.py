@@ -25,7 +25,7 @@ from contextlib import asynccontextmanager
 from typing import Literal
 
 from .errors import MlxinferError, RequestError
-from .generate import FinishEvent
+from .loop import FinishEvent
 from .sampling import SamplingParams, stop_strings
 from .scheduler import QueueFull, Scheduler, SchedulerClosed
 

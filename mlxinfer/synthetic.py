@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
 from .gguf_file import GGUFFile
+from .models import ARCHITECTURES
 from .models.spec import EMBEDDING, NORM, ModelArgs, tensors
 
 CHATML_TEMPLATE = (
@@ -75,8 +76,6 @@ class SyntheticSpec:
 
     def args(self) -> ModelArgs:
         """The model spec's hyperparameters for this synthetic file."""
-        from .models import ARCHITECTURES
-
         return ModelArgs(self.arch, self.n_layers, self.hidden, self.ffn, self.n_heads, self.n_kv_heads,
                          self.head_dim, self.vocab_size, self.context_length, self.rms_eps, self.rope_base,
                          tied_output=self.tied_output, **ARCHITECTURES[self.arch].TRAITS)

@@ -20,6 +20,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from .errors import GGUFError, RequestError, UnsupportedError
+from .gguf_file import GGUFFile, typed_value
 
 # llama.cpp's token types (llama_token_type).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -108,8 +109,6 @@ class GGUFTokenizer:
 
     @classmethod
     def from_metadata(cls, meta: dict, source: str = "<metadata>") -> "GGUFTokenizer":
-        from .gguf_file import typed_value
-
         model = typed_value(meta, "tokenizer.ggml.model", str, None, source)
         if model is None:
             raise GGUFError(f"{source}: missing metadata key 'tokenizer.ggml.model'")
@@ -260,7 +259,5 @@ class TextStream:
 
 def load_tokenizer(path: str | os.PathLike) -> GGUFTokenizer:
     """The tokenizer of a GGUF file (a full model or a vocabulary-only file)."""
-    from .gguf_file import GGUFFile
-
     with GGUFFile(path) as g:
         return GGUFTokenizer.from_metadata(g.metadata, source=str(path))

@@ -269,13 +269,14 @@ def test_chat_loop_keeps_history_and_survives_ctrl_c(tmp_path):
         if len(writes) == 3:  # Ctrl-C in the middle of the first reply
             raise KeyboardInterrupt
 
-    original = engine.stream
+    original = engine.encode_prompt
 
-    def spy(messages, **kw):
-        seen.append([dict(m) for m in messages])
-        return original(messages, **kw)
+    def spy(prompt, **kw):
+        if isinstance(prompt[0], dict):  # a conversation rendered and tokenized (ids are only checked)
+            seen.append([dict(m) for m in prompt])
+        return original(prompt, **kw)
 
-    engine.stream = spy
+    engine.encode_prompt = spy
     def read_line(prompt):
         try:
             return next(lines)
@@ -287,6 +288,7 @@ def test_chat_loop_keeps_history_and_survives_ctrl_c(tmp_path):
     assert [m["role"] for m in seen[1]] == ["system", "user", "assistant", "user"]  # history kept
     assert seen[1][2]["content"] == "".join(writes[:2])  # with what had been said before Ctrl-C
     assert [m["role"] for m in seen[2]] == ["system", "user"]  # after /reset
+    assert len(seen) == 3  # each turn's conversation tokenized once
 
 
 def test_the_package_exports_what_it_lists():
@@ -365,3 +367,20 @@ def test_verbose_says_what_was_loaded_and_the_seed_even_when_quiet(tmp_path):
     assert quiet.stderr.strip().splitlines()[-1] == "mlxinfer: seed 77" and "metrics:" not in quiet.stderr
     plain = run_cli(*base, "--seed", "77")
     assert "seed" not in plain.stderr and plain.stdout == loud.stdout
+
+
+def test_generate_tokenizes_the_prompt_once(tmp_path, monkeypatch, capsys):
+    """The prompt is encoded once: the same ids cap --max-tokens and are generated from."""
+    from mlxinfer.cli import main
+    from mlxinfer.synthetic import write_synthetic_model
+    from mlxinfer.tokenizer import GGUFTokenizer
+
+    path = write_synthetic_model(tmp_path / "m.gguf", arch="qwen3", n_layers=1, vocab_size=320)
+    calls = []
+    encode = GGUFTokenizer.encode
+    monkeypatch.setattr(GGUFTokenizer, "encode", lambda self, *a, **k: calls.append(a) or encode(self, *a, **k))
+    for chat in ([], ["--chat"]):
+        calls.clear()
+        assert main(["generate", "--model", str(path), "--backend", "cpu", "--max-tokens", "2", "--quiet", *chat,
+                     "hello world"]) == 0
+        assert len(calls) == 1, chat

@@ -1,4 +1,4 @@
-"""The compiled decode step (Engine._decode_step, MLX's mx.compile): a decode pass traced once per batch
+"""The compiled decode step (mlxinfer.decode_step, MLX's mx.compile): a decode pass traced once per batch
 size and cache capacity, the cache stores carried as state.
 
 On a GPU the MLX backend compiles its own attention kernel (tests/test_mlx_backend.py checks it against
@@ -14,7 +14,8 @@ import pytest
 
 import mlxinfer
 from mlxinfer.backends.mlx import MLXBackend
-from mlxinfer.generate import Engine
+from mlxinfer.decode_step import DecodeStep
+from mlxinfer.engine import Engine
 
 
 class LengthMasked(MLXBackend):
@@ -71,10 +72,11 @@ def test_compiled_decode_equals_eager_across_cache_growth(model, kv):
     a = eager.generate(prompt, max_tokens=20)
     b = compiled.generate(prompt, max_tokens=20)
     assert b.token_ids == a.token_ids and b.logprobs == a.logprobs  # bitwise: the same floats
-    assert list(compiled._steps) == [(type(compiled.new_cache()), 1)]  # one step for batch size 1
-    step = compiled._steps[(type(compiled.new_cache()), 1)]
+    steps = compiled.decode_step.steps
+    assert list(steps) == [(type(compiled.new_cache()), 1)]  # one step for batch size 1
+    step = steps[(type(compiled.new_cache()), 1)]
     c = compiled.generate(prompt, max_tokens=20)  # a new request, a new cache: the same compiled step
-    assert c.token_ids == a.token_ids and compiled._steps[(type(compiled.new_cache()), 1)] is step
+    assert c.token_ids == a.token_ids and steps[(type(compiled.new_cache()), 1)] is step
 
 
 @pytest.mark.parametrize("kv", ["prealloc", "paged"])
@@ -92,14 +94,14 @@ def test_compiled_batch_decode_with_sequences_finishing_apart(model, kv):
 def test_compiled_step_is_actually_used(model, monkeypatch):
     _, compiled = engines(model)
     calls = []
-    real = Engine._compiled
+    real = DecodeStep.covers
 
-    def spy(self, plan, cache, batch):
-        out = real(self, plan, cache, batch)
+    def spy(self, *args):
+        out = real(self, *args)
         calls.append(out)
         return out
 
-    monkeypatch.setattr(Engine, "_compiled", spy)
+    monkeypatch.setattr(DecodeStep, "covers", spy)
     compiled.generate([3, 4, 5], max_tokens=6)
     assert calls[0] is False and calls.count(True) == 5  # the prompt's pass eager, five decode passes compiled
 
@@ -130,12 +132,12 @@ def test_paged_decode_lists_its_gather_rows_only_when_tables_or_s_max_change(mod
     """The paged cache's compiled decode step takes every sequence's pool rows, padded to S_max (a
     multiple of 256): they follow the block tables and S_max alone, so the host lists them again when
     one of those changes, not for every token; the tokens equal the eager engine's."""
-    from mlxinfer.kv_cache import PagedKVCache
+    from mlxinfer.block_manager import BlockManager
 
     eager, compiled = engines(model, "paged")
     listed = []
-    real = PagedKVCache._pool_rows
-    monkeypatch.setattr(PagedKVCache, "_pool_rows", lambda self, slot, n: listed.append(n) or real(self, slot, n))
+    real = BlockManager.pool_rows
+    monkeypatch.setattr(BlockManager, "pool_rows", lambda self, slot, n: listed.append(n) or real(self, slot, n))
     prompt = list(range(3, 250))  # 247 tokens: decoding to 267 passes S_max = 256, the gather rows' bucket
     want = eager.generate(prompt, max_tokens=20).token_ids
     listed.clear()
@@ -182,7 +184,8 @@ def test_a_pass_the_kernel_would_not_take_is_never_compiled(model):
     assert b.compiles_pass(Batch(b, [0], [100], [1]), spec)
     assert not b.compiles_pass(Batch(b, [0], [2000], [1]), spec)  # few long rows: graph path, eager
     assert not b.compiles_pass(Batch(b, [0], [10], [1]), AttentionSpec.standard(2, 1, 512))  # past the kernel
-    t = Batch.decode_template(b, 2, Batch(b, [0, 1], [5, 6], [1, 1]).packed)
-    assert t.traced and len(t) == 2 and t.n_rows == 2
+    t = Batch.traced_decode(b, 2, Batch(b, [0, 1], [5, 6], [1, 1]).packed)
+    assert len(t) == 2 and t.n_rows == 2 and t.max_kv_len is None
+    assert b.compiles_pass(t, spec)  # no host length to take the graph path on
     with pytest.raises(TypeError):
         max(t.kv_lens)

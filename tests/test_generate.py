@@ -13,8 +13,8 @@ import mlxinfer
 from mlxinfer.batch import Batch
 from mlxinfer.chat import render_chat
 from mlxinfer.errors import MlxinferError, RequestError
-from mlxinfer.generate import FinishEvent, TokenEvent
 from mlxinfer.kv_cache import BasicKVCache, PreallocKVCache
+from mlxinfer.loop import FinishEvent, TokenEvent
 from mlxinfer.metrics import Metrics
 from mlxinfer.sampling import SamplingParams, filter_probs_numpy
 
@@ -250,16 +250,16 @@ def test_paged_cache_reuses_a_finished_prefix_and_evicts_least_recently_used(eng
     slot = cache.alloc()
     batch = Batch(ops, [slot], [0], [len(prompt)])
     cache.reserve(batch)
-    assert cache.blocks_used == 3
+    assert cache.blocks.used == 3
     for layer in range(a.n_layers):
         rows = np.full((len(prompt), cache.width), layer, np.float32) + np.arange(len(prompt), dtype=np.float32)[:, None]
         cache.update(ops, layer, rows, -rows, batch)
-    first_blocks = list(cache.tables[slot])
+    first_blocks = list(cache.blocks.tables[slot])
     cache.release(slot, prompt)
-    assert (cache.blocks_used, cache.blocks_cached) == (0, 2)  # the partial third block is freed
+    assert (cache.blocks.used, cache.blocks.n_cached) == (0, 2)  # the partial third block is freed
     other = cache.alloc()
-    assert cache.match_prefix(other, prompt[:8] + [99]) == 8 and cache.tables[other] == first_blocks[:2]
-    rows = [cache.tables[other][p // 4] * 4 + p % 4 for p in range(8)]  # what a pass's gather reads
+    assert cache.match_prefix(other, prompt[:8] + [99]) == 8 and cache.blocks.tables[other] == first_blocks[:2]
+    rows = [cache.blocks.tables[other][p // 4] * 4 + p % 4 for p in range(8)]  # what a pass's gather reads
     k, v = cache.keys[0].reshape(-1, cache.width)[rows], cache.values[0].reshape(-1, cache.width)[rows]
     assert np.array_equal(k[:, 0], np.arange(8, dtype=np.float32)) and np.array_equal(v, -k)
     cache.release(other)
@@ -273,14 +273,66 @@ def test_paged_cache_reuses_a_finished_prefix_and_evicts_least_recently_used(eng
     assert cache.match_prefix(fresh, prompt[4:8] + [0, 1, 2, 3, 4]) == 0
     # fill the pool: the cached blocks are evicted, least recently used first, then the pool is full
     cache.reserve(Batch(ops, [fresh], [0], [16]))
-    assert cache.blocks_used == 4 and cache.blocks_cached == 2
+    assert cache.blocks.used == 4 and cache.blocks.n_cached == 2
     s3 = cache.alloc()
     cache.reserve(Batch(ops, [s3], [0], [4]))  # one block: the least recently used cached one goes
-    assert list(cache.lru) == [first_blocks[0]]  # block 0 was matched last (by `third`)
+    assert list(cache.blocks.lru) == [first_blocks[0]]  # block 0 was matched last (by `third`)
     cache.reserve(Batch(ops, [s3], [4], [4]))
-    assert cache.blocks_cached == 0 and cache.blocks_used == 6
+    assert cache.blocks.n_cached == 0 and cache.blocks.used == 6
     with pytest.raises(RequestError, match="KV cache full"):
         cache.reserve(Batch(ops, [s3], [8], [1]))
+
+
+def _write_prompt(ops, cache, slot, prompt, n_layers):
+    """Prefill `prompt` into `slot` with recognisable keys and values: position p of every layer holds p."""
+    batch = Batch(ops, [slot], [0], [len(prompt)])
+    cache.reserve(batch)
+    rows = np.repeat(np.arange(len(prompt), dtype=np.float32)[:, None], cache.width, axis=1)
+    for layer in range(n_layers):
+        cache.update(ops, layer, rows, -rows, batch)
+
+
+@pytest.mark.parametrize("collide", ["every hash", "the parent ignored"])
+def test_prefixes_whose_hashes_collide_never_share_blocks(engine, collide):
+    """The prefix lookup compares token ids and the parent block, not only the hash: with a hash that
+    collides for every block, or one that ignores what came before (so a block's tokens at positions
+    4..7 hash like the same tokens at 0..3), a different prefix takes nothing, and a prompt sharing
+    only its first block takes only that block."""
+    from mlxinfer.kv_cache import PagedKVCache
+
+    hash_fn = (lambda parent, tokens: 0) if collide == "every hash" else (lambda parent, tokens: hash(tokens))
+    ops, a = engine.backend, engine.args
+    cache = PagedKVCache(ops, a.n_layers, a.n_kv_heads * a.head_dim, block_size=4, hash_fn=hash_fn)
+    p, t = [20, 21, 22, 23], [30, 31, 32, 33]
+    slot = cache.alloc()
+    _write_prompt(ops, cache, slot, p + t + [40], a.n_layers)
+    cache.release(slot, p + t + [40])
+    for prompt, shared in ((t + p + [41], 0), ([50, 51, 52, 53] + t + [41], 0), (p + [60, 61, 62, 63, 41], 4),
+                           (p + t + [41], 4 if collide == "every hash" else 8)):
+        other = cache.alloc()
+        assert cache.match_prefix(other, prompt) == shared, prompt
+        taken = cache.blocks.tables[other]
+        for i, block in enumerate(taken):  # what it took holds exactly its own positions' values
+            k = cache.keys[0][block]
+            assert np.array_equal(k[:, 0], np.arange(4 * i, 4 * i + 4, dtype=np.float32))
+        cache.release(other)
+
+
+def test_a_prompt_after_a_colliding_prefix_generates_its_cold_text(path):
+    """End to end, through the loop the server runs: with every block hash colliding, a prompt that
+    starts with another cached prompt's second block generates exactly the tokens and logprobs of a
+    cold run (it would read the other prompt's keys at the wrong positions if it took that block)."""
+    engine = mlxinfer.load(path, backend="cpu", kv="paged")
+    first, second = list(range(40, 72)), list(range(56, 72)) + list(range(100, 120))
+    cold = engine.generate(second, max_tokens=8)
+    loop = engine.new_loop(engine.new_cache(hash_fn=lambda parent, tokens: hash(tokens)))
+    for prompt in (first, second):
+        seq = loop.admit(prompt, SamplingParams(), 8)
+        events = []
+        while loop.busy:
+            events += [e for _, e in loop.step()]
+    assert seq.cached_tokens == 0  # second[:16] are first[16:32]: the same tokens, not the same prefix
+    assert events[-1].generation.token_ids == cold.token_ids and events[-1].generation.logprobs == cold.logprobs
 
 
 def test_generate_batch_equals_each_prompt_alone(engine, monkeypatch):
@@ -320,7 +372,7 @@ def test_prefill_chunks_keep_their_boundaries_when_passes_are_full(path, monkeyp
     waits keeps its boundaries (chunks start at multiples of 4, even where a short last chunk of
     another prompt leaves room for part of one), and its tokens and logprobs are bitwise those it gets
     alone."""
-    import mlxinfer.generate as generate
+    import mlxinfer.loop as loop
 
     engine = mlxinfer.load(path, backend="cpu", prefill_chunk=4)
     prompts = [list(range(10 + i, 21 + 2 * i)) for i in range(6)]  # 11..21 tokens: last chunks are short
@@ -331,12 +383,12 @@ def test_prefill_chunks_keep_their_boundaries_when_passes_are_full(path, monkeyp
             super().__init__(*args, **kwargs)
             passes.append((self.slots, self.starts, self.lengths))
 
-    monkeypatch.setattr(generate, "Batch", Recorded)
+    monkeypatch.setattr(loop, "Batch", Recorded)
     together = engine.generate_batch(prompts, max_tokens=5)
     monkeypatch.undo()
     per_pass = [[(slot, start, n) for slot, start, n in zip(*p) if start < len(prompts[slot])]  # slot i: prompt i
                 for p in passes]
-    assert max(sum(n for _, _, n in chunks) for chunks in per_pass) == engine.max_pass_rows  # some waited
+    assert max(sum(n for _, _, n in chunks) for chunks in per_pass) == engine.prefill_chunk  # some waited: one chunk's rows a pass
     assert sorted(c for chunks in per_pass for c in chunks) == sorted(
         (i, s, min(4, len(p) - s)) for i, p in enumerate(prompts) for s in range(0, len(p), 4))
     alone = [engine.generate(p, max_tokens=5) for p in prompts]

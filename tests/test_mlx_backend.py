@@ -357,8 +357,8 @@ def test_prefill_chunks_take_the_kernels_by_rows(monkeypatch, lengths, cap, d, w
     if want[0] == "attn_scores_rows":
         tiles = np.array(launched[0][1][-1]).reshape(-1, 2).tolist()
         assert tiles == ([[0, 32], [32, 32], [64, 6], [70, 1]] if lengths == [70, 1] else [[0, 32], [32, 32]])
-    launched.clear()  # a compiled decode step's batch has no host rows: the kernels one row a sequence
-    template = Batch.decode_template(b, n, Batch(b, list(range(n)), [0] * n, [1] * n).packed)
+    launched.clear()  # a compiled decode step: one row a sequence, never by rows
+    template = Batch.traced_decode(b, n, Batch(b, list(range(n)), [0] * n, [1] * n).packed)
     b.fused_attention_override(mx.zeros((n, 16 * d)), kv, template, spec)
     assert "attn_scores_rows" not in [name for name, _ in launched]
 

@@ -17,6 +17,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from mlxinfer.server import create_app  # noqa: E402
+from mlxinfer.loop import Loop  # noqa: E402
 
 SHAPE = dict(arch="qwen3", n_layers=2, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=320,
              context_length=256, tied_output=False, seed=11)
@@ -188,15 +189,16 @@ def test_32_concurrent_clients_get_their_solo_text(served, engine):
 
 
 @pytest.fixture
-def slow_passes(engine, monkeypatch):
-    """Each forward pass takes at least 20 ms, so that 200 tokens take 4 s: long enough to act mid-stream."""
-    launch = engine._launch
+def slow_passes(monkeypatch):
+    """Each step of the pass loop takes at least 20 ms, so that 200 tokens take 4 s: long enough to act
+    mid-stream."""
+    step = Loop.step
 
-    def slow(*args):
+    def slow(self):
         time.sleep(0.02)
-        return launch(*args)
+        return step(self)
 
-    monkeypatch.setattr(engine, "_launch", slow)
+    monkeypatch.setattr(Loop, "step", slow)
 
 
 def test_prefix_reuse_skips_the_cached_prompt_blocks(served, engine):

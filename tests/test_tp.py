@@ -1,4 +1,4 @@
-"""Tensor parallelism (mlxinfer.distributed): the shard plan, the sharded view of a GGUF file, and real
+"""Tensor parallelism (mlxinfer.models.shard, mlxinfer.collectives): the shard plan, the sharded view of a GGUF file, and real
 two-rank runs on this CPU over MLX's ring backend, started with `mlx.launch`, against one process."""
 
 import json
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import mlxinfer
-from mlxinfer.distributed import Shard, ShardedGGUF, split
+from mlxinfer.gguf_file import ShardedGGUF
+from mlxinfer.models.shard import Shard, split
 from mlxinfer.errors import RequestError
 from mlxinfer.gguf_file import GGUFFile
 from mlxinfer.models import model_args
@@ -156,7 +157,7 @@ def test_ranks_share_the_cores(tp_runs):
 def test_load_passes_the_ranks_to_the_backend(monkeypatch):
     """load(tp=N) builds its backend for one of N processes sharing the cores (deterministic: the
     process count reaches the backend, whatever the machine's load)."""
-    import mlxinfer.generate as generate
+    import mlxinfer.engine as engine
 
     seen = {}
 
@@ -164,10 +165,10 @@ def test_load_passes_the_ranks_to_the_backend(monkeypatch):
         seen.update(kwargs)
         raise RuntimeError("stop before loading")
 
-    monkeypatch.setattr(generate, "join", lambda tp: (0, None))
-    monkeypatch.setattr(generate, "make_backend", backend)
+    monkeypatch.setattr(engine.collectives, "join", lambda tp: (0, None))
+    monkeypatch.setattr(engine, "make_backend", backend)
     with pytest.raises(RuntimeError, match="stop before loading"):
-        generate.load("unused.gguf", backend="cpu", tp=3)
+        engine.load("unused.gguf", backend="cpu", tp=3)
     assert seen["ranks"] == 3
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from ..backend import ATTENTION_PATHS, Backend
 from ..errors import RequestError
+from .cpu import CPUBackend
 
 BACKENDS = ("auto", "cpu", "mlx")
 __all__ = ["ATTENTION_PATHS", "BACKENDS", "make_backend", "mlx_gpu_available"]
 
 
 def mlx_gpu_available() -> bool:
-    try:
+    try:  # MLX is imported only where it is asked for: the numpy backend runs without it
         from .mlx import gpu_kind
     except ImportError:
         return False
@@ -29,9 +30,7 @@ def make_backend(name: str = "auto", attention: str = "fused", device: str | Non
             raise RequestError(f"the cpu backend runs on the CPU only (asked for device {device!r})")
         if kernel is not None:
             raise RequestError(f"--kernel {kernel} selects an MLX attention kernel; the cpu backend has its own")
-        from .cpu import CPUBackend
-
         return CPUBackend(attention=attention, threads=threads, ranks=ranks)
-    from .mlx import MLXBackend
+    from .mlx import MLXBackend  # (imports MLX)
 
     return MLXBackend(attention=attention, device=device, kernel=kernel, threads=threads, ranks=ranks)

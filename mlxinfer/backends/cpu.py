@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from threadpoolctl import ThreadpoolController, threadpool_limits
 
 from ..backend import Backend
-from ..errors import GGUFError
+from ..errors import GGUFError, RequestError
 
 
 TILE_ELEMENTS = 1 << 19  # rows of scores processed together: ~2 MB of float32
@@ -50,8 +52,6 @@ def default_threads(ranks: int = 1) -> int:
 def checked_threads(threads) -> int:
     """A thread count the user asked for: a positive integer, at most 4 per core (more only waits on
     itself, and MLX's CPU device makes a stream per thread)."""
-    from ..errors import RequestError
-
     limit = 4 * (os.cpu_count() or 1)
     if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= limit:
         raise RequestError(f"threads must be an integer from 1 to {limit} (4 per core here), got {threads!r}")
@@ -60,8 +60,6 @@ def checked_threads(threads) -> int:
 
 def set_blas_threads(threads: int | None, ranks: int = 1) -> int:
     """Limit numpy's BLAS to `threads` (None: `default_threads(ranks)`), with threadpoolctl; returns it."""
-    from threadpoolctl import threadpool_limits
-
     threads = checked_threads(default_threads(ranks) if threads is None else threads)
     threadpool_limits(limits=threads, user_api="blas")
     return threads
@@ -74,8 +72,6 @@ def one_blas_thread():
     """A context in which numpy's BLAS runs on one thread (threadpoolctl; the controller is made once)."""
     global _CONTROLLER
     if _CONTROLLER is None:
-        from threadpoolctl import ThreadpoolController
-
         _CONTROLLER = ThreadpoolController()
     return _CONTROLLER.limit(limits=1, user_api="blas")
 
@@ -285,8 +281,6 @@ class CPUBackend(Backend):
     def _threads(self):
         """The backend's own worker threads (made on first use): the heads of long prefill chunks."""
         if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
             self._pool = ThreadPoolExecutor(max_workers=self.threads)
         return self._pool
 

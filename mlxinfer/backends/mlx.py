@@ -38,9 +38,13 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from .. import distributed, kernels  # noqa: E402
+from .. import collectives, kernels  # noqa: E402
 from ..backend import AttentionSpec, Backend  # noqa: E402
+from ..batch import Batch  # noqa: E402
 from ..errors import GGUFError, RequestError  # noqa: E402
+from ..kv_cache import PagedLayer, PreallocKVCache  # noqa: E402
+from ..sampling import MLXRandom  # noqa: E402
+from .cpu import checked_threads, default_threads  # noqa: E402
 
 GROUP = 32
 SPLIT_MIN_ROWS = 256  # quantized products are cut over the CPU threads in parts of at least this many rows
@@ -141,9 +145,6 @@ def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
     """Run the GPU kernels once on a small fixed case, on the device: the fused kernel against the
     per-head reference (bit for bit) and the matmul/softmax kernels against MLX's own (to 1e-5).
     Returns None when they agree, else a one-line description of the first mismatch."""
-    from ..batch import Batch
-    from ..kv_cache import PreallocKVCache
-
     rng = np.random.default_rng(7)
     d = 128  # 1/sqrt(128) is not a power of two: scaling before or after the product rounds differently
     spec = AttentionSpec.standard(4, 2, d)
@@ -217,8 +218,6 @@ class MLXBackend(Backend):
         # row; every head the same BLAS calls). By default the free cores, at most cores // ranks (the
         # processes of a tensor-parallel run share them; `cpu.default_threads`).
         if device == "cpu":
-            from .cpu import checked_threads, default_threads
-
             threads = checked_threads(default_threads(ranks) if threads is None else threads)
         self.threads = threads or 1
         self._streams = _cpu_streams(self.threads - 1)
@@ -283,8 +282,6 @@ class MLXBackend(Backend):
         mx.eval(*xs)
 
     def new_random(self, seed: int):
-        from ..sampling import MLXRandom
-
         return MLXRandom(seed)
 
     def peak_memory_mb(self) -> float:
@@ -523,28 +520,25 @@ class MLXBackend(Backend):
         return mx.compile(forward)
 
     def all_sum(self, x, group):
-        return distributed.all_sum(x, group)
+        return collectives.all_sum(x, group)
 
     def all_gather_cols(self, x, group, cols):
-        return distributed.all_gather_cols(x, group, cols)
+        return collectives.all_gather_cols(x, group, cols)
 
     def fused_attention_override(self, q, kv, batch, spec):
         if self.kernel == "graph" or self._pass_needs_graph(batch, spec):
-            if batch.traced:  # a compiled step has no host lengths: compiles_pass keeps these passes eager
-                raise RuntimeError("a compiled decode step reached the graph attention path")
             return self._graph_attention(q, kv, batch, spec)
-        seq_rows = None if batch.traced else batch.rows  # a compiled step decodes: one row a sequence
         if kv.store is not None:  # the whole batch in one launch, reading the cache in place
             keys, values = kv.store
             return kernels.fused_attention(self.kernel, q, keys, values, batch.row_slots, batch.positions,
-                                           batch.row_lens, spec, seq_rows=seq_rows)
-        if hasattr(kv, "batch_rows"):  # paged: the batch's rows gathered from the blocks, one launch
+                                           batch.row_lens, spec, seq_rows=batch.rows)
+        if isinstance(kv, PagedLayer):  # the batch's rows gathered from the blocks, one launch
             rows, row_seq, s_max = kv.batch_rows(self)
             n, w = kv.keys.shape[0] * kv.keys.shape[1], kv.keys.shape[2]
             keys = kv.keys.reshape(n, w)[rows].reshape(len(batch), s_max, w)
             values = kv.values.reshape(n, w)[rows].reshape(len(batch), s_max, w)
             return kernels.fused_attention(self.kernel, q, keys, values, row_seq, batch.positions,
-                                           batch.row_lens, spec, seq_rows=seq_rows)
+                                           batch.row_lens, spec, seq_rows=batch.rows)
         outs = []  # a cache with no single store (basic): one launch per sequence, its K/V as slot 0
         for b, (r0, r1) in enumerate(batch.rows):
             k, v = kv.sequence(self, b)
@@ -558,21 +552,22 @@ class MLXBackend(Backend):
     def _pass_needs_graph(self, batch, spec) -> bool:
         """Whether this pass's attention takes the graph override even with a GPU kernel: a head_dim
         past the kernel's limit, or (where the kernel has no split plan: Metal) few rows over long
-        caches (not asked of a traced batch, whose host lengths are placeholders)."""
+        caches (never a traced batch's, whose lengths live only in its arrays)."""
         if spec.head_dim > kernels.MAX_HEAD_DIM:
             return True
         if kernels.uses_split(self.kernel, batch.n_rows, spec):
             return False
-        return not batch.traced and self._few_long_rows(batch, spec)
+        return self._few_long_rows(batch, spec)
 
     @staticmethod
     def _few_long_rows(batch, spec) -> bool:
         """A pass of few query rows over long caches (one sequence decoding at 8k: 16 work items for a
         GPU of 132 SMs) runs faster as the graph override than as the one-launch kernel, whose products
         spread every score over the GPU. Both paths compute the same bits; this only picks the faster
-        one (measured on the H200, 2026-11-30: 84 vs 22 tok/s decoding at 8,192 tokens of context).
+        one (on the H200 the graph path decoded ~4x faster at 8,192 tokens of context).
         Where the split kernels exist (CUDA) they take these passes instead."""
-        return batch.n_rows * spec.n_heads < 256 and max(batch.kv_lens) > 1024
+        longest = batch.max_kv_len
+        return longest is not None and batch.n_rows * spec.n_heads < 256 and longest > 1024
 
     def _graph_attention(self, q, kv, batch, spec):
         """Each sequence's heads in one batched graph, byte-identical to the per-head reference on the

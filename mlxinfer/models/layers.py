@@ -9,7 +9,7 @@ can put them side by side (MLX), one `linear` each by default.
 RMSNorm is the backend's composite op `rms_norm`: by default sum_squares_rows, scale by 1/n, add eps,
 rsqrt, mul_rows, hadamard with the weight row (`Backend.rms_norm`); MLX fuses it.
 
-Under tensor parallelism (`mlxinfer.distributed`) each rank holds a slice of every product; `all_sum`
+Under tensor parallelism (`mlxinfer.models.shard`) each rank holds a slice of every product; `all_sum`
 joins the partial sums of a row-parallel product and `output_logits` gathers the vocabulary shards.
 With one rank (`shard.size == 1`) neither adds an op.
 """

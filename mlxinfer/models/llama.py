@@ -7,8 +7,8 @@ No q/k norm; output head tied to the embedding unless `output.weight` is present
 """
 
 from ..backend import AttentionSpec
-from ..distributed import Shard
 from .layers import all_sum, output_logits, rms_norm, swiglu_mlp
+from .shard import Shard
 from .spec import ModelArgs, load_weights
 
 TRAITS = dict(rope_traditional=True, qk_norm=False)

@@ -181,7 +181,7 @@ def load_weights(ops, g, args: ModelArgs, shard=None) -> SimpleNamespace:
     """The model's weights on `ops`: `w.token_embd`, `w.output_norm`, `w.output` (the output head; the
     embedding matrix when tied) and `w.layers[i].attn_norm` ... named by the spec's keys, except the
     matrices of a `WEIGHT_GROUPS` entry: one handle under the group's key (`w.layers[i].attn_qkv`). With a
-    tensor-parallel `shard` (mlxinfer.distributed) the weight matrices are read through the shard's view
+    tensor-parallel `shard` (mlxinfer.models.shard) the weight matrices are read through the shard's view
     of the file: only this rank's slice of each; the embedding and the norms whole."""
     check_shapes(g, args)
     sharded = shard is not None and shard.size > 1

@@ -1,0 +1,225 @@
+"""The engine: a GGUF model loaded onto a backend, and the public API over the pass loop.
+
+    engine = load()
+    for event in engine.stream("The capital of France is", max_tokens=16):
+        ...                                   # TokenEvent(token_id, text, logprob, index), then FinishEvent
+    engine.generate(prompt, ...)             # -> Generation (consumes stream)
+    engine.generate_batch([p1, p2, ...])     # -> [Generation], computed together
+    engine.logits(prompt)                    # float32 [len(ids), vocab]
+
+`Engine` loads and validates the file, encodes prompts (text, token ids or chat messages) and checks
+requests; the passes themselves are `mlxinfer.loop.Loop`'s: each call here makes a loop over a fresh
+KV cache, admits its sequences and steps it to the end. The server's scheduler runs one loop of its
+own over every request (`mlxinfer.scheduler`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterator
+
+import numpy as np
+
+from . import collectives
+from .backends import make_backend
+from .chat import render_chat
+from .decode_step import DecodeStep
+from .errors import GGUFError, RequestError
+from .gguf_file import GGUFFile
+from .kv_cache import KV_CACHES
+from .loop import FinishEvent, Generation, Loop
+from .model_source import resolve_model
+from .models import architecture, model_args
+from .models.shard import Shard
+from .sampling import SamplingParams, stop_strings
+from .tokenizer import GGUFTokenizer, token_ids
+
+DEFAULT_PREFILL_CHUNK = 512
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class Engine:
+    pipeline = True  # on a lazy backend, queue the next pass before reading the current one's tokens
+    compile_decode = True  # decode passes as one compiled step where the backend can (mlxinfer.decode_step)
+
+    def __init__(self, path, backend, kv: str = "prealloc", prefill_chunk: int | None = None, tp: int = 1):
+        if kv not in KV_CACHES:
+            raise RequestError(f"unknown KV cache {kv!r} (choose from {', '.join(KV_CACHES)})")
+        rank, group = collectives.join(tp)  # before reading the file: a tp run that was not launched fails at once
+        chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise RequestError(f"prefill chunk must be a positive integer, got {prefill_chunk!r}")
+        self.path = str(path)
+        self.gguf = GGUFFile(path)
+        arch = architecture(self.gguf)
+        self.tokenizer = GGUFTokenizer.from_metadata(self.gguf.metadata, source=self.path)
+        emb = self.gguf.tensor("token_embd.weight").shape
+        if len(emb) == 2 and emb[0] != self.tokenizer.vocab_size:  # checked before any weight is read
+            raise GGUFError(
+                f"{self.path}: tokenizer has {self.tokenizer.vocab_size} tokens but token_embd.weight has "
+                f"{emb[0]} rows"
+            )
+        self.args = model_args(self.gguf)
+        self.backend = backend
+        self.kv = kv
+        self.prefill_chunk = chunk
+        self.shard = Shard.plan(self.gguf, self.args, rank, tp, group)
+        self.kv_width = self.shard.n_kv_heads * self.args.head_dim  # this rank's KV heads
+        self.model = arch.Model(backend, self.gguf, self.args, self.shard)
+        self.decode_step = DecodeStep(self.model)
+
+    # -- what a request is made of ---------------------------------------------------------------
+    def new_cache(self, **options):
+        """A KV cache of this engine's kind for its model (options: the cache class's own)."""
+        return KV_CACHES[self.kv](self.backend, self.args.n_layers, self.kv_width, **options)
+
+    def new_loop(self, cache=None, on_forward: Callable[[str], None] | None = None) -> Loop:
+        """A pass loop over `cache` (default: a fresh one) with this engine's model and settings."""
+        return Loop(self.model, self.backend, self.tokenizer, self.new_cache() if cache is None else cache,
+                    self.prefill_chunk, self.decode_step if self.compile_decode else None, agree=self.agree,
+                    pipeline=self.pipeline, on_forward=on_forward, tensor_parallel=self.shard.size)
+
+    def agree(self, seed: int) -> int:
+        """The seed every rank of a tensor-parallel run uses: rank 0's (ranks draw random seeds apart)."""
+        if self.shard.size == 1:
+            return seed
+        return collectives.agree_seed(seed, self.shard.rank, self.shard.group)
+
+    def encode_prompt(self, prompt, chat: bool = False) -> list[int]:
+        """Token ids of a prompt: text, bytes (UTF-8), token ids, or a chat messages list rendered with
+        the model's template. `chat=True` wraps a text prompt as one user message."""
+        tok = self.tokenizer
+        if isinstance(prompt, bytes):
+            try:
+                prompt = prompt.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise RequestError(f"prompt is not valid UTF-8 (byte {e.start})") from None
+        if isinstance(prompt, str) and chat:
+            if not prompt:
+                raise RequestError("empty prompt")
+            prompt = [{"role": "user", "content": prompt}]
+        if isinstance(prompt, str):
+            ids = tok.encode(prompt, add_special=True, parse_special=True) if prompt else []
+        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            ids = self._encode_messages(list(prompt))
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            ids = token_ids(prompt)
+            bad = [i for i in ids if not 0 <= i < self.args.vocab_size]
+            if bad:
+                raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.args.vocab_size})")
+        else:
+            raise RequestError(f"a prompt is text, token ids or a list of chat messages, not {type(prompt).__name__}")
+        if not ids:
+            raise RequestError("empty prompt")
+        return ids
+
+    def _encode_messages(self, messages: list[dict]) -> list[int]:
+        tok = self.tokenizer
+        for i, m in enumerate(messages):
+            if m.get("role") not in CHAT_ROLES:
+                raise RequestError(f"message {i} has role {m.get('role')!r} (choose from {', '.join(CHAT_ROLES)})")
+            if not isinstance(m.get("content"), str):
+                raise RequestError(f"message {i} has no text 'content'")
+        if not tok.chat_template:
+            raise RequestError(f"{self.path}: chat messages need tokenizer.chat_template, which this file lacks")
+        bos = tok.tokens[tok.bos_id] if tok.bos_id is not None else ""
+        eos = tok.tokens[tok.eos_id] if tok.eos_id is not None else ""
+        text = render_chat(tok.chat_template, messages, bos_token=bos, eos_token=eos, add_generation_prompt=True,
+                           source=f"{self.path}: chat template")
+        return tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
+
+    def check_context(self, n_prompt: int, max_tokens: int) -> None:
+        """RequestError where a prompt of n_prompt tokens and max_tokens more do not fit the context."""
+        ctx = self.args.context_length
+        if n_prompt + max_tokens > ctx:
+            raise RequestError(
+                f"prompt of {n_prompt} tokens plus max_tokens {max_tokens} exceeds the model's context "
+                f"length {ctx}"
+            )
+
+    def _requests(self, prompts, max_tokens, stop, chat) -> tuple[list[list[int]], list[str]]:
+        """Every prompt encoded (once) and checked, and the stop strings; bad requests raise here,
+        before anything runs."""
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        stop = stop_strings(stop)
+        encoded = [self.encode_prompt(p, chat=chat) for p in prompts]
+        for ids in encoded:
+            self.check_context(len(ids), max_tokens)
+        return encoded, stop
+
+    # -- public API ---------------------------------------------------------------------------
+    def stream(self, prompt, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               min_p: float = 0.0, seed: int | None = None, stop=None, chat: bool = False,
+               on_forward: Callable[[str], None] | None = None) -> Iterator:
+        """Generate up to `max_tokens` tokens after `prompt`, yielding a TokenEvent per token and a
+        FinishEvent at the end. `prompt`: text, token ids, or chat messages ([{"role", "content"}]).
+        Greedy when temperature is 0. `stop`: strings that end generation (not included in the text).
+        `on_forward` receives a name for each forward pass ("prefill", "decode 1", ...)."""
+        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        (ids,), stop = self._requests([prompt], max_tokens, stop, chat)  # bad requests raise here
+        loop = self.new_loop(on_forward=on_forward)
+        loop.admit(ids, params, max_tokens, stop)
+        return _events(loop)
+
+    def generate(self, prompt, on_text: Callable[[str], None] | None = None, **options) -> Generation:
+        """Run `stream` to the end and return the Generation; `on_text` receives each text delta."""
+        for event in self.stream(prompt, **options):
+            if on_text and event.text:
+                on_text(event.text)
+            if isinstance(event, FinishEvent):
+                return event.generation
+        raise AssertionError("stream ended without a FinishEvent")
+
+    def generate_batch(self, prompts, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                       top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop=None,
+                       chat: bool = False, on_forward: Callable[[str], None] | None = None) -> list[Generation]:
+        """One Generation per prompt, computed together in batched passes; each sequence finishes on
+        its own. A seed seeds every sequence's sampler (the same seed for all)."""
+        prompts = list(prompts) if not isinstance(prompts, (str, bytes)) else [prompts]
+        if not prompts:
+            raise RequestError("generate_batch needs at least one prompt")
+        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        encoded, stop = self._requests(prompts, max_tokens, stop, chat)
+        loop = self.new_loop(on_forward=on_forward)
+        seqs = [loop.admit(ids, params, max_tokens, stop) for ids in encoded]
+        done = {}
+        while loop.busy:
+            for s, event in loop.step():
+                if isinstance(event, FinishEvent):
+                    done[id(s)] = event.generation
+        return [done[id(s)] for s in seqs]
+
+    def logits(self, prompt) -> np.ndarray:
+        """float32 [len(ids), vocab]: the logits of every prompt position, prefilled chunk by chunk
+        from an empty cache."""
+        ids = self.encode_prompt(prompt)
+        self.check_context(len(ids), 0)
+        return self.new_loop().score(ids)
+
+
+def _events(loop: Loop) -> Iterator:
+    """The events of a loop's sequences until none is left."""
+    while loop.busy:
+        for _, event in loop.step():
+            yield event
+
+
+def load(model: str | os.PathLike | None = None, backend: str = "auto", attention: str = "fused",
+         device: str | None = None, kernel: str | None = None, kv: str = "prealloc",
+         prefill_chunk: int | None = None, threads: int | None = None, tp: int = 1) -> Engine:
+    """Load a GGUF model (None: the default SmolLM2-135M-Instruct) onto a backend.
+
+    backend: "auto" (MLX where it has a GPU, Metal or CUDA; else the CPU reference), "cpu" or "mlx".
+    attention: "fused" (the backend's override) or "per-head" (the protocol's reference loop).
+    device: "cpu" or "gpu" for MLX (default: gpu where available). kernel: the MLX backend's fused
+    attention, "graph", "metal" or "cuda" (default: by platform). kv: "prealloc", "paged" or "basic".
+    prefill_chunk: prompt tokens per prefill pass (default 512). threads: the cpu backend's BLAS
+    threads, or on MLX's CPU device the threads its large quantized weight products and its attention
+    are cut over (default: the cores not already busy, at most cores // tp; None on a GPU). tp: ranks
+    of a tensor-parallel run (mlxinfer.models.shard); the process must be one of `tp` started by
+    mlx.launch."""
+    collectives.join(tp)  # a tp run that was not launched fails before anything is loaded
+    ops = make_backend(backend, attention, device, kernel, threads, ranks=tp)  # the ranks share the cores
+    path = resolve_model(model)
+    return Engine(path, ops, kv=kv, prefill_chunk=prefill_chunk, tp=tp)

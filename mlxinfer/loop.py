@@ -1,0 +1,321 @@
+"""The pass loop: sequences, forward passes and the events they produce, in one place.
+
+    loop = Loop(model, ops, tokenizer, cache, prefill_chunk=512)
+    seq = loop.admit(prompt_ids, SamplingParams(), max_tokens=64)
+    while loop.busy:
+        for seq, event in loop.step():        # TokenEvent(token_id, text, logprob, index), then FinishEvent
+            ...
+    loop.release(seq)                          # a sequence leaves early (cancelled): its slot is freed now
+
+`step()` is nano-vllm's `LLMEngine.step()`: plan the next pass (schedule), launch it (run), read the
+pass before it and turn its tokens into events (postprocess). A pass advances every active sequence by
+its next prefill chunk (`prefill_chunk` prompt tokens; a sequence's chunks always start at multiples of
+it, so its floats do not depend on what shares the pass) or by one decode token, then samples a token
+for each sequence whose last row was in the pass. Decode rows always go; prefill chunks fill the rest of
+the pass (one chunk's worth of rows), so a long prompt delays running sequences by at most one chunk's
+pass. On a lazy backend (MLX) the next pass is built and queued before the previous pass's tokens are
+read, so building the graph overlaps the device's work; a sequence that stops on an end-of-generation
+token or a stop string has then one wasted row. Decode passes run as the compiled step where they can
+(`mlxinfer.decode_step`).
+
+`Engine.stream/generate/generate_batch/logits` and the server's scheduler are thin users of this loop:
+they admit sequences, call `step()` and hand the events on.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .batch import Batch
+from .decode_step import DecodeStep
+from .metrics import Metrics
+from .sampling import Sampler, SamplingParams
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]  # generated tokens only (the EOS that stopped generation is not included)
+    finish_reason: str  # "stop" (end-of-generation token or stop string) or "length" (max_tokens)
+    metrics: Metrics
+    prompt_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)  # one per token in token_ids
+    seed: int | None = None  # the seed the sampler used (None when greedy)
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    text: str  # the text this token adds ("" while a character or a possible stop string is incomplete)
+    logprob: float  # log-probability of the token under the model's distribution
+    index: int  # 0 for the first generated token
+
+
+@dataclass
+class FinishEvent:
+    finish_reason: str
+    metrics: Metrics | None  # None for a sequence that left early (cancelled, or an error)
+    generation: Generation | None
+    text: str = ""  # text held back for a possible stop string and released at the end
+
+
+class Sequence:
+    """One request inside the loop: its prompt, cache slot, sampling state and output so far."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: list[str], slot: int,
+                 seed: int | None, rng, detok, t0: float):
+        self.prompt, self.params, self.max_tokens, self.stop, self.slot = prompt, params, max_tokens, stop, slot
+        self.seed, self.rng, self.detok, self.t0 = seed, rng, detok, t0
+        self.cached = 0  # tokens written to the cache, counting passes launched but not yet read
+        self.cached_tokens = 0  # prompt tokens taken from the cache's prefix blocks at admission
+        self.sampled = 0  # tokens sampled, likewise
+        self.last = None  # (token array, row) of the newest sampled token: the next decode input
+        self.out: list[int] = []
+        self.logprobs: list[float] = []
+        self.times: list[float] = []
+        self.text = ""  # text handed out so far
+        self.held = ""  # text held back: it could be the start of a stop string
+        self.finish: str | None = None
+        self.batch_size = 1  # the most sequences that were in the loop with it at a pass
+
+    @property
+    def prefilling(self) -> bool:
+        return self.cached < len(self.prompt)
+
+
+@dataclass
+class Pass:
+    seqs: list  # the sequences sampled in this pass, in logit-row order
+    tokens: object = None
+    logprobs: object = None
+    outputs: tuple = ()  # what reading the pass waits for (its tokens, or the cache it wrote)
+
+
+class Loop:
+    """The one owner of forward passes over a set of sequences sharing one KV cache.
+
+    `agree(seed)` gives the seed every rank of a tensor-parallel run uses (rank 0's); `on_forward`
+    receives a name for each pass as it is launched (the tracer's histograms), which turns off
+    pipelining so that each pass is measured alone."""
+
+    def __init__(self, model, ops, tokenizer, cache, prefill_chunk: int, decode_step: DecodeStep | None = None,
+                 agree: Callable[[int], int] = lambda seed: seed, pipeline: bool = True,
+                 on_forward: Callable[[str], None] | None = None, tensor_parallel: int = 1):
+        self.model, self.ops, self.tokenizer, self.cache = model, ops, tokenizer, cache
+        self.prefill_chunk = prefill_chunk
+        # prefill rows admitted to one pass (decode rows always go): one chunk's worth, so a decoding
+        # sequence waits at most one chunk's pass while others prefill
+        self.max_pass_rows = prefill_chunk
+        self.decode_step, self.agree, self.on_forward = decode_step, agree, on_forward
+        self.pipelined = pipeline and ops.lazy and on_forward is None
+        self.tensor_parallel = tensor_parallel
+        self.seqs: list[Sequence] = []  # the active sequences, in admission order
+        self.admitted = 0  # sequences admitted so far
+        self._pending: Pass | None = None
+        self.passes = 0
+
+    # -- admit / step / release -----------------------------------------------------------------
+    def admit(self, prompt: list[int], params: SamplingParams, max_tokens: int, stop=(), t0: float | None = None) -> Sequence:
+        """A new sequence, given a cache slot (and the cache's prefix blocks its prompt starts with);
+        it joins the next pass. `t0`: when its request arrived (time to first token counts from it)."""
+        slot = self.cache.alloc()
+        self.cache.expect(slot, len(prompt) + 1)
+        seed = None if params.greedy else params.resolved_seed()
+        if seed is not None and (params.seed is None or params.seed < 0):
+            seed = self.agree(seed)  # a random seed: every rank of a TP run takes rank 0's
+        rng = None if seed is None else self.ops.new_random(seed)
+        seq = Sequence(list(prompt), params, max_tokens, list(stop), slot, seed, rng, self.tokenizer.decode_stream(),
+                       time.perf_counter() if t0 is None else t0)
+        seq.cached = seq.cached_tokens = self.cache.match_prefix(slot, seq.prompt)
+        self.seqs.append(seq)
+        self.admitted += 1
+        return seq
+
+    def release(self, seq: Sequence, reason: str = "cancelled") -> None:
+        """A sequence leaves before it finished (cancelled, or an error): its slot is freed now, and a
+        pass already in flight for it is read as a wasted row."""
+        if seq.finish is None:
+            seq.finish = reason
+            self.cache.release(seq.slot, (seq.prompt + seq.out)[:seq.cached])
+        if seq in self.seqs:
+            self.seqs.remove(seq)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a step would do anything: a sequence is active, or a pass is still to be read."""
+        return bool(self.seqs) or self._pending is not None
+
+    def step(self) -> list[tuple[Sequence, object]]:
+        """Plan and launch the next pass, read the one before it (pipelined) or this one (not), and
+        return the (sequence, event) pairs the read produced."""
+        plan = self._plan()
+        launched = None
+        if plan:
+            self.passes += 1
+            name = self._pass_name(plan) if self.on_forward else None
+            launched = self._launch(plan)
+            if self.on_forward:
+                self.on_forward(name)
+        events = []
+        if self._pending is not None:
+            events += self._read(self._pending)
+        self._pending = launched
+        if not self.pipelined and self._pending is not None:
+            events += self._read(self._pending)
+            self._pending = None
+        return events
+
+    def score(self, prompt: list[int]) -> np.ndarray:
+        """float32 [len(prompt), vocab]: the logits of every prompt position, prefilled chunk by chunk
+        into a slot of its own (freed at the end); no token is sampled."""
+        ops, cache = self.ops, self.cache
+        slot = cache.alloc()
+        cache.expect(slot, len(prompt))
+        rows = []
+        try:
+            for start in range(0, len(prompt), self.prefill_chunk):
+                chunk = prompt[start:start + self.prefill_chunk]
+                batch = Batch(ops, [slot], [start], [len(chunk)], all_logits=True)
+                cache.reserve(batch)
+                rows.append(ops.to_numpy(self.model(ops, ops.index_array(chunk), batch, cache)))
+        finally:
+            cache.release(slot)
+        return np.concatenate(rows).astype(np.float32, copy=False)
+
+    # -- schedule -------------------------------------------------------------------------------
+    def _plan(self) -> list[tuple[Sequence, int]]:
+        """The next pass: (sequence, rows) for each sequence that can advance. Decode rows always go;
+        prefill chunks go while the pass has room (a waiting sequence keeps its chunk boundaries)."""
+        plan, budget = [], self.max_pass_rows
+        for s in self.seqs:
+            if not s.prefilling:
+                if s.sampled < s.max_tokens:
+                    plan.append((s, 1))
+                continue
+            n = min(self.prefill_chunk, len(s.prompt) - s.cached)
+            if n <= budget or not plan:  # the first sequence always advances
+                plan.append((s, n))
+                budget -= n
+        return plan
+
+    # -- run ------------------------------------------------------------------------------------
+    def _launch(self, plan) -> Pass:
+        """Build (and on a lazy backend, start) one forward pass and the sampling of its logit rows."""
+        ops, cache = self.ops, self.cache
+        pieces = []
+        for s, n in plan:
+            if s.prefilling:
+                pieces.append(ops.index_array(s.prompt[s.cached:s.cached + n]))
+            else:
+                tokens, row = s.last
+                pieces.append(tokens[row:row + 1])
+        ids = pieces[0] if len(pieces) == 1 else ops.concat_index_arrays(pieces)
+        sampled = [s for s, n in plan if s.cached + n >= len(s.prompt)]
+        batch = Batch(ops, [s.slot for s, _ in plan], [s.cached for s, _ in plan], [n for _, n in plan],
+                      logits_for=[s.cached + n >= len(s.prompt) for s, n in plan])
+        cache.reserve(batch)
+        started = ()
+        decoding = all(not s.prefilling for s, _ in plan)
+        if self.decode_step is not None and self.decode_step.covers(ops, batch, cache, decoding):
+            logits, next_index = self.decode_step(ops, ids, batch, cache)
+            started = (next_index,)  # started with this step's outputs, not left lazy for the next step
+        else:
+            logits = self.model(ops, ids, batch, cache)
+        step = Pass(sampled)
+        if sampled:
+            sampler = Sampler([s.params for s in sampled], [s.rng for s in sampled])
+            step.tokens, step.logprobs = ops.sample_tokens(logits, sampler)
+            step.outputs = (step.tokens, step.logprobs)
+        else:  # a pass of mid-prompt chunks: its product is the cache
+            step.outputs = tuple(cache.arrays())
+        ops.start(*step.outputs, *started)
+        live = len(self.seqs)
+        for s, n in plan:
+            s.cached += n
+            s.batch_size = max(s.batch_size, live)
+        for row, s in enumerate(sampled):
+            s.last = (step.tokens, row)
+            s.sampled += 1
+        return step
+
+    # -- postprocess ----------------------------------------------------------------------------
+    def _read(self, step: Pass) -> list:
+        """Read a pass's tokens (waits for the device), hand out their text, finish sequences. A pass
+        with no tokens is waited for too, so that at most one pass is ever in flight."""
+        if not step.seqs:
+            self.ops.sync(*step.outputs)
+            return []
+        tokens = self.ops.to_numpy(step.tokens).tolist()
+        logprobs = self.ops.to_numpy(step.logprobs).tolist()
+        now = time.perf_counter()
+        eog = self.tokenizer.eog_ids
+        events = []
+        for s, token, logprob in zip(step.seqs, tokens, logprobs):
+            if s.finish is not None:  # stopped while this pass was already queued: a wasted row
+                continue
+            s.times.append(now)
+            if token in eog:
+                events.append((s, self._finish(s, "stop")))
+                continue
+            s.out.append(token)
+            s.logprobs.append(logprob)
+            text, stopped = self._text_delta(s, s.detok.step(token), last=len(s.out) >= s.max_tokens)
+            events.append((s, TokenEvent(token, text, logprob, len(s.out) - 1)))
+            if stopped:
+                events.append((s, self._finish(s, "stop")))
+            elif len(s.out) >= s.max_tokens:
+                events.append((s, self._finish(s, "length")))
+        return events
+
+    @staticmethod
+    def _text_delta(s: Sequence, piece: str, last: bool) -> tuple[str, bool]:
+        """Add a detokenized piece; return (text to hand out now, whether a stop string was hit).
+        Text that could be the start of a stop string is held back until it cannot (or the
+        sequence ends), so a stop string never starts in text already handed out."""
+        pending = s.held + piece
+        hits = [i for i in (pending.find(x) for x in s.stop) if i >= 0]
+        if hits:
+            out, s.held = pending[:min(hits)], ""
+            s.text += out
+            return out, True
+        keep = 0 if last else max((k for x in s.stop for k in range(1, min(len(x), len(pending)) + 1)
+                                   if pending.endswith(x[:k])), default=0)
+        out, s.held = pending[:len(pending) - keep], pending[len(pending) - keep:]
+        s.text += out
+        return out, False
+
+    def _finish(self, s: Sequence, reason: str) -> FinishEvent:
+        s.finish = reason
+        tail, s.held = s.held, ""  # held back for a stop string that never came (ended on EOS)
+        s.text += tail
+        self.cache.release(s.slot, (s.prompt + s.out)[:s.cached])  # what its cache rows hold
+        self.seqs.remove(s)
+        metrics = self._metrics(s)
+        gen = Generation(s.text, list(s.out), reason, metrics, list(s.prompt), list(s.logprobs), s.seed)
+        return FinishEvent(reason, metrics, gen, tail)
+
+    def _metrics(self, s: Sequence) -> Metrics:
+        times = s.times
+        return Metrics(
+            backend=self.ops.describe(), kv_cache=self.cache.name, attention=self.ops.attention,
+            prompt_tokens=len(s.prompt), prefill_chunk=self.prefill_chunk,
+            time_to_first_token_ms=(times[0] - s.t0) * 1000 if times else 0.0,
+            token_intervals_ms=[(b - a) * 1000 for a, b in zip(times, times[1:])],
+            finish_reason=s.finish or "", peak_memory_mb=self.ops.peak_memory_mb(), batch_size=s.batch_size,
+            tensor_parallel=self.tensor_parallel,
+        )
+
+    def _pass_name(self, plan) -> str:
+        """The tracer's name of a pass about to be launched: "prefill", "prefill 2/3", "decode 1", or
+        "pass 5 (9 rows, 3 sequences)" for a batch."""
+        if self.admitted > 1:
+            return f"pass {self.passes} ({sum(n for _, n in plan)} rows, {len(plan)} sequences)"
+        s, _ = plan[0]
+        if s.prefilling:
+            chunks = -(-len(s.prompt) // self.prefill_chunk)
+            return "prefill" if chunks == 1 else f"prefill {s.cached // self.prefill_chunk + 1}/{chunks}"
+        return f"decode {s.sampled}"

@@ -1,0 +1,118 @@
+"""The package's layers: mlxinfer's own modules import one way, down the layers of the README's file map,
+at the top of each file; a function-level import of an mlxinfer module only where it guards an optional
+dependency (MLX where a numpy-only path runs, the server's packages)."""
+
+import ast
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "mlxinfer"
+
+# The README's file map, bottom up (a module may import its own layer and those below; no circle).
+LAYERS = [
+    ["errors"],
+    ["gguf_file", "tokenizer", "chat", "model_source"],
+    ["backend", "batch", "kv_cache", "block_manager", "sampling", "metrics", "collectives"],
+    ["kernels", "backends", "backends.cpu", "backends.mlx"],
+    ["models", "models.spec", "models.shard", "models.layers", "models.llama", "models.qwen3"],
+    ["decode_step", "loop", "engine"],
+    ["scheduler", "server", "cli", "launch", "benchmark", "peers", "inspect", "tracing", "testing", "synthetic",
+     "__main__", ""],
+]
+DEFERRED = {  # (importer, imported): function-level imports that guard an optional dependency
+    ("backends", "backends.mlx"),  # MLX, where the numpy backend runs without it
+    ("cli", "server"),  # the server's packages (fastapi, uvicorn, ...), an optional extra
+}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def layer_of(name: str) -> int:
+    for i, names in enumerate(LAYERS):
+        if name in names or any(name.startswith(n + ".") for n in names if n):
+            return i
+    raise AssertionError(f"mlxinfer.{name} is not in the file map's layers (tests/test_layout.py, README)")
+
+
+def own_imports(path: pathlib.Path):
+    """(imported module, at top level?) for each import of an mlxinfer module in the file."""
+    name = module_name(path)
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    tree = ast.parse(path.read_text())
+    top = set(map(id, tree.body))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif (node.module or "").startswith("mlxinfer"):
+                target = node.module[len("mlxinfer."):] if node.module != "mlxinfer" else ""
+            else:
+                continue
+            targets = [target] if node.module else [f"{target}.{a.name}".strip(".") for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name[len("mlxinfer."):] for a in node.names if a.name.startswith("mlxinfer.")]
+        else:
+            continue
+        for t in targets:
+            if (ROOT / (t.replace(".", "/") + ".py")).exists() or (ROOT / t.replace(".", "/") / "__init__.py").exists():
+                yield t, id(node) in top
+            elif "." in t and (ROOT / (t.rsplit(".", 1)[0].replace(".", "/") + ".py")).exists():
+                yield t.rsplit(".", 1)[0], id(node) in top  # `from .x import name`: the module x
+
+
+MODULES = sorted(ROOT.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=[module_name(p) or "__init__" for p in MODULES])
+def test_imports_run_down_the_layers_at_the_top_of_the_file(path):
+    name = module_name(path)
+    mine = layer_of(name)
+    for target, at_top in own_imports(path):
+        if target == name:
+            continue
+        assert layer_of(target) <= mine, f"mlxinfer.{name} (layer {mine}) imports mlxinfer.{target} (layer {layer_of(target)})"
+        assert at_top or (name, target) in DEFERRED, f"mlxinfer.{name} imports mlxinfer.{target} inside a function"
+
+
+def test_no_import_circle():
+    graph = {module_name(p): {t for t, _ in own_imports(p) if t != module_name(p)} for p in MODULES}
+    state = {}
+
+    def visit(n, path):
+        if state.get(n) == "done":
+            return
+        assert state.get(n) != "open", "import circle: " + " -> ".join(path + [n])
+        state[n] = "open"
+        for m in sorted(graph.get(n, ())):
+            if m:  # the package itself runs first whatever is imported: not an arrow
+                visit(m, path + [n])
+        state[n] = "done"
+
+    for n in sorted(graph):
+        visit(n, [])
+
+
+def test_a_planted_circle_and_an_upward_import_are_seen(tmp_path, monkeypatch):
+    """The checks above can fail: a model importing the engine is an arrow up and a circle."""
+    planted = tmp_path / "mlxinfer"
+    for p in MODULES:
+        dst = planted / p.relative_to(ROOT)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(p.read_text())
+    (planted / "models" / "qwen3.py").write_text((planted / "models" / "qwen3.py").read_text()
+                                                 + "\nfrom ..engine import Engine\n")
+    here = sys.modules[__name__]
+    monkeypatch.setattr(here, "ROOT", planted)
+    monkeypatch.setattr(here, "MODULES", sorted(planted.rglob("*.py")))
+    with pytest.raises(AssertionError, match="layer 4.*imports mlxinfer.engine"):
+        test_imports_run_down_the_layers_at_the_top_of_the_file(planted / "models" / "qwen3.py")
+    with pytest.raises(AssertionError, match="import circle"):
+        test_no_import_circle()
