@@ -58,6 +58,7 @@ KVF = "mlxinfer/kv_cache.py"
 SRV_ROUTES = "mlxinfer/server/routes.py"
 SRV_ERRORS = "mlxinfer/server/errors.py"
 SRV_BODY = "mlxinfer/server/body_limit.py"
+SRV_METRICS = "mlxinfer/server/metrics.py"
 DIST = "mlxinfer/distributed.py"
 BENCH = "bench/bench.py"
 
@@ -623,6 +624,9 @@ M = [
      [("            if clock() >= next_check:", "            if ev is None and clock() >= next_check:"),
       ("timeout=max(0.01, next_check - clock()))", "timeout=0.5)")],
      [T_SRV], "a non-streamed request whose client left runs on while tokens keep arriving"),
+    ("server-metrics-cached-as-prefilled", "server", SRV_METRICS,
+     [("self.prompt.inc(prompt_tokens - cached_tokens)", "self.prompt.inc(prompt_tokens)")],
+     [T_SRV], "/metrics counts the prompt tokens the prefix cache served as prefilled too"),
     # -- the benchmark's comparison with its peers ------------------------------------------------------
     ("bench-ratio-across-rounds", "bench", BENCH,
      [('and o.get("round", 1) == p.get("round", 1) and p[key] > 0', 'and p[key] > 0')],
