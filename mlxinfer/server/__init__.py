@@ -38,7 +38,7 @@ MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits a context wind
 __all__ = ["MAX_BODY_BYTES", "create_app", "serve"]
 
 
-def require_extra() -> None:
+def _require_extra() -> None:
     """Raise a one-line MlxinferError naming the first of the server's packages that is not installed."""
     try:
         import fastapi  # noqa: F401
@@ -53,7 +53,7 @@ def require_extra() -> None:
 def serve(engine, model_id: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int = 8,
           max_queue: int = 64, kv_memory: int | None = None, log_level: str = "info") -> None:
     """Run the server until interrupted (Ctrl-C)."""
-    require_extra()
+    _require_extra()
     import uvicorn
 
     from .app import create_app
@@ -64,7 +64,7 @@ def serve(engine, model_id: str, host: str = "127.0.0.1", port: int = 8080, max_
 
 def __getattr__(name: str):
     if name == "create_app":
-        require_extra()
+        _require_extra()
         from .app import create_app
 
         return create_app
