@@ -21,6 +21,7 @@ from .launch import check_split, record_status, relaunch
 from .loop import FinishEvent
 from .sampling import SamplingParams, stop_strings
 from .scheduler import budget_blocks
+from .server import require_extra, serve
 from .tracing import install_tracer
 
 
@@ -215,8 +216,7 @@ def _check_listen(host: str, port: int) -> None:
 
 
 def _serve(args) -> int:
-    from .server import serve  # the server's packages are an optional extra: imported when serving
-
+    require_extra()  # the server's packages are an optional extra: a missing one is named before anything loads
     for name in ("port", "max_batch", "max_queue", "kv_memory"):
         v = getattr(args, name)
         if v is not None and (v < 1 or (name == "port" and v > 65535)):

@@ -58,7 +58,10 @@ LLAMA = "mlxinfer/models/llama.py"
 KERN = "mlxinfer/kernels.py"
 SCHED = "mlxinfer/scheduler.py"
 KVF = "mlxinfer/kv_cache.py"
-SERVER = "mlxinfer/server.py"
+SRV_ROUTES = "mlxinfer/server/routes.py"
+SRV_ERRORS = "mlxinfer/server/errors.py"
+SRV_BODY = "mlxinfer/server/body_limit.py"
+SRV_METRICS = "mlxinfer/server/metrics.py"
 SHARD = "mlxinfer/models/shard.py"
 COLL = "mlxinfer/collectives.py"
 GGUF = "mlxinfer/gguf_file.py"
@@ -437,13 +440,13 @@ M = [
     ("srv-queue-unbounded", "server", SCHED,
      [("if len(self.waiting) >= self.max_queue:", "if False:")],
      [T_SRV], "scheduler: max_queue not enforced"),
-    ("srv-drops-top-p", "server", SERVER,
+    ("srv-drops-top-p", "server", SRV_ROUTES,
      [("top_p=float(body.top_p)", "top_p=1.0")],
      [T_SRV], "server drops top_p"),
-    ("srv-drops-stop", "server", SERVER,
-     [("            stop = stop_strings(body.stop)\n", "            stop = stop_strings(body.stop) and []\n")],
+    ("srv-drops-stop", "server", SRV_ROUTES,
+     [("        stop = stop_strings(body.stop)\n", "        stop = stop_strings(body.stop) and []\n")],
      [T_SRV], "server drops stop strings"),
-    ("srv-no-body-limit", "server", SERVER,
+    ("srv-no-body-limit", "server", SRV_BODY,
      [("if len(body) > self.limit:", "if False:"),
       ("if length is not None and (not length.isdigit() or int(length) > self.limit):", "if False:")],
      [T_SRV], "server: no request body size limit"),
@@ -623,16 +626,19 @@ M = [
     ("serve-port-unchecked", "hardening", CLI,
      [("    _check_listen(args.host, args.port)  # before", "    pass  # before")],
      [T_SRV], "serve on a port in use: a false 'serving' line, uvicorn's errors and exit status 3"),
-    ("server-union-error-first-branch", "hardening", SERVER,
+    ("server-union-error-first-branch", "hardening", SRV_ERRORS,
      [('first = max(errors, key=lambda x: len(x.get("loc", ())), default={})', 'first = errors[0] if errors else {}')],
      [T_SRV], "a prompt of [3, 1.9]: 'prompt.str: Input should be a valid string'"),
-    ("server-text-offset-off-by-one-token", "server", SERVER,
-     [("        for piece in text[:len(tokens)]:  # each token's text", "        for piece in [''] + text[:len(tokens) - 1]:  # each token's text")],
+    ("server-text-offset-off-by-one-token", "server", SRV_ROUTES,
+     [("    for piece in text[:len(tokens)]:  # each token's text", "    for piece in [''] + text[:len(tokens) - 1]:  # each token's text")],
      [T_SRV], "completions logprobs: text_offset one token late"),
-    ("server-disconnect-only-when-idle", "hardening", SERVER,
-     [("                if clock() >= next_check:", "                if ev is None and clock() >= next_check:"),
+    ("server-disconnect-only-when-idle", "hardening", SRV_ROUTES,
+     [("            if clock() >= next_check:", "            if ev is None and clock() >= next_check:"),
       ("timeout=max(0.01, next_check - clock()))", "timeout=0.5)")],
      [T_SRV], "a non-streamed request whose client left runs on while tokens keep arriving"),
+    ("server-metrics-cached-as-prefilled", "server", SRV_METRICS,
+     [("self.prompt.inc(prompt_tokens - cached_tokens)", "self.prompt.inc(prompt_tokens)")],
+     [T_SRV], "/metrics counts the prompt tokens the prefix cache served as prefilled too"),
     # -- the benchmark's comparison with its peers ------------------------------------------------------
     ("bench-ratio-across-rounds", "bench", BENCH,
      [('and o.get("round", 1) == p.get("round", 1) and p[key] > 0', 'and p[key] > 0')],

@@ -23,7 +23,7 @@ LAYERS = [
 ]
 DEFERRED = {  # (importer, imported): function-level imports that guard an optional dependency
     ("backends", "backends.mlx"),  # MLX, where the numpy backend runs without it
-    ("cli", "server"),  # the server's packages (fastapi, uvicorn, ...), an optional extra
+    ("server", "server.app"),  # the server's packages (fastapi, uvicorn, ...), an optional extra
 }
 
 

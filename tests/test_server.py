@@ -222,6 +222,28 @@ def test_prefix_reuse_skips_the_cached_prompt_blocks(served, engine):
     assert 'mlxinfer_kv_blocks{state="cached"}' in metrics and "mlxinfer_prompt_tokens_cached_total" in metrics
 
 
+def test_metrics_split_prompt_tokens_as_usage_does(served):
+    """/metrics counts a request's prompt tokens as the usage reports them: those prefilled, and those
+    the prefix cache served."""
+    names = ("mlxinfer_prompt_tokens_total", "mlxinfer_prompt_tokens_cached_total")
+
+    def counters():
+        lines = httpx.get(served.url + "/metrics").text.splitlines()
+        return {n: float(line.split()[-1]) for line in lines for n in names if line.startswith(n + " ")}
+
+    messages = [{"role": "system", "content": " ".join(f"step {i}: count twice." for i in range(5))},
+                {"role": "user", "content": "again"}]
+    before = counters()
+    rs = [served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+          for _ in range(2)]
+    after = counters()
+    cached = sum(r.usage.prompt_tokens_details.cached_tokens for r in rs)
+    assert cached >= 48  # the second request took the first one's blocks
+    assert after["mlxinfer_prompt_tokens_cached_total"] - before["mlxinfer_prompt_tokens_cached_total"] == cached
+    prefilled = sum(r.usage.prompt_tokens for r in rs) - cached
+    assert after["mlxinfer_prompt_tokens_total"] - before["mlxinfer_prompt_tokens_total"] == prefilled
+
+
 def test_cancel_mid_stream_frees_the_slot(served, slow_passes):
     with httpx.stream("POST", served.url + "/v1/completions", timeout=30,
                       json={"model": MODEL, "prompt": LONG, "max_tokens": 200, "temperature": 0, "stream": True}) as r:

@@ -1,0 +1,43 @@
+"""The FastAPI app: the routes, the body-size middleware, the error handlers and the lifespan that
+runs the scheduler, put together."""
+
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from ..scheduler import Scheduler
+from . import MAX_BODY_BYTES
+from .body_limit import BodyLimit
+from .errors import HANDLERS
+from .metrics import ServerMetrics
+from .routes import ServerState, chat_completions, completions, health, metrics, models
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    """The scheduler runs while the app is served: made at startup, closed (its worker thread joined)
+    at shutdown."""
+    s = app.state.server
+    app.state.scheduler = Scheduler(s.engine, max_batch=s.max_batch, max_queue=s.max_queue, kv_memory=s.kv_memory)
+    yield
+    app.state.scheduler.close()
+
+
+def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, kv_memory: int | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The ASGI app serving `engine` as `model_id`. While it is served, `app.state.scheduler` is its
+    scheduler (tests read its stats); None before."""
+    app = FastAPI(title="mlxinfer", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.server = ServerState(engine, model_id, max_batch, max_queue, kv_memory, ServerMetrics(max_batch),
+                                   created=int(time.time()))
+    app.state.scheduler = None
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    for exc, handler in HANDLERS.items():
+        app.add_exception_handler(exc, handler)
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    return app

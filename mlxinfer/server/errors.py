@@ -1,0 +1,53 @@
+"""Every failure a client can see is OpenAI's error object with its status, never FastAPI's own
+`{"detail": ...}` nor a traceback: what the routes raise (ApiError), what FastAPI's validation finds,
+what Starlette answers itself (an unknown route, a wrong method), and anything unexpected (a 500)."""
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from .schemas import error_object
+
+
+class ApiError(Exception):
+    """A request the routes refuse: its status, OpenAI's error fields and any headers (Retry-After)."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None,
+                 headers=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None,
+                   headers=None) -> JSONResponse:
+    return JSONResponse(error_object(message, type_, param, code), status_code=status, headers=headers)
+
+
+async def api_error(request, e: ApiError):
+    return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+
+
+async def validation_error(request, e: RequestValidationError):
+    errors = e.errors()
+    # a value that fits no branch of a union (a prompt is text or token ids) gets an error per branch:
+    # the deepest says most ("prompt.0: ... a valid integer" for [1.9], not "prompt: ... a valid string")
+    first = max(errors, key=lambda x: len(x.get("loc", ())), default={})
+    branch = {"str", "int", "float", "bool", "list[int]"}  # pydantic's names of union branches in a loc
+    where = ".".join(str(x) for x in first.get("loc", ()) if x != "body" and x not in branch)
+    if first.get("type") == "json_invalid":
+        return error_response(400, "request body is not valid JSON")
+    return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where or None)
+
+
+async def http_error(request, e: HTTPException):
+    return error_response(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else
+                          "invalid_request_error")
+
+
+async def internal_error(request, e: Exception):
+    return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+
+HANDLERS = {ApiError: api_error, RequestValidationError: validation_error, HTTPException: http_error,
+            Exception: internal_error}

@@ -1,0 +1,225 @@
+"""The routes, one function each, and what the two generating ones share: submit a request to the
+scheduler, then stream its events as SSE chunks or collect them into one answer.
+
+The scheduler's worker thread delivers a request's events (a TokenEvent per token, then a FinishEvent)
+to the request's own asyncio queue, through the event loop; whichever way the answer goes, the request
+is cancelled when the answer ends, so a client that went away frees its KV slot within a pass.
+"""
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import PlainTextResponse
+from sse_starlette.sse import EventSourceResponse
+
+from ..errors import RequestError
+from ..loop import FinishEvent
+from ..sampling import SamplingParams, stop_strings
+from ..scheduler import QueueFull, Scheduler, SchedulerClosed
+from ..scheduler import Request as Submitted
+from .errors import ApiError, error_response
+from .metrics import ServerMetrics
+from .schemas import (ChatRequest, CompletionRequest, Options, chunk, completion, error_object, logprobs_object,
+                      model_list, response_id, usage_chunk, usage_object)
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """What the routes share, fixed when the app is made (`app.state.server`). The scheduler is not
+    here: the lifespan makes it when the server starts, as `app.state.scheduler`."""
+
+    engine: object
+    model_id: str
+    max_batch: int
+    max_queue: int
+    kv_memory: int | None
+    metrics: ServerMetrics
+    created: int  # when the app was made: the model's `created` in /v1/models
+
+
+@dataclass(frozen=True)
+class Job:
+    """A request submitted to the scheduler, and what its answer needs."""
+
+    scheduler: Scheduler
+    req: Submitted
+    events: asyncio.Queue
+    prompt_tokens: int
+    chat: bool
+    want_logprobs: bool
+    rid: str
+
+
+# -- the routes, each mounted at its path by app.create_app --------------------------------------
+# No return annotations: FastAPI would take one for a response model, and re-validate (and document)
+# what the route returns.
+
+async def completions(request: Request, body: CompletionRequest):
+    state = request.app.state.server
+    check_model(state, body.model)
+    return await answer(request, state, body, encode(state, body.prompt, "prompt"), chat=False,
+                        want_logprobs=body.logprobs is not None)
+
+
+async def chat_completions(request: Request, body: ChatRequest):
+    state = request.app.state.server
+    check_model(state, body.model)
+    if not body.messages:
+        raise ApiError(400, "messages must not be empty", param="messages")
+    if body.top_logprobs:
+        raise ApiError(400, "top_logprobs is not supported (only the chosen tokens' logprobs)",
+                       param="top_logprobs")
+    messages = [m.model_dump() for m in body.messages]
+    return await answer(request, state, body, encode(state, messages, "messages"), chat=True,
+                        want_logprobs=body.logprobs)
+
+
+async def models(request: Request):
+    state = request.app.state.server
+    return model_list(state.model_id, state.created)
+
+
+async def health(request: Request):
+    s = request.app.state.scheduler
+    if s is None or s.closed:
+        return error_response(503, "not running", "server_error")
+    return {"status": "ok"}
+
+
+async def metrics(request: Request):
+    state, s = request.app.state.server, request.app.state.scheduler
+    if s is not None:
+        state.metrics.refresh(s.stats())
+    return PlainTextResponse(state.metrics.text(), media_type="text/plain; version=0.0.4")
+
+
+# -- what the routes share -----------------------------------------------------------------------
+
+def running_scheduler(request: Request) -> Scheduler:
+    s = request.app.state.scheduler
+    if s is None or s.closed:
+        raise ApiError(503, "the server is not running requests (starting up or shutting down)",
+                       "server_error", headers={"Retry-After": "1"})
+    return s
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_id:
+        raise ApiError(404, f"model {model!r} does not exist (this server serves {state.model_id!r})",
+                       "not_found_error", "model", "model_not_found")
+
+
+def encode(state: ServerState, prompt, param: str) -> list[int]:
+    try:
+        return state.engine.encode_prompt(prompt)
+    except RequestError as e:
+        raise ApiError(400, str(e), param=param) from None
+
+
+def submit(request: Request, body: Options, prompt_ids: list[int], chat: bool, want_logprobs: bool) -> Job:
+    if body.n != 1:
+        raise ApiError(400, f"n must be 1, got {body.n}", param="n")
+    max_tokens = body.max_completion_tokens or body.max_tokens or 16
+    try:
+        stop = stop_strings(body.stop)
+    except RequestError as e:
+        raise ApiError(400, str(e), param="stop") from None
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    try:
+        params = SamplingParams(temperature=float(body.temperature), top_p=float(body.top_p), seed=body.seed)
+        scheduler = running_scheduler(request)
+        req = scheduler.submit(prompt_ids, params, max_tokens, stop,
+                               lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+    except QueueFull as e:
+        raise ApiError(429, str(e), "rate_limit_error", headers={"Retry-After": "1"}) from None
+    except SchedulerClosed as e:
+        raise ApiError(503, str(e), "server_error", headers={"Retry-After": "1"}) from None
+    except RequestError as e:
+        raise ApiError(400, str(e)) from None
+    return Job(scheduler, req, events, len(prompt_ids), chat, want_logprobs, response_id(chat))
+
+
+def token_logprobs(state: ServerState, job: Job, token_ids, logprobs, offsets) -> dict | None:
+    """The logprobs object of some generated tokens, where the request asked for them."""
+    if not job.want_logprobs:
+        return None
+    texts = [state.engine.tokenizer.decode([t]) for t in token_ids]
+    return logprobs_object(texts, logprobs, offsets, job.chat)
+
+
+async def answer(request: Request, state: ServerState, body: Options, prompt_ids: list[int], chat: bool,
+                 want_logprobs: bool):
+    """Submit and answer: one JSON response, or an SSE stream of chunks."""
+    job = submit(request, body, prompt_ids, chat, want_logprobs)
+    if body.stream:
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return EventSourceResponse(stream(state, job, include_usage), ping=15)
+    return await collect(request, state, job)
+
+
+async def stream(state: ServerState, job: Job, include_usage: bool):
+    """The SSE events of a streamed request: a chunk per token, the finishing chunk (with any text held
+    back for a stop string), the usage if asked, then [DONE]; a request that ended otherwise (the
+    scheduler stopped) ends its stream with an error object."""
+    n_tokens, first, sent = 0, True, 0  # sent: characters of text streamed so far
+    try:
+        while True:
+            ev = await job.events.get()
+            if isinstance(ev, FinishEvent):
+                state.metrics.record(ev, job.prompt_tokens, job.req.cached_tokens)
+                if ev.finish_reason not in ("stop", "length"):
+                    yield {"data": json.dumps(error_object(f"request ended: {ev.finish_reason}", "server_error"))}
+                    return
+                yield {"data": json.dumps(chunk(job.rid, state.model_id, ev.text, None, ev.finish_reason, job.chat,
+                                                first))}
+                if include_usage:
+                    use = usage_object(job.prompt_tokens, n_tokens, job.req.cached_tokens)
+                    yield {"data": json.dumps(usage_chunk(job.rid, state.model_id, use, job.chat))}
+                yield {"data": "[DONE]"}
+                return
+            n_tokens += 1
+            lp = token_logprobs(state, job, [ev.token_id], [ev.logprob], [sent])
+            yield {"data": json.dumps(chunk(job.rid, state.model_id, ev.text, lp, None, job.chat, first))}
+            sent += len(ev.text)
+            first = False
+    finally:  # the client went away (or the stream ended): free the slot within a pass
+        job.scheduler.cancel(job.req)
+
+
+async def collect(request: Request, state: ServerState, job: Job) -> dict:
+    """The whole answer of a request that is not streamed."""
+    text, tokens, logprobs = [], [], []
+    clock = asyncio.get_running_loop().time
+    next_check = clock() + 0.5
+    try:
+        while True:
+            try:
+                ev = await asyncio.wait_for(job.events.get(), timeout=max(0.01, next_check - clock()))
+            except asyncio.TimeoutError:
+                ev = None
+            if isinstance(ev, FinishEvent):
+                break
+            if clock() >= next_check:  # every half second, tokens arriving or not: a client that
+                next_check = clock() + 0.5  # left stops its request within a second
+                if await request.is_disconnected():
+                    raise ApiError(400, "client disconnected") from None
+            if ev is None:
+                continue
+            text.append(ev.text)
+            tokens.append(ev.token_id)
+            logprobs.append(ev.logprob)
+    finally:
+        job.scheduler.cancel(job.req)
+    state.metrics.record(ev, job.prompt_tokens, job.req.cached_tokens)
+    if ev.finish_reason not in ("stop", "length"):
+        raise ApiError(503, f"request ended: {ev.finish_reason}", "server_error")
+    text.append(ev.text)
+    offsets, at = [], 0
+    for piece in text[:len(tokens)]:  # each token's text, in the order they came
+        offsets.append(at)
+        at += len(piece)
+    lp = token_logprobs(state, job, tokens, logprobs, offsets)
+    use = usage_object(job.prompt_tokens, len(tokens), job.req.cached_tokens)
+    return completion(job.rid, state.model_id, "".join(text), lp, ev.finish_reason, use, job.chat)
