@@ -289,7 +289,7 @@ def _model_options(p, sampling: bool = True) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from . import __version__, benchmark
 
     p = _Parser(prog="mlxinfer", description="Generate text from GGUF models with MLX or numpy.")
     p.add_argument("--version", action="version", version=f"mlxinfer {__version__}")
@@ -326,6 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="print a GGUF file's architecture, hyperparameters, tokenizer and tensors")
     i.add_argument("file")
     i.set_defaults(func=_inspect)
+    b = sub.add_parser("bench", help="measure time to first token, tokens/s and peak memory (beside mlx-lm, llama.cpp)",
+                       formatter_class=fmt)
+    benchmark.add_arguments(b)
+    b.set_defaults(func=benchmark.run)
     return p
 
 
