@@ -25,6 +25,7 @@ given per round with their median.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -46,7 +47,8 @@ from .peers import PEER_DTYPES, PEERS, ROOT, installed, prompt_ids, run_peer, su
 from .synthetic import SyntheticSpec, write_synthetic_model
 
 # the names load() takes (its docstring); checked here so that a bad name fails before any row runs
-BACKENDS, DEVICES, ATTENTION, KV_CACHES = ("cpu", "mlx"), ("gpu", "cpu"), ("fused", "per-head"), ("prealloc", "paged", "basic")
+BACKENDS, DEVICES, ATTENTION = ("cpu", "mlx"), ("gpu", "cpu"), ("fused", "per-head")
+KV_CACHES = ("prealloc", "paged", "basic")
 SYNTHETIC = {  # --model names for synthetic shapes, written once into the cache (random weights, seed 0)
     "qwen3-0.6b-synthetic": SyntheticSpec(arch="qwen3", n_layers=28, hidden=1024, ffn=3072, n_heads=16,
                                           n_kv_heads=8, head_dim=128, vocab_size=151936, context_length=40960,
@@ -191,7 +193,10 @@ def run_row(job: dict) -> dict:
     got = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     if r.returncode == 0 and got:
         return got[-1]
-    why = f"signal {-r.returncode}" if r.returncode < 0 else (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+    if r.returncode < 0:
+        why = f"signal {-r.returncode}"
+    else:
+        why = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
     return dict(engine=f"mlxinfer {job['backend']}", device=job["device"], attention=job["attention"],
                 kv_cache=job["kv"], batch_size=job["batch"], prompt_tokens=job["prompt"], error=why)
 
@@ -237,7 +242,8 @@ def header(model: str, command: str) -> dict:
         pass
     info = dict(kind="header", command=command, model=model,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                machine=f"{platform.platform()}, {platform.machine()}, {os.cpu_count()} cpus" + (f", GPU {gpu}" if gpu else ""),
+                machine=f"{platform.platform()}, {platform.machine()}, {os.cpu_count()} cpus"
+                        + (f", GPU {gpu}" if gpu else ""),
                 versions={"python": platform.python_version(), "mlxinfer": __version__,
                           **{d: v(d) for d in ("numpy", "mlx", "gguf", "mlx-lm", "llama-cpp-python") if v(d)}},
                 source=source_digest(), load_average="{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()),
@@ -283,15 +289,16 @@ def fmt_table(rows) -> str:
             r.get("ratio", ""),
         ]) + " |")
     runs = sorted({r["runs"] for r in rows if "runs" in r})
-    lines.append(f"\nmedian [min-max] over {'/'.join(map(str, runs)) or '-'} runs a row")
+    if runs:
+        lines.append(f"\n{'/'.join(map(str, runs))} run(s) a row" + ("; median [min-max]" if runs[-1] > 1 else ""))
     if any(r.get("peak_memory_scope") == "process" for r in rows):
         lines.append("*: the process's peak so far (the high-water mark could not be reset)")
     return "\n".join(lines)
 
 
 def row_key(r, attention=None):
-    return (r.get("round", 1), r["engine"], r.get("device"), r.get("kv_cache"), r.get("batch_size", 1), r["prompt_tokens"],
-            attention or r["attention"])
+    return (r.get("round", 1), r["engine"], r.get("device"), r.get("kv_cache"), r.get("batch_size", 1),
+            r["prompt_tokens"], attention or r["attention"])
 
 
 def add_ratios(rows) -> None:
@@ -317,7 +324,8 @@ def peer_ratios(rows) -> str:
         b = p.get("batch_size", 1)
         key = "decode_tokens_per_second" if b == 1 else "total_tokens_per_second"
         for o in ours:
-            if (o["prompt_tokens"] == p["prompt_tokens"] and o.get("batch_size", 1) == b and o.get("device") == p.get("device")
+            if (o["prompt_tokens"] == p["prompt_tokens"] and o.get("batch_size", 1) == b
+                    and o.get("device") == p.get("device")
                     and o.get("round", 1) == p.get("round", 1) and p[key] > 0):
                 name = (f"{o['engine']}/{o.get('device') or '-'} {o['attention']} {o.get('kv_cache')} vs "
                         f"{p['engine']} (prompt {p['prompt_tokens']}, batch {b})")
@@ -327,8 +335,8 @@ def peer_ratios(rows) -> str:
             out.append(f"  {name}: {ratios[0]:.2f}x")
         else:
             out.append(f"  {name}: rounds {' '.join(f'{x:.2f}x' for x in ratios)}; median "
-                       f"{statistics.median(ratios):.2f}x, at least 1.2x (unrounded) in {sum(x >= 1.2 for x in ratios)} of "
-                       f"{len(ratios)}")
+                       f"{statistics.median(ratios):.2f}x, at least 1.2x (unrounded) in "
+                       f"{sum(x >= 1.2 for x in ratios)} of {len(ratios)}")
     return "\n".join(out)
 
 
@@ -346,27 +354,30 @@ def plot(rows, path) -> None:
     """Decode tokens/s per sequence and total tokens/s against the prompt length, one line per engine,
     device, attention path, KV cache and batch size: the median (over rounds, of their medians), a bar
     from the slowest run to the fastest."""
+    rows = [r for r in rows if "error" not in r]
+    if not rows:
+        return
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("mlxinfer: note: matplotlib is not installed, so no plot (pip install 'mlxinfer[bench]')", file=sys.stderr)
+        print("mlxinfer: note: matplotlib is not installed, so no plot (pip install 'mlxinfer[bench]')",
+              file=sys.stderr)
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for ax, key, title in ((axes[0], "decode_tokens_per_second", "decode tokens/s per sequence"),
                            (axes[1], "total_tokens_per_second", "total tokens/s (prefill included)")):
         series = {}
-        for r in (r for r in rows if "error" not in r):
-            label = " ".join(x for x in (f"{r['engine']}/{r.get('device') or '-'}", r["attention"] if r["attention"] != "-" else "",
-                                         r.get("kv_cache") if r.get("kv_cache") != "-" else "",
-                                         f"B={r.get('batch_size', 1)}") if x)
+        for r in rows:
+            label = " ".join(x for x in (f"{r['engine']}/{r.get('device') or '-'}", r["attention"],
+                                         r.get("kv_cache"), f"B={r.get('batch_size', 1)}") if x and x != "-")
             series.setdefault(label, {}).setdefault(r["prompt_tokens"], []).append(
                 (r[key], r.get(key + "_min", r[key]), r.get(key + "_max", r[key])))
         for label, by_x in series.items():
-            pts = sorted((x, statistics.median(m for m, _, _ in v), min(lo for _, lo, _ in v), max(hi for _, _, hi in v))
-                         for x, v in by_x.items())
+            pts = sorted((x, statistics.median(m for m, _, _ in v), min(lo for _, lo, _ in v),
+                          max(hi for _, _, hi in v)) for x, v in by_x.items())
             med = [p[1] for p in pts]
             ax.errorbar([p[0] for p in pts], med, yerr=[[m - p[2] for m, p in zip(med, pts)],
                                                          [p[3] - m for m, p in zip(med, pts)]],
@@ -451,8 +462,9 @@ def measure(jobs, peer_jobs, rounds: int, log) -> tuple[list[dict], list[str]]:
     return rows, notes
 
 
-def run(args) -> int:
-    """Measure every row (or read them back, --report) and print the table; 1 if a row of ours failed."""
+def plan(args) -> tuple[str | None, list[dict], list[dict], list[str]]:
+    """The model file and the rows to measure: our jobs, the peers' jobs, and notes on what is left out
+    and why. Refuses a bad option in one line (RequestError) before anything runs."""
     prompts = _ints(args.prompt_tokens, "-p/--prompt-tokens")
     batches = _ints(args.batch, "--batch")
     for option, value, least in (("-n/--gen-tokens", args.gen_tokens, 1), ("-r/--runs", args.runs, 1),
@@ -466,6 +478,36 @@ def run(args) -> int:
     kvs = _names(args.kv, "--kv", KV_CACHES)
     peers = [] if args.peers == "none" else _names(args.peers, "--peers", tuple(PEERS))
     dtypes = _names(args.peer_dtypes, "--peer-dtypes", PEER_DTYPES)
+    if args.report:
+        return None, [], [], []
+    model, notes = model_path(args.model), []
+    if ("mlx" in backends or "mlx-lm" in peers) and "gpu" in devices and not mlx_has_gpu():
+        devices = [d for d in devices if d != "gpu"]
+        notes.append("MLX has no GPU here: no gpu rows")
+    spec = dict(model=model, gen=args.gen_tokens, runs=args.runs, warmup_tokens=args.warmup_tokens,
+                threads=args.threads)
+    jobs = [dict(spec, backend=b, device=d, attention=a, kv=kv, batch=n_batch, prompt=n)
+            for b in backends for d in (devices if b == "mlx" else ["cpu"]) for a in attentions for kv in kvs
+            for n_batch in batches for n in prompts]
+    peer_jobs = []
+    for p in peers:
+        if not installed(p):
+            notes.append(f"peer {p}: not installed ({PEERS[p]} not found), no rows")
+        elif p == "mlx-lm":
+            peer_jobs += [dict(spec, peer=p, device=d, dtype=dt, prompts=prompts, batches=batches)
+                          for d in devices for dt in dtypes]
+        elif 1 in batches:
+            peer_jobs.append(dict(spec, peer=p, device="cpu", prompts=prompts))
+        else:
+            notes.append(f"peer {p}: batch 1 only, no rows")
+    if not jobs and not peer_jobs:
+        raise RequestError("nothing to measure" + "".join(f"; {n}" for n in notes))
+    return model, jobs, peer_jobs, notes
+
+
+def run(args) -> int:
+    """Measure every row (or read them back, --report) and print the table; 1 if a row of ours failed."""
+    model, jobs, peer_jobs, notes = plan(args)
     if args.out is not None:
         try:
             os.makedirs(args.out, exist_ok=True)
@@ -477,43 +519,20 @@ def run(args) -> int:
         print(text)
         _write_outputs(args.out, text, rows, None)
         return 0
-
     command = shlex.join(["mlxinfer", *getattr(args, "argv", sys.argv[1:])])
-    head = header(model_path(args.model), command)
-    print(f"{command}\n{head['date']}, {head['machine']}, commit {head.get('commit', '-')}\n"
-          f"model: {head['model']}", file=sys.stderr, flush=True)
-    notes = []
-    if ("mlx" in backends or "mlx-lm" in peers) and "gpu" in devices and not mlx_has_gpu():
-        devices = [d for d in devices if d != "gpu"]
-        notes.append("MLX has no GPU here: no gpu rows")
-    spec = dict(model=head["model"], gen=args.gen_tokens, runs=args.runs, warmup_tokens=args.warmup_tokens,
-                threads=args.threads)
-    jobs = [dict(spec, backend=b, device=d, attention=a, kv=kv, batch=n_batch, prompt=n)
-            for b in backends for d in (devices if b == "mlx" else ["cpu"]) for a in attentions for kv in kvs
-            for n_batch in batches for n in prompts]
-    tmp = tempfile.TemporaryDirectory(prefix="mlxinfer-bench-")  # mlx-lm's weights, one folder a dtype
-    peer_jobs = []
-    for p in peers:
-        if not installed(p):
-            notes.append(f"peer {p}: not installed ({PEERS[p]} not found), no rows")
-        elif p == "mlx-lm":
-            peer_jobs += [dict(spec, peer=p, device=d, dtype=dt, dir=os.path.join(tmp.name, dt), prompts=prompts,
-                               batches=batches) for d in devices for dt in dtypes]
-        elif 1 in batches:
-            peer_jobs.append(dict(spec, peer=p, device="cpu", prompts=prompts))
-        else:
-            notes.append(f"peer {p}: batch 1 only, no rows")
+    head = header(model, command)
+    print(f"{command}\n{head['date']}, {head['machine']}, commit {head.get('commit', '-')}\nmodel: {model}",
+          file=sys.stderr, flush=True)
     for note in notes:
         print(f"mlxinfer: note: {note}", file=sys.stderr)
-    log = open(os.path.join(args.out, "results.jsonl"), "w") if args.out else None
-    try:
+    with tempfile.TemporaryDirectory(prefix="mlxinfer-bench-") as tmp, \
+            (open(os.path.join(args.out, "results.jsonl"), "w") if args.out else contextlib.nullcontext()) as log:
+        for job in peer_jobs:
+            if job["peer"] == "mlx-lm":  # its weights, written by the first process of each dtype
+                job["dir"] = os.path.join(tmp, job["dtype"])
         if log:
             print(json.dumps(head), file=log, flush=True)
         rows, failed = measure(jobs, peer_jobs, args.rounds, log)
-    finally:
-        tmp.cleanup()
-        if log:
-            log.close()
     text = report(rows) + "".join(f"\n{n}" for n in notes + failed)
     print(text)
     _write_outputs(args.out, text, rows, command)

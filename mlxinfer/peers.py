@@ -132,7 +132,8 @@ def write_mlx_lm_model(path, out_dir, dtype: str = "float32") -> str:
         if base + ".scales" in gguf:
             w, scales = gguf[name], gguf[base + ".scales"]
             weights[key + ".weight"] = w
-            weights[key + ".scales"], weights[key + ".biases"] = scales.astype(cast), gguf[base + ".biases"].astype(cast)
+            weights[key + ".scales"] = scales.astype(cast)
+            weights[key + ".biases"] = gguf[base + ".biases"].astype(cast)
             module_bits[key] = w.shape[-1] // scales.shape[-1]  # 32-bit words per group of 32 inputs
         else:
             weights[key + ".weight"] = gguf[name].astype(cast)

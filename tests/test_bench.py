@@ -113,6 +113,7 @@ def test_a_tiny_run_writes_the_table_and_json_lines(synthetic, tmp_path):
     assert head["model"] == model and head["versions"]["mlxinfer"] and head["machine"] and head["date"].endswith("UTC")
     assert len(rows) == 1
     row = rows[0]
-    assert (row["engine"], row["prompt_tokens"], row["generated"], row["runs"], row["round"]) == ("mlxinfer cpu", 8, 4, 1, 1)
+    assert (row["engine"], row["prompt_tokens"], row["generated"], row["runs"], row["round"]) \
+        == ("mlxinfer cpu", 8, 4, 1, 1)
     assert row["backend"].startswith("cpu (") and row["decode_tokens_per_second"] > 0 and row["peak_memory_mb"] > 0
     assert (tmp_path / "results.md").read_text().startswith("command: mlxinfer bench -m ")
