@@ -5,23 +5,20 @@ the same shapes, each launched once after MLX compiles it. Run it under ncu, e.g
 bench/results/h200-ncu-attention-1900.txt, -1910.txt and h200-ncu-prefill-rows-1922.txt):
 
     ncu --kernel-name regex:"attn_(scores|context)" --section SpeedOfLight --section LaunchStats \
-        --section Occupancy --section WarpStateStats python3 bench/ncu_attention.py
+        --section Occupancy --section WarpStateStats python3 bench/probes/ncu_attention.py
 
 `--decode-only`: the one-row cases alone, at 512, 2,048, 8,192 and 32,768 keys; `--repeat N`: each op N
 times (under `ncu --cache-control none` the later launches find the cache as a chain of calls leaves it).
 """
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import mlx.core as mx
+import numpy as np
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-
-from mlxinfer import kernels  # noqa: E402
-from mlxinfer.backend import AttentionSpec  # noqa: E402
+from mlxinfer import kernels
+from mlxinfer.backend import AttentionSpec
 
 if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
     sys.exit("ncu_attention: needs MLX's CUDA backend")

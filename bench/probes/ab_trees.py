@@ -2,19 +2,19 @@
 a change from a lent GPU's drift).
 
 A lent machine's host speed moves by up to 2x over minutes, and a decode token of a 0.6B model is
-host-bound, so two single runs of bench.py minutes apart cannot tell a 10% change (2026-11-30 23:20:
-one build's tok/s moved 2.3x within four minutes). This runs `bench/step_profile.py --engines ours` from
+host-bound, so two single runs of `mlxinfer bench` minutes apart cannot tell a 10% change (2026-11-30 23:20:
+one build's tok/s moved 2.3x within four minutes). This runs `bench/probes/step_profile.py --engines ours` from
 each tree in turn, `--rounds` times, alternating which goes first (A B, B A, A B, ...), each run in its
 own process, and compares the median interval between decode tokens (each run's median over
 2 x --gen tokens; step_profile's `interval_ms`): per round and case, then the median over rounds and in
 how many rounds B's was shorter.
 
-    python3 bench/ab_trees.py --a HEAD~1 --b HEAD --out /tmp/ab            # trees made with git archive
-    python3 bench/ab_trees.py --a-tree /path/a --b-tree /path/b --out /tmp/ab   # trees already there (a
+    python3 bench/probes/ab_trees.py --a HEAD~1 --b HEAD --out /tmp/ab            # trees made with git archive
+    python3 bench/probes/ab_trees.py --a-tree /path/a --b-tree /path/b --out /tmp/ab   # trees already there (a
                                                                             # lent GPU's copy has no usable git)
 
 Writes OUT/ab.jsonl (every run's rows, with "tree" and "round") and prints the comparison. Both trees
-share one model file (--cache). `--device cpu` tries it here (MLX's CPU device).
+share one model file (in mlxinfer's cache). `--device cpu` tries it here (MLX's CPU device).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import statistics
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-PARTS = ["mlxinfer", "metal_kernels", "bench"]  # what a tree needs to run bench/step_profile.py
+from mlxinfer.model_source import cache_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PARTS = ["mlxinfer", "metal_kernels", "bench"]  # what a tree needs to run its step_profile.py
 
 
 def make_tree(rev: str, dst: str) -> str:
@@ -39,11 +40,22 @@ def make_tree(rev: str, dst: str) -> str:
     return dst
 
 
+def profile_script(tree: str) -> tuple[str, list[str]]:
+    """The tree's step_profile.py, and the options its version needs: before bench/probes/ it lived in
+    bench/ and took the model folder as --cache."""
+    script = os.path.join(tree, "bench", "probes", "step_profile.py")
+    if os.path.isfile(script):
+        return script, []
+    return os.path.join(tree, "bench", "step_profile.py"), ["--cache", str(cache_dir())]
+
+
 def run_profile(tree: str, args) -> list[dict]:
-    """One step_profile.py run of ours from `tree` (its own engine first on sys.path); its JSON rows."""
-    cmd = [sys.executable, os.path.join(tree, "bench", "step_profile.py"), "--engines", "ours", "--cases", args.cases,
-           "--gen", str(args.gen), "--model", args.model, "--device", args.device, "--cache", args.cache]
-    r = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=args.timeout)
+    """One step_profile.py run of ours from `tree` (its own engine first on the path); its JSON rows."""
+    script, extra = profile_script(tree)
+    cmd = [sys.executable, script, "--engines", "ours", "--cases", args.cases, "--gen", str(args.gen),
+           "--model", args.model, "--device", args.device, *extra]
+    r = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=args.timeout,
+                       env=dict(os.environ, PYTHONPATH=tree))
     if r.returncode != 0:
         raise SystemExit(f"ab_trees: step_profile in {tree} failed (exit {r.returncode}): "
                          f"{(r.stderr.strip().splitlines() or ['?'])[-1]}")
@@ -81,9 +93,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--cases", default="17,511")
     p.add_argument("--gen", type=int, default=128)
-    p.add_argument("--model", default="qwen3-0.6b-synthetic", help="bench.py's names or a GGUF path")
+    p.add_argument("--model", default="qwen3-0.6b-synthetic", help="as mlxinfer bench's --model")
     p.add_argument("--device", default="gpu")
-    p.add_argument("--cache", default=os.path.join(HERE, "models"), help="the model folder both trees read")
     p.add_argument("--timeout", type=int, default=300, help="seconds a run may take")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
@@ -94,11 +105,10 @@ def main(argv=None):
         rev, tree = getattr(a, t.lower()), getattr(a, f"{t.lower()}_tree")
         if (rev is None) == (tree is None):
             p.error(f"give exactly one of --{t.lower()} and --{t.lower()}-tree")
-        if tree is not None and not os.path.isfile(os.path.join(tree, "bench", "step_profile.py")):
-            p.error(f"--{t.lower()}-tree {tree}: no bench/step_profile.py there")
+        if tree is not None and not os.path.isfile(profile_script(tree)[0]):
+            p.error(f"--{t.lower()}-tree {tree}: no bench/probes/step_profile.py (or bench/step_profile.py) there")
         trees[t] = os.path.abspath(tree) if tree else make_tree(rev, os.path.join(a.out, t.lower()))
     os.makedirs(a.out, exist_ok=True)
-    a.cache = os.path.abspath(a.cache)
     rows = []
     with open(os.path.join(a.out, "ab.jsonl"), "a") as log:
         for k in range(1, a.rounds + 1):

@@ -5,7 +5,7 @@ CPU target)? For decode-shaped products (one row) of SmolLM2's and Qwen3-0.6B's 
 - qmm on 2 streams: the output rows split in two halves, each half's product on its own CPU stream
   (MLX runs each stream on its own thread), then concatenated; bitwise equal to qmm (checked).
 
-    python3 bench/cpu_weight_products.py [--out results.jsonl]
+    python3 bench/probes/cpu_weight_products.py [--out results.jsonl]
 """
 
 from __future__ import annotations
@@ -14,14 +14,12 @@ import argparse
 import datetime
 import os
 import statistics
-import sys
 import time
 
 import mlx.core as mx
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peers import emit  # noqa: E402
 import numpy as np
+
+from jsonl import emit
 
 SHAPES = [(576, 1536), (1536, 576), (1024, 3072), (3072, 1024)]  # (in, out): SmolLM2 FFN, Qwen3-0.6B FFN
 

@@ -1,7 +1,7 @@
 """Prefill attention microbenchmark (issue 10, target 2): one sequence's causal chunk of T query rows at
 positions 0..T-1 against its own T keys and values in a cache of capacity T rounded up to 256 (what a
 prompt's first chunk sees), GQA 16/8, head_dim 128, float32. Device time per call (CUDA, GPU clock
-stamps, bench/gpu_clock.py, 20 calls chained, median of `--reps` graphs) of
+stamps, bench/probes/gpu_clock.py, 20 calls chained, median of `--reps` graphs) of
 
 - `auto`: mlxinfer's fused attention with the launch plan it picks (`kernels.uses_split`);
 - `scores`, `scores_softmax` (and `_rows`, the kernels by rows): the split plan's first step, and its
@@ -17,7 +17,7 @@ stamps, bench/gpu_clock.py, 20 calls chained, median of `--reps` graphs) of
 Before timing it checks that the plans give the same bits and agree with sdpa to 1e-2 (MLX's CUDA sdpa
 for many query rows is 1e-3 from the float32 result on the H200; the largest difference is `sdpa_err`).
 
-    python3 bench/prefill_attention.py --rows 511,2047 --out results.jsonl
+    python3 bench/probes/prefill_attention.py --rows 511,2047 --out results.jsonl
 """
 
 from __future__ import annotations
@@ -28,16 +28,15 @@ import sys
 
 os.environ["MLX_MAX_OPS_PER_BUFFER"] = os.environ["MLX_MAX_MB_PER_BUFFER"] = "1000000"  # one CUDA graph
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
+import mlx.core as mx
+import numpy as np
 
-from decode_attention import glue, gpu_time  # noqa: E402
-from mlxinfer import kernels  # noqa: E402
-from mlxinfer.backend import AttentionSpec  # noqa: E402
-from peers import emit  # noqa: E402
+from mlxinfer import kernels
+from mlxinfer.backend import AttentionSpec
+
+from decode_attention import glue, gpu_time
+from jsonl import emit
 
 
 def main(argv=None):

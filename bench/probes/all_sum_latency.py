@@ -1,6 +1,6 @@
 """Latency of mx.distributed.all_sum for decode-sized rows, and what NCCL picked to carry it.
 
-    mlx.launch -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 -- python3 bench/all_sum_latency.py --out r.jsonl
+    mlx.launch -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 -- python3 bench/probes/all_sum_latency.py --out r.jsonl
 
 A TP decode token does 2 all-sums per layer of one [1, hidden] row, each waiting on the last. Per row size
 (--hidden) and dtype, rank 0 writes one JSON line: the median time of one all-sum
@@ -17,13 +17,11 @@ import argparse
 import datetime
 import os
 import statistics
-import sys
 import time
 
 import mlx.core as mx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peers import emit  # noqa: E402
+from jsonl import emit
 
 
 def median_ms(fn, reps):

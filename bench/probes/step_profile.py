@@ -16,7 +16,7 @@ Ours' build is all of `Engine._launch` but the encoding: the batch's arrays, the
 and the sampling graph; mlx-lm's is its model call only (its sampling graph lands in `wait`).
 
 `--gpu-clock` (CUDA) adds `gpu_ms`: the device time of the forward pass alone (ours: the compiled
-step; mlx-lm: its model call), between two GPU clock stamps (bench/gpu_clock.py) evaluated with the
+step; mlx-lm: its model call), between two GPU clock stamps (bench/probes/gpu_clock.py) evaluated with the
 step; it sets MLX_MAX_OPS_PER_BUFFER and MLX_MAX_MB_PER_BUFFER so high that each evaluation is one
 CUDA graph, launched once encoded, so no host gap falls between the stamps. When `gpu_ms` is well
 below the interval the step is host-bound: fewer primitives, not faster kernels, make a faster token. `--variants` adds our engine with the attention kernel's launch plan forced
@@ -24,7 +24,7 @@ below the interval the step is host-bound: fewer primitives, not faster kernels,
 rest of the step's cost). Run each MLX_MAX_OPS_PER_BUFFER setting in its own process (MLX reads it
 once). Writes JSON lines. Made for an MLX GPU (`--device cpu` only tries the script).
 
-    python3 bench/step_profile.py --cases 17,511 --gen 64 --out profile.jsonl
+    python3 bench/probes/step_profile.py --cases 17,511 --gen 64 --out profile.jsonl
 """
 
 from __future__ import annotations
@@ -40,17 +40,15 @@ import time
 if "--gpu-clock" in sys.argv:  # read by MLX when its GPU stream starts: before the import
     os.environ["MLX_MAX_OPS_PER_BUFFER"] = os.environ["MLX_MAX_MB_PER_BUFFER"] = "1000000"
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
+import mlxinfer
+from mlxinfer import kernels
+from mlxinfer.benchmark import model_path
+from mlxinfer.peers import prompt_ids, write_mlx_lm_model
 
-import mlxinfer  # noqa: E402
-from bench import resolve  # noqa: E402
-from gpu_clock import elapsed_us, stamp  # noqa: E402
-from mlxinfer import kernels  # noqa: E402
-from peers import emit, prompt_ids, write_mlx_lm_model  # noqa: E402
+from gpu_clock import elapsed_us, stamp
+from jsonl import emit
 
 
 class Clock:
@@ -96,8 +94,9 @@ def _median(rows, key):
 
 
 def profile_ours(path, cases, gen, variant, device, gpu_clock=False):
-    from ablations import NoAttention, SeparateWeights
     from mlxinfer.backends.mlx import MLXBackend
+
+    from ablations import NoAttention, SeparateWeights
 
     backend = {"separate": SeparateWeights, "no-attention": NoAttention}.get(variant, MLXBackend)
     engine = mlxinfer.Engine(path, backend(device=device))
@@ -224,10 +223,9 @@ def main(argv=None):
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--engines", default="ours,mlx-lm")
     p.add_argument("--variants", default="default", help="ours: default, one-launch, separate, no-attention")
-    p.add_argument("--model", default="qwen3-0.6b-synthetic", help="bench.py's names or a GGUF path")
+    p.add_argument("--model", default="qwen3-0.6b-synthetic", help="as mlxinfer bench's --model")
     p.add_argument("--device", default="gpu", help="gpu, or cpu to try the script without one")
     p.add_argument("--gpu-clock", action="store_true", help="add gpu_ms (CUDA; one CUDA graph per evaluation)")
-    p.add_argument("--cache", default=os.path.join(HERE, "models"))
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.device == "gpu" and not (mx.cuda.is_available() or mx.metal.is_available()):
@@ -235,7 +233,7 @@ def main(argv=None):
     if a.gpu_clock and not (a.device == "gpu" and mx.cuda.is_available()):
         sys.exit("step_profile: --gpu-clock needs MLX's CUDA backend")
     mx.set_default_device(mx.gpu if a.device == "gpu" else mx.cpu)
-    path = resolve(a.model, a.cache)
+    path = model_path(a.model)
     env = {k: os.environ.get(k) for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_USE_CUDA_GRAPHS")}
     cases = [int(x) for x in a.cases.split(",")]
     for engine in a.engines.split(","):

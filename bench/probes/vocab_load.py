@@ -1,27 +1,25 @@
 """Time to read a GGUF file's metadata and build its tokenizer (the 152k-token Qwen vocabulary).
 
-    python3 bench/vocab_load.py [PATH] [--gguf-reader]
+    python3 bench/probes/vocab_load.py [PATH] [--gguf-reader]
 
 --gguf-reader also times `gguf.GGUFReader` on the same file for comparison (~50 s here).
 """
 
 import os
 import statistics
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+from mlxinfer.gguf_file import GGUFFile
+from mlxinfer.tokenizer import GGUFTokenizer
 
-from mlxinfer.gguf_file import GGUFFile  # noqa: E402
-from mlxinfer.tokenizer import GGUFTokenizer  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None):
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("path", nargs="?", default=os.path.join(os.path.dirname(HERE), "tests", "data", "ggml-vocab-qwen2.gguf"),
+    p.add_argument("path", nargs="?", default=os.path.join(ROOT, "tests", "data", "ggml-vocab-qwen2.gguf"),
                    help="GGUF file (default: tests/data/ggml-vocab-qwen2.gguf)")
     p.add_argument("--gguf-reader", action="store_true", help="also time gguf.GGUFReader on the same file")
     a = p.parse_args(argv)

@@ -4,25 +4,21 @@ from them and their evaluation, median over `--steps` steps after a prompt of `-
 sequence. `--before FILE` also times another version of mlxinfer/kv_cache.py (e.g. `git show
 2b68601:mlxinfer/kv_cache.py > /tmp/kv_old.py`), loaded as a module of this package.
 
-    python3 bench/decode_index.py --cases 1x2000,8x2000,1x8000 --before /tmp/kv_old.py
+    python3 bench/probes/decode_index.py --cases 1x2000,8x2000,1x8000 --before /tmp/kv_old.py
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
-
-from mlxinfer import kv_cache  # noqa: E402
-from mlxinfer.backends.mlx import MLXBackend  # noqa: E402
-from mlxinfer.batch import Batch  # noqa: E402
+from mlxinfer import kv_cache
+from mlxinfer.backends.mlx import MLXBackend
+from mlxinfer.batch import Batch
 
 
 def host_ms(module, ops, b: int, s: int, steps: int) -> float:

@@ -17,7 +17,7 @@ first step alone (`split_scores_us_in20`); and
 both plans give the same bits and that they agree with sdpa to 1e-4. Needs an MLX GPU.
 
 `--gpu-clock` (CUDA) measures instead the device time alone: 20 calls chained (each call's output is
-the next call's query), between two GPU clock stamps (bench/gpu_clock.py), all in one CUDA graph
+the next call's query), between two GPU clock stamps (bench/probes/gpu_clock.py), all in one CUDA graph
 (MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER set high), per call (`*_gpu_us`; the split plan's two- and three-launch forms forced as
 `split_two_launches_gpu_us` and `split_three_launches_gpu_us`; with `--one-row-forms SU:KU:PF:WS,...`, one
 row also with each of those `kernels.ONE_ROW_FORM`s as `fused_SU8_KU64_PF1_WS1_gpu_us` etc., then the default
@@ -30,7 +30,7 @@ first kernel (an error of at most that kernel's time over the 20 calls). Two gra
 median of `--reps`/5 graphs; the plans run in a fixed order, and single calls of one kernel moved by up
 to 1.4x between measurements of one run on the H200.
 
-    python3 bench/decode_attention.py --contexts 512,2048,8192,32768 --batch 1,8 --out results.jsonl
+    python3 bench/probes/decode_attention.py --contexts 512,2048,8192,32768 --batch 1,8 --out results.jsonl
 """
 
 from __future__ import annotations
@@ -44,17 +44,15 @@ import time
 if "--gpu-clock" in sys.argv:  # read by MLX when its GPU stream starts: before the import
     os.environ["MLX_MAX_OPS_PER_BUFFER"] = os.environ["MLX_MAX_MB_PER_BUFFER"] = "1000000"
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mlx.core as mx
+import numpy as np
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
+from mlxinfer import kernels
+from mlxinfer.backend import AttentionSpec
+from mlxinfer.batch import MIN_INDEX_ENTRIES
 
-from gpu_clock import elapsed_us, stamp  # noqa: E402
-from mlxinfer import kernels  # noqa: E402
-from mlxinfer.backend import AttentionSpec  # noqa: E402
-from mlxinfer.batch import MIN_INDEX_ENTRIES  # noqa: E402
-from peers import emit  # noqa: E402
+from gpu_clock import elapsed_us, stamp
+from jsonl import emit
 
 
 def timed(fn, reps, chain=1):

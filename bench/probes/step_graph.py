@@ -1,15 +1,15 @@
 """What one decode token asks MLX to evaluate, ours beside mlx-lm's (issue 10, target 1's profile).
 
-Decode of a 0.6B model on an H200 is host-bound (bench/step_profile.py): the host's time goes into
+Decode of a 0.6B model on an H200 is host-bound (bench/probes/step_profile.py): the host's time goes into
 evaluating the token's graph, primitive by primitive (each one's eval_gpu; each kernel launch one node of
 a CUDA graph). This script takes the graph that each engine hands to `mx.async_eval` for one decode token
 (ours: `Backend.start` of a decode pass, the compiled step's tape plus the sampling; mlx-lm: the
 `mx.async_eval` in `generate_step`), writes it with `mx.export_to_dot` and counts its primitives by name.
 View primitives (reshape, slice, transpose, ...) launch no kernel when their input is contiguous; the
-rest launch one (or a few) each. Counts, not times: what a token costs the host is bench/step_profile.py's.
+rest launch one (or a few) each. Counts, not times: what a token costs the host is bench/probes/step_profile.py's.
 
-    python3 bench/step_graph.py --cases 17 --out graph.jsonl          # on the GPU (CUDA or Metal)
-    python3 bench/step_graph.py --device cpu                          # tries the script here (CPU: no
+    python3 bench/probes/step_graph.py --cases 17 --out graph.jsonl          # on the GPU (CUDA or Metal)
+    python3 bench/probes/step_graph.py --device cpu                          # tries the script here (CPU: no
                                                                       # fast kernels, so other primitives)
 """
 
@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import re
-import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
+import mlxinfer
+from mlxinfer.benchmark import model_path
+from mlxinfer.peers import prompt_ids, write_mlx_lm_model
 
-import mlxinfer  # noqa: E402
-from bench import resolve  # noqa: E402
-from peers import emit, prompt_ids, write_mlx_lm_model  # noqa: E402
+from jsonl import emit
 
 VIEWS = {"Reshape", "Slice", "Squeeze", "ExpandDims", "Broadcast", "Transpose", "AsStrided", "Split",
          "StopGradient", "Depends", "Flatten", "Unflatten"}
@@ -92,13 +88,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="17")
     p.add_argument("--engines", default="ours,mlx-lm")
-    p.add_argument("--model", default="qwen3-0.6b-synthetic", help="bench.py's names or a GGUF path")
+    p.add_argument("--model", default="qwen3-0.6b-synthetic", help="as mlxinfer bench's --model")
     p.add_argument("--device", default="gpu", help="gpu, or cpu to try the script without one")
-    p.add_argument("--cache", default=os.path.join(HERE, "models"))
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     mx.set_default_device(mx.gpu if a.device == "gpu" else mx.cpu)
-    path = resolve(a.model, a.cache)
+    path = model_path(a.model)
     for n in [int(x) for x in a.cases.split(",")]:
         for engine in a.engines.split(","):
             emit(graph_ours(path, n, a.device) if engine == "ours" else graph_mlx_lm(path, n), a.out)

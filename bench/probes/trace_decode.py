@@ -1,6 +1,6 @@
 """Per-pass op histogram of one decode step, per-head vs fused, on each backend (README's table).
 
-    python3 bench/trace_decode.py [--model qwen3-0.6b-synthetic] [--backends cpu,mlx] [--prompt 16] [--kv prealloc]
+    python3 bench/probes/trace_decode.py [--model qwen3-0.6b-synthetic] [--backends cpu,mlx] [--prompt 16] [--kv prealloc]
 
 For each backend and attention path: prefill a prompt, then trace exactly one decode step (the forward
 pass of one sequence and the greedy sampling of its token) and print its histogram, then time untraced
@@ -13,22 +13,16 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import statistics
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-
-import mlxinfer  # noqa: E402
-from bench import resolve  # noqa: E402
-from mlxinfer.batch import Batch  # noqa: E402
-from mlxinfer.kv_cache import KV_CACHES  # noqa: E402
-from mlxinfer.sampling import Sampler, SamplingParams  # noqa: E402
-from mlxinfer.tracing import TracingBackend  # noqa: E402
-from peers import prompt_ids  # noqa: E402
+import mlxinfer
+from mlxinfer.batch import Batch
+from mlxinfer.benchmark import model_path
+from mlxinfer.kv_cache import KV_CACHES
+from mlxinfer.peers import prompt_ids
+from mlxinfer.sampling import Sampler, SamplingParams
+from mlxinfer.tracing import TracingBackend
 
 GREEDY = SamplingParams()
 
@@ -65,9 +59,8 @@ def main(argv=None):
     p.add_argument("--prompt", type=int, default=16, help="tokens in the cache before the traced step "
                                                           "(default: %(default)s)")
     p.add_argument("--steps", type=int, default=8, help="untraced decode steps timed (default: %(default)s)")
-    p.add_argument("--cache", default=os.path.join(HERE, "models"), help="folder of the synthetic model")
     a = p.parse_args(argv)
-    path = resolve(a.model, a.cache)
+    path = model_path(a.model)
     for backend in a.backends.split(","):
         for attention in ("per-head", "fused"):
             engine = mlxinfer.load(path, backend=backend, attention=attention, device=a.device, kv=a.kv)

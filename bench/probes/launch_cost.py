@@ -16,23 +16,19 @@ graph nodes) and of the whole evaluation (encoding + waiting for the GPU), in mi
   [1, 2048, 8*128] cache, chained through its output as the next query; per launch (two per call;
   the runs of 17:31 and 17:35 UTC wrote this row per call, as `attn_decode (2 launches)`).
 
-    python3 bench/launch_cost.py --n 200 --reps 15 --out results.jsonl
+    python3 bench/probes/launch_cost.py --n 200 --reps 15 --out results.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
-
-from peers import emit  # noqa: E402
+from jsonl import emit
 
 BODY = """
 const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;

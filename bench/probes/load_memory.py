@@ -1,6 +1,6 @@
 """Memory used by opening and loading a large GGUF file (hardening: no eager reads, bounded memory).
 
-    python3 bench/load_memory.py [PATH]     # default: a Qwen3-0.6B-shaped all-F32 file (~2.4 GB), made if absent
+    python3 bench/probes/load_memory.py [PATH]     # default: a Qwen3-0.6B-shaped all-F32 file (~2.4 GB), made if absent
 
 Each measurement runs in a fresh process and reports peak RSS split into anonymous memory (what the
 process allocated) and file-backed pages (the memory-mapped model file, shared with the page cache and
@@ -10,9 +10,6 @@ reclaimable).
 import os
 import subprocess
 import sys
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
 STEPS = {
     "parse (header, metadata, tensor index)": "from mlxinfer.gguf_file import GGUFFile; g = GGUFFile(P)",
@@ -36,24 +33,24 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", nargs="?", default=None,
-                   help="GGUF file (default: a Qwen3-0.6B-shaped all-F32 file under bench/models, ~2.4 GB, made if absent)")
+                   help="GGUF file (default: a Qwen3-0.6B-shaped all-F32 file in mlxinfer's cache, ~2.4 GB, made if absent)")
     a = p.parse_args(argv)
     if a.path:
         path = a.path
     else:
+        from mlxinfer.benchmark import SYNTHETIC
+        from mlxinfer.model_source import cache_dir
         from mlxinfer.synthetic import write_synthetic_model
-        from bench import QWEN3_06B
 
-        path = os.path.join(HERE, "models", "qwen3-0.6b-synthetic-f32.gguf")
+        path = str(cache_dir() / "qwen3-0.6b-synthetic-f32.gguf")
         if not os.path.exists(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            write_synthetic_model(path, QWEN3_06B, qtype="F32")
+            write_synthetic_model(path, SYNTHETIC["qwen3-0.6b-synthetic"], qtype="F32")
     size = os.path.getsize(path)
     print(f"file: {path} ({size / 1e9:.2f} GB)\n")
     print("| step | peak RSS | anonymous | file-backed (mmap) |\n|---|---|---|---|")
     for name, code in STEPS.items():
-        r = subprocess.run([sys.executable, "-c", PROBE.format(code=code), path], capture_output=True, text=True,
-                           cwd=os.path.dirname(HERE))
+        r = subprocess.run([sys.executable, "-c", PROBE.format(code=code), path], capture_output=True, text=True)
         if r.returncode:
             print(f"| {name} | failed: {r.stderr.strip().splitlines()[-1]} | | |")
             continue

@@ -2,33 +2,29 @@
 prompt, in one process, one engine: the one-launch kernel for every pass, the split kernels for every
 pass, the default rule (`kernels.uses_split`), and the default rule with attention replaced by a copy
 of the queries (`no-attention`: an ablation, wrong text, what the rest of a pass costs; left out of
-same_tokens; a second engine with its own backend, bench/ablations.py, so its peak memory holds both
+same_tokens; a second engine with its own backend, bench/probes/ablations.py, so its peak memory holds both
 engines' weights); each after a warm-up, its compiled decode steps
 made afresh (the plan is chosen when a step is traced). Reports time to first token (median of
 --runs) and decode tokens/s over --tokens greedy tokens (median), and checks that every plan generates
 the same tokens (the bits themselves are tests/test_mlx_backend.py's).
 
-    python3 bench/attention_plans.py --cases 17,511,2047,8191 [--plans auto,no-attention] [--model qwen3-0.6b-synthetic|smollm2|PATH]
+    python3 bench/probes/attention_plans.py --cases 17,511,2047,8191 [--plans auto,no-attention] [--model qwen3-0.6b-synthetic|smollm2|PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
+import mlxinfer
+from mlxinfer import kernels
+from mlxinfer.benchmark import model_path
+from mlxinfer.peers import prompt_ids
 
-import mlxinfer  # noqa: E402
-from bench import resolve  # noqa: E402
-from mlxinfer import kernels  # noqa: E402
-from peers import emit, prompt_ids  # noqa: E402
+from jsonl import emit
 
 AUTO = dict(SPLIT_MAX_ITEMS=kernels.SPLIT_MAX_ITEMS, SPLIT_MAX_SCRATCH=kernels.SPLIT_MAX_SCRATCH)
 PLANS = {"one-launch": dict(AUTO, SPLIT_MAX_ITEMS=0, SPLIT_MAX_SCRATCH=0),
@@ -39,17 +35,17 @@ PLANS = {"one-launch": dict(AUTO, SPLIT_MAX_ITEMS=0, SPLIT_MAX_SCRATCH=0),
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-0.6b-synthetic", help="as bench/bench.py's --model")
+    p.add_argument("--model", default="qwen3-0.6b-synthetic", help="as mlxinfer bench's --model")
     p.add_argument("--cases", default="17,511,2047,8191")
     p.add_argument("--plans", default=",".join(PLANS))
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    path = resolve(a.model, os.path.join(HERE, "models"))
+    path = model_path(a.model)
     engine = mlxinfer.load(path, backend="mlx")
     engine.tokenizer = dataclasses.replace(engine.tokenizer, eog_ids=frozenset())  # always --tokens tokens
-    ablated = None  # the no-attention plan's engine: its own backend (bench/ablations.py), made when asked
+    ablated = None  # the no-attention plan's engine: its own backend (bench/probes/ablations.py), made when asked
     for n in (int(x) for x in a.cases.split(",")):
         ids = prompt_ids(n, engine.args.vocab_size)
         row, tokens = {"prompt": n, "kernel": engine.backend.kernel, "tokens": a.tokens}, {}
