@@ -1,4 +1,4 @@
-"""`mlxinfer bench`: how fast this machine generates, by backend, device, attention path, KV cache, batch
+"""mlxinfer bench: how fast this machine generates, by backend, device, attention path, KV cache, batch
 size and prompt length, with mlx-lm and llama.cpp beside ours on the same weights where installed.
 
     mlxinfer bench                                             # the default model, -p 17,511 -n 64
