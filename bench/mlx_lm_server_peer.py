@@ -4,10 +4,10 @@
     python3 bench/mlx_lm_server_peer.py MODEL.gguf OUT_DIR --serve --port 8792 [-- MLX_LM_SERVER_FLAGS...]
     python3 bench/serve_bench.py --url http://127.0.0.1:8792/v1 --model-id default_model ...
 
-OUT_DIR is an mlx-lm model directory: `config.json` + `model.safetensors` from `peers.write_mlx_lm_model`
-(the same quantization, Q8_0/Q4_0/Q4_1 repacked exactly to MLX affine group-32), plus a Hugging Face
-tokenizer made from the GGUF's own vocabulary, so that both servers turn the same request into the same
-token ids:
+OUT_DIR is an mlx-lm model directory: `config.json` + `model.safetensors` from
+`mlxinfer.peers.write_mlx_lm_model` (the same quantization: Q8_0/Q4_0/Q4_1 as MLX affine group-32,
+floats in float32), plus a Hugging Face tokenizer made from the GGUF's own vocabulary, so that both
+servers turn the same request into the same token ids:
 
 - `tokenizer.json`: the `tokenizers.Tokenizer` that `mlxinfer.tokenizer` builds from the GGUF (byte-level
   BPE, llama.cpp's pre-tokenizer splits, CONTROL tokens special, USER_DEFINED tokens added), saved as is;
@@ -55,23 +55,12 @@ import json
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+from serve_bench import bench_prompt
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
     "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-def bench_prompt(words: int = 64) -> str:
-    """The prompt bench/serve_bench.py sends (its --prompt-words, default 64), built the same way."""
-    prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * (words // 9 + 1)).split()
-    return " ".join(prompt[:words]) + ". Continue the story."
 
 
 def write_tokenizer(gguf_path, out_dir) -> dict:
@@ -116,8 +105,9 @@ def write_tokenizer(gguf_path, out_dir) -> dict:
 
 
 def write_peer_model(gguf_path, out_dir) -> dict:
-    """The mlx-lm model directory for `gguf_path`: weights (peers.write_mlx_lm_model) and tokenizer."""
-    from peers import write_mlx_lm_model
+    """The mlx-lm model directory for `gguf_path`: weights (mlxinfer.peers.write_mlx_lm_model, float32)
+    and tokenizer."""
+    from mlxinfer.peers import write_mlx_lm_model
 
     write_mlx_lm_model(gguf_path, out_dir)
     return write_tokenizer(gguf_path, out_dir)

@@ -21,8 +21,11 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+
+def bench_prompt(words: int = 64) -> str:
+    """The prompt every request sends: `words` words of a repeated sentence, then an instruction."""
+    prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * (words // 9 + 1)).split()
+    return " ".join(prompt[:words]) + ". Continue the story."
 
 
 def percentile(values, p):
@@ -86,7 +89,7 @@ def start_server(args, port):
            "--max-batch", str(args.max_batch), "--max-queue", str(max(64, args.requests)), "--kv", args.kv]
     if args.model:
         cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     import httpx
 
     deadline = time.monotonic() + 600
@@ -130,8 +133,7 @@ def main(argv=None):
 
         url, engine = args.url, "peer"
         model_id = args.model_id or httpx.get(url + "/models", timeout=10).json()["data"][0]["id"]
-    prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * (args.prompt_words // 9 + 1)).split()
-    prompt = " ".join(prompt[:args.prompt_words]) + ". Continue the story."
+    prompt = bench_prompt(args.prompt_words)
     header = dict(kind="header", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   machine=f"{platform.platform()}, {os.cpu_count()} cpus", url=url, model=model_id, engine=engine,
                   command="python3 bench/serve_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]))

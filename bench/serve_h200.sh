@@ -41,8 +41,7 @@ stop() { kill "$PID" 2>/dev/null; for _ in $(seq 60); do kill -0 "$PID" 2>/dev/n
 probe() {  # port model-id engine-label: one greedy chat request with the bench's prompt -> $OUT/probe.jsonl
   python3 - "$@" >>"$OUT/probe.jsonl" <<'P' || log "probe failed"
 import httpx, json, sys
-sys.path.insert(0, "bench")
-from mlx_lm_server_peer import bench_prompt
+from bench.serve_bench import bench_prompt
 r = httpx.post(f"http://127.0.0.1:{sys.argv[1]}/v1/chat/completions", timeout=300, json=dict(model=sys.argv[2],
     messages=[{"role": "user", "content": bench_prompt()}], max_tokens=16, temperature=0)).json()
 print(json.dumps(dict(engine=sys.argv[3], usage=r.get("usage"), text=r["choices"][0]["message"]["content"])))

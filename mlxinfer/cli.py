@@ -12,7 +12,7 @@ import socket
 import sys
 import tempfile
 
-from . import __version__
+from . import __version__, benchmark
 from .collectives import launched
 from .engine import load
 from .errors import MlxinferError, RequestError
@@ -318,6 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="print a GGUF file's architecture, hyperparameters, tokenizer and tensors")
     i.add_argument("file")
     i.set_defaults(func=_inspect)
+    b = sub.add_parser("bench", help="measure time to first token, tokens/s and peak memory (beside mlx-lm, llama.cpp)",
+                       formatter_class=fmt)
+    benchmark.add_arguments(b)
+    b.set_defaults(func=benchmark.run)
     return p
 
 

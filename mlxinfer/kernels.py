@@ -66,8 +66,8 @@ SPLIT_MAX_ITEMS = 1024  # (row, head) work items up to which the split kernels r
 SPLIT_MAX_SCRATCH = 1 << 25  # ... or, for more items, while items x capacity stays within this many
 # floats (128 MiB a buffer: a 512-row prefill chunk of 16 heads over a cache of up to 4,096 rows). MLX
 # keeps a pass's scratch until the whole chunk is evaluated: up to 28 layers x 2 buffers = 7 GiB for
-# Qwen3-0.6B, the price of a 23% shorter prefill at 2,047 tokens on the H200 (bench/attention_plans.py:
-# 277 vs 361 ms; peak 9.4 vs 4.0 GB; mlx-lm's own peak at 8,191 tokens is 22 GB)
+# Qwen3-0.6B, the price of a prefill about a quarter shorter than the one-launch kernel's at 2,047
+# tokens on an H200 (peak memory there 9.4 against 4.0 GB; mlx-lm's own at 8,191 tokens is 22 GB)
 
 
 def strip_comments(text: str) -> str:
@@ -168,11 +168,10 @@ def _grid(blocks: int) -> tuple[int, int, int]:
 
 
 TWO_LAUNCH_ROWS = 1  # the split plan's two-launch form for up to this many rows, or ...
-TWO_LAUNCH_MAX_KEYS = 1 << 14  # ... while rows x capacity <= this. Its recomputed softmax costs GPU
-# time growing with rows x keys; its saved launch ~16-21 us of host time, and decode is host-bound. H200,
-# 2026-11-30 13:30 UTC, bench/decode_attention.py --gpu-clock, two vs three launches forced, one run: one
-# row 25.5 vs 34.6 / 30.9 vs 24.0 / 112 vs 99.5 / 315 vs 333 us at 512 / 2,048 / 8,192 / 32,768 keys;
-# eight rows 21.5 vs 18.7 / 61.6 vs 54.6 / 221 vs 181 / 876 vs 710 (single calls move up to 1.4x)
+TWO_LAUNCH_MAX_KEYS = 1 << 14  # ... while rows x capacity <= this. The two-launch form recomputes
+# the softmax in its context pass, GPU time that grows with rows x keys, to save one launch: ~16-21 us
+# of host time, and decode is host-bound. On an H200's device clock one row takes about as long either
+# way (within ~30%, either side, from 512 to 32,768 keys), eight rows 13-23% longer in two launches.
 
 
 ROWS_MIN = 64  # a pass takes the kernels by rows (`attn_scores_rows`; in the three-launch form also
@@ -180,29 +179,24 @@ ROWS_MAX_KEYS_PER_ROW = 64  # `attn_context_rows`) when one of its sequences bri
 # rows (a prefill chunk) and the capacity is at most ROWS_MAX_KEYS_PER_ROW times that many: every row
 # of such a pass, decode rows beside the chunk included, then runs by rows (a decode row alone: a thread
 # walks all of its keys), so a few rows over a long cache keep the kernels by key, which spread every
-# key and chain over the GPU. H200, 2026-11-30 18:59 UTC: a 511-row chunk's attention took 569 us
-# (bench/prefill_attention.py), of which Nsight Compute (locked clocks) gave attn_scores 299 us and
-# attn_context 434; by rows the whole was 217.5 us at 19:21; measured at 511 and 2,047 rows over caches of
-# their own length only (16-row chunks were taken by rows in the 19:26 bench.py run, 17-token prompt:
-# 15.4 ms to the first token on a slow lease; the bound is now 64 until shorter chunks and longer
-# caches are measured).
+# key and chain over the GPU. By rows, a 511-row chunk's attention takes about 0.4x its time by key on
+# an H200. That is known for chunks of 511 and 2,047 rows over caches of their own length only: hence a
+# bound of 64 rows, until shorter chunks over longer caches are measured.
 
 
 CONTEXT_ROWS_FORM = [("NHB", 1), ("UR", 4)]  # attn_context_rows: heads a thread takes at once (1 or 2),
-# keys of a chain unrolled (loads in flight); the arithmetic and its order are the same for any. H200,
-# 2026-11-30 19:21 UTC, bench/prefill_attention.py --context-forms (bench/results/h200-prefill-attention-1921.jsonl),
-# the 511-row chunk's whole attention: 288.0 / 280.0 / 217.5 / 221.1 us with NHB x UR = 2x2 / 2x4 / 1x4 /
-# 1x8 (2x2: 146 registers, one block an SM; 1x4: 96); 2,047 rows: 5,060 / 4,729 / 3,383 / 4,229 us
+# keys of a chain unrolled (loads in flight); the arithmetic and its order are the same for any. Of
+# 2x2, 2x4, 1x4 and 1x8 (NHB x UR), 1x4 makes the fastest attention of a 511- and of a 2,047-row chunk on
+# an H200, a fifth or more faster than two heads a thread (146 registers, one block an SM; one head: 96).
 
 
 def split_unroll(rows: int, capacity: int) -> list[tuple[str, int]]:
     """`attn_softmax_context`'s form: SU scores per head in flight in its softmax pass, KU values in its
     context loop, PF (prefetch the next KU values and scores) and WS (whole steps without key checks
-    first; see the kernel). One row has 128 blocks for 132 SMs, each waiting on memory: more loads in
-    flight (H200, bench/decode_attention.py --gpu-clock, 2026-11-30 17:17 UTC: 21.5 vs 35.1 / 247 vs 286
-    us at 2,048 / 32,768 keys); with 8 rows the same kernel was slower (29.5 vs 22.3 us at 512 keys,
-    69.6 vs 64.7 at 2,048: more registers, fewer blocks at once), so several rows keep (1, 8) without
-    PF and WS. One row: `ONE_ROW_FORM` over caches of up to ONE_ROW_LONG_FORM_ABOVE keys, else
+    first; see the kernel). One row has 128 blocks for 132 SMs, each waiting on memory, so it keeps
+    more loads in flight (faster on an H200 at 2,048 and at 32,768 keys); with 8 rows that form is
+    slower (more registers, fewer blocks at once), so several rows keep (1, 8) without PF and WS. One
+    row: `ONE_ROW_FORM` over caches of up to ONE_ROW_LONG_FORM_ABOVE keys, else
     `ONE_ROW_LONG_FORM`. The arithmetic and its order are the same in every form."""
     if rows > 1:
         return [("SU", 1), ("KU", 8), ("PF", 0), ("WS", 0)]
@@ -213,19 +207,13 @@ ONE_ROW_FORM = (("SU", 8), ("KU", 32), ("PF", 0), ("WS", 1))  # one row, caches 
 ONE_ROW_LONG_FORM_ABOVE = 4096  # ... this many keys; above it:
 ONE_ROW_LONG_FORM = (("SU", 8), ("KU", 32), ("PF", 1), ("WS", 1))
 ONE_ROW_FORMS = tuple((("SU", 8), ("KU", ku), ("PF", pf), ("WS", ws)) for ku, pf, ws in  # every form
-                      ((32, 0, 0), (32, 1, 0), (32, 0, 1), (32, 1, 1), (64, 0, 1), (16, 1, 1)))  # measured:
-# tests/test_mlx_backend.py checks each bit for bit on a GPU, tests/test_kernels.py compiles each
-# H200, 2026-11-30 21:17 UTC, bench/decode_attention.py --gpu-clock --one-row-forms, one row, 20 calls
-# chained (results/h200-decode-attention-forms-2117.jsonl), us at 512 / 2,048 / 8,192 / 32,768 keys:
-#   KU 32 (the form before)  8.9 / 13.2 / 45.0 / 233.5
-#   KU 32, WS                9.5 / 10.5 / 34.7 / 180.1
-#   KU 32, PF, WS            9.7 / 11.4 / 33.3 / 111.7
-#   sdpa                    13.0 / 10.7 / 38.8 / 132.1
-# and with this rule at 21:20 (results/h200-decode-attention-gpu-2120.jsonl) 9.4 / 10.6 / 33.4 / 111.6
-# against sdpa's 13.1 / 10.7 / 38.3 / 129.4. (At 20:46 PF alone was no faster: 245.2 vs 246.0 us at
-# 32,768.) Nsight Compute (18:59 UTC) had shown the form before issuing an instruction every ~4.8 cycles
-# a scheduler from 2 warps over 32,768 keys; its SASS (nvcc 13.0, read at 20:46) has ~1,040
-# instructions a 32-key step, most of them index arithmetic and key checks: what WS removes.
+                      ((32, 0, 0), (32, 1, 0), (32, 0, 1), (32, 1, 1), (64, 0, 1), (16, 1, 1)))  # the
+# one-row kernel has; tests/test_mlx_backend.py checks each bit for bit on a GPU, tests/test_kernels.py
+# compiles each. Most of a 32-key step's instructions are index arithmetic and key checks, which WS
+# removes: a fifth to a quarter off one row's attention from 2,048 keys on an H200. PF pays only beside
+# WS over long caches (over a third off at 32,768 keys; alone, nothing), hence ONE_ROW_LONG_FORM. With
+# this rule one row is at least as fast as mx.fast.scaled_dot_product_attention there at every context
+# from 512 to 32,768 keys.
 
 
 def uses_two_launches(rows: int, capacity: int) -> bool:
@@ -302,7 +290,7 @@ def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, ste
                      two_launches: bool | None = None, seq_rows=None, by_rows: bool | None = None):
     """The split plan: scores, then softmax and context in one launch (`two_launches`, by default
     `uses_two_launches`) or two. `steps=1` stops after the scores and returns them, `steps=2` after the
-    three-launch form's softmax (bench/decode_attention.py and prefill_attention.py time the steps),
+    three-launch form's softmax (bench/probes/decode_attention.py and prefill_attention.py time the steps),
     `steps=3` runs the whole plan. `seq_rows` as fused_attention's; `by_rows` forces the kernels by rows
     (True) or the others (False). The attention's shape is compiled into the kernels."""
     import mlx.core as mx

@@ -65,7 +65,8 @@ SRV_METRICS = "mlxinfer/server/metrics.py"
 SHARD = "mlxinfer/models/shard.py"
 COLL = "mlxinfer/collectives.py"
 GGUF = "mlxinfer/gguf_file.py"
-BENCH = "bench/bench.py"
+BENCH = "mlxinfer/benchmark.py"
+PEERS = "mlxinfer/peers.py"
 
 ONLINE_SOFTMAX = '''
 
@@ -639,13 +640,23 @@ M = [
     ("server-metrics-cached-as-prefilled", "server", SRV_METRICS,
      [("self.prompt.inc(prompt_tokens - cached_tokens)", "self.prompt.inc(prompt_tokens)")],
      [T_SRV], "/metrics counts the prompt tokens the prefix cache served as prefilled too"),
-    # -- the benchmark's comparison with its peers ------------------------------------------------------
+    # -- mlxinfer bench --------------------------------------------------------------------------------
     ("bench-ratio-across-rounds", "bench", BENCH,
      [('and o.get("round", 1) == p.get("round", 1) and p[key] > 0', 'and p[key] > 0')],
-     [T_BENCH], "bench.py: ours / peer ratios pair rows of different rounds"),
-    ("ab-trees-wins-inverted", "bench", "bench/ab_trees.py",
-     [("B shorter in {sum(y < x for x, y in pairs)} of", "B shorter in {sum(y > x for x, y in pairs)} of")],
-     [T_BENCH], "ab_trees.py: counts the rounds where B was slower as B's wins"),
+     [T_BENCH], "mlxinfer bench: ours / peer ratios pair rows of different rounds"),
+    ("bench-ratio-across-devices", "bench", BENCH,
+     [(' and o.get("device") == p.get("device")', '')],
+     [T_BENCH], "mlxinfer bench: ours on MLX's CPU compared with mlx-lm on the GPU"),
+    ("bench-rounds-same-order", "bench", BENCH,
+     [("for part in ((ours, theirs) if rnd % 2 else (theirs, ours)):", "for part in (ours, theirs):")],
+     [T_BENCH], "mlxinfer bench --rounds: ours first in every round"),
+    ("bench-median-as-mean", "bench", PEERS,
+     [('out[k], out[k + "_min"], out[k + "_max"] = statistics.median(values), min(values), max(values)',
+       'out[k], out[k + "_min"], out[k + "_max"] = statistics.fmean(values), min(values), max(values)')],
+     [T_BENCH], "mlxinfer bench: a row's figure is the mean of its runs, not their median"),
+    ("bench-header-without-command", "bench", BENCH,
+     [('info = dict(kind="header", command=command, model=model,', 'info = dict(kind="header", model=model,')],
+     [T_BENCH], "mlxinfer bench --out: the JSON header does not say which command made the run"),
 ]
 
 

@@ -1,22 +1,19 @@
-"""bench/bench.py's comparison with its peers: ratios pair rows of the same round only."""
+"""`mlxinfer bench` (mlxinfer/benchmark.py): ours / peer ratios pair rows of one round, rounds alternate
+which engine goes first, a row is the median of its runs, bad options are one line, and a real tiny run
+writes the table and the JSON lines. No timing is asserted: performance lives in bench/, not here."""
 
-import importlib.util
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
-pytest.importorskip("mlx.core")  # bench.py imports the engine's MLX backend helpers
+from mlxinfer import benchmark
+from mlxinfer.cli import main
+from mlxinfer.peers import summarize
 
-
-def _script(monkeypatch, name: str):
-    """bench/<name>.py as a module; bench/ goes first on sys.path, as when the script runs (bench.py imports
-    its neighbour peers.py)."""
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-    monkeypatch.syspath_prepend(here)
-    spec = importlib.util.spec_from_file_location(f"{name}_under_test", os.path.join(here, f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _row(engine, rnd, tok_s, prompt=17):
@@ -24,27 +21,99 @@ def _row(engine, rnd, tok_s, prompt=17):
                 total_tokens_per_second=tok_s, attention="fused", device="gpu", kv_cache="prealloc")
 
 
-def test_peer_ratios_pair_rows_of_one_round_and_give_their_median(monkeypatch):
-    bench = _script(monkeypatch, "bench")
+def test_peer_ratios_pair_rows_of_one_round_and_give_their_median():
     rows = [_row("mlxinfer mlx", 1, 300.0), _row("mlxinfer mlx", 2, 200.0), _row("mlxinfer mlx", 3, 260.0),
             _row("mlx-lm", 1, 200.0), _row("mlx-lm", 2, 250.0), _row("mlx-lm", 3, 200.0)]
-    text = bench.peer_ratios(rows)
+    text = benchmark.peer_ratios(rows)
     assert "rounds 1.50x 0.80x 1.30x; median 1.30x, at least 1.2x (unrounded) in 2 of 3" in text
 
 
-def test_peer_ratios_of_one_round_print_one_ratio(monkeypatch):
-    bench = _script(monkeypatch, "bench")
-    text = bench.peer_ratios([_row("mlxinfer mlx", 1, 300.0), _row("mlx-lm", 1, 200.0, prompt=511),
-                              _row("mlx-lm", 1, 250.0)])
+def test_peer_ratios_of_one_round_print_one_ratio():
+    text = benchmark.peer_ratios([_row("mlxinfer mlx", 1, 300.0), _row("mlx-lm", 1, 200.0, prompt=511),
+                                  _row("mlx-lm", 1, 250.0)])
     assert text.splitlines()[1].endswith("(prompt 17, batch 1): 1.20x")
     assert "prompt 511" not in text
 
 
-def test_ab_trees_compares_each_round_s_intervals_and_counts_b_s_wins(monkeypatch):
-    ab = _script(monkeypatch, "ab_trees")
-    intervals = {(1, "A"): 2.8, (1, "B"): 2.5, (2, "A"): 2.9, (2, "B"): 3.0, (3, "A"): 3.7, (3, "B"): 2.6}
-    rows = [dict(round=k, tree=t, prompt=17, interval_ms=v) for (k, t), v in intervals.items()]
-    text = ab.compare(rows)
-    assert "| 1 | A | 2.800 | 2.500 |" in text and "| 2 | B | 2.900 | 3.000 |" in text
-    assert "prompt 17: median interval A 2.900 ms, B 2.600 ms (B/A 0.897;" in text
-    assert text.endswith("B shorter in 2 of 3 rounds")
+def test_peer_ratios_pair_rows_of_one_device():
+    text = benchmark.peer_ratios([_row("mlxinfer mlx", 1, 300.0), dict(_row("mlxinfer mlx", 1, 30.0), device="cpu"),
+                                  _row("mlx-lm", 1, 200.0)])
+    assert text.splitlines()[1:] == ["  mlxinfer mlx/gpu fused prealloc vs mlx-lm (prompt 17, batch 1): 1.50x"]
+
+
+def test_a_row_is_the_median_of_its_runs_with_min_and_max():
+    runs = [dict(engine="mlxinfer cpu", decode_tokens_per_second=x, intervals=[1.0, 3.0]) for x in (1.0, 6.0, 2.0)]
+    row = summarize(runs)
+    assert (row["decode_tokens_per_second"], row["decode_tokens_per_second_min"], row["decode_tokens_per_second_max"]) \
+        == (2.0, 1.0, 6.0)
+    assert benchmark.spread(row, "decode_tokens_per_second", ".2f") == "2.00 [1.00-6.00]"
+    assert (row["token_interval_ms_min"], row["token_interval_ms_mean"], row["runs"]) == (1.0, 2.0, 3)
+
+
+def test_rounds_alternate_which_engine_goes_first(monkeypatch, tmp_path, capsys, synthetic):
+    """Three rounds: ours then the peer, the peer then ours, ours then the peer; each round's ratio."""
+    order, speed = [], {("ours", 1): 300.0, ("peer", 1): 200.0, ("ours", 2): 200.0, ("peer", 2): 250.0,
+                        ("ours", 3): 260.0, ("peer", 3): 200.0}
+
+    def fake(who, tok_s):
+        return dict(_row("mlxinfer cpu" if who == "ours" else "mlx-lm", 0, tok_s), device="cpu", generated=4,
+                    token_interval_ms_min=1.0, token_interval_ms_mean=1.0, token_interval_ms_max=1.0,
+                    time_to_first_token_ms=1.0, peak_memory_mb=1.0, runs=1)
+
+    def run_row(job):
+        order.append("ours")
+        return fake("ours", speed[("ours", order.count("ours"))])
+
+    def run_peer(job):
+        order.append("peer")
+        return [fake("peer", speed[("peer", order.count("peer"))])], None
+
+    monkeypatch.setattr(benchmark, "run_row", run_row)
+    monkeypatch.setattr(benchmark, "run_peer", run_peer)
+    monkeypatch.setattr(benchmark, "installed", lambda peer: True)
+    rc = main(["bench", "-m", synthetic(), "--backends", "cpu", "--devices", "cpu", "-p", "17", "--rounds", "3",
+               "--peers", "mlx-lm", "--peer-dtypes", "float32", "--out", str(tmp_path)])
+    assert rc == 0
+    assert order == ["ours", "peer", "peer", "ours", "ours", "peer"]
+    assert "rounds 1.50x 0.80x 1.30x; median 1.30x" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r.get("round") for r in rows] == [None, 1, 1, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--batch", "0"], "--batch takes comma-separated integers of at least 1, got '0'"),
+    (["-p", "17,x"], "-p/--prompt-tokens takes comma-separated integers of at least 1, got '17,x'"),
+    (["--kv", "prealloc,ring"], "--kv: unknown 'ring' (choose from prealloc, paged, basic)"),
+    (["--peers", "vllm"], "--peers: unknown 'vllm' (choose from mlx-lm, llama.cpp)"),
+    (["--peer-dtypes", "int8"], "--peer-dtypes: unknown 'int8'"),
+    (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    (["-n", "x"], "argument -n/--gen-tokens: invalid int value: 'x'"),
+    (["--report", "/nonexistent/results.jsonl"], "--report /nonexistent/results.jsonl: not a results.jsonl file"),
+])
+def test_bad_options_are_one_line(options, message, capsys):
+    try:
+        rc = main(["bench", *options])
+    except SystemExit as e:  # argparse's own errors, through the CLI's parser: one line, status 1
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert len(err.strip().splitlines()) == 1 and err.startswith("mlxinfer: error: ") and message in err, err
+
+
+def test_a_tiny_run_writes_the_table_and_json_lines(synthetic, tmp_path):
+    model = synthetic()
+    argv = ["bench", "-m", model, "--backends", "cpu", "-p", "8", "-n", "4", "--runs", "1", "--out", str(tmp_path)]
+    r = subprocess.run([sys.executable, "-m", "mlxinfer", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    table = [line for line in r.stdout.splitlines() if line.startswith("|")]
+    assert table[0].startswith("| engine | device | attention | kv | batch | prompt | gen | TTFT ms |")
+    assert len(table) == 3 and table[2].startswith("| mlxinfer cpu | cpu | fused | prealloc | 1 | 8 | 4 | ")
+    head, *rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert head["kind"] == "header" and head["command"] == "mlxinfer " + " ".join(argv)
+    assert head["model"] == model and head["versions"]["mlxinfer"] and head["machine"] and head["date"].endswith("UTC")
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row["engine"], row["prompt_tokens"], row["generated"], row["runs"], row["round"]) \
+        == ("mlxinfer cpu", 8, 4, 1, 1)
+    assert row["backend"].startswith("cpu (") and row["decode_tokens_per_second"] > 0 and row["peak_memory_mb"] > 0
+    assert (tmp_path / "results.md").read_text().startswith("command: mlxinfer bench -m ")

@@ -1,7 +1,7 @@
 """The GGUF model spec: hyperparameters, tensor names and shapes, and their validation, in one place.
 
 The models load their weights through it, the synthetic writer writes files from it, and
-`bench/peers.py` maps it to mlx-lm's (Hugging Face) names. An architecture adds its traits (RoPE layout,
+`mlxinfer/peers.py` maps it to mlx-lm's (Hugging Face) names. An architecture adds its traits (RoPE layout,
 per-head q/k norms) and, where it has extra tensors, entries in `LAYER_TENSORS`.
 """
 

@@ -1,0 +1,63 @@
+#!/bin/bash
+# The lent H200: the GPU test suite, then `mlxinfer bench` beside mlx-lm in float32 and bfloat16 on the
+# synthetic Qwen3-0.6B shape. From the repo root, after `source .mlxcuda2/setup.sh` (MLX's CUDA build and
+# mlx-lm; the machine has no package registry, so wheels are carried):
+#
+#   OUT=DIR bash bench/h200.sh [STEP...]      # steps: tests bench report (default: all three, in order)
+#
+# tests   the four GPU test files (test_kernels, test_mlx_backend, test_compile, test_cuda_limits) with
+#         EXAMPLES Hypothesis examples (5) -> $OUT/tests.log
+# bench   mlxinfer bench --backends mlx --devices gpu at the prompt lengths CASES (17,511,8191), batch
+#         sizes BATCH (1,8,32), ROUNDS rounds (3) of RUNS runs (3), mlx-lm in DTYPES (float32,bfloat16)
+#         -> $OUT/bench-<cases>-b<batch>/ (results.jsonl, results.md with the command and table,
+#         results.png where matplotlib is installed) and bench-<cases>-b<batch>.log
+# report  one table (and plot) of every $OUT/bench-*/results.jsonl -> $OUT/report/ (runs `mlxinfer bench
+#         --report`; also works here on fetched results, where matplotlib is)
+#
+# All steps in one go suit a machine without a time limit. A device call holds at most 600 s and a fresh
+# machine compiles every kernel first, so there: one call a step, and the bench step split by CASES and
+# BATCH. The tests take 300-440 s (TESTS_TIMEOUT 560). Estimates from runs with one mlx-lm dtype: CASES=17
+# or CASES=511 with the default batches and rounds ~5 min each, CASES=8191 BATCH=1 ~3 min. At 8,191
+# tokens batch B's prefill is B times batch 1's (ours takes 5.3 s a sequence), so CASES=8191 BATCH=8
+# (~40 s a run, ~10 min in three rounds) and BATCH=32 (~170 s a run; its KV cache ~60 GB in float32) do
+# not fit one call with the default rounds and runs: give them calls of their own with fewer (RUNS=1
+# ROUNDS=1, WARMUP=512 for a short warm-up prompt) and say so beside their figures. BENCH_TIMEOUT (570)
+# bounds each bench step; rows are written as measured, so a step it stops keeps what it measured.
+#
+# .peerwheels/ (git-ignored; `bash bench/peerwheels/make.sh` makes it) is unpacked into SITE (/tmp/site)
+# when carried: mlx-lm's own imports. A lent machine's copy of the tree carries stale git metadata: pass
+# MLXINFER_COMMIT=<this checkout's HEAD> so the JSON header names the code (it also holds a digest of
+# the sources).
+set -u
+cd "$(dirname "$0")/.." || exit 1
+: "${OUT:?set OUT}"
+mkdir -p "$OUT"
+SITE=${SITE:-/tmp/site}
+if [ -f .peerwheels/install.sh ]; then
+  SITE=$SITE bash .peerwheels/install.sh || exit 1
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+CASES=${CASES:-17,511,8191}; BATCH=${BATCH:-1,8,32}; ROUNDS=${ROUNDS:-3}; RUNS=${RUNS:-3}
+DTYPES=${DTYPES:-float32,bfloat16}; WARMUP=${WARMUP:-0}
+T0=$SECONDS
+log() { echo "[$((SECONDS - T0)) s] $*"; }
+for step in ${*:-tests bench report}; do
+  case $step in
+    tests)
+      MLXINFER_PROPERTY_EXAMPLES=${EXAMPLES:-5} timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -q -x \
+        -p no:cacheprovider -rfEs -k "not smollm2 and not cpu_product_threads and not cpu_threads_work" \
+        tests/test_kernels.py tests/test_mlx_backend.py tests/test_compile.py tests/test_cuda_limits.py \
+        >"$OUT/tests.log" 2>&1; rc=$?
+      tail -5 "$OUT/tests.log"; log "tests rc=$rc"; [ $rc -eq 0 ] || exit 1 ;;
+    bench)
+      d=$OUT/bench-${CASES//,/-}-b${BATCH//,/-}
+      timeout "${BENCH_TIMEOUT:-570}" python3 -m mlxinfer bench -m qwen3-0.6b-synthetic --backends mlx \
+        --devices gpu --attention fused -p "$CASES" -n 64 --batch "$BATCH" --runs "$RUNS" --rounds "$ROUNDS" \
+        --warmup-tokens "$WARMUP" --peers mlx-lm --peer-dtypes "$DTYPES" --out "$d" >"$d.log" 2>&1; rc=$?
+      grep -v "^  " "$d.log" | tail -40; log "bench $d rc=$rc" ;;
+    report)
+      python3 -m mlxinfer bench --report "$OUT"/bench-*/results.jsonl --out "$OUT/report"; log "report rc=$?" ;;
+    *) log "unknown step $step (tests, bench, report)"; exit 1 ;;
+  esac
+done

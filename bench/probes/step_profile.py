@@ -1,0 +1,248 @@
+"""Where a decode token's time goes, ours beside mlx-lm's (issue 10, target 1's profile).
+
+MLX evaluates lazily: a decode token costs host time to build its graph (Python, or one call of our
+compiled step), host time to encode that graph for the GPU (`mx.async_eval`: every primitive's
+eval_gpu, CUDA graph building and launch), and then waiting for the GPU. With one step in flight
+(both engines pipeline) a token's interval is max(host, GPU) plus what does not overlap. This script
+times the three host parts of every decode token, per engine, at each prompt length:
+
+- `build_ms`: building the step's graph (ours: `Engine._launch` minus its `async_eval`; mlx-lm: the
+  model call inside `generate_step`);
+- `encode_ms`: `mx.async_eval` (the C++ eval of every primitive: kernel launches into CUDA graphs);
+- `wait_ms`: blocked reading the previous token (ours: `to_numpy`; mlx-lm: the rest of the interval);
+- `interval_ms`: the median time between decode tokens (`decode_tok_s`: 1000 / their mean).
+
+Ours' build is all of `Engine._launch` but the encoding: the batch's arrays, the compiled step's call
+and the sampling graph; mlx-lm's is its model call only (its sampling graph lands in `wait`).
+
+`--gpu-clock` (CUDA) adds `gpu_ms`: the device time of the forward pass alone (ours: the compiled
+step; mlx-lm: its model call), between two GPU clock stamps (bench/probes/gpu_clock.py) evaluated with the
+step; it sets MLX_MAX_OPS_PER_BUFFER and MLX_MAX_MB_PER_BUFFER so high that each evaluation is one
+CUDA graph, launched once encoded, so no host gap falls between the stamps. When `gpu_ms` is well
+below the interval the step is host-bound: fewer primitives, not faster kernels, make a faster token. `--variants` adds our engine with the attention kernel's launch plan forced
+(`one-launch`), with Q, K, V and gate, up as separate products (`separate`), and with attention replaced by a copy of the queries (`no-attention`: wrong text, the
+rest of the step's cost). Run each MLX_MAX_OPS_PER_BUFFER setting in its own process (MLX reads it
+once). Writes JSON lines. Made for an MLX GPU (`--device cpu` only tries the script).
+
+    python3 bench/probes/step_profile.py --cases 17,511 --gen 64 --out profile.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+if "--gpu-clock" in sys.argv:  # read by MLX when its GPU stream starts: before the import
+    os.environ["MLX_MAX_OPS_PER_BUFFER"] = os.environ["MLX_MAX_MB_PER_BUFFER"] = "1000000"
+
+import mlx.core as mx
+
+import mlxinfer
+from mlxinfer import kernels
+from mlxinfer.benchmark import model_path
+from mlxinfer.peers import prompt_ids, write_mlx_lm_model
+
+from gpu_clock import elapsed_us, stamp
+from jsonl import emit
+
+
+class Clock:
+    """Accumulates host time per label, per token; and, with `gpu`, GPU clock stamps around each pass."""
+
+    def __init__(self, gpu: bool = False):
+        self.per_token: list[dict] = []
+        self.now: dict = {}
+        self.gpu = gpu
+        self.stamps: list[tuple] = []  # (first, last) of each timed pass
+        self.pending: list = []  # stamps to evaluate with the pass's outputs
+
+    def around(self, first_input, fn):
+        """fn() with GPU stamps after `first_input` and after its first output (self.gpu only)."""
+        if not self.gpu:
+            return fn()
+        s0 = stamp(first_input)
+        out = fn()
+        s1 = stamp(out[0] if isinstance(out, tuple) else out)
+        self.stamps.append((s0, s1))
+        self.pending += [s0, s1]
+        return out
+
+    def take_pending(self) -> list:
+        out, self.pending = self.pending, []
+        return out
+
+    def gpu_ms(self):
+        if not self.stamps:
+            return None
+        return round(statistics.median(elapsed_us(a, b) for a, b in self.stamps) / 1000, 3)
+
+    def add(self, label, dt):
+        self.now[label] = self.now.get(label, 0.0) + dt
+
+    def token(self):
+        self.per_token.append(self.now)
+        self.now = {}
+
+
+def _median(rows, key):
+    return round(statistics.median(r.get(key, 0.0) for r in rows) * 1000, 3)
+
+
+def profile_ours(path, cases, gen, variant, device, gpu_clock=False):
+    from mlxinfer.backends.mlx import MLXBackend
+
+    from ablations import NoAttention, SeparateWeights
+
+    backend = {"separate": SeparateWeights, "no-attention": NoAttention}.get(variant, MLXBackend)
+    engine = mlxinfer.Engine(path, backend(device=device))
+    engine.tokenizer = dataclasses.replace(engine.tokenizer, eog_ids=frozenset())  # always `gen` tokens
+    ops = engine.backend
+    limits = kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH
+    if variant == "one-launch":
+        kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = 0, 0
+    clock = Clock(gpu_clock)
+    start, to_numpy, launch, decode_step = ops.start, ops.to_numpy, engine._launch, engine._decode_step
+
+    def timed_start(*xs):
+        t = time.perf_counter()
+        start(*xs, *clock.take_pending())
+        clock.add("encode", time.perf_counter() - t)
+
+    def stamped_decode_step(kind, batch_size):
+        step = decode_step(kind, batch_size)
+        return lambda ids, *rest: clock.around(ids, lambda: step(ids, *rest))
+
+    def timed_to_numpy(x):
+        t = time.perf_counter()
+        out = to_numpy(x)
+        clock.add("wait", time.perf_counter() - t)
+        return out
+
+    def timed_launch(plan, cache):
+        t = time.perf_counter()
+        out = launch(plan, cache)
+        clock.add("launch", time.perf_counter() - t)
+        clock.token()
+        return out
+
+    ops.start, ops.to_numpy, engine._launch = timed_start, timed_to_numpy, timed_launch
+    engine._decode_step = stamped_decode_step
+    out = []
+    try:
+        for n in cases:
+            ids = prompt_ids(n, engine.args.vocab_size)
+            engine.generate(ids, max_tokens=8)  # warm-up: kernels compiled, the step traced
+            times, rows = [], []
+            clock.stamps.clear()  # ours: decode passes only (the prompt's pass is not the compiled step)
+            for _ in range(2):
+                clock.per_token.clear()
+                g = engine.generate(ids, max_tokens=gen)
+                times.append(g.metrics.token_intervals_ms)
+                rows += clock.per_token[1:]  # decode passes (the first is the prompt's)
+            for r in rows:
+                r["build"] = r.get("launch", 0.0) - r.get("encode", 0.0)
+            intervals = [x for t in times for x in t]
+            out.append(dict(engine=f"mlxinfer ({variant})", prompt=n, gen=gen, tokens=len(rows),
+                            interval_ms=round(statistics.median(intervals), 3), build_ms=_median(rows, "build"),
+                            encode_ms=_median(rows, "encode"), wait_ms=_median(rows, "wait"), gpu_ms=clock.gpu_ms(),
+                            decode_tok_s=round(1000 / statistics.fmean(intervals), 1)))
+    finally:
+        kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = limits
+    return out
+
+
+def profile_mlx_lm(path, cases, gen, gpu_clock=False):
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, _ = load_model(__import__("pathlib").Path(write_mlx_lm_model(path, tmp)))
+    clock = Clock(gpu_clock)
+
+    class Timed:
+        """The model, its calls timed (graph building)."""
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+        def __call__(self, *a, **k):
+            t = time.perf_counter()
+            out = clock.around(a[0], lambda: model(*a, **k))
+            clock.add("build", time.perf_counter() - t)
+            return out
+
+    async_eval = mx.async_eval
+
+    def timed_async_eval(*xs):
+        t = time.perf_counter()
+        async_eval(*xs, *clock.take_pending())
+        clock.add("encode", time.perf_counter() - t)
+
+    out = []
+    for n in cases:
+        ids = mx.array(prompt_ids(n, model.args.vocab_size))
+        for _ in generate_step(ids, model, max_tokens=8):
+            pass
+        mx.async_eval = timed_async_eval
+        try:
+            intervals, rows, stamps = [], [], []
+            for _ in range(2):
+                clock.per_token.clear()
+                clock.stamps.clear()
+                t0 = time.perf_counter()
+                for i, _ in enumerate(generate_step(ids, Timed(), max_tokens=gen)):
+                    now = time.perf_counter()
+                    clock.now["interval"] = now - t0
+                    clock.token()
+                    t0 = now
+                    if i:
+                        intervals.append(clock.per_token[-1]["interval"] * 1000)
+                rows += clock.per_token[1:]
+                stamps += clock.stamps[1:]  # its first model call is the prompt's
+        finally:
+            mx.async_eval = async_eval
+        clock.stamps = stamps
+        for r in rows:
+            r["wait"] = max(0.0, r["interval"] - r.get("build", 0.0) - r.get("encode", 0.0))
+        out.append(dict(engine=f"mlx-lm {mlx_lm.__version__}", prompt=n, gen=gen, tokens=len(rows),
+                        interval_ms=round(statistics.median(intervals), 3), build_ms=_median(rows, "build"),
+                        encode_ms=_median(rows, "encode"), wait_ms=_median(rows, "wait"), gpu_ms=clock.gpu_ms(),
+                        decode_tok_s=round(1000 / statistics.fmean(intervals), 1)))
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="17,511")
+    p.add_argument("--gen", type=int, default=64)
+    p.add_argument("--engines", default="ours,mlx-lm")
+    p.add_argument("--variants", default="default", help="ours: default, one-launch, separate, no-attention")
+    p.add_argument("--model", default="qwen3-0.6b-synthetic", help="as mlxinfer bench's --model")
+    p.add_argument("--device", default="gpu", help="gpu, or cpu to try the script without one")
+    p.add_argument("--gpu-clock", action="store_true", help="add gpu_ms (CUDA; one CUDA graph per evaluation)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if a.device == "gpu" and not (mx.cuda.is_available() or mx.metal.is_available()):
+        sys.exit("step_profile: needs an MLX GPU (CUDA or Metal), or --device cpu")
+    if a.gpu_clock and not (a.device == "gpu" and mx.cuda.is_available()):
+        sys.exit("step_profile: --gpu-clock needs MLX's CUDA backend")
+    mx.set_default_device(mx.gpu if a.device == "gpu" else mx.cpu)
+    path = model_path(a.model)
+    env = {k: os.environ.get(k) for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_USE_CUDA_GRAPHS")}
+    cases = [int(x) for x in a.cases.split(",")]
+    for engine in a.engines.split(","):
+        for v in (a.variants.split(",") if engine == "ours" else [None]):
+            rows = (profile_ours(path, cases, a.gen, v, a.device, a.gpu_clock) if engine == "ours"
+                    else profile_mlx_lm(path, cases, a.gen, a.gpu_clock))
+            for row in rows:
+                row.update({k: v for k, v in env.items() if v is not None})
+                emit(row, a.out)
+
+if __name__ == "__main__":
+    main()
