@@ -52,7 +52,7 @@ def main(argv=None):
         for plan in a.plans.split(","):
             for name, value in PLANS[plan].items():
                 setattr(kernels, name, value)
-            engine._steps.clear()  # compiled steps chose their plan when traced
+            engine.decode_step.steps.clear()  # compiled steps chose their plan when traced
             eng = engine
             if plan == "no-attention":
                 if ablated is None:
@@ -61,7 +61,7 @@ def main(argv=None):
                     ablated = mlxinfer.Engine(path, NoAttention())
                     ablated.tokenizer = engine.tokenizer
                 eng = ablated
-                eng._steps.clear()
+                eng.decode_step.steps.clear()
             mx.reset_peak_memory()
             tokens[plan] = eng.generate(ids, max_tokens=a.tokens, temperature=0).token_ids  # + warm-up
             gens = [eng.generate(ids, max_tokens=a.tokens, temperature=0) for _ in range(a.runs)]

@@ -1,4 +1,4 @@
-"""Host time per decode step of the paged cache's index arrays (`PagedKVCache.decode_index`: what the
+"""Host time per decode step of the paged cache's index arrays (`PagedKVCache.step_inputs`: what the
 compiled decode step takes besides the tokens), on MLX's CPU device: the host lists, the arrays made
 from them and their evaluation, median over `--steps` steps after a prompt of `--context` tokens per
 sequence. `--before FILE` also times another version of mlxinfer/kv_cache.py (e.g. `git show
@@ -30,7 +30,7 @@ def host_ms(module, ops, b: int, s: int, steps: int) -> float:
         batch = Batch(ops, slots, [s + t] * b, [1] * b)
         cache.reserve(batch)
         t0 = time.perf_counter()
-        mx.eval(*cache.decode_index(ops, batch))
+        mx.eval(*cache.step_inputs(ops, batch))
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
@@ -52,7 +52,7 @@ def main(argv=None):
     for case in a.cases.split(","):
         b, s = (int(x) for x in case.split("x"))
         times = ", ".join(f"{name} {host_ms(m, ops, b, s, a.steps):.3f}" for name, m in versions.items())
-        print(f"batch {b}, {s} cached tokens a sequence: decode_index host ms per step (median of {a.steps}): {times}")
+        print(f"batch {b}, {s} cached tokens a sequence: step_inputs host ms per step (median of {a.steps}): {times}")
 
 
 if __name__ == "__main__":

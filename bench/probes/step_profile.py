@@ -6,13 +6,13 @@ eval_gpu, CUDA graph building and launch), and then waiting for the GPU. With on
 (both engines pipeline) a token's interval is max(host, GPU) plus what does not overlap. This script
 times the three host parts of every decode token, per engine, at each prompt length:
 
-- `build_ms`: building the step's graph (ours: `Engine._launch` minus its `async_eval`; mlx-lm: the
+- `build_ms`: building the step's graph (ours: `Loop._launch` minus its `async_eval`; mlx-lm: the
   model call inside `generate_step`);
 - `encode_ms`: `mx.async_eval` (the C++ eval of every primitive: kernel launches into CUDA graphs);
 - `wait_ms`: blocked reading the previous token (ours: `to_numpy`; mlx-lm: the rest of the interval);
 - `interval_ms`: the median time between decode tokens (`decode_tok_s`: 1000 / their mean).
 
-Ours' build is all of `Engine._launch` but the encoding: the batch's arrays, the compiled step's call
+Ours' build is all of `Loop._launch` but the encoding: the batch's arrays, the compiled step's call
 and the sampling graph; mlx-lm's is its model call only (its sampling graph lands in `wait`).
 
 `--gpu-clock` (CUDA) adds `gpu_ms`: the device time of the forward pass alone (ours: the compiled
@@ -44,6 +44,7 @@ import mlx.core as mx
 
 import mlxinfer
 from mlxinfer import kernels
+from mlxinfer.loop import Loop
 from mlxinfer.benchmark import model_path
 from mlxinfer.peers import prompt_ids, write_mlx_lm_model
 
@@ -106,15 +107,15 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False):
     if variant == "one-launch":
         kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = 0, 0
     clock = Clock(gpu_clock)
-    start, to_numpy, launch, decode_step = ops.start, ops.to_numpy, engine._launch, engine._decode_step
+    start, to_numpy, launch, decode_step = ops.start, ops.to_numpy, Loop._launch, engine.decode_step._step
 
     def timed_start(*xs):
         t = time.perf_counter()
         start(*xs, *clock.take_pending())
         clock.add("encode", time.perf_counter() - t)
 
-    def stamped_decode_step(kind, batch_size):
-        step = decode_step(kind, batch_size)
+    def stamped_decode_step(ops_, kind, batch_size):
+        step = decode_step(ops_, kind, batch_size)
         return lambda ids, *rest: clock.around(ids, lambda: step(ids, *rest))
 
     def timed_to_numpy(x):
@@ -123,15 +124,15 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False):
         clock.add("wait", time.perf_counter() - t)
         return out
 
-    def timed_launch(plan, cache):
+    def timed_launch(loop, plan):
         t = time.perf_counter()
-        out = launch(plan, cache)
+        out = launch(loop, plan)
         clock.add("launch", time.perf_counter() - t)
         clock.token()
         return out
 
-    ops.start, ops.to_numpy, engine._launch = timed_start, timed_to_numpy, timed_launch
-    engine._decode_step = stamped_decode_step
+    ops.start, ops.to_numpy, Loop._launch = timed_start, timed_to_numpy, timed_launch
+    engine.decode_step._step = stamped_decode_step
     out = []
     try:
         for n in cases:
@@ -153,6 +154,7 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False):
                             decode_tok_s=round(1000 / statistics.fmean(intervals), 1)))
     finally:
         kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = limits
+        Loop._launch = launch
     return out
 
 
