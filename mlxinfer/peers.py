@@ -29,8 +29,15 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from .gguf_file import GGUFFile
+
+# GGUF types that MLX's own reader (`mx.load`) returns with the file's exact values: as floats, or
+# quantized with the same bits (affine, group 32); the mlx-lm peer gets every other type dequantized by
+# gguf-py, as float
+MX_LOAD_EXACT = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0,
+                 GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1}
 from .models import model_args
 from .models.spec import tensors
 
@@ -105,16 +112,40 @@ def llama_cpp_rows(job) -> list[dict]:
     return rows
 
 
+def _mlx_lm_weights(g, gguf: dict, args, cast) -> tuple[dict, dict]:
+    """(mlx-lm weights by name, bits by module of each quantized one) from the GGUF `g`, whose tensors
+    `mx.load` read into `gguf`: those of a type it reads exactly as they are, the others dequantized by
+    gguf-py."""
+    import mlx.core as mx
+
+    weights, module_bits = {}, {}  # module_bits: mlx-lm module path -> bits, for every quantized tensor
+    for _, _, name, hf_name, _ in tensors(args):
+        if not hf_name.endswith(".weight"):
+            raise ValueError(f"{name}: Hugging Face name {hf_name!r} does not end in '.weight'")
+        key, base = hf_name[:-len(".weight")], name[:-len(".weight")]
+        if g.tensor(name).ggml_type not in MX_LOAD_EXACT:  # mx.load mis-decodes Q4_K, rounds BF16 to F16
+            weights[key + ".weight"] = mx.array(g.dequantize(name)).astype(cast)
+        elif base + ".scales" in gguf:
+            w, scales = gguf[name], gguf[base + ".scales"]
+            weights[key + ".weight"] = w
+            weights[key + ".scales"] = scales.astype(cast)
+            weights[key + ".biases"] = gguf[base + ".biases"].astype(cast)
+            module_bits[key] = w.shape[-1] // scales.shape[-1]  # 32-bit words per group of 32 inputs
+        else:
+            weights[key + ".weight"] = gguf[name].astype(cast)
+    return weights, module_bits
+
+
 def write_mlx_lm_model(path, out_dir, dtype: str = "float32") -> str:
     """The GGUF's weights as an mlx-lm model directory (config.json + model.safetensors), floats in
     `dtype`. Names come from the model spec (`mlxinfer.models.spec.tensors`): an mlx-lm module path is
     the Hugging Face name without its trailing ".weight"."""
     import mlx.core as mx
 
+    cast = getattr(mx, dtype)
     with GGUFFile(path) as g:
         args = model_args(g)
-    gguf = mx.load(str(path))
-    cast = getattr(mx, dtype)
+        weights, module_bits = _mlx_lm_weights(g, mx.load(str(path)), args, cast)
     config = {
         "model_type": args.arch, "hidden_size": args.hidden, "num_hidden_layers": args.n_layers,
         "intermediate_size": args.ffn, "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
@@ -124,19 +155,6 @@ def write_mlx_lm_model(path, out_dir, dtype: str = "float32") -> str:
         "rope_traditional": args.rope_traditional,  # llama GGUFs keep Q/K permuted for interleaved RoPE
         "torch_dtype": dtype,
     }
-    weights, module_bits = {}, {}  # module_bits: mlx-lm module path -> bits, for every quantized tensor
-    for _, _, name, hf_name, _ in tensors(args):
-        if not hf_name.endswith(".weight"):
-            raise ValueError(f"{name}: Hugging Face name {hf_name!r} does not end in '.weight'")
-        key, base = hf_name[:-len(".weight")], name[:-len(".weight")]
-        if base + ".scales" in gguf:
-            w, scales = gguf[name], gguf[base + ".scales"]
-            weights[key + ".weight"] = w
-            weights[key + ".scales"] = scales.astype(cast)
-            weights[key + ".biases"] = gguf[base + ".biases"].astype(cast)
-            module_bits[key] = w.shape[-1] // scales.shape[-1]  # 32-bit words per group of 32 inputs
-        else:
-            weights[key + ".weight"] = gguf[name].astype(cast)
     if module_bits:
         # mlx-lm's quantization config: a default, plus per-module entries where a file mixes types
         # (SmolLM2: Q4_1 blocks, Q8_0 embedding); float modules are marked False.

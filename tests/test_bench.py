@@ -117,3 +117,28 @@ def test_a_tiny_run_writes_the_table_and_json_lines(synthetic, tmp_path):
         == ("mlxinfer cpu", 8, 4, 1, 1)
     assert row["backend"].startswith("cpu (") and row["decode_tokens_per_second"] > 0 and row["peak_memory_mb"] > 0
     assert (tmp_path / "results.md").read_text().startswith("command: mlxinfer bench -m ")
+
+
+def test_mlx_lm_weights_take_gguf_py_values_where_mx_load_would_misread(synthetic, monkeypatch):
+    """The mlx-lm peer reads the GGUF through `mx.load` only for the types it returns exactly (F32, F16,
+    Q8_0, Q4_0, Q4_1: it mis-decodes Q4_K and rounds BF16); every other type is dequantized by gguf-py.
+    Here a Q8_0 file read both ways: quantized as the file's bits, or (with no type trusted to mx.load)
+    as gguf-py's floats, and the two hold the same values."""
+    import mlx.core as mx
+
+    from mlxinfer import peers
+    from mlxinfer.gguf_file import GGUFFile
+    from mlxinfer.models import model_args
+
+    path = synthetic(arch="qwen3", n_layers=1, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=32,
+                     vocab_size=320, qtype="Q8_0")
+    with GGUFFile(path) as g:
+        args = model_args(g)
+        quantized, bits = peers._mlx_lm_weights(g, mx.load(str(path)), args, mx.float32)
+        monkeypatch.setattr(peers, "MX_LOAD_EXACT", set())
+        floats, no_bits = peers._mlx_lm_weights(g, mx.load(str(path)), args, mx.float32)
+    key = "model.layers.0.mlp.down_proj"
+    assert bits[key] == 8 and not no_bits and key + ".scales" not in floats
+    q = quantized
+    values = mx.dequantize(q[key + ".weight"], q[key + ".scales"], q[key + ".biases"], group_size=32, bits=8)
+    assert (values == floats[key + ".weight"]).all().item()
