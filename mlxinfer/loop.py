@@ -61,6 +61,7 @@ class FinishEvent:
     metrics: Metrics | None  # None for a sequence that left early (cancelled, or an error)
     generation: Generation | None
     text: str = ""  # text held back for a possible stop string and released at the end
+    error: str | None = None  # what went wrong, for finish_reason "error"
 
 
 class Sequence:

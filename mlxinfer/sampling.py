@@ -4,7 +4,8 @@ One algorithm, written twice: in numpy for the cpu backend and as an MLX graph f
 that on MLX a sampled token stays on the device and the next pass can be queued before it is read
 (pipelined sampling, like greedy). The filters apply in this order, to each row on its own:
 
-  1. x = logits / temperature (temperature 0 means greedy: the first largest logit);
+  1. x = logits / temperature (a temperature below GREEDY_BELOW, 0 included, means greedy: the first
+     largest logit);
   2. top_k > 0: keep the k largest values of x (every value tied with the k-th stays);
   3. p = softmax(x); top_p < 1: keep the smallest set of most likely tokens whose probability
      reaches top_p (at least one);
@@ -26,6 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import RequestError
+
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy, as vLLM's _SAMPLING_EPS: softmax(logits / T)
+# tends to the argmax as T -> 0, and dividing by a tinier T overflows (float32 on MLX below ~1e-37, float64
+# on numpy below ~1e-307: NaN probabilities, where a request would fail or sample nothing)
 
 
 def stop_strings(stop) -> list[str]:
@@ -73,7 +78,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def resolved_seed(self) -> int:
         """The seed to use: the given one, or a fresh random one for None or a negative seed."""

@@ -22,6 +22,7 @@ even alone is refused. Callbacks run on the worker thread and must not block.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -31,6 +32,8 @@ from typing import Callable
 from .errors import MlxinferError, RequestError
 from .kv_cache import PagedKVCache
 from .loop import FinishEvent, Sequence
+
+log = logging.getLogger("mlxinfer.scheduler")
 
 
 class QueueFull(MlxinferError):
@@ -180,11 +183,22 @@ class Scheduler:
             self.by_seq[id(req.seq)] = req
             self.running.append(req)
 
-    def _end(self, req: Request, reason: str) -> None:
+    def _end(self, req: Request, reason: str, error: str | None = None) -> None:
         """A request leaves the batch without a FinishEvent from the loop (cancelled, or an error)."""
         self.loop.release(req.seq, reason)
         self._leave(req)
-        self._deliver(req, FinishEvent(reason, None, None))
+        self._deliver(req, FinishEvent(reason, None, None, error=error))
+
+    def _pass_failed(self, e: Exception) -> None:
+        """Under the lock: a pass raised. Its requests (every running one: they shared it) end with the
+        error, the loop and cache start afresh (the failed pass may have left them half-advanced), and
+        the worker goes on with the queue."""
+        what = f"{type(e).__name__}: {e}"
+        log.error("a forward pass failed (%s); its %d request(s) end with an error", what, len(self.running))
+        for req in list(self.running):
+            self._end(req, "error", what)
+        self.cache = self.engine.new_cache(max_blocks=self.cache.max_blocks) if self.paged else self.engine.new_cache()
+        self.loop = self.engine.new_loop(self.cache)
 
     def _leave(self, req: Request) -> None:
         self.running.remove(req)
@@ -209,7 +223,13 @@ class Scheduler:
                         self._admit()
                     if self.closed:
                         break
-                for seq, event in self.loop.step():
+                try:
+                    events = self.loop.step()
+                except Exception as e:  # noqa: BLE001 - one failed pass must not stop the server
+                    with self.cv:
+                        self._pass_failed(e)
+                    continue
+                for seq, event in events:
                     req = self.by_seq.get(id(seq))
                     if req is None:
                         continue

@@ -431,6 +431,13 @@ M = [
        "                pieces.append(ops.index_array(s.out[-1:]) if s.out else tokens[row:row + 1])")],
      [T_MLX, T_MOD], "engine: next decode input from the tokens read so far (two passes old when pipelined)"),
     # -- the server and its scheduler ---------------------------------------------------------------
+    ("srv-failed-pass-stops-worker", "server", SCHED,
+     [("except Exception as e:  # noqa: BLE001 - one failed pass must not stop the server",
+       "except ArithmeticError as e:  # noqa: BLE001 - one failed pass must not stop the server")],
+     [T_SRV], "scheduler: a pass that raises ends the worker (every later request 503, /health failing)"),
+    ("samp-tiny-temperature-divides", "sampling", SAMP,
+     [("return self.temperature < GREEDY_BELOW", "return self.temperature == 0")],
+     [T_GEN], "sampling: a temperature of 1e-310 divides the logits (NaN probabilities; MLX: an empty completion)"),
     ("srv-cancel-keeps-slot", "server", LOOP,
      [("            seq.finish = reason\n            self.cache.release(seq.slot, (seq.prompt + seq.out)[:seq.cached])",
        "            seq.finish = reason")],

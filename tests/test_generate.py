@@ -530,3 +530,17 @@ def test_metrics_block_format():
     assert "  decode_tokens_per_second: 41.667" in text  # 3 intervals in 72 ms
     assert "  token_interval_ms: min 20.000  max 30.000  mean 24.000  (n=3)" in text
     assert "  finish_reason: stop" in text and "  peak_memory_mb: 512.2" in text
+
+
+@pytest.mark.parametrize("backend", ["cpu", "mlx"])
+def test_a_temperature_too_small_to_divide_by_samples_as_greedy(path, backend):
+    """Temperatures below sampling.GREEDY_BELOW (1e-5) are greedy on both backends: 1e-310 overflowed
+    numpy's float64 (NaN probabilities: a ValueError) and 1e-40 MLX's float32 (an empty completion)."""
+    from mlxinfer.sampling import GREEDY_BELOW
+
+    e = mlxinfer.load(path, backend=backend)
+    want = e.generate([5, 6, 7], max_tokens=8)
+    for t in (1e-310, 1e-40, GREEDY_BELOW / 2):
+        got = e.generate([5, 6, 7], max_tokens=8, temperature=t, seed=1)
+        assert got.token_ids == want.token_ids and got.seed is None, t
+    assert not SamplingParams(GREEDY_BELOW).greedy

@@ -452,3 +452,33 @@ def test_a_stopped_scheduler_gives_503(engine):
         assert httpx.get(s.url + "/health", timeout=10).status_code == 503
     finally:
         s.stop()
+
+
+def test_a_failed_pass_fails_its_requests_and_the_server_goes_on(served, monkeypatch):
+    """A pass that raises ends the requests in it with an error (500, or an SSE error event naming it)
+    and the worker goes on: the next request is answered and /health stays ok."""
+    step, failures = Loop.step, []
+
+    def failing_once(self):
+        if len(failures) < 2 and self.seqs:
+            failures.append(True)
+            raise RuntimeError("injected failure")
+        return step(self)
+
+    monkeypatch.setattr(Loop, "step", failing_once)
+    body = dict(model=MODEL, prompt=LONG, max_tokens=5, temperature=0)
+    r = httpx.post(served.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 500 and "RuntimeError: injected failure" in r.json()["error"]["message"], r.text
+    events = [line for line in httpx.post(served.url + "/v1/completions", json=dict(body, stream=True),
+                                          timeout=30).text.splitlines() if line.startswith("data:")]
+    assert len(events) == 1 and "injected failure" in events[0]
+    assert served.client.completions.create(**body).choices[0].text
+    assert httpx.get(served.url + "/health").json() == {"status": "ok"}
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy(served, engine):
+    """0 < temperature < 1e-5 samples as greedy (softmax(logits / T) tends to the argmax; dividing by
+    1e-310 would overflow to NaN probabilities and fail the request)."""
+    want = engine.generate(LONG, max_tokens=8).text
+    for t in (1e-310, 1e-40, 5e-6):
+        assert served.client.completions.create(model=MODEL, prompt=LONG, max_tokens=8, temperature=t).choices[0].text == want

@@ -141,6 +141,12 @@ def submit(request: Request, body: Options, prompt_ids: list[int], chat: bool, w
     return Job(scheduler, req, events, len(prompt_ids), chat, want_logprobs, response_id(chat))
 
 
+def ended(ev: FinishEvent) -> str:
+    """The error message of a request that did not finish (cancelled, the server shutting down, or a
+    failed pass, whose error it names)."""
+    return f"request failed: {ev.error}" if ev.error else f"request ended: {ev.finish_reason}"
+
+
 def token_logprobs(state: ServerState, job: Job, token_ids, logprobs, offsets) -> dict | None:
     """The logprobs object of some generated tokens, where the request asked for them."""
     if not job.want_logprobs:
@@ -170,7 +176,7 @@ async def stream(state: ServerState, job: Job, include_usage: bool):
             if isinstance(ev, FinishEvent):
                 state.metrics.record(ev, job.prompt_tokens, job.req.cached_tokens)
                 if ev.finish_reason not in ("stop", "length"):
-                    yield {"data": json.dumps(error_object(f"request ended: {ev.finish_reason}", "server_error"))}
+                    yield {"data": json.dumps(error_object(ended(ev), "server_error"))}
                     return
                 yield {"data": json.dumps(chunk(job.rid, state.model_id, ev.text, None, ev.finish_reason, job.chat,
                                                 first))}
@@ -214,7 +220,7 @@ async def collect(request: Request, state: ServerState, job: Job) -> dict:
         job.scheduler.cancel(job.req)
     state.metrics.record(ev, job.prompt_tokens, job.req.cached_tokens)
     if ev.finish_reason not in ("stop", "length"):
-        raise ApiError(503, f"request ended: {ev.finish_reason}", "server_error")
+        raise ApiError(500 if ev.finish_reason == "error" else 503, ended(ev), "server_error")
     text.append(ev.text)
     offsets, at = [], 0
     for piece in text[:len(tokens)]:  # each token's text, in the order they came
