@@ -182,6 +182,11 @@ def test_request_errors(engine):
         engine.generate("hi", stop=[""])
     with pytest.raises(RequestError, match="stop must be a string or a list of strings, got int"):
         engine.generate("hi", stop=5)
+    with pytest.raises(RequestError, match="at most 16 stop strings, got 17"):  # each is checked every token
+        engine.generate("hi", stop=[f"s{i}" for i in range(17)])
+    with pytest.raises(RequestError, match="at most 256 characters, got 257"):
+        engine.generate("hi", stop=["x" * 257])
+    assert engine.generate("hi", stop=[f"s{i}" for i in range(15)] + ["x" * 256], max_tokens=2)
     with pytest.raises(RequestError, match=r"lone surrogate U\+DCFF at character 1"):
         engine.generate("a\udcff")
     for ids, what in (([1.9], "1.9"), ([3, True], "True"), (np.array([1.0, 2.0]), "float64"), (["5"], "'5'")):

@@ -286,6 +286,8 @@ def test_a_client_that_leaves_a_busy_request_frees_its_slot(served, slow_passes)
     ({"model": MODEL, "prompt": [9999]}, 400, "outside the vocabulary"),
     ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n must be 1"),
     ({"model": MODEL, "prompt": "hi", "stop": [""]}, 400, "stop"),
+    ({"model": MODEL, "prompt": "hi", "stop": [f"s{i}" for i in range(10_000)]}, 400, "at most 16 stop strings"),
+    ({"model": MODEL, "prompt": "hi", "stop": ["x" * 257]}, 400, "at most 256 characters"),
     ({"model": MODEL, "prompt": "a\udcff"}, 400, "lone surrogate U+DCFF"),
     ({"model": MODEL, "prompt": [3, 1.9]}, 400, "prompt.1: Input should be a valid integer"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "does not exist"),
