@@ -56,17 +56,37 @@ def _argv_escaped(text: str) -> bool:
     return any(0xDC80 <= ord(c) <= 0xDCFF for c in text)
 
 
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'"}
+
+
+def unescape(text: str) -> str:
+    """llama.cpp's escapes in an option's text: \\n, \\t, \\r, \\\\, \\" and \\' (`--stop "\\n"` stops at a
+    newline); any other backslash stays as it is."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in ESCAPES:
+            out.append(ESCAPES[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
 def _read_prompt(args):
+    given = [x for x in (args.prompt, args.prompt_option, args.prompt_file) if x is not None]
+    if len(given) > 1:
+        raise RequestError("give the prompt once: as PROMPT, -p/--prompt TEXT or --prompt-file FILE")
+    if args.prompt_option is not None:
+        args.prompt = args.prompt_option
     if args.prompt_file is not None:
-        if args.prompt is not None:
-            raise RequestError("give the prompt as PROMPT or --prompt-file, not both")
         try:
             with open(args.prompt_file, "rb") as f:
                 return f.read()
         except OSError as e:
             raise RequestError(f"{args.prompt_file}: cannot read the prompt file ({e.strerror})") from None
     if args.prompt is None:
-        raise RequestError("no prompt: give PROMPT, - (read stdin) or --prompt-file FILE")
+        raise RequestError("no prompt: give PROMPT, -p TEXT, - (read stdin) or --prompt-file FILE")
     if args.prompt == "-":
         if sys.stdin is None:
             raise RequestError("stdin is closed: there is no prompt to read (PROMPT -)")
@@ -110,7 +130,8 @@ def _generate(args) -> int:
     tracer = None
     if args.trace or (os.environ.get("MLXINFER_TRACE") == "1" and engine.shard.rank == 0):
         tracer = install_tracer(engine)
-    ids = engine.encode_prompt(prompt, chat=args.chat)  # once: the cap below and the generation read it
+    ids = engine.encode_prompt(prompt, chat=args.chat or args.system is not None,  # once: the cap below
+                               system=args.system)  # and the generation read it
     max_tokens = args.max_tokens
     room = engine.args.context_length - len(ids)
     if 0 < room < max_tokens:
@@ -248,12 +269,18 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        # no prefix matching: `--prompt x` must not be taken for `--prompt-file x`, nor `--temperature`
+        # for `--temp`; an option is named in full (or by its short form)
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):  # one line and status 1, like every other bad input
         self.exit(1, f"mlxinfer: error: {message} (see {self.prog} --help)\n")
 
 
 def _model_options(p, sampling: bool = True) -> None:
-    p.add_argument("--model", default=None,
+    p.add_argument("-m", "--model", default=None,
                    help="local GGUF path or org/repo/file.gguf (default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--backend", default="auto", choices=["auto", "cpu", "mlx"],
                    help="auto: MLX where it has a GPU, else the numpy reference")
@@ -267,7 +294,7 @@ def _model_options(p, sampling: bool = True) -> None:
                         "or grown by concatenation")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prompt tokens per prefill pass (default: 512)")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
+    p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="CPU threads: the cpu backend's BLAS threads, or the threads MLX's CPU device cuts "
                         "large quantized weight products and attention over (default: the cores not already "
                         "busy, at most cores / N with --tp N; at most 4 per core; not with --device gpu)")
@@ -278,21 +305,26 @@ def _model_options(p, sampling: bool = True) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (negative or absent: random)")
-    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                   help="stop when TEXT is generated (repeatable; not included in the output)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT", type=unescape,
+                   help="stop when TEXT is generated (repeatable; not included in the output; \\n, \\t, \\r, "
+                        "\\\\, \\\" and \\' are escapes, as in llama.cpp)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="mlxinfer", description="Generate text from GGUF models with MLX or numpy.")
     p.add_argument("--version", action="version", version=f"mlxinfer {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
     fmt = _DefaultsFormatter
     g = sub.add_parser("generate", help="generate a continuation of PROMPT", formatter_class=fmt)
     g.add_argument("prompt", metavar="PROMPT", nargs="?", help="the prompt; - reads it from stdin")
+    g.add_argument("-p", "--prompt", dest="prompt_option", default=None, metavar="TEXT",
+                   help="the prompt, as an option (as llama.cpp and mlx-lm take it)")
     g.add_argument("--prompt-file", default=None, metavar="FILE", help="read the prompt from FILE")
     _model_options(g)
-    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (capped by the context)")
+    g.add_argument("-n", "--max-tokens", type=int, default=64,
+                   help="tokens to generate at most (capped by the context)")
     g.add_argument("--chat", action="store_true", help="wrap PROMPT in the model's chat template")
+    g.add_argument("--system", default=None, metavar="TEXT", help="a system prompt (implies --chat)")
     g.add_argument("--trace", action="store_true", help="count and time every backend op (stderr)")
     g.add_argument("--quiet", action="store_true", help="print only the text, no metrics block")
     g.add_argument("--verbose", action="store_true", help="also say what was loaded, and the seed")
@@ -303,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="talk with the model in the terminal (its chat template)", formatter_class=fmt)
     _model_options(c)
     c.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
-    c.add_argument("--max-tokens", type=int, default=512, help="tokens per reply at most")
+    c.add_argument("-n", "--max-tokens", type=int, default=512, help="tokens per reply at most")
     c.set_defaults(func=_chat)
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching", formatter_class=fmt)
     _model_options(s, sampling=False)
@@ -326,7 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # `mlxinfer` alone: what it can do
+        parser.print_help()
+        return 0
     args.argv = list(sys.argv[1:] if argv is None else argv)
     rc = 1
     try:

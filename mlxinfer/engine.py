@@ -85,9 +85,9 @@ class Engine:
             return seed
         return collectives.agree_seed(seed, self.shard.rank, self.shard.group)
 
-    def encode_prompt(self, prompt, chat: bool = False) -> list[int]:
+    def encode_prompt(self, prompt, chat: bool = False, system: str | None = None) -> list[int]:
         """Token ids of a prompt: text, bytes (UTF-8), token ids, or a chat messages list rendered with
-        the model's template. `chat=True` wraps a text prompt as one user message."""
+        the model's template. `chat=True` wraps a text prompt as one user message (after `system`'s)."""
         tok = self.tokenizer
         if isinstance(prompt, bytes):
             try:
@@ -97,7 +97,7 @@ class Engine:
         if isinstance(prompt, str) and chat:
             if not prompt:
                 raise RequestError("empty prompt")
-            prompt = [{"role": "user", "content": prompt}]
+            prompt = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         if isinstance(prompt, str):
             ids = tok.encode(prompt, add_special=True, parse_special=True) if prompt else []
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):

@@ -1,8 +1,12 @@
+import contextlib
 import os
 import subprocess
 import sys
 
 import pytest
+
+import mlxinfer
+from mlxinfer import load as mlxinfer_load
 
 from .conftest import write_empty_gguf
 
@@ -384,3 +388,35 @@ def test_generate_tokenizes_the_prompt_once(tmp_path, monkeypatch, capsys):
         assert main(["generate", "--model", str(path), "--backend", "cpu", "--max-tokens", "2", "--quiet", *chat,
                      "hello world"]) == 0
         assert len(calls) == 1, chat
+
+
+def test_options_are_named_in_full_or_by_their_short_form(tmp_path, monkeypatch, capsys):
+    """No prefix matching (`--prompt x` is not `--prompt-file x`, `--temperature` is not `--temp`); the
+    short options llama.cpp and mlx-lm users type (-m, -p, -n, -t); `--system` renders a chat;
+    `--stop "\\n"` is a newline; `mlxinfer` alone prints the help."""
+    from mlxinfer import cli
+    from mlxinfer.synthetic import write_synthetic_model
+
+    path = str(write_synthetic_model(tmp_path / "m.gguf", arch="qwen3", n_layers=1, vocab_size=320))  # ChatML
+    seen = []
+    monkeypatch.setattr(cli, "load", lambda *a, **k: seen.append(k) or mlxinfer_load(*a, **k))
+    assert cli.main(["generate", "-m", path, "--backend", "cpu", "-t", "1", "-n", "3", "--quiet",
+                     "-p", "hello"]) == 0
+    assert seen[-1]["threads"] == 1
+    capsys.readouterr()
+    for argv, fragment in ((["generate", "--backend", "cpu", "--prompt-f", "x"], "unrecognized arguments"),
+                           (["generate", "--backend", "cpu", "--temperature", "0.5", "hi"], "unrecognized arguments"),
+                           (["generate", "-p", "a", "b"], "give the prompt once")):
+        with pytest.raises(SystemExit) if "unrecognized" in fragment else contextlib.nullcontext():
+            rc = cli.main(argv + (["-m", path] if "once" in fragment else []))
+            assert rc == 1
+        assert fragment in capsys.readouterr().err, argv
+    assert cli.unescape(r"a\nb\t\\c\"\'") == "a\nb\t\\c\"'" and cli.unescape(r"\x41\q") == r"\x41\q"
+    assert cli.build_parser().parse_args(["generate", "--stop", r"\n", "x"]).stop == ["\n"]
+    encoded = []
+    real = mlxinfer.Engine.encode_prompt
+    monkeypatch.setattr(mlxinfer.Engine, "encode_prompt", lambda self, *a, **k: encoded.append(k) or real(self, *a, **k))
+    assert cli.main(["generate", "-m", path, "--backend", "cpu", "-n", "2", "--quiet", "--system", "Be brief.",
+                     "hi"]) == 0
+    assert encoded[0] == dict(chat=True, system="Be brief.")
+    assert cli.main([]) == 0 and "usage: mlxinfer" in capsys.readouterr().out
