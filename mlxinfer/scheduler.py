@@ -115,7 +115,10 @@ class Scheduler:
             if self.closed:
                 raise SchedulerClosed("the server is shutting down" if self.error is None
                                       else f"the scheduler stopped: {self.error}")
-            if len(self.waiting) >= self.max_queue:
+            # the queue holds max_queue requests beyond those the batch is about to take: requests that
+            # arrive together at an idle server wait for the worker to admit them, not a 429
+            room = self.max_queue + max(0, self.max_batch - len(self.running))
+            if len(self.waiting) >= room:
                 raise QueueFull(f"{len(self.waiting)} requests are already waiting (max_queue {self.max_queue})")
             self.waiting.append(req)
             self.cv.notify()

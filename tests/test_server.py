@@ -484,3 +484,68 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(served, engine):
     want = engine.generate(LONG, max_tokens=8).text
     for t in (1e-310, 1e-40, 5e-6):
         assert served.client.completions.create(model=MODEL, prompt=LONG, max_tokens=8, temperature=t).choices[0].text == want
+
+
+def test_requests_arriving_together_at_an_idle_server_all_run(engine):
+    """--max-batch 2 --max-queue 1 and three requests at once: the two the batch is about to take do not
+    count against the queue (they were one 200 and two 429s)."""
+    s = Served(engine, max_batch=2, max_queue=1)
+    try:
+        async def three():
+            client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+            rs = await asyncio.gather(*[client.completions.create(model=MODEL, prompt=LONG, max_tokens=4,
+                                                                  temperature=0) for _ in range(3)])
+            await client.close()
+            return rs
+
+        assert len({r.choices[0].text for r in asyncio.run(three())}) == 1
+        assert httpx.head(s.url + "/health").status_code == 200  # HEAD too (it was 405)
+    finally:
+        s.stop()
+
+
+def test_a_prompt_is_tokenized_off_the_event_loop(served, engine, monkeypatch):
+    """Rendering and tokenizing a prompt runs on a worker thread: while one request's encoding is held,
+    /health and other requests are answered (a long prompt froze every stream on the event loop)."""
+    held, release = threading.Event(), threading.Event()
+    real = engine.encode_prompt
+
+    def slow(prompt, **kw):
+        if prompt == "hold me":
+            held.set()
+            assert release.wait(30)
+        return real(prompt, **kw)
+
+    monkeypatch.setattr(engine, "encode_prompt", slow)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=httpx.post(
+        served.url + "/v1/completions", json={"model": MODEL, "prompt": "hold me", "max_tokens": 2}, timeout=60)))
+    t.start()
+    try:
+        assert held.wait(30)
+        assert httpx.get(served.url + "/health", timeout=5).status_code == 200
+        assert served.client.completions.create(model=MODEL, prompt=LONG, max_tokens=2, temperature=0).choices
+    finally:
+        release.set()
+        t.join(60)
+    assert result["r"].status_code == 200
+
+
+def test_the_queue_holds_max_queue_beyond_the_free_batch_places(engine):
+    """Admission, made deterministic by holding the scheduler's lock (its worker cannot admit): with
+    max_batch 2 and max_queue 1, an idle scheduler takes three requests, and the fourth is QueueFull."""
+    from mlxinfer.sampling import SamplingParams
+    from mlxinfer.scheduler import QueueFull, Scheduler
+
+    sched = Scheduler(engine, max_batch=2, max_queue=1)
+    try:
+        with sched.cv:
+            reqs = [sched.submit(LONG, SamplingParams(), 2, [], lambda ev: None) for _ in range(3)]
+            with pytest.raises(QueueFull, match="max_queue 1"):
+                sched.submit(LONG, SamplingParams(), 2, [], lambda ev: None)
+        deadline = time.monotonic() + 30
+        while not all(r.done for r in reqs):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        sched.close()
