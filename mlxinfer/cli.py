@@ -13,6 +13,7 @@ import sys
 import tempfile
 
 from . import __version__, benchmark
+from .backends.cpu import default_threads
 from .collectives import launched
 from .engine import load
 from .errors import MlxinferError, RequestError
@@ -41,6 +42,12 @@ def _out(text: str) -> None:
 
 
 def _load(args):
+    ranks = getattr(args, "tp", 1)
+    free = default_threads(ranks)
+    if args.threads is not None and args.threads > free:  # as llama.cpp does not, and should
+        print(f"mlxinfer: warning: --threads {args.threads} is more than the {free} cores free for it (of "
+              f"{os.cpu_count()}, by the load average): threads that wait for busy cores can slow it many "
+              "times over", file=sys.stderr)
     return load(args.model, backend=args.backend, attention=args.attention, device=args.device,
                 kernel=args.kernel, kv=args.kv, prefill_chunk=args.prefill_chunk, threads=args.threads,
                 tp=getattr(args, "tp", 1))

@@ -89,7 +89,7 @@ def token_ids(values) -> list[int]:
     return [int(i) for i in values]
 
 
-@dataclass
+@dataclass(repr=False)
 class GGUFTokenizer:
     """Encode/decode with a GGUF model's vocabulary. Build with `GGUFTokenizer.from_metadata`."""
 
@@ -229,6 +229,9 @@ class GGUFTokenizer:
 
     def is_special(self, token_id: int) -> bool:
         return bool(self.token_types[token_id] == TOKEN_CONTROL)
+
+    def __repr__(self) -> str:  # its summary: the dataclass's own would print the whole vocabulary (~500 KB)
+        return f"GGUFTokenizer({self.summary()})"
 
     def summary(self) -> str:
         n_ctrl = int(np.sum(self.token_types == TOKEN_CONTROL))
