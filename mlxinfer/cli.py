@@ -13,7 +13,7 @@ import sys
 import tempfile
 
 from . import __version__, benchmark
-from .backends.cpu import default_threads
+from .backends.cpu import checked_threads, default_threads
 from .collectives import launched
 from .engine import load
 from .errors import MlxinferError, RequestError
@@ -44,7 +44,7 @@ def _out(text: str) -> None:
 def _load(args):
     ranks = getattr(args, "tp", 1)
     free = default_threads(ranks)
-    if args.threads is not None and args.threads > free:  # as llama.cpp does not, and should
+    if args.threads is not None and checked_threads(args.threads) > free:  # as llama.cpp does not, and should
         print(f"mlxinfer: warning: --threads {args.threads} is more than the {free} cores free for it (of "
               f"{os.cpu_count()}, by the load average): threads that wait for busy cores can slow it many "
               "times over", file=sys.stderr)
