@@ -206,10 +206,11 @@ def _add_metadata(w: GGUFWriter, key: str, v) -> None:
 
 
 def rewrite_gguf(src, dst, *, edits: dict | None = None, drop_tensors=(), tensors: bool = True,
-                 f32: bool = False) -> str:
+                 f32: bool = False, add_tensors: dict | None = None) -> str:
     """Copy a GGUF file through the writer: metadata with `edits` applied (a value of None drops the
-    key), tensors as stored (or dequantized to F32 with `f32`), minus `drop_tensors`; `tensors=False`
-    writes a vocabulary-only file. Reference fixtures and malformed-file tests are made with it."""
+    key), tensors as stored (or dequantized to F32 with `f32`), minus `drop_tensors`, plus `add_tensors`
+    (name -> float32 array); `tensors=False` writes a vocabulary-only file. Reference fixtures and
+    malformed-file tests are made with it."""
     from gguf import GGMLQuantizationType as Q
 
     edits = edits or {}
@@ -227,6 +228,8 @@ def rewrite_gguf(src, dst, *, edits: dict | None = None, drop_tensors=(), tensor
             else:
                 rows = t.n_elements // t.shape[-1]
                 w.add_tensor(name, np.array(g.raw(name)).reshape(rows, -1), raw_dtype=t.ggml_type)
+        for name, data in (add_tensors or {}).items():
+            w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()

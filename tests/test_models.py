@@ -1,6 +1,7 @@
 """Correctness against llama.cpp (all-F32 weights, F32 KV cache), from committed fixtures."""
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -137,3 +138,28 @@ def test_missing_tensor_is_named(tmp_path, synthetic):
     del g.tensors["blk.1.ffn_up.weight"]
     with pytest.raises(GGUFError, match="missing tensor 'blk.1.ffn_up.weight'"):
         load_model(CPUBackend(), g)
+
+
+def test_what_the_forward_pass_does_not_apply_is_refused(synthetic, tmp_path):
+    """Nothing a file asks for is ignored: Llama 3's RoPE factors (`rope_freqs.weight`, which a Llama 3.x
+    file carries and a loader that skips it decodes with every rotation off), RoPE scaling, or a tensor
+    the architecture's forward pass does not read are one-line UnsupportedErrors naming it; keys at their
+    neutral value and the irrelevant namespaces load."""
+    from mlxinfer.synthetic import rewrite_gguf
+
+    src = synthetic(arch="llama", n_layers=1, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16,
+                    vocab_size=320)
+    cases = [
+        (dict(add_tensors={"rope_freqs.weight": np.ones(8)}), "tensor 'rope_freqs.weight' (Llama 3's RoPE"),
+        (dict(add_tensors={"blk.0.attn_q.bias": np.zeros(64)}), "tensor 'blk.0.attn_q.bias' (not read"),
+        (dict(edits={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 8.0}),
+         "metadata llama.rope.scaling"),
+        (dict(edits={"llama.expert_count": 8}), "metadata llama.expert_count = 8 is not supported"),
+    ]
+    for i, (kw, fragment) in enumerate(cases):
+        path = rewrite_gguf(src, tmp_path / f"bad{i}.gguf", **kw)
+        with pytest.raises(UnsupportedError, match=re.escape(fragment)):
+            mlxinfer.load(path, backend="cpu")
+    fine = rewrite_gguf(src, tmp_path / "fine.gguf", edits={"llama.rope.scaling.type": "none",
+                                                             "general.url": "x", "quantize.imatrix.file": "y"})
+    assert mlxinfer.load(fine, backend="cpu").generate([5, 6], max_tokens=2).token_ids

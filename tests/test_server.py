@@ -285,6 +285,7 @@ def test_a_client_that_leaves_a_busy_request_frees_its_slot(served, slow_passes)
     ({"model": MODEL, "prompt": ""}, 400, "empty prompt"),
     ({"model": MODEL, "prompt": [9999]}, 400, "outside the vocabulary"),
     ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n must be 1"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 5}, 400, "logprobs 5 asks for top alternatives"),
     ({"model": MODEL, "prompt": "hi", "stop": [""]}, 400, "stop"),
     ({"model": MODEL, "prompt": "hi", "stop": [f"s{i}" for i in range(10_000)]}, 400, "at most 16 stop strings"),
     ({"model": MODEL, "prompt": "hi", "stop": ["x" * 257]}, 400, "at most 256 characters"),

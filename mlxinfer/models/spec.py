@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import GGUFError
+from ..errors import GGUFError, UnsupportedError
 
 MATRIX, NORM, EMBEDDING = "matrix", "norm", "embedding"
 
@@ -170,6 +170,45 @@ def check_shapes(g, args: ModelArgs) -> None:
             )
 
 
+# What a file may hold besides the tensors the spec reads: `{arch}.` keys the loader reads
+# (ModelArgs.from_gguf) or that change nothing at their neutral value, and namespaces the forward pass
+# does not compute with (names and licenses, the vocabulary, which the tokenizer reads, how the file was
+# quantized or split). Anything else is refused (`check_nothing_unread`).
+READ_KEYS = frozenset(("block_count", "context_length", "embedding_length", "feed_forward_length",
+                       "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+                       "attention.key_length", "attention.value_length", "rope.freq_base", "rope.dimension_count",
+                       "vocab_size"))
+NEUTRAL_KEYS = {"rope.scaling.type": ("none",), "rope.scaling.factor": (1, 1.0), "rope.freq_scale": (1, 1.0)}
+IRRELEVANT_PREFIXES = ("general.", "tokenizer.", "quantize.", "split.")
+KNOWN_UNSUPPORTED = {"rope_freqs.weight": "Llama 3's RoPE frequency factors"}
+
+
+def check_nothing_unread(g, args: ModelArgs) -> None:
+    """Every tensor and metadata key of the file is read by the loader or changes nothing: a file that
+    asks for what the forward pass does not do (Llama 3's RoPE factors, RoPE scaling, another
+    architecture's tensors) is refused in one line instead of generating wrong text."""
+    read = {name for _, _, name, _, _ in tensors(args)}
+    extra = sorted(set(g.tensors) - read, key=lambda n: (n not in KNOWN_UNSUPPORTED, n))
+    if extra:
+        what = KNOWN_UNSUPPORTED.get(extra[0], "not read by the forward pass")
+        raise UnsupportedError(f"{g.path}: tensor {extra[0]!r} ({what}) is not supported: without it the "
+                               "model would give wrong text")
+    prefix = f"{args.arch}."
+    for key, value in g.metadata.items():
+        if key.startswith(IRRELEVANT_PREFIXES):
+            continue
+        name = key[len(prefix):] if key.startswith(prefix) else None
+        if name in READ_KEYS or (name in NEUTRAL_KEYS and value in NEUTRAL_KEYS[name]):
+            continue
+        raise UnsupportedError(f"{g.path}: metadata {key} = {_short(value)} is not supported: the forward pass "
+                               "does not apply it")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def load_norm(ops, g, name):
     """A norm weight vector, refused if it holds NaN or Inf (it would silently poison every logit)."""
     if not np.all(np.isfinite(g.dequantize(name))):
@@ -184,6 +223,7 @@ def load_weights(ops, g, args: ModelArgs, shard=None) -> SimpleNamespace:
     tensor-parallel `shard` (mlxinfer.models.shard) the weight matrices are read through the shard's view
     of the file: only this rank's slice of each; the embedding and the norms whole."""
     check_shapes(g, args)
+    check_nothing_unread(g, args)
     sharded = shard is not None and shard.size > 1
     view = shard.view(g) if sharded else g
     loaders = {MATRIX: lambda g_, n: ops.load_weight(view, n), NORM: lambda g_, n: load_norm(ops, g_, n),

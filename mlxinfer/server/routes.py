@@ -60,6 +60,9 @@ class Job:
 async def completions(request: Request, body: CompletionRequest):
     state = request.app.state.server
     check_model(state, body.model)
+    if body.logprobs is not None and body.logprobs > 1:  # OpenAI's logprobs=N asks for N top alternatives
+        raise ApiError(400, f"logprobs {body.logprobs} asks for top alternatives, which are not computed "
+                            "(0 or 1: the chosen tokens' logprobs)", param="logprobs")
     return await answer(request, state, body, await encode(state, body.prompt, "prompt"), chat=False,
                         want_logprobs=body.logprobs is not None)
 
