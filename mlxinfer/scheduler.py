@@ -55,7 +55,11 @@ class Request:
     cancelled: bool = False
     seq: Sequence | None = None
     done: bool = False
-    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens taken from the prefix cache (0 until admitted)."""
+        return 0 if self.seq is None else self.seq.cached_tokens
 
 
 def kv_bytes_per_token(engine) -> int:
@@ -88,8 +92,8 @@ class Scheduler:
         self.kv_bytes_per_token = kv_bytes_per_token(engine)
         self.paged = engine.kv == "paged"
         # paged: a fixed pool of blocks under the memory budget, prefixes reused across requests
-        self.cache = engine.new_cache(max_blocks=budget_blocks(engine, kv_memory)) if self.paged else engine.new_cache()
-        self.loop = engine.new_loop(self.cache)
+        self.cache_options = dict(max_blocks=budget_blocks(engine, kv_memory)) if self.paged else {}
+        self._fresh_loop()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.by_seq: dict[int, Request] = {}  # id(request.seq) -> request, for the loop's events
@@ -182,15 +186,14 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.seq = self.loop.admit(req.prompt, req.params, req.max_tokens, req.stop, t0=req.submitted)
-            req.cached_tokens = req.seq.cached_tokens  # the prompt's cached prefix is not prefilled again
             self.by_seq[id(req.seq)] = req
             self.running.append(req)
 
-    def _end(self, req: Request, reason: str, error: str | None = None) -> None:
+    def _end(self, req: Request, reason: str) -> None:
         """A request leaves the batch without a FinishEvent from the loop (cancelled, or an error)."""
         self.loop.release(req.seq, reason)
         self._leave(req)
-        self._deliver(req, FinishEvent(reason, None, None, error=error))
+        self._deliver(req, FinishEvent(reason, None, None))
 
     def _pass_failed(self, e: Exception) -> None:
         """Under the lock: a pass raised. Its requests (every running one: they shared it) end with the
@@ -198,9 +201,14 @@ class Scheduler:
         the worker goes on with the queue."""
         what = f"{type(e).__name__}: {e}"
         log.error("a forward pass failed (%s); its %d request(s) end with an error", what, len(self.running))
-        for req in list(self.running):
-            self._end(req, "error", what)
-        self.cache = self.engine.new_cache(max_blocks=self.cache.max_blocks) if self.paged else self.engine.new_cache()
+        for req in list(self.running):  # (their slots go with the old cache: nothing is released into it)
+            self._leave(req)
+            self._deliver(req, FinishEvent("error", None, None, error=what))
+        self._fresh_loop()
+
+    def _fresh_loop(self) -> None:
+        """A new KV cache and a pass loop over it."""
+        self.cache = self.engine.new_cache(**self.cache_options)
         self.loop = self.engine.new_loop(self.cache)
 
     def _leave(self, req: Request) -> None:
