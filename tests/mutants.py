@@ -467,7 +467,7 @@ M = [
      [("            if req in self.waiting:\n                self.waiting.remove(req)", "            if False:")],
      [T_SRV], "scheduler: a cancelled waiting request stays in the queue"),
     ("srv-queue-unbounded", "server", SCHED,
-     [("if len(self.waiting) >= self.max_queue:", "if False:")],
+     [("if len(self.waiting) >= room:", "if False:")],
      [T_SRV], "scheduler: max_queue not enforced"),
     ("srv-drops-top-p", "server", SRV_ROUTES,
      [("top_p=float(body.top_p)", "top_p=1.0")],
