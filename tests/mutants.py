@@ -37,6 +37,7 @@ T_TP = "tests/test_tp.py"
 T_WG = "tests/test_weight_groups.py"
 T_COMP = "tests/test_compile.py"
 T_BENCH = "tests/test_bench.py"
+T_BM = "tests/test_block_manager.py"
 
 CPU = "mlxinfer/backends/cpu.py"
 MLX = "mlxinfer/backends/mlx.py"
@@ -498,6 +499,15 @@ M = [
      [("return [table[p // bs] for p in range(start, start + n)], [p % bs for p in range(start, start + n)]",
        "return [table[p // bs] for p in range(start, start + n)], [(p + 1) % bs for p in range(start, start + n)]")],
      [T_GEN, T_ATT], "paged cache: rows written one offset late within their block"),
+    ("paged-shared-refs-set", "positions/KV", BLOCKS,
+     [("            block.refs += 1\n            table.append(bid)", "            block.refs = 1\n            table.append(bid)")],
+     [T_BM], "paged cache: a prefix block taken by a second live sequence counts one user (freed while shared)"),
+    ("paged-drop-while-shared", "positions/KV", BLOCKS,
+     [("        block.refs -= 1\n        if block.refs == 0:", "        block.refs -= 1\n        if block.refs <= 1:")],
+     [T_BM], "paged cache: a block two sequences use is cached or freed when one of them releases it"),
+    ("paged-shared-left-in-lru", "positions/KV", BLOCKS,
+     [("            self.lru.pop(bid, None)\n", "")],
+     [T_BM], "paged cache: a cached block taken by a prompt stays evictable while in use"),
     ("srv-budget-ignores-blocks", "server", SCHED,
      [("        if not self.paged:\n            return n_tokens", "        if True:\n            return n_tokens")],
      [T_SRV], "scheduler: the memory budget counts tokens, not the whole blocks the paged cache takes"),

@@ -30,6 +30,7 @@ def main(cases_path, out_dir):
             gen = engine.generate(case["prompt"], max_tokens=case["n"], temperature=case.get("temperature", 0.0),
                                   seed=case.get("seed"))
             out[f"tokens_{key}"] = np.array(gen.token_ids, dtype=np.int64)
+            out[f"seed_{key}"] = np.array(-1 if gen.seed is None else gen.seed, dtype=np.int64)
         out["fused_equals_per_head"] = np.array(np.array_equal(out["logits_fused"], out["logits_per_head"]))
         out["kv_width"] = np.array(engine.kv_width)
         out["threads"] = np.array(engine.backend.threads)  # the ranks share the machine's cores
