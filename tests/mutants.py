@@ -38,6 +38,7 @@ T_WG = "tests/test_weight_groups.py"
 T_COMP = "tests/test_compile.py"
 T_BENCH = "tests/test_bench.py"
 T_BM = "tests/test_block_manager.py"
+T_KVC = "tests/test_kv_cache.py"
 
 CPU = "mlxinfer/backends/cpu.py"
 MLX = "mlxinfer/backends/mlx.py"
@@ -508,6 +509,16 @@ M = [
     ("paged-shared-left-in-lru", "positions/KV", BLOCKS,
      [("            self.lru.pop(bid, None)\n", "")],
      [T_BM], "paged cache: a cached block taken by a prompt stays evictable while in use"),
+    ("kv-expected-ignored", "positions/KV", KV,
+     [("longest = max(max(self.held.values()), max(self.expected.values(), default=0))",
+       "longest = max(self.held.values())")],
+     [T_KVC], "prealloc cache: grows chunk by chunk instead of once for an announced prompt"),
+    ("kv-admit-not-announced", "positions/KV", LOOP,
+     [("        self.cache.expect(slot, len(prompt) + 1)\n", "")],
+     [T_KVC], "loop: a prompt is not announced to the cache at admission (one resize per prefill chunk)"),
+    ("kv-never-shrinks", "positions/KV", KV,
+     [("capacity + self.step <= self.capacity \\\n                or ", "")],
+     [T_KVC], "prealloc cache: keeps the capacity of the longest sequence it ever held"),
     ("srv-budget-ignores-blocks", "server", SCHED,
      [("        if not self.paged:\n            return n_tokens", "        if True:\n            return n_tokens")],
      [T_SRV], "scheduler: the memory budget counts tokens, not the whole blocks the paged cache takes"),

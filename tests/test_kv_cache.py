@@ -1,0 +1,79 @@
+"""How the preallocated KV cache grows and shrinks: a prompt the loop announces is given its room in one
+allocation (not one per prefill chunk), and the stores shrink to the longest sequence still live when a
+longer one leaves. Each resize copies every layer's stores, so a resize per chunk costs a prompt of n
+chunks n copies of a growing cache; and a cache that never shrinks holds one long request's memory for
+as long as any short one runs."""
+
+import numpy as np
+import pytest
+
+import mlxinfer
+from mlxinfer.batch import Batch
+from mlxinfer.kv_cache import PreallocKVCache
+from mlxinfer.sampling import SamplingParams
+
+SHAPE = dict(arch="qwen3", n_layers=2, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=320,
+             context_length=512, tied_output=False, seed=3)
+STEP, CHUNK = 16, 8
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from mlxinfer.synthetic import write_synthetic_model
+
+    path = write_synthetic_model(tmp_path_factory.mktemp("kv") / "m.gguf", **SHAPE)
+    return mlxinfer.load(path, backend="cpu", kv="prealloc", prefill_chunk=CHUNK)
+
+
+def _recording(cache):
+    """The (slots, capacity) of every resize the cache makes from now on."""
+    sizes, resize = [], cache._resize
+
+    def record(n_slots, capacity):
+        if (n_slots, capacity) != (cache.n_slots, cache.capacity):
+            sizes.append((n_slots, capacity))
+        resize(n_slots, capacity)
+
+    cache._resize = record
+    return sizes
+
+
+def _rounded(n):
+    return STEP * -(-n // STEP)
+
+
+def test_an_announced_prompt_is_given_its_room_in_one_allocation(engine):
+    cache = engine.new_cache(step=STEP)
+    sizes = _recording(cache)
+    loop = engine.new_loop(cache)
+    prompt = list(range(5, 5 + 100))  # 13 chunks of 8
+    seq = loop.admit(prompt, SamplingParams(temperature=0.0), max_tokens=6)
+    while loop.busy:
+        loop.step()
+    assert len(seq.out) >= 1
+    # one allocation holds the prompt and its first token; the 6 generated positions fit in its rounding
+    assert sizes[0] == (1, _rounded(len(prompt) + 1)), sizes
+    assert sizes[1:] == [(0, 0)], f"resized while prefilling or decoding: {sizes}"
+
+    sizes.clear()
+    engine.new_loop(cache).score(prompt)  # all-position scoring announces its prompt too
+    assert sizes == [(1, _rounded(len(prompt))), (0, 0)], sizes
+
+
+def test_stores_shrink_to_the_longest_live_sequence(engine):
+    ops = engine.backend
+    cache = PreallocKVCache(ops, n_layers=1, width=4, step=STEP)
+    long_, short = cache.alloc(), cache.alloc()  # the long one in slot 0: slots stay 2
+    rows = np.arange(400, dtype=np.float32).reshape(100, 4)
+    for slot, n in ((long_, 100), (short, 10)):
+        batch = Batch(ops, [slot], [0], [n])
+        cache.reserve(batch)
+        cache.update(ops, 0, rows[:n], rows[:n], batch)
+    assert (cache.n_slots, cache.capacity) == (2, _rounded(100))
+    cache.release(long_)
+    assert (cache.n_slots, cache.capacity) == (2, _rounded(10)), "the long sequence's memory is given back"
+    batch = Batch(ops, [short], [10], [1])  # one more row, then read all eleven back
+    cache.reserve(batch)
+    k, v = cache.update(ops, 0, 2 * rows[:1], 3 * rows[:1], batch).sequence(ops, 0)
+    assert np.array_equal(k, np.concatenate([rows[:10], 2 * rows[:1]])), "the short sequence keeps what it holds"
+    assert np.array_equal(v, np.concatenate([rows[:10], 3 * rows[:1]]))
