@@ -111,3 +111,41 @@ def test_every_protocol_op_is_wrapped():
 def test_no_wrapper_without_trace(synthetic):
     engine = mlxinfer.load(synthetic(**SHAPES[0], seed=1), backend="cpu")
     assert not isinstance(engine.backend, TracingBackend)
+
+
+class _TickClock:
+    """A clock that advances by one tick at each reading: an op's traced time is then 1 plus two ticks for
+    every traced op called inside it."""
+
+    def __init__(self):
+        self.t = 0
+
+    def perf_counter(self):
+        self.t += 1
+        return float(self.t)
+
+
+def test_pass_time_counts_ops_nested_in_per_head_attention_once(synthetic, monkeypatch):
+    """A pass's total is the time of its top-level ops: the per-head default's primitives run inside
+    `fused_attention` and are already in its time. With one tick per clock reading, fused attention
+    (nothing nested) totals N ticks for N ops; per-head totals 2*N_per_head - N_top, where the top-level
+    calls N_top are the fused path's N (the same ops outside attention, one fused_attention a layer)."""
+    import mlxinfer.tracing
+
+    path = synthetic(**SHAPES[0], seed=1)
+    totals = {}
+    for attention in ("fused", "per-head"):
+        monkeypatch.setattr(mlxinfer.tracing, "time", _TickClock())
+        engine = mlxinfer.load(path, backend="cpu", attention=attention)
+        tracer = install_tracer(engine, stream=io.StringIO())
+        seen = []
+
+        def end(name):
+            seen.append((sum(tracer.counts.values()), tracer.pass_time))
+            tracer.end_pass(name)
+
+        engine.generate([3, 4, 5, 6, 7], max_tokens=2, on_forward=end)
+        totals[attention] = seen
+    for (n_fused, t_fused), (n_per_head, t_per_head) in zip(totals["fused"], totals["per-head"]):
+        assert t_fused == n_fused
+        assert n_per_head > n_fused and t_per_head == 2 * n_per_head - n_fused
