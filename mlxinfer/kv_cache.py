@@ -50,10 +50,19 @@ class _Slots:
         self.held: dict[int, int] = {}  # slot -> tokens held
         self.expected: dict[int, int] = {}  # slot -> tokens announced (a prompt's length)
 
+    def next_slot(self) -> int:
+        """The slot `alloc` gives next: the lowest free one."""
+        return next(i for i in range(len(self.held) + 1) if i not in self.held)
+
     def alloc(self) -> int:
-        slot = next(i for i in range(len(self.held) + 1) if i not in self.held)
+        slot = self.next_slot()
         self.held[slot] = 0
         return slot
+
+    def nbytes_for(self, lengths: dict[int, int]) -> int:
+        """Bytes the stores take when each slot s holds lengths[s] tokens, with this cache's own rounding
+        (what a memory budget has to count)."""
+        raise NotImplementedError
 
     def release(self, slot: int, tokens=None) -> None:
         """Free a slot (`tokens`, what its rows hold, matters only to a cache that keeps prefixes)."""
@@ -141,7 +150,7 @@ class PreallocKVCache(_Slots, SlotStores):
             return
         n_slots = max(self.held) + 1
         longest = max(max(self.held.values()), max(self.expected.values(), default=0))
-        capacity = self.step * max(1, math.ceil(longest / self.step))
+        capacity = self._capacity(longest)
         if capacity > self.capacity or n_slots > self.n_slots or capacity + self.step <= self.capacity \
                 or n_slots < self.n_slots:
             self._resize(n_slots, capacity)
@@ -157,8 +166,16 @@ class PreallocKVCache(_Slots, SlotStores):
             self.held[slot] = n
         self._fit()
 
+    def _capacity(self, longest: int) -> int:
+        """Positions per slot for a longest sequence of `longest` tokens: rounded up to the step."""
+        return self.step * max(1, math.ceil(longest / self.step))
+
     def nbytes(self) -> int:
         return 2 * self.n_layers * self.n_slots * self.capacity * self.width * 4
+
+    def nbytes_for(self, lengths: dict[int, int]) -> int:
+        """Every slot up to the highest one in use, each as long as the longest sequence, rounded up."""
+        return 2 * self.n_layers * (max(lengths) + 1) * self._capacity(max(lengths.values())) * self.width * 4
 
     def arrays(self) -> list:
         """The cache's tensors (what a pass that samples nothing produces)."""
@@ -223,6 +240,9 @@ class BasicKVCache(_Slots):
 
     def nbytes(self) -> int:
         return 2 * self.n_layers * sum(self.held.values()) * self.width * 4
+
+    def nbytes_for(self, lengths: dict[int, int]) -> int:
+        return 2 * self.n_layers * sum(lengths.values()) * self.width * 4
 
     def arrays(self) -> list:
         return [x for keys, values in self.entries.values() for x in keys + values if x is not None]
@@ -394,6 +414,11 @@ class PagedKVCache(_Slots):
     # -- reporting -----------------------------------------------------------------------------
     def nbytes(self) -> int:
         return 2 * self.n_layers * self.blocks.n_blocks * self.block_size * self.width * 4
+
+    def nbytes_for(self, lengths: dict[int, int]) -> int:
+        """Whole blocks per sequence (blocks shared with a cached prefix counted as its own: an upper bound)."""
+        bs = self.block_size
+        return 2 * self.n_layers * sum(-(-n // bs) * bs for n in lengths.values()) * self.width * 4
 
     def arrays(self) -> list:
         return [x for x in self.keys + self.values if x is not None]

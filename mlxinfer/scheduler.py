@@ -15,9 +15,10 @@ adds what a server needs around the loop: a queue, admission under the batch and
 worker thread, cancellation from other threads, and statistics.
 
 Admission: at most `max_batch` requests run; up to `max_queue` wait (beyond that `submit` raises
-`QueueFull`); with `kv_memory` (bytes) a request waits until the preallocated cache, grown for it
-(every slot holds the longest request's prompt + max_tokens), fits the budget, and one that cannot fit
-even alone is refused. Callbacks run on the worker thread and must not block.
+`QueueFull`); with `kv_memory` (bytes) a request waits until the cache, sized for every running request
+at its longest (prompt + max_tokens) and this one, as the cache sizes itself (`nbytes_for`: the
+preallocated cache gives every slot up to the highest in use the longest length rounded up to its step;
+the paged cache whole blocks), fits the budget, and one that cannot fit even alone is refused. Callbacks run on the worker thread and must not block.
 """
 
 from __future__ import annotations
@@ -89,7 +90,6 @@ class Scheduler:
             raise RequestError(f"kv_memory must be a positive number of bytes, got {kv_memory!r}")
         self.engine = engine
         self.max_batch, self.max_queue, self.kv_memory = max_batch, max_queue, kv_memory
-        self.kv_bytes_per_token = kv_bytes_per_token(engine)
         self.paged = engine.kv == "paged"
         # paged: a fixed pool of blocks under the memory budget, prefixes reused across requests
         self.cache_options = dict(max_blocks=budget_blocks(engine, kv_memory)) if self.paged else {}
@@ -107,7 +107,7 @@ class Scheduler:
     def check(self, n_prompt: int, max_tokens: int) -> None:
         """Raise RequestError where a request can never run (context, or the memory budget)."""
         self.engine.check_context(n_prompt, max_tokens)
-        need = self._positions(n_prompt + max_tokens) * self.kv_bytes_per_token
+        need = self.cache.nbytes_for({0: n_prompt + max_tokens})
         if self.kv_memory is not None and need > self.kv_memory:
             raise RequestError(f"prompt of {n_prompt} tokens plus max_tokens {max_tokens} needs {need} bytes of KV "
                                f"cache, more than the server's budget of {self.kv_memory}")
@@ -160,21 +160,15 @@ class Scheduler:
         self.thread.join(timeout)
 
     # -- the worker ----------------------------------------------------------------------------
-    def _positions(self, n_tokens: int) -> int:
-        """Cache positions a request of n_tokens holds at its longest: whole blocks on the paged cache."""
-        if not self.paged:
-            return n_tokens
-        return -(-n_tokens // self.cache.block_size) * self.cache.block_size
-
     def _fits(self, req: Request) -> bool:
-        """Whether the cache can hold every running request at its longest, and this one too."""
+        """Whether the cache, sized as it sizes itself (whole blocks, or every slot as long as the longest
+        sequence rounded up to its step), holds every running request at its longest and this one too
+        (cached prefix blocks can be evicted, so they count as free)."""
         if self.kv_memory is None:
             return True
-        if self.paged:  # blocks (cached prefixes can be evicted, so they count as free)
-            need = sum(self._positions(len(r.prompt) + r.max_tokens) for r in [*self.running, req])
-            return need // self.cache.block_size <= self.cache.max_blocks
-        longest = max([len(r.prompt) + r.max_tokens for r in self.running] + [len(req.prompt) + req.max_tokens])
-        return (len(self.running) + 1) * longest * self.kv_bytes_per_token <= self.kv_memory
+        lengths = {r.seq.slot: len(r.prompt) + r.max_tokens for r in self.running}
+        lengths[self.cache.next_slot()] = len(req.prompt) + req.max_tokens
+        return self.cache.nbytes_for(lengths) <= self.kv_memory
 
     def _admit(self) -> None:
         """Under the lock: drop cancelled requests, move waiting ones into the batch while they fit."""

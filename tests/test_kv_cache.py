@@ -10,6 +10,7 @@ import pytest
 import mlxinfer
 from mlxinfer.batch import Batch
 from mlxinfer.kv_cache import PreallocKVCache
+from mlxinfer.loop import FinishEvent
 from mlxinfer.sampling import SamplingParams
 
 SHAPE = dict(arch="qwen3", n_layers=2, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=320,
@@ -77,3 +78,45 @@ def test_stores_shrink_to_the_longest_live_sequence(engine):
     k, v = cache.update(ops, 0, 2 * rows[:1], 3 * rows[:1], batch).sequence(ops, 0)
     assert np.array_equal(k, np.concatenate([rows[:10], 2 * rows[:1]])), "the short sequence keeps what it holds"
     assert np.array_equal(v, np.concatenate([rows[:10], 3 * rows[:1]]))
+
+
+@pytest.mark.parametrize("kv", ["prealloc", "paged", "basic"])
+def test_the_server_budget_holds_the_cache_as_it_sizes_itself(tmp_path, kv):
+    """Requests of 20-60 tokens under a budget of two 256-position prealloc slots: the cache rounds
+    every slot up to its 256-position step and keeps slots up to the highest in use, so the budget must
+    count that (counting tokens, 8 of these fit in two slots' bytes and the cache takes 4x the budget).
+    Every request still completes; the cache's bytes never pass the budget."""
+    import threading
+
+    from mlxinfer.scheduler import Scheduler
+    from mlxinfer.synthetic import write_synthetic_model
+
+    path = write_synthetic_model(tmp_path / "m.gguf", **SHAPE)
+    engine = mlxinfer.load(path, backend="cpu", kv=kv)
+    per_token = 2 * SHAPE["n_layers"] * SHAPE["n_kv_heads"] * SHAPE["head_dim"] * 4
+    budget = 2 * 256 * per_token
+    sched = Scheduler(engine, max_batch=8, max_queue=16, kv_memory=budget)
+    peak, done = [0], []
+    resize = sched.cache._resize if kv == "prealloc" else None
+    if kv == "prealloc":
+        def record(n_slots, capacity):
+            resize(n_slots, capacity)
+            peak[0] = max(peak[0], sched.cache.nbytes())
+        sched.cache._resize = record
+    finished = threading.Semaphore(0)
+
+    def on_event(e):  # on the worker thread, after each pass's events: the cache as that pass left it
+        peak[0] = max(peak[0], sched.cache.nbytes())
+        if isinstance(e, FinishEvent):
+            done.append(e)
+            finished.release()
+
+    try:
+        for i in range(8):
+            sched.submit(list(range(3, 3 + 10 + 5 * i)), SamplingParams(temperature=0.0), 10, [], on_event)
+        for _ in range(8):
+            assert finished.acquire(timeout=120)
+    finally:
+        sched.close()
+    assert len(done) == 8 and all(e.finish_reason in ("stop", "length") for e in done)
+    assert peak[0] <= budget, f"the cache took {peak[0]} bytes under a budget of {budget}"
