@@ -298,7 +298,8 @@ class MLXBackend(Backend):
         # On a GPU, attention's arithmetic runs on our kernels (`self.gpu_kernels`, "metal" or "cuda").
         self.gpu_kernels = gpu if device == "gpu" else None
         self.kernel = kernel or (gpu if device == "gpu" else "graph")
-        self.fallback = None
+        self.fallback = None  # the self-check's failure, once one failed
+        self.checked = None  # the kernel the self-check ran on, once it ran
         self._cache: dict[str, object] = {}
         if device == "gpu" and kernel is None and gpu == "metal" and verify is not None:
             self.check_kernels(verify)
@@ -307,6 +308,7 @@ class MLXBackend(Backend):
         """Never run an unverified kernel silently: run `verify` (on the device); on a mismatch use
         MLX's own ops instead, with fused attention running the per-head reference itself (see
         `fused_attention_override`), say so in one line on stderr, and return it."""
+        self.checked = self.kernel
         problem = verify(self)
         if problem:
             self.fallback = problem
@@ -315,12 +317,29 @@ class MLXBackend(Backend):
                   "MLX's own ops and per-head attention (pass --kernel to force the kernels)", file=sys.stderr)
         return problem
 
+    def kernel_report(self) -> tuple[str, bool]:
+        """(one line, passed) on the GPU kernels of this device: the self-check's verdict over its
+        cases (run now if it has not run), for `mlxinfer inspect --kernels`."""
+        if self.device != "gpu":
+            return "kernels: none on the CPU (MLX's own ops, graph attention): nothing to check", True
+        if self.checked is None:
+            self.check_kernels()
+        kind = self.checked
+        cases = self_check_cases()
+        what = (f"{len(cases)} cases: head dims {', '.join(map(str, SELF_CHECK_HEAD_DIMS))}; decode rows, chunks, "
+                f"a window, contexts of 1 to 1,100 keys; {', '.join(KV_CACHES)} caches")
+        if self.fallback:
+            return (f"kernels: {kind}: self-check FAILED ({self.fallback}); mlxinfer uses MLX's own ops and "
+                    f"per-head attention ({what})"), False
+        return f"kernels: {kind}: self-check passed, fused attention bit for bit the per-head reference ({what})", True
+
     def describe(self) -> str:
         if self.device == "cpu":
             return f"mlx (cpu, graph attention, {self.threads} thread{'s' if self.threads != 1 else ''})"
         ops = f"{self.gpu_kernels} kernels" if self.gpu_kernels else "MLX ops"
         rows = ", each sequence's rows multiplied alone" if self.per_sequence_linear else ""
-        return f"mlx (gpu, {self.kernel} attention, {ops}{rows})"
+        attention = "per-head (the kernels failed their self-check)" if self.fallback else self.kernel
+        return f"mlx (gpu, {attention} attention, {ops}{rows})"
 
     def label(self) -> str:
         return f"MLX/{self.device.upper()}"
