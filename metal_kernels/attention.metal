@@ -2,10 +2,14 @@
 // published order as attention.cu, written for Apple GPUs (simdgroups of 32 lanes).
 //
 // UNVERIFIED ON HARDWARE: no Apple GPU is available where this project is developed and tested, so
-// these kernels have never run. mlxinfer therefore never uses them silently: on first use in a process
-// the MLX backend runs the fused kernel and the per-head reference on a small fixed case, on the device,
-// and falls back to the MLX graph override (with a one-line warning) unless the bytes agree
-// (`--kernel metal` skips the check). The order, as in attention.cu:
+// these kernels have never run. What is checked without one: every kernel MLX would generate from this
+// file parses with clang against a stand-in for Metal's headers, and fits Apple's limits (32 KB of
+// threadgroup memory, 1,024 threads; tests/test_metal_build.py); the order below is read from this file
+// and compared with the numpy emulation's (tests/test_metal_order.py). mlxinfer never uses the kernels
+// silently: on first use in a process the MLX backend runs them against the per-head reference on every
+// plan they run (`self_check_cases`), on the device, and falls back to the per-head reference itself
+// (with a one-line warning) unless the bytes agree (`--kernel metal` skips the check). The order, as in
+// attention.cu:
 //
 //   dot(a, b) over n terms (one simdgroup): lane l adds a[i]*b[i] for i = l, l+32, ... in increasing i,
 //     each product rounded and then added (contraction into fma switched off below), then a butterfly
