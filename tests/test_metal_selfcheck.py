@@ -9,7 +9,7 @@ import pytest
 
 import mlx.core as mx
 from mlxinfer import kernels
-from mlxinfer.backends.mlx import (SELF_CHECK_HEAD_DIMS, MLXBackend, check_case_inputs, self_check_cases,
+from mlxinfer.backends.mlx import (SELF_CHECK_HEAD_DIMS, MLXBackend, check_case_inputs, gpu_kind, self_check_cases,
                                    verify_gpu_kernels)
 from mlxinfer.kv_cache import KV_CACHES
 
@@ -128,3 +128,10 @@ def test_inspect_kernels_on_a_machine_without_a_gpu():
     if mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available()):
         pytest.skip("this machine has an MLX GPU: tests/test_mlx_backend.py runs the check itself")
     assert not passed and line == "kernels: --device gpu: MLX has no GPU here (neither Metal nor CUDA is available): nothing to check"
+
+
+@pytest.mark.skipif(gpu_kind() is None, reason="needs an MLX GPU (Metal or CUDA); this machine has none")
+def test_self_check_passes_on_this_gpu():
+    """The whole self-check on the device, with its kernels forced (on CUDA: every launch plan too)."""
+    b = MLXBackend(device="gpu", kernel=gpu_kind())
+    assert verify_gpu_kernels(b) is None

@@ -228,7 +228,8 @@ def _one_line(e: Exception) -> str:
 def verify_gpu_kernels(backend: "MLXBackend", cases=None) -> str | None:
     """Run the GPU kernels on the device on every plan they run (`self_check_cases`): the fused override
     against the per-head reference, bit for bit (and, where the kernel has them, each launch plan on the
-    same inputs), and the matmul/softmax kernels against the reference product and MLX's softmax.
+    same inputs; for decode rows also under mx.compile), and the matmul/softmax kernels against the
+    reference product and MLX's softmax.
     Returns None when all agree, else one line naming the first failure and its case."""
     try:
         problem = _check_products(backend)
@@ -248,6 +249,9 @@ def verify_gpu_kernels(backend: "MLXBackend", cases=None) -> str | None:
                     plans[f" (split, {form} launches)"] = np.array(kernels.split_attention(*args, two_launches=two))
                 plans[" (split, three launches, context by rows)"] = np.array(kernels.split_attention(
                     *args, two_launches=False, seq_rows=batch.rows, by_rows=True))
+            if all(t == 1 for _, t in case.seqs):  # decode rows, as the compiled decode step launches them
+                compiled = mx.compile(lambda x: backend.fused_attention_override(x, view, batch, spec))
+                plans[" (compiled)"] = np.array(compiled(q))
             ref = np.array(backend.per_head_attention(q, view, batch, spec))
         except Exception as e:  # a kernel that fails to compile or launch
             return f"{_one_line(e)} ({case})"
