@@ -225,7 +225,7 @@ def _one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
-def verify_gpu_kernels(backend: "MLXBackend", cases=None) -> str | None:
+def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
     """Run the GPU kernels on the device on every plan they run (`self_check_cases`): the fused override
     against the per-head reference, bit for bit (and, where the kernel has them, each launch plan on the
     same inputs; for decode rows also under mx.compile), and the matmul/softmax kernels against the
@@ -237,7 +237,7 @@ def verify_gpu_kernels(backend: "MLXBackend", cases=None) -> str | None:
         return f"{_one_line(e)} (the matmul and softmax kernels)"
     if problem:
         return problem
-    for case in self_check_cases() if cases is None else cases:
+    for case in self_check_cases():
         try:
             q, view, batch = check_case_inputs(backend, case)
             spec = case.spec
