@@ -1,4 +1,5 @@
-"""`mlxinfer inspect FILE`: architecture, hyperparameters, tokenizer summary and the tensor table."""
+"""`mlxinfer inspect FILE`: architecture, hyperparameters, tokenizer summary and the tensor table;
+`mlxinfer inspect --kernels`: the GPU kernels' self-check on this machine, in one line."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import re
 
 import numpy as np
 
+from .backends import make_backend
 from .errors import MlxinferError
 from .gguf_file import GGUFFile
 from .tokenizer import GGUFTokenizer
@@ -56,3 +58,16 @@ def describe(path) -> str:
             for t in sorted(g.tensors.values(), key=lambda t: natural_key(t.name)):
                 lines.append(f"  {t.name:<{w}}  {t.type_name:<6}  {str(list(t.shape)):<18}  {t.nbytes}")
     return "\n".join(lines) + "\n"
+
+
+def kernels_report() -> tuple[str, bool]:
+    """(one line, passed): the MLX backend on this machine's GPU, its kernels run through their
+    self-check (every plan they run, bit for bit against the per-head reference). The first thing to run
+    on a Mac: the Metal kernels have never run on Apple hardware where mlxinfer is developed."""
+    try:
+        backend = make_backend("mlx", device="gpu")
+    except ImportError as e:
+        return f"kernels: MLX is not installed ({e}): nothing to check", False
+    except MlxinferError as e:
+        return f"kernels: {e}: nothing to check", False
+    return backend.kernel_report()

@@ -39,9 +39,13 @@ T_COMP = "tests/test_compile.py"
 T_BENCH = "tests/test_bench.py"
 T_BM = "tests/test_block_manager.py"
 T_KVC = "tests/test_kv_cache.py"
+T_MBUILD = "tests/test_metal_build.py"
+T_MORDER = "tests/test_metal_order.py"
+T_MCHECK = "tests/test_metal_selfcheck.py"
 
 CPU = "mlxinfer/backends/cpu.py"
 MLX = "mlxinfer/backends/mlx.py"
+METAL = "metal_kernels/attention.metal"
 BACK = "mlxinfer/backend.py"
 BATCH = "mlxinfer/batch.py"
 KV = "mlxinfer/kv_cache.py"
@@ -533,10 +537,11 @@ M = [
      [("seq.cached = seq.cached_tokens = self.cache.match_prefix(slot, seq.prompt)", "pass")],
      [T_SRV], "scheduler never reuses cached prefixes"),
     ("kernel-dot-butterfly-order", "kernels", KERN,
-     [("return _butterfly(partial, (16, 8, 4, 2, 1))", "return _butterfly(partial, (1, 2, 4, 8, 16))")],
+     [("return _butterfly(partial, DOT_BUTTERFLY)", "return _butterfly(partial, DOT_BUTTERFLY[::-1])")],
      [T_KER], "published_dot: butterfly in the other order"),
     ("kernel-softmax-warp-order", "kernels", KERN,
-     [("return _butterfly(warp_totals[None, :], (4, 2, 1))[0]", "return _butterfly(warp_totals[None, :], (1, 2, 4))[0]")],
+     [("return _butterfly(warp_totals[None, :], WARP_TOTALS_BUTTERFLY)[0]",
+       "return _butterfly(warp_totals[None, :], WARP_TOTALS_BUTTERFLY[::-1])[0]")],
      [T_KER], "published_softmax_total: warp totals combined in the other order"),
     ("kernel-split-on-metal", "kernels", KERN,
      [("return kind in SPLIT_KINDS and (items", "return (items")],
@@ -713,6 +718,49 @@ M = [
     ("bench-header-without-command", "bench", BENCH,
      [('info = dict(kind="header", command=command, model=model,', 'info = dict(kind="header", model=model,')],
      [T_BENCH], "mlxinfer bench --out: the JSON header does not say which command made the run"),
+    # -- issue 31: the Mac path (Metal kernel limits, clang check, order read from the source, self-check) --
+    ("metal-threadgroup-over-32k", "metal", METAL,
+     [("threadgroup float part[32 * MLXI_PART_D];", "threadgroup float part[32 * MLXI_MAX_D];")],
+     [T_MBUILD], "Metal fused kernel: 32,800 bytes of threadgroup memory (Apple GPUs: 32,768)"),
+    ("metal-dot-device-only", "metal", METAL,
+     [("template <typename A, typename B>\ninline float mlxi_dot(A a, long sa, B b, long sb,",
+       "inline float mlxi_dot(device const float* a, long sa, device const float* b, long sb,")],
+     [T_MBUILD], "Metal mlxi_dot takes device pointers only: a product over fewer than 8 values (constant) does not build"),
+    ("metal-undeclared-name", "metal", METAL,
+     [("mlxi_softmax(y, (int)n, tid, red);", "mlxi_softmax(y, (int)n, tid, reds);")],
+     [T_MBUILD], "Metal softmax kernel: an undeclared name"),
+    ("metal-constant-to-device", "metal", METAL,
+     [("const auto qh = q + r * H * D + h * D;", "device const float* qh = q + r * H * D + h * D;")],
+     [T_MBUILD], "Metal fused kernel: a constant operand (q of fewer than 8 values) assigned to a device pointer"),
+    ("metal-threadgroup-doubled", "metal", KERN,
+     [("grid=(r * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),", "grid=(r * THREADS, 1, 1), threadgroup=(2 * THREADS, 1, 1),")],
+     [T_MBUILD], "Metal softmax launched with threadgroups of 512 threads (the kernel's reductions assume 256)"),
+    ("metal-dot-butterfly-reversed", "metal", METAL,
+     [("for (ushort off = 16; off > 0; off >>= 1) {\n    s = s + simd_shuffle_xor(s, off);",
+       "for (ushort off = 1; off < 32; off <<= 1) {\n    s = s + simd_shuffle_xor(s, off);")],
+     [T_MORDER], "Metal mlxi_dot: the butterfly reversed (the emulation unchanged)"),
+    ("metal-warp-totals-reversed", "metal", METAL,
+     [("for (ushort off = 4; off > 0; off >>= 1) total", "for (ushort off = 1; off < 8; off <<= 1) total")],
+     [T_MORDER], "Metal softmax: the 8 simdgroup totals combined in the other order"),
+    ("metal-fast-exp", "metal", METAL,
+     [("const float e = metal::precise::exp(x[j] - m);", "const float e = metal::fast::exp(x[j] - m);")],
+     [T_MORDER], "Metal softmax: fast::exp instead of the contract's precise::exp"),
+    ("metal-context-tree-reversed", "metal", METAL,
+     [("for (int off = 16; off > 0; off >>= 1) {\n      threadgroup_barrier",
+       "for (int off = 1; off < 32; off <<= 1) {\n      threadgroup_barrier")],
+     [T_MORDER], "Metal fused kernel: the context's lane partials joined in another order"),
+    ("selfcheck-one-cache-kind", "metal", MLX,
+     [("        for kv in KV_CACHES:\n            cases +=", "        for kv in (\"prealloc\",):\n            cases +=")],
+     [T_MCHECK], "self-check: paged and basic caches never checked"),
+    ("selfcheck-no-graph-plan", "metal", MLX,
+     [("                  CheckCase(\"one decode row over 1,100 keys\", gqa, ((1100, 1),)),\n", "")],
+     [T_MCHECK], "self-check: few rows over a long context (Metal's graph plan) never checked"),
+    ("selfcheck-exception-skipped", "metal", MLX,
+     [("            return f\"{_one_line(e)} ({case})\"", "            continue")],
+     [T_MCHECK], "self-check: a fused kernel that raises is skipped, and the kernels are used"),
+    ("fallback-batched-graph", "metal", MLX,
+     [("        if self.fallback is not None:\n", "        if False:\n")],
+     [T_MCHECK], "after a failed self-check, fused attention takes the batched graph (other GEMMs than the reference's on Metal)"),
 ]
 
 

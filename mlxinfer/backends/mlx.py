@@ -42,7 +42,7 @@ from .. import collectives, kernels  # noqa: E402
 from ..backend import AttentionSpec, Backend  # noqa: E402
 from ..batch import Batch  # noqa: E402
 from ..errors import GGUFError, RequestError  # noqa: E402
-from ..kv_cache import PagedLayer, PreallocKVCache  # noqa: E402
+from ..kv_cache import KV_CACHES, PagedLayer  # noqa: E402
 from ..sampling import MLXRandom  # noqa: E402
 from .cpu import checked_threads, default_threads  # noqa: E402
 
@@ -141,51 +141,125 @@ def gpu_kind() -> str | None:
     return None
 
 
-def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
-    """Run the GPU kernels once on a small fixed case, on the device: the fused kernel against the
-    per-head reference (bit for bit) and the matmul/softmax kernels against MLX's own (to 1e-5).
-    Returns None when they agree, else a one-line description of the first mismatch."""
-    rng = np.random.default_rng(7)
-    d = 128  # 1/sqrt(128) is not a power of two: scaling before or after the product rounds differently
-    spec = AttentionSpec.standard(4, 2, d)
-    t, s = 3, 70
-    q = backend.from_numpy(rng.standard_normal((t, 4 * d), dtype=np.float32))
-    kv_np = rng.standard_normal((2, s, 2 * d), dtype=np.float32) * 3
-    cache = PreallocKVCache(backend, 1, 2 * d)
-    slot = cache.alloc()
-    first = Batch(backend, [slot], [0], [s - t])
-    cache.reserve(first)
-    cache.update(backend, 0, backend.from_numpy(kv_np[0, :s - t]), backend.from_numpy(kv_np[1, :s - t]), first)
-    batch = Batch(backend, [slot], [s - t], [t])
+SELF_CHECK_HEAD_DIMS = (64, 80, 128, 256)  # every architecture's here (SmolLM2 64, Qwen3 128), both sides
+# of the Metal kernel's 128-wide context pass (MLXI_PART_D) and a width that is not a power of two
+
+
+@dataclass(frozen=True)
+class CheckCase:
+    """One self-check case: a batch of sequences, each (cached keys S, query rows T; T rows are this
+    pass's), written into a cache of kind `kv` as the engine writes it."""
+
+    label: str
+    spec: AttentionSpec
+    seqs: tuple[tuple[int, int], ...]
+    kv: str = "prealloc"
+
+    def __str__(self):
+        return f"head_dim {self.spec.head_dim}, {self.label}, {self.kv} cache"
+
+
+def self_check_cases(head_dims=SELF_CHECK_HEAD_DIMS) -> list[CheckCase]:
+    """Every plan the GPU kernels run, at each head size: one decode row over 1, 7 (operands of fewer
+    than 8 elements, which MLX passes to a Metal kernel as `constant`) and 300 keys (past the softmax's
+    256 threads), several decode rows, prefill chunks of 3 and of 9 rows (8+), a sliding window, few rows
+    over more than 1,024 keys (the graph override on Metal) and 64 rows over as many (the fused kernel
+    again), and each cache kind (prealloc, paged, basic) for decode rows and a chunk."""
+    cases = []
+    for d in head_dims:
+        gqa, win = AttentionSpec.standard(4, 2, d), AttentionSpec.standard(4, 2, d, window=16)
+        cases += [CheckCase("one decode row over 1 key", gqa, ((1, 1),)),
+                  CheckCase("one decode row over 7 keys", AttentionSpec.standard(1, 1, d), ((7, 1),)),
+                  CheckCase("one decode row over 300 keys", gqa, ((300, 1),)),
+                  CheckCase("3 rows of a chunk over 70 keys", gqa, ((70, 3),)),
+                  CheckCase("9 rows of a chunk over 300 keys, window 16", win, ((300, 9),)),
+                  CheckCase("one decode row over 1,100 keys", gqa, ((1100, 1),)),
+                  CheckCase("64 rows of a chunk over 1,100 keys", gqa, ((1100, 64),))]
+        for kv in KV_CACHES:
+            cases += [CheckCase("3 decode rows over 70, 257 and 5 keys", gqa, ((70, 1), (257, 1), (5, 1)), kv),
+                      CheckCase("a 9-row chunk over 40 keys and a decode row over 129", gqa, ((40, 9), (129, 1)), kv)]
+    return cases
+
+
+def check_case_inputs(backend: "MLXBackend", case: CheckCase, seed: int = 7):
+    """(q, cache layer view, batch) of a case on `backend`, random values of magnitude ~3 (softmax rows
+    spread, so that another summation order shows): each sequence's earlier rows written by a first
+    pass, this pass's rows by the pass itself."""
+    rng = np.random.default_rng(seed)
+    spec, width = case.spec, case.spec.n_kv_heads * case.spec.head_dim
+    cache = KV_CACHES[case.kv](backend, 1, width)
+    slots = [cache.alloc() for _ in case.seqs]
+    kv = [(rng.standard_normal((2, s, width), dtype=np.float32) * 3) for s, _ in case.seqs]
+    starts = [s - t for s, t in case.seqs]
+    early = [i for i, st in enumerate(starts) if st > 0]
+    if early:
+        pre = Batch(backend, [slots[i] for i in early], [0] * len(early), [starts[i] for i in early])
+        cache.reserve(pre)
+        cache.update(backend, 0, backend.from_numpy(np.concatenate([kv[i][0, :starts[i]] for i in early])),
+                     backend.from_numpy(np.concatenate([kv[i][1, :starts[i]] for i in early])), pre)
+    batch = Batch(backend, slots, starts, [t for _, t in case.seqs])
     cache.reserve(batch)
-    view = cache.update(backend, 0, backend.from_numpy(kv_np[0, s - t:]), backend.from_numpy(kv_np[1, s - t:]), batch)
-    try:
-        fused = np.array(backend.fused_attention_override(q, view, batch, spec))
-        plans = {"": fused}
-        if backend.kernel in kernels.SPLIT_KINDS:  # every launch plan, on the same inputs
-            args = (backend.kernel, q, *view.store, batch.row_slots, batch.positions, batch.row_lens, spec)
-            plans[" (one launch)"] = np.array(kernels.fused_attention(*args, split=False))
-            for two, form in ((True, "two"), (False, "three")):
-                plans[f" (split, {form} launches)"] = np.array(kernels.split_attention(*args, two_launches=two))
-            plans[" (split, three launches, context by rows)"] = np.array(kernels.split_attention(
-                *args, two_launches=False, seq_rows=batch.rows, by_rows=True))
-        ref = np.array(backend.per_head_attention(q, view, batch, spec))
-        a, b = q[:, :d], backend.from_numpy(kv_np[0, :, :d])
-        prod = np.array(backend.matmul(a, mx.transpose(b)))
+    view = cache.update(backend, 0, backend.from_numpy(np.concatenate([x[0, st:] for x, st in zip(kv, starts)])),
+                        backend.from_numpy(np.concatenate([x[1, st:] for x, st in zip(kv, starts)])), batch)
+    q = rng.standard_normal((batch.n_rows, spec.n_heads * spec.head_dim), dtype=np.float32)
+    return backend.from_numpy(q), view, batch
+
+
+def _check_products(backend: "MLXBackend") -> str | None:
+    """The matmul and softmax kernels against numpy's product and MLX's softmax (to 1e-5), on a product of
+    full operands and on one of operands of fewer than 8 elements."""
+    rng = np.random.default_rng(7)
+    for m, k, n in ((3, 128, 70), (1, 3, 2)):
+        a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32) * 3
+        prod = np.array(backend.matmul(mx.array(a), mx.array(b)))
         soft = np.array(backend.softmax_rows(mx.array(prod)))
+        if not np.allclose(prod, a @ b, rtol=1e-5, atol=1e-4):
+            return f"matmul kernel differs from the reference product by {np.max(np.abs(prod - a @ b)):.3g} ([{m}, {k}] x [{k}, {n}])"
+        want = np.array(mx.softmax(mx.array(prod), axis=-1, precise=True))
+        if not np.allclose(soft, want, rtol=1e-5, atol=1e-6):
+            return f"softmax kernel differs from MLX's softmax by {np.max(np.abs(soft - want)):.3g} (rows of {n})"
+    return None
+
+
+def _one_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
+    """Run the GPU kernels on the device on every plan they run (`self_check_cases`): the fused override
+    against the per-head reference, bit for bit (and, where the kernel has them, each launch plan on the
+    same inputs; for decode rows also under mx.compile), and the matmul/softmax kernels against the
+    reference product and MLX's softmax.
+    Returns None when all agree, else one line naming the first failure and its case."""
+    try:
+        problem = _check_products(backend)
     except Exception as e:  # a kernel that fails to compile or launch
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    want_prod = np.array(a) @ kv_np[0, :, :d].T
-    if not np.allclose(prod, want_prod, rtol=1e-5, atol=1e-4):
-        return f"matmul kernel differs from the reference product by {np.max(np.abs(prod - want_prod)):.3g}"
-    want_soft = np.array(mx.softmax(mx.array(prod), axis=-1, precise=True))
-    if not np.allclose(soft, want_soft, rtol=1e-5, atol=1e-6):
-        return f"softmax kernel differs from MLX's softmax by {np.max(np.abs(soft - want_soft)):.3g}"
-    for plan, got in plans.items():
-        same = got.view(np.uint32) == ref.view(np.uint32)
-        if not same.all():
-            return (f"fused attention kernel{plan} differs from the per-head reference in {int((~same).sum())} "
-                    f"of {same.size} values")
+        return f"{_one_line(e)} (the matmul and softmax kernels)"
+    if problem:
+        return problem
+    for case in self_check_cases():
+        try:
+            q, view, batch = check_case_inputs(backend, case)
+            spec = case.spec
+            plans = {"": np.array(backend.fused_attention_override(q, view, batch, spec))}
+            if backend.kernel in kernels.SPLIT_KINDS and view.store is not None:  # every launch plan
+                args = (backend.kernel, q, *view.store, batch.row_slots, batch.positions, batch.row_lens, spec)
+                plans[" (one launch)"] = np.array(kernels.fused_attention(*args, split=False))
+                for two, form in ((True, "two"), (False, "three")):
+                    plans[f" (split, {form} launches)"] = np.array(kernels.split_attention(*args, two_launches=two))
+                plans[" (split, three launches, context by rows)"] = np.array(kernels.split_attention(
+                    *args, two_launches=False, seq_rows=batch.rows, by_rows=True))
+            if all(t == 1 for _, t in case.seqs):  # decode rows, as the compiled decode step launches them
+                compiled = mx.compile(lambda x: backend.fused_attention_override(x, view, batch, spec))
+                plans[" (compiled)"] = np.array(compiled(q))
+            ref = np.array(backend.per_head_attention(q, view, batch, spec))
+        except Exception as e:  # a kernel that fails to compile or launch
+            return f"{_one_line(e)} ({case})"
+        for plan, got in plans.items():
+            same = got.view(np.uint32) == ref.view(np.uint32)
+            if not same.all():
+                return (f"fused attention kernel{plan} differs from the per-head reference in {int((~same).sum())} "
+                        f"of {same.size} values ({case})")
     return None
 
 
@@ -228,28 +302,48 @@ class MLXBackend(Backend):
         # On a GPU, attention's arithmetic runs on our kernels (`self.gpu_kernels`, "metal" or "cuda").
         self.gpu_kernels = gpu if device == "gpu" else None
         self.kernel = kernel or (gpu if device == "gpu" else "graph")
-        self.fallback = None
+        self.fallback = None  # the self-check's failure, once one failed
+        self.checked = None  # the kernel the self-check ran on, once it ran
         self._cache: dict[str, object] = {}
         if device == "gpu" and kernel is None and gpu == "metal" and verify is not None:
             self.check_kernels(verify)
 
     def check_kernels(self, verify=verify_gpu_kernels) -> str | None:
         """Never run an unverified kernel silently: run `verify` (on the device); on a mismatch use
-        MLX's own ops and the graph override instead, say so in one line on stderr, and return it."""
+        MLX's own ops instead, with fused attention running the per-head reference itself (see
+        `fused_attention_override`), say so in one line on stderr, and return it."""
+        self.checked = self.kernel
         problem = verify(self)
         if problem:
             self.fallback = problem
             self.gpu_kernels, self.kernel = None, "graph"
             print(f"mlxinfer: warning: the attention kernels failed their self-check ({problem}); using "
-                  "MLX's own ops (pass --kernel to force them)", file=sys.stderr)
+                  "MLX's own ops and per-head attention (pass --kernel to force the kernels)", file=sys.stderr)
         return problem
+
+    def kernel_report(self) -> tuple[str, bool]:
+        """(one line, passed) on the GPU kernels of this device: the self-check's verdict over its
+        cases (run now if it has not run), for `mlxinfer inspect --kernels`."""
+        if self.device != "gpu":
+            return "kernels: none on the CPU (MLX's own ops, graph attention): nothing to check", True
+        if self.checked is None:
+            self.check_kernels()
+        kind = self.checked
+        cases = self_check_cases()
+        what = (f"{len(cases)} cases: head dims {', '.join(map(str, SELF_CHECK_HEAD_DIMS))}; decode rows, chunks, "
+                f"a window, contexts of 1 to 1,100 keys; {', '.join(KV_CACHES)} caches")
+        if self.fallback:
+            return (f"kernels: {kind}: self-check FAILED ({self.fallback}); mlxinfer uses MLX's own ops and "
+                    f"per-head attention ({what})"), False
+        return f"kernels: {kind}: self-check passed, fused attention bit for bit the per-head reference ({what})", True
 
     def describe(self) -> str:
         if self.device == "cpu":
             return f"mlx (cpu, graph attention, {self.threads} thread{'s' if self.threads != 1 else ''})"
         ops = f"{self.gpu_kernels} kernels" if self.gpu_kernels else "MLX ops"
         rows = ", each sequence's rows multiplied alone" if self.per_sequence_linear else ""
-        return f"mlx (gpu, {self.kernel} attention, {ops}{rows})"
+        attention = "per-head (the kernels failed their self-check)" if self.fallback else self.kernel
+        return f"mlx (gpu, {attention} attention, {ops}{rows})"
 
     def label(self) -> str:
         return f"MLX/{self.device.upper()}"
@@ -526,6 +620,12 @@ class MLXBackend(Backend):
         return collectives.all_gather_cols(x, group, cols)
 
     def fused_attention_override(self, q, kv, batch, spec):
+        if self.fallback is not None:
+            # The kernels failed their self-check: MLX's own GPU products then differ between the
+            # reference's one-head products and a batched graph's (on Metal a one-batch product may take
+            # split-K GEMM, a batched one never), so fused attention runs the reference itself: the same
+            # products, the same bits, at the reference's speed
+            return self.per_head_attention(q, kv, batch, spec)
         if self.kernel == "graph" or self._pass_needs_graph(batch, spec):
             return self._graph_attention(q, kv, batch, spec)
         if kv.store is not None:  # the whole batch in one launch, reading the cache in place
