@@ -709,6 +709,10 @@ M = [
      [("k = ops.rope(k, batch.positions, sp.n_kv_heads, a.head_dim, a.rope_base, traditional=False,",
        "k = ops.rope(k, batch.positions, sp.n_kv_heads, a.head_dim, a.rope_base, traditional=True,")],
      [T_MOD + "::test_new_architectures_match_llama_cpp"], "qwen2: interleaved RoPE on keys (its GGUFs are not permuted)"),
+    ("arch-tp-bias-first-rank", "tensor parallel", SHARD,
+     [('vectors[b + "attn_q.bias"] = (heads[0] * d, heads[1] * d)', 'vectors[b + "attn_q.bias"] = (0, (heads[1] - heads[0]) * d)')],
+     [T_TP + "::test_biases_are_cut_with_their_heads", T_TP + "::test_tp2_logits_and_greedy_text_match_one_process"],
+     "tensor parallel: every rank adds the first rank's query bias entries"),
 ]
 
 
