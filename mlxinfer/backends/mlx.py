@@ -24,6 +24,7 @@ Fused attention, chosen by platform (overridable with `kernel=`):
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 
@@ -532,23 +533,26 @@ class MLXBackend(Backend):
         return mx.fast.rms_norm(x, weight, eps)
 
     def qk_norm_rope(self, q, k, q_weight, k_weight, positions, n_heads, n_kv_heads, head_dim, eps, base,
-                     traditional):
-        if self.gpu_kernels == "cuda" and kernels.qk_norm_rope_fits(head_dim, traditional):
+                     traditional, factors=None):
+        if self.gpu_kernels == "cuda" and factors is None and kernels.qk_norm_rope_fits(head_dim, traditional):
             # one launch for both, reading the heads in place: the step's 4 launches and 4 views a layer
             # become 1 (not bit for bit mx.fast's: see kernels.qk_norm_rope)
             return kernels.qk_norm_rope("cuda", q, k, q_weight, k_weight, positions, n_heads, n_kv_heads, head_dim,
                                         eps, base)
-        return (self._norm_rope(q, q_weight, positions, n_heads, head_dim, eps, base, traditional),
-                self._norm_rope(k, k_weight, positions, n_kv_heads, head_dim, eps, base, traditional))
+        return (self._norm_rope(q, q_weight, positions, n_heads, head_dim, eps, base, traditional, factors),
+                self._norm_rope(k, k_weight, positions, n_kv_heads, head_dim, eps, base, traditional, factors))
 
-    def _norm_rope(self, x, weight, positions, heads, head_dim, eps, base, traditional):
+    def _norm_rope(self, x, weight, positions, heads, head_dim, eps, base, traditional, factors):
         """The default's kernels on [N, heads, 1, head_dim] (rms_norm over the last axis), two reshapes
         instead of five (tested bitwise)."""
-        return self._per_head(x, heads, head_dim,
-                              lambda xh: self._rope(mx.fast.rms_norm(xh, weight, eps), positions, head_dim, base, traditional))
+        def norm_rope(xh):
+            return self._rope(mx.fast.rms_norm(xh, weight, eps), positions, head_dim, base, traditional, factors)
 
-    def rope(self, x, positions, n_heads, head_dim, base, traditional):
-        return self._per_head(x, n_heads, head_dim, lambda xh: self._rope(xh, positions, head_dim, base, traditional))
+        return self._per_head(x, heads, head_dim, norm_rope)
+
+    def rope(self, x, positions, n_heads, head_dim, base, traditional, factors=None):
+        return self._per_head(x, n_heads, head_dim,
+                              lambda xh: self._rope(xh, positions, head_dim, base, traditional, factors))
 
     @staticmethod
     def _per_head(x, n_heads, head_dim, fn):
@@ -558,8 +562,11 @@ class MLXBackend(Backend):
         return mx.reshape(fn(mx.reshape(x, (n, n_heads, 1, head_dim))), (n, n_heads * head_dim))
 
     @staticmethod
-    def _rope(xh, positions, head_dim, base, traditional):
-        return mx.fast.rope(xh, head_dim, traditional=traditional, base=base, scale=1.0, offset=positions)
+    def _rope(xh, positions, head_dim, base, traditional, factors=None):
+        if factors is None:
+            return mx.fast.rope(xh, head_dim, traditional=traditional, base=base, scale=1.0, offset=positions)
+        return mx.fast.rope(xh, head_dim, traditional=traditional, base=None, scale=1.0, offset=positions,
+                            freqs=_rope_periods(head_dim, base, factors))
 
     def reshape(self, x, rows, cols):
         return mx.reshape(x, (rows, cols))
@@ -703,3 +710,11 @@ class MLXBackend(Backend):
                 ctx = parts[0] if len(parts) == 1 else mx.concatenate(parts)
             outs.append(mx.reshape(mx.transpose(ctx, (2, 0, 1, 3)), (t, spec.n_heads * d)))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
+
+
+@functools.lru_cache(maxsize=None)
+def _rope_periods(head_dim: int, base: float, factors: tuple) -> mx.array:
+    """mx.fast.rope's `freqs` for frequencies divided by `factors`: it takes periods, base**(2j/d) (its
+    angle is p / freqs[j]), so each period is multiplied by its pair's factor (computed in float64, once)."""
+    periods = base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim) * np.asarray(factors, np.float64)
+    return mx.array(periods.astype(np.float32))
