@@ -13,9 +13,10 @@ import argparse
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
+from . import quants
 from .gguf_file import GGUFFile
 from .models import ARCHITECTURES
 from .models.spec import EMBEDDING, NORM, ModelArgs, tensors
@@ -72,7 +73,7 @@ class SyntheticSpec:
     rope_base: float = 1000000.0
     rms_eps: float = 1e-6
     seed: int = 0
-    random_blocks: bool = False  # Q8_0 only: random quantized blocks, streamed (for 14B-class shapes)
+    random_blocks: bool = False  # random quantized blocks of qtype, streamed (for 14B-class shapes)
 
     def args(self) -> ModelArgs:
         """The model spec's hyperparameters for this synthetic file."""
@@ -147,8 +148,8 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
     # Every tensor of the model spec, in file order: norms 1 + 0.1 N(0, 1), the embedding N(0, 1),
     # matrices N(0, 1/in_features).
     if spec.random_blocks:
-        if qtype != GGMLQuantizationType.Q8_0:
-            raise ValueError("random blocks are written for Q8_0 only")
+        if qtype == GGMLQuantizationType.F32:
+            raise ValueError("random blocks are written for a quantized or 16-bit type, not F32")
         return _write_random_blocks(w, spec, rng, str(path))
     for t, _, name, _, shape in tensors(spec.args()):
         if t.kind == NORM:
@@ -164,15 +165,17 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
 
 
 def _write_random_blocks(w: GGUFWriter, spec: SyntheticSpec, rng, path: str) -> str:
-    """The tensors as `_random_q8_0` blocks (norms as usual), each made and written in turn: memory
-    holds one tensor at a time."""
+    """The tensors as random blocks of the spec's type (`_random_q8_0`, else `quants.random_blocks`;
+    norms as usual), each made and written in turn: memory holds one tensor at a time."""
     specs = list(tensors(spec.args()))
+    qtype = GGMLQuantizationType[spec.qtype]
+    block, size = GGML_QUANT_SIZES[qtype]
     for t, _, name, _, shape in specs:
         if t.kind == NORM:
             w.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4)
         else:
-            w.add_tensor_info(name, (shape[0], shape[1] // 32 * 34), np.dtype(np.uint8), shape[0] * shape[1] // 32 * 34,
-                              raw_dtype=GGMLQuantizationType.Q8_0)
+            row = shape[1] // block * size
+            w.add_tensor_info(name, (shape[0], row), np.dtype(np.uint8), shape[0] * row, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -180,7 +183,11 @@ def _write_random_blocks(w: GGUFWriter, spec: SyntheticSpec, rng, path: str) -> 
         if t.kind == NORM:
             w.write_tensor_data(_norm_values(rng, shape[0]))
         else:
-            w.write_tensor_data(_random_q8_0(rng, shape, 1.0 if t.kind == EMBEDDING else shape[1] ** -0.5))
+            std = 1.0 if t.kind == EMBEDDING else shape[1] ** -0.5
+            if qtype == GGMLQuantizationType.Q8_0:
+                w.write_tensor_data(_random_q8_0(rng, shape, std))
+            else:
+                w.write_tensor_data(quants.random_blocks(rng, qtype, *shape, std=std))
     w.close()
     return path
 
@@ -259,10 +266,10 @@ def main(argv=None):
     p.add_argument("--type", default="F32", help="F32, F16, Q8_0, Q4_0, Q4_1, ...")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--random-blocks", action="store_true",
-                   help="Q8_0: draw quantized blocks directly (fast, streamed; for large shapes)")
+                   help="draw --type's blocks directly, random (fast, streamed; for large shapes)")
     a = p.parse_args(argv)
-    if a.random_blocks and a.type != "Q8_0":
-        p.error(f"--random-blocks writes Q8_0 only, not --type {a.type}")
+    if a.random_blocks and a.type == "F32":
+        p.error("--random-blocks needs a quantized or 16-bit --type")
     write_synthetic_model(a.path, SyntheticSpec(a.arch, a.layers, a.hidden, a.ffn, a.heads, a.kv_heads,
                                                 a.head_dim, a.vocab, tied_output=not a.untied, qtype=a.type,
                                                 seed=a.seed, random_blocks=a.random_blocks))

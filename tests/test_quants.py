@@ -1,0 +1,148 @@
+"""Every GGUF weight type kept compact on the MLX backend (mlxinfer/quants.py, backends/mlx_weights.py):
+its values equal gguf-py's dequantization bit for bit, on random blocks with edge values; MLX's memory
+after loading stays within 1.15x of the file's tensor bytes; MLX and the numpy reference agree on the
+logits of a synthetic model of each type.
+
+Error model for the logits: both backends hold the same weights exactly (the first test), so they
+differ only in the order of float32 products and sums (MLX's quantized_matmul and BLAS vs numpy's
+OpenBLAS). Measured on this VM (2026-12-01, `SPEC` below, 16 prompt tokens + 12 decode steps): the
+largest difference relative to the largest logit was 2e-7 to 9e-7 per type (Q4_1 7.7e-7, Q2_K 8.8e-7,
+Q8_0 4.2e-7, Q6_K 3e-7, F16 3.8e-7); the bound is 4e-6, ~4x the worst.
+
+Speed (not tested: bench/ holds timings). [1,1024] x [1024,3072] float32 product on this 2-core VM,
+MLX CPU, one thread, 2026-12-01: F32 1.6-2.2 ms; affine Q8_0/Q4_0/Q4_K 3.4 ms, Q4_1 3.6, Q5_K 3.6,
+Q5_0 4.2, Q5_1 4.5; dequantized at use: Q2_K 3.9-8.5 ms, Q6_K 5.7-7.8, Q3_K 6.8-10.6, BF16 5.2, F16
+7.9, IQ4_NL/IQ4_XS 27-37 (MLX's CPU gather, ~8 ns a value, for the 16-entry codebook). An exact 8-bit
+affine repack of IQ4_NL/IQ4_XS (q + 128, scale d or d·(ls - 32), bias -128·that) would run at the
+Q8_0 speed but take 1.9x / 2.1x the file's bytes: over the memory bound, so not taken.
+"""
+
+import gc
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+import mlxinfer
+from mlxinfer import quants
+from mlxinfer.backends.mlx import MLXBackend
+from mlxinfer.backends.mlx_weights import BlockWeight, QuantizedWeight, to_device
+from mlxinfer.gguf_file import GGUFFile
+from mlxinfer.synthetic import SyntheticSpec, write_synthetic_model
+
+from .test_models import decode_logits
+
+KEPT = [*quants.AFFINE_BITS, *quants.BLOCK_TYPES, *quants.HALF_TYPES]
+# MLX's affine form computes scale·q' + bias; for the offset types that is d·q' + (-k·d), which for a
+# zero weight is x + (-x) = +0 where gguf-py's d·(q - k) gives -0 when d < 0 (or d is -0): the same
+# number, and the same in every sum it enters. Everywhere else: the same bits.
+SIGNED_ZERO_ONLY = (Q.Q8_0, Q.Q4_0, Q.Q5_0)
+ROWS, COLS = 12, 1024
+SPEC = dict(hidden=256, ffn=512, n_heads=4, n_kv_heads=2, head_dim=64, vocab_size=2048, random_blocks=True)
+IDS = [1, 17, 250, 99, 3, 300, 42, 42, 7, 128, 255, 64, 5, 6, 7, 200]
+REL_BOUND = 4e-6
+
+
+def same_bits(got: np.ndarray, want: np.ndarray, qtype) -> None:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape
+    differ = got.view(np.uint32) != want.view(np.uint32)
+    if qtype in SIGNED_ZERO_ONLY:
+        assert np.all(want[differ] == 0) and np.all(got[differ] == 0), qtype.name
+    else:
+        assert not differ.any(), f"{qtype.name}: {int(differ.sum())} of {differ.size} values differ"
+
+
+@pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
+def test_kept_weights_dequantize_to_gguf_py_bit_for_bit(qtype):
+    """Random raw blocks, edge values included (all-zero and all-0xFF blocks: zero and maximal codes
+    and sub-scales; d, dmin, m of +-0, fp16 subnormals, +-65504, negatives)."""
+    rng = np.random.default_rng(int(qtype))
+    raw = quants.random_blocks(rng, qtype, ROWS, COLS, edges=True)
+    want = dequantize(raw, qtype).reshape(ROWS, COLS)
+    assert np.isfinite(want).all()
+    w = to_device(qtype, quants.split(raw, qtype, ROWS, COLS), (ROWS, COLS))
+    if qtype in quants.AFFINE_BITS:
+        assert isinstance(w, QuantizedWeight) and w.w.dtype == mx.uint32
+        got = mx.dequantize(w.w, w.scales, w.biases, group_size=quants.GROUP, bits=w.bits)  # MLX's own reading
+    else:
+        assert isinstance(w, BlockWeight)
+        got = w.dense()
+    same_bits(np.array(got), want, qtype)
+    ids = np.array([3, 0, 11, 3, 7])
+    same_bits(np.array(w.rows(mx.array(ids))), want[ids], qtype)  # the embedding's row gather
+    same_bits(np.array(w.row_slice(5, 9).rows(mx.arange(4))), want[5:9], qtype)
+
+
+@pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
+def test_kept_weights_multiply_as_their_values(qtype):
+    """The product on the whole matrix and cut over CPU threads (bitwise the same), against numpy's
+    product of gguf-py's values (float32 order only: a bound of ~1e-5 relative to the sum of |terms|)."""
+    rng = np.random.default_rng(int(qtype) + 100)
+    rows = 600  # >= 2 x SPLIT_MIN_ROWS: three threads cut it
+    raw = quants.random_blocks(rng, qtype, rows, COLS, std=0.05)
+    values = dequantize(raw, qtype).reshape(rows, COLS)
+    x = rng.standard_normal((3, COLS)).astype(np.float32)
+    one, three = MLXBackend(device="cpu", threads=1), MLXBackend(device="cpu", threads=3)
+    w = to_device(qtype, quants.split(raw, qtype, rows, COLS), (rows, COLS))
+    got = np.array(one.linear(one.from_numpy(x), w))
+    cut = np.array(three.linear(three.from_numpy(x), w))
+    assert np.array_equal(got.view(np.uint32), cut.view(np.uint32))
+    want = x.astype(np.float64) @ values.T.astype(np.float64)
+    assert np.all(np.abs(got - want) <= 1e-5 * (np.abs(x) @ np.abs(values).T) + 1e-30)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("quants")
+
+
+def synthetic(model_dir, qtype) -> str:
+    return write_synthetic_model(model_dir / f"{qtype.name}.gguf", SyntheticSpec(qtype=qtype.name, **SPEC))
+
+
+@pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
+def test_memory_after_loading_is_within_1_15x_of_the_file(model_dir, qtype):
+    """MLX's active memory after loading is exactly what `quants.memory_bytes` says each tensor takes
+    (one copy of a tied embedding), and at most 1.15x the file's tensor bytes (measured: 1.0 for every
+    type but Q4_K 1.028 and Q5_K 1.023, whose 6-bit sub-scales are kept a byte each)."""
+    path = synthetic(model_dir, qtype)
+    with GGUFFile(path) as g:
+        file_bytes = sum(t.nbytes for t in g.tensors.values())
+        expected = sum(quants.memory_bytes(t.ggml_type, t.shape) for t in g.tensors.values())
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    engine = mlxinfer.load(path, backend="mlx", device="cpu")
+    used = mx.get_active_memory() - before
+    assert used == expected, (used, expected)
+    assert used <= 1.15 * file_bytes, used / file_bytes
+    handles = vars(engine.model.w.layers[0]).values()
+    assert not [w for w in handles if isinstance(w, mx.array) and w.ndim == 2]  # no matrix expanded to float
+
+
+@pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
+def test_mlx_logits_match_the_cpu_reference_per_type(model_dir, qtype):
+    path = synthetic(model_dir, qtype)
+    cpu = mlxinfer.load(path, backend="cpu")
+    ml = mlxinfer.load(path, backend="mlx", device="cpu")
+    a = np.concatenate([cpu.logits(IDS), decode_logits(cpu, IDS, 4)])
+    b = np.concatenate([ml.logits(IDS), decode_logits(ml, IDS, 4)])
+    scale = np.max(np.abs(a))
+    assert np.max(np.abs(a - b)) <= REL_BOUND * scale, (np.max(np.abs(a - b)) / scale)
+
+
+def test_a_type_that_is_not_kept_is_refused_in_one_line(model_dir, monkeypatch):
+    """A type mlxinfer does not read (here IQ2_XXS, as the index says) is an UnsupportedError naming
+    the tensor and the type, never a silent expansion."""
+    from dataclasses import replace
+
+    from mlxinfer.errors import UnsupportedError
+
+    g = GGUFFile(synthetic(model_dir, Q.Q4_K))
+    name = "blk.0.attn_output.weight"
+    monkeypatch.setitem(g.tensors, name, replace(g.tensors[name], ggml_type=Q.IQ2_XXS))
+    with pytest.raises(UnsupportedError, match=f"{name}.*IQ2_XXS"):
+        MLXBackend(device="cpu").load_weight(g, name)
