@@ -146,3 +146,15 @@ def test_a_type_that_is_not_kept_is_refused_in_one_line(model_dir, monkeypatch):
     monkeypatch.setitem(g.tensors, name, replace(g.tensors[name], ggml_type=Q.IQ2_XXS))
     with pytest.raises(UnsupportedError, match=f"{name}.*IQ2_XXS"):
         MLXBackend(device="cpu").load_weight(g, name)
+
+
+def test_inspect_says_how_each_type_is_kept(model_dir):
+    from mlxinfer.inspect import describe
+
+    out = describe(synthetic(model_dir, Q.Q6_K))
+    assert "MLX bytes" in out
+    line = next(s for s in out.splitlines() if s.strip().startswith("Q6_K") and "tensors" in s)
+    assert "file blocks, dequantized at use" in line
+    assert "(1.000x)" in out  # Q6_K blocks and F32 norms: the file's bytes
+    out = describe(synthetic(model_dir, Q.Q4_K))
+    assert "MLX affine 4-bit, group 32" in out and "(1.028x)" in out  # 148 bytes a block of 144
