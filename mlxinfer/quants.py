@@ -8,7 +8,8 @@ How each type is kept (`storage`):
     MLX's `quantized_matmul` (group 32, bits 4, 5 or 8) reads them: the quants repacked into MLX's bit
     order, the scales kept as the file has them (fp16 d, d and m, or for Q4_K/Q5_K fp16 d and dmin per
     256 values with 6-bit sub-scales unpacked to a byte) and turned into float32 scales and biases in
-    the graph at each use: same memory as the file (+1/36 for the unpacked K sub-scales).
+    the graph at each use: the file's bytes (Q4_K 1.028x, Q5_K 1.023x: their 6-bit sub-scales and
+    mins kept a byte each, 16 bytes a block for 12).
   - blocks: Q6_K, Q3_K, Q2_K (sub-blocks of 16 values; MLX's smallest group is 32) and IQ4_NL, IQ4_XS
     (a 16-entry codebook, not affine): the file's fields as they are, dequantized in the graph.
   - half: F16 and BF16, 16 bits in memory, cast to float32 at use. F32 stays float32.

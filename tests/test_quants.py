@@ -9,12 +9,15 @@ OpenBLAS). Measured on this VM (2026-12-01, `SPEC` below, 16 prompt tokens + 12 
 largest difference relative to the largest logit was 2e-7 to 9e-7 per type (Q4_1 7.7e-7, Q2_K 8.8e-7,
 Q8_0 4.2e-7, Q6_K 3e-7, F16 3.8e-7); the bound is 4e-6, ~4x the worst.
 
-Speed (not tested: bench/ holds timings). [1,1024] x [1024,3072] float32 product on this 2-core VM,
-MLX CPU, one thread, 2026-12-01: F32 1.6-2.2 ms; affine Q8_0/Q4_0/Q4_K 3.4 ms, Q4_1 3.6, Q5_K 3.6,
-Q5_0 4.2, Q5_1 4.5; dequantized at use: Q2_K 3.9-8.5 ms, Q6_K 5.7-7.8, Q3_K 6.8-10.6, BF16 5.2, F16
-7.9, IQ4_NL/IQ4_XS 27-37 (MLX's CPU gather, ~8 ns a value, for the 16-entry codebook). An exact 8-bit
-affine repack of IQ4_NL/IQ4_XS (q + 128, scale d or d·(ls - 32), bias -128·that) would run at the
-Q8_0 speed but take 1.9x / 2.1x the file's bytes: over the memory bound, so not taken.
+Speed (not tested: `bench/probes/weight_types.py` measures it). One [1,1024] x [1024,3072] float32
+product on this 2-core VM, MLX CPU, one thread, 2026-12-01 23:18 UTC (load ~2) / 23:31 UTC (load ~5):
+F32 2.2 / 5.9 ms; affine Q8_0, Q4_0, Q4_1, Q4_K 3.4-3.6 / 8.0-8.4, Q5_K 3.6 / 8.3, Q5_0, Q5_1 4.2-4.5
+/ 11.4-12.5; dequantized at use Q6_K 7.8 / 23.9, Q2_K 8.5 / 20.3, Q3_K 10.6 / 28.7, BF16 5.2 / 12.1,
+F16 7.9 / 15.6, IQ4_NL 37 / 90, IQ4_XS 38 / 76 (MLX's CPU gather, ~8 ns a value, for the 16-entry
+codebook). Exact 8-bit affine repacks exist (checked): IQ4_NL q' = k + 128 (1..241), scale d, bias
+-128 d; IQ4_XS the same with scale d·(ls - 32) per 32 values (fp16 would not hold it: float32 scales);
+Q3_K q' = (sc - 32)·q + 127 (3..255), scale d, bias -127 d. They would run at Q8_0's speed but take
+1.9x (IQ4_NL), 2.0-2.5x (IQ4_XS) and 2.5x (Q3_K) the file's bytes: over the 1.15x bound, not taken.
 """
 
 import gc
@@ -158,3 +161,44 @@ def test_inspect_says_how_each_type_is_kept(model_dir):
     assert "(1.000x)" in out  # Q6_K blocks and F32 norms: the file's bytes
     out = describe(synthetic(model_dir, Q.Q4_K))
     assert "MLX affine 4-bit, group 32" in out and "(1.028x)" in out  # 148 bytes a block of 144
+
+
+def _ints(lo, hi):
+    return np.arange(lo, hi + 1, dtype=np.float64)
+
+
+# The integers each type multiplies an fp16 scale by, in gguf-py's order ((d·a)·b; quants' doc), over
+# their whole ranges; the repacks' MLX-side forms (d·q' with q' = q + offset, and offset·d) as well.
+FACTORS = {
+    Q.Q8_0: [(_ints(-128, 127), None), (_ints(0, 255), None), (np.array([-128.0]), None)],
+    Q.Q4_0: [(_ints(-8, 7), None), (_ints(0, 15), None), (np.array([-8.0]), None)],
+    Q.Q5_0: [(_ints(-16, 15), None), (_ints(0, 31), None), (np.array([-16.0]), None)],
+    Q.Q4_1: [(_ints(0, 15), None)],
+    Q.Q5_1: [(_ints(0, 31), None)],
+    Q.Q4_K: [(_ints(0, 63), _ints(0, 15))],  # (d·sc)·q; dmin·m is the first factor alone
+    Q.Q5_K: [(_ints(0, 63), _ints(0, 31))],
+    Q.Q6_K: [(_ints(-128, 127), _ints(-32, 31))],
+    Q.Q3_K: [(_ints(-32, 31), _ints(-4, 3))],
+    Q.Q2_K: [(_ints(0, 15), _ints(0, 3))],
+    Q.IQ4_NL: [(quants.IQ4_VALUES.astype(np.float64), None)],
+    Q.IQ4_XS: [(_ints(-32, 31), quants.IQ4_VALUES.astype(np.float64))],
+}
+
+
+@pytest.mark.parametrize("qtype", list(FACTORS), ids=lambda q: q.name)
+def test_the_exactness_argument_holds_per_type(qtype):
+    """Every product of an fp16 scale and a type's integers is exact in float32 (so its order and fma
+    cannot change a bit): the float32 products equal the exact (float64) ones for every integer in range
+    and fp16 scales of every 11-bit significand, at the smallest subnormal, around one and at the largest
+    exponent."""
+    mantissas = np.arange(1024, 2048, dtype=np.float64)
+    d = np.concatenate([mantissas * 2.0 ** -10, mantissas * 2.0 ** 5, [2.0 ** -24, 1023 * 2.0 ** -24]])
+    d = np.concatenate([d, -d]).astype(np.float16)
+    assert np.isfinite(d).all() and np.array_equal(d.astype(np.float64), d.astype(np.float32).astype(np.float64))
+    for a, b in FACTORS[qtype]:
+        p32 = d.astype(np.float32)[:, None] * a.astype(np.float32)[None, :]
+        p64 = d.astype(np.float64)[:, None] * a[None, :]
+        assert np.array_equal(p32.astype(np.float64), p64)
+        if b is not None:
+            q32 = p32[:, :, None] * b.astype(np.float32)[None, None, :]
+            assert np.array_equal(q32.astype(np.float64), p64[:, :, None] * b[None, None, :])

@@ -6,9 +6,10 @@ takes which form and why each is exact):
     `mx.quantized_matmul`.
   - `BlockWeight`: the file's block fields (Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS) or 16-bit values (F16,
     BF16), dequantized to float32 in the graph at each use (`dequantize`: MLX bit operations doing
-    gguf-py's arithmetic), then a float32 product. This costs time, not memory: on this 2-core VM, MLX
-    CPU, a [1,1024]x[1024,3072] product took ~3 ms quantized and ~10-25 ms dequantized per use (figures
-    in tests/test_quants.py's docstring); a fused Metal/CUDA kernel that reads the blocks is the next step.
+    gguf-py's arithmetic), then a float32 product. This costs time, not memory: on MLX's CPU a product
+    of Q6_K, Q3_K or Q2_K takes 2-3.5x an affine type's, F16/BF16 1.5-2.5x, IQ4_NL/IQ4_XS ~10x (MLX's
+    gather for the codebook); figures in tests/test_quants.py's docstring, `bench/probes/weight_types.py`
+    measures them. A fused Metal/CUDA kernel that reads the blocks is the next step.
   - float32 arrays (F32 files), [in, out] for products.
 
 Every array has the matrix's rows as its first axis, so a row slice, a gathered row and stacked
