@@ -202,3 +202,24 @@ def test_the_exactness_argument_holds_per_type(qtype):
         if b is not None:
             q32 = p32[:, :, None] * b.astype(np.float32)[None, None, :]
             assert np.array_equal(q32.astype(np.float64), p64[:, :, None] * b[None, None, :])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+def test_float_scales_give_the_same_bits_in_more_memory(model_dir, qtype):
+    """MLXBackend(float_scales=True) forms the affine types' float32 scales and biases once at load:
+    the logits are bitwise those of forming them at each use, and the memory is the quants plus 8
+    bytes (a float32 scale and bias) a group of 32."""
+    path = synthetic(model_dir, qtype)
+    with GGUFFile(path) as g:
+        bits = quants.AFFINE_BITS[qtype]
+        expected = sum(t.n_elements * 4 if len(t.shape) != 2 else t.n_elements * bits // 8 + t.n_elements // 32 * 8
+                       for t in g.tensors.values())
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    fast = mlxinfer.Engine(path, MLXBackend(device="cpu", float_scales=True))
+    assert mx.get_active_memory() - before == expected
+    compact = mlxinfer.Engine(path, MLXBackend(device="cpu"))
+    a = np.concatenate([fast.logits(IDS), decode_logits(fast, IDS, 2)])
+    b = np.concatenate([compact.logits(IDS), decode_logits(compact, IDS, 2)])
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))

@@ -119,8 +119,11 @@ class MLXBackend(Backend):
 
     def __init__(self, attention: str = "fused", device: str | None = None, kernel: str | None = None,
                  verify=verify_gpu_kernels, per_sequence_linear: bool = False, threads: int | None = None,
-                 ranks: int = 1):
+                 ranks: int = 1, float_scales: bool = False):
         super().__init__(attention)
+        # affine weights' float32 scales formed once at load, not at each use (`mlx_weights.to_device`):
+        # the same bits, faster, more memory; off by default (the memory bound of issue 28)
+        self.float_scales = float_scales
         # MLX's GPU products are not row-invariant (README: batch invariance); this multiplies each
         # sequence's rows on their own, as the cpu backend does, at the price of batching.
         self.per_sequence_linear = per_sequence_linear
@@ -231,7 +234,7 @@ class MLXBackend(Backend):
         for matmuls, since `x @ W` is ~2.5x faster than `x @ W.T` on MLX's CPU. Cached per layout."""
         key = (name, transposed and g.tensor(name).ggml_type not in KEPT)
         if key not in self._cache:
-            self._cache[key] = to_device(*self._read(g, name, transposed))
+            self._cache[key] = to_device(*self._read(g, name, transposed), self.float_scales)
         return self._cache[key]
 
     def load_weight(self, g, name):
@@ -245,12 +248,12 @@ class MLXBackend(Backend):
         the parts never reach the device."""
         parts = [self._read(g, n, transposed=True) for n in names]
         if len({qtype for qtype, _, _ in parts}) != 1:
-            return tuple(to_device(*p) for p in parts)
+            return tuple(to_device(*p, self.float_scales) for p in parts)
         qtype = parts[0][0]
         axis = 1 if qtype is None else 0  # float [in, out] side by side; packed [out, ...] rows stacked
         sizes = tuple(shape[0] for _, _, shape in parts)
         stacked = [np.concatenate([arrays[i] for _, arrays, _ in parts], axis=axis) for i in range(len(parts[0][1]))]
-        return WeightGroup(to_device(qtype, stacked, (sum(sizes), parts[0][2][1])), sizes)
+        return WeightGroup(to_device(qtype, stacked, (sum(sizes), parts[0][2][1]), self.float_scales), sizes)
 
     def load_embedding(self, g, name):
         return self._matrix(g, name, transposed=False)

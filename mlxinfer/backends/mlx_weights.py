@@ -119,32 +119,38 @@ class QuantizedWeight:
     """An [out, in] matrix in MLX's affine quantized layout; `matmul` reads it as [in, out]."""
 
     w: mx.array  # uint32 [out, in*bits/32]
-    parts: tuple  # the file's scale fields, per row (`affine_scales`)
+    parts: tuple  # the file's scale fields, per row (`affine_scales`), or float32 (scales, biases)
     qtype: Q
     shape: tuple[int, int]  # (out, in)
+    float_scales: bool = False  # parts are the float32 (scales, biases), formed once at load
 
     @property
     def bits(self) -> int:
         return AFFINE_BITS[self.qtype]
 
+    def affine(self, parts=None) -> tuple[mx.array, mx.array]:
+        parts = self.parts if parts is None else parts
+        return parts if self.float_scales else affine_scales(self.qtype, parts)
+
     @property
     def scales(self) -> mx.array:
-        return affine_scales(self.qtype, self.parts)[0]
+        return self.affine()[0]
 
     @property
     def biases(self) -> mx.array:
-        return affine_scales(self.qtype, self.parts)[1]
+        return self.affine()[1]
 
     def row_slice(self, a: int, b: int) -> "QuantizedWeight":
-        return QuantizedWeight(self.w[a:b], tuple(p[a:b] for p in self.parts), self.qtype, (b - a, self.shape[1]))
+        return QuantizedWeight(self.w[a:b], tuple(p[a:b] for p in self.parts), self.qtype, (b - a, self.shape[1]),
+                               self.float_scales)
 
     def product(self, x) -> mx.array:
         """x @ self.T."""
-        scales, biases = affine_scales(self.qtype, self.parts)
+        scales, biases = self.affine()
         return mx.quantized_matmul(x, self.w, scales, biases, transpose=True, group_size=GROUP, bits=self.bits)
 
     def rows(self, ids) -> mx.array:
-        scales, biases = affine_scales(self.qtype, tuple(p[ids] for p in self.parts))
+        scales, biases = self.affine(tuple(p[ids] for p in self.parts))
         return mx.dequantize(self.w[ids], scales, biases, group_size=GROUP, bits=self.bits)
 
 
@@ -193,12 +199,19 @@ class WeightGroup:
             start += n
 
 
-def to_device(qtype, arrays, shape) -> object:
-    """The weight from `quants.split`'s host arrays (or a float32 matrix when qtype is None)."""
+def to_device(qtype, arrays, shape, float_scales: bool = False) -> object:
+    """The weight from `quants.split`'s host arrays (or a float32 matrix when qtype is None). With
+    `float_scales` an affine type's float32 scales and biases are formed once here instead of at each
+    use: the same bits (the same operations), one elementwise pass less a product, 1.17x (Q8_0, Q5_1)
+    to 1.33x (Q4_0, Q4_K) the file's bytes instead of 1.0-1.03x."""
     arrays = tuple(mx.array(a) for a in arrays)
     mx.eval(*arrays)
     if qtype is None:
         return arrays[0]
     if qtype in AFFINE_BITS:
+        if float_scales:
+            affine = affine_scales(qtype, arrays[1:])
+            mx.eval(*affine)
+            return QuantizedWeight(arrays[0], affine, qtype, shape, True)
         return QuantizedWeight(arrays[0], arrays[1:], qtype, shape)
     return BlockWeight(arrays, qtype, shape)
