@@ -729,6 +729,9 @@ M = [
     ("quant-iq4-not-read", "weight types", GGUF,
      [("    GGMLQuantizationType.IQ4_XS,\n)", ")")],
      [T_QUANT + "::test_mlx_logits_match_the_cpu_reference_per_type"], "IQ4_XS refused by the reader (the cpu reference cannot load an IQ4_XS file)"),
+    ("quant-float-scales-ignored", "weight types", MLX,
+     [("        self.float_scales = float_scales\n", "        self.float_scales = False\n")],
+     [T_QUANT + "::test_float_scales_give_the_same_bits_in_more_memory"], "MLXBackend(float_scales=True) still forms the scales at each use"),
 ]
 
 
