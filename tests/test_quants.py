@@ -5,7 +5,7 @@ logits of a synthetic model of each type.
 
 Error model for the logits: both backends hold the same weights exactly (the first test), so they
 differ only in the order of float32 products and sums (MLX's quantized_matmul and BLAS vs numpy's
-OpenBLAS). Measured on this VM (2026-12-01 23:47 UTC, `SPEC` below, 16 prompt tokens + 12 decode
+OpenBLAS). Measured on this VM (2026-12-01 23:42 UTC, `SPEC` below, 16 prompt tokens + 12 decode
 steps), the largest difference over the largest |logit| (~100-500 on these random weights): Q8_0 5.1e-7,
 Q4_0 6.8e-7, Q4_1 9.3e-7, Q5_0 6.9e-7, Q5_1 9.4e-7, Q4_K 8.3e-7, Q5_K 9.0e-7, Q6_K 3.9e-7, Q3_K 3.7e-7,
 Q2_K 9.7e-7, IQ4_NL 6.0e-7, IQ4_XS 6.0e-7, F16 5.4e-7, BF16 5.4e-7; the bound, 4e-6, is ~4x the worst.
