@@ -13,9 +13,10 @@ import argparse
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
+from . import quants
 from .gguf_file import GGUFFile
 from .models import ARCHITECTURES
 from .models.spec import BIAS, EMBEDDING, FACTORS, NORM, ModelArgs, tensors
@@ -72,7 +73,7 @@ class SyntheticSpec:
     rope_base: float = 1000000.0
     rms_eps: float = 1e-6
     seed: int = 0
-    random_blocks: bool = False  # Q8_0 only: random quantized blocks, streamed (for 14B-class shapes)
+    random_blocks: bool = False  # random quantized blocks of qtype, streamed (for 14B-class shapes)
     rope_freqs: tuple | None = None  # written as `rope_freqs.weight` (see llama3_rope_factors)
 
     def args(self) -> ModelArgs:
@@ -170,8 +171,8 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
     # matrices N(0, 1/in_features), biases N(0, 0.5^2) (Qwen2's are of that order and larger), the RoPE
     # factors as given.
     if spec.random_blocks:
-        if qtype != GGMLQuantizationType.Q8_0:
-            raise ValueError("random blocks are written for Q8_0 only")
+        if qtype == GGMLQuantizationType.F32:
+            raise ValueError("random blocks are written for a quantized or 16-bit type, not F32")
         if spec.args().qkv_bias or spec.rope_freqs is not None:
             raise ValueError("random blocks are written for matrices and norms only (no biases or RoPE factors)")
         return _write_random_blocks(w, spec, rng, str(path))
@@ -193,15 +194,17 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
 
 
 def _write_random_blocks(w: GGUFWriter, spec: SyntheticSpec, rng, path: str) -> str:
-    """The tensors as `_random_q8_0` blocks (norms as usual), each made and written in turn: memory
-    holds one tensor at a time."""
+    """The tensors as random blocks of the spec's type (`_random_q8_0`, else `quants.random_blocks`;
+    norms as usual), each made and written in turn: memory holds one tensor at a time."""
     specs = list(tensors(spec.args()))
+    qtype = GGMLQuantizationType[spec.qtype]
+    block, size = GGML_QUANT_SIZES[qtype]
     for t, _, name, _, shape in specs:
         if t.kind == NORM:
             w.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4)
         else:
-            w.add_tensor_info(name, (shape[0], shape[1] // 32 * 34), np.dtype(np.uint8), shape[0] * shape[1] // 32 * 34,
-                              raw_dtype=GGMLQuantizationType.Q8_0)
+            row = shape[1] // block * size
+            w.add_tensor_info(name, (shape[0], row), np.dtype(np.uint8), shape[0] * row, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -209,7 +212,11 @@ def _write_random_blocks(w: GGUFWriter, spec: SyntheticSpec, rng, path: str) -> 
         if t.kind == NORM:
             w.write_tensor_data(_norm_values(rng, shape[0]))
         else:
-            w.write_tensor_data(_random_q8_0(rng, shape, 1.0 if t.kind == EMBEDDING else shape[1] ** -0.5))
+            std = 1.0 if t.kind == EMBEDDING else shape[1] ** -0.5
+            if qtype == GGMLQuantizationType.Q8_0:
+                w.write_tensor_data(_random_q8_0(rng, shape, std))
+            else:
+                w.write_tensor_data(quants.random_blocks(rng, qtype, *shape, std=std))
     w.close()
     return path
 
@@ -291,10 +298,10 @@ def main(argv=None):
                    help="write rope_freqs.weight as Llama 3.1 ships it (factor 8, low/high 1/4, context 8192)")
     p.add_argument("--rope-base", type=float, default=None, help="rope.freq_base (default 1e6; 5e5 with --llama3-rope)")
     p.add_argument("--random-blocks", action="store_true",
-                   help="Q8_0: draw quantized blocks directly (fast, streamed; for large shapes)")
+                   help="draw --type's blocks directly, random (fast, streamed; for large shapes)")
     a = p.parse_args(argv)
-    if a.random_blocks and a.type != "Q8_0":
-        p.error(f"--random-blocks writes Q8_0 only, not --type {a.type}")
+    if a.random_blocks and a.type == "F32":
+        p.error("--random-blocks needs a quantized or 16-bit --type")
     if a.llama3_rope and a.arch != "llama":
         p.error("--llama3-rope is Llama 3's (--arch llama)")
     base = a.rope_base or (500000.0 if a.llama3_rope else 1000000.0)

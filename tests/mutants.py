@@ -73,6 +73,11 @@ COLL = "mlxinfer/collectives.py"
 GGUF = "mlxinfer/gguf_file.py"
 BENCH = "mlxinfer/benchmark.py"
 PEERS = "mlxinfer/peers.py"
+QUANTS = "mlxinfer/quants.py"
+MLXW = "mlxinfer/backends/mlx_weights.py"
+T_QUANT = "tests/test_quants.py"
+T_QBITS = "tests/test_quants.py::test_kept_weights_dequantize_to_gguf_py_bit_for_bit"
+T_QMEM = "tests/test_quants.py::test_memory_after_loading_is_within_1_15x_of_the_file"
 
 ONLINE_SOFTMAX = '''
 
@@ -620,11 +625,12 @@ M = [
      [("return not traditional and head_dim % 64 == 0", "return not traditional and head_dim % 32 == 0")],
      [T_KER], "qk_norm_rope kernel taken for head dims whose rotated pairs straddle lanes (e.g. 96)"),
     # -- weight groups (Q, K, V and gate, up stacked into one product on MLX) -------------------------
-    ("wg-float-view-column-early", "weight groups", MLX,
+    ("wg-float-view-column-early", "weight groups", MLXW,
      [("                yield m[:, start:start + n]", "                yield m[:, max(start - 1, 0):max(start - 1, 0) + n]")],
      [T_WG], "MLX weight group: iterating a float group, K's, V's and up's views start one column early (shapes right)"),
-    ("wg-quant-view-scales-early", "weight groups", MLX,
-     [("m.scales[start:start + n]", "m.scales[max(start - 1, 0):max(start - 1, 0) + n]")],
+    ("wg-quant-view-scales-early", "weight groups", MLXW,
+     [("QuantizedWeight(self.w[a:b], tuple(p[a:b] for p in self.parts)",
+       "QuantizedWeight(self.w[a:b], tuple(p[max(a - 1, 0):max(a - 1, 0) + b - a] for p in self.parts)")],
      [T_WG], "MLX weight group: iterating a quantized group, K's, V's and up's views take scales one row early"),
     ("wg-group-ignores-sequences", "weight groups", MLX,
      [("y = self.linear(x, ws.merged, groups)", "y = self.linear(x, ws.merged)")],
@@ -789,6 +795,47 @@ M = [
      [('vectors[b + "attn_q.bias"] = (heads[0] * d, heads[1] * d)', 'vectors[b + "attn_q.bias"] = (0, (heads[1] - heads[0]) * d)')],
      [T_TP + "::test_biases_are_cut_with_their_heads", T_TP + "::test_tp2_logits_and_greedy_text_match_one_process"],
      "tensor parallel: every rank adds the first rank's query bias entries"),
+    # -- issue 28: every common weight type kept compact on MLX, exactly -------------------------------
+    ("quant-q4k-scales-one-sub-block-late", "weight types", QUANTS,
+     [("sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)",
+       "sc = np.roll(np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1), 1, axis=-1)")],
+     [T_QBITS], "Q4_K/Q5_K repack: each 32 values take the previous sub-block's 6-bit scale"),
+    ("quant-q5k-high-bit-dropped", "weight types", QUANTS,
+     [('return _k_quants_4(f["qs"]) | high, _k_parts(f)', 'return _k_quants_4(f["qs"]), _k_parts(f)')],
+     [T_QBITS], "Q5_K repack: the fifth bit of every quant dropped"),
+    ("quant-q5-bits-packed-backwards", "weight types", QUANTS,
+     [("(np.arange(per, dtype=np.uint64) * np.uint64(bits))", "(np.arange(per, dtype=np.uint64)[::-1] * np.uint64(bits))")],
+     [T_QBITS], "5-bit packing: each 8 codes packed in reverse order (not MLX's little-endian bit stream)"),
+    ("quant-q5_0-offset-15", "weight types", MLXW,
+     [("Q.Q5_0: -16.0}", "Q.Q5_0: -15.0}")],
+     [T_QBITS], "Q5_0: bias -15 d instead of -16 d"),
+    ("quant-q6k-offset-31", "weight types", MLXW,
+     [("astype(mx.float32) - 32.0, (n, 16, 16))", "astype(mx.float32) - 31.0, (n, 16, 16))")],
+     [T_QBITS], "Q6_K in the graph: quants offset by 31 instead of 32"),
+    ("quant-q3k-high-bit-not-inverted", "weight types", MLXW,
+     [(" ^ 1  # set: no offset", "  # set: no offset")],
+     [T_QBITS], "Q3_K in the graph: hmask's bit taken as the offset, not its inverse"),
+    ("quant-q2k-min-added", "weight types", MLXW,
+     [("return dl * q - ml", "return dl * q + ml")],
+     [T_QBITS], "Q2_K in the graph: the sub-block minimum added instead of subtracted"),
+    ("quant-iq4xs-high-scale-bits", "weight types", MLXW,
+     [("_shifts(*range(0, 16, 2), dtype=mx.uint16)", "_shifts(*range(8), dtype=mx.uint16)")],
+     [T_QBITS], "IQ4_XS in the graph: the 2-bit high scale parts read one bit apart instead of two"),
+    ("quant-bf16-read-as-f16", "weight types", QUANTS,
+     [("return (np.asarray(raw).view(np.uint16).reshape(rows, cols),)", "return (np.asarray(raw).view(np.float16).reshape(rows, cols),)")],
+     [T_QBITS], "BF16 weights read as F16 values"),
+    ("quant-tied-embedding-twice", "weight types", MLX,
+     [("key = (name, transposed and g.tensor(name).ggml_type not in KEPT)", "key = (name, transposed)")],
+     [T_QMEM], "MLX: a tied embedding of a kept type loaded twice (as the table and as the output head)"),
+    ("quant-f16-expanded", "weight types", MLX,
+     [("        if t.ggml_type in KEPT:\n", "        if t.ggml_type in KEPT and t.ggml_type.name != 'F16':\n")],
+     [T_QMEM], "MLX: F16 matrices expanded to float32 on load (twice the memory)"),
+    ("quant-iq4-not-read", "weight types", GGUF,
+     [("    GGMLQuantizationType.IQ4_XS,\n)", ")")],
+     [T_QUANT + "::test_mlx_logits_match_the_cpu_reference_per_type"], "IQ4_XS refused by the reader (the cpu reference cannot load an IQ4_XS file)"),
+    ("quant-float-scales-ignored", "weight types", MLX,
+     [("        self.float_scales = float_scales\n", "        self.float_scales = False\n")],
+     [T_QUANT + "::test_float_scales_give_the_same_bits_in_more_memory"], "MLXBackend(float_scales=True) still forms the scales at each use"),
 ]
 
 

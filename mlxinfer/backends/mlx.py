@@ -3,11 +3,10 @@ pass is evaluated at the token boundary (`to_numpy`, `sync`; `start` queues it w
 
 Runs where MLX runs: Metal on a Mac, CUDA where MLX's CUDA build is installed, the CPU otherwise.
 
-Weights: Q8_0, Q4_0 and Q4_1 stay quantized, repacked exactly into MLX's affine group-32 format
-(scale = d, bias = -128·d, -8·d or m; quants re-ordered into MLX's little-endian bit packing), with
-scales and biases in float32 (on the CPU, float16 scales are ~35x slower). Every other type (K-quants,
-F16, BF16, ...) is dequantized with `gguf`'s code to float32 (`mx.load` mis-decodes Q4_K, so we never
-use it), stored [in, out] so the matmul reads it without a transpose.
+Weights stay as compact as the file (`backends/mlx_weights.py`, `mlxinfer.quants`): Q8_0, Q4_0, Q4_1,
+Q5_0, Q5_1, Q4_K and Q5_K repacked exactly into MLX's affine group-32 format; Q6_K, Q3_K, Q2_K, IQ4_NL,
+IQ4_XS as the file's blocks and F16/BF16 in 16 bits, dequantized in the graph at each use; F32 stored
+[in, out] so the matmul reads it without a transpose. Never `mx.load` (it mis-decodes Q4_K).
 
 Attention arithmetic. On the CPU, attention's products and softmax are MLX's own (`mx.matmul`,
 `mx.softmax`): MLX's CPU matmul computes each row of a product independently, so the per-head reference
@@ -37,17 +36,17 @@ import sys  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from .. import collectives, kernels  # noqa: E402
+from .. import collectives, kernels, quants  # noqa: E402
 from ..backend import AttentionSpec, Backend  # noqa: E402
 from ..batch import Batch  # noqa: E402
 from ..errors import GGUFError, RequestError  # noqa: E402
 from ..kv_cache import KV_CACHES, PagedLayer  # noqa: E402
 from ..sampling import MLXRandom  # noqa: E402
 from .cpu import checked_threads, default_threads  # noqa: E402
+from .mlx_weights import GROUP, BlockWeight, PackedWeight, QuantizedWeight, WeightGroup, to_device  # noqa: E402,F401
 
-GROUP = 32
+KEPT = (*quants.AFFINE_BITS, *quants.BLOCK_TYPES, *quants.HALF_TYPES)  # every type but F32 stays as compact
 SPLIT_MIN_ROWS = 256  # quantized products are cut over the CPU threads in parts of at least this many rows
 _CPU_STREAMS: list = []  # shared by every MLX backend; thread-local: each thread that uses one gets its own
 
@@ -58,80 +57,6 @@ def _cpu_streams(n: int) -> list:
     while len(_CPU_STREAMS) < n:
         _CPU_STREAMS.append(mx.new_thread_local_stream(mx.cpu))
     return _CPU_STREAMS[:n]
-
-
-@dataclass
-class QuantizedWeight:
-    """An [out, in] matrix in MLX's affine quantized layout; `matmul` reads it as [in, out]."""
-
-    w: mx.array  # uint32 [out, in*bits/32]
-    scales: mx.array  # float32 [out, in/32]
-    biases: mx.array
-    bits: int
-    shape: tuple[int, int]  # (out, in)
-
-    def rows(self, ids) -> mx.array:
-        return mx.dequantize(self.w[ids], self.scales[ids], self.biases[ids], group_size=GROUP, bits=self.bits)
-
-
-@dataclass
-class WeightGroup:
-    """Matrices that multiply the same activations, side by side as one (`merged`: QuantizedWeight
-    rows stacked, or a float [in, sum(out)] array), so `linear_group` is one product; iterating gives
-    each matrix as a view of `merged` (the per-matrix handles the default `linear_group` multiplies)."""
-
-    merged: object
-    sizes: tuple[int, ...]  # each matrix's output columns
-
-    def __iter__(self):
-        start = 0
-        for n in self.sizes:
-            m = self.merged
-            if isinstance(m, QuantizedWeight):
-                yield QuantizedWeight(m.w[start:start + n], m.scales[start:start + n], m.biases[start:start + n],
-                                      m.bits, (n, m.shape[1]))
-            else:
-                yield m[:, start:start + n]
-            start += n
-
-
-def repack_q8_0(raw: np.ndarray, rows: int, cols: int):
-    """GGUF Q8_0 blocks (f16 d, 32 x int8 q; x = d*q) -> MLX 8-bit affine: q+128, scale d, bias -128 d.
-    Exact: d*(q+128) - 128*d == d*q in float32 (an 11-bit scale times an 8-bit integer)."""
-    b = raw.reshape(rows, cols // 32, 34)
-    d = b[..., :2].copy().view(np.float16).astype(np.float32)  # [rows, nb, 1]
-    q = b[..., 2:] ^ np.uint8(0x80)  # int8 q as uint8 q + 128: the sign bit flipped; [rows, nb, 32], fresh
-    w = q.reshape(rows, cols).view(np.uint32)
-    return w, d[..., 0], -128.0 * d[..., 0]
-
-
-def _pack_nibbles(q: np.ndarray, rows: int, cols: int) -> np.ndarray:
-    """[rows, cols] values 0..15 -> MLX 4-bit packing (element i at bits 4*(i%8) of word i//8)."""
-    q = q.reshape(rows, cols)
-    return np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << 4)).view(np.uint32)
-
-
-def _q4_quants(qs: np.ndarray) -> np.ndarray:
-    """GGUF 4-bit block order: element j < 16 is the low nibble of byte j, element 16+j the high one."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
-def repack_q4_0(raw: np.ndarray, rows: int, cols: int):
-    """Q4_0 (f16 d, 16 bytes; x = d*(q-8)) -> scale d, bias -8 d."""
-    b = raw.reshape(rows, cols // 32, 18)
-    d = b[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]
-    return _pack_nibbles(_q4_quants(b[..., 2:]), rows, cols), d, -8.0 * d
-
-
-def repack_q4_1(raw: np.ndarray, rows: int, cols: int):
-    """Q4_1 (f16 d, f16 m, 16 bytes; x = d*q + m) -> scale d, bias m."""
-    b = raw.reshape(rows, cols // 32, 20)
-    d = b[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
-    m = b[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
-    return _pack_nibbles(_q4_quants(b[..., 4:]), rows, cols), d, m
-
-
-REPACK = {Q.Q8_0: (repack_q8_0, 8), Q.Q4_0: (repack_q4_0, 4), Q.Q4_1: (repack_q4_1, 4)}
 
 
 def gpu_kind() -> str | None:
@@ -270,8 +195,11 @@ class MLXBackend(Backend):
 
     def __init__(self, attention: str = "fused", device: str | None = None, kernel: str | None = None,
                  verify=verify_gpu_kernels, per_sequence_linear: bool = False, threads: int | None = None,
-                 ranks: int = 1):
+                 ranks: int = 1, float_scales: bool = False):
         super().__init__(attention)
+        # affine weights' float32 scales formed once at load, not at each use (`mlx_weights.to_device`):
+        # the same bits, faster, more memory; off by default (the memory bound of issue 28)
+        self.float_scales = float_scales
         # MLX's GPU products are not row-invariant (README: batch invariance); this multiplies each
         # sequence's rows on their own, as the cpu backend does, at the price of batching.
         self.per_sequence_linear = per_sequence_linear
@@ -384,35 +312,25 @@ class MLXBackend(Backend):
 
     @staticmethod
     def _read(g, name, transposed: bool):
-        """A 2-D weight in host memory: ((w, scales, biases), bits) repacked exactly, or ((matrix,),
-        None) in float32, [out, in], or [in, out] when `transposed`."""
+        """A 2-D weight in host memory: (type, arrays, (out, in)), the arrays `quants.split` makes
+        (the type kept as compact as the file), or (None, (matrix,), ...) in float32 for F32, [out, in]
+        or [in, out] when `transposed`. A type that is neither is refused by `g.dequantize`."""
         t = g.tensor(name)
         if len(t.shape) != 2:
             raise GGUFError(f"{g.path}: tensor {name!r} should be a matrix, found shape {list(t.shape)}")
         rows, cols = t.shape
-        if t.ggml_type in REPACK:
-            repack, bits = REPACK[t.ggml_type]
-            return repack(g.raw(name), rows, cols), bits
+        if t.ggml_type in KEPT:
+            return t.ggml_type, quants.split(g.raw(name), t.ggml_type, rows, cols), (rows, cols)
         m = g.dequantize(name)
-        return (np.ascontiguousarray(m.T if transposed else m, dtype=np.float32),), None
-
-    @staticmethod
-    def _to_device(arrays, bits):
-        out = [mx.array(a) for a in arrays]
-        mx.eval(*out)
-        if bits is None:
-            return out[0]
-        w, scales, biases = out
-        return QuantizedWeight(w, scales, biases, bits, (w.shape[0], scales.shape[1] * GROUP))
+        return None, (np.ascontiguousarray(m.T if transposed else m, dtype=np.float32),), (rows, cols)
 
     def _matrix(self, g, name, transposed: bool):
-        """A 2-D weight: QuantizedWeight (exact repack; one copy serves both the embedding and a tied
-        output head), or a float32 array, [out, in] for row gathers or [in, out] (`transposed`) for
-        matmuls, since `x @ W` is ~2.5x faster than `x @ W.T` on MLX's CPU. Cached per layout."""
-        quantized = g.tensor(name).ggml_type in REPACK
-        key = (name, transposed and not quantized)
+        """A 2-D weight: a QuantizedWeight or BlockWeight (one copy serves both the embedding and a
+        tied output head), or a float32 array, [out, in] for row gathers or [in, out] (`transposed`)
+        for matmuls, since `x @ W` is ~2.5x faster than `x @ W.T` on MLX's CPU. Cached per layout."""
+        key = (name, transposed and g.tensor(name).ggml_type not in KEPT)
         if key not in self._cache:
-            self._cache[key] = self._to_device(*self._read(g, name, transposed))
+            self._cache[key] = to_device(*self._read(g, name, transposed), self.float_scales)
         return self._cache[key]
 
     def load_weight(self, g, name):
@@ -420,19 +338,18 @@ class MLXBackend(Backend):
 
     def load_weight_group(self, g, names):
         """The matrices stacked into one (one product for Q, K and V, one for gate and up: two and one
-        fewer launches a layer) where they share a layout: all quantized with the same bits, or all
-        float; otherwise their separate handles. Quantized rows are stacked as they are, so each
-        output column is the same dot product of the same quantized row as the separate product's.
-        Stacked in host memory: the parts never reach the device."""
+        fewer launches a layer) where they share a layout: all of one kept type, or all float32;
+        otherwise their separate handles. Packed rows are stacked as they are, so each output column
+        is the same dot product of the same row as the separate product's. Stacked in host memory:
+        the parts never reach the device."""
         parts = [self._read(g, n, transposed=True) for n in names]
-        bits = {b for _, b in parts}
-        if len(bits) != 1:
-            return tuple(self._to_device(*p) for p in parts)
-        (bits,) = bits
-        axis = 1 if bits is None else 0  # float [in, out] side by side; quantized [out, ...] rows stacked
-        sizes = tuple(arrays[0].shape[axis] for arrays, _ in parts)
-        stacked = [np.concatenate([arrays[i] for arrays, _ in parts], axis=axis) for i in range(len(parts[0][0]))]
-        return WeightGroup(self._to_device(stacked, bits), sizes)
+        if len({qtype for qtype, _, _ in parts}) != 1:
+            return tuple(to_device(*p, self.float_scales) for p in parts)
+        qtype = parts[0][0]
+        axis = 1 if qtype is None else 0  # float [in, out] side by side; packed [out, ...] rows stacked
+        sizes = tuple(shape[0] for _, _, shape in parts)
+        stacked = [np.concatenate([arrays[i] for _, arrays, _ in parts], axis=axis) for i in range(len(parts[0][1]))]
+        return WeightGroup(to_device(qtype, stacked, (sum(sizes), parts[0][2][1]), self.float_scales), sizes)
 
     def load_embedding(self, g, name):
         return self._matrix(g, name, transposed=False)
@@ -456,10 +373,10 @@ class MLXBackend(Backend):
         # do not (README: batch invariance), unless `per_sequence_linear`.
         if self.per_sequence_linear and groups is not None and len(groups) > 1:
             return mx.concatenate([self.linear(x[r0:r1], w) for r0, r1 in groups])
-        if isinstance(w, QuantizedWeight):
+        if isinstance(w, PackedWeight):
             if self._streams and w.shape[0] >= 2 * SPLIT_MIN_ROWS:
                 return self._split_quantized_matmul(x, w)
-            return mx.quantized_matmul(x, w.w, w.scales, w.biases, transpose=True, group_size=GROUP, bits=w.bits)
+            return w.product(x)
         return mx.matmul(x, w)
 
     def _cpu_parts(self, n: int, min_size: int = 1):
@@ -472,12 +389,12 @@ class MLXBackend(Backend):
         return [((int(cuts[i]), int(cuts[i + 1])), streams[i]) for i in range(k)]
 
     def _split_quantized_matmul(self, x, w):
-        """x @ w.T with w's output rows cut over the CPU threads (`_cpu_parts`), then side by side."""
+        """x @ w.T with w's output rows cut over the CPU threads (`_cpu_parts`), then side by side (a
+        BlockWeight's rows are dequantized on their part's thread too)."""
         parts = []
         for (a, b), stream in self._cpu_parts(w.shape[0], SPLIT_MIN_ROWS):
             with stream:
-                parts.append(mx.quantized_matmul(x, w.w[a:b], w.scales[a:b], w.biases[a:b], transpose=True,
-                                                 group_size=GROUP, bits=w.bits))
+                parts.append(w.row_slice(a, b).product(x))
         return mx.concatenate(parts, axis=-1)
 
     def linear_group(self, x, ws, groups=None):
@@ -586,7 +503,7 @@ class MLXBackend(Backend):
 
     def gather_rows(self, table, ids):
         self.activate()
-        if isinstance(table, QuantizedWeight):
+        if isinstance(table, PackedWeight):
             return table.rows(ids)
         return table[ids]
 
