@@ -11,11 +11,15 @@ and the mapping of token types to added tokens:
 - USER_DEFINED tokens (type 4) are always matched in text and always decoded, as llama.cpp does.
 
 A SentencePiece vocabulary (`tokenizer.ggml.model = llama`: Llama 2, Mistral, Phi-3, Gemma) is tokens,
-scores and token types; `SentencePiece` below encodes it as llama.cpp's `llm_tokenizer_spm` does. That
-part is written by hand because `tokenizers` has no model that reproduces it: its Unigram model is a
-Viterbi search for the best-scoring segmentation (llama.cpp merges greedily), and its BPE model ranks
-each merge pair uniquely, where llama.cpp breaks equal scores by position. Real vocabularies have such
-ties: Llama 2's sixteen runs of U+2581 all score -1e9, so a run of spaces is split differently.
+scores and token types; `SentencePiece` below encodes it as llama.cpp's `llm_tokenizer_spm` does, a
+transcription of its loop (~40 lines, 17 ms for 10,000 characters; `tokenizers` BPE: 5 ms). Why not
+`tokenizers`: its Unigram model is a Viterbi search for the best segmentation, not llama.cpp's greedy
+merge. Its BPE model, with merges ranked by the merged token's score, gave llama.cpp's ids on the 46
+test texts and on 3,000 random strings of Llama 2's vocabulary (2026-12-01), but it cannot say two
+things llama.cpp does: a character that is no token merging into one that is (`tokenizers` spells it in
+bytes first), and equal scores (Llama 2's sixteen runs of U+2581 all score -1e9) decided by position,
+where BPE has one fixed rank per pair. The split at special tokens, Phi-3's whitespace strip after them
+(C's isspace, not Unicode's) and the decoding are llama.cpp's too, and short.
 """
 
 from __future__ import annotations
