@@ -301,7 +301,8 @@ class GGUFTokenizer:
         common = dict(tokens=tokens, token_types=types, pre=pre, bos_id=bos, eos_id=eos,
                       add_bos=typed_value(meta, "tokenizer.ggml.add_bos_token", bool, model == "llama", source)
                       and bos is not None,
-                      add_eos=typed_value(meta, "tokenizer.ggml.add_eos_token", bool, False, source) and eos is not None,
+                      add_eos=typed_value(meta, "tokenizer.ggml.add_eos_token", bool, False, source)
+                      and eos is not None,
                       chat_template=typed_value(meta, "tokenizer.chat_template", str, None, source),
                       eog_ids=frozenset(eog))
         if model == "llama":

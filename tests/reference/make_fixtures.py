@@ -2,8 +2,8 @@
 
     python -m venv /tmp/refenv && /tmp/refenv/bin/pip install llama-cpp-python numpy gguf
     PYTHONPATH=. /tmp/refenv/bin/python tests/reference/make_fixtures.py [SMOLLM2_Q4_1.gguf]
-    (TOKENIZER_ONLY=1 remakes only tokenizer_vectors.json, SPM_ONLY=1 only its SentencePiece part; on this project's VM llama-cpp-python must be
-    built with CMAKE_ARGS="-DGGML_NATIVE=OFF": the native build dies with SIGILL)
+    (TOKENIZER_ONLY=1 remakes only tokenizer_vectors.json, SPM_ONLY=1 only its SentencePiece part; on this
+    project's VM llama-cpp-python must be built with CMAKE_ARGS="-DGGML_NATIVE=OFF": the native build dies with SIGILL)
 
 For each model: dequantize every tensor to F32 (`mlxinfer.synthetic.write_f32_copy`), run llama.cpp with
 an F32 KV cache (type_k = type_v = 0) so that no activation is quantized, and record
@@ -122,7 +122,8 @@ def tokenizer_vectors(smollm2_path, tmp):
 
 SPM_VOCABS = ("llama-spm", "phi-3")
 SPM_TEXTS = ["", " ", "   x  y", "a\n\nb\n", "\t tab\t", "Hello World", " Hello", "multiple     spaces   here  ",
-             "emoji 🦙🦙 and 🇫🇷 👩‍👩‍👧", "\U00020000 \u9fff \uac00\ud7a3", "中文测试 日本語 한국어", "Ünïcödé ß ﬁ ǅ", "a\u3000b\u00a0c",
+             "emoji 🦙🦙 and 🇫🇷 👩‍👩‍👧", "\U00020000 \u9fff \uac00\ud7a3", "中文测试 日本語 한국어", "Ünïcödé ß ﬁ ǅ",
+             "a\u3000b\u00a0c",
              "<s> hi</s>  x", "a <unk> b", "<0x41> <0x0A>", "<|user|>\n hi<|end|>\n<|assistant|>",
              "<|system|>You are\t<|end|>  <|placeholder1|>x", "[PAD32011] y", "▁already▁escaped", "\x00\x7f\r\n"]
 
