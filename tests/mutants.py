@@ -836,6 +836,28 @@ M = [
     ("quant-float-scales-ignored", "weight types", MLX,
      [("        self.float_scales = float_scales\n", "        self.float_scales = False\n")],
      [T_QUANT + "::test_float_scales_give_the_same_bits_in_more_memory"], "MLXBackend(float_scales=True) still forms the scales at each use"),
+    # -- issue 29 item 4: SentencePiece vocabularies ------------------------------------------------------
+    ("spm-space-prefix-dropped", "tokenizer", TOK,
+     [('            text = " " + text\n', '            text = text\n')],
+     [T_TOK], "SentencePiece: no space put before the text (add_space_prefix ignored)"),
+    ("spm-scores-ignored", "tokenizer", TOK,
+     [("heapq.heappush(heap, (-scores[t], left,", "heapq.heappush(heap, (0.0, left,")],
+     [T_TOK], "SentencePiece: merges taken left to right, whatever their tokens' scores"),
+    ("spm-ties-rightmost", "tokenizer", TOK,
+     [("heapq.heappush(heap, (-scores[t], left,", "heapq.heappush(heap, (-scores[t], -left,")],
+     [T_TOK], "SentencePiece: of equal scores the rightmost pair merges first (llama.cpp: the leftmost)"),
+    ("spm-byte-fallback-off", "tokenizer", TOK,
+     [("out.append(self.bytes[b])", "out.append(0)")],
+     [T_TOK], "SentencePiece: a character outside the vocabulary becomes <unk> instead of its bytes"),
+    ("spm-decode-keeps-prefix", "tokenizer", TOK,
+     [('if self.add_space_prefix and out and out[0].startswith(b" "):', "if False:")],
+     [T_TOK], "SentencePiece: decode leaves the space prefix on the text"),
+    ("spm-phi3-no-rstrip", "tokenizer", TOK,
+     [("            if token in self.rstrip:", "            if False:")],
+     [T_TOK], "SentencePiece: Phi-3's special tokens keep the whitespace after them (llama.cpp strips it)"),
+    ("tok-control-looking-kept", "tokenizer", TOK,
+     [("            types[looks_control] = TOKEN_CONTROL", "            pass")],
+     [T_TOK], "a user-defined </s> (Phi-3) is matched in text without parse_special (llama.cpp makes it control)"),
 ]
 
 

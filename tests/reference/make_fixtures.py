@@ -2,8 +2,8 @@
 
     python -m venv /tmp/refenv && /tmp/refenv/bin/pip install llama-cpp-python numpy gguf
     PYTHONPATH=. /tmp/refenv/bin/python tests/reference/make_fixtures.py [SMOLLM2_Q4_1.gguf]
-    (TOKENIZER_ONLY=1 remakes only tokenizer_vectors.json; on this project's VM llama-cpp-python must be
-    built with CMAKE_ARGS="-DGGML_NATIVE=OFF": the native build dies with SIGILL)
+    (TOKENIZER_ONLY=1 remakes only tokenizer_vectors.json, SPM_ONLY=1 only its SentencePiece part; on this
+    project's VM llama-cpp-python must be built with CMAKE_ARGS="-DGGML_NATIVE=OFF": the native build dies with SIGILL)
 
 For each model: dequantize every tensor to F32 (`mlxinfer.synthetic.write_f32_copy`), run llama.cpp with
 an F32 KV cache (type_k = type_v = 0) so that no activation is quantized, and record
@@ -149,9 +149,75 @@ def synthetic_references(tmp):
     reference(q2, first, "qwen2_synthetic.npz", more, n_greedy=32)
 
 
+SPM_VOCABS = ("llama-spm", "phi-3")
+SPM_TEXTS = ["", " ", "   x  y", "a\n\nb\n", "\t tab\t", "Hello World", " Hello", "multiple     spaces   here  ",
+             "emoji 🦙🦙 and 🇫🇷 👩‍👩‍👧", "\U00020000 \u9fff \uac00\ud7a3", "中文测试 日本語 한국어", "Ünïcödé ß ﬁ ǅ",
+             "a\u3000b\u00a0c",
+             "<s> hi</s>  x", "a <unk> b", "<0x41> <0x0A>", "<|user|>\n hi<|end|>\n<|assistant|>",
+             "<|system|>You are\t<|end|>  <|placeholder1|>x", "[PAD32011] y", "▁already▁escaped", "\x00\x7f\r\n"]
+
+
+def spm_vectors(tmp):
+    """llama.cpp on the two SentencePiece vocabularies (tests/data/ggml-vocab-{llama-spm,phi-3}.gguf):
+    ids with and without special-token parsing, with BOS/EOS added, and the text llama.cpp's
+    llama_detokenize (unparse_special both ways) and token_to_piece give back. Written into
+    tokenizer_vectors.json under "spm".
+
+    The two .gguf files are llama.cpp's models/ggml-vocab-{llama-spm,phi-3}.gguf rebuilt with gguf's
+    writer from a copy whose bytes had passed through a UTF-8 'replace' decode: strings and token types
+    survived; each score was the candidate (-(id - 259), -1e9, -1000, -10000, 0) whose bytes mangle to the
+    bytes found, every one of the 32,000/32,064 matched and the lengths added up. Checked: llama-cpp-python
+    on the rebuilt files gives llama.cpp's .out for all 46 .inp texts of each."""
+    import ctypes
+    import json
+
+    import llama_cpp
+
+    out = {"texts": SPM_TEXTS}
+    for name in SPM_VOCABS:
+        path = os.path.join(HERE, "..", "data", f"ggml-vocab-{name}.gguf")
+        llm = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
+        vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
+
+        def detokenize(ids, unparse_special):
+            buf = ctypes.create_string_buffer(1 << 16)
+            n = llama_cpp.llama_detokenize(vocab, (llama_cpp.llama_token * len(ids))(*ids), len(ids), buf, len(buf),
+                                           False, unparse_special)
+            return buf.raw[:n].decode("utf-8", errors="replace")
+
+        def piece(i):
+            buf = ctypes.create_string_buffer(256)
+            n = llama_cpp.llama_token_to_piece(vocab, i, buf, len(buf), 0, False)
+            return buf.raw[:n].decode("latin-1")  # bytes, one per latin-1 character
+
+        v = out[name] = {"plain": [], "special": [], "add_special": [], "decode": [], "decode_skip": [], "pieces": []}
+        for t in SPM_TEXTS:
+            ids = llm.tokenize(t.encode("utf-8"), add_bos=False, special=False)
+            special = llm.tokenize(t.encode("utf-8"), add_bos=False, special=True)
+            v["plain"].append(ids)
+            v["special"].append(special)
+            v["add_special"].append(llm.tokenize(t.encode("utf-8"), add_bos=True, special=False))
+            v["decode"].append(detokenize(special, True))
+            v["decode_skip"].append(detokenize(special, False))
+            v["pieces"].append([piece(i) for i in special])
+        eos = rewrite_gguf(path, os.path.join(tmp, f"{name}-eos.gguf"), tensors=False,
+                           edits={"tokenizer.ggml.add_eos_token": True, "tokenizer.ggml.add_space_prefix": False})
+        llm = llama_cpp.Llama(model_path=eos, vocab_only=True, verbose=False)
+        v["no_prefix_add_eos"] = [llm.tokenize(t.encode("utf-8"), add_bos=True, special=False) for t in SPM_TEXTS]
+    target = os.path.join(HERE, "tokenizer_vectors.json")
+    with open(target, encoding="utf-8") as f:
+        vectors = json.load(f)
+    vectors["spm"] = out
+    with open(target, "w", encoding="utf-8") as f:
+        json.dump(vectors, f, ensure_ascii=False)
+    print("spm vectors:", len(SPM_TEXTS), "texts x", SPM_VOCABS)
+
+
 def main():
     with tempfile.TemporaryDirectory() as tmp:
         only_tokenizer = bool(os.environ.get("TOKENIZER_ONLY"))  # remake tokenizer_vectors.json alone
+        if os.environ.get("SPM_ONLY"):  # remake only its SentencePiece part
+            return spm_vectors(tmp)
         if not only_tokenizer:
             q3 = write_synthetic_model(os.path.join(tmp, "q3.gguf"), QWEN3_SYNTHETIC)
             reference(write_f32_copy(q3, os.path.join(tmp, "q3_f32.gguf")), QWEN3_PROMPT_IDS, "qwen3_synthetic.npz")
