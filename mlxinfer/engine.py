@@ -128,6 +128,21 @@ class Engine:
                            source=f"{self.path}: chat template")
         return tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
 
+    def sampling_params(self, **options) -> SamplingParams:
+        """SamplingParams checked against this model (logit_bias names tokens of its vocabulary); an
+        option SamplingParams does not have is a RequestError naming it."""
+        fields = SamplingParams.__dataclass_fields__
+        unknown = [k for k in options if k not in fields]
+        if unknown:
+            raise RequestError(f"unknown sampling option {unknown[0]!r} (choose from {', '.join(fields)})")
+        if options.get("logit_bias") is None:
+            options.pop("logit_bias", None)
+        params = SamplingParams(**options)
+        bad = [k for k, _ in params.logit_bias if k >= self.args.vocab_size]
+        if bad:
+            raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.args.vocab_size})")
+        return params
+
     def check_context(self, n_prompt: int, max_tokens: int) -> None:
         """RequestError where a prompt of n_prompt tokens and max_tokens more do not fit the context."""
         ctx = self.args.context_length
@@ -151,12 +166,15 @@ class Engine:
     # -- public API ---------------------------------------------------------------------------
     def stream(self, prompt, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                min_p: float = 0.0, seed: int | None = None, stop=None, chat: bool = False,
-               on_forward: Callable[[str], None] | None = None) -> Iterator:
+               on_forward: Callable[[str], None] | None = None, **sampling) -> Iterator:
         """Generate up to `max_tokens` tokens after `prompt`, yielding a TokenEvent per token and a
         FinishEvent at the end. `prompt`: text, token ids, or chat messages ([{"role", "content"}]).
         Greedy when temperature is 0. `stop`: strings that end generation (not included in the text).
-        `on_forward` receives a name for each forward pass ("prefill", "decode 1", ...)."""
-        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        `on_forward` receives a name for each forward pass ("prefill", "decode 1", ...). `sampling`:
+        SamplingParams' other fields (repetition_penalty, presence_penalty, frequency_penalty,
+        logit_bias {id: bias}, top_logprobs; mlxinfer.sampling says what each does)."""
+        params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                      **sampling)
         (ids,), stop = self._requests([prompt], max_tokens, stop, chat)  # bad requests raise here
         loop = self.new_loop(on_forward=on_forward)
         loop.admit(ids, params, max_tokens, stop)
@@ -173,13 +191,15 @@ class Engine:
 
     def generate_batch(self, prompts, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop=None,
-                       chat: bool = False, on_forward: Callable[[str], None] | None = None) -> list[Generation]:
+                       chat: bool = False, on_forward: Callable[[str], None] | None = None,
+                       **sampling) -> list[Generation]:
         """One Generation per prompt, computed together in batched passes; each sequence finishes on
-        its own. A seed seeds every sequence's sampler (the same seed for all)."""
+        its own. A seed seeds every sequence's sampler (the same seed for all); `sampling` as `stream`'s."""
         prompts = list(prompts) if not isinstance(prompts, (str, bytes)) else [prompts]
         if not prompts:
             raise RequestError("generate_batch needs at least one prompt")
-        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                      **sampling)
         encoded, stop = self._requests(prompts, max_tokens, stop, chat)
         loop = self.new_loop(on_forward=on_forward)
         seqs = [loop.admit(ids, params, max_tokens, stop) for ids in encoded]
