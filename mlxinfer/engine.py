@@ -36,6 +36,7 @@ from .tokenizer import GGUFTokenizer, token_ids
 
 DEFAULT_PREFILL_CHUNK = 512
 CHAT_ROLES = ("system", "user", "assistant")
+TEMPLATE_VARIABLES = ("messages", "bos_token", "eos_token", "add_generation_prompt", "source")  # ours to set
 
 
 class Engine:
@@ -85,9 +86,11 @@ class Engine:
             return seed
         return collectives.agree_seed(seed, self.shard.rank, self.shard.group)
 
-    def encode_prompt(self, prompt, chat: bool = False, system: str | None = None) -> list[int]:
+    def encode_prompt(self, prompt, chat: bool = False, system: str | None = None,
+                      template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a prompt: text, bytes (UTF-8), token ids, or a chat messages list rendered with
-        the model's template. `chat=True` wraps a text prompt as one user message (after `system`'s)."""
+        the model's template. `chat=True` wraps a text prompt as one user message (after `system`'s).
+        `template_kwargs`: more variables for the chat template (e.g. Qwen3's enable_thinking=False)."""
         tok = self.tokenizer
         if isinstance(prompt, bytes):
             try:
@@ -101,7 +104,7 @@ class Engine:
         if isinstance(prompt, str):
             ids = tok.encode(prompt, add_special=True, parse_special=True) if prompt else []
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self._encode_messages(list(prompt))
+            ids = self._encode_messages(list(prompt), template_kwargs or {})
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             ids = token_ids(prompt)
             bad = [i for i in ids if not 0 <= i < self.args.vocab_size]
@@ -113,8 +116,11 @@ class Engine:
             raise RequestError("empty prompt")
         return ids
 
-    def _encode_messages(self, messages: list[dict]) -> list[int]:
+    def _encode_messages(self, messages: list[dict], template_kwargs: dict) -> list[int]:
         tok = self.tokenizer
+        taken = sorted(set(template_kwargs) & set(TEMPLATE_VARIABLES))
+        if taken:
+            raise RequestError(f"chat template variable {taken[0]!r} is set by mlxinfer, not by template kwargs")
         for i, m in enumerate(messages):
             if m.get("role") not in CHAT_ROLES:
                 raise RequestError(f"message {i} has role {m.get('role')!r} (choose from {', '.join(CHAT_ROLES)})")
@@ -125,7 +131,7 @@ class Engine:
         bos = tok.tokens[tok.bos_id] if tok.bos_id is not None else ""
         eos = tok.tokens[tok.eos_id] if tok.eos_id is not None else ""
         text = render_chat(tok.chat_template, messages, bos_token=bos, eos_token=eos, add_generation_prompt=True,
-                           source=f"{self.path}: chat template")
+                           source=f"{self.path}: chat template", **template_kwargs)
         return tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
 
     def sampling_params(self, **options) -> SamplingParams:

@@ -662,16 +662,20 @@ def test_the_fingerprint_follows_the_file_version_and_kernels(engine, tmp_path, 
 
 
 def test_sampling_options_over_the_api_equal_the_engines(served, engine):
-    """Greedy, so the two are compared token for token: penalties, bias and top_k/min_p reach the sampler."""
-    options = dict(repetition_penalty=1.3, presence_penalty=0.7, frequency_penalty=0.4, top_k=3, min_p=0.05)
-    want = engine.generate(LONG, max_tokens=12, **options)
-    assert want.token_ids != engine.generate(LONG, max_tokens=12).token_ids  # the penalties change the text
-    r = served.client.completions.create(model=MODEL, prompt=LONG, max_tokens=12, temperature=0, extra_body=options)
-    assert r.choices[0].text == want.text
-    sampled = dict(temperature=0.9, seed=5, top_k=4, min_p=0.1, repetition_penalty=1.2)
-    want = engine.generate(LONG, max_tokens=10, **sampled)
-    r = served.client.completions.create(model=MODEL, prompt=LONG, max_tokens=10, extra_body=sampled)
-    assert r.choices[0].text == want.text
+    """Each option alone, compared token for token with the engine's own: each changes the text (so a
+    dropped one would show) and the server gives what the engine gives."""
+    greedy = dict(temperature=0)
+    sampled = dict(temperature=1.5, seed=5)
+    cases = [(greedy, dict(repetition_penalty=1.3)), (greedy, dict(presence_penalty=1.5)),
+             (greedy, dict(frequency_penalty=1.5)), (sampled, dict(top_k=3)), (sampled, dict(min_p=0.3)),
+             (sampled, dict(top_p=0.5))]
+    for base, option in cases:
+        plain = engine.generate(LONG, max_tokens=12, **base)
+        want = engine.generate(LONG, max_tokens=12, **base, **option)
+        assert want.token_ids != plain.token_ids, option  # the option has an effect here
+        r = served.client.completions.create(model=MODEL, prompt=LONG, max_tokens=12, temperature=base["temperature"],
+                                             seed=base.get("seed"), extra_body=option)
+        assert r.choices[0].text == want.text, option
     forced = served.client.completions.create(model=MODEL, prompt=LONG, max_tokens=4, temperature=0,
                                               logit_bias={"42": 100}, logprobs=0)
     assert forced.choices[0].logprobs.tokens == [engine.tokenizer.decode([42])] * 4
@@ -695,3 +699,18 @@ def test_top_logprobs_in_chat_and_completions(served, engine):
     assert len(tops) == 3 and all(len(t) <= 2 for t in tops)
     for t, alts in zip(tops, want.top_logprobs):
         assert max(t.values()) == pytest.approx(alts[0][1])
+
+
+def test_chat_template_kwargs_reach_the_template(served, engine, monkeypatch):
+    monkeypatch.setattr(engine.tokenizer, "chat_template",
+                        "{% for m in messages %}{{ m.content }}{% endfor %}{% if enable_thinking is false %}"
+                        " no thinking{% endif %}")
+    kwargs = {"enable_thinking": False}
+    want = engine.encode_prompt(CHAT, template_kwargs=kwargs)
+    assert len(want) > len(engine.encode_prompt(CHAT))
+    r = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0,
+                                              extra_body={"chat_template_kwargs": kwargs})
+    assert r.usage.prompt_tokens == len(want)
+    r = httpx.post(served.url + "/v1/chat/completions", timeout=10,
+                   json={"model": MODEL, "messages": CHAT, "chat_template_kwargs": {"messages": []}})
+    assert r.status_code == 400 and "'messages' is set by mlxinfer" in r.json()["error"]["message"]

@@ -75,7 +75,8 @@ async def chat_completions(request: Request, body: ChatRequest):
     if body.top_logprobs and not body.logprobs:  # as OpenAI: alternatives only beside the chosen tokens
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     messages = [m.for_template() for m in body.messages]
-    return await answer(request, state, body, await encode(state, messages, "messages"), chat=True,
+    prompt_ids = await encode(state, messages, "messages", body.chat_template_kwargs)
+    return await answer(request, state, body, prompt_ids, chat=True,
                         want_logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0)
 
 
@@ -116,11 +117,11 @@ def running_scheduler(request: Request) -> Scheduler:
     return s
 
 
-async def encode(state: ServerState, prompt, param: str) -> list[int]:
+async def encode(state: ServerState, prompt, param: str, template_kwargs: dict | None = None) -> list[int]:
     """The prompt's token ids, rendered and tokenized on a worker thread: a long prompt takes the event
     loop's time otherwise (eight 1 MiB prompts froze /health and every stream for 7 s)."""
     try:
-        return await run_in_threadpool(state.engine.encode_prompt, prompt)
+        return await run_in_threadpool(state.engine.encode_prompt, prompt, template_kwargs=template_kwargs)
     except RequestError as e:
         raise ApiError(400, str(e), param=param) from None
 

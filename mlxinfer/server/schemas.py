@@ -106,6 +106,7 @@ class ChatRequest(Options):
     messages: list[Message]
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    chat_template_kwargs: dict[StrictStr, object] | None = None  # vLLM's: more variables for the template
 
 
 def error_object(message: str, type_: str = "invalid_request_error", param=None, code=None) -> dict:
@@ -132,8 +133,8 @@ def logprobs_object(token_texts: list[str], token_logprobs: list[float], offsets
                              "top_logprobs": [{"token": a, "logprob": q, "bytes": list(a.encode("utf-8"))}
                                               for a, q in (top[i] if top else [])]}
                             for i, (t, p) in enumerate(zip(token_texts, token_logprobs))]}
-    # completions: one {text: logprob} per token (two tokens with one text keep the likelier)
-    tops = None if top is None else [{a: q for a, q in reversed(alts)} for alts in top]
+    # completions: one {text: logprob} per token, likeliest first (two tokens with one text: the likelier)
+    tops = None if top is None else [dict(sorted(dict(reversed(alts)).items(), key=lambda kv: -kv[1])) for alts in top]
     return {"tokens": token_texts, "token_logprobs": list(token_logprobs), "top_logprobs": tops,
             "text_offset": list(offsets)}
 
