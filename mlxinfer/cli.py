@@ -259,7 +259,7 @@ def _serve(args) -> int:
     print(f"mlxinfer: serving {model_id} on http://{args.host}:{args.port}/v1 ({engine.backend.describe()}, "
           f"max batch {args.max_batch})", file=sys.stderr)
     serve(engine, model_id, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
-          kv_memory=args.kv_memory, cors_origins=tuple(args.cors or ()))
+          kv_memory=args.kv_memory, cors_origins=tuple(args.cors or ()), reasoning=args.reasoning)
     return 0
 
 
@@ -366,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cors", action="append", default=None, metavar="ORIGIN",
                    help="let web pages from ORIGIN (e.g. http://localhost:3000, or *) call the server from a "
                         "browser (repeatable; default: none)")
+    s.add_argument("--reasoning", default="auto", choices=["auto", "on", "off"],
+                   help="return chat turns' <think>...</think> as reasoning_content (auto: where the vocabulary "
+                        "has both tags as tokens)")
     s.set_defaults(func=_serve)
     i = sub.add_parser("inspect", help="print a GGUF file's architecture, hyperparameters, tokenizer and tensors")
     i.add_argument("file")

@@ -67,6 +67,7 @@ SRV_BODY = "mlxinfer/server/body_limit.py"
 SRV_METRICS = "mlxinfer/server/metrics.py"
 SRV_SCHEMAS = "mlxinfer/server/schemas.py"
 SRV_FP = "mlxinfer/server/fingerprint.py"
+SRV_REASONING = "mlxinfer/server/reasoning.py"
 SHARD = "mlxinfer/models/shard.py"
 COLL = "mlxinfer/collectives.py"
 GGUF = "mlxinfer/gguf_file.py"
@@ -470,7 +471,8 @@ M = [
      [("room = self.max_queue + max(0, self.max_batch - len(self.running))", "room = self.max_queue")],
      [T_SRV], "scheduler: requests the idle batch is about to take count against max_queue (429 for them)"),
     ("srv-encode-on-the-event-loop", "server", SRV_ROUTES,
-     [("return await run_in_threadpool(state.engine.encode_prompt, prompt)", "return state.engine.encode_prompt(prompt)")],
+     [("return await run_in_threadpool(state.engine.encode_prompt, prompt, template_kwargs=template_kwargs)",
+       "return state.engine.encode_prompt(prompt, template_kwargs=template_kwargs)")],
      [T_SRV], "server: prompts rendered and tokenized on the event loop (a long one stalls every client)"),
     ("spec-unread-tensor-ignored", "loading", "mlxinfer/models/spec.py",
      [("    if extra:\n        what = KNOWN_UNSUPPORTED", "    if False:\n        what = KNOWN_UNSUPPORTED")],
@@ -810,6 +812,13 @@ def usage_chunk""")],
     ("srv-template-kwargs-dropped", "server", SRV_ROUTES,
      [('encode(state, messages, "messages", body.chat_template_kwargs)', 'encode(state, messages, "messages", None)')],
      [T_SRV + "::test_chat_template_kwargs_reach_the_template"], "server: chat_template_kwargs dropped"),
+    ("srv-reasoning-tag-in-pieces", "server", SRV_REASONING,
+     [("if OPEN.startswith(s):", "if False:")],
+     [T_SRV + "::test_the_reasoning_splitter_finds_tags_across_pieces"],
+     "reasoning: an opening tag that arrives in pieces is taken for content"),
+    ("srv-reasoning-not-streamed", "server", SRV_ROUTES,
+     [("            reasoning, text = split(job, ev.text)\n", "            reasoning, text = \"\", ev.text\n")],
+     [T_SRV + "::test_reasoning_content_streamed_and_not"], "server: a stream's tokens not split into reasoning"),
     ("cli-drops-repeat-penalty", "options", CLI,
      [("repetition_penalty=args.repeat_penalty", "repetition_penalty=1.0")],
      [T_CLI + "::test_generate_sampling_options"], "CLI drops --repeat-penalty"),

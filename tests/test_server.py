@@ -714,3 +714,57 @@ def test_chat_template_kwargs_reach_the_template(served, engine, monkeypatch):
     r = httpx.post(served.url + "/v1/chat/completions", timeout=10,
                    json={"model": MODEL, "messages": CHAT, "chat_template_kwargs": {"messages": []}})
     assert r.status_code == 400 and "'messages' is set by mlxinfer" in r.json()["error"]["message"]
+
+
+THOUGHT = ["<th", "ink>\n", "2 + 2", " is 4 <", "/thi", "nk>", "\n\n", "It is ", "4."]  # a reasoning turn, in pieces
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 100])
+def test_the_reasoning_splitter_finds_tags_across_pieces(size):
+    from mlxinfer.server.reasoning import ReasoningSplitter
+
+    text = "".join(THOUGHT)
+    s, reasoning, content = ReasoningSplitter(), "", ""
+    for i in range(0, len(text), size):
+        r, c = s.feed(text[i:i + size])
+        reasoning, content = reasoning + r, content + c
+    r, c = s.finish()
+    assert (reasoning + r, content + c) == ("2 + 2 is 4 ", "It is 4.")
+    opened = ReasoningSplitter(inside=True)  # the prompt opened the tag (DeepSeek-R1's templates)
+    assert [opened.feed("a</think>b"), opened.finish()] == [("a", "b"), ("", "")]
+    plain = ReasoningSplitter()
+    assert [plain.feed("no <think> here"), plain.finish()] == [("", "no <think> here"), ("", "")]
+
+
+def test_reasoning_content_streamed_and_not(engine, monkeypatch):
+    """A turn whose text is THOUGHT (the detokenizer scripted): its reasoning apart from its content,
+    streamed as deltas of their own; with --reasoning off, or a vocabulary without the tags (auto), the
+    tags stay in the content."""
+    class Scripted:
+        def __init__(self):
+            self.i = 0
+
+        def step(self, token):
+            self.i += 1
+            return THOUGHT[self.i - 1] if self.i <= len(THOUGHT) else ""
+
+    monkeypatch.setattr(engine.tokenizer, "decode_stream", Scripted)
+    n = len(THOUGHT)
+    for mode in ("on", "auto"):
+        s = Served(engine, reasoning=mode)
+        try:
+            r = s.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=n, temperature=0)
+            msg = r.choices[0].message
+            if mode == "auto":  # the synthetic vocabulary has no <think> token: nothing is split
+                assert msg.content == "".join(THOUGHT) and getattr(msg, "reasoning_content", None) is None
+                continue
+            assert (msg.reasoning_content, msg.content) == ("2 + 2 is 4 ", "It is 4.")
+            chunks = list(s.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=n, temperature=0,
+                                                           stream=True))
+            deltas = [c.choices[0].delta for c in chunks]
+            reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+            content = "".join(d.content or "" for d in deltas)
+            assert (reasoning, content) == ("2 + 2 is 4 ", "It is 4.")
+            assert sum(1 for d in deltas if getattr(d, "reasoning_content", None)) >= 2  # streamed, not one piece
+        finally:
+            s.stop()

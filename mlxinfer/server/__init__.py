@@ -15,7 +15,8 @@ repetition_penalty, presence_penalty, frequency_penalty, logit_bias, seed, stop 
 1), logprobs and top_logprobs (up to 20), stream, stream_options.include_usage. The `model` a request
 names is not checked: one model is served (as llama-server). Messages: system, developer (as system),
 user, assistant; content as text or a list of text parts. Every response carries `system_fingerprint`
-(fingerprint.py). A field the server does not implement is a 400 naming it, never ignored. Every
+(fingerprint.py). A chat turn's `<think>` text is `reasoning_content` (reasoning.py; --reasoning), and
+`chat_template_kwargs` are variables for the template. A field the server does not implement is a 400 naming it, never ignored. Every
 error is OpenAI's JSON shape {"error": {"message", "type", "param", "code"}} with its status: 400 bad
 request (malformed JSON, wrong types, unsupported fields, max_tokens past the context, empty messages),
 404 unknown route or model id in /v1/models/{id}, 413 body over the size limit, 429 queue full (with
@@ -26,6 +27,7 @@ The package, one concern per module:
     schemas.py      the request models (pydantic) and the response objects OpenAI's clients read
     routes.py       one function per route, and the submit / stream / collect they share
     errors.py       ApiError, and the handlers that turn every failure into OpenAI's error object
+    reasoning.py    a chat turn's <think> text split from its content, as it streams
     fingerprint.py  system_fingerprint: the model file's digest, the version and the kernels
     metrics.py      the Prometheus collectors
     body_limit.py   the ASGI middleware that refuses an oversized body before it is parsed
@@ -57,7 +59,8 @@ def require_extra() -> None:
 
 
 def serve(engine, model_id: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int = 8,
-          max_queue: int = 64, kv_memory: int | None = None, log_level: str = "info", cors_origins: tuple = ()) -> None:
+          max_queue: int = 64, kv_memory: int | None = None, log_level: str = "info", cors_origins: tuple = (),
+          reasoning: str = "auto") -> None:
     """Run the server until interrupted (Ctrl-C)."""
     require_extra()
     import uvicorn
@@ -65,7 +68,7 @@ def serve(engine, model_id: str, host: str = "127.0.0.1", port: int = 8080, max_
     from .app import create_app
 
     app = create_app(engine, model_id, max_batch=max_batch, max_queue=max_queue, kv_memory=kv_memory,
-                     cors_origins=cors_origins)
+                     cors_origins=cors_origins, reasoning=reasoning)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 

@@ -12,6 +12,7 @@ from . import MAX_BODY_BYTES
 from .body_limit import BodyLimit
 from .errors import HANDLERS
 from .fingerprint import system_fingerprint
+from .reasoning import splits_reasoning
 from .metrics import ServerMetrics
 from .routes import ServerState, chat_completions, completions, health, metrics, model, models
 
@@ -27,13 +28,15 @@ async def lifespan(app: FastAPI):
 
 
 def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, kv_memory: int | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, cors_origins: tuple = ()) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, cors_origins: tuple = (), reasoning: str = "auto") -> FastAPI:
     """The ASGI app serving `engine` as `model_id`. While it is served, `app.state.scheduler` is its
     scheduler (tests read its stats); None before. `cors_origins`: the browser origins allowed to call
-    it ("*" for any); none by default, so a web page elsewhere cannot read the answers."""
+    it ("*" for any); none by default, so a web page elsewhere cannot read the answers. `reasoning`:
+    "auto", "on" or "off", whether chat turns' <think> text goes to reasoning_content (server.reasoning)."""
     app = FastAPI(title="mlxinfer", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.server = ServerState(engine, model_id, system_fingerprint(engine), max_batch, max_queue, kv_memory,
-                                   ServerMetrics(max_batch), created=int(time.time()))
+                                   ServerMetrics(max_batch), created=int(time.time()),
+                                   reasoning=splits_reasoning(reasoning, engine.tokenizer.tokens))
     app.state.scheduler = None
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     if cors_origins:  # added last: outermost, so that even a refused body's answer carries the headers

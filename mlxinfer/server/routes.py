@@ -22,6 +22,7 @@ from ..scheduler import QueueFull, Scheduler, SchedulerClosed
 from ..scheduler import Request as Submitted
 from .errors import ApiError, error_response
 from .metrics import ServerMetrics
+from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .schemas import (ChatRequest, CompletionRequest, Options, chunk, completion, error_object, logprobs_object,
                       model_list, model_object, response_id, usage_chunk, usage_object)
 
@@ -41,6 +42,7 @@ class ServerState:
     kv_memory: int | None
     metrics: ServerMetrics
     created: int  # when the app was made: the model's `created` in /v1/models
+    reasoning: bool = False  # chat turns' <think> text goes to reasoning_content (server.reasoning)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class Job:
     want_logprobs: bool
     rid: str
     top_logprobs: int  # alternatives reported beside each token
+    splitter: ReasoningSplitter | None  # a chat turn's reasoning and content, where the server splits them
 
 
 # -- the routes, each mounted at its path by app.create_app --------------------------------------
@@ -174,7 +177,22 @@ def submit(request: Request, body: Options, prompt_ids: list[int], chat: bool, w
         raise ApiError(503, str(e), "server_error", headers={"Retry-After": "1"}) from None
     except RequestError as e:
         raise ApiError(400, str(e)) from None
-    return Job(scheduler, req, events, len(prompt_ids), chat, want_logprobs, response_id(chat), top_logprobs)
+    splitter = None
+    if chat and state.reasoning:
+        splitter = ReasoningSplitter(prompt_opens_reasoning(state.engine.tokenizer.decode(prompt_ids[-8:])))
+    return Job(scheduler, req, events, len(prompt_ids), chat, want_logprobs, response_id(chat), top_logprobs,
+               splitter)
+
+
+def split(job: Job, text: str, last: bool = False) -> tuple[str, str]:
+    """(reasoning, content) of some text of the answer; `last`: the end of the turn (nothing held)."""
+    if job.splitter is None:
+        return "", text
+    reasoning, content = job.splitter.feed(text)
+    if last:
+        r, c = job.splitter.finish()
+        reasoning, content = reasoning + r, content + c
+    return reasoning, content
 
 
 def ended(ev: FinishEvent) -> str:
@@ -217,8 +235,9 @@ async def stream(state: ServerState, job: Job, include_usage: bool):
                 if ev.finish_reason not in ("stop", "length"):
                     yield {"data": json.dumps(error_object(ended(ev), "server_error"))}
                     return
-                yield {"data": json.dumps(chunk(job.rid, state.model_id, state.fingerprint, ev.text, None,
-                                                ev.finish_reason, job.chat, first))}
+                reasoning, text = split(job, ev.text, last=True)
+                yield {"data": json.dumps(chunk(job.rid, state.model_id, state.fingerprint, text, None,
+                                                ev.finish_reason, job.chat, first, reasoning))}
                 if include_usage:
                     use = usage_object(job.prompt_tokens, n_tokens, job.req.cached_tokens)
                     yield {"data": json.dumps(usage_chunk(job.rid, state.model_id, state.fingerprint, use, job.chat))}
@@ -226,8 +245,9 @@ async def stream(state: ServerState, job: Job, include_usage: bool):
                 return
             n_tokens += 1
             lp = token_logprobs(state, job, [ev.token_id], [ev.logprob], [sent], [ev.top_logprobs])
-            yield {"data": json.dumps(chunk(job.rid, state.model_id, state.fingerprint, ev.text, lp, None, job.chat,
-                                            first))}
+            reasoning, text = split(job, ev.text)
+            yield {"data": json.dumps(chunk(job.rid, state.model_id, state.fingerprint, text, lp, None, job.chat,
+                                            first, reasoning))}
             sent += len(ev.text)
             first = False
     finally:  # the client went away (or the stream ended): free the slot within a pass
@@ -269,4 +289,6 @@ async def collect(request: Request, state: ServerState, job: Job) -> dict:
         at += len(piece)
     lp = token_logprobs(state, job, tokens, logprobs, offsets, tops)
     use = usage_object(job.prompt_tokens, len(tokens), job.req.cached_tokens)
-    return completion(job.rid, state.model_id, "".join(text), lp, ev.finish_reason, use, job.chat, state.fingerprint)
+    reasoning, content = split(job, "".join(text), last=True)
+    return completion(job.rid, state.model_id, content, lp, ev.finish_reason, use, job.chat, state.fingerprint,
+                      reasoning)

@@ -140,11 +140,13 @@ def logprobs_object(token_texts: list[str], token_logprobs: list[float], offsets
 
 
 def completion(rid: str, model_id: str, text: str, logprobs: dict | None, finish_reason: str, usage: dict,
-               chat: bool, fingerprint: str) -> dict:
-    """The whole answer of a request that was not streamed."""
+               chat: bool, fingerprint: str, reasoning: str = "") -> dict:
+    """The whole answer of a request that was not streamed; reasoning: a chat turn's `<think>` text."""
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -152,13 +154,16 @@ def completion(rid: str, model_id: str, text: str, logprobs: dict | None, finish
 
 
 def chunk(rid: str, model_id: str, fingerprint: str, text: str, logprobs: dict | None, finish_reason: str | None,
-          chat: bool, first: bool = False) -> dict:
+          chat: bool, first: bool = False, reasoning: str = "") -> dict:
     """One event of a stream: a token's text, or the finish reason with the text held back for a stop
     string. A chat stream's first delta carries the role; its finishing delta is empty when no text is
-    left."""
+    left; reasoning (`<think>` text) goes in the delta's `reasoning_content`, content alone in `content`."""
     if chat:
-        delta = ({"role": "assistant", "content": text} if first else
-                 ({"content": text} if finish_reason is None or text else {}))
+        delta = {"role": "assistant"} if first else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if text or first or (finish_reason is None and not reasoning):
+            delta["content"] = text
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_id,
                 "system_fingerprint": fingerprint, "choices": [choice]}
