@@ -372,6 +372,12 @@ def test_kv_memory_budget(engine):
         # at once, not left waiting for room that never comes
         with pytest.raises(openai.BadRequestError, match="budget"):
             s.client.completions.create(model=MODEL, prompt=LONG, max_tokens=31)
+        # a chat turn without max_tokens gets what the budget holds for it alone (2 blocks: 32 positions)
+        chat = s.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0)
+        n_prompt = len(engine.encode_prompt(CHAT))
+        assert s.scheduler.room(n_prompt) == 32 - n_prompt
+        assert chat.usage.total_tokens <= 32 and (chat.choices[0].finish_reason == "stop"
+                                                 or chat.usage.total_tokens == 32)
     finally:
         s.stop()
 

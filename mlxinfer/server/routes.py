@@ -129,13 +129,13 @@ async def encode(state: ServerState, prompt, param: str, template_kwargs: dict |
         raise ApiError(400, str(e), param=param) from None
 
 
-def max_tokens_of(state: ServerState, body: Options, n_prompt: int, chat: bool) -> int:
+def max_tokens_of(scheduler: Scheduler, body: Options, n_prompt: int, chat: bool) -> int:
     """The request's max_tokens, or its default: a chat turn runs to its end or the context's (as
-    llama-server and vLLM), a completion stops at OpenAI's 16."""
+    llama-server and vLLM), or what the KV budget can hold for it; a completion stops at OpenAI's 16."""
     asked = body.max_completion_tokens or body.max_tokens
     if asked is not None:
         return asked
-    return max(1, state.engine.args.context_length - n_prompt) if chat else COMPLETION_MAX_TOKENS
+    return max(1, scheduler.room(n_prompt)) if chat else COMPLETION_MAX_TOKENS
 
 
 def sampling_params(state: ServerState, body: Options, top_logprobs: int) -> SamplingParams:
@@ -160,7 +160,6 @@ def submit(request: Request, body: Options, prompt_ids: list[int], chat: bool, w
     state = request.app.state.server
     if body.n != 1:
         raise ApiError(400, f"n must be 1, got {body.n}", param="n")
-    max_tokens = max_tokens_of(state, body, len(prompt_ids), chat)
     try:
         stop = stop_strings(body.stop)
     except RequestError as e:
@@ -169,6 +168,7 @@ def submit(request: Request, body: Options, prompt_ids: list[int], chat: bool, w
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     try:
         scheduler = running_scheduler(request)
+        max_tokens = max_tokens_of(scheduler, body, len(prompt_ids), chat)
         req = scheduler.submit(prompt_ids, params, max_tokens, stop,
                                lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
     except QueueFull as e:
