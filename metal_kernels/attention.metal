@@ -2,10 +2,14 @@
 // published order as attention.cu, written for Apple GPUs (simdgroups of 32 lanes).
 //
 // UNVERIFIED ON HARDWARE: no Apple GPU is available where this project is developed and tested, so
-// these kernels have never run. mlxinfer therefore never uses them silently: on first use in a process
-// the MLX backend runs the fused kernel and the per-head reference on a small fixed case, on the device,
-// and falls back to the MLX graph override (with a one-line warning) unless the bytes agree
-// (`--kernel metal` skips the check). The order, as in attention.cu:
+// these kernels have never run. What is checked without one: every kernel MLX would generate from this
+// file parses with clang against a stand-in for Metal's headers, and fits Apple's limits (32 KB of
+// threadgroup memory, 1,024 threads; tests/test_metal_build.py); the order below is read from this file
+// and compared with the numpy emulation's (tests/test_metal_order.py). mlxinfer never uses the kernels
+// silently: on first use in a process the MLX backend runs them against the per-head reference on every
+// plan they run (`self_check_cases`), on the device, and falls back to the per-head reference itself
+// (with a one-line warning) unless the bytes agree (`--kernel metal` skips the check). The order, as in
+// attention.cu:
 //
 //   dot(a, b) over n terms (one simdgroup): lane l adds a[i]*b[i] for i = l, l+32, ... in increasing i,
 //     each product rounded and then added (contraction into fma switched off below), then a butterfly
@@ -23,8 +27,11 @@
 #define MLXI_THREADS 256
 #define MLXI_WARPS 8
 #define MLXI_MAX_D 256
+#define MLXI_PART_D 128  // fused_attention's context: head dimensions a pass (threadgroup memory 32 x this)
 
-inline float mlxi_dot(device const float* a, long sa, device const float* b, long sb, int n, uint lane) {
+// A and B: `device` or `constant` pointers (MLX passes an input of fewer than 8 elements as `constant`).
+template <typename A, typename B>
+inline float mlxi_dot(A a, long sa, B b, long sb, int n, uint lane) {
   float s = 0.0f;
   for (int i = lane; i < n; i += 32) {
     const float prod = a[(long)i * sa] * b[(long)i * sb];
@@ -81,7 +88,8 @@ threadgroup_barrier(mem_flags::mem_device);
 mlxi_softmax(y, (int)n, tid, red);
 //@@BODY fused_attention
 // As in attention.cu: work items (row, head), blocks striding over them, scores in the block's own
-// scratch row, context by lane partials over consecutive columns, then the butterfly as a tree.
+// scratch row, context by lane partials over consecutive columns, then the butterfly as a tree, up to
+// MLXI_PART_D head dimensions a pass (the same chains and tree for every dimension, in any pass).
 const long cap = dims[0];
 const int H = dims[1], KV = dims[2], D = dims[3], CAUSAL = dims[4], WINDOW = dims[5];
 const long items = (long)dims[6] * H;
@@ -91,15 +99,15 @@ const long kvw = (long)KV * D;
 const float sc = scale[0];
 device float* pr = p + (long)threadgroup_position_in_grid.x * cap;
 threadgroup float red[MLXI_WARPS];
-threadgroup float part[32 * MLXI_MAX_D];
+threadgroup float part[32 * MLXI_PART_D];  // 16 KB: Apple GPUs give a threadgroup 32 KB
 for (long item = threadgroup_position_in_grid.x; item < items; item += threadgroups_per_grid.x) {
   const long r = item / H;
   const int h = item % H;
   const int S = row_len[r], pos = row_pos[r];
-  device const float* qh = q + r * H * D + h * D;
+  const auto qh = q + r * H * D + h * D;  // device or constant pointers, as MLX passes them
   const long base = (long)row_slot[r] * cap * kvw + (h / (H / KV)) * D;
-  device const float* kb = k + base;
-  device const float* vb = v + base;
+  const auto kb = k + base;
+  const auto vb = v + base;
   for (int j = wid; j < S; j += MLXI_WARPS) {
     const float s = mlxi_dot(qh, 1, kb + j * kvw, 1, D, lane) * sc;
     const bool hidden = (CAUSAL && j > pos) || (WINDOW > 0 && j <= pos - WINDOW);
@@ -107,20 +115,24 @@ for (long item = threadgroup_position_in_grid.x; item < items; item += threadgro
   }
   threadgroup_barrier(mem_flags::mem_device);
   mlxi_softmax(pr, S, tid, red);
-  for (int idx = tid; idx < 32 * D; idx += MLXI_THREADS) {
-    const int l = idx / D, d = idx % D;
-    float s = 0.0f;
-    for (int i = l; i < S; i += 32) {
-      const float prod = pr[i] * vb[(long)i * kvw + d];
-      s = s + prod;
+  for (int d0 = 0; d0 < D; d0 += MLXI_PART_D) {  // head dimensions d0 .. d0 + dn - 1
+    const int dn = metal::min(D - d0, MLXI_PART_D);
+    for (int idx = tid; idx < 32 * dn; idx += MLXI_THREADS) {
+      const int l = idx / dn, d = d0 + idx % dn;
+      float s = 0.0f;
+      for (int i = l; i < S; i += 32) {
+        const float prod = pr[i] * vb[(long)i * kvw + d];
+        s = s + prod;
+      }
+      part[idx] = s;
     }
-    part[idx] = s;
-  }
-  for (int off = 16; off > 0; off >>= 1) {
+    for (int off = 16; off > 0; off >>= 1) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      for (int idx = tid; idx < off * dn; idx += MLXI_THREADS) part[idx] = part[idx] + part[idx + off * dn];
+    }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (int idx = tid; idx < off * D; idx += MLXI_THREADS) part[idx] = part[idx] + part[idx + off * D];
+    for (int d = tid; d < dn; d += MLXI_THREADS) out[r * H * D + h * D + d0 + d] = part[d];
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // part is rewritten by the next pass
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (int d = tid; d < D; d += MLXI_THREADS) out[r * H * D + h * D + d] = part[d];
   threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
 }

@@ -227,10 +227,14 @@ class Backend:
     def silu(self, x):
         raise NotImplementedError
 
-    def rope(self, x, positions, n_heads: int, head_dim: int, base: float, traditional: bool):
-        """Rotary position embedding of [N, n_heads*head_dim] rows, row i at position positions[i].
+    def rope(self, x, positions, n_heads: int, head_dim: int, base: float, traditional: bool, factors=None):
+        """Rotary position embedding of [N, n_heads*head_dim] rows, row i at position positions[i]:
+        pair j turns by positions[i] * base**(-2j/head_dim) / factors[j].
         `traditional=False` rotates halves (x[:d/2], x[d/2:]) as Qwen/NeoX; True rotates
-        interleaved pairs (x[2i], x[2i+1]) as llama.cpp does on Llama GGUF files."""
+        interleaved pairs (x[2i], x[2i+1]) as llama.cpp does on Llama GGUF files. `factors` (None, or
+        head_dim/2 floats) divide each pair's frequency: llama.cpp's `freq_factors` (Llama 3's
+        `rope_freqs.weight`) times the linear scaling factor, as ggml's rope computes the angle
+        freq_scale * p * theta_scale**j / freq_factors[j]."""
         raise NotImplementedError
 
     def reshape(self, x, rows: int, cols: int):
@@ -287,7 +291,7 @@ class Backend:
         return self.hadamard(self.mul_rows(x, inv), weight)
 
     def qk_norm_rope(self, q, k, q_weight, k_weight, positions, n_heads: int, n_kv_heads: int, head_dim: int,
-                     eps: float, base: float, traditional: bool):
+                     eps: float, base: float, traditional: bool, factors=None):
         """Qwen3's q_norm / k_norm then RoPE: RMSNorm of each head's slice of the queries [N, n_heads*head_dim]
         and keys [N, n_kv_heads*head_dim] (weights head_dim long), then `rope` -> (q, k). Default, for
         each: reshape to one row a head, rms_norm, reshape back, rope. A backend may override it with
@@ -297,7 +301,7 @@ class Backend:
         for x, weight, heads in ((q, q_weight, n_heads), (k, k_weight, n_kv_heads)):
             n = x.shape[0]
             y = self.reshape(self.rms_norm(self.reshape(x, n * heads, head_dim), weight, eps), n, heads * head_dim)
-            out.append(self.rope(y, positions, heads, head_dim, base, traditional))
+            out.append(self.rope(y, positions, heads, head_dim, base, traditional, factors))
         return tuple(out)
 
     def linear_group(self, x, ws, groups=None):

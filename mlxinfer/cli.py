@@ -17,7 +17,7 @@ from .backends.cpu import checked_threads, default_threads
 from .collectives import launched
 from .engine import load
 from .errors import MlxinferError, RequestError
-from .inspect import describe
+from .inspect import describe, kernels_report
 from .launch import check_split, record_status, relaunch
 from .loop import FinishEvent
 from .sampling import SamplingParams, stop_strings
@@ -264,6 +264,12 @@ def _serve(args) -> int:
 
 
 def _inspect(args) -> int:
+    if args.kernels:
+        line, passed = kernels_report()
+        _out(line + "\n")
+        return 0 if passed else 1
+    if args.file is None:
+        raise RequestError("inspect needs a GGUF FILE (or --kernels: the GPU kernels' self-check)")
     _out(describe(args.file))
     return 0
 
@@ -371,7 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "has both tags as tokens)")
     s.set_defaults(func=_serve)
     i = sub.add_parser("inspect", help="print a GGUF file's architecture, hyperparameters, tokenizer and tensors")
-    i.add_argument("file")
+    i.add_argument("file", nargs="?")
+    i.add_argument("--kernels", action="store_true",
+                   help="instead: run the GPU kernels' self-check on this machine and print its verdict in one line")
     i.set_defaults(func=_inspect)
     b = sub.add_parser("bench", help="measure time to first token, tokens/s and peak memory (beside mlx-lm, llama.cpp)",
                        formatter_class=fmt)

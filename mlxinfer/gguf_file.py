@@ -64,6 +64,8 @@ SUPPORTED_TENSOR_TYPES = (
     GGMLQuantizationType.Q4_K,
     GGMLQuantizationType.Q5_K,
     GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.IQ4_NL,
+    GGMLQuantizationType.IQ4_XS,
 )
 
 

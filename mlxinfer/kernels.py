@@ -103,7 +103,8 @@ def kernel_parts(kind: str, name: str) -> tuple[str, str]:
     only the definitions the body reaches: MLX's CUDA custom kernel hashes its whole source on every
     launch (CustomKernel::eval_gpu, to name its module), ~2 us per launch for our ~16 KB (std::hash
     measured at 0.13 us per KB on this project's x86 VM) and a decode token launches 3 of ours a layer;
-    here 0.9-7 KB. Metal's sources go as written (they cannot be compiled here to check a cut)."""
+    here 0.9-7 KB. Metal's sources go as written (their header is ~2 KB, all of it used by the fused
+    kernel)."""
     header, bodies = kernel_source(kind)
     if kind != "cuda":
         return header, bodies[name]
@@ -128,6 +129,37 @@ def _kernel(kind: str, name: str):
     inputs, outputs = _INPUTS[name]
     return make(name=f"mlxinfer_{name}_{kind}", input_names=inputs, output_names=outputs, source=body,
                 header=header, ensure_row_contiguous=True)
+
+
+METAL_CONSTANT_BELOW = 8  # MLX's metal_kernel passes an input of fewer elements in `constant` memory
+METAL_ATTRIBUTES = {  # the thread attributes MLX 0.32's metal_kernel declares when the body names one
+    "dispatch_quadgroups_per_threadgroup": "uint", "dispatch_simdgroups_per_threadgroup": "uint",
+    "dispatch_threads_per_threadgroup": "uint3", "grid_origin": "uint3", "grid_size": "uint3",
+    "quadgroup_index_in_threadgroup": "uint", "quadgroups_per_threadgroup": "uint",
+    "simdgroup_index_in_threadgroup": "uint", "simdgroups_per_threadgroup": "uint",
+    "thread_execution_width": "uint", "thread_index_in_quadgroup": "uint", "thread_index_in_simdgroup": "uint",
+    "thread_index_in_threadgroup": "uint", "thread_position_in_grid": "uint3",
+    "thread_position_in_threadgroup": "uint3", "threadgroup_position_in_grid": "uint3",
+    "threadgroups_per_grid": "uint3", "threads_per_grid": "uint3", "threads_per_simdgroup": "uint",
+    "threads_per_threadgroup": "uint3"}
+_METAL_TYPES = {"float32": "float", "int32": "int"}
+
+
+def metal_kernel_source(name: str, inputs) -> str:
+    """The source MLX 0.32's `mx.fast.metal_kernel` compiles for kernel `name` launched on `inputs`
+    ([(dtype name, size)], one per input; outputs are float32), after MLX's own header: our header, then
+    the [[kernel]] signature its `write_signature` (mlx/backend/common/metal_kernel.cpp) generates, each
+    input `constant` below METAL_CONSTANT_BELOW elements and `device` otherwise, then the body. What the
+    checks here compile and measure (tests/test_metal_*.py), since no Metal compiler runs here."""
+    header, body = kernel_parts("metal", name)
+    names, outputs = _INPUTS[name]
+    params = [f"  const {'constant' if size < METAL_CONSTANT_BELOW else 'device'} {_METAL_TYPES[dtype]}* {n} "
+              f"[[buffer({i})]]" for i, (n, (dtype, size)) in enumerate(zip(names, inputs, strict=True))]
+    params += [f"  device float* {o} [[buffer({len(names) + i})]]" for i, o in enumerate(outputs)]
+    params += [f"  {t} {a} [[{a}]]" for a, t in METAL_ATTRIBUTES.items() if a in body]
+    suffix = "".join(f"_{_METAL_TYPES[d]}{'c' if size < METAL_CONSTANT_BELOW else ''}" for d, size in inputs)
+    return (f"{header}[[kernel]] void custom_kernel_mlxinfer_{name}_metal{suffix}_float{'_float' * (len(outputs) - 1)}(\n"
+            + ",\n".join(params) + ") {\n" + body + "\n}\n")
 
 
 def _dims(*values):
@@ -343,6 +375,12 @@ def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, ste
 
 
 # -- the published order in numpy (float32, bit-exact for the sums) ---------------------------------
+LANES = 32  # dot products: lane l sums the terms l, l + LANES, ... (one warp / simdgroup)
+DOT_BUTTERFLY = (16, 8, 4, 2, 1)  # then the lanes' partials, s += shuffle_xor(s, off) for these offsets
+WARP_TOTALS_BUTTERFLY = (4, 2, 1)  # softmax: THREADS thread-strided partials, DOT_BUTTERFLY in each warp,
+# then the 8 warp totals by these offsets. tests/test_metal_order.py reads all of this (and the exp and
+# division the kernels use: EXACT_MATH) from metal_kernels/attention.metal and fails where they differ.
+EXACT_MATH = ("metal::precise::exp", "metal::precise::divide")
 def _butterfly(partials: np.ndarray, offsets) -> np.ndarray:
     """Combine partial sums on the last axis as the kernels' xor butterfly does; returns lane 0's."""
     p = partials.astype(np.float32)
@@ -358,12 +396,12 @@ def published_dot(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
     a, bt = np.asarray(a, np.float32), np.asarray(bt, np.float32)
     m, k = a.shape
     n = bt.shape[0]
-    partial = np.zeros((m, n, 32), dtype=np.float32)
-    for i in range(0, k, 32):
-        w = min(32, k - i)
+    partial = np.zeros((m, n, LANES), dtype=np.float32)
+    for i in range(0, k, LANES):
+        w = min(LANES, k - i)
         prod = (a[:, None, i:i + w] * bt[None, :, i:i + w]).astype(np.float32)
         partial[:, :, :w] = (partial[:, :, :w] + prod).astype(np.float32)
-    return _butterfly(partial, (16, 8, 4, 2, 1))
+    return _butterfly(partial, DOT_BUTTERFLY)
 
 
 def published_softmax_total(e: np.ndarray) -> np.float32:
@@ -374,8 +412,8 @@ def published_softmax_total(e: np.ndarray) -> np.float32:
     for i in range(0, e.size, THREADS):
         w = min(THREADS, e.size - i)
         partial[:w] = (partial[:w] + e[i:i + w]).astype(np.float32)
-    warp_totals = _butterfly(partial.reshape(8, 32), (16, 8, 4, 2, 1))
-    return _butterfly(warp_totals[None, :], (4, 2, 1))[0]
+    warp_totals = _butterfly(partial.reshape(THREADS // LANES, LANES), DOT_BUTTERFLY)
+    return _butterfly(warp_totals[None, :], WARP_TOTALS_BUTTERFLY)[0]
 
 
 # -- Qwen3's per-head RMSNorm and RoPE of queries and keys, one launch (CUDA) ----------------------------

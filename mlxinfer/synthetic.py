@@ -13,12 +13,13 @@ import argparse
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
+from . import quants
 from .gguf_file import GGUFFile
 from .models import ARCHITECTURES
-from .models.spec import EMBEDDING, NORM, ModelArgs, tensors
+from .models.spec import BIAS, EMBEDDING, FACTORS, NORM, ModelArgs, tensors
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -72,13 +73,35 @@ class SyntheticSpec:
     rope_base: float = 1000000.0
     rms_eps: float = 1e-6
     seed: int = 0
-    random_blocks: bool = False  # Q8_0 only: random quantized blocks, streamed (for 14B-class shapes)
+    random_blocks: bool = False  # random quantized blocks of qtype, streamed (for 14B-class shapes)
+    rope_freqs: tuple | None = None  # written as `rope_freqs.weight` (see llama3_rope_factors)
 
     def args(self) -> ModelArgs:
         """The model spec's hyperparameters for this synthetic file."""
         return ModelArgs(self.arch, self.n_layers, self.hidden, self.ffn, self.n_heads, self.n_kv_heads,
                          self.head_dim, self.vocab_size, self.context_length, self.rms_eps, self.rope_base,
-                         tied_output=self.tied_output, **ARCHITECTURES[self.arch].TRAITS)
+                         tied_output=self.tied_output, rope_freqs=self.rope_freqs, **ARCHITECTURES[self.arch].TRAITS)
+
+
+def llama3_rope_factors(head_dim: int, base: float, factor: float = 8.0, low_freq_factor: float = 1.0,
+                        high_freq_factor: float = 4.0, original_context: int = 8192) -> tuple:
+    """Llama 3's `rope_freqs.weight` as llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel) computes
+    it from the HF config's `rope_scaling` (rope_type llama3; the defaults are Llama 3.1's): pairs whose
+    wavelength is below original_context / high_freq_factor keep their frequency (1), those above
+    original_context / low_freq_factor are slowed by `factor`, and those between are interpolated."""
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    low_wavelen, high_wavelen = original_context / low_freq_factor, original_context / high_freq_factor
+    out = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / float(freq)
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return tuple(float(np.float32(f)) for f in out)
 
 
 def _tensor(rng, shape, std):
@@ -114,8 +137,8 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
     for k, v in overrides.items():
         setattr(spec, k, v)
     a = spec.arch
-    if a not in ("qwen3", "llama"):
-        raise ValueError(f"synthetic models are qwen3 or llama, not {a!r}")
+    if a not in ARCHITECTURES:
+        raise ValueError(f"synthetic models are {', '.join(ARCHITECTURES)}, not {a!r}")
     qtype = GGMLQuantizationType[spec.qtype]
     rng = np.random.default_rng(spec.seed)
     h, d = spec.hidden, spec.head_dim
@@ -145,14 +168,21 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
     w.add_chat_template(CHATML_TEMPLATE)
 
     # Every tensor of the model spec, in file order: norms 1 + 0.1 N(0, 1), the embedding N(0, 1),
-    # matrices N(0, 1/in_features).
+    # matrices N(0, 1/in_features), biases N(0, 0.5^2) (Qwen2's are of that order and larger), the RoPE
+    # factors as given.
     if spec.random_blocks:
-        if qtype != GGMLQuantizationType.Q8_0:
-            raise ValueError("random blocks are written for Q8_0 only")
+        if qtype == GGMLQuantizationType.F32:
+            raise ValueError("random blocks are written for a quantized or 16-bit type, not F32")
+        if spec.args().qkv_bias or spec.rope_freqs is not None:
+            raise ValueError("random blocks are written for matrices and norms only (no biases or RoPE factors)")
         return _write_random_blocks(w, spec, rng, str(path))
     for t, _, name, _, shape in tensors(spec.args()):
         if t.kind == NORM:
             data = _norm_values(rng, shape[0])
+        elif t.kind == BIAS:
+            data = _tensor(rng, shape, 0.5)
+        elif t.kind == FACTORS:
+            data = np.array(spec.rope_freqs, dtype=np.float32)
         else:
             data = _tensor(rng, shape, 1.0 if t.kind == EMBEDDING else shape[1] ** -0.5)
         _add(w, name, data, qtype)
@@ -164,15 +194,17 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
 
 
 def _write_random_blocks(w: GGUFWriter, spec: SyntheticSpec, rng, path: str) -> str:
-    """The tensors as `_random_q8_0` blocks (norms as usual), each made and written in turn: memory
-    holds one tensor at a time."""
+    """The tensors as random blocks of the spec's type (`_random_q8_0`, else `quants.random_blocks`;
+    norms as usual), each made and written in turn: memory holds one tensor at a time."""
     specs = list(tensors(spec.args()))
+    qtype = GGMLQuantizationType[spec.qtype]
+    block, size = GGML_QUANT_SIZES[qtype]
     for t, _, name, _, shape in specs:
         if t.kind == NORM:
             w.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4)
         else:
-            w.add_tensor_info(name, (shape[0], shape[1] // 32 * 34), np.dtype(np.uint8), shape[0] * shape[1] // 32 * 34,
-                              raw_dtype=GGMLQuantizationType.Q8_0)
+            row = shape[1] // block * size
+            w.add_tensor_info(name, (shape[0], row), np.dtype(np.uint8), shape[0] * row, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -180,7 +212,11 @@ def _write_random_blocks(w: GGUFWriter, spec: SyntheticSpec, rng, path: str) -> 
         if t.kind == NORM:
             w.write_tensor_data(_norm_values(rng, shape[0]))
         else:
-            w.write_tensor_data(_random_q8_0(rng, shape, 1.0 if t.kind == EMBEDDING else shape[1] ** -0.5))
+            std = 1.0 if t.kind == EMBEDDING else shape[1] ** -0.5
+            if qtype == GGMLQuantizationType.Q8_0:
+                w.write_tensor_data(_random_q8_0(rng, shape, std))
+            else:
+                w.write_tensor_data(quants.random_blocks(rng, qtype, *shape, std=std))
     w.close()
     return path
 
@@ -247,7 +283,7 @@ def write_f32_copy(src, dst) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description="Write a synthetic random-weight GGUF model.")
     p.add_argument("path")
-    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
+    p.add_argument("--arch", default="qwen3", choices=sorted(ARCHITECTURES))
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--ffn", type=int, default=128)
@@ -258,14 +294,22 @@ def main(argv=None):
     p.add_argument("--untied", action="store_true")
     p.add_argument("--type", default="F32", help="F32, F16, Q8_0, Q4_0, Q4_1, ...")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--llama3-rope", action="store_true",
+                   help="write rope_freqs.weight as Llama 3.1 ships it (factor 8, low/high 1/4, context 8192)")
+    p.add_argument("--rope-base", type=float, default=None, help="rope.freq_base (default 1e6; 5e5 with --llama3-rope)")
     p.add_argument("--random-blocks", action="store_true",
-                   help="Q8_0: draw quantized blocks directly (fast, streamed; for large shapes)")
+                   help="draw --type's blocks directly, random (fast, streamed; for large shapes)")
     a = p.parse_args(argv)
-    if a.random_blocks and a.type != "Q8_0":
-        p.error(f"--random-blocks writes Q8_0 only, not --type {a.type}")
+    if a.random_blocks and a.type == "F32":
+        p.error("--random-blocks needs a quantized or 16-bit --type")
+    if a.llama3_rope and a.arch != "llama":
+        p.error("--llama3-rope is Llama 3's (--arch llama)")
+    base = a.rope_base or (500000.0 if a.llama3_rope else 1000000.0)
+    factors = llama3_rope_factors(a.head_dim, base) if a.llama3_rope else None
     write_synthetic_model(a.path, SyntheticSpec(a.arch, a.layers, a.hidden, a.ffn, a.heads, a.kv_heads,
                                                 a.head_dim, a.vocab, tied_output=not a.untied, qtype=a.type,
-                                                seed=a.seed, random_blocks=a.random_blocks))
+                                                seed=a.seed, random_blocks=a.random_blocks, rope_base=base,
+                                                rope_freqs=factors))
     print(a.path)
 
 

@@ -158,8 +158,8 @@ def cases(b: bytes):
     yield Case("tensor-dims-9", _patch(b, t_emb[2], "<I", 9), "parse", r"has 9 dimensions")
     yield Case("tensor-huge-shape", _patch(b, t_emb[2] + 4, "<Q", 1 << 62), "parse",
                r"passes the end of the file|not a multiple")
-    yield Case("unsupported-tensor-type", _patch(b, _find_tensor(lay, "blk.0.ffn_up.weight")[3], "<I", 20), "load",
-               r"tensor 'blk.0.ffn_up.weight' has type IQ4_NL, which mlxinfer does not support")
+    yield Case("unsupported-tensor-type", _patch(b, _find_tensor(lay, "blk.0.ffn_up.weight")[3], "<I", 39), "load",
+               r"tensor 'blk.0.ffn_up.weight' has type MXFP4, which mlxinfer does not support")
 
     heads = _find_kv(lay, "qwen3.attention.head_count")
     yield Case("head-count-inconsistent", _patch(b, heads[3], "<I", 2), "load",

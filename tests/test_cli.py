@@ -108,9 +108,9 @@ def test_unsupported_architecture(tmp_path):
 def test_unsupported_tensor_type(tmp_path, synthetic):
     from mlxinfer.synthetic import write_synthetic_model
 
-    p = write_synthetic_model(tmp_path / "q5k.gguf", arch="llama", n_layers=1, hidden=256, ffn=256, n_heads=4,
-                              n_kv_heads=2, head_dim=64, qtype="Q4_0")
-    # rewrite one tensor's type code to IQ4_NL (same block geometry as Q4_0)
+    p = write_synthetic_model(tmp_path / "q3k.gguf", arch="llama", n_layers=1, hidden=256, ffn=256, n_heads=4,
+                              n_kv_heads=2, head_dim=64, qtype="Q3_K", random_blocks=True)
+    # rewrite one tensor's type code to IQ3_S (not read; the same block geometry as Q3_K)
     from mlxinfer.gguf_file import GGUFFile
     import struct
 
@@ -119,12 +119,13 @@ def test_unsupported_tensor_type(tmp_path, synthetic):
     at = data.index(name) + len(name)
     n_dims = struct.unpack_from("<I", data, at)[0]
     type_at = at + 4 + 8 * n_dims
-    assert struct.unpack_from("<I", data, type_at)[0] == 2  # Q4_0
-    struct.pack_into("<I", data, type_at, 20)  # IQ4_NL
+    assert struct.unpack_from("<I", data, type_at)[0] == 11  # Q3_K
+    struct.pack_into("<I", data, type_at, 21)  # IQ3_S
     open(p, "wb").write(bytes(data))
-    assert GGUFFile(p).tensor("blk.0.ffn_up.weight").type_name == "IQ4_NL"
-    assert_one_line_error(run_cli("generate", "--model", str(p), "--backend", "cpu", "hi"),
-                          "blk.0.ffn_up.weight", "IQ4_NL", "not support")
+    assert GGUFFile(p).tensor("blk.0.ffn_up.weight").type_name == "IQ3_S"
+    for backend in ("cpu", "mlx"):
+        assert_one_line_error(run_cli("generate", "--model", str(p), "--backend", backend, "hi"),
+                              "blk.0.ffn_up.weight", "IQ3_S", "not support")
 
 
 def test_missing_tensor(tmp_path):

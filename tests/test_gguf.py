@@ -163,16 +163,16 @@ def test_unsupported_version(tmp_path):
 
 
 def test_unsupported_tensor_type_is_reported_on_use(tmp_path):
-    p = tmp_path / "iq.gguf"
+    p = tmp_path / "iq.gguf"  # IQ2_XXS: a type llama.cpp's 2-bit presets write, not read here
     w = GGUFWriter(str(p), "llama")
-    w.add_tensor("w", np.zeros((2, 18), dtype=np.uint8), raw_dtype=Q.IQ4_NL)
+    w.add_tensor("w", np.zeros((2, 66), dtype=np.uint8), raw_dtype=Q.IQ2_XXS)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     with GGUFFile(p) as g:
-        assert g.tensor("w").shape == (2, 32)
-        with pytest.raises(UnsupportedError, match="tensor 'w' has type IQ4_NL, which mlxinfer does not support"):
+        assert g.tensor("w").shape == (2, 256)
+        with pytest.raises(UnsupportedError, match="tensor 'w' has type IQ2_XXS, which mlxinfer does not support"):
             g.dequantize("w")
         with pytest.raises(GGUFError, match="missing tensor 'nope'"):
             g.tensor("nope")

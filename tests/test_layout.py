@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "mlxinfer"
 # The README's file map, bottom up (a module may import its own layer and those below; no circle).
 LAYERS = [
     ["errors"],
-    ["gguf_file", "tokenizer", "chat", "model_source"],
+    ["gguf_file", "quants", "tokenizer", "chat", "model_source"],
     ["backend", "batch", "kv_cache", "block_manager", "sampling", "metrics", "collectives"],
     ["kernels", "backends", "backends.cpu", "backends.mlx"],
     ["models", "models.spec", "models.shard", "models.layers", "models.llama", "models.qwen3"],

@@ -1,5 +1,6 @@
 """Correctness against llama.cpp (all-F32 weights, F32 KV cache), from committed fixtures."""
 
+import io
 import os
 import re
 
@@ -7,17 +8,27 @@ import numpy as np
 import pytest
 
 import mlxinfer
+from mlxinfer.backends import make_backend
 from mlxinfer.batch import Batch
 from mlxinfer.errors import GGUFError, UnsupportedError
-from mlxinfer.synthetic import write_synthetic_model
+from mlxinfer.gguf_file import GGUFFile
+from mlxinfer.inspect import describe
+from mlxinfer.models import model_args
+from mlxinfer.synthetic import rewrite_gguf, write_synthetic_model
+from mlxinfer.tracing import install_tracer
 
 from .conftest import REFERENCE, write_empty_gguf
-from .reference.specs import QWEN3_SYNTHETIC
+from .reference.specs import LINEAR_ROPE_EDITS, LLAMA3_SYNTHETIC, QWEN2_SYNTHETIC, QWEN3_SYNTHETIC
 
 # Against llama.cpp on all-F32 copies, measured here (2026-11-30, both backends): synthetic Qwen3 within
 # 2.5e-6, SmolLM2 within 9.4e-5 (logits up to 27). Bounds: about 4x the measured error, so that a wrong
 # RMS epsilon or RoPE base (errors of 1e-4 and more on the synthetic model) fails.
-LOGIT_ATOL = {"qwen3_synthetic": 1e-5, "smollm2": 4e-4}
+# Llama 3 (rope_freqs.weight), the same with linear scaling, Qwen2 (Q/K/V biases), measured here
+# (2026-12-01, both backends): within 3.6e-6 of llama.cpp (logits up to 4.4). What differs: the order of
+# each dot product's sum (BLAS vs ggml) and the RoPE angles (float64 tables here, ggml's float32 powers).
+# Bound 1.5e-5, about 4x.
+LOGIT_ATOL = {"qwen3_synthetic": 1e-5, "smollm2": 4e-4, "llama3_synthetic": 1.5e-5,
+              "llama3_linear_synthetic": 1.5e-5, "qwen2_synthetic": 1.5e-5}
 TIE_GAP = 1e-3
 
 
@@ -80,7 +91,89 @@ def test_smollm2_matches_llama_cpp(smollm2_path, backend, pipeline):
     assert gen.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.fixture(scope="module")
+def new_arch_paths(tmp_path_factory):
+    """The new architectures' synthetic files, as make_fixtures.py wrote them for llama.cpp."""
+    root = tmp_path_factory.mktemp("arch")
+    llama3 = write_synthetic_model(root / "llama3.gguf", LLAMA3_SYNTHETIC)
+    return {"llama3_synthetic": llama3,
+            "llama3_linear_synthetic": rewrite_gguf(llama3, root / "linear.gguf", edits=LINEAR_ROPE_EDITS),
+            "qwen2_synthetic": write_synthetic_model(root / "qwen2.gguf", QWEN2_SYNTHETIC)}
+
+
+@pytest.mark.parametrize("backend,pipeline", BACKENDS, ids=["cpu", "mlx-pipelined", "mlx-sync"])
+@pytest.mark.parametrize("name", ["llama3_synthetic", "llama3_linear_synthetic", "qwen2_synthetic"])
+def test_new_architectures_match_llama_cpp(new_arch_paths, name, backend, pipeline):
+    """Llama 3's RoPE factors (and linear scaling on top) and Qwen2's biases, against llama.cpp: every
+    position's logits of a 70-token prompt within the bound, and 32 greedy tokens identical on three
+    prompts (every token compared, near-ties included: ours chose as llama.cpp did at each)."""
+    engine = mlxinfer.load(new_arch_paths[name], backend=backend, prefill_chunk=16)
+    a = engine.args
+    want = ("qwen2", True, False) if name == "qwen2_synthetic" else ("llama", False, True)
+    assert (a.arch, a.qkv_bias, a.rope_freqs is not None) == want
+    assert a.rope_scale == (4.0 if "linear" in name else 1.0)
+    gen = check_against_reference(engine, name, pipeline)
+    ref = load_fixture(name)
+    assert gen.token_ids == ref["greedy"].tolist() and len(gen.token_ids) == 32
+    for k in (1, 2):
+        ids = ref[f"prompt_ids_{k}"].tolist()
+        assert engine.generate(ids, max_tokens=32).token_ids == ref[f"greedy_{k}"].tolist()
+
+
+def test_new_architectures_cpu_and_mlx_agree(new_arch_paths):
+    """The two backends on the same file: within twice the bound against llama.cpp (each is within it)."""
+    ids = load_fixture("llama3_synthetic")["prompt_ids"].tolist()
+    for name, path in new_arch_paths.items():
+        cpu, gpu = (mlxinfer.load(path, backend=b).logits(ids) for b in ("cpu", "mlx"))
+        assert np.max(np.abs(cpu - gpu)) < 2 * LOGIT_ATOL[name]
+
+
+def test_llama3_factors_divide_the_frequencies(new_arch_paths):
+    """The rope op with the file's factors, against the rotation written out in float64: pair j of a
+    head at position p turns by p * base**(-2j/d) / factors[j] (llama.cpp's freq_factors), on both
+    backends. Error model: float32 angles of up to 300 rad are off by ~1e-5 rad."""
+    with GGUFFile(new_arch_paths["llama3_linear_synthetic"]) as g:
+        a = model_args(g)
+    d, f = a.head_dim, np.array(a.rope_factors)
+    assert f.min() == 4.0 and f.max() == 32.0  # factors 1..8, times the linear 4
+    rng = np.random.default_rng(0)
+    x, pos = rng.standard_normal((5, 2 * d), dtype=np.float32), np.array([0, 1, 7, 40, 300])
+    ang = pos[:, None] * (a.rope_base ** (-np.arange(0, d, 2) / d) / f)[None, :]
+    xh = x.reshape(5, 2, d).astype(np.float64)
+    c, s = np.cos(ang)[:, None], np.sin(ang)[:, None]
+    want = np.empty_like(xh)
+    want[..., 0::2] = xh[..., 0::2] * c - xh[..., 1::2] * s
+    want[..., 1::2] = xh[..., 1::2] * c + xh[..., 0::2] * s
+    for name in ("cpu", "mlx"):
+        ops = make_backend(name)
+        got = ops.to_numpy(ops.rope(ops.from_numpy(x), ops.index_array(pos), 2, d, a.rope_base, True, a.rope_factors))
+        np.testing.assert_allclose(got, want.reshape(5, 2 * d), rtol=0, atol=1e-4)
+
+
+def test_new_architectures_in_inspect_and_the_tracer(new_arch_paths):
+    """`inspect` lists what the architecture adds (the factors tensor, the biases); the tracer counts
+    Qwen2's three bias adds a layer beside the two residual adds, and two rope calls a layer."""
+    text = describe(new_arch_paths["llama3_synthetic"])
+    assert "architecture: llama" in text and re.search(r"rope_freqs\.weight\s+F32\s+\[32\]", text)
+    text = describe(new_arch_paths["qwen2_synthetic"])
+    assert "architecture: qwen2" in text and re.search(r"blk\.2\.attn_v\.bias\s+F32\s+\[64\]", text)
+    for name, adds in (("llama3_synthetic", 2), ("qwen2_synthetic", 5)):
+        engine = mlxinfer.load(new_arch_paths[name], backend="cpu")
+        tracer = install_tracer(engine, stream=io.StringIO())
+        counts = []
+
+        def end(pass_name):
+            counts.append(dict(tracer.counts))
+            tracer.end_pass(pass_name)
+
+        engine.generate([3, 4, 5], max_tokens=2, on_forward=end)
+        L = engine.args.n_layers
+        assert len(counts) == 2
+        for c in counts:
+            assert c["add"] == adds * L and c["rope"] == 2 * L and c["linear"] == 7 * L + 1
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
 def test_fused_and_per_head_attention_are_byte_identical_end_to_end(synthetic, arch):
     path = synthetic(arch=arch, n_layers=2, hidden=96, ffn=160, n_heads=6, n_kv_heads=2, head_dim=32,
                      vocab_size=400, seed=5)
@@ -130,7 +223,6 @@ def test_unsupported_architecture(tmp_path):
 
 def test_missing_tensor_is_named(tmp_path, synthetic):
     from mlxinfer.backends.cpu import CPUBackend
-    from mlxinfer.gguf_file import GGUFFile
     from mlxinfer.models import load_model
 
     path = synthetic(arch="llama", n_layers=2)
@@ -141,25 +233,43 @@ def test_missing_tensor_is_named(tmp_path, synthetic):
 
 
 def test_what_the_forward_pass_does_not_apply_is_refused(synthetic, tmp_path):
-    """Nothing a file asks for is ignored: Llama 3's RoPE factors (`rope_freqs.weight`, which a Llama 3.x
-    file carries and a loader that skips it decodes with every rotation off), RoPE scaling, or a tensor
-    the architecture's forward pass does not read are one-line UnsupportedErrors naming it; keys at their
-    neutral value and the irrelevant namespaces load."""
-    from mlxinfer.synthetic import rewrite_gguf
-
+    """Nothing a file asks for is ignored: RoPE factors on an architecture that does not apply them
+    (`rope_freqs.weight` on qwen2/qwen3), RoPE scaling other than linear (YaRN, LongRoPE), a rotation
+    scale, or a tensor the architecture's forward pass does not read are one-line UnsupportedErrors
+    naming it; malformed factors are GGUFErrors; keys at their neutral value, linear scaling and the
+    irrelevant namespaces load."""
     src = synthetic(arch="llama", n_layers=1, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16,
                     vocab_size=320)
+    qwen2 = synthetic(arch="qwen2", n_layers=1, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16,
+                      vocab_size=320)
     cases = [
-        (dict(add_tensors={"rope_freqs.weight": np.ones(8)}), "tensor 'rope_freqs.weight' (Llama 3's RoPE"),
-        (dict(add_tensors={"blk.0.attn_q.bias": np.zeros(64)}), "tensor 'blk.0.attn_q.bias' (not read"),
-        (dict(edits={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 8.0}),
-         "metadata llama.rope.scaling"),
-        (dict(edits={"llama.expert_count": 8}), "metadata llama.expert_count = 8 is not supported"),
+        (qwen2, dict(add_tensors={"rope_freqs.weight": np.ones(8)}), UnsupportedError,
+         "tensor 'rope_freqs.weight' (Llama 3's RoPE frequency factors, which this architecture does not apply)"),
+        (src, dict(add_tensors={"rope_freqs.weight": np.ones(4)}), GGUFError,
+         "tensor 'rope_freqs.weight' has shape [4], expected [8]"),
+        (src, dict(add_tensors={"rope_freqs.weight": np.array([1, 1, 1, 0, 1, 1, 1, 1.0])}), GGUFError,
+         "'rope_freqs.weight' holds a factor that is not a positive finite number"),
+        (src, dict(add_tensors={"blk.0.attn_q.bias": np.zeros(64)}), UnsupportedError,
+         "tensor 'blk.0.attn_q.bias' (not read"),
+        (src, dict(edits={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}), UnsupportedError,
+         "metadata llama.rope.scaling.type = 'yarn' (YaRN RoPE scaling) is not supported"),
+        (qwen2, dict(edits={"qwen2.rope.scaling.type": "longrope"}), UnsupportedError,
+         "metadata qwen2.rope.scaling.type = 'longrope' (LongRoPE RoPE scaling) is not supported"),
+        (src, dict(edits={"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 2.0}), UnsupportedError,
+         "llama.rope.scaling.factor = 2.0 contradicts llama.rope.scaling.type = 'none'"),
+        (src, dict(edits={"llama.rope.scaling.attn_factor": 0.5}), UnsupportedError,
+         "metadata llama.rope.scaling.attn_factor = 0.5 is not supported"),
+        (src, dict(edits={"llama.expert_count": 8}), UnsupportedError, "metadata llama.expert_count = 8 is not supported"),
     ]
-    for i, (kw, fragment) in enumerate(cases):
-        path = rewrite_gguf(src, tmp_path / f"bad{i}.gguf", **kw)
-        with pytest.raises(UnsupportedError, match=re.escape(fragment)):
+    for i, (base, kw, error, fragment) in enumerate(cases):
+        path = rewrite_gguf(base, tmp_path / f"bad{i}.gguf", **kw)
+        with pytest.raises(error, match=re.escape(fragment)):
             mlxinfer.load(path, backend="cpu")
     fine = rewrite_gguf(src, tmp_path / "fine.gguf", edits={"llama.rope.scaling.type": "none",
                                                              "general.url": "x", "quantize.imatrix.file": "y"})
     assert mlxinfer.load(fine, backend="cpu").generate([5, 6], max_tokens=2).token_ids
+    # linear scaling applies (by the old key too): the factor divides every frequency
+    for edits in ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 8.0},
+                  {"llama.rope.scale_linear": 8.0}):
+        e = mlxinfer.load(rewrite_gguf(src, tmp_path / "linear.gguf", edits=edits), backend="cpu")
+        assert e.args.rope_factors == (8.0,) * 8

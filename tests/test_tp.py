@@ -15,7 +15,7 @@ from mlxinfer.models.shard import Shard, split
 from mlxinfer.errors import RequestError
 from mlxinfer.gguf_file import GGUFFile
 from mlxinfer.models import model_args
-from mlxinfer.synthetic import write_f32_copy
+from mlxinfer.synthetic import llama3_rope_factors, write_f32_copy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TP_ATOL = 1e-4  # the issue's bound: TP=2 logits against TP=1 on all-F32 weights
@@ -90,6 +90,20 @@ def test_sharded_view_reads_exactly_the_slices(synthetic, qtype):
         np.testing.assert_array_equal(v.dequantize("token_embd.weight"), full["token_embd.weight"])  # not cut
 
 
+def test_biases_are_cut_with_their_heads(synthetic):
+    """Qwen2's Q/K/V biases: each rank reads the entries of its own query and KV heads."""
+    g = GGUFFile(synthetic(arch="qwen2", hidden=96, ffn=192, n_heads=6, n_kv_heads=3, head_dim=16))
+    args = model_args(g)
+    for rank in range(2):
+        s = Shard.plan(g, args, rank, 2)
+        v = s.view(g)
+        (h0, h1), (k0, k1) = s.heads, s.kv_heads
+        np.testing.assert_array_equal(v.dequantize("blk.1.attn_q.bias"), g.dequantize("blk.1.attn_q.bias")[h0 * 16:h1 * 16])
+        for name in ("blk.1.attn_k.bias", "blk.0.attn_v.bias"):
+            np.testing.assert_array_equal(v.dequantize(name), g.dequantize(name)[k0 * 16:k1 * 16])
+        np.testing.assert_array_equal(v.dequantize("blk.0.attn_norm.weight"), g.dequantize("blk.0.attn_norm.weight"))
+
+
 def test_row_slices_are_views_of_the_map(synthetic):
     g = GGUFFile(synthetic(qtype="Q8_0"))
     v = Shard.plan(g, model_args(g), 1, 2).view(g)
@@ -114,12 +128,18 @@ def tp_runs(tmp_path_factory, smollm2_path, synthetic):
                      vocab_size=333, tied_output=False, seed=5)
     qwen_q8 = synthetic(arch="qwen3", n_layers=3, hidden=128, ffn=320, n_heads=8, n_kv_heads=4, head_dim=32,
                         vocab_size=333, qtype="Q8_0", tied_output=False, seed=6)
+    qwen2 = synthetic(arch="qwen2", n_layers=2, hidden=128, ffn=320, n_heads=8, n_kv_heads=4, head_dim=32,
+                      vocab_size=333, tied_output=False, seed=7)  # Q/K/V biases, cut with their heads
+    llama3 = synthetic(arch="llama", n_layers=2, hidden=128, ffn=320, n_heads=4, n_kv_heads=2, head_dim=32,
+                       vocab_size=333, rope_base=500000.0, rope_freqs=llama3_rope_factors(32, 500000.0), seed=8)
     prompt = [1, 504, 3458, 282, 4649, 314, 1072, 28, 260, 1837, 30, 1226, 1176, 25]  # SmolLM2 ids
     cases = [
         dict(model=smol_f32, backend="cpu", prompt=prompt, n=16, prefill_chunk=5),
         dict(model=qwen, backend="cpu", prompt=list(range(3, 40)), n=12, prefill_chunk=16),
         dict(model=qwen, backend="mlx", prompt=list(range(3, 40)), n=12, prefill_chunk=16),
         dict(model=qwen_q8, backend="cpu", prompt=list(range(3, 40)), n=12, temperature=1.5, seed=-1),
+        dict(model=qwen2, backend="cpu", prompt=list(range(3, 40)), n=12, prefill_chunk=16),
+        dict(model=llama3, backend="mlx", prompt=list(range(3, 40)), n=12),
     ]
     with open(root / "cases.json", "w") as f:
         json.dump(cases, f)
@@ -129,7 +149,8 @@ def tp_runs(tmp_path_factory, smollm2_path, synthetic):
     return cases, runs
 
 
-@pytest.mark.parametrize("i", [0, 1, 2], ids=["smollm2-f32-cpu", "qwen3-f32-cpu", "qwen3-f32-mlx"])
+@pytest.mark.parametrize("i", [0, 1, 2, 4, 5], ids=["smollm2-f32-cpu", "qwen3-f32-cpu", "qwen3-f32-mlx", "qwen2-f32-cpu",
+                                                   "llama3-rope-f32-mlx"])
 def test_tp2_logits_and_greedy_text_match_one_process(tp_runs, i):
     cases, runs = tp_runs
     case = cases[i]
@@ -172,7 +193,7 @@ def test_load_passes_the_ranks_to_the_backend(monkeypatch):
     assert seen["ranks"] == 3
 
 
-@pytest.mark.parametrize("i", [0, 1, 2, 3])
+@pytest.mark.parametrize("i", [0, 1, 2, 3, 4, 5])
 def test_fused_is_bitwise_per_head_on_every_rank(tp_runs, i):
     for rank in tp_runs[1][i]:
         assert rank["fused_equals_per_head"]

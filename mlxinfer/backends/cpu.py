@@ -214,20 +214,22 @@ class CPUBackend(Backend):
         np.add(t, np.float32(1.0), out=t)
         return np.divide(x, t, out=t)
 
-    def _rope_table(self, head_dim, base, n):
-        key = (head_dim, base)
+    def _rope_table(self, head_dim, base, n, factors):
+        key = (head_dim, base, factors)
         cos, sin = self._rope_cache.get(key, (None, None))
         if cos is None or cos.shape[0] < n:
             n = max(n, 2 * (0 if cos is None else cos.shape[0]), 256)
             inv_freq = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+            if factors is not None:
+                inv_freq = inv_freq / np.asarray(factors, dtype=np.float64)
             ang = np.arange(n, dtype=np.float64)[:, None] * inv_freq[None, :]
             cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
             self._rope_cache[key] = (cos, sin)
         return cos, sin
 
-    def rope(self, x, positions, n_heads, head_dim, base, traditional):
+    def rope(self, x, positions, n_heads, head_dim, base, traditional, factors=None):
         t = x.shape[0]
-        cos, sin = self._rope_table(head_dim, base, int(positions.max()) + 1)
+        cos, sin = self._rope_table(head_dim, base, int(positions.max()) + 1, factors)
         c, s = cos[positions][:, None, :], sin[positions][:, None, :]
         xh = x.reshape(t, n_heads, head_dim)
         half = head_dim // 2

@@ -3,11 +3,10 @@ pass is evaluated at the token boundary (`to_numpy`, `sync`; `start` queues it w
 
 Runs where MLX runs: Metal on a Mac, CUDA where MLX's CUDA build is installed, the CPU otherwise.
 
-Weights: Q8_0, Q4_0 and Q4_1 stay quantized, repacked exactly into MLX's affine group-32 format
-(scale = d, bias = -128·d, -8·d or m; quants re-ordered into MLX's little-endian bit packing), with
-scales and biases in float32 (on the CPU, float16 scales are ~35x slower). Every other type (K-quants,
-F16, BF16, ...) is dequantized with `gguf`'s code to float32 (`mx.load` mis-decodes Q4_K, so we never
-use it), stored [in, out] so the matmul reads it without a transpose.
+Weights stay as compact as the file (`backends/mlx_weights.py`, `mlxinfer.quants`): Q8_0, Q4_0, Q4_1,
+Q5_0, Q5_1, Q4_K and Q5_K repacked exactly into MLX's affine group-32 format; Q6_K, Q3_K, Q2_K, IQ4_NL,
+IQ4_XS as the file's blocks and F16/BF16 in 16 bits, dequantized in the graph at each use; F32 stored
+[in, out] so the matmul reads it without a transpose. Never `mx.load` (it mis-decodes Q4_K).
 
 Attention arithmetic. On the CPU, attention's products and softmax are MLX's own (`mx.matmul`,
 `mx.softmax`): MLX's CPU matmul computes each row of a product independently, so the per-head reference
@@ -24,6 +23,7 @@ Fused attention, chosen by platform (overridable with `kernel=`):
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 
@@ -36,17 +36,17 @@ import sys  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from .. import collectives, kernels  # noqa: E402
+from .. import collectives, kernels, quants  # noqa: E402
 from ..backend import AttentionSpec, Backend  # noqa: E402
 from ..batch import Batch  # noqa: E402
 from ..errors import GGUFError, RequestError  # noqa: E402
-from ..kv_cache import PagedLayer, PreallocKVCache  # noqa: E402
+from ..kv_cache import KV_CACHES, PagedLayer  # noqa: E402
 from ..sampling import MLXRandom  # noqa: E402
 from .cpu import checked_threads, default_threads  # noqa: E402
+from .mlx_weights import GROUP, BlockWeight, PackedWeight, QuantizedWeight, WeightGroup, to_device  # noqa: E402,F401
 
-GROUP = 32
+KEPT = (*quants.AFFINE_BITS, *quants.BLOCK_TYPES, *quants.HALF_TYPES)  # every type but F32 stays as compact
 SPLIT_MIN_ROWS = 256  # quantized products are cut over the CPU threads in parts of at least this many rows
 _CPU_STREAMS: list = []  # shared by every MLX backend; thread-local: each thread that uses one gets its own
 
@@ -59,80 +59,6 @@ def _cpu_streams(n: int) -> list:
     return _CPU_STREAMS[:n]
 
 
-@dataclass
-class QuantizedWeight:
-    """An [out, in] matrix in MLX's affine quantized layout; `matmul` reads it as [in, out]."""
-
-    w: mx.array  # uint32 [out, in*bits/32]
-    scales: mx.array  # float32 [out, in/32]
-    biases: mx.array
-    bits: int
-    shape: tuple[int, int]  # (out, in)
-
-    def rows(self, ids) -> mx.array:
-        return mx.dequantize(self.w[ids], self.scales[ids], self.biases[ids], group_size=GROUP, bits=self.bits)
-
-
-@dataclass
-class WeightGroup:
-    """Matrices that multiply the same activations, side by side as one (`merged`: QuantizedWeight
-    rows stacked, or a float [in, sum(out)] array), so `linear_group` is one product; iterating gives
-    each matrix as a view of `merged` (the per-matrix handles the default `linear_group` multiplies)."""
-
-    merged: object
-    sizes: tuple[int, ...]  # each matrix's output columns
-
-    def __iter__(self):
-        start = 0
-        for n in self.sizes:
-            m = self.merged
-            if isinstance(m, QuantizedWeight):
-                yield QuantizedWeight(m.w[start:start + n], m.scales[start:start + n], m.biases[start:start + n],
-                                      m.bits, (n, m.shape[1]))
-            else:
-                yield m[:, start:start + n]
-            start += n
-
-
-def repack_q8_0(raw: np.ndarray, rows: int, cols: int):
-    """GGUF Q8_0 blocks (f16 d, 32 x int8 q; x = d*q) -> MLX 8-bit affine: q+128, scale d, bias -128 d.
-    Exact: d*(q+128) - 128*d == d*q in float32 (an 11-bit scale times an 8-bit integer)."""
-    b = raw.reshape(rows, cols // 32, 34)
-    d = b[..., :2].copy().view(np.float16).astype(np.float32)  # [rows, nb, 1]
-    q = b[..., 2:] ^ np.uint8(0x80)  # int8 q as uint8 q + 128: the sign bit flipped; [rows, nb, 32], fresh
-    w = q.reshape(rows, cols).view(np.uint32)
-    return w, d[..., 0], -128.0 * d[..., 0]
-
-
-def _pack_nibbles(q: np.ndarray, rows: int, cols: int) -> np.ndarray:
-    """[rows, cols] values 0..15 -> MLX 4-bit packing (element i at bits 4*(i%8) of word i//8)."""
-    q = q.reshape(rows, cols)
-    return np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << 4)).view(np.uint32)
-
-
-def _q4_quants(qs: np.ndarray) -> np.ndarray:
-    """GGUF 4-bit block order: element j < 16 is the low nibble of byte j, element 16+j the high one."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
-def repack_q4_0(raw: np.ndarray, rows: int, cols: int):
-    """Q4_0 (f16 d, 16 bytes; x = d*(q-8)) -> scale d, bias -8 d."""
-    b = raw.reshape(rows, cols // 32, 18)
-    d = b[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]
-    return _pack_nibbles(_q4_quants(b[..., 2:]), rows, cols), d, -8.0 * d
-
-
-def repack_q4_1(raw: np.ndarray, rows: int, cols: int):
-    """Q4_1 (f16 d, f16 m, 16 bytes; x = d*q + m) -> scale d, bias m."""
-    b = raw.reshape(rows, cols // 32, 20)
-    d = b[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
-    m = b[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
-    return _pack_nibbles(_q4_quants(b[..., 4:]), rows, cols), d, m
-
-
-REPACK = {Q.Q8_0: (repack_q8_0, 8), Q.Q4_0: (repack_q4_0, 4), Q.Q4_1: (repack_q4_1, 4)}
-
-
 def gpu_kind() -> str | None:
     if mx.metal.is_available():
         return "metal"
@@ -141,51 +67,125 @@ def gpu_kind() -> str | None:
     return None
 
 
-def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
-    """Run the GPU kernels once on a small fixed case, on the device: the fused kernel against the
-    per-head reference (bit for bit) and the matmul/softmax kernels against MLX's own (to 1e-5).
-    Returns None when they agree, else a one-line description of the first mismatch."""
-    rng = np.random.default_rng(7)
-    d = 128  # 1/sqrt(128) is not a power of two: scaling before or after the product rounds differently
-    spec = AttentionSpec.standard(4, 2, d)
-    t, s = 3, 70
-    q = backend.from_numpy(rng.standard_normal((t, 4 * d), dtype=np.float32))
-    kv_np = rng.standard_normal((2, s, 2 * d), dtype=np.float32) * 3
-    cache = PreallocKVCache(backend, 1, 2 * d)
-    slot = cache.alloc()
-    first = Batch(backend, [slot], [0], [s - t])
-    cache.reserve(first)
-    cache.update(backend, 0, backend.from_numpy(kv_np[0, :s - t]), backend.from_numpy(kv_np[1, :s - t]), first)
-    batch = Batch(backend, [slot], [s - t], [t])
+SELF_CHECK_HEAD_DIMS = (64, 80, 128, 256)  # every architecture's here (SmolLM2 64, Qwen3 128), both sides
+# of the Metal kernel's 128-wide context pass (MLXI_PART_D) and a width that is not a power of two
+
+
+@dataclass(frozen=True)
+class CheckCase:
+    """One self-check case: a batch of sequences, each (cached keys S, query rows T; T rows are this
+    pass's), written into a cache of kind `kv` as the engine writes it."""
+
+    label: str
+    spec: AttentionSpec
+    seqs: tuple[tuple[int, int], ...]
+    kv: str = "prealloc"
+
+    def __str__(self):
+        return f"head_dim {self.spec.head_dim}, {self.label}, {self.kv} cache"
+
+
+def self_check_cases(head_dims=SELF_CHECK_HEAD_DIMS) -> list[CheckCase]:
+    """Every plan the GPU kernels run, at each head size: one decode row over 1, 7 (operands of fewer
+    than 8 elements, which MLX passes to a Metal kernel as `constant`) and 300 keys (past the softmax's
+    256 threads), several decode rows, prefill chunks of 3 and of 9 rows (8+), a sliding window, few rows
+    over more than 1,024 keys (the graph override on Metal) and 64 rows over as many (the fused kernel
+    again), and each cache kind (prealloc, paged, basic) for decode rows and a chunk."""
+    cases = []
+    for d in head_dims:
+        gqa, win = AttentionSpec.standard(4, 2, d), AttentionSpec.standard(4, 2, d, window=16)
+        cases += [CheckCase("one decode row over 1 key", gqa, ((1, 1),)),
+                  CheckCase("one decode row over 7 keys", AttentionSpec.standard(1, 1, d), ((7, 1),)),
+                  CheckCase("one decode row over 300 keys", gqa, ((300, 1),)),
+                  CheckCase("3 rows of a chunk over 70 keys", gqa, ((70, 3),)),
+                  CheckCase("9 rows of a chunk over 300 keys, window 16", win, ((300, 9),)),
+                  CheckCase("one decode row over 1,100 keys", gqa, ((1100, 1),)),
+                  CheckCase("64 rows of a chunk over 1,100 keys", gqa, ((1100, 64),))]
+        for kv in KV_CACHES:
+            cases += [CheckCase("3 decode rows over 70, 257 and 5 keys", gqa, ((70, 1), (257, 1), (5, 1)), kv),
+                      CheckCase("a 9-row chunk over 40 keys and a decode row over 129", gqa, ((40, 9), (129, 1)), kv)]
+    return cases
+
+
+def check_case_inputs(backend: "MLXBackend", case: CheckCase, seed: int = 7):
+    """(q, cache layer view, batch) of a case on `backend`, random values of magnitude ~3 (softmax rows
+    spread, so that another summation order shows): each sequence's earlier rows written by a first
+    pass, this pass's rows by the pass itself."""
+    rng = np.random.default_rng(seed)
+    spec, width = case.spec, case.spec.n_kv_heads * case.spec.head_dim
+    cache = KV_CACHES[case.kv](backend, 1, width)
+    slots = [cache.alloc() for _ in case.seqs]
+    kv = [(rng.standard_normal((2, s, width), dtype=np.float32) * 3) for s, _ in case.seqs]
+    starts = [s - t for s, t in case.seqs]
+    early = [i for i, st in enumerate(starts) if st > 0]
+    if early:
+        pre = Batch(backend, [slots[i] for i in early], [0] * len(early), [starts[i] for i in early])
+        cache.reserve(pre)
+        cache.update(backend, 0, backend.from_numpy(np.concatenate([kv[i][0, :starts[i]] for i in early])),
+                     backend.from_numpy(np.concatenate([kv[i][1, :starts[i]] for i in early])), pre)
+    batch = Batch(backend, slots, starts, [t for _, t in case.seqs])
     cache.reserve(batch)
-    view = cache.update(backend, 0, backend.from_numpy(kv_np[0, s - t:]), backend.from_numpy(kv_np[1, s - t:]), batch)
-    try:
-        fused = np.array(backend.fused_attention_override(q, view, batch, spec))
-        plans = {"": fused}
-        if backend.kernel in kernels.SPLIT_KINDS:  # every launch plan, on the same inputs
-            args = (backend.kernel, q, *view.store, batch.row_slots, batch.positions, batch.row_lens, spec)
-            plans[" (one launch)"] = np.array(kernels.fused_attention(*args, split=False))
-            for two, form in ((True, "two"), (False, "three")):
-                plans[f" (split, {form} launches)"] = np.array(kernels.split_attention(*args, two_launches=two))
-            plans[" (split, three launches, context by rows)"] = np.array(kernels.split_attention(
-                *args, two_launches=False, seq_rows=batch.rows, by_rows=True))
-        ref = np.array(backend.per_head_attention(q, view, batch, spec))
-        a, b = q[:, :d], backend.from_numpy(kv_np[0, :, :d])
-        prod = np.array(backend.matmul(a, mx.transpose(b)))
+    view = cache.update(backend, 0, backend.from_numpy(np.concatenate([x[0, st:] for x, st in zip(kv, starts)])),
+                        backend.from_numpy(np.concatenate([x[1, st:] for x, st in zip(kv, starts)])), batch)
+    q = rng.standard_normal((batch.n_rows, spec.n_heads * spec.head_dim), dtype=np.float32)
+    return backend.from_numpy(q), view, batch
+
+
+def _check_products(backend: "MLXBackend") -> str | None:
+    """The matmul and softmax kernels against numpy's product and MLX's softmax (to 1e-5), on a product of
+    full operands and on one of operands of fewer than 8 elements."""
+    rng = np.random.default_rng(7)
+    for m, k, n in ((3, 128, 70), (1, 3, 2)):
+        a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32) * 3
+        prod = np.array(backend.matmul(mx.array(a), mx.array(b)))
         soft = np.array(backend.softmax_rows(mx.array(prod)))
+        if not np.allclose(prod, a @ b, rtol=1e-5, atol=1e-4):
+            return f"matmul kernel differs from the reference product by {np.max(np.abs(prod - a @ b)):.3g} ([{m}, {k}] x [{k}, {n}])"
+        want = np.array(mx.softmax(mx.array(prod), axis=-1, precise=True))
+        if not np.allclose(soft, want, rtol=1e-5, atol=1e-6):
+            return f"softmax kernel differs from MLX's softmax by {np.max(np.abs(soft - want)):.3g} (rows of {n})"
+    return None
+
+
+def _one_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
+    """Run the GPU kernels on the device on every plan they run (`self_check_cases`): the fused override
+    against the per-head reference, bit for bit (and, where the kernel has them, each launch plan on the
+    same inputs; for decode rows also under mx.compile), and the matmul/softmax kernels against the
+    reference product and MLX's softmax.
+    Returns None when all agree, else one line naming the first failure and its case."""
+    try:
+        problem = _check_products(backend)
     except Exception as e:  # a kernel that fails to compile or launch
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    want_prod = np.array(a) @ kv_np[0, :, :d].T
-    if not np.allclose(prod, want_prod, rtol=1e-5, atol=1e-4):
-        return f"matmul kernel differs from the reference product by {np.max(np.abs(prod - want_prod)):.3g}"
-    want_soft = np.array(mx.softmax(mx.array(prod), axis=-1, precise=True))
-    if not np.allclose(soft, want_soft, rtol=1e-5, atol=1e-6):
-        return f"softmax kernel differs from MLX's softmax by {np.max(np.abs(soft - want_soft)):.3g}"
-    for plan, got in plans.items():
-        same = got.view(np.uint32) == ref.view(np.uint32)
-        if not same.all():
-            return (f"fused attention kernel{plan} differs from the per-head reference in {int((~same).sum())} "
-                    f"of {same.size} values")
+        return f"{_one_line(e)} (the matmul and softmax kernels)"
+    if problem:
+        return problem
+    for case in self_check_cases():
+        try:
+            q, view, batch = check_case_inputs(backend, case)
+            spec = case.spec
+            plans = {"": np.array(backend.fused_attention_override(q, view, batch, spec))}
+            if backend.kernel in kernels.SPLIT_KINDS and view.store is not None:  # every launch plan
+                args = (backend.kernel, q, *view.store, batch.row_slots, batch.positions, batch.row_lens, spec)
+                plans[" (one launch)"] = np.array(kernels.fused_attention(*args, split=False))
+                for two, form in ((True, "two"), (False, "three")):
+                    plans[f" (split, {form} launches)"] = np.array(kernels.split_attention(*args, two_launches=two))
+                plans[" (split, three launches, context by rows)"] = np.array(kernels.split_attention(
+                    *args, two_launches=False, seq_rows=batch.rows, by_rows=True))
+            if all(t == 1 for _, t in case.seqs):  # decode rows, as the compiled decode step launches them
+                compiled = mx.compile(lambda x: backend.fused_attention_override(x, view, batch, spec))
+                plans[" (compiled)"] = np.array(compiled(q))
+            ref = np.array(backend.per_head_attention(q, view, batch, spec))
+        except Exception as e:  # a kernel that fails to compile or launch
+            return f"{_one_line(e)} ({case})"
+        for plan, got in plans.items():
+            same = got.view(np.uint32) == ref.view(np.uint32)
+            if not same.all():
+                return (f"fused attention kernel{plan} differs from the per-head reference in {int((~same).sum())} "
+                        f"of {same.size} values ({case})")
     return None
 
 
@@ -195,8 +195,11 @@ class MLXBackend(Backend):
 
     def __init__(self, attention: str = "fused", device: str | None = None, kernel: str | None = None,
                  verify=verify_gpu_kernels, per_sequence_linear: bool = False, threads: int | None = None,
-                 ranks: int = 1):
+                 ranks: int = 1, float_scales: bool = False):
         super().__init__(attention)
+        # affine weights' float32 scales formed once at load, not at each use (`mlx_weights.to_device`):
+        # the same bits, faster, more memory; off by default (the memory bound of issue 28)
+        self.float_scales = float_scales
         # MLX's GPU products are not row-invariant (README: batch invariance); this multiplies each
         # sequence's rows on their own, as the cpu backend does, at the price of batching.
         self.per_sequence_linear = per_sequence_linear
@@ -228,28 +231,48 @@ class MLXBackend(Backend):
         # On a GPU, attention's arithmetic runs on our kernels (`self.gpu_kernels`, "metal" or "cuda").
         self.gpu_kernels = gpu if device == "gpu" else None
         self.kernel = kernel or (gpu if device == "gpu" else "graph")
-        self.fallback = None
+        self.fallback = None  # the self-check's failure, once one failed
+        self.checked = None  # the kernel the self-check ran on, once it ran
         self._cache: dict[str, object] = {}
         if device == "gpu" and kernel is None and gpu == "metal" and verify is not None:
             self.check_kernels(verify)
 
     def check_kernels(self, verify=verify_gpu_kernels) -> str | None:
         """Never run an unverified kernel silently: run `verify` (on the device); on a mismatch use
-        MLX's own ops and the graph override instead, say so in one line on stderr, and return it."""
+        MLX's own ops instead, with fused attention running the per-head reference itself (see
+        `fused_attention_override`), say so in one line on stderr, and return it."""
+        self.checked = self.kernel
         problem = verify(self)
         if problem:
             self.fallback = problem
             self.gpu_kernels, self.kernel = None, "graph"
             print(f"mlxinfer: warning: the attention kernels failed their self-check ({problem}); using "
-                  "MLX's own ops (pass --kernel to force them)", file=sys.stderr)
+                  "MLX's own ops and per-head attention (pass --kernel to force the kernels)", file=sys.stderr)
         return problem
+
+    def kernel_report(self) -> tuple[str, bool]:
+        """(one line, passed) on the GPU kernels of this device: the self-check's verdict over its
+        cases (run now if it has not run), for `mlxinfer inspect --kernels`."""
+        if self.device != "gpu":
+            return "kernels: none on the CPU (MLX's own ops, graph attention): nothing to check", True
+        if self.checked is None:
+            self.check_kernels()
+        kind = self.checked
+        cases = self_check_cases()
+        what = (f"{len(cases)} cases: head dims {', '.join(map(str, SELF_CHECK_HEAD_DIMS))}; decode rows, chunks, "
+                f"a window, contexts of 1 to 1,100 keys; {', '.join(KV_CACHES)} caches")
+        if self.fallback:
+            return (f"kernels: {kind}: self-check FAILED ({self.fallback}); mlxinfer uses MLX's own ops and "
+                    f"per-head attention ({what})"), False
+        return f"kernels: {kind}: self-check passed, fused attention bit for bit the per-head reference ({what})", True
 
     def describe(self) -> str:
         if self.device == "cpu":
             return f"mlx (cpu, graph attention, {self.threads} thread{'s' if self.threads != 1 else ''})"
         ops = f"{self.gpu_kernels} kernels" if self.gpu_kernels else "MLX ops"
         rows = ", each sequence's rows multiplied alone" if self.per_sequence_linear else ""
-        return f"mlx (gpu, {self.kernel} attention, {ops}{rows})"
+        attention = "per-head (the kernels failed their self-check)" if self.fallback else self.kernel
+        return f"mlx (gpu, {attention} attention, {ops}{rows})"
 
     def label(self) -> str:
         return f"MLX/{self.device.upper()}"
@@ -289,35 +312,25 @@ class MLXBackend(Backend):
 
     @staticmethod
     def _read(g, name, transposed: bool):
-        """A 2-D weight in host memory: ((w, scales, biases), bits) repacked exactly, or ((matrix,),
-        None) in float32, [out, in], or [in, out] when `transposed`."""
+        """A 2-D weight in host memory: (type, arrays, (out, in)), the arrays `quants.split` makes
+        (the type kept as compact as the file), or (None, (matrix,), ...) in float32 for F32, [out, in]
+        or [in, out] when `transposed`. A type that is neither is refused by `g.dequantize`."""
         t = g.tensor(name)
         if len(t.shape) != 2:
             raise GGUFError(f"{g.path}: tensor {name!r} should be a matrix, found shape {list(t.shape)}")
         rows, cols = t.shape
-        if t.ggml_type in REPACK:
-            repack, bits = REPACK[t.ggml_type]
-            return repack(g.raw(name), rows, cols), bits
+        if t.ggml_type in KEPT:
+            return t.ggml_type, quants.split(g.raw(name), t.ggml_type, rows, cols), (rows, cols)
         m = g.dequantize(name)
-        return (np.ascontiguousarray(m.T if transposed else m, dtype=np.float32),), None
-
-    @staticmethod
-    def _to_device(arrays, bits):
-        out = [mx.array(a) for a in arrays]
-        mx.eval(*out)
-        if bits is None:
-            return out[0]
-        w, scales, biases = out
-        return QuantizedWeight(w, scales, biases, bits, (w.shape[0], scales.shape[1] * GROUP))
+        return None, (np.ascontiguousarray(m.T if transposed else m, dtype=np.float32),), (rows, cols)
 
     def _matrix(self, g, name, transposed: bool):
-        """A 2-D weight: QuantizedWeight (exact repack; one copy serves both the embedding and a tied
-        output head), or a float32 array, [out, in] for row gathers or [in, out] (`transposed`) for
-        matmuls, since `x @ W` is ~2.5x faster than `x @ W.T` on MLX's CPU. Cached per layout."""
-        quantized = g.tensor(name).ggml_type in REPACK
-        key = (name, transposed and not quantized)
+        """A 2-D weight: a QuantizedWeight or BlockWeight (one copy serves both the embedding and a
+        tied output head), or a float32 array, [out, in] for row gathers or [in, out] (`transposed`)
+        for matmuls, since `x @ W` is ~2.5x faster than `x @ W.T` on MLX's CPU. Cached per layout."""
+        key = (name, transposed and g.tensor(name).ggml_type not in KEPT)
         if key not in self._cache:
-            self._cache[key] = self._to_device(*self._read(g, name, transposed))
+            self._cache[key] = to_device(*self._read(g, name, transposed), self.float_scales)
         return self._cache[key]
 
     def load_weight(self, g, name):
@@ -325,19 +338,18 @@ class MLXBackend(Backend):
 
     def load_weight_group(self, g, names):
         """The matrices stacked into one (one product for Q, K and V, one for gate and up: two and one
-        fewer launches a layer) where they share a layout: all quantized with the same bits, or all
-        float; otherwise their separate handles. Quantized rows are stacked as they are, so each
-        output column is the same dot product of the same quantized row as the separate product's.
-        Stacked in host memory: the parts never reach the device."""
+        fewer launches a layer) where they share a layout: all of one kept type, or all float32;
+        otherwise their separate handles. Packed rows are stacked as they are, so each output column
+        is the same dot product of the same row as the separate product's. Stacked in host memory:
+        the parts never reach the device."""
         parts = [self._read(g, n, transposed=True) for n in names]
-        bits = {b for _, b in parts}
-        if len(bits) != 1:
-            return tuple(self._to_device(*p) for p in parts)
-        (bits,) = bits
-        axis = 1 if bits is None else 0  # float [in, out] side by side; quantized [out, ...] rows stacked
-        sizes = tuple(arrays[0].shape[axis] for arrays, _ in parts)
-        stacked = [np.concatenate([arrays[i] for arrays, _ in parts], axis=axis) for i in range(len(parts[0][0]))]
-        return WeightGroup(self._to_device(stacked, bits), sizes)
+        if len({qtype for qtype, _, _ in parts}) != 1:
+            return tuple(to_device(*p, self.float_scales) for p in parts)
+        qtype = parts[0][0]
+        axis = 1 if qtype is None else 0  # float [in, out] side by side; packed [out, ...] rows stacked
+        sizes = tuple(shape[0] for _, _, shape in parts)
+        stacked = [np.concatenate([arrays[i] for _, arrays, _ in parts], axis=axis) for i in range(len(parts[0][1]))]
+        return WeightGroup(to_device(qtype, stacked, (sum(sizes), parts[0][2][1]), self.float_scales), sizes)
 
     def load_embedding(self, g, name):
         return self._matrix(g, name, transposed=False)
@@ -361,10 +373,10 @@ class MLXBackend(Backend):
         # do not (README: batch invariance), unless `per_sequence_linear`.
         if self.per_sequence_linear and groups is not None and len(groups) > 1:
             return mx.concatenate([self.linear(x[r0:r1], w) for r0, r1 in groups])
-        if isinstance(w, QuantizedWeight):
+        if isinstance(w, PackedWeight):
             if self._streams and w.shape[0] >= 2 * SPLIT_MIN_ROWS:
                 return self._split_quantized_matmul(x, w)
-            return mx.quantized_matmul(x, w.w, w.scales, w.biases, transpose=True, group_size=GROUP, bits=w.bits)
+            return w.product(x)
         return mx.matmul(x, w)
 
     def _cpu_parts(self, n: int, min_size: int = 1):
@@ -377,12 +389,12 @@ class MLXBackend(Backend):
         return [((int(cuts[i]), int(cuts[i + 1])), streams[i]) for i in range(k)]
 
     def _split_quantized_matmul(self, x, w):
-        """x @ w.T with w's output rows cut over the CPU threads (`_cpu_parts`), then side by side."""
+        """x @ w.T with w's output rows cut over the CPU threads (`_cpu_parts`), then side by side (a
+        BlockWeight's rows are dequantized on their part's thread too)."""
         parts = []
         for (a, b), stream in self._cpu_parts(w.shape[0], SPLIT_MIN_ROWS):
             with stream:
-                parts.append(mx.quantized_matmul(x, w.w[a:b], w.scales[a:b], w.biases[a:b], transpose=True,
-                                                 group_size=GROUP, bits=w.bits))
+                parts.append(w.row_slice(a, b).product(x))
         return mx.concatenate(parts, axis=-1)
 
     def linear_group(self, x, ws, groups=None):
@@ -438,23 +450,26 @@ class MLXBackend(Backend):
         return mx.fast.rms_norm(x, weight, eps)
 
     def qk_norm_rope(self, q, k, q_weight, k_weight, positions, n_heads, n_kv_heads, head_dim, eps, base,
-                     traditional):
-        if self.gpu_kernels == "cuda" and kernels.qk_norm_rope_fits(head_dim, traditional):
+                     traditional, factors=None):
+        if self.gpu_kernels == "cuda" and factors is None and kernels.qk_norm_rope_fits(head_dim, traditional):
             # one launch for both, reading the heads in place: the step's 4 launches and 4 views a layer
             # become 1 (not bit for bit mx.fast's: see kernels.qk_norm_rope)
             return kernels.qk_norm_rope("cuda", q, k, q_weight, k_weight, positions, n_heads, n_kv_heads, head_dim,
                                         eps, base)
-        return (self._norm_rope(q, q_weight, positions, n_heads, head_dim, eps, base, traditional),
-                self._norm_rope(k, k_weight, positions, n_kv_heads, head_dim, eps, base, traditional))
+        return (self._norm_rope(q, q_weight, positions, n_heads, head_dim, eps, base, traditional, factors),
+                self._norm_rope(k, k_weight, positions, n_kv_heads, head_dim, eps, base, traditional, factors))
 
-    def _norm_rope(self, x, weight, positions, heads, head_dim, eps, base, traditional):
+    def _norm_rope(self, x, weight, positions, heads, head_dim, eps, base, traditional, factors):
         """The default's kernels on [N, heads, 1, head_dim] (rms_norm over the last axis), two reshapes
         instead of five (tested bitwise)."""
-        return self._per_head(x, heads, head_dim,
-                              lambda xh: self._rope(mx.fast.rms_norm(xh, weight, eps), positions, head_dim, base, traditional))
+        def norm_rope(xh):
+            return self._rope(mx.fast.rms_norm(xh, weight, eps), positions, head_dim, base, traditional, factors)
 
-    def rope(self, x, positions, n_heads, head_dim, base, traditional):
-        return self._per_head(x, n_heads, head_dim, lambda xh: self._rope(xh, positions, head_dim, base, traditional))
+        return self._per_head(x, heads, head_dim, norm_rope)
+
+    def rope(self, x, positions, n_heads, head_dim, base, traditional, factors=None):
+        return self._per_head(x, n_heads, head_dim,
+                              lambda xh: self._rope(xh, positions, head_dim, base, traditional, factors))
 
     @staticmethod
     def _per_head(x, n_heads, head_dim, fn):
@@ -464,8 +479,11 @@ class MLXBackend(Backend):
         return mx.reshape(fn(mx.reshape(x, (n, n_heads, 1, head_dim))), (n, n_heads * head_dim))
 
     @staticmethod
-    def _rope(xh, positions, head_dim, base, traditional):
-        return mx.fast.rope(xh, head_dim, traditional=traditional, base=base, scale=1.0, offset=positions)
+    def _rope(xh, positions, head_dim, base, traditional, factors=None):
+        if factors is None:
+            return mx.fast.rope(xh, head_dim, traditional=traditional, base=base, scale=1.0, offset=positions)
+        return mx.fast.rope(xh, head_dim, traditional=traditional, base=None, scale=1.0, offset=positions,
+                            freqs=_rope_periods(head_dim, base, factors))
 
     def reshape(self, x, rows, cols):
         return mx.reshape(x, (rows, cols))
@@ -485,7 +503,7 @@ class MLXBackend(Backend):
 
     def gather_rows(self, table, ids):
         self.activate()
-        if isinstance(table, QuantizedWeight):
+        if isinstance(table, PackedWeight):
             return table.rows(ids)
         return table[ids]
 
@@ -526,6 +544,12 @@ class MLXBackend(Backend):
         return collectives.all_gather_cols(x, group, cols)
 
     def fused_attention_override(self, q, kv, batch, spec):
+        if self.fallback is not None:
+            # The kernels failed their self-check: MLX's own GPU products then differ between the
+            # reference's one-head products and a batched graph's (on Metal a one-batch product may take
+            # split-K GEMM, a batched one never), so fused attention runs the reference itself: the same
+            # products, the same bits, at the reference's speed
+            return self.per_head_attention(q, kv, batch, spec)
         if self.kernel == "graph" or self._pass_needs_graph(batch, spec):
             return self._graph_attention(q, kv, batch, spec)
         if kv.store is not None:  # the whole batch in one launch, reading the cache in place
@@ -603,3 +627,11 @@ class MLXBackend(Backend):
                 ctx = parts[0] if len(parts) == 1 else mx.concatenate(parts)
             outs.append(mx.reshape(mx.transpose(ctx, (2, 0, 1, 3)), (t, spec.n_heads * d)))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
+
+
+@functools.lru_cache(maxsize=None)
+def _rope_periods(head_dim: int, base: float, factors: tuple) -> mx.array:
+    """mx.fast.rope's `freqs` for frequencies divided by `factors`: it takes periods, base**(2j/d) (its
+    angle is p / freqs[j]), so each period is multiplied by its pair's factor (computed in float64, once)."""
+    periods = base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim) * np.asarray(factors, np.float64)
+    return mx.array(periods.astype(np.float32))

@@ -2,10 +2,10 @@
 `TRAITS` (what `ModelArgs` needs to know of it) and `Model` (its forward pass)."""
 
 from ..errors import UnsupportedError
-from . import llama, qwen3
+from . import llama, qwen2, qwen3
 from .spec import ModelArgs
 
-ARCHITECTURES = {"llama": llama, "qwen3": qwen3}
+ARCHITECTURES = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3}
 
 
 def architecture(g):

@@ -3,7 +3,10 @@
 llama.cpp's converter permutes the rows of `attn_q` and `attn_k` so that each head's rotary pairs are
 interleaved, (x[2i], x[2i+1]), instead of HF's halves (x[i], x[i + d/2]). We read the file as stored and
 apply the matching interleaved RoPE (`traditional=True`), exactly as llama.cpp does; no un-permute.
-No q/k norm; output head tied to the embedding unless `output.weight` is present.
+No q/k norm; output head tied to the embedding unless `output.weight` is present. Llama 3.x files carry
+`rope_freqs.weight` (the llama3 RoPE scaling, computed by llama.cpp's converter from the HF config's
+factor, low/high frequency factors and original context): each rotary pair's frequency divided by its
+factor, as ggml's rope does with `freq_factors` (`ModelArgs.rope_factors`, with linear scaling folded in).
 """
 
 from ..backend import AttentionSpec
@@ -11,7 +14,7 @@ from .layers import all_sum, output_logits, rms_norm, swiglu_mlp
 from .shard import Shard
 from .spec import ModelArgs, load_weights
 
-TRAITS = dict(rope_traditional=True, qk_norm=False)
+TRAITS = dict(rope_traditional=True, qk_norm=False, reads_rope_freqs=True)
 
 
 class Model:
@@ -23,8 +26,10 @@ class Model:
     def attention(self, ops, x, w, batch, cache, layer: int):
         a, sp, groups = self.args, self.spec, batch.rows
         q, k, v = ops.linear_group(x, w.attn_qkv, groups)
-        q = ops.rope(q, batch.positions, sp.n_heads, a.head_dim, a.rope_base, traditional=True)
-        k = ops.rope(k, batch.positions, sp.n_kv_heads, a.head_dim, a.rope_base, traditional=True)
+        q = ops.rope(q, batch.positions, sp.n_heads, a.head_dim, a.rope_base, traditional=True,
+                     factors=a.rope_factors)
+        k = ops.rope(k, batch.positions, sp.n_kv_heads, a.head_dim, a.rope_base, traditional=True,
+                     factors=a.rope_factors)
         kv = cache.update(ops, layer, k, v, batch)
         out = ops.linear(ops.fused_attention(q, kv, batch, sp), w.attn_output, groups)
         return all_sum(ops, out, self.shard)

@@ -24,7 +24,7 @@ class Model:
         a, sp, groups = self.args, self.spec, batch.rows
         q, k, v = ops.linear_group(x, w.attn_qkv, groups)
         q, k = ops.qk_norm_rope(q, k, w.attn_q_norm, w.attn_k_norm, batch.positions, sp.n_heads, sp.n_kv_heads,
-                                a.head_dim, a.rms_eps, a.rope_base, traditional=False)
+                                a.head_dim, a.rms_eps, a.rope_base, traditional=False, factors=a.rope_factors)
         kv = cache.update(ops, layer, k, v, batch)
         out = ops.linear(ops.fused_attention(q, kv, batch, sp), w.attn_output, groups)
         return all_sum(ops, out, self.shard)

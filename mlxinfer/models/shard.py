@@ -10,7 +10,8 @@ N ranks each hold a 1/N slice of every large weight and meet twice per layer in 
                share, one all-sum;
     output     rows of this rank's share of the vocabulary, then one all-gather of the logits.
 
-The embedding table and the norm vectors are replicated (an embedding lookup reads a handful of rows;
+Biases (Qwen2's Q/K/V) are cut with their matrices' rows: each rank adds the bias entries of its own
+heads. The embedding table and the norm vectors are replicated (an embedding lookup reads a handful of rows;
 sharding it would cost a third collective per pass). Heads are split by KV head, each rank taking
 whole GQA groups, as evenly as the counts allow: SmolLM2's 3 KV heads over 2 ranks give 2 and 1 (6 and
 3 query heads). Fewer KV heads than ranks is refused. The FFN width is split in whole quantization
@@ -59,6 +60,7 @@ class Shard:
     vocab: tuple[int, int]  # this rank's rows of the output head
     vocab_rows: int  # rows every rank holds (vocab padded to a multiple of size)
     tensors: dict = field(default_factory=dict, repr=False)  # GGUF name -> (axis, start, stop, pad_to)
+    vectors: dict = field(default_factory=dict, repr=False)  # GGUF name of a 1-D tensor -> (start, stop)
 
     @property
     def n_heads(self) -> int:
@@ -120,8 +122,29 @@ class Shard:
             cut[b + "ffn_up.weight"] = (0, ffn[0], ffn[1], None)
             cut[b + "ffn_down.weight"] = (1, ffn[0], ffn[1], None)
         cut["output.weight"] = (0, vocab[0], vocab[1], rows)
-        return cls(rank, size, group, heads, kv, ffn, vocab, rows, cut)
+        vectors = {}
+        if args.qkv_bias:
+            for i in range(args.n_layers):
+                b = f"blk.{i}."
+                vectors[b + "attn_q.bias"] = (heads[0] * d, heads[1] * d)
+                vectors[b + "attn_k.bias"] = vectors[b + "attn_v.bias"] = (kv[0] * d, kv[1] * d)
+        return cls(rank, size, group, heads, kv, ffn, vocab, rows, cut, vectors)
 
     def view(self, g: GGUFFile):
         """The file as this rank's loaders see it (the file itself when nothing is sliced)."""
-        return g if self.size == 1 else ShardedGGUF(g, self.tensors)
+        return g if self.size == 1 else ShardView(g, self.tensors, self.vectors)
+
+
+class ShardView(ShardedGGUF):
+    """The sharded file, plus this rank's entries of the 1-D tensors that are cut (the biases of
+    column-parallel products), which the vector loaders read through `dequantize`."""
+
+    def __init__(self, g: GGUFFile, cuts: dict, vectors: dict):
+        super().__init__(g, cuts)
+        self.vectors = vectors
+
+    def dequantize(self, name: str):
+        cut = self.vectors.get(name)
+        if cut is None:
+            return ShardedGGUF.dequantize(self, name)
+        return self.g.dequantize(name)[cut[0]:cut[1]]

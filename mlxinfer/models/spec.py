@@ -8,7 +8,7 @@ per-head q/k norms) and, where it has extra tensors, entries in `LAYER_TENSORS`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Callable
 
@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import GGUFError, UnsupportedError
 
-MATRIX, NORM, EMBEDDING = "matrix", "norm", "embedding"
+MATRIX, NORM, EMBEDDING, BIAS, FACTORS = "matrix", "norm", "embedding", "bias", "factors"
 
 
 @dataclass
@@ -37,9 +37,24 @@ class ModelArgs:
     rope_traditional: bool  # interleaved pairs (Llama GGUF) vs rotate-half (Qwen)
     qk_norm: bool
     tied_output: bool
+    qkv_bias: bool = False  # biases added to the Q, K and V products (Qwen2)
+    reads_rope_freqs: bool = False  # the architecture applies `rope_freqs.weight` (llama.cpp's llama does)
+    rope_freqs: tuple | None = None  # that tensor's values: per-pair divisors of the RoPE frequencies
+    rope_scale: float = 1.0  # linear RoPE scaling's factor: every frequency divided by it
+    rope_factors: tuple | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        """`rope_factors`: what divides each rotary pair's frequency (`Backend.rope`'s `factors`), Llama 3's
+        factors times the linear scaling factor; None where every one is 1. Computed once: the forward
+        pass hands it to every rope call."""
+        self.rope_factors = None
+        if self.rope_freqs is not None or self.rope_scale != 1.0:
+            freqs = self.rope_freqs or (1.0,) * (self.head_dim // 2)
+            self.rope_factors = tuple(f * self.rope_scale for f in freqs)
 
     @classmethod
-    def from_gguf(cls, g, *, rope_traditional: bool, qk_norm: bool) -> "ModelArgs":
+    def from_gguf(cls, g, *, rope_traditional: bool, qk_norm: bool, qkv_bias: bool = False,
+                  reads_rope_freqs: bool = False) -> "ModelArgs":
         a = g.architecture
 
         def req(key):
@@ -94,7 +109,53 @@ class ModelArgs:
             rope_traditional=rope_traditional,
             qk_norm=qk_norm,
             tied_output="output.weight" not in g.tensors,
+            qkv_bias=qkv_bias,
+            reads_rope_freqs=reads_rope_freqs,
+            rope_freqs=_rope_freqs(g, head_dim) if reads_rope_freqs and "rope_freqs.weight" in g.tensors else None,
+            rope_scale=_rope_scale(g),
         )
+
+
+# llama.cpp's `rope.scaling.type` values: what each asks of the forward pass. "linear" (llama.cpp's
+# default when the key is absent) divides every frequency by `rope.scaling.factor`; the others are refused.
+ROPE_SCALING = {"none": "no scaling", "linear": "linear", "yarn": "YaRN", "longrope": "LongRoPE"}
+
+
+def _rope_scale(g) -> float:
+    """The linear RoPE scaling factor, read as llama.cpp reads it: `rope.scaling.factor` (or the old
+    `rope.scale_linear`), 0 or absent meaning 1; scaling types other than none and linear refused."""
+    a = g.architecture
+    kind = g.get(f"{a}.rope.scaling.type", "linear", str)
+    if kind not in ("none", "linear"):
+        what = ROPE_SCALING.get(kind, "unknown")
+        raise UnsupportedError(f"{g.path}: metadata {a}.rope.scaling.type = {kind!r} ({what} RoPE scaling) is not "
+                               "supported: only linear scaling is applied")
+    factor = g.get(f"{a}.rope.scaling.factor", None, (int, float))
+    if factor is None:
+        factor = g.get(f"{a}.rope.scale_linear", 0.0, (int, float))
+    if not math.isfinite(factor) or factor < 0:
+        raise GGUFError(f"{g.path}: {a}.rope.scaling.factor = {factor!r} is not a positive finite number")
+    factor = float(factor) or 1.0
+    if kind == "none" and factor != 1.0:
+        raise UnsupportedError(f"{g.path}: metadata {a}.rope.scaling.factor = {factor} contradicts "
+                               f"{a}.rope.scaling.type = 'none'")
+    attn = g.get(f"{a}.rope.scaling.attn_factor", 1.0, (int, float))
+    if attn != 1.0:
+        raise UnsupportedError(f"{g.path}: metadata {a}.rope.scaling.attn_factor = {attn} is not supported: the "
+                               "forward pass does not scale the rotation")
+    return factor
+
+
+def _rope_freqs(g, head_dim: int) -> tuple:
+    """Llama 3's `rope_freqs.weight`: head_dim/2 positive finite divisors of the RoPE frequencies."""
+    t = g.tensor("rope_freqs.weight")
+    if tuple(t.shape) != (head_dim // 2,):
+        raise GGUFError(f"{g.path}: tensor 'rope_freqs.weight' has shape {list(t.shape)}, expected [{head_dim // 2}] "
+                        "(one factor per rotary pair)")
+    values = np.asarray(g.dequantize("rope_freqs.weight"), dtype=np.float32).reshape(-1)
+    if not np.all(np.isfinite(values)) or np.any(values <= 0):
+        raise GGUFError(f"{g.path}: tensor 'rope_freqs.weight' holds a factor that is not a positive finite number")
+    return tuple(float(v) for v in values)
 
 
 @dataclass(frozen=True)
@@ -113,6 +174,9 @@ GLOBAL_TENSORS = (
     TensorSpec("output_norm", "output_norm.weight", "model.norm.weight", NORM, lambda a: (a.hidden,)),
     TensorSpec("output", "output.weight", "lm_head.weight", MATRIX, lambda a: (a.vocab_size, a.hidden),
                when=lambda a: not a.tied_output),
+    # Read into ModelArgs.rope_freqs, not loaded onto the backend; Hugging Face computes it from the config
+    TensorSpec("rope_freqs", "rope_freqs.weight", "", FACTORS, lambda a: (a.head_dim // 2,),
+               when=lambda a: a.rope_freqs is not None),
 )
 LAYER_TENSORS = (
     TensorSpec("attn_norm", "blk.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight", NORM,
@@ -123,6 +187,12 @@ LAYER_TENSORS = (
                lambda a: (a.n_kv_heads * a.head_dim, a.hidden)),
     TensorSpec("attn_v", "blk.{i}.attn_v.weight", "model.layers.{i}.self_attn.v_proj.weight", MATRIX,
                lambda a: (a.n_kv_heads * a.head_dim, a.hidden)),
+    TensorSpec("attn_q_bias", "blk.{i}.attn_q.bias", "model.layers.{i}.self_attn.q_proj.bias", BIAS,
+               lambda a: (a.n_heads * a.head_dim,), when=lambda a: a.qkv_bias),
+    TensorSpec("attn_k_bias", "blk.{i}.attn_k.bias", "model.layers.{i}.self_attn.k_proj.bias", BIAS,
+               lambda a: (a.n_kv_heads * a.head_dim,), when=lambda a: a.qkv_bias),
+    TensorSpec("attn_v_bias", "blk.{i}.attn_v.bias", "model.layers.{i}.self_attn.v_proj.bias", BIAS,
+               lambda a: (a.n_kv_heads * a.head_dim,), when=lambda a: a.qkv_bias),
     TensorSpec("attn_output", "blk.{i}.attn_output.weight", "model.layers.{i}.self_attn.o_proj.weight", MATRIX,
                lambda a: (a.hidden, a.n_heads * a.head_dim)),
     TensorSpec("attn_q_norm", "blk.{i}.attn_q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight", NORM,
@@ -177,10 +247,13 @@ def check_shapes(g, args: ModelArgs) -> None:
 READ_KEYS = frozenset(("block_count", "context_length", "embedding_length", "feed_forward_length",
                        "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
                        "attention.key_length", "attention.value_length", "rope.freq_base", "rope.dimension_count",
-                       "vocab_size"))
-NEUTRAL_KEYS = {"rope.scaling.type": ("none",), "rope.scaling.factor": (1, 1.0), "rope.freq_scale": (1, 1.0)}
+                       "vocab_size", "rope.scaling.type", "rope.scaling.factor", "rope.scale_linear",
+                       "rope.scaling.attn_factor",
+                       # YaRN's alone (its type is refused): no effect on linear or no scaling in llama.cpp
+                       "rope.scaling.original_context_length", "rope.scaling.finetuned"))
+NEUTRAL_KEYS = {"rope.freq_scale": (1, 1.0)}
 IRRELEVANT_PREFIXES = ("general.", "tokenizer.", "quantize.", "split.")
-KNOWN_UNSUPPORTED = {"rope_freqs.weight": "Llama 3's RoPE frequency factors"}
+KNOWN_UNSUPPORTED = {"rope_freqs.weight": "Llama 3's RoPE frequency factors, which this architecture does not apply"}
 
 
 def check_nothing_unread(g, args: ModelArgs) -> None:
@@ -210,7 +283,7 @@ def _short(value) -> str:
 
 
 def load_norm(ops, g, name):
-    """A norm weight vector, refused if it holds NaN or Inf (it would silently poison every logit)."""
+    """A norm weight or bias vector, refused if it holds NaN or Inf (it would silently poison every logit)."""
     if not np.all(np.isfinite(g.dequantize(name))):
         raise GGUFError(f"{g.path}: tensor {name!r} contains NaN or Inf")
     return ops.load_vector(g, name)
@@ -227,11 +300,13 @@ def load_weights(ops, g, args: ModelArgs, shard=None) -> SimpleNamespace:
     sharded = shard is not None and shard.size > 1
     view = shard.view(g) if sharded else g
     loaders = {MATRIX: lambda g_, n: ops.load_weight(view, n), NORM: lambda g_, n: load_norm(ops, g_, n),
-               EMBEDDING: ops.load_embedding}
+               BIAS: lambda g_, n: load_norm(ops, view, n), EMBEDDING: ops.load_embedding}
     w = SimpleNamespace(layers=[SimpleNamespace() for _ in range(args.n_layers)])
     grouped = {k: group for group, keys in WEIGHT_GROUPS.items() for k in keys}
     names = {}  # layer -> {key: gguf name} of its grouped matrices
     for t, i, name, _, _ in tensors(args):
+        if t.kind == FACTORS:  # in args.rope_freqs already
+            continue
         if i is not None and t.key in grouped:
             names.setdefault(i, {})[t.key] = name
             continue

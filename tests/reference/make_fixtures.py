@@ -20,22 +20,22 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from mlxinfer.synthetic import rewrite_gguf, write_f32_copy, write_synthetic_model  # noqa: E402
-from tests.reference.specs import QWEN3_SYNTHETIC, SMOLLM2_PROMPT, QWEN3_PROMPT_IDS  # noqa: E402
+from tests.reference.specs import (LINEAR_ROPE_EDITS, LLAMA3_SYNTHETIC, QWEN2_SYNTHETIC, QWEN3_PROMPT_IDS,  # noqa: E402
+                                   QWEN3_SYNTHETIC, SMOLLM2_PROMPT, SYNTHETIC_PROMPTS)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N_GREEDY = 48
 
 
-def reference(path, prompt_ids, out_name):
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_batch=512, logits_all=True, type_k=0, type_v=0,
-                          n_threads=2, verbose=False)
+def greedy_decode(llm, prompt_ids, n):
+    """Prefill `prompt_ids` from an empty cache, then n greedy decode steps: (prompt logits, tokens,
+    the reference's top-2 gap at each step)."""
+    llm.reset()
     llm.eval(prompt_ids)
     prompt_logits = np.array(llm.scores[: len(prompt_ids)], dtype=np.float32)
     greedy, gaps = [], []
     logits = prompt_logits[-1]
-    for _ in range(N_GREEDY):
+    for _ in range(n):
         top2 = np.sort(logits)[-2:]
         tok = int(np.argmax(logits))
         greedy.append(tok)
@@ -44,10 +44,27 @@ def reference(path, prompt_ids, out_name):
             break
         llm.eval([tok])
         logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+    return prompt_logits, greedy, gaps
+
+
+def reference(path, prompt_ids, out_name, more_prompts=(), n_greedy=N_GREEDY):
+    """The fixture `out_name`: logits at every position of `prompt_ids` and its greedy continuation;
+    for each of `more_prompts` (k = 1, 2, ...) its greedy continuation as `greedy_k`, `top2_gap_k`."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_batch=512, logits_all=True, type_k=0, type_v=0,
+                          n_threads=2, verbose=False)
+    prompt_logits, greedy, gaps = greedy_decode(llm, prompt_ids, n_greedy)
+    more = {}
+    for k, ids in enumerate(more_prompts, 1):
+        _, toks, gk = greedy_decode(llm, ids, n_greedy)
+        more.update({f"prompt_ids_{k}": np.array(ids, dtype=np.int64), f"greedy_{k}": np.array(toks, dtype=np.int64),
+                     f"top2_gap_{k}": np.array(gk, dtype=np.float32)})
+        print(out_name, f"prompt {k}", len(ids), "greedy", toks[:16], "min gap", min(gk))
     np.savez_compressed(os.path.join(HERE, out_name), prompt_ids=np.array(prompt_ids, dtype=np.int64),
                         prompt_logits=prompt_logits, greedy=np.array(greedy, dtype=np.int64),
                         top2_gap=np.array(gaps, dtype=np.float32), eos=llm.token_eos(),
-                        engine=f"llama-cpp-python {llama_cpp.__version__}")
+                        engine=f"llama-cpp-python {llama_cpp.__version__}", **more)
     print(out_name, "prompt", len(prompt_ids), "greedy", greedy[:16], "min gap", min(gaps))
 
 
@@ -120,12 +137,25 @@ def tokenizer_vectors(smollm2_path, tmp):
           "ignore_merges:", out["ignore_merges"])
 
 
+def synthetic_references(tmp):
+    """Llama 3 (rope_freqs.weight), the same file with linear RoPE scaling on top, and Qwen2 (Q/K/V
+    biases): all-F32 synthetic files with llama.cpp's names, three prompts each, 32 greedy tokens."""
+    first, *more = SYNTHETIC_PROMPTS
+    l3 = write_synthetic_model(os.path.join(tmp, "llama3.gguf"), LLAMA3_SYNTHETIC)
+    reference(l3, first, "llama3_synthetic.npz", more, n_greedy=32)
+    linear = rewrite_gguf(l3, os.path.join(tmp, "llama3_linear.gguf"), edits=LINEAR_ROPE_EDITS)
+    reference(linear, first, "llama3_linear_synthetic.npz", more, n_greedy=32)
+    q2 = write_synthetic_model(os.path.join(tmp, "qwen2.gguf"), QWEN2_SYNTHETIC)
+    reference(q2, first, "qwen2_synthetic.npz", more, n_greedy=32)
+
+
 def main():
     with tempfile.TemporaryDirectory() as tmp:
         only_tokenizer = bool(os.environ.get("TOKENIZER_ONLY"))  # remake tokenizer_vectors.json alone
         if not only_tokenizer:
             q3 = write_synthetic_model(os.path.join(tmp, "q3.gguf"), QWEN3_SYNTHETIC)
             reference(write_f32_copy(q3, os.path.join(tmp, "q3_f32.gguf")), QWEN3_PROMPT_IDS, "qwen3_synthetic.npz")
+            synthetic_references(tmp)
         if len(sys.argv) > 1:
             import llama_cpp
 

@@ -1,0 +1,217 @@
+"""The MLX backend's weight matrices, kept as compact as the file (`mlxinfer.quants` says which type
+takes which form and why each is exact):
+
+  - `QuantizedWeight`: MLX affine group-32 quants (bits 4, 5, 8) and the file's own scale fields;
+    float32 scales and biases are formed in the graph at each use (`affine_scales`), then
+    `mx.quantized_matmul`.
+  - `BlockWeight`: the file's block fields (Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS) or 16-bit values (F16,
+    BF16), dequantized to float32 in the graph at each use (`dequantize`: MLX bit operations doing
+    gguf-py's arithmetic), then a float32 product. This costs time, not memory: on MLX's CPU a product
+    of Q6_K, Q3_K or Q2_K takes 2-3.5x an affine type's, F16/BF16 1.5-2.5x, IQ4_NL/IQ4_XS ~10x (MLX's
+    gather for the codebook); figures in tests/test_quants.py's docstring, `bench/probes/weight_types.py`
+    measures them. A fused Metal/CUDA kernel that reads the blocks is the next step.
+  - float32 arrays (F32 files), [in, out] for products.
+
+Every array has the matrix's rows as its first axis, so a row slice, a gathered row and stacked
+matrices (`WeightGroup`) are slices, gathers and concatenations of each array.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from ..quants import AFFINE_BITS, GROUP, IQ4_VALUES
+
+_OFFSET = {Q.Q8_0: -128.0, Q.Q4_0: -8.0, Q.Q5_0: -16.0}  # bias = offset·d; the others carry m or dmin
+
+
+def affine_scales(qtype, parts) -> tuple[mx.array, mx.array]:
+    """float32 (scales, biases) [rows, in/32] from the kept scale fields: d (and m) for the 32-value
+    types; d, dmin [rows, blocks, 2] and sub-scales, mins [rows, blocks, 2, 8] for Q4_K/Q5_K
+    (scale d·sc, bias -dmin·m; exact products: quants' doc)."""
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        dd, sm = parts
+        f, s = dd.astype(mx.float32), sm.astype(mx.float32)
+        rows = dd.shape[0]
+        scales = mx.reshape(f[..., 0:1] * s[..., 0, :], (rows, -1))
+        biases = mx.reshape(-(f[..., 1:2] * s[..., 1, :]), (rows, -1))
+        return scales, biases
+    scales = parts[0].astype(mx.float32)
+    if qtype in _OFFSET:
+        return scales, scales * _OFFSET[qtype]
+    return scales, parts[1].astype(mx.float32)
+
+
+def _shifts(*values, dtype=mx.uint8) -> mx.array:
+    return mx.array(values, dtype=dtype)
+
+
+S04, S0246, S0_7 = (0, 4), (0, 2, 4, 6), tuple(range(8))
+
+
+def _unpack(a, shape, shifts, new_axis_shape, mask):
+    """gguf-py's `(a.reshape(shape) >> shifts.reshape(new_axis_shape)) & mask`."""
+    return (mx.reshape(a, shape) >> mx.reshape(_shifts(*shifts, dtype=a.dtype), new_axis_shape)) & mask
+
+
+def _q6_k(n, ql, qh, scales, d):
+    lo = mx.reshape(_unpack(ql, (n, 2, 1, 64), S04, (1, 1, 2, 1), 0x0F), (n, 8, 32))
+    hi = mx.reshape(_unpack(qh, (n, 2, 1, 32), S0246, (1, 1, 4, 1), 0x03), (n, 8, 32))
+    q = mx.reshape((lo | (hi << 4)).astype(mx.float32) - 32.0, (n, 16, 16))
+    dl = mx.reshape(mx.reshape(d, (n, 1)).astype(mx.float32) * mx.reshape(scales, (n, 16)).astype(mx.float32),
+                    (n, 16, 1))
+    return dl * q
+
+
+def _q3_k(n, hmask, qs, scales, d):
+    sc = mx.reshape(scales, (n, 12))
+    lo = mx.reshape(_unpack(sc[:, :8], (n, 1, 8), S04, (1, 2, 1), 0x0F), (n, 16))
+    hi = mx.reshape(_unpack(sc[:, 8:], (n, 1, 4), S0246, (1, 4, 1), 0x03), (n, 16))
+    s = (lo | (hi << 4)).astype(mx.float32) - 32.0
+    dl = mx.reshape(mx.reshape(d, (n, 1)).astype(mx.float32) * s, (n, 16, 1))
+    low = mx.reshape(_unpack(qs, (n, 2, 1, 32), S0246, (1, 1, 4, 1), 0x03), (n, 16, 16))
+    high = mx.reshape(_unpack(hmask, (n, 1, 1, 32), S0_7, (1, 1, 8, 1), 0x01), (n, 16, 16)) ^ 1  # set: no offset
+    return dl * (low.astype(mx.float32) - (high << 2).astype(mx.float32))
+
+
+def _q2_k(n, scales, qs, d, dmin):
+    sc = mx.reshape(scales, (n, 16, 1))
+    dl = mx.reshape(d, (n, 1, 1)).astype(mx.float32) * (sc & 0x0F).astype(mx.float32)
+    ml = mx.reshape(dmin, (n, 1, 1)).astype(mx.float32) * (sc >> 4).astype(mx.float32)
+    q = mx.reshape(_unpack(qs, (n, 2, 1, 32), S0246, (1, 1, 4, 1), 0x03), (n, 16, 16)).astype(mx.float32)
+    return dl * q - ml
+
+
+def _iq4_nl(n, d, qs):
+    k = mx.take(mx.array(IQ4_VALUES.astype(np.float32)), _unpack(qs, (n, 1, 1, 16), S04, (1, 1, 2, 1), 0x0F))
+    return mx.reshape(d, (n, 1)).astype(mx.float32) * mx.reshape(k, (n, 32))
+
+
+def _iq4_xs(n, d, scales_h, scales_l, qs):
+    lo = mx.reshape(_unpack(scales_l, (n, 4, 1), S04, (1, 1, 2), 0x0F), (n, 8))
+    hi = (mx.reshape(scales_h, (n, 1)) >> _shifts(*range(0, 16, 2), dtype=mx.uint16)).astype(mx.uint8) & 0x03
+    ls = (lo | (hi << 4)).astype(mx.float32) - 32.0
+    dl = mx.reshape(mx.reshape(d, (n, 1)).astype(mx.float32) * ls, (n, 8, 1))
+    k = mx.take(mx.array(IQ4_VALUES.astype(np.float32)), _unpack(qs, (n, 8, 1, 16), S04, (1, 1, 2, 1), 0x0F))
+    return dl * mx.reshape(k, (n, 8, 32))
+
+
+_BLOCKS = {Q.Q6_K: _q6_k, Q.Q3_K: _q3_k, Q.Q2_K: _q2_k, Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs}
+
+
+def dequantize(qtype, parts, rows: int, cols: int) -> mx.array:
+    """float32 [rows, cols] of a BlockWeight's arrays, as gguf-py computes them (the same products and
+    subtractions, exact: quants' doc)."""
+    if qtype == Q.F16:
+        return parts[0].astype(mx.float32)
+    if qtype == Q.BF16:  # kept as its uint16 bits, a float32's top half
+        return mx.view(parts[0].astype(mx.uint32) << 16, mx.float32)
+    n = rows * parts[0].shape[1]  # blocks
+    return mx.reshape(_BLOCKS[qtype](n, *parts), (rows, cols))
+
+
+@dataclass
+class QuantizedWeight:
+    """An [out, in] matrix in MLX's affine quantized layout; `matmul` reads it as [in, out]."""
+
+    w: mx.array  # uint32 [out, in*bits/32]
+    parts: tuple  # the file's scale fields, per row (`affine_scales`), or float32 (scales, biases)
+    qtype: Q
+    shape: tuple[int, int]  # (out, in)
+    float_scales: bool = False  # parts are the float32 (scales, biases), formed once at load
+
+    @property
+    def bits(self) -> int:
+        return AFFINE_BITS[self.qtype]
+
+    def affine(self, parts=None) -> tuple[mx.array, mx.array]:
+        parts = self.parts if parts is None else parts
+        return parts if self.float_scales else affine_scales(self.qtype, parts)
+
+    @property
+    def scales(self) -> mx.array:
+        return self.affine()[0]
+
+    @property
+    def biases(self) -> mx.array:
+        return self.affine()[1]
+
+    def row_slice(self, a: int, b: int) -> "QuantizedWeight":
+        return QuantizedWeight(self.w[a:b], tuple(p[a:b] for p in self.parts), self.qtype, (b - a, self.shape[1]),
+                               self.float_scales)
+
+    def product(self, x) -> mx.array:
+        """x @ self.T."""
+        scales, biases = self.affine()
+        return mx.quantized_matmul(x, self.w, scales, biases, transpose=True, group_size=GROUP, bits=self.bits)
+
+    def rows(self, ids) -> mx.array:
+        scales, biases = self.affine(tuple(p[ids] for p in self.parts))
+        return mx.dequantize(self.w[ids], scales, biases, group_size=GROUP, bits=self.bits)
+
+
+@dataclass
+class BlockWeight:
+    """An [out, in] matrix kept as the file's blocks (or 16-bit values), dequantized at each use."""
+
+    parts: tuple
+    qtype: Q
+    shape: tuple[int, int]  # (out, in)
+
+    def row_slice(self, a: int, b: int) -> "BlockWeight":
+        return BlockWeight(tuple(p[a:b] for p in self.parts), self.qtype, (b - a, self.shape[1]))
+
+    def dense(self) -> mx.array:
+        return dequantize(self.qtype, self.parts, *self.shape)
+
+    def product(self, x) -> mx.array:
+        return mx.matmul(x, mx.transpose(self.dense()))
+
+    def rows(self, ids) -> mx.array:
+        ids = mx.reshape(ids, (-1,))
+        return dequantize(self.qtype, tuple(p[ids] for p in self.parts), ids.shape[0], self.shape[1])
+
+
+PackedWeight = (QuantizedWeight, BlockWeight)  # the kinds with a row_slice / product / rows
+
+
+@dataclass
+class WeightGroup:
+    """Matrices that multiply the same activations, side by side as one (`merged`: a packed weight's
+    rows stacked, or a float [in, sum(out)] array), so `linear_group` is one product; iterating gives
+    each matrix as a view of `merged` (the per-matrix handles the default `linear_group` multiplies)."""
+
+    merged: object
+    sizes: tuple[int, ...]  # each matrix's output columns
+
+    def __iter__(self):
+        start = 0
+        for n in self.sizes:
+            m = self.merged
+            if isinstance(m, PackedWeight):
+                yield m.row_slice(start, start + n)
+            else:
+                yield m[:, start:start + n]
+            start += n
+
+
+def to_device(qtype, arrays, shape, float_scales: bool = False) -> object:
+    """The weight from `quants.split`'s host arrays (or a float32 matrix when qtype is None). With
+    `float_scales` an affine type's float32 scales and biases are formed once here instead of at each
+    use: the same bits (the same operations), one elementwise pass less a product, 1.17x (Q8_0, Q5_1)
+    to 1.33x (Q4_0, Q4_K) the file's bytes instead of 1.0-1.03x."""
+    arrays = tuple(mx.array(a) for a in arrays)
+    mx.eval(*arrays)
+    if qtype is None:
+        return arrays[0]
+    if qtype in AFFINE_BITS:
+        if float_scales:
+            affine = affine_scales(qtype, arrays[1:])
+            mx.eval(*affine)
+            return QuantizedWeight(arrays[0], affine, qtype, shape, True)
+        return QuantizedWeight(arrays[0], arrays[1:], qtype, shape)
+    return BlockWeight(arrays, qtype, shape)

@@ -1,0 +1,137 @@
+"""The GPU kernels' self-check (`verify_gpu_kernels`, run on a Mac before the Metal kernels are used):
+its cases cover every plan the kernels run, its failure paths give one warning line naming what
+failed and its case, and the fallback then keeps fused attention byte-identical to the per-head
+reference (it runs the reference's own products). Runs on MLX's CPU device: a kernel forced to
+"metal" here fails as a kernel that does not build on a Mac would, with MLX's own error."""
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+from mlxinfer import kernels
+from mlxinfer.backends.mlx import (SELF_CHECK_HEAD_DIMS, MLXBackend, check_case_inputs, gpu_kind, self_check_cases,
+                                   verify_gpu_kernels)
+from mlxinfer.kv_cache import KV_CACHES
+
+
+def test_self_check_cases_cover_every_plan_the_metal_kernels_run():
+    """One decode row and several; chunks of fewer and of 8+ rows; contexts under 8 keys (constant
+    operands), past the softmax's 256 threads and past 1,024 keys, both with few rows (the graph override
+    on Metal) and with many (the fused kernel); a window; every cache kind; every head size of the
+    models here (SmolLM2 64, Qwen3 128) and both sides of the fused kernel's 128-wide context pass."""
+    cases = self_check_cases()
+    b = MLXBackend(device="cpu")
+    b.kernel = "metal"
+    graph, fused = set(), set()
+    for d in SELF_CHECK_HEAD_DIMS:
+        mine = [c for c in cases if c.spec.head_dim == d]
+        rows = [t for c in mine for _, t in c.seqs]
+        keys = [s for c in mine for s, _ in c.seqs]
+        assert 1 in [len(c.seqs) for c in mine if all(t == 1 for _, t in c.seqs)]  # one decode row alone
+        assert any(len(c.seqs) > 1 and all(t == 1 for _, t in c.seqs) for c in mine)  # several
+        assert min(rows) == 1 and 1 < min(t for t in rows if t > 1) < 8 <= max(rows)
+        assert min(keys) < kernels.METAL_CONSTANT_BELOW and max(keys) > 1024 and any(256 < s <= 1024 for s in keys)
+        assert any(c.spec.window for c in mine) and {c.kv for c in mine} == set(KV_CACHES)
+        for c in mine:
+            _, view, batch = check_case_inputs(b, c)
+            (graph if b._pass_needs_graph(batch, c.spec) else fused).add(c.label)
+    assert graph and fused
+    assert {64, 128} <= set(SELF_CHECK_HEAD_DIMS)
+    assert any(d > 128 for d in SELF_CHECK_HEAD_DIMS) and any(d % 32 for d in SELF_CHECK_HEAD_DIMS)
+
+
+def test_self_check_passes_every_case_on_mlx_cpu():
+    """On MLX's CPU (graph attention, MLX's products) every case is bit for bit the reference: the
+    check's own inputs and comparisons are sound, so a failure on a Mac is the kernel's."""
+    assert verify_gpu_kernels(MLXBackend(device="cpu")) is None
+
+
+def _forced_metal():
+    """An MLX CPU backend told that the Metal kernels are selected: every kernel launch then raises MLX's
+    own '[metal_kernel] No Metal back-end.', as a kernel that cannot be built on a Mac raises."""
+    b = MLXBackend(device="cpu")
+    b.gpu_kernels = b.kernel = "metal"
+    return b
+
+
+def test_a_kernel_that_raises_fails_the_self_check_in_one_line_naming_it(capsys):
+    b = _forced_metal()
+    problem = b.check_kernels()
+    assert problem == "RuntimeError: [metal_kernel] No Metal back-end. (the matmul and softmax kernels)"
+    assert b.fallback == problem and b.kernel == "graph" and b.gpu_kernels is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"mlxinfer: warning: the attention kernels failed their self-check ({problem}); using MLX's "
+                   "own ops and per-head attention (pass --kernel to force the kernels)"]
+    b.device = "gpu"  # (what describe and the report say on a Mac)
+    assert b.describe() == "mlx (gpu, per-head (the kernels failed their self-check) attention, MLX ops)"
+    line, passed = b.kernel_report()
+    assert not passed and line.startswith(f"kernels: metal: self-check FAILED ({problem}); mlxinfer uses MLX's own ops")
+
+
+def test_a_fused_kernel_that_raises_is_named_with_its_case(monkeypatch, capsys):
+    """Products and softmax fine, the fused kernel failing to build (MLX's message for the 32,800-byte
+    threadgroup the kernel once declared): the line names the error and the first case it met."""
+    b = MLXBackend(device="cpu")
+    b.kernel = "metal"
+
+    def fails(*args, **kwargs):
+        raise ValueError("[metal_kernel] Threadgroup memory size (32800) exceeds the maximum (32768).\nmore")
+
+    monkeypatch.setattr(kernels, "fused_attention", fails)
+    problem = b.check_kernels()
+    first = self_check_cases()[0]
+    assert problem == f"ValueError: [metal_kernel] Threadgroup memory size (32800) exceeds the maximum (32768). ({first})"
+    assert str(first) == "head_dim 64, one decode row over 1 key, prealloc cache"
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_a_wrong_fused_kernel_is_named_with_its_case(monkeypatch):
+    """A fused kernel wrong only past 256 keys (a dropped last key) is caught by the case that reaches it."""
+    b = MLXBackend(device="cpu")
+    real = b._graph_attention
+
+    def wrong(q, kv, batch, spec):
+        out = real(q, kv, batch, spec)
+        return out + (batch.max_kv_len > 256) * 1e-3 if batch.max_kv_len is not None else out
+
+    monkeypatch.setattr(b, "_graph_attention", wrong)
+    problem = verify_gpu_kernels(b)
+    assert problem.startswith("fused attention kernel differs from the per-head reference in ")
+    assert problem.endswith("(head_dim 64, one decode row over 300 keys, prealloc cache)")
+
+
+def test_the_fallback_keeps_fused_attention_byte_identical_to_the_reference(monkeypatch):
+    """After a failed self-check, fused attention runs the reference's own products (never the batched
+    graph, whose products on a Metal GPU can take another GEMM than the reference's one-head products):
+    byte-identical on every self-check case, decode rows and chunks, every cache kind."""
+    b = _forced_metal()
+    b.check_kernels()
+    assert b.fallback
+
+    def refuse(*args):
+        raise AssertionError("the fallback used the batched graph products")
+
+    monkeypatch.setattr(b, "_graph_attention", refuse)
+    monkeypatch.setattr(kernels, "fused_attention", refuse)
+    for case in self_check_cases(head_dims=(64,)):
+        q, view, batch = check_case_inputs(b, case)
+        fused = np.array(b.fused_attention(q, view, batch, case.spec))
+        ref = np.array(b.per_head_attention(q, view, batch, case.spec))
+        assert np.array_equal(fused.view(np.uint32), ref.view(np.uint32)), case
+        assert np.isfinite(ref).all()
+
+
+def test_inspect_kernels_on_a_machine_without_a_gpu():
+    from mlxinfer.inspect import kernels_report
+
+    line, passed = kernels_report()
+    if mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        pytest.skip("this machine has an MLX GPU: tests/test_mlx_backend.py runs the check itself")
+    assert not passed and line == "kernels: --device gpu: MLX has no GPU here (neither Metal nor CUDA is available): nothing to check"
+
+
+@pytest.mark.skipif(gpu_kind() is None, reason="needs an MLX GPU (Metal or CUDA); this machine has none")
+def test_self_check_passes_on_this_gpu():
+    """The whole self-check on the device, with its kernels forced (on CUDA: every launch plan too)."""
+    b = MLXBackend(device="gpu", kernel=gpu_kind())
+    assert verify_gpu_kernels(b) is None

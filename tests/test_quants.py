@@ -1,0 +1,239 @@
+"""Every GGUF weight type kept compact on the MLX backend (mlxinfer/quants.py, backends/mlx_weights.py):
+its values equal gguf-py's dequantization bit for bit, on random blocks with edge values; MLX's memory
+after loading stays within 1.15x of the file's tensor bytes; MLX and the numpy reference agree on the
+logits of a synthetic model of each type.
+
+Error model for the logits: both backends hold the same weights exactly (the first test), so they
+differ only in the order of float32 products and sums (MLX's quantized_matmul and BLAS vs numpy's
+OpenBLAS). Measured on this VM (2026-12-01 23:42 UTC, `SPEC` below, 16 prompt tokens + 12 decode
+steps), the largest difference over the largest |logit| (~100-500 on these random weights): Q8_0 5.1e-7,
+Q4_0 6.8e-7, Q4_1 9.3e-7, Q5_0 6.9e-7, Q5_1 9.4e-7, Q4_K 8.3e-7, Q5_K 9.0e-7, Q6_K 3.9e-7, Q3_K 3.7e-7,
+Q2_K 9.7e-7, IQ4_NL 6.0e-7, IQ4_XS 6.0e-7, F16 5.4e-7, BF16 5.4e-7; the bound, 4e-6, is ~4x the worst.
+
+Speed (not tested: `bench/probes/weight_types.py` measures it). One [1,1024] x [1024,3072] float32
+product on this 2-core VM, MLX CPU, one thread, 2026-12-01 23:18 UTC (load ~2) / 23:31 UTC (load ~5):
+F32 2.2 / 5.9 ms; affine Q8_0, Q4_0, Q4_1, Q4_K 3.4-3.6 / 8.0-8.4, Q5_K 3.6 / 8.3, Q5_0, Q5_1 4.2-4.5
+/ 11.4-12.5; dequantized at use Q6_K 7.8 / 23.9, Q2_K 8.5 / 20.3, Q3_K 10.6 / 28.7, BF16 5.2 / 12.1,
+F16 7.9 / 15.6, IQ4_NL 37 / 90, IQ4_XS 38 / 76 (MLX's CPU gather, ~8 ns a value, for the 16-entry
+codebook). Exact 8-bit affine repacks exist (checked): IQ4_NL q' = k + 128 (1..241), scale d, bias
+-128 d; IQ4_XS the same with scale d·(ls - 32) per 32 values (fp16 would not hold it: float32 scales);
+Q3_K q' = (sc - 32)·q + 127 (3..255), scale d, bias -127 d. They would run at Q8_0's speed but take
+1.9x (IQ4_NL), 2.0-2.5x (IQ4_XS) and 2.5x (Q3_K) the file's bytes: over the 1.15x bound, not taken.
+"""
+
+import gc
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+import mlxinfer
+from mlxinfer import quants
+from mlxinfer.backends.mlx import MLXBackend, gpu_kind
+from mlxinfer.backends.mlx_weights import BlockWeight, QuantizedWeight, to_device
+from mlxinfer.gguf_file import GGUFFile
+from mlxinfer.synthetic import SyntheticSpec, write_synthetic_model
+
+from .test_models import decode_logits
+
+KEPT = [*quants.AFFINE_BITS, *quants.BLOCK_TYPES, *quants.HALF_TYPES]
+# MLX's affine form computes scale·q' + bias; for the offset types that is d·q' + (-k·d), which for a
+# zero weight is x + (-x) = +0 where gguf-py's d·(q - k) gives -0 when d < 0 (or d is -0): the same
+# number, and the same in every sum it enters. Everywhere else: the same bits.
+SIGNED_ZERO_ONLY = (Q.Q8_0, Q.Q4_0, Q.Q5_0)
+ROWS, COLS = 12, 1024
+SPEC = dict(hidden=256, ffn=512, n_heads=4, n_kv_heads=2, head_dim=64, vocab_size=2048, random_blocks=True)
+IDS = [1, 17, 250, 99, 3, 300, 42, 42, 7, 128, 255, 64, 5, 6, 7, 200]
+REL_BOUND = 4e-6  # measured on MLX's CPU device; on a GPU (its own product order) not yet measured
+# The MLX device the weights live on: this machine's CPU; a GPU where MLX has one (the lead's runs).
+DEVICES = [pytest.param("cpu"), pytest.param("gpu", marks=pytest.mark.skipif(gpu_kind() is None,
+                                                                             reason="needs an MLX GPU"))]
+
+
+def same_bits(got: np.ndarray, want: np.ndarray, qtype) -> None:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape
+    differ = got.view(np.uint32) != want.view(np.uint32)
+    if qtype in SIGNED_ZERO_ONLY:
+        assert np.all(want[differ] == 0) and np.all(got[differ] == 0), qtype.name
+    else:
+        assert not differ.any(), f"{qtype.name}: {int(differ.sum())} of {differ.size} values differ"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
+def test_kept_weights_dequantize_to_gguf_py_bit_for_bit(qtype, device):
+    """Random raw blocks, edge values included (all-zero and all-0xFF blocks: zero and maximal codes
+    and sub-scales; d, dmin, m of +-0, fp16 subnormals, +-65504, negatives)."""
+    MLXBackend(device=device)  # its device becomes MLX's default: the arrays and ops below run there
+    rng = np.random.default_rng(int(qtype))
+    raw = quants.random_blocks(rng, qtype, ROWS, COLS, edges=True)
+    want = dequantize(raw, qtype).reshape(ROWS, COLS)
+    assert np.isfinite(want).all()
+    w = to_device(qtype, quants.split(raw, qtype, ROWS, COLS), (ROWS, COLS))
+    if qtype in quants.AFFINE_BITS:
+        assert isinstance(w, QuantizedWeight) and w.w.dtype == mx.uint32
+        got = mx.dequantize(w.w, w.scales, w.biases, group_size=quants.GROUP, bits=w.bits)  # MLX's own reading
+    else:
+        assert isinstance(w, BlockWeight)
+        got = w.dense()
+    same_bits(np.array(got), want, qtype)
+    ids = np.array([3, 0, 11, 3, 7])
+    same_bits(np.array(w.rows(mx.array(ids))), want[ids], qtype)  # the embedding's row gather
+    same_bits(np.array(w.row_slice(5, 9).rows(mx.arange(4))), want[5:9], qtype)
+
+
+@pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
+def test_kept_weights_multiply_as_their_values(qtype):
+    """The product on the whole matrix and cut over CPU threads (bitwise the same), against numpy's
+    product of gguf-py's values (float32 order only: a bound of ~1e-5 relative to the sum of |terms|)."""
+    rng = np.random.default_rng(int(qtype) + 100)
+    rows = 600  # >= 2 x SPLIT_MIN_ROWS: three threads cut it
+    raw = quants.random_blocks(rng, qtype, rows, COLS, std=0.05)
+    values = dequantize(raw, qtype).reshape(rows, COLS)
+    x = rng.standard_normal((3, COLS)).astype(np.float32)
+    one, three = MLXBackend(device="cpu", threads=1), MLXBackend(device="cpu", threads=3)
+    w = to_device(qtype, quants.split(raw, qtype, rows, COLS), (rows, COLS))
+    got = np.array(one.linear(one.from_numpy(x), w))
+    cut = np.array(three.linear(three.from_numpy(x), w))
+    assert np.array_equal(got.view(np.uint32), cut.view(np.uint32))
+    want = x.astype(np.float64) @ values.T.astype(np.float64)
+    assert np.all(np.abs(got - want) <= 1e-5 * (np.abs(x) @ np.abs(values).T) + 1e-30)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("quants")
+
+
+def synthetic(model_dir, qtype) -> str:
+    return write_synthetic_model(model_dir / f"{qtype.name}.gguf", SyntheticSpec(qtype=qtype.name, **SPEC))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
+def test_memory_after_loading_is_within_1_15x_of_the_file(model_dir, qtype, device):
+    """MLX's active memory after loading is exactly what `quants.memory_bytes` says each tensor takes
+    (one copy of a tied embedding), and at most 1.15x the file's tensor bytes (measured: 1.0 for every
+    type but Q4_K 1.028 and Q5_K 1.023, whose 6-bit sub-scales are kept a byte each)."""
+    path = synthetic(model_dir, qtype)
+    with GGUFFile(path) as g:
+        file_bytes = sum(t.nbytes for t in g.tensors.values())
+        expected = sum(quants.memory_bytes(t.ggml_type, t.shape) for t in g.tensors.values())
+        arrays = sum(len(quants.split(g.raw(t.name), t.ggml_type, *t.shape)) if len(t.shape) == 2 else 1
+                     for t in g.tensors.values())
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    engine = mlxinfer.load(path, backend="mlx", device=device)
+    used = mx.get_active_memory() - before
+    # MLX's CPU allocator counts the bytes asked for; a GPU build's allocator may round each buffer up
+    # (not measured here: allowed at most 16 KiB an array)
+    slack = 0 if gpu_kind() is None else 16384 * arrays
+    assert expected <= used <= expected + slack, (used, expected)
+    assert used <= 1.15 * file_bytes + slack, used / file_bytes
+    handles = vars(engine.model.w.layers[0]).values()
+    assert not [w for w in handles if isinstance(w, mx.array) and w.ndim == 2]  # no matrix expanded to float
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
+def test_mlx_logits_match_the_cpu_reference_per_type(model_dir, qtype, device):
+    path = synthetic(model_dir, qtype)
+    cpu = mlxinfer.load(path, backend="cpu")
+    ml = mlxinfer.load(path, backend="mlx", device=device)
+    a = np.concatenate([cpu.logits(IDS), decode_logits(cpu, IDS, 4)])
+    b = np.concatenate([ml.logits(IDS), decode_logits(ml, IDS, 4)])
+    scale = np.max(np.abs(a))
+    assert np.max(np.abs(a - b)) <= REL_BOUND * scale, (np.max(np.abs(a - b)) / scale)
+
+
+def test_a_type_that_is_not_kept_is_refused_in_one_line(model_dir, monkeypatch):
+    """A type mlxinfer does not read (here IQ2_XXS, as the index says) is an UnsupportedError naming
+    the tensor and the type, never a silent expansion."""
+    from dataclasses import replace
+
+    from mlxinfer.errors import UnsupportedError
+
+    g = GGUFFile(synthetic(model_dir, Q.Q4_K))
+    name = "blk.0.attn_output.weight"
+    monkeypatch.setitem(g.tensors, name, replace(g.tensors[name], ggml_type=Q.IQ2_XXS))
+    with pytest.raises(UnsupportedError, match=f"{name}.*IQ2_XXS"):
+        MLXBackend(device="cpu").load_weight(g, name)
+
+
+def test_inspect_says_how_each_type_is_kept(model_dir):
+    from mlxinfer.inspect import describe
+
+    out = describe(synthetic(model_dir, Q.Q6_K))
+    assert "MLX bytes" in out
+    line = next(s for s in out.splitlines() if s.strip().startswith("Q6_K") and "tensors" in s)
+    assert "file blocks, dequantized at use" in line
+    assert "(1.000x)" in out  # Q6_K blocks and F32 norms: the file's bytes
+    out = describe(synthetic(model_dir, Q.Q4_K))
+    assert "MLX affine 4-bit, group 32" in out and "(1.028x)" in out  # 148 bytes a block of 144
+
+
+def _ints(lo, hi):
+    return np.arange(lo, hi + 1, dtype=np.float64)
+
+
+# The integers each type multiplies an fp16 scale by, in gguf-py's order ((d·a)·b; quants' doc), over
+# their whole ranges; the repacks' MLX-side forms (d·q' with q' = q + offset, and offset·d) as well.
+FACTORS = {
+    Q.Q8_0: [(_ints(-128, 127), None), (_ints(0, 255), None), (np.array([-128.0]), None)],
+    Q.Q4_0: [(_ints(-8, 7), None), (_ints(0, 15), None), (np.array([-8.0]), None)],
+    Q.Q5_0: [(_ints(-16, 15), None), (_ints(0, 31), None), (np.array([-16.0]), None)],
+    Q.Q4_1: [(_ints(0, 15), None)],
+    Q.Q5_1: [(_ints(0, 31), None)],
+    Q.Q4_K: [(_ints(0, 63), _ints(0, 15))],  # (d·sc)·q; dmin·m is the first factor alone
+    Q.Q5_K: [(_ints(0, 63), _ints(0, 31))],
+    Q.Q6_K: [(_ints(-128, 127), _ints(-32, 31))],
+    Q.Q3_K: [(_ints(-32, 31), _ints(-4, 3))],
+    Q.Q2_K: [(_ints(0, 15), _ints(0, 3))],
+    Q.IQ4_NL: [(quants.IQ4_VALUES.astype(np.float64), None)],
+    Q.IQ4_XS: [(_ints(-32, 31), quants.IQ4_VALUES.astype(np.float64))],
+}
+
+
+@pytest.mark.parametrize("qtype", list(FACTORS), ids=lambda q: q.name)
+def test_the_exactness_argument_holds_per_type(qtype):
+    """Every product of an fp16 scale and a type's integers is exact in float32 (so its order and fma
+    cannot change a bit): the float32 products equal the exact (float64) ones for every integer in range
+    and fp16 scales of every 11-bit significand, at the smallest subnormal, around one and at the largest
+    exponent."""
+    mantissas = np.arange(1024, 2048, dtype=np.float64)
+    d = np.concatenate([mantissas * 2.0 ** -10, mantissas * 2.0 ** 5, [2.0 ** -24, 1023 * 2.0 ** -24]])
+    d = np.concatenate([d, -d]).astype(np.float16)
+    assert np.isfinite(d).all() and np.array_equal(d.astype(np.float64), d.astype(np.float32).astype(np.float64))
+    for a, b in FACTORS[qtype]:
+        p32 = d.astype(np.float32)[:, None] * a.astype(np.float32)[None, :]
+        p64 = d.astype(np.float64)[:, None] * a[None, :]
+        assert np.array_equal(p32.astype(np.float64), p64)
+        if b is not None:
+            q32 = p32[:, :, None] * b.astype(np.float32)[None, None, :]
+            assert np.array_equal(q32.astype(np.float64), p64[:, :, None] * b[None, None, :])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+def test_float_scales_give_the_same_bits_in_more_memory(model_dir, qtype):
+    """MLXBackend(float_scales=True) forms the affine types' float32 scales and biases once at load:
+    the logits are bitwise those of forming them at each use, and the memory is the quants plus 8
+    bytes (a float32 scale and bias) a group of 32."""
+    path = synthetic(model_dir, qtype)
+    with GGUFFile(path) as g:
+        bits = quants.AFFINE_BITS[qtype]
+        expected = sum(t.n_elements * 4 if len(t.shape) != 2 else t.n_elements * bits // 8 + t.n_elements // 32 * 8
+                       for t in g.tensors.values())
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    fast = mlxinfer.Engine(path, MLXBackend(device="cpu", float_scales=True))
+    if gpu_kind() is None:  # (a GPU build's allocator may round buffers up: see the test above)
+        assert mx.get_active_memory() - before == expected
+    compact = mlxinfer.Engine(path, MLXBackend(device="cpu"))
+    a = np.concatenate([fast.logits(IDS), decode_logits(fast, IDS, 2)])
+    b = np.concatenate([compact.logits(IDS), decode_logits(compact, IDS, 2)])
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
