@@ -55,7 +55,8 @@ def _load(args):
 
 def _sampling(args) -> dict:
     return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                stop=args.stop)
+                stop=args.stop, repetition_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty)
 
 
 def _argv_escaped(text: str) -> bool:
@@ -108,7 +109,8 @@ def _check_options(args) -> None:
     otherwise refuse them at every turn)."""
     if args.max_tokens < 1:
         raise RequestError(f"--max-tokens must be a positive integer, got {args.max_tokens}")
-    SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)
+    SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed, args.repeat_penalty,
+                   args.presence_penalty, args.frequency_penalty)
     for name, text in [("--stop", s) for s in stop_strings(args.stop)] + [("--system", getattr(args, "system", None))]:
         if text and _argv_escaped(text):
             raise RequestError(f"{name} is not valid UTF-8")
@@ -253,11 +255,11 @@ def _serve(args) -> int:
     engine = _load(args)
     if engine.kv == "paged":
         budget_blocks(engine, args.kv_memory)  # a budget below one block fails here, not in the server's startup
-    model_id = os.path.basename(engine.path)
+    model_id = args.alias or os.path.basename(engine.path)
     print(f"mlxinfer: serving {model_id} on http://{args.host}:{args.port}/v1 ({engine.backend.describe()}, "
           f"max batch {args.max_batch})", file=sys.stderr)
     serve(engine, model_id, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
-          kv_memory=args.kv_memory)
+          kv_memory=args.kv_memory, cors_origins=tuple(args.cors or ()), reasoning=args.reasoning)
     return 0
 
 
@@ -318,6 +320,12 @@ def _model_options(p, sampling: bool = True) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (negative or absent: random)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, metavar="R",
+                   help="divide positive / multiply negative logits of tokens in the prompt or output by R (1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, metavar="A",
+                   help="subtract A from the logits of tokens already generated (OpenAI's)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                   help="subtract F x count from the logits of tokens generated count times (OpenAI's)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", type=unescape,
                    help="stop when TEXT is generated (repeatable; not included in the output; \\n, \\t, \\r, "
                         "\\\\, \\\" and \\' are escapes, as in llama.cpp)")
@@ -359,6 +367,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting for the batch at most (beyond: 429 with Retry-After)")
     s.add_argument("--kv-memory", type=int, default=None, metavar="BYTES",
                    help="KV cache budget: requests wait until they fit (default: unbounded)")
+    s.add_argument("--alias", default=None, metavar="NAME",
+                   help="the model id the server reports (default: the file's name); requests may name any model")
+    s.add_argument("--cors", action="append", default=None, metavar="ORIGIN",
+                   help="let web pages from ORIGIN (e.g. http://localhost:3000, or *) call the server from a "
+                        "browser (repeatable; default: none)")
+    s.add_argument("--reasoning", default="auto", choices=["auto", "on", "off"],
+                   help="return chat turns' <think>...</think> as reasoning_content (auto: where the vocabulary "
+                        "has both tags as tokens)")
     s.set_defaults(func=_serve)
     i = sub.add_parser("inspect", help="print a GGUF file's architecture, hyperparameters, tokenizer and tensors")
     i.add_argument("file", nargs="?")

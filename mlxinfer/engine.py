@@ -36,6 +36,7 @@ from .tokenizer import GGUFTokenizer, token_ids
 
 DEFAULT_PREFILL_CHUNK = 512
 CHAT_ROLES = ("system", "user", "assistant")
+TEMPLATE_VARIABLES = ("messages", "bos_token", "eos_token", "add_generation_prompt", "source")  # ours to set
 
 
 class Engine:
@@ -85,9 +86,11 @@ class Engine:
             return seed
         return collectives.agree_seed(seed, self.shard.rank, self.shard.group)
 
-    def encode_prompt(self, prompt, chat: bool = False, system: str | None = None) -> list[int]:
+    def encode_prompt(self, prompt, chat: bool = False, system: str | None = None,
+                      template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a prompt: text, bytes (UTF-8), token ids, or a chat messages list rendered with
-        the model's template. `chat=True` wraps a text prompt as one user message (after `system`'s)."""
+        the model's template. `chat=True` wraps a text prompt as one user message (after `system`'s).
+        `template_kwargs`: more variables for the chat template (e.g. Qwen3's enable_thinking=False)."""
         tok = self.tokenizer
         if isinstance(prompt, bytes):
             try:
@@ -101,7 +104,7 @@ class Engine:
         if isinstance(prompt, str):
             ids = tok.encode(prompt, add_special=True, parse_special=True) if prompt else []
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self._encode_messages(list(prompt))
+            ids = self._encode_messages(list(prompt), template_kwargs or {})
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             ids = token_ids(prompt)
             bad = [i for i in ids if not 0 <= i < self.args.vocab_size]
@@ -113,8 +116,11 @@ class Engine:
             raise RequestError("empty prompt")
         return ids
 
-    def _encode_messages(self, messages: list[dict]) -> list[int]:
+    def _encode_messages(self, messages: list[dict], template_kwargs: dict) -> list[int]:
         tok = self.tokenizer
+        taken = sorted(set(template_kwargs) & set(TEMPLATE_VARIABLES))
+        if taken:
+            raise RequestError(f"chat template variable {taken[0]!r} is set by mlxinfer, not by template kwargs")
         for i, m in enumerate(messages):
             if m.get("role") not in CHAT_ROLES:
                 raise RequestError(f"message {i} has role {m.get('role')!r} (choose from {', '.join(CHAT_ROLES)})")
@@ -125,8 +131,23 @@ class Engine:
         bos = tok.tokens[tok.bos_id] if tok.bos_id is not None else ""
         eos = tok.tokens[tok.eos_id] if tok.eos_id is not None else ""
         text = render_chat(tok.chat_template, messages, bos_token=bos, eos_token=eos, add_generation_prompt=True,
-                           source=f"{self.path}: chat template")
+                           source=f"{self.path}: chat template", **template_kwargs)
         return tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
+
+    def sampling_params(self, **options) -> SamplingParams:
+        """SamplingParams checked against this model (logit_bias names tokens of its vocabulary); an
+        option SamplingParams does not have is a RequestError naming it."""
+        fields = SamplingParams.__dataclass_fields__
+        unknown = [k for k in options if k not in fields]
+        if unknown:
+            raise RequestError(f"unknown sampling option {unknown[0]!r} (choose from {', '.join(fields)})")
+        if options.get("logit_bias") is None:
+            options.pop("logit_bias", None)
+        params = SamplingParams(**options)
+        bad = [k for k, _ in params.logit_bias if k >= self.args.vocab_size]
+        if bad:
+            raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.args.vocab_size})")
+        return params
 
     def check_context(self, n_prompt: int, max_tokens: int) -> None:
         """RequestError where a prompt of n_prompt tokens and max_tokens more do not fit the context."""
@@ -151,12 +172,15 @@ class Engine:
     # -- public API ---------------------------------------------------------------------------
     def stream(self, prompt, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                min_p: float = 0.0, seed: int | None = None, stop=None, chat: bool = False,
-               on_forward: Callable[[str], None] | None = None) -> Iterator:
+               on_forward: Callable[[str], None] | None = None, **sampling) -> Iterator:
         """Generate up to `max_tokens` tokens after `prompt`, yielding a TokenEvent per token and a
         FinishEvent at the end. `prompt`: text, token ids, or chat messages ([{"role", "content"}]).
         Greedy when temperature is 0. `stop`: strings that end generation (not included in the text).
-        `on_forward` receives a name for each forward pass ("prefill", "decode 1", ...)."""
-        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        `on_forward` receives a name for each forward pass ("prefill", "decode 1", ...). `sampling`:
+        SamplingParams' other fields (repetition_penalty, presence_penalty, frequency_penalty,
+        logit_bias {id: bias}, top_logprobs; mlxinfer.sampling says what each does)."""
+        params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                      **sampling)
         (ids,), stop = self._requests([prompt], max_tokens, stop, chat)  # bad requests raise here
         loop = self.new_loop(on_forward=on_forward)
         loop.admit(ids, params, max_tokens, stop)
@@ -173,13 +197,15 @@ class Engine:
 
     def generate_batch(self, prompts, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop=None,
-                       chat: bool = False, on_forward: Callable[[str], None] | None = None) -> list[Generation]:
+                       chat: bool = False, on_forward: Callable[[str], None] | None = None,
+                       **sampling) -> list[Generation]:
         """One Generation per prompt, computed together in batched passes; each sequence finishes on
-        its own. A seed seeds every sequence's sampler (the same seed for all)."""
+        its own. A seed seeds every sequence's sampler (the same seed for all); `sampling` as `stream`'s."""
         prompts = list(prompts) if not isinstance(prompts, (str, bytes)) else [prompts]
         if not prompts:
             raise RequestError("generate_batch needs at least one prompt")
-        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                      **sampling)
         encoded, stop = self._requests(prompts, max_tokens, stop, chat)
         loop = self.new_loop(on_forward=on_forward)
         seqs = [loop.admit(ids, params, max_tokens, stop) for ids in encoded]

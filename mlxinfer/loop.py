@@ -33,7 +33,7 @@ import numpy as np
 from .batch import Batch
 from .decode_step import DecodeStep
 from .metrics import Metrics
-from .sampling import Sampler, SamplingParams
+from .sampling import History, Sampler, SamplingParams
 
 
 @dataclass
@@ -45,6 +45,7 @@ class Generation:
     prompt_ids: list[int]
     logprobs: list[float] = field(default_factory=list)  # one per token in token_ids
     seed: int | None = None  # the seed the sampler used (None when greedy)
+    top_logprobs: list = field(default_factory=list)  # per token, [(id, logprob)] most likely first, if asked
 
 
 @dataclass
@@ -53,6 +54,7 @@ class TokenEvent:
     text: str  # the text this token adds ("" while a character or a possible stop string is incomplete)
     logprob: float  # log-probability of the token under the model's distribution
     index: int  # 0 for the first generated token
+    top_logprobs: list | None = None  # [(id, logprob)] of the params' top_logprobs most likely tokens
 
 
 @dataclass
@@ -77,6 +79,7 @@ class Sequence:
         self.last = None  # (token array, row) of the newest sampled token: the next decode input
         self.out: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list = []
         self.times: list[float] = []
         self.text = ""  # text handed out so far
         self.held = ""  # text held back: it could be the start of a stop string
@@ -93,6 +96,7 @@ class Pass:
     seqs: list  # the sequences sampled in this pass, in logit-row order
     tokens: object = None
     logprobs: object = None
+    top: tuple | None = None  # (ids, logprobs) [rows, k] where a sequence asked for top_logprobs
     outputs: tuple = ()  # what reading the pass waits for (its tokens, or the cache it wrote)
 
 
@@ -228,9 +232,11 @@ class Loop:
             logits = self.model(ops, ids, batch, cache)
         step = Pass(sampled)
         if sampled:
-            sampler = Sampler([s.params for s in sampled], [s.rng for s in sampled])
+            sampler = Sampler([s.params for s in sampled], [s.rng for s in sampled],
+                              [self._history(s) for s in sampled])
             step.tokens, step.logprobs = ops.sample_tokens(logits, sampler)
-            step.outputs = (step.tokens, step.logprobs)
+            step.top = sampler.top
+            step.outputs = (step.tokens, step.logprobs, *(sampler.top or ()))
         else:  # a pass of mid-prompt chunks: its product is the cache
             step.outputs = tuple(cache.arrays())
         ops.start(*step.outputs, *started)
@@ -243,6 +249,18 @@ class Loop:
             s.sampled += 1
         return step
 
+    @staticmethod
+    def _history(s: Sequence) -> History | None:
+        """What the penalties of a sequence's next token read (None where it has none): its prompt, its
+        tokens read so far, and the token of the pass still in flight (sampled, not yet read)."""
+        if not s.params.penalised:
+            return None
+        pending = None
+        if s.sampled > len(s.out) and s.last is not None:  # at most one pass is in flight
+            tokens, row = s.last
+            pending = tokens[row:row + 1]
+        return History(s.prompt, list(s.out), pending)
+
     # -- postprocess ----------------------------------------------------------------------------
     def _read(self, step: Pass) -> list:
         """Read a pass's tokens (waits for the device), hand out their text, finish sequences. A pass
@@ -252,10 +270,11 @@ class Loop:
             return []
         tokens = self.ops.to_numpy(step.tokens).tolist()
         logprobs = self.ops.to_numpy(step.logprobs).tolist()
+        top = None if step.top is None else [self.ops.to_numpy(a).tolist() for a in step.top]
         now = time.perf_counter()
         eog = self.tokenizer.eog_ids
         events = []
-        for s, token, logprob in zip(step.seqs, tokens, logprobs):
+        for row, (s, token, logprob) in enumerate(zip(step.seqs, tokens, logprobs)):
             if s.finish is not None:  # stopped while this pass was already queued: a wasted row
                 continue
             s.times.append(now)
@@ -264,8 +283,13 @@ class Loop:
                 continue
             s.out.append(token)
             s.logprobs.append(logprob)
+            alternatives = None
+            if s.params.top_logprobs:
+                k = s.params.top_logprobs
+                alternatives = list(zip(top[0][row][:k], top[1][row][:k]))
+                s.top_logprobs.append(alternatives)
             text, stopped = self._text_delta(s, s.detok.step(token), last=len(s.out) >= s.max_tokens)
-            events.append((s, TokenEvent(token, text, logprob, len(s.out) - 1)))
+            events.append((s, TokenEvent(token, text, logprob, len(s.out) - 1, alternatives)))
             if stopped:
                 events.append((s, self._finish(s, "stop")))
             elif len(s.out) >= s.max_tokens:
@@ -296,7 +320,8 @@ class Loop:
         self.cache.release(s.slot, (s.prompt + s.out)[:s.cached])  # what its cache rows hold
         self.seqs.remove(s)
         metrics = self._metrics(s)
-        gen = Generation(s.text, list(s.out), reason, metrics, list(s.prompt), list(s.logprobs), s.seed)
+        gen = Generation(s.text, list(s.out), reason, metrics, list(s.prompt), list(s.logprobs), s.seed,
+                         list(s.top_logprobs))
         return FinishEvent(reason, metrics, gen, tail)
 
     def _metrics(self, s: Sequence) -> Metrics:

@@ -112,6 +112,22 @@ class Scheduler:
             raise RequestError(f"prompt of {n_prompt} tokens plus max_tokens {max_tokens} needs {need} bytes of KV "
                                f"cache, more than the server's budget of {self.kv_memory}")
 
+    def room(self, n_prompt: int) -> int:
+        """The most tokens a prompt of n_prompt tokens can be given: the rest of the context, and under a
+        memory budget what the cache can hold for it alone (a request without max_tokens gets this; 0:
+        none). Bytes grow with the length, so the bound is found by bisection."""
+        hi = self.engine.args.context_length - n_prompt
+        if self.kv_memory is None or hi < 1:
+            return max(0, hi)
+        lo = 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.cache.nbytes_for({0: n_prompt + mid}) <= self.kv_memory:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def submit(self, prompt, params, max_tokens: int, stop, on_event: Callable) -> Request:
         self.check(len(prompt), max_tokens)
         req = Request(list(prompt), params, max_tokens, list(stop), on_event)

@@ -38,6 +38,7 @@ T_WG = "tests/test_weight_groups.py"
 T_COMP = "tests/test_compile.py"
 T_BENCH = "tests/test_bench.py"
 T_BM = "tests/test_block_manager.py"
+T_SAMP = "tests/test_sampling.py"
 T_KVC = "tests/test_kv_cache.py"
 T_MBUILD = "tests/test_metal_build.py"
 T_MORDER = "tests/test_metal_order.py"
@@ -68,6 +69,9 @@ SRV_ROUTES = "mlxinfer/server/routes.py"
 SRV_ERRORS = "mlxinfer/server/errors.py"
 SRV_BODY = "mlxinfer/server/body_limit.py"
 SRV_METRICS = "mlxinfer/server/metrics.py"
+SRV_SCHEMAS = "mlxinfer/server/schemas.py"
+SRV_FP = "mlxinfer/server/fingerprint.py"
+SRV_REASONING = "mlxinfer/server/reasoning.py"
 SHARD = "mlxinfer/models/shard.py"
 COLL = "mlxinfer/collectives.py"
 GGUF = "mlxinfer/gguf_file.py"
@@ -268,50 +272,64 @@ M = [
        "            s.last = (step.tokens, len(sampled) - 1 - row)\n")],
      [T_GEN], "engine: each sequence's next input taken from another sequence's logit row"),
     ("batch-read-reversed", "batching", LOOP,
-     [("for s, token, logprob in zip(step.seqs, tokens, logprobs):",
-       "for s, token, logprob in zip(step.seqs, tokens[::-1], logprobs[::-1]):")],
+     [("for row, (s, token, logprob) in enumerate(zip(step.seqs, tokens, logprobs)):",
+       "for row, (s, token, logprob) in enumerate(zip(step.seqs, tokens[::-1], logprobs[::-1])):")],
      [T_GEN], "engine: tokens of a pass handed to the sequences in reverse order"),
     # -- sampling and options --------------------------------------------------------------------
     ("samp-stream-drops-top-p", "sampling", ENG,
-     [("""        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+     [("""        params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                      **sampling)
         (ids,), stop = self._requests([prompt]""",
-       """        params = SamplingParams(temperature, top_k, 1.0, min_p, seed)
+       """        params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=1.0, min_p=min_p, seed=seed,
+                                      **sampling)
         (ids,), stop = self._requests([prompt]""")],
      [T_GEN], "stream drops top_p"),
     ("samp-stream-drops-top-k", "sampling", ENG,
-     [("""        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+     [("""        params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                      **sampling)
         (ids,), stop = self._requests([prompt]""",
-       """        params = SamplingParams(temperature, 0, top_p, min_p, seed)
+       """        params = self.sampling_params(temperature=temperature, top_k=0, top_p=top_p, min_p=min_p, seed=seed,
+                                      **sampling)
         (ids,), stop = self._requests([prompt]""")],
      [T_GEN], "stream drops top_k"),
     ("samp-stream-drops-min-p", "sampling", ENG,
-     [("""        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+     [("""        params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                      **sampling)
         (ids,), stop = self._requests([prompt]""",
-       """        params = SamplingParams(temperature, top_k, top_p, 0.0, seed)
+       """        params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=0.0, seed=seed,
+                                      **sampling)
         (ids,), stop = self._requests([prompt]""")],
      [T_GEN], "stream drops min_p"),
     ("samp-stream-drops-temperature", "sampling", ENG,
-     [("""        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+     [("""        params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                      **sampling)
         (ids,), stop = self._requests([prompt]""",
-       """        params = SamplingParams(1.0 if temperature else 0.0, top_k, top_p, min_p, seed)
+       """        params = self.sampling_params(temperature=1.0 if temperature else 0.0, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                      **sampling)
         (ids,), stop = self._requests([prompt]""")],
      [T_GEN], "stream replaces a nonzero temperature by 1"),
     ("samp-stream-drops-seed", "sampling", ENG,
-     [("""        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+     [("""        params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                      **sampling)
         (ids,), stop = self._requests([prompt]""",
-       """        params = SamplingParams(temperature, top_k, top_p, min_p, None)
+       """        params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=None,
+                                      **sampling)
         (ids,), stop = self._requests([prompt]""")],
      [T_GEN], "stream drops the seed"),
     ("samp-batch-drops-options", "sampling", ENG,
-     [("""        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+     [("""        params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                      **sampling)
         encoded, stop = self._requests(prompts,""",
-       """        params = SamplingParams(temperature, 0, 1.0, 0.0, seed)
+       """        params = self.sampling_params(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, seed=seed,
+                                      **sampling)
         encoded, stop = self._requests(prompts,""")],
      [T_GEN, T_MOD, T_MLX], "generate_batch drops top_k, top_p and min_p"),
     ("samp-batch-drops-seed", "sampling", ENG,
-     [("""        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+     [("""        params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                      **sampling)
         encoded, stop = self._requests(prompts,""",
-       """        params = SamplingParams(temperature, top_k, top_p, min_p, None)
+       """        params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=None,
+                                      **sampling)
         encoded, stop = self._requests(prompts,""")],
      [T_GEN, T_MOD, T_MLX], "generate_batch drops the seed"),
     ("samp-stop-not-checked", "sampling", LOOP,
@@ -324,7 +342,7 @@ M = [
      [("if self.seed is None or self.seed < 0:", "if self.seed is None:"), ("        return self.seed\n", "        return abs(self.seed)\n")],
      [T_GEN], "negative seed used as |seed| (not random)"),
     ("samp-logprob-wrong-row-numpy", "sampling", SAMP,
-     [("logprobs[i] = float(row[tok]) - m", "logprobs[i] = float(logits[0][tok]) - m")],
+     [("logprobs[i] = float(row[tok]) - lse", "logprobs[i] = float(logits[0][tok]) - lse")],
      [T_GEN, T_MOD], "numpy sampler: logprob read from row 0"),
     ("samp-logprob-wrong-row-mlx", "sampling", SAMP,
      [("chosen = mx.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]",
@@ -341,7 +359,7 @@ M = [
        "                if False:\n                    keep = mx.logical_and(keep, probs >= p.min_p * mx.max(probs))")],
      [T_MLX, T_GEN], "mlx sampler ignores min_p"),
     ("samp-mlx-temperature-ignored", "sampling", SAMP,
-     [("x = logits[i] / p.temperature", "x = logits[i]")],
+     [("x = adjusted[i] / p.temperature", "x = adjusted[i]")],
      [T_MLX, T_GEN], "mlx sampler ignores the temperature"),
     ("samp-numpy-top-p-off-by-one", "sampling", SAMP,
      [("top[order[: int(np.searchsorted(cum, p.top_p)) + 1]] = True",
@@ -353,7 +371,7 @@ M = [
      "CLI drops --top-k"),
     ("cli-drops-min-p", "options", CLI, [("min_p=args.min_p", "min_p=0.0")], [T_CLI + "::test_generate_sampling_options"],
      "CLI drops --min-p"),
-    ("cli-drops-stop", "options", CLI, [("                stop=args.stop)", "                stop=None)")],
+    ("cli-drops-stop", "options", CLI, [("stop=args.stop, repetition_penalty", "stop=None, repetition_penalty")],
      [T_CLI + "::test_generate_options_reach_the_engine"], "CLI drops --stop"),
     ("cli-drops-kv", "options", CLI, [("kv=args.kv,", "kv='prealloc',")],
      [T_CLI + "::test_generate_options_reach_the_engine"], "CLI drops --kv"),
@@ -462,7 +480,8 @@ M = [
      [("room = self.max_queue + max(0, self.max_batch - len(self.running))", "room = self.max_queue")],
      [T_SRV], "scheduler: requests the idle batch is about to take count against max_queue (429 for them)"),
     ("srv-encode-on-the-event-loop", "server", SRV_ROUTES,
-     [("return await run_in_threadpool(state.engine.encode_prompt, prompt)", "return state.engine.encode_prompt(prompt)")],
+     [("return await run_in_threadpool(state.engine.encode_prompt, prompt, template_kwargs=template_kwargs)",
+       "return state.engine.encode_prompt(prompt, template_kwargs=template_kwargs)")],
      [T_SRV], "server: prompts rendered and tokenized on the event loop (a long one stalls every client)"),
     ("spec-unread-tensor-ignored", "loading", "mlxinfer/models/spec.py",
      [("    if extra:\n        what = KNOWN_UNSUPPORTED", "    if False:\n        what = KNOWN_UNSUPPORTED")],
@@ -725,6 +744,100 @@ M = [
     ("bench-header-without-command", "bench", BENCH,
      [('info = dict(kind="header", command=command, model=model,', 'info = dict(kind="header", model=model,')],
      [T_BENCH], "mlxinfer bench --out: the JSON header does not say which command made the run"),
+    # -- issue 32: what clients send (sampling surface, request fields, system_fingerprint) ---------
+    ("samp-bias-dropped-numpy", "sampling", SAMP,
+     [("x[ids] += np.array([b for _, b in p.logit_bias], dtype=np.float32)", "x[ids] += 0")],
+     [T_SAMP], "numpy sampler: logit_bias ignored"),
+    ("samp-bias-dropped-mlx", "sampling", SAMP,
+     [("x = x.at[ids].add(mx.array([b for _, b in p.logit_bias], dtype=mx.float32))", "x = x")],
+     [T_SAMP], "mlx sampler: logit_bias ignored"),
+    ("samp-repetition-prompt-ignored", "sampling", SAMP,
+     [("seen = (np.bincount(np.array(history.prompt, dtype=np.int64), minlength=v) > 0) | (counts > 0)",
+       "seen = counts > 0")],
+     [T_SAMP], "numpy sampler: repetition_penalty sees only the generated tokens, not the prompt's"),
+    ("samp-repetition-sign", "sampling", SAMP,
+     [("x = np.where(seen, np.where(x > 0, x / r, x * r), x)", "x = np.where(seen, x / r, x)")],
+     [T_SAMP], "numpy sampler: repetition_penalty divides negative logits too (raising them)"),
+    ("samp-presence-dropped", "sampling", SAMP,
+     [("np.float32(p.frequency_penalty) * counts + np.float32(p.presence_penalty),",
+       "np.float32(p.frequency_penalty) * counts,")],
+     [T_SAMP], "numpy sampler: presence_penalty ignored"),
+    ("samp-frequency-without-count", "sampling", SAMP,
+     [("np.float32(p.frequency_penalty) * counts + np.float32(p.presence_penalty),",
+       "np.float32(p.frequency_penalty) + np.float32(p.presence_penalty),")],
+     [T_SAMP], "numpy sampler: frequency_penalty not multiplied by the count"),
+    ("samp-mlx-pending-ignored", "sampling", LOOP,
+     [("            pending = tokens[row:row + 1]", "            pending = None")],
+     [T_GEN + "::test_penalties_and_bias_are_per_sequence_and_batch_invariant"],
+     "loop: a pipelined pass's penalties miss the token of the pass still in flight"),
+    ("samp-top-logprobs-row-0", "sampling", LOOP,
+     [("alternatives = list(zip(top[0][row][:k], top[1][row][:k]))",
+       "alternatives = list(zip(top[0][0][:k], top[1][0][:k]))")],
+     [T_GEN + "::test_penalties_and_bias_are_per_sequence_and_batch_invariant"],
+     "loop: every sequence gets the first row's top_logprobs"),
+    ("samp-top-logprobs-after-bias", "sampling", SAMP,
+     [("cand = np.argpartition(-row, k - 1)[:k]", "cand = np.argpartition(-x, k - 1)[:k]")],
+     [T_SAMP], "numpy sampler: top_logprobs ranked by the biased logits, not the model's"),
+    ("srv-unknown-field-ignored", "server", SRV_SCHEMAS,
+     [('model_config = ConfigDict(extra="forbid")', 'model_config = ConfigDict(extra="ignore")')],
+     [T_SRV + "::test_a_field_we_do_not_implement_is_a_400_naming_it"], "server: unknown fields ignored"),
+    ("srv-chat-stops-at-16", "server", SRV_ROUTES,
+     [("return max(1, scheduler.room(n_prompt)) if chat else COMPLETION_MAX_TOKENS",
+       "return COMPLETION_MAX_TOKENS")],
+     [T_SRV + "::test_chat_without_max_tokens_runs_to_the_end_of_the_turn_or_the_context"],
+     "server: chat without max_tokens stops at 16 tokens"),
+    ("srv-developer-role-as-is", "server", SRV_SCHEMAS,
+     [('"system" if self.role == "developer" else self.role', "self.role")],
+     [T_SRV + "::test_an_image_part_is_a_400_and_text_parts_are_the_text"],
+     "server: the developer role reaches the template as is (not as system)"),
+    ("srv-text-parts-run-together", "server", SRV_SCHEMAS,
+     [('"\\n".join(p.text for p in self.content)', '"".join(p.text for p in self.content)')],
+     [T_SRV + "::test_an_image_part_is_a_400_and_text_parts_are_the_text"],
+     "server: text parts joined without their newline"),
+    ("srv-min-p-dropped", "server", SRV_ROUTES,
+     [("min_p=float(body.min_p)", "min_p=0.0")],
+     [T_SRV + "::test_sampling_options_over_the_api_equal_the_engines"], "server: min_p dropped"),
+    ("srv-penalties-dropped", "server", SRV_ROUTES,
+     [("presence_penalty=float(body.presence_penalty)", "presence_penalty=0.0")],
+     [T_SRV + "::test_sampling_options_over_the_api_equal_the_engines"], "server: presence_penalty dropped"),
+    ("srv-logit-bias-dropped", "server", SRV_ROUTES,
+     [("logit_bias=bias, top_logprobs", "logit_bias={}, top_logprobs")],
+     [T_SRV + "::test_sampling_options_over_the_api_equal_the_engines"], "server: logit_bias dropped"),
+    ("srv-top-logprobs-dropped", "server", SRV_ROUTES,
+     [("want_logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0)",
+       "want_logprobs=body.logprobs, top_logprobs=0)")],
+     [T_SRV + "::test_top_logprobs_in_chat_and_completions"], "server: chat's top_logprobs dropped"),
+    ("srv-fingerprint-ignores-tensor-data", "server", SRV_FP,
+     [("        h.update(f.read(TAIL_BYTES))", "        f.read(TAIL_BYTES)")],
+     [T_SRV + "::test_the_fingerprint_follows_the_file_version_and_kernels"],
+     "server: system_fingerprint blind to the tensor data (the header only)"),
+    ("srv-fingerprint-not-in-chunks", "server", SRV_SCHEMAS,
+     [("""            "system_fingerprint": fingerprint, "choices": [choice]}
+
+
+def usage_chunk""", """            "choices": [choice]}
+
+
+def usage_chunk""")],
+     [T_SRV + "::test_every_response_carries_the_system_fingerprint"],
+     "server: completions' stream chunks lack system_fingerprint"),
+    ("srv-room-ignores-budget", "server", SCHED,
+     [("        if self.kv_memory is None or hi < 1:\n", "        if True:\n")],
+     [T_SRV + "::test_kv_memory_budget"], "scheduler: a chat turn without max_tokens asks for the whole context "
+     "under a KV budget (refused: 400)"),
+    ("srv-template-kwargs-dropped", "server", SRV_ROUTES,
+     [('encode(state, messages, "messages", body.chat_template_kwargs)', 'encode(state, messages, "messages", None)')],
+     [T_SRV + "::test_chat_template_kwargs_reach_the_template"], "server: chat_template_kwargs dropped"),
+    ("srv-reasoning-tag-in-pieces", "server", SRV_REASONING,
+     [("if OPEN.startswith(s):", "if False:")],
+     [T_SRV + "::test_the_reasoning_splitter_finds_tags_across_pieces"],
+     "reasoning: an opening tag that arrives in pieces is taken for content"),
+    ("srv-reasoning-not-streamed", "server", SRV_ROUTES,
+     [("            reasoning, text = split(job, ev.text)\n", "            reasoning, text = \"\", ev.text\n")],
+     [T_SRV + "::test_reasoning_content_streamed_and_not"], "server: a stream's tokens not split into reasoning"),
+    ("cli-drops-repeat-penalty", "options", CLI,
+     [("repetition_penalty=args.repeat_penalty", "repetition_penalty=1.0")],
+     [T_CLI + "::test_generate_sampling_options"], "CLI drops --repeat-penalty"),
     # -- issue 31: the Mac path (Metal kernel limits, clang check, order read from the source, self-check) --
     ("metal-threadgroup-over-32k", "metal", METAL,
      [("threadgroup float part[32 * MLXI_PART_D];", "threadgroup float part[32 * MLXI_MAX_D];")],

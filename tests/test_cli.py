@@ -61,6 +61,11 @@ def test_generate_sampling_options(smollm2_path):
     assert run("--temp", "1.5", "--seed", "1", "--min-p", "1") == greedy
     assert run("--temp", "1.5", "--seed", "7") == run("--temp", "1.5", "--seed", "7")
     assert run("--temp", "1.5", "--seed", "-1") is not None  # llama.cpp's "random seed": no error
+    # the penalties reach the sampler (greedy: a penalised token changes the text from where it repeats)
+    assert run("--repeat-penalty", "1.5") != greedy
+    assert run("--presence-penalty", "2", "--frequency-penalty", "2") != greedy
+    r = run_cli("generate", "--backend", "cpu", "--presence-penalty", "3", "hi")
+    assert r.returncode != 0 and "presence_penalty must be in [-2, 2]" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_generate_chat_mode(smollm2_path):

@@ -372,6 +372,46 @@ def test_generate_batch_samples_as_each_prompt_alone(engine):
                                                            **narrow)] == greedy, narrow
 
 
+PER_SEQUENCE = [dict(repetition_penalty=1.4), dict(presence_penalty=0.8, frequency_penalty=0.5),
+                dict(logit_bias={42: 2.0, 76: -100}), {}, dict(temperature=0.9, seed=2, repetition_penalty=1.2),
+                dict(top_logprobs=3, frequency_penalty=1.0),
+                dict(logit_bias={42: 4.0}, presence_penalty=2.0)]  # 42 once: the penalty must see the newest token
+
+
+@pytest.mark.parametrize("backend", ["cpu", "mlx"])
+def test_penalties_and_bias_are_per_sequence_and_batch_invariant(path, backend):
+    """Seven sequences with their own options in one loop, each with neighbours that differ in every
+    option: each gives the tokens, logprobs and alternatives it gives alone (bit for bit), and on
+    MLX, whose passes are pipelined (a penalty must see the token of the pass still in flight), the
+    greedy ones give the numpy reference's tokens. Options that change nothing would pass this too:
+    the penalised texts differ from the plain one."""
+    if backend == "mlx":
+        pytest.importorskip("mlx.core")
+    engine = mlxinfer.load(path, backend=backend)
+    prompts = [[7, 8, 9], list(range(40, 60)), [10, 11], [300, 12], [7, 8, 9], [10, 11], [10, 11]]
+    alone = [engine.generate(p, max_tokens=12, **o) for p, o in zip(prompts, PER_SEQUENCE)]
+    loop = engine.new_loop()
+    seqs = [loop.admit(engine.encode_prompt(p), engine.sampling_params(**{"temperature": 0.0, **o}), 12)
+            for p, o in zip(prompts, PER_SEQUENCE)]
+    done = {}
+    while loop.busy:
+        for s, ev in loop.step():
+            if isinstance(ev, FinishEvent):
+                done[id(s)] = ev.generation
+    for a, s in zip(alone, seqs):
+        b = done[id(s)]
+        assert (a.token_ids, a.logprobs, a.top_logprobs) == (b.token_ids, b.logprobs, b.top_logprobs)
+    plain = [engine.generate(p, max_tokens=12).token_ids for p in prompts]
+    assert all(a.token_ids != t for a, t, o in zip(alone, plain, PER_SEQUENCE) if o) and alone[3].token_ids == plain[3]
+    assert 76 in plain[2] and 76 not in alone[2].token_ids and len(alone[5].top_logprobs[0]) == 3
+    assert alone[6].token_ids[0] == 42 != alone[6].token_ids[1]
+    if backend == "mlx":
+        ref = mlxinfer.load(path, backend="cpu")
+        for p, o, a in zip(prompts, PER_SEQUENCE, alone):
+            if o.get("temperature", 0) == 0:
+                assert ref.generate(p, max_tokens=12, **o).token_ids == a.token_ids, o
+
+
 def test_prefill_chunks_keep_their_boundaries_when_passes_are_full(path, monkeypatch):
     """Six prompts prefilled in chunks of 4 compete for the prefill rows of each pass: a sequence that
     waits keeps its boundaries (chunks start at multiples of 4, even where a short last chunk of

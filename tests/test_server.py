@@ -4,6 +4,7 @@ every bad input with its status. After each test the scheduler holds no request 
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -285,13 +286,17 @@ def test_a_client_that_leaves_a_busy_request_frees_its_slot(served, slow_passes)
     ({"model": MODEL, "prompt": ""}, 400, "empty prompt"),
     ({"model": MODEL, "prompt": [9999]}, 400, "outside the vocabulary"),
     ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n must be 1"),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 5}, 400, "logprobs 5 asks for top alternatives"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias keys are token ids"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"9999": 1}}, 400, "outside the vocabulary"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "[-100, 100]"),
+    ({"model": MODEL, "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"model": MODEL, "prompt": "hi", "stop": [""]}, 400, "stop"),
     ({"model": MODEL, "prompt": "hi", "stop": [f"s{i}" for i in range(10_000)]}, 400, "at most 16 stop strings"),
     ({"model": MODEL, "prompt": "hi", "stop": ["x" * 257]}, 400, "at most 256 characters"),
     ({"model": MODEL, "prompt": "a\udcff"}, 400, "lone surrogate U+DCFF"),
     ({"model": MODEL, "prompt": [3, 1.9]}, 400, "prompt.1: Input should be a valid integer"),
-    ({"model": "gpt-4", "prompt": "hi"}, 404, "does not exist"),
 ])
 def test_bad_completion_requests(served, body, status, fragment):
     content = body if isinstance(body, bytes) else json.dumps(body)  # ASCII JSON: "\udcff" as an escape
@@ -306,7 +311,10 @@ def test_bad_completion_requests(served, body, status, fragment):
     ({"model": MODEL, "messages": []}, 400, "messages must not be empty"),
     ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
     ({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, 400, "content"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400, "top_logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400,
+     "top_logprobs needs logprobs: true"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, 400, "lone surrogate U+D800"),
 ])
 def test_bad_chat_requests(served, body, status, fragment):
@@ -325,7 +333,7 @@ def test_unknown_route_and_body_too_large(served):
 
 def test_openai_client_sees_errors_as_its_exceptions(served):
     with pytest.raises(openai.NotFoundError):
-        served.client.completions.create(model="nope", prompt="hi", max_tokens=2)
+        served.client.models.retrieve("nope")
     with pytest.raises(openai.BadRequestError, match="context length"):
         served.client.completions.create(model=MODEL, prompt="hi", max_tokens=100_000)
 
@@ -364,6 +372,12 @@ def test_kv_memory_budget(engine):
         # at once, not left waiting for room that never comes
         with pytest.raises(openai.BadRequestError, match="budget"):
             s.client.completions.create(model=MODEL, prompt=LONG, max_tokens=31)
+        # a chat turn without max_tokens gets what the budget holds for it alone (2 blocks: 32 positions)
+        chat = s.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0)
+        n_prompt = len(engine.encode_prompt(CHAT))
+        assert s.scheduler.room(n_prompt) == 32 - n_prompt
+        assert chat.usage.total_tokens <= 32 and (chat.choices[0].finish_reason == "stop"
+                                                 or chat.usage.total_tokens == 32)
     finally:
         s.stop()
 
@@ -427,7 +441,7 @@ def test_cli_serve_answers(tmp_path, engine):
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mlxinfer", "serve", "--model", engine.path, "--backend", "cpu",
-                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--port", str(port), "--alias", "local", "--cors", "http://a.example"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -440,6 +454,10 @@ def test_cli_serve_answers(tmp_path, engine):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": LONG, "max_tokens": 4,
                                                                          "temperature": 0}, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == engine.generate(LONG, max_tokens=4).text
+        assert r.json()["model"] == "local" and httpx.get(f"http://127.0.0.1:{port}/v1/models/local").status_code == 200
+        pre = httpx.options(f"http://127.0.0.1:{port}/v1/chat/completions",
+                            headers={"origin": "http://a.example", "access-control-request-method": "POST"})
+        assert pre.headers.get("access-control-allow-origin") == "http://a.example"
     finally:
         proc.terminate()
         proc.wait(20)
@@ -550,3 +568,209 @@ def test_the_queue_holds_max_queue_beyond_the_free_batch_places(engine):
             time.sleep(0.01)
     finally:
         sched.close()
+
+
+# -- issue 32: what clients send -----------------------------------------------------------------
+
+CHAT = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": []}, "tools"),
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+    ({"messages": [{"role": "user", "content": "hi", "audio": {}}]}, "messages.0.audio"),
+])
+def test_a_field_we_do_not_implement_is_a_400_naming_it(served, extra, field):
+    r = httpx.post(served.url + "/v1/chat/completions", json={"model": MODEL, "messages": CHAT, **extra}, timeout=10)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and repr(field) in err["message"] and err["code"] == "unsupported_field"
+
+
+def test_an_image_part_is_a_400_and_text_parts_are_the_text(served, engine):
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    r = httpx.post(served.url + "/v1/chat/completions", timeout=10,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": [image]}]})
+    assert r.status_code == 400 and "'image_url' are not supported" in r.json()["error"]["message"]
+    want = engine.generate([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a\nb"}],
+                           max_tokens=6)
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    r = served.client.chat.completions.create(model="anything", messages=parts, max_tokens=6, temperature=0)
+    assert r.choices[0].message.content == want.text and r.model == MODEL  # any model name: the one served
+
+
+def test_fields_that_change_nothing_are_accepted(served, engine):
+    plain = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0)
+    extra = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
+                                                  user="u1", metadata={"k": "v"}, store=False, service_tier="auto")
+    assert extra.choices[0].message.content == plain.choices[0].message.content
+    r = httpx.post(served.url + "/v1/chat/completions", timeout=10,
+                   json={"model": MODEL, "messages": CHAT, "store": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "store"
+
+
+def test_chat_without_max_tokens_runs_to_the_end_of_the_turn_or_the_context(served, engine):
+    want = engine.generate(CHAT, max_tokens=256 - len(engine.encode_prompt(CHAT)))
+    r = served.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0)
+    assert r.choices[0].message.content == want.text and r.usage.completion_tokens == len(want.token_ids)
+    assert r.usage.completion_tokens > 16
+    assert r.choices[0].finish_reason == "stop" or r.usage.total_tokens == SHAPE["context_length"]
+    c = served.client.completions.create(model=MODEL, prompt=LONG, temperature=0)  # OpenAI's default
+    assert c.usage.completion_tokens == 16
+
+
+def test_model_by_id(served):
+    m = served.client.models.retrieve(MODEL)
+    assert m.id == MODEL and m.object == "model"
+    r = httpx.get(served.url + "/v1/models/other")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_cors_is_off_unless_asked(served):
+    pre = httpx.options(served.url + "/v1/chat/completions",
+                        headers={"origin": "http://evil.example", "access-control-request-method": "POST"})
+    assert "access-control-allow-origin" not in pre.headers
+    r = httpx.get(served.url + "/v1/models", headers={"origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_every_response_carries_the_system_fingerprint(served, engine):
+    from mlxinfer.server.fingerprint import system_fingerprint
+
+    fp = system_fingerprint(engine)
+    assert re.fullmatch(r"fp_[0-9a-f]{16}", fp)
+    r = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0)
+    assert r.system_fingerprint == fp
+    chunks = list(served.client.completions.create(model=MODEL, prompt=LONG, max_tokens=3, stream=True,
+                                                   stream_options={"include_usage": True}))
+    assert chunks and all(c.system_fingerprint == fp for c in chunks)
+
+
+def test_the_fingerprint_follows_the_file_version_and_kernels(engine, tmp_path, monkeypatch):
+    import shutil
+
+    from mlxinfer.server import fingerprint
+
+    fp = fingerprint.system_fingerprint(engine)
+    copy = tmp_path / "copy.gguf"
+    shutil.copyfile(engine.path, copy)
+    other = mlxinfer.load(copy, backend="mlx" if engine.backend.describe().startswith("mlx") else "cpu", kv="paged")
+    assert fingerprint.system_fingerprint(other) == fp  # the same bytes, the same kernels
+    data = bytearray(copy.read_bytes())
+    data[-1] ^= 1  # one bit of the last tensor's data
+    copy.write_bytes(data)
+    assert fingerprint.system_fingerprint(other) != fp
+    monkeypatch.setattr(fingerprint, "__version__", "0.0.0-other")
+    assert fingerprint.system_fingerprint(engine) != fp
+
+
+def test_sampling_options_over_the_api_equal_the_engines(served, engine):
+    """Each option alone, compared token for token with the engine's own: each changes the text (so a
+    dropped one would show) and the server gives what the engine gives."""
+    greedy = dict(temperature=0)
+    sampled = dict(temperature=1.5, seed=5)
+    cases = [(greedy, dict(repetition_penalty=1.3)), (greedy, dict(presence_penalty=1.5)),
+             (greedy, dict(frequency_penalty=1.5)), (sampled, dict(top_k=3)), (sampled, dict(min_p=0.3)),
+             (sampled, dict(top_p=0.5))]
+    for base, option in cases:
+        plain = engine.generate(LONG, max_tokens=12, **base)
+        want = engine.generate(LONG, max_tokens=12, **base, **option)
+        assert want.token_ids != plain.token_ids, option  # the option has an effect here
+        r = served.client.completions.create(model=MODEL, prompt=LONG, max_tokens=12, temperature=base["temperature"],
+                                             seed=base.get("seed"), extra_body=option)
+        assert r.choices[0].text == want.text, option
+    forced = served.client.completions.create(model=MODEL, prompt=LONG, max_tokens=4, temperature=0,
+                                              logit_bias={"42": 100}, logprobs=0)
+    assert forced.choices[0].logprobs.tokens == [engine.tokenizer.decode([42])] * 4
+
+
+def test_top_logprobs_in_chat_and_completions(served, engine):
+    want = engine.generate(CHAT, max_tokens=5, top_logprobs=4)
+    r = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
+                                              top_logprobs=4)
+    content = r.choices[0].logprobs.content
+    decode = engine.tokenizer.decode
+    for item, alts, tok in zip(content, want.top_logprobs, want.token_ids, strict=True):
+        assert [a.token for a in item.top_logprobs] == [decode([a]) for a, _ in alts]
+        assert [a.logprob for a in item.top_logprobs] == pytest.approx([q for _, q in alts])
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob)  # greedy: the likeliest is chosen
+        assert item.token == decode([tok])
+    chunks = list(served.client.completions.create(model=MODEL, prompt=LONG, max_tokens=3, temperature=0, stream=True,
+                                                   logprobs=2))
+    tops = [c.choices[0].logprobs.top_logprobs[0] for c in chunks if c.choices[0].logprobs]
+    want = engine.generate(LONG, max_tokens=3, top_logprobs=2)
+    assert len(tops) == 3 and all(len(t) <= 2 for t in tops)
+    for t, alts in zip(tops, want.top_logprobs):
+        assert max(t.values()) == pytest.approx(alts[0][1])
+
+
+def test_chat_template_kwargs_reach_the_template(served, engine, monkeypatch):
+    monkeypatch.setattr(engine.tokenizer, "chat_template",
+                        "{% for m in messages %}{{ m.content }}{% endfor %}{% if enable_thinking is false %}"
+                        " no thinking{% endif %}")
+    kwargs = {"enable_thinking": False}
+    want = engine.encode_prompt(CHAT, template_kwargs=kwargs)
+    assert len(want) > len(engine.encode_prompt(CHAT))
+    r = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0,
+                                              extra_body={"chat_template_kwargs": kwargs})
+    assert r.usage.prompt_tokens == len(want)
+    r = httpx.post(served.url + "/v1/chat/completions", timeout=10,
+                   json={"model": MODEL, "messages": CHAT, "chat_template_kwargs": {"messages": []}})
+    assert r.status_code == 400 and "'messages' is set by mlxinfer" in r.json()["error"]["message"]
+
+
+THOUGHT = ["<th", "ink>\n", "2 + 2", " is 4 <", "/thi", "nk>", "\n\n", "It is ", "4."]  # a reasoning turn, in pieces
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 100])
+def test_the_reasoning_splitter_finds_tags_across_pieces(size):
+    from mlxinfer.server.reasoning import ReasoningSplitter
+
+    text = "".join(THOUGHT)
+    s, reasoning, content = ReasoningSplitter(), "", ""
+    for i in range(0, len(text), size):
+        r, c = s.feed(text[i:i + size])
+        reasoning, content = reasoning + r, content + c
+    r, c = s.finish()
+    assert (reasoning + r, content + c) == ("2 + 2 is 4 ", "It is 4.")
+    opened = ReasoningSplitter(inside=True)  # the prompt opened the tag (DeepSeek-R1's templates)
+    assert [opened.feed("a</think>b"), opened.finish()] == [("a", "b"), ("", "")]
+    plain = ReasoningSplitter()
+    assert [plain.feed("no <think> here"), plain.finish()] == [("", "no <think> here"), ("", "")]
+
+
+def test_reasoning_content_streamed_and_not(engine, monkeypatch):
+    """A turn whose text is THOUGHT (the detokenizer scripted): its reasoning apart from its content,
+    streamed as deltas of their own; with --reasoning off, or a vocabulary without the tags (auto), the
+    tags stay in the content."""
+    class Scripted:
+        def __init__(self):
+            self.i = 0
+
+        def step(self, token):
+            self.i += 1
+            return THOUGHT[self.i - 1] if self.i <= len(THOUGHT) else ""
+
+    monkeypatch.setattr(engine.tokenizer, "decode_stream", Scripted)
+    n = len(THOUGHT)
+    for mode in ("on", "auto"):
+        s = Served(engine, reasoning=mode)
+        try:
+            r = s.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=n, temperature=0)
+            msg = r.choices[0].message
+            if mode == "auto":  # the synthetic vocabulary has no <think> token: nothing is split
+                assert msg.content == "".join(THOUGHT) and getattr(msg, "reasoning_content", None) is None
+                continue
+            assert (msg.reasoning_content, msg.content) == ("2 + 2 is 4 ", "It is 4.")
+            chunks = list(s.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=n, temperature=0,
+                                                           stream=True))
+            deltas = [c.choices[0].delta for c in chunks]
+            reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+            content = "".join(d.content or "" for d in deltas)
+            assert (reasoning, content) == ("2 + 2 is 4 ", "It is 4.")
+            assert sum(1 for d in deltas if getattr(d, "reasoning_content", None)) >= 2  # streamed, not one piece
+        finally:
+            s.stop()

@@ -3,23 +3,32 @@ sse-starlette, metrics through prometheus_client) over the continuous-batching s
 
     POST /v1/completions         prompt (text or token ids), streaming or not
     POST /v1/chat/completions    messages, rendered with the model's chat template
-    GET  /v1/models              the one model served
+    GET  /v1/models              the one model served (GET /v1/models/{id}: it alone)
     GET  /health                 {"status": "ok"} while the scheduler runs, 503 otherwise
     GET  /metrics                Prometheus text: requests running/queued, tokens, TTFT and inter-token
                                  latency histograms, KV slots, bytes and blocks, prefix-cache hits
 
-Options per request: max_tokens (default 16, as OpenAI's completions), temperature (default 1.0, as
-OpenAI), top_p, seed, stop (text or list), n (only 1), logprobs (the chosen tokens' log-probabilities;
-top alternatives are not computed: a request for them gets a 400), stream, stream_options.include_usage.
-Every error is OpenAI's JSON shape {"error": {"message", "type", "param", "code"}} with its status: 400
-bad request (malformed JSON, wrong types, max_tokens past the context, empty messages), 404 unknown model
-or route, 413 body over the size limit, 429 queue full (with Retry-After), 503 shutting down.
+Options per request (schemas.py lists every field, and those accepted that change nothing): max_tokens
+(default: completions 16, as OpenAI's; chat the rest of the context, so a turn ends on its
+end-of-generation token), temperature (default 1.0, as OpenAI), top_p, top_k, min_p,
+repetition_penalty, presence_penalty, frequency_penalty, logit_bias, seed, stop (text or list), n (only
+1), logprobs and top_logprobs (up to 20), stream, stream_options.include_usage. The `model` a request
+names is not checked: one model is served (as llama-server). Messages: system, developer (as system),
+user, assistant; content as text or a list of text parts. Every response carries `system_fingerprint`
+(fingerprint.py). A chat turn's `<think>` text is `reasoning_content` (reasoning.py; --reasoning), and
+`chat_template_kwargs` are variables for the template. A field the server does not implement is a 400 naming it, never ignored. Every
+error is OpenAI's JSON shape {"error": {"message", "type", "param", "code"}} with its status: 400 bad
+request (malformed JSON, wrong types, unsupported fields, max_tokens past the context, empty messages),
+404 unknown route or model id in /v1/models/{id}, 413 body over the size limit, 429 queue full (with
+Retry-After), 503 shutting down. CORS: off unless `--cors ORIGIN` names the browser origins allowed.
 
 The package, one concern per module:
 
     schemas.py      the request models (pydantic) and the response objects OpenAI's clients read
     routes.py       one function per route, and the submit / stream / collect they share
     errors.py       ApiError, and the handlers that turn every failure into OpenAI's error object
+    reasoning.py    a chat turn's <think> text split from its content, as it streams
+    fingerprint.py  system_fingerprint: the model file's digest, the version and the kernels
     metrics.py      the Prometheus collectors
     body_limit.py   the ASGI middleware that refuses an oversized body before it is parsed
     app.py          create_app: the FastAPI app assembled from the above, and the scheduler's lifespan
@@ -50,14 +59,16 @@ def require_extra() -> None:
 
 
 def serve(engine, model_id: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int = 8,
-          max_queue: int = 64, kv_memory: int | None = None, log_level: str = "info") -> None:
+          max_queue: int = 64, kv_memory: int | None = None, log_level: str = "info", cors_origins: tuple = (),
+          reasoning: str = "auto") -> None:
     """Run the server until interrupted (Ctrl-C)."""
     require_extra()
     import uvicorn
 
     from .app import create_app
 
-    app = create_app(engine, model_id, max_batch=max_batch, max_queue=max_queue, kv_memory=kv_memory)
+    app = create_app(engine, model_id, max_batch=max_batch, max_queue=max_queue, kv_memory=kv_memory,
+                     cors_origins=cors_origins, reasoning=reasoning)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 

@@ -5,13 +5,16 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from ..scheduler import Scheduler
 from . import MAX_BODY_BYTES
 from .body_limit import BodyLimit
 from .errors import HANDLERS
+from .fingerprint import system_fingerprint
+from .reasoning import splits_reasoning
 from .metrics import ServerMetrics
-from .routes import ServerState, chat_completions, completions, health, metrics, models
+from .routes import ServerState, chat_completions, completions, health, metrics, model, models
 
 
 @asynccontextmanager
@@ -25,19 +28,26 @@ async def lifespan(app: FastAPI):
 
 
 def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, kv_memory: int | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, cors_origins: tuple = (), reasoning: str = "auto") -> FastAPI:
     """The ASGI app serving `engine` as `model_id`. While it is served, `app.state.scheduler` is its
-    scheduler (tests read its stats); None before."""
+    scheduler (tests read its stats); None before. `cors_origins`: the browser origins allowed to call
+    it ("*" for any); none by default, so a web page elsewhere cannot read the answers. `reasoning`:
+    "auto", "on" or "off", whether chat turns' <think> text goes to reasoning_content (server.reasoning)."""
     app = FastAPI(title="mlxinfer", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.state.server = ServerState(engine, model_id, max_batch, max_queue, kv_memory, ServerMetrics(max_batch),
-                                   created=int(time.time()))
+    app.state.server = ServerState(engine, model_id, system_fingerprint(engine), max_batch, max_queue, kv_memory,
+                                   ServerMetrics(max_batch), created=int(time.time()),
+                                   reasoning=splits_reasoning(reasoning, engine.tokenizer.tokens))
     app.state.scheduler = None
     app.add_middleware(BodyLimit, limit=max_body_bytes)
+    if cors_origins:  # added last: outermost, so that even a refused body's answer carries the headers
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
     for exc, handler in HANDLERS.items():
         app.add_exception_handler(exc, handler)
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET", "HEAD"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     return app

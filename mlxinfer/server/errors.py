@@ -6,7 +6,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from .schemas import error_object
+from .schemas import REFUSED, error_object
 
 
 class ApiError(Exception):
@@ -33,11 +33,27 @@ async def validation_error(request, e: RequestValidationError):
     # a value that fits no branch of a union (a prompt is text or token ids) gets an error per branch:
     # the deepest says most ("prompt.0: ... a valid integer" for [1.9], not "prompt: ... a valid string")
     first = max(errors, key=lambda x: len(x.get("loc", ())), default={})
-    branch = {"str", "int", "float", "bool", "list[int]"}  # pydantic's names of union branches in a loc
-    where = ".".join(str(x) for x in first.get("loc", ()) if x != "body" and x not in branch)
+    where = ".".join(path(first))
     if first.get("type") == "json_invalid":
         return error_response(400, "request body is not valid JSON")
-    return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where or None)
+    unknown = [x for x in errors if x.get("type") == "extra_forbidden"]
+    if unknown:  # a field no request model has: refused by name, never ignored (schemas.REFUSED)
+        loc = path(unknown[0])
+        name = loc[-1] if loc else "?"
+        why = REFUSED.get(name, "this server does not support it")
+        return error_response(400, f"unsupported field {'.'.join(loc)!r}: {why}", param=".".join(loc) or None,
+                              code="unsupported_field")
+    msg = first.get("msg", "invalid request").removeprefix("Value error, ")  # a validator's own message
+    return error_response(400, f"{where or 'body'}: {msg}", param=where or None)
+
+
+BRANCHES = {"str", "int", "float", "bool"}  # pydantic's names of union branches in a loc (and list[...])
+
+
+def path(error: dict) -> list[str]:
+    """Where a validation error is, as the client wrote it: no "body", no union branch names."""
+    return [str(x) for x in error.get("loc", ()) if x != "body" and x not in BRANCHES
+            and not (isinstance(x, str) and "[" in x)]
 
 
 async def http_error(request, e: HTTPException):

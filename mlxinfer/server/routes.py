@@ -22,8 +22,11 @@ from ..scheduler import QueueFull, Scheduler, SchedulerClosed
 from ..scheduler import Request as Submitted
 from .errors import ApiError, error_response
 from .metrics import ServerMetrics
+from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .schemas import (ChatRequest, CompletionRequest, Options, chunk, completion, error_object, logprobs_object,
-                      model_list, response_id, usage_chunk, usage_object)
+                      model_list, model_object, response_id, usage_chunk, usage_object)
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions; chat's default is the rest of the context
 
 
 @dataclass(frozen=True)
@@ -32,12 +35,14 @@ class ServerState:
     here: the lifespan makes it when the server starts, as `app.state.scheduler`."""
 
     engine: object
-    model_id: str
+    model_id: str  # the id the server reports (the file's name, or --alias); requests may name any model
+    fingerprint: str  # system_fingerprint (server.fingerprint)
     max_batch: int
     max_queue: int
     kv_memory: int | None
     metrics: ServerMetrics
     created: int  # when the app was made: the model's `created` in /v1/models
+    reasoning: bool = False  # chat turns' <think> text goes to reasoning_content (server.reasoning)
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,8 @@ class Job:
     chat: bool
     want_logprobs: bool
     rid: str
+    top_logprobs: int  # alternatives reported beside each token
+    splitter: ReasoningSplitter | None  # a chat turn's reasoning and content, where the server splits them
 
 
 # -- the routes, each mounted at its path by app.create_app --------------------------------------
@@ -58,31 +65,35 @@ class Job:
 # what the route returns.
 
 async def completions(request: Request, body: CompletionRequest):
+    """`logprobs`: N asks for the chosen tokens' logprobs and the N most likely tokens beside each."""
     state = request.app.state.server
-    check_model(state, body.model)
-    if body.logprobs is not None and body.logprobs > 1:  # OpenAI's logprobs=N asks for N top alternatives
-        raise ApiError(400, f"logprobs {body.logprobs} asks for top alternatives, which are not computed "
-                            "(0 or 1: the chosen tokens' logprobs)", param="logprobs")
     return await answer(request, state, body, await encode(state, body.prompt, "prompt"), chat=False,
-                        want_logprobs=body.logprobs is not None)
+                        want_logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
 
 
 async def chat_completions(request: Request, body: ChatRequest):
     state = request.app.state.server
-    check_model(state, body.model)
     if not body.messages:
         raise ApiError(400, "messages must not be empty", param="messages")
-    if body.top_logprobs:
-        raise ApiError(400, "top_logprobs is not supported (only the chosen tokens' logprobs)",
-                       param="top_logprobs")
-    messages = [m.model_dump() for m in body.messages]
-    return await answer(request, state, body, await encode(state, messages, "messages"), chat=True,
-                        want_logprobs=body.logprobs)
+    if body.top_logprobs and not body.logprobs:  # as OpenAI: alternatives only beside the chosen tokens
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    messages = [m.for_template() for m in body.messages]
+    prompt_ids = await encode(state, messages, "messages", body.chat_template_kwargs)
+    return await answer(request, state, body, prompt_ids, chat=True,
+                        want_logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0)
 
 
 async def models(request: Request):
     state = request.app.state.server
     return model_list(state.model_id, state.created)
+
+
+async def model(request: Request, model_id: str):
+    state = request.app.state.server
+    if model_id != state.model_id:
+        raise ApiError(404, f"model {model_id!r} does not exist (this server serves {state.model_id!r})",
+                       "not_found_error", "model", "model_not_found")
+    return model_object(state.model_id, state.created)
 
 
 async def health(request: Request):
@@ -109,33 +120,55 @@ def running_scheduler(request: Request) -> Scheduler:
     return s
 
 
-def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_id:
-        raise ApiError(404, f"model {model!r} does not exist (this server serves {state.model_id!r})",
-                       "not_found_error", "model", "model_not_found")
-
-
-async def encode(state: ServerState, prompt, param: str) -> list[int]:
+async def encode(state: ServerState, prompt, param: str, template_kwargs: dict | None = None) -> list[int]:
     """The prompt's token ids, rendered and tokenized on a worker thread: a long prompt takes the event
     loop's time otherwise (eight 1 MiB prompts froze /health and every stream for 7 s)."""
     try:
-        return await run_in_threadpool(state.engine.encode_prompt, prompt)
+        return await run_in_threadpool(state.engine.encode_prompt, prompt, template_kwargs=template_kwargs)
     except RequestError as e:
         raise ApiError(400, str(e), param=param) from None
 
 
-def submit(request: Request, body: Options, prompt_ids: list[int], chat: bool, want_logprobs: bool) -> Job:
+def max_tokens_of(scheduler: Scheduler, body: Options, n_prompt: int, chat: bool) -> int:
+    """The request's max_tokens, or its default: a chat turn runs to its end or the context's (as
+    llama-server and vLLM), or what the KV budget can hold for it; a completion stops at OpenAI's 16."""
+    asked = body.max_completion_tokens or body.max_tokens
+    if asked is not None:
+        return asked
+    return max(1, scheduler.room(n_prompt)) if chat else COMPLETION_MAX_TOKENS
+
+
+def sampling_params(state: ServerState, body: Options, top_logprobs: int) -> SamplingParams:
+    """The request's sampling options, checked against the model (logit_bias names its tokens)."""
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not key.isdigit():
+            raise ApiError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
+        bias[int(key)] = float(value)
+    try:
+        return state.engine.sampling_params(
+            temperature=float(body.temperature), top_k=body.top_k, top_p=float(body.top_p), min_p=float(body.min_p),
+            seed=body.seed, repetition_penalty=float(body.repetition_penalty),
+            presence_penalty=float(body.presence_penalty), frequency_penalty=float(body.frequency_penalty),
+            logit_bias=bias, top_logprobs=top_logprobs)
+    except RequestError as e:
+        raise ApiError(400, str(e), param="logit_bias" if "logit_bias" in str(e) else None) from None
+
+
+def submit(request: Request, body: Options, prompt_ids: list[int], chat: bool, want_logprobs: bool,
+           top_logprobs: int) -> Job:
+    state = request.app.state.server
     if body.n != 1:
         raise ApiError(400, f"n must be 1, got {body.n}", param="n")
-    max_tokens = body.max_completion_tokens or body.max_tokens or 16
     try:
         stop = stop_strings(body.stop)
     except RequestError as e:
         raise ApiError(400, str(e), param="stop") from None
+    params = sampling_params(state, body, top_logprobs)
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     try:
-        params = SamplingParams(temperature=float(body.temperature), top_p=float(body.top_p), seed=body.seed)
         scheduler = running_scheduler(request)
+        max_tokens = max_tokens_of(scheduler, body, len(prompt_ids), chat)
         req = scheduler.submit(prompt_ids, params, max_tokens, stop,
                                lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
     except QueueFull as e:
@@ -144,7 +177,22 @@ def submit(request: Request, body: Options, prompt_ids: list[int], chat: bool, w
         raise ApiError(503, str(e), "server_error", headers={"Retry-After": "1"}) from None
     except RequestError as e:
         raise ApiError(400, str(e)) from None
-    return Job(scheduler, req, events, len(prompt_ids), chat, want_logprobs, response_id(chat))
+    splitter = None
+    if chat and state.reasoning:
+        splitter = ReasoningSplitter(prompt_opens_reasoning(state.engine.tokenizer.decode(prompt_ids[-8:])))
+    return Job(scheduler, req, events, len(prompt_ids), chat, want_logprobs, response_id(chat), top_logprobs,
+               splitter)
+
+
+def split(job: Job, text: str, last: bool = False) -> tuple[str, str]:
+    """(reasoning, content) of some text of the answer; `last`: the end of the turn (nothing held)."""
+    if job.splitter is None:
+        return "", text
+    reasoning, content = job.splitter.feed(text)
+    if last:
+        r, c = job.splitter.finish()
+        reasoning, content = reasoning + r, content + c
+    return reasoning, content
 
 
 def ended(ev: FinishEvent) -> str:
@@ -153,20 +201,23 @@ def ended(ev: FinishEvent) -> str:
     return f"request failed: {ev.error}" if ev.error else f"request ended: {ev.finish_reason}"
 
 
-def token_logprobs(state: ServerState, job: Job, token_ids, logprobs, offsets) -> dict | None:
-    """The logprobs object of some generated tokens, where the request asked for them."""
+def token_logprobs(state: ServerState, job: Job, token_ids, logprobs, offsets, tops) -> dict | None:
+    """The logprobs object of some generated tokens, where the request asked for them; tops: per
+    token, its [(id, logprob)] alternatives."""
     if not job.want_logprobs:
         return None
-    texts = [state.engine.tokenizer.decode([t]) for t in token_ids]
-    return logprobs_object(texts, logprobs, offsets, job.chat)
+    decode = state.engine.tokenizer.decode
+    texts = [decode([t]) for t in token_ids]
+    top = [[(decode([a]), q) for a, q in alts] for alts in tops] if job.top_logprobs else None
+    return logprobs_object(texts, logprobs, offsets, job.chat, top)
 
 
 async def answer(request: Request, state: ServerState, body: Options, prompt_ids: list[int], chat: bool,
-                 want_logprobs: bool):
+                 want_logprobs: bool, top_logprobs: int):
     """Submit and answer: one JSON response, or an SSE stream of chunks."""
-    job = submit(request, body, prompt_ids, chat, want_logprobs)
+    job = submit(request, body, prompt_ids, chat, want_logprobs, top_logprobs)
     if body.stream:
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventSourceResponse(stream(state, job, include_usage), ping=15)
     return await collect(request, state, job)
 
@@ -184,16 +235,19 @@ async def stream(state: ServerState, job: Job, include_usage: bool):
                 if ev.finish_reason not in ("stop", "length"):
                     yield {"data": json.dumps(error_object(ended(ev), "server_error"))}
                     return
-                yield {"data": json.dumps(chunk(job.rid, state.model_id, ev.text, None, ev.finish_reason, job.chat,
-                                                first))}
+                reasoning, text = split(job, ev.text, last=True)
+                yield {"data": json.dumps(chunk(job.rid, state.model_id, state.fingerprint, text, None,
+                                                ev.finish_reason, job.chat, first, reasoning))}
                 if include_usage:
                     use = usage_object(job.prompt_tokens, n_tokens, job.req.cached_tokens)
-                    yield {"data": json.dumps(usage_chunk(job.rid, state.model_id, use, job.chat))}
+                    yield {"data": json.dumps(usage_chunk(job.rid, state.model_id, state.fingerprint, use, job.chat))}
                 yield {"data": "[DONE]"}
                 return
             n_tokens += 1
-            lp = token_logprobs(state, job, [ev.token_id], [ev.logprob], [sent])
-            yield {"data": json.dumps(chunk(job.rid, state.model_id, ev.text, lp, None, job.chat, first))}
+            lp = token_logprobs(state, job, [ev.token_id], [ev.logprob], [sent], [ev.top_logprobs])
+            reasoning, text = split(job, ev.text)
+            yield {"data": json.dumps(chunk(job.rid, state.model_id, state.fingerprint, text, lp, None, job.chat,
+                                            first, reasoning))}
             sent += len(ev.text)
             first = False
     finally:  # the client went away (or the stream ended): free the slot within a pass
@@ -202,7 +256,7 @@ async def stream(state: ServerState, job: Job, include_usage: bool):
 
 async def collect(request: Request, state: ServerState, job: Job) -> dict:
     """The whole answer of a request that is not streamed."""
-    text, tokens, logprobs = [], [], []
+    text, tokens, logprobs, tops = [], [], [], []
     clock = asyncio.get_running_loop().time
     next_check = clock() + 0.5
     try:
@@ -222,6 +276,7 @@ async def collect(request: Request, state: ServerState, job: Job) -> dict:
             text.append(ev.text)
             tokens.append(ev.token_id)
             logprobs.append(ev.logprob)
+            tops.append(ev.top_logprobs)
     finally:
         job.scheduler.cancel(job.req)
     state.metrics.record(ev, job.prompt_tokens, job.req.cached_tokens)
@@ -232,6 +287,8 @@ async def collect(request: Request, state: ServerState, job: Job) -> dict:
     for piece in text[:len(tokens)]:  # each token's text, in the order they came
         offsets.append(at)
         at += len(piece)
-    lp = token_logprobs(state, job, tokens, logprobs, offsets)
+    lp = token_logprobs(state, job, tokens, logprobs, offsets, tops)
     use = usage_object(job.prompt_tokens, len(tokens), job.req.cached_tokens)
-    return completion(job.rid, state.model_id, "".join(text), lp, ev.finish_reason, use, job.chat)
+    reasoning, content = split(job, "".join(text), last=True)
+    return completion(job.rid, state.model_id, content, lp, ev.finish_reason, use, job.chat, state.fingerprint,
+                      reasoning)
