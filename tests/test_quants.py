@@ -127,7 +127,7 @@ def test_memory_after_loading_is_within_1_15x_of_the_file(model_dir, qtype, devi
     gc.collect()
     mx.clear_cache()
     before = mx.get_active_memory()
-    engine = mlxinfer.load(path, backend="mlx", device=device)
+    engine = mlxinfer.Engine(path, MLXBackend(device=device, float_scales=False))  # (a GPU's default: True)
     used = mx.get_active_memory() - before
     # MLX's CPU allocator counts the bytes asked for; a GPU build's allocator may round each buffer up
     # (not measured here: allowed at most 16 KiB an array)
@@ -237,3 +237,12 @@ def test_float_scales_give_the_same_bits_in_more_memory(model_dir, qtype):
     a = np.concatenate([fast.logits(IDS), decode_logits(fast, IDS, 2)])
     b = np.concatenate([compact.logits(IDS), decode_logits(compact, IDS, 2)])
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_scales_are_formed_once_on_a_gpu_and_at_each_use_on_the_cpu():
+    """The default of `float_scales` follows the device (decode speed on a GPU, memory on the CPU)."""
+    assert MLXBackend(device="cpu").float_scales is False
+    assert MLXBackend(device="cpu", float_scales=True).float_scales is True
+    if gpu_kind() is not None:
+        assert MLXBackend(device="gpu").float_scales is True
+        assert MLXBackend(device="gpu", float_scales=False).float_scales is False

@@ -195,11 +195,13 @@ class MLXBackend(Backend):
 
     def __init__(self, attention: str = "fused", device: str | None = None, kernel: str | None = None,
                  verify=verify_gpu_kernels, per_sequence_linear: bool = False, threads: int | None = None,
-                 ranks: int = 1, float_scales: bool = False):
+                 ranks: int = 1, float_scales: bool | None = None):
         super().__init__(attention)
         # affine weights' float32 scales formed once at load, not at each use (`mlx_weights.to_device`):
-        # the same bits, faster, more memory; off by default (the memory bound of issue 28)
-        self.float_scales = float_scales
+        # the same bits, more memory (1.17-1.33x the file's bytes instead of 1.00-1.03x). Default: on a
+        # GPU, where forming them at each use costs decode a third to three fifths of its speed (an
+        # elementwise pass per product; measured in docs/performance.md); not on MLX's CPU, where the
+        # larger scales are read every product and decode is no faster.
         # MLX's GPU products are not row-invariant (README: batch invariance); this multiplies each
         # sequence's rows on their own, as the cpu backend does, at the price of batching.
         self.per_sequence_linear = per_sequence_linear
@@ -213,6 +215,7 @@ class MLXBackend(Backend):
         if threads is not None and device == "gpu":
             raise RequestError("--threads sets the threads of the CPU's weight products; on a GPU MLX schedules its own")
         self.device = device
+        self.float_scales = device == "gpu" if float_scales is None else float_scales
         self.mx_device = mx.gpu if device == "gpu" else mx.cpu
         self.activate()
         # MLX runs a CPU stream's work on one thread: quantized products of at least 2 x SPLIT_MIN_ROWS
