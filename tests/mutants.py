@@ -37,6 +37,7 @@ T_TP = "tests/test_tp.py"
 T_WG = "tests/test_weight_groups.py"
 T_COMP = "tests/test_compile.py"
 T_BENCH = "tests/test_bench.py"
+T_PPL = "tests/test_perplexity.py"
 
 CPU = "mlxinfer/backends/cpu.py"
 MLX = "mlxinfer/backends/mlx.py"
@@ -67,6 +68,7 @@ COLL = "mlxinfer/collectives.py"
 GGUF = "mlxinfer/gguf_file.py"
 BENCH = "mlxinfer/benchmark.py"
 PEERS = "mlxinfer/peers.py"
+PPL = "mlxinfer/perplexity.py"
 
 ONLINE_SOFTMAX = '''
 
@@ -685,6 +687,23 @@ M = [
     ("bench-header-without-command", "bench", BENCH,
      [('info = dict(kind="header", command=command, model=model,', 'info = dict(kind="header", model=model,')],
      [T_BENCH], "mlxinfer bench --out: the JSON header does not say which command made the run"),
+    # -- issue 28: mlxinfer perplexity -------------------------------------------------------------
+    ("ppl-whole-window-scored", "perplexity", PPL,
+     [("    return ctx // 2\n", "    return 0\n")],
+     [T_PPL], "perplexity: every position of a window scored, not its second half"),
+    ("ppl-target-shifted", "perplexity", PPL,
+     [("targets = np.asarray(tokens[start + first + 1:start + ctx])",
+       "targets = np.asarray(tokens[start + first:start + ctx - 1])")],
+     [T_PPL], "perplexity: position j scored against token j instead of j + 1"),
+    ("ppl-stderr-over-count", "perplexity", PPL,
+     [("math.sqrt(var / (len(nll) - 1))", "math.sqrt(var / len(nll))")],
+     [T_PPL], "perplexity: standard error with count instead of count - 1"),
+    ("ppl-bos-not-written", "perplexity", PPL,
+     [("        if bos_id is not None:\n            w[0] = bos_id\n", "")],
+     [T_PPL], "perplexity: windows after the first do not start with BOS where the model adds it"),
+    ("ppl-batch-rows-of-first-window", "perplexity", LOOP,
+     [("rows[b].append(logits[r0:r1])", "rows[b].append(logits[:r1 - r0])")],
+     [T_PPL], "Loop.score_batch: every window of a pass given the first window's logits"),
 ]
 
 
