@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default="cpu,mlx")
     p.add_argument("--out", default=None, help="JSON lines of the results")
     a = p.parse_args(argv)
-    rows = [r for r in make(presets=a.presets.split(",")) if r["source"] in a.sources.split(",")]
+    rows = [r for r in make() if r["source"] in a.sources.split(",") and r["preset"] in a.presets.split(",")]
     if a.what == "make":
         for r in rows:
             print(f"{r['file']}: {r['bytes'] / 1e6:.1f} MB; {json.dumps(r['types'])}")
