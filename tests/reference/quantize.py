@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -39,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlxinfer import load
+from mlxinfer import load, load_tokenizer
 from mlxinfer.errors import MlxinferError
 from mlxinfer.gguf_file import GGUFFile
 from mlxinfer.model_source import cache_dir, default_model_path
@@ -154,6 +155,11 @@ def compare(rows: list[dict], text: str, ctx: int, backends=("cpu", "mlx")) -> l
     out = []
     for row in rows:
         r = dict(file=row["file"], preset=row["preset"], bytes=row["bytes"], types=sorted(row["types"]))
+        tok = load_tokenizer(row["path"])  # (also where we cannot read the weights: llama.cpp's figure still)
+        tokens = tok.encode(text, add_special=True, parse_special=False)
+        bos = tok.bos_id if tok.add_bos else None
+        r["llama.cpp"], r["llama.cpp_stderr"], r["scored"], r["llama.cpp_s"] = \
+            llama_cpp_perplexity(row["path"], text, ctx, tokens, bos)
         try:
             engine = load(row["path"], backend="cpu")
         except MlxinferError as e:
@@ -161,11 +167,6 @@ def compare(rows: list[dict], text: str, ctx: int, backends=("cpu", "mlx")) -> l
             out.append(r)
             print(json.dumps(r), flush=True)
             continue
-        tok = engine.tokenizer
-        tokens = tok.encode(text, add_special=True, parse_special=False)
-        bos = tok.bos_id if tok.add_bos else None
-        r["llama.cpp"], r["llama.cpp_stderr"], r["scored"], r["llama.cpp_s"] = \
-            llama_cpp_perplexity(row["path"], text, ctx, tokens, bos)
         for backend in backends:
             try:
                 e = engine if backend == "cpu" else load(row["path"], backend=backend, device="cpu")
@@ -180,18 +181,21 @@ def compare(rows: list[dict], text: str, ctx: int, backends=("cpu", "mlx")) -> l
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| file | types | MB | PPL llama.cpp | PPL ours cpu | PPL ours mlx | diff % cpu / mlx |",
-             "|---|---|---|---|---|---|---|"]
+    """The markdown table of docs/perplexity.md; "d nll" is ours minus llama.cpp's mean negative
+    log-likelihood in nats (log of the PPL ratio), the figure that does not grow with the PPL itself."""
+    lines = ["| file | types | MB | PPL llama.cpp | PPL ours cpu | PPL ours mlx | diff % cpu / mlx | d nll cpu |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         def ppl(k):
-            return f"{r[k]:.4f}" if k in r else "n/a"
+            return "n/a" if k not in r else f"{r[k]:.4f}" if r[k] < 1e6 else f"{r[k]:.4e}"
 
         diff = " / ".join(f"{r[b + '_diff_%']:+.3f}" if b + "_diff_%" in r else "n/a" for b in ("cpu", "mlx"))
         if "error" in r:
-            diff = f"not read: {r['error'].split(': ', 1)[-1]}"
-        stderr = f" ± {r['llama.cpp_stderr']:.3f}" if "llama.cpp_stderr" in r else ""
+            diff = "not read: " + r["error"].split(", which")[0].split(": ", 1)[-1]
+        nats = f"{math.log(r['cpu'] / r['llama.cpp']):+.4f}" if "cpu" in r else ""
+        stderr = f" ± {r['llama.cpp_stderr']:.3g}" if "llama.cpp_stderr" in r else ""
         lines.append(f"| {r['file']} | {', '.join(r['types'])} | {r['bytes'] / 1e6:.1f} | {ppl('llama.cpp')}{stderr} | "
-                     f"{ppl('cpu')} | {ppl('mlx')} | {diff} |")
+                     f"{ppl('cpu')} | {ppl('mlx')} | {diff} | {nats} |")
     return "\n".join(lines)
 
 
