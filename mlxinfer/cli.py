@@ -1,4 +1,5 @@
-"""Command line: `mlxinfer generate ...`, `mlxinfer chat ...`, `mlxinfer serve ...` and `mlxinfer inspect FILE`.
+"""Command line: `mlxinfer generate ...`, `mlxinfer chat ...`, `mlxinfer serve ...`, `mlxinfer perplexity
+MODEL --text FILE` and `mlxinfer inspect FILE`.
 
 `generate` writes the generated text to stdout as it is produced, and the metrics block (and a trace,
 with --trace) to stderr, so `mlxinfer generate ... > out.txt` captures only the text. `chat` is an
@@ -20,6 +21,7 @@ from .errors import MlxinferError, RequestError
 from .inspect import describe, kernels_report
 from .launch import check_split, record_status, relaunch
 from .loop import FinishEvent
+from .perplexity import check_options as check_perplexity_options, perplexity
 from .sampling import SamplingParams, stop_strings
 from .scheduler import budget_blocks
 from .server import require_extra, serve
@@ -263,6 +265,26 @@ def _serve(args) -> int:
     return 0
 
 
+def _perplexity(args) -> int:
+    if args.model_arg is not None and args.model is not None:
+        raise RequestError("give the model once: as MODEL or -m/--model")
+    args.model = args.model_arg if args.model_arg is not None else args.model
+    check_perplexity_options(args.ctx, args.batch, float("inf"))  # before the model loads
+    try:
+        with open(args.text, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise RequestError(f"{args.text}: cannot read the text ({e.strerror})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(f"{args.text}: not UTF-8 text (byte {e.start})") from None
+    engine = _load(args)
+    result = perplexity(engine, text, ctx=args.ctx, batch=args.batch, progress=not args.quiet)
+    _out(result.format() + "\n")
+    return 0
+
+
 def _inspect(args) -> int:
     if args.kernels:
         line, passed = kernels_report()
@@ -376,6 +398,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="return chat turns' <think>...</think> as reasoning_content (auto: where the vocabulary "
                         "has both tags as tokens)")
     s.set_defaults(func=_serve)
+    q = sub.add_parser("perplexity", help="the model's perplexity on a text, by llama-perplexity's method",
+                       formatter_class=fmt)
+    q.add_argument("model_arg", metavar="MODEL", nargs="?", default=None,
+                   help="local GGUF path or org/repo/file.gguf (or -m; default: SmolLM2-135M-Instruct Q4_1)")
+    q.add_argument("-f", "--text", required=True, metavar="FILE", help="the text (UTF-8), at least 2 windows long")
+    q.add_argument("-c", "--ctx", type=int, default=512, metavar="N",
+                   help="tokens per window; the second half of each is scored")
+    q.add_argument("-b", "--batch", type=int, default=1, metavar="B", help="windows evaluated together per pass")
+    _model_options(q, sampling=False)
+    q.set_defaults(kv="prealloc")
+    q.add_argument("--quiet", action="store_true", help="no progress bar")
+    q.set_defaults(func=_perplexity)
     i = sub.add_parser("inspect", help="print a GGUF file's architecture, hyperparameters, tokenizer and tensors")
     i.add_argument("file", nargs="?")
     i.add_argument("--kernels", action="store_true",

@@ -177,19 +177,31 @@ class Loop:
     def score(self, prompt: list[int]) -> np.ndarray:
         """float32 [len(prompt), vocab]: the logits of every prompt position, prefilled chunk by chunk
         into a slot of its own (freed at the end); no token is sampled."""
+        return self.score_batch([prompt])[0]
+
+    def score_batch(self, prompts: list[list[int]]) -> list[np.ndarray]:
+        """`score` for several prompts at once: each pass advances every prompt by its next chunk (one
+        slot each), so B windows of a perplexity run cost one pass per chunk, not B."""
         ops, cache = self.ops, self.cache
-        slot = cache.alloc()
-        cache.expect(slot, len(prompt))
-        rows = []
+        slots = [cache.alloc() for _ in prompts]
+        rows: list[list[np.ndarray]] = [[] for _ in prompts]
         try:
-            for start in range(0, len(prompt), self.prefill_chunk):
-                chunk = prompt[start:start + self.prefill_chunk]
-                batch = Batch(ops, [slot], [start], [len(chunk)], all_logits=True)
+            for slot, prompt in zip(slots, prompts):
+                cache.expect(slot, len(prompt))
+            for start in range(0, max(map(len, prompts)), self.prefill_chunk):
+                live = [b for b, p in enumerate(prompts) if len(p) > start]
+                chunks = [prompts[b][start:start + self.prefill_chunk] for b in live]
+                batch = Batch(ops, [slots[b] for b in live], [start] * len(live), [len(c) for c in chunks],
+                              all_logits=True)
                 cache.reserve(batch)
-                rows.append(ops.to_numpy(self.model(ops, ops.index_array(chunk), batch, cache)))
+                ids = ops.index_array([t for c in chunks for t in c])
+                logits = ops.to_numpy(self.model(ops, ids, batch, cache))
+                for b, (r0, r1) in zip(live, batch.rows):
+                    rows[b].append(logits[r0:r1])
         finally:
-            cache.release(slot)
-        return np.concatenate(rows).astype(np.float32, copy=False)
+            for slot in slots:
+                cache.release(slot)
+        return [np.concatenate(r).astype(np.float32, copy=False) for r in rows]
 
     # -- schedule -------------------------------------------------------------------------------
     def _plan(self) -> list[tuple[Sequence, int]]:

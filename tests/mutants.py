@@ -43,6 +43,7 @@ T_KVC = "tests/test_kv_cache.py"
 T_MBUILD = "tests/test_metal_build.py"
 T_MORDER = "tests/test_metal_order.py"
 T_MCHECK = "tests/test_metal_selfcheck.py"
+T_PPL = "tests/test_perplexity.py"
 
 CPU = "mlxinfer/backends/cpu.py"
 MLX = "mlxinfer/backends/mlx.py"
@@ -82,6 +83,7 @@ MLXW = "mlxinfer/backends/mlx_weights.py"
 T_QUANT = "tests/test_quants.py"
 T_QBITS = "tests/test_quants.py::test_kept_weights_dequantize_to_gguf_py_bit_for_bit"
 T_QMEM = "tests/test_quants.py::test_memory_after_loading_is_within_1_15x_of_the_file"
+PPL = "mlxinfer/perplexity.py"
 
 ONLINE_SOFTMAX = '''
 
@@ -972,6 +974,23 @@ def usage_chunk""")],
     ("tok-control-looking-kept", "tokenizer", TOK,
      [("            types[looks_control] = TOKEN_CONTROL", "            pass")],
      [T_TOK], "a user-defined </s> (Phi-3) is matched in text without parse_special (llama.cpp makes it control)"),
+    # -- issue 28: mlxinfer perplexity -------------------------------------------------------------
+    ("ppl-whole-window-scored", "perplexity", PPL,
+     [("    return ctx // 2\n", "    return 0\n")],
+     [T_PPL], "perplexity: every position of a window scored, not its second half"),
+    ("ppl-target-shifted", "perplexity", PPL,
+     [("targets = np.asarray(tokens[start + first + 1:start + ctx])",
+       "targets = np.asarray(tokens[start + first:start + ctx - 1])")],
+     [T_PPL], "perplexity: position j scored against token j instead of j + 1"),
+    ("ppl-stderr-over-count", "perplexity", PPL,
+     [("math.sqrt(var / (len(nll) - 1))", "math.sqrt(var / len(nll))")],
+     [T_PPL], "perplexity: standard error with count instead of count - 1"),
+    ("ppl-bos-not-written", "perplexity", PPL,
+     [("        if bos_id is not None:\n            w[0] = bos_id\n", "")],
+     [T_PPL], "perplexity: windows after the first do not start with BOS where the model adds it"),
+    ("ppl-batch-rows-of-first-window", "perplexity", LOOP,
+     [("rows[b].append(logits[r0:r1])", "rows[b].append(logits[:r1 - r0])")],
+     [T_PPL], "Loop.score_batch: every window of a pass given the first window's logits"),
 ]
 
 

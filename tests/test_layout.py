@@ -18,7 +18,7 @@ LAYERS = [
     ["kernels", "backends", "backends.cpu", "backends.mlx"],
     ["models", "models.spec", "models.shard", "models.layers", "models.llama", "models.qwen3"],
     ["decode_step", "loop", "engine"],
-    ["scheduler", "server", "cli", "launch", "benchmark", "peers", "inspect", "tracing", "testing", "synthetic",
+    ["scheduler", "server", "cli", "launch", "benchmark", "perplexity", "peers", "inspect", "tracing", "testing", "synthetic",
      "__main__", ""],
 ]
 DEFERRED = {  # (importer, imported): function-level imports that guard an optional dependency
