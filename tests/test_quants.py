@@ -241,6 +241,9 @@ def test_float_scales_give_the_same_bits_in_more_memory(model_dir, qtype):
 
 def test_scales_are_formed_once_on_a_gpu_and_at_each_use_on_the_cpu():
     """The default of `float_scales` follows the device (decode speed on a GPU, memory on the CPU)."""
+    from mlxinfer.backends.mlx import scales_formed_once
+
+    assert scales_formed_once("gpu") is True and scales_formed_once("cpu") is False
     assert MLXBackend(device="cpu").float_scales is False
     assert MLXBackend(device="cpu", float_scales=True).float_scales is True
     if gpu_kind() is not None:

@@ -59,6 +59,12 @@ def _cpu_streams(n: int) -> list:
     return _CPU_STREAMS[:n]
 
 
+def scales_formed_once(device: str) -> bool:
+    """Whether affine weights' float32 scales are formed once at load (True) or at each use, by default:
+    once on a GPU (decode speed), at each use on MLX's CPU (memory; no slower there). See MLXBackend."""
+    return device == "gpu"
+
+
 def gpu_kind() -> str | None:
     if mx.metal.is_available():
         return "metal"
@@ -215,7 +221,7 @@ class MLXBackend(Backend):
         if threads is not None and device == "gpu":
             raise RequestError("--threads sets the threads of the CPU's weight products; on a GPU MLX schedules its own")
         self.device = device
-        self.float_scales = device == "gpu" if float_scales is None else float_scales
+        self.float_scales = scales_formed_once(device) if float_scales is None else float_scales
         self.mx_device = mx.gpu if device == "gpu" else mx.cpu
         self.activate()
         # MLX runs a CPU stream's work on one thread: quantized products of at least 2 x SPLIT_MIN_ROWS
