@@ -174,6 +174,11 @@ def test_request_errors(engine):
         engine.generate("")
     with pytest.raises(RequestError, match="outside the vocabulary"):
         engine.generate([5, 100000])
+    with pytest.raises(RequestError, match=rf"token id {SHAPE['vocab_size']} is outside the vocabulary"):
+        engine.generate([5, SHAPE["vocab_size"]])  # the first id past the end (an off-by-one would take it)
+    with pytest.raises(RequestError, match="token id -1 is outside"):
+        engine.generate([5, -1])
+    assert engine.generate([5, SHAPE["vocab_size"] - 1, 0], max_tokens=1).prompt_ids == [5, SHAPE["vocab_size"] - 1, 0]
     with pytest.raises(RequestError, match="not valid UTF-8"):
         engine.generate(b"\xff\xfe")
     with pytest.raises(RequestError, match="role 'wizard'"):
