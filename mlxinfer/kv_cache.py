@@ -64,6 +64,10 @@ class _Slots:
         (what a memory budget has to count)."""
         raise NotImplementedError
 
+    def _bytes(self, positions: int) -> int:
+        """Keys and values of every layer at `positions` cache positions, float32."""
+        return 2 * self.n_layers * positions * self.width * 4
+
     def release(self, slot: int, tokens=None) -> None:
         """Free a slot (`tokens`, what its rows hold, matters only to a cache that keeps prefixes)."""
         if slot not in self.held:
@@ -171,11 +175,11 @@ class PreallocKVCache(_Slots, SlotStores):
         return self.step * max(1, math.ceil(longest / self.step))
 
     def nbytes(self) -> int:
-        return 2 * self.n_layers * self.n_slots * self.capacity * self.width * 4
+        return self._bytes(self.n_slots * self.capacity)
 
     def nbytes_for(self, lengths: dict[int, int]) -> int:
         """Every slot up to the highest one in use, each as long as the longest sequence, rounded up."""
-        return 2 * self.n_layers * (max(lengths) + 1) * self._capacity(max(lengths.values())) * self.width * 4
+        return self._bytes((max(lengths) + 1) * self._capacity(max(lengths.values())))
 
     def arrays(self) -> list:
         """The cache's tensors (what a pass that samples nothing produces)."""
@@ -239,10 +243,10 @@ class BasicKVCache(_Slots):
         return BasicLayer(self, layer, batch)
 
     def nbytes(self) -> int:
-        return 2 * self.n_layers * sum(self.held.values()) * self.width * 4
+        return self.nbytes_for(self.held)
 
     def nbytes_for(self, lengths: dict[int, int]) -> int:
-        return 2 * self.n_layers * sum(lengths.values()) * self.width * 4
+        return self._bytes(sum(lengths.values()))
 
     def arrays(self) -> list:
         return [x for keys, values in self.entries.values() for x in keys + values if x is not None]
@@ -413,12 +417,12 @@ class PagedKVCache(_Slots):
 
     # -- reporting -----------------------------------------------------------------------------
     def nbytes(self) -> int:
-        return 2 * self.n_layers * self.blocks.n_blocks * self.block_size * self.width * 4
+        return self._bytes(self.blocks.n_blocks * self.block_size)
 
     def nbytes_for(self, lengths: dict[int, int]) -> int:
         """Whole blocks per sequence (blocks shared with a cached prefix counted as its own: an upper bound)."""
         bs = self.block_size
-        return 2 * self.n_layers * sum(-(-n // bs) * bs for n in lengths.values()) * self.width * 4
+        return self._bytes(sum(-(-n // bs) * bs for n in lengths.values()))
 
     def arrays(self) -> list:
         return [x for x in self.keys + self.values if x is not None]
