@@ -43,6 +43,8 @@ PRIMITIVE_OPS = (
     "add",
     "scale",
     "silu",
+    "gelu",
+    "tanh",
     "rope",
     "reshape",
     "copy_2d_from",
@@ -59,6 +61,13 @@ PRIMITIVE_OPS = (
 )
 OPS = PRIMITIVE_OPS + ("fused_attention",)
 ATTENTION_PATHS = ("fused", "per-head")
+# GELU's tanh approximation, ggml's constants (ggml-cpu/vec.h)
+GELU_COEF_A, SQRT_2_OVER_PI = 0.044715, 0.79788456080286535587989211986876
+
+
+def softcap_inverse(cap: float) -> float:
+    """1/cap rounded once to float32: soft-capping scales by it, takes tanh, scales by cap."""
+    return float(np.float32(1.0) / np.float32(cap))
 
 
 def attention_scale(head_dim: int) -> float:
@@ -77,6 +86,7 @@ class AttentionSpec:
     scale: float
     causal: bool = True
     window: int | None = None
+    softcap: float | None = None  # scores capped to softcap * tanh(score / softcap) before masking (Gemma 2)
 
     @classmethod
     def standard(cls, n_heads: int, n_kv_heads: int, head_dim: int, window: int | None = None):
@@ -227,6 +237,15 @@ class Backend:
     def silu(self, x):
         raise NotImplementedError
 
+    def gelu(self, x):
+        """GELU, tanh approximation (Gemma's gelu_pytorch_tanh), elementwise in float32, as ggml writes it:
+        0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2)))."""
+        raise NotImplementedError
+
+    def tanh(self, x):
+        """Elementwise tanh (soft-capping: cap * tanh(x / cap))."""
+        raise NotImplementedError
+
     def rope(self, x, positions, n_heads: int, head_dim: int, base: float, traditional: bool, factors=None):
         """Rotary position embedding of [N, n_heads*head_dim] rows, row i at position positions[i]:
         pair j turns by positions[i] * base**(-2j/head_dim) / factors[j].
@@ -346,6 +365,8 @@ class Backend:
           3. scores = matmul(q_h, transpose_2d(k_h))        [T, S], each score one dot product over D
                                                             in the backend's matmul order
           4. scores = scale(scores, spec.scale)             scale AFTER the matmul, float32 1/sqrt(D)
+             if spec.softcap:                               soft-capping (Gemma 2), as llama.cpp:
+                 scores = scale(tanh(scale(scores, 1/cap)), cap)   1/cap rounded to float32 once
           5. if T > 1 or spec.window:                       (a lone decode row sees every cached key
                  scores = mask_scores(scores, p, ...)        unless a window hides some)
           6. attn = softmax_rows(scores)                    max, exp(x - max), sum, divide
@@ -368,6 +389,8 @@ class Backend:
                 v_h = self.copy_2d_from(v_b, 0, s, kv_h * d, d)
                 scores = self.matmul(q_h, self.transpose_2d(k_h))
                 scores = self.scale(scores, spec.scale)
+                if spec.softcap:
+                    scores = self.scale(self.tanh(self.scale(scores, softcap_inverse(spec.softcap))), spec.softcap)
                 if t > 1 or spec.window:
                     scores = self.mask_scores(scores, batch.positions_of(self, b), spec.causal, spec.window)
                 attn = self.softmax_rows(scores)

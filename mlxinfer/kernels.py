@@ -34,6 +34,8 @@ from importlib import resources
 
 import numpy as np
 
+from .errors import UnsupportedError
+
 SOURCES = {"metal": "attention.metal", "cuda": "attention.cu"}
 THREADS = 256  # threads per block (8 warps / simdgroups of 32)
 MAX_BLOCKS = 1024  # fused attention: blocks in flight (each keeps one row of scores in scratch)
@@ -289,6 +291,13 @@ def _score_tiles(seq_rows: tuple):
     return mx.array(np.array(tiles, dtype=np.int32).reshape(-1))
 
 
+def refuse_softcap(spec) -> None:
+    """The kernels compute no soft-capping (Gemma 2's): the MLX backend sends such passes to its graph path."""
+    if spec.softcap:
+        raise UnsupportedError(f"attention soft-capping ({spec.softcap}) is not in the fused attention kernels: "
+                               "run it through the graph path")
+
+
 def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec, split: bool | None = None,
                     seq_rows=None):
     """A batch's attention: q [N, H*D]; keys and values [slots, capacity, KV*D]; per row its cache slot,
@@ -305,6 +314,7 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
     rows by rows (`uses_rows`: `attn_scores_rows`, `attn_context_rows`)."""
     import mlx.core as mx
 
+    refuse_softcap(spec)
     if split if split is not None else uses_split(kind, q.shape[0], spec, keys.shape[1]):
         return split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, seq_rows=seq_rows)
     n = q.shape[0]
@@ -327,6 +337,7 @@ def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, ste
     (True) or the others (False). The attention's shape is compiled into the kernels."""
     import mlx.core as mx
 
+    refuse_softcap(spec)
     if steps not in (1, 2, 3):
         raise ValueError(f"steps must be 1 (scores), 2 (and softmax) or 3 (the whole plan), got {steps}")
     n, cap = q.shape[0], keys.shape[1]

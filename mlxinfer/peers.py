@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from .errors import UnsupportedError
 from .gguf_file import GGUFFile
 
 # GGUF types that MLX's own reader (`mx.load`) returns with the file's exact values: as floats, or
@@ -43,6 +44,7 @@ from .models.spec import tensors
 
 ROOT = str(Path(__file__).resolve().parent.parent)  # the folder holding this mlxinfer: children import it
 PEERS = {"mlx-lm": "mlx_lm", "llama.cpp": "llama_cpp"}  # peer name -> the module its package installs
+PEER_ARCHITECTURES = ("llama", "qwen3")  # what write_mlx_lm_model converts (Gemma's norms are named otherwise)
 PEER_DTYPES = ("float32", "bfloat16", "float16")  # mlx-lm's weights and activations
 SPREAD_KEYS = ("time_to_first_token_ms", "decode_tokens_per_second", "total_tokens_per_second",
                "aggregate_decode_tokens_per_second", "peak_memory_mb", "wall_s")
@@ -118,6 +120,9 @@ def _mlx_lm_weights(g, gguf: dict, args, cast) -> tuple[dict, dict]:
     gguf-py."""
     import mlx.core as mx
 
+    if args.arch not in PEER_ARCHITECTURES:
+        raise UnsupportedError(f"{g.path}: the mlx-lm peer is written for {' and '.join(PEER_ARCHITECTURES)} files, "
+                               f"not {args.arch} (its Hugging Face names and config are not mapped)")
     weights, module_bits = {}, {}  # module_bits: mlx-lm module path -> bits, for every quantized tensor
     for _, _, name, hf_name, _ in tensors(args):
         if not hf_name.endswith(".weight"):

@@ -75,12 +75,21 @@ class SyntheticSpec:
     seed: int = 0
     random_blocks: bool = False  # random quantized blocks of qtype, streamed (for 14B-class shapes)
     rope_freqs: tuple | None = None  # written as `rope_freqs.weight` (see llama3_rope_factors)
+    # Gemma's, written where given: `attention.sliding_window`, `attention.sliding_window_pattern` (a
+    # period), `rope.freq_base_swa`, `attn_logit_softcapping`, `final_logit_softcapping`
+    embedding_std: float = 1.0  # Gemma's embeddings are scaled up by sqrt(hidden): hidden**-0.5 keeps rows ~1
+    sliding_window: int | None = None
+    swa_pattern: int | None = None
+    rope_base_swa: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
     def args(self) -> ModelArgs:
-        """The model spec's hyperparameters for this synthetic file."""
+        """The model spec's hyperparameters for this synthetic file (what decides its tensors)."""
+        traits = {k: v for k, v in ARCHITECTURES[self.arch].TRAITS.items() if k not in ("swa", "softcaps")}
         return ModelArgs(self.arch, self.n_layers, self.hidden, self.ffn, self.n_heads, self.n_kv_heads,
                          self.head_dim, self.vocab_size, self.context_length, self.rms_eps, self.rope_base,
-                         tied_output=self.tied_output, rope_freqs=self.rope_freqs, **ARCHITECTURES[self.arch].TRAITS)
+                         tied_output=self.tied_output, rope_freqs=self.rope_freqs, **traits)
 
 
 def llama3_rope_factors(head_dim: int, base: float, factor: float = 8.0, low_freq_factor: float = 1.0,
@@ -155,6 +164,14 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
         w.add_value_length(d)
     w.add_rope_freq_base(spec.rope_base)
     w.add_layer_norm_rms_eps(spec.rms_eps)
+    for key, value in (("attention.sliding_window", spec.sliding_window),
+                       ("attention.sliding_window_pattern", spec.swa_pattern)):
+        if value is not None:
+            w.add_uint32(f"{a}.{key}", value)
+    for key, value in (("rope.freq_base_swa", spec.rope_base_swa), ("attn_logit_softcapping", spec.attn_softcap),
+                       ("final_logit_softcapping", spec.final_softcap)):
+        if value is not None:
+            w.add_float32(f"{a}.{key}", value)
     w.add_file_type(int(qtype) if qtype != GGMLQuantizationType.F32 else 0)
     tokens, types, merges = synthetic_vocab(spec.vocab_size)
     w.add_tokenizer_model("gpt2")
@@ -173,7 +190,7 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
     if spec.random_blocks:
         if qtype == GGMLQuantizationType.F32:
             raise ValueError("random blocks are written for a quantized or 16-bit type, not F32")
-        if spec.args().qkv_bias or spec.rope_freqs is not None:
+        if spec.args().qkv_bias or spec.rope_freqs is not None or spec.embedding_std != 1.0:
             raise ValueError("random blocks are written for matrices and norms only (no biases or RoPE factors)")
         return _write_random_blocks(w, spec, rng, str(path))
     for t, _, name, _, shape in tensors(spec.args()):
@@ -184,7 +201,7 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
         elif t.kind == FACTORS:
             data = np.array(spec.rope_freqs, dtype=np.float32)
         else:
-            data = _tensor(rng, shape, 1.0 if t.kind == EMBEDDING else shape[1] ** -0.5)
+            data = _tensor(rng, shape, spec.embedding_std if t.kind == EMBEDDING else shape[1] ** -0.5)
         _add(w, name, data, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -297,6 +314,11 @@ def main(argv=None):
     p.add_argument("--llama3-rope", action="store_true",
                    help="write rope_freqs.weight as Llama 3.1 ships it (factor 8, low/high 1/4, context 8192)")
     p.add_argument("--rope-base", type=float, default=None, help="rope.freq_base (default 1e6; 5e5 with --llama3-rope)")
+    p.add_argument("--sliding-window", type=int, default=None, help="Gemma: attention.sliding_window")
+    p.add_argument("--swa-pattern", type=int, default=None, help="Gemma: attention.sliding_window_pattern (a period)")
+    p.add_argument("--rope-base-swa", type=float, default=None, help="Gemma: rope.freq_base_swa")
+    p.add_argument("--attn-softcap", type=float, default=None, help="Gemma 2: attn_logit_softcapping")
+    p.add_argument("--final-softcap", type=float, default=None, help="Gemma: final_logit_softcapping")
     p.add_argument("--random-blocks", action="store_true",
                    help="draw --type's blocks directly, random (fast, streamed; for large shapes)")
     a = p.parse_args(argv)
@@ -304,12 +326,16 @@ def main(argv=None):
         p.error("--random-blocks needs a quantized or 16-bit --type")
     if a.llama3_rope and a.arch != "llama":
         p.error("--llama3-rope is Llama 3's (--arch llama)")
+    gemma = dict(sliding_window=a.sliding_window, swa_pattern=a.swa_pattern, rope_base_swa=a.rope_base_swa,
+                 attn_softcap=a.attn_softcap, final_softcap=a.final_softcap)
+    if not a.arch.startswith("gemma") and any(v is not None for v in gemma.values()):
+        p.error("--sliding-window, --swa-pattern, --rope-base-swa and the soft-caps are Gemma's (--arch gemma2, gemma3)")
     base = a.rope_base or (500000.0 if a.llama3_rope else 1000000.0)
     factors = llama3_rope_factors(a.head_dim, base) if a.llama3_rope else None
     write_synthetic_model(a.path, SyntheticSpec(a.arch, a.layers, a.hidden, a.ffn, a.heads, a.kv_heads,
                                                 a.head_dim, a.vocab, tied_output=not a.untied, qtype=a.type,
                                                 seed=a.seed, random_blocks=a.random_blocks, rope_base=base,
-                                                rope_freqs=factors))
+                                                rope_freqs=factors, **gemma))
     print(a.path)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from hypothesis import strategies as st
@@ -43,7 +43,7 @@ class AttentionCase:
         sp = self.spec
         shapes = ", ".join(f"T={t}/S={k.shape[0]}" for t, k in zip(self.rows, self.keys))
         return (f"AttentionCase([{shapes}], heads={sp.n_heads}, kv_heads={sp.n_kv_heads}, head_dim={sp.head_dim}, "
-                f"window={sp.window}, max|k|={max(float(np.abs(k).max()) for k in self.keys):.3g})")
+                f"window={sp.window}, softcap={sp.softcap}, max|k|={max(float(np.abs(k).max()) for k in self.keys):.3g})")
 
 
 SPECIAL_LENGTHS = (63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 1024, 1025, 2048, 4096)
@@ -52,12 +52,13 @@ SPECIAL_LENGTHS = (63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 1024, 102
 @st.composite
 def attention_inputs(draw, max_seq: int = 4096, max_query_rows: int = 64, max_seqs: int = 3,
                      head_dims=(64, 128, 32, 48, 80, 96, 16), max_kv_heads: int = 4, max_group: int = 4,
-                     windows: bool = True):
+                     windows: bool = True, softcaps: bool = True):
     kv = draw(st.integers(1, max_kv_heads))
     group = draw(st.integers(1, max_group))
     d = draw(st.sampled_from(head_dims))
     window = draw(st.one_of(st.none(), st.integers(1, 96))) if windows else None
-    spec = AttentionSpec.standard(kv * group, kv, d, window=window)
+    cap = draw(st.one_of(st.none(), st.floats(0.5, 60.0, width=32))) if softcaps else None
+    spec = replace(AttentionSpec.standard(kv * group, kv, d, window=window), softcap=cap)
     # Magnitude: log-uniform, mostly 0.1..30 (spread softmax rows), sometimes up to 1e3.
     mag = math.exp(draw(st.one_of(st.floats(math.log(0.1), math.log(30.0)),
                                   st.floats(math.log(0.01), math.log(1e3)))))

@@ -1,6 +1,8 @@
 """The attention contract on the cpu backend: the numpy override is byte-identical to the per-head
 reference for batches of decode rows and prefill chunks, and both compute causal GQA attention."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -45,6 +47,8 @@ def naive_attention(case):
             kh = k[:, (h // g) * d:(h // g + 1) * d].astype(np.float64)
             vh = v[:, (h // g) * d:(h // g + 1) * d].astype(np.float64)
             sc = case.q[r0:r0 + t, h * d:(h + 1) * d].astype(np.float64) @ kh.T / np.sqrt(d)
+            if sp.softcap:
+                sc = sp.softcap * np.tanh(sc / sp.softcap)
             sc[hidden] = -np.inf
             p = np.exp(sc - sc.max(1, keepdims=True))
             o[:, h * d:(h + 1) * d] = (p / p.sum(1, keepdims=True)) @ vh
@@ -53,20 +57,23 @@ def naive_attention(case):
     return np.concatenate(out)
 
 
-def make_case(rows_and_lengths, kv, group, d, window=None, seed=0):
+def make_case(rows_and_lengths, kv, group, d, window=None, seed=0, softcap=None):
     rng = np.random.default_rng(seed)
-    spec = AttentionSpec.standard(kv * group, kv, d, window=window)
+    spec = replace(AttentionSpec.standard(kv * group, kv, d, window=window), softcap=softcap)
     keys = [rng.standard_normal((s, kv * d), dtype=np.float32) for _, s in rows_and_lengths]
     values = [rng.standard_normal((s, kv * d), dtype=np.float32) for _, s in rows_and_lengths]
     q = rng.standard_normal((sum(t for t, _ in rows_and_lengths), spec.n_heads * d), dtype=np.float32)
     return AttentionCase(q, keys, values, [t for t, _ in rows_and_lengths], spec)
 
 
-@pytest.mark.parametrize("rows,kv,group,d,window", [
-    ([(1, 1)], 1, 1, 64, None), ([(1, 37)], 2, 4, 128, None), ([(5, 5)], 1, 2, 32, None),
-    ([(3, 20), (1, 9), (4, 4)], 3, 3, 64, None), ([(6, 40), (1, 30)], 2, 2, 32, 7)])
-def test_attention_paths_compute_causal_gqa_attention(rows, kv, group, d, window):
-    case = make_case(rows, kv, group, d, window, seed=len(rows) * 100 + d)
+@pytest.mark.parametrize("rows,kv,group,d,window,softcap", [
+    ([(1, 1)], 1, 1, 64, None, None), ([(1, 37)], 2, 4, 128, None, None), ([(5, 5)], 1, 2, 32, None, None),
+    ([(3, 20), (1, 9), (4, 4)], 3, 3, 64, None, None), ([(6, 40), (1, 30)], 2, 2, 32, 7, None),
+    ([(6, 40), (1, 30)], 2, 2, 32, 7, 2.0), ([(1, 37)], 2, 4, 128, None, 0.75)])
+def test_attention_paths_compute_causal_gqa_attention(rows, kv, group, d, window, softcap):
+    """Both paths against float64 textbook attention (soft-capped where asked: cap * tanh(score / cap),
+    caps small enough here that every score is bent)."""
+    case = make_case(rows, kv, group, d, window, seed=len(rows) * 100 + d, softcap=softcap)
     fused, default = run_both(CPUBackend(), case)
     want = naive_attention(case)
     np.testing.assert_allclose(default, want, atol=2e-5, rtol=1e-4)

@@ -142,3 +142,14 @@ def test_mlx_lm_weights_take_gguf_py_values_where_mx_load_would_misread(syntheti
     q = quantized
     values = mx.dequantize(q[key + ".weight"], q[key + ".scales"], q[key + ".biases"], group_size=32, bits=8)
     assert (values == floats[key + ".weight"]).all().item()
+
+
+def test_mlx_lm_peer_refuses_architectures_it_does_not_map(synthetic, tmp_path):
+    """A Gemma file is refused in one line (its norms' Hugging Face names are not llama's: converted with
+    them, two norms a layer would land on one name)."""
+    from mlxinfer.errors import UnsupportedError
+    from mlxinfer.peers import write_mlx_lm_model
+
+    path = synthetic(arch="gemma2", n_layers=1, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=320)
+    with pytest.raises(UnsupportedError, match="the mlx-lm peer is written for llama and qwen3 files, not gemma2"):
+        write_mlx_lm_model(path, tmp_path / "peer")

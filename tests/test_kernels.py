@@ -4,11 +4,15 @@ CUDA (or Metal) GPU the kernels are checked against the emulation bit for bit.""
 import os
 
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from mlxinfer import kernels
+from mlxinfer.backend import AttentionSpec
+from mlxinfer.backends import make_backend
+from mlxinfer.errors import UnsupportedError
 
 GPU = None
 try:
@@ -297,3 +301,15 @@ def test_one_row_forms_keep_their_values_in_registers(heads, monkeypatch):
         rc, log = _nvrtc_compile(lib, "attn_softmax_context", src, opts)
         assert rc == 0, log
         assert "0 bytes spill stores, 0 bytes spill loads" in log, (form, log[-400:])
+
+
+def test_kernels_refuse_soft_capping_which_the_mlx_backend_sends_to_its_graph():
+    """The CUDA and Metal kernels compute no soft-capping: both launch plans refuse a spec with one in
+    one line (never a wrong result), and the MLX backend routes such passes to its graph override (the
+    same products and softmax kernels, the capping as MLX's elementwise ops)."""
+    spec = replace(AttentionSpec.standard(4, 2, 64), softcap=50.0)
+    for launch in (kernels.fused_attention, kernels.split_attention):
+        with pytest.raises(UnsupportedError, match=r"attention soft-capping \(50.0\) is not in the fused attention kernels"):
+            launch("cuda", None, None, None, None, None, None, spec)
+    mlx = make_backend("mlx")
+    assert mlx._pass_needs_graph(None, spec) and not mlx.compiles_pass(None, spec)

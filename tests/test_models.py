@@ -18,7 +18,7 @@ from mlxinfer.synthetic import rewrite_gguf, write_synthetic_model
 from mlxinfer.tracing import install_tracer
 
 from .conftest import REFERENCE, write_empty_gguf
-from .reference.specs import LINEAR_ROPE_EDITS, LLAMA3_SYNTHETIC, QWEN2_SYNTHETIC, QWEN3_SYNTHETIC
+from .reference.specs import QWEN3_SYNTHETIC, synthetic_files
 
 # Against llama.cpp on all-F32 copies, measured here (2026-11-30, both backends): synthetic Qwen3 within
 # 2.5e-6, SmolLM2 within 9.4e-5 (logits up to 27). Bounds: about 4x the measured error, so that a wrong
@@ -27,8 +27,15 @@ from .reference.specs import LINEAR_ROPE_EDITS, LLAMA3_SYNTHETIC, QWEN2_SYNTHETI
 # (2026-12-01, both backends): within 3.6e-6 of llama.cpp (logits up to 4.4). What differs: the order of
 # each dot product's sum (BLAS vs ggml) and the RoPE angles (float64 tables here, ggml's float32 powers).
 # Bound 1.5e-5, about 4x.
+# Gemma 3 and Gemma 2 (synthetic, both backends, 2026-12-02): within 2.4e-4 of llama.cpp (logits up to
+# 4.3 and 0.56), median over positions 1.4e-4. What differs beside the dense models' sums: llama.cpp's CPU
+# GELU rounds each input to float16 and reads a float16 result from a table (ggml-cpu/vec.h,
+# GGML_GELU_FP16), ~2^-11 relative on each of the FFN's 256 gate values a row, carried through the down
+# product and post-FFN norm of each layer; we compute the tanh formula in float32 as Hugging Face does.
+# Bound 1e-3, about 4x (a dropped soft-cap, a wrong embedding scale or window moves logits by 1e-2 and more).
 LOGIT_ATOL = {"qwen3_synthetic": 1e-5, "smollm2": 4e-4, "llama3_synthetic": 1.5e-5,
-              "llama3_linear_synthetic": 1.5e-5, "qwen2_synthetic": 1.5e-5}
+              "llama3_linear_synthetic": 1.5e-5, "qwen2_synthetic": 1.5e-5, "gemma3_synthetic": 1e-3,
+              "gemma2_synthetic": 1e-3}
 TIE_GAP = 1e-3
 
 
@@ -94,24 +101,69 @@ def test_smollm2_matches_llama_cpp(smollm2_path, backend, pipeline):
 @pytest.fixture(scope="module")
 def new_arch_paths(tmp_path_factory):
     """The new architectures' synthetic files, as make_fixtures.py wrote them for llama.cpp."""
-    root = tmp_path_factory.mktemp("arch")
-    llama3 = write_synthetic_model(root / "llama3.gguf", LLAMA3_SYNTHETIC)
-    return {"llama3_synthetic": llama3,
-            "llama3_linear_synthetic": rewrite_gguf(llama3, root / "linear.gguf", edits=LINEAR_ROPE_EDITS),
-            "qwen2_synthetic": write_synthetic_model(root / "qwen2.gguf", QWEN2_SYNTHETIC)}
+    return synthetic_files(str(tmp_path_factory.mktemp("arch")))
+
+
+def ggml_gelu_numpy(x):
+    """llama.cpp's CPU GELU (ggml-cpu/vec.h with GGML_GELU_FP16): the input rounded to float16 and looked
+    up in a table of float16 results of the float32 formula; 0 at or below -10, x at or above 10."""
+    x16 = x.astype(np.float16).astype(np.float32)
+    inner = np.float32(0.7978845608028654) * x16 * (np.float32(1.0) + np.float32(0.044715) * x16 * x16)
+    y = (np.float32(0.5) * x16 * (np.float32(1.0) + np.tanh(inner))).astype(np.float16).astype(np.float32)
+    return np.where(x <= -10, np.float32(0), np.where(x >= 10, x, y))
+
+
+def ggml_gelu_mlx(x):
+    import mlx.core as mx
+
+    x16 = x.astype(mx.float16).astype(mx.float32)
+    y = (0.5 * x16 * (1.0 + mx.tanh(0.7978845608028654 * x16 * (1.0 + 0.044715 * x16 * x16)))).astype(mx.float16)
+    return mx.where(x <= -10, 0.0, mx.where(x >= 10, x, y.astype(mx.float32)))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "mlx"])
+@pytest.mark.parametrize("name", ["gemma3_synthetic", "gemma2_synthetic"])
+def test_gemma_differs_from_llama_cpp_by_its_gelu_table(new_arch_paths, name, backend, monkeypatch):
+    """What makes Gemma's bound wider than the dense one is llama.cpp's float16 GELU table: with the
+    backends' GELU replaced by that table (`ggml_gelu_numpy`/`_mlx`), the typical position (the median
+    over positions of the largest logit error) comes within 5e-5 of llama.cpp (measured 1.2e-6 to 2e-5),
+    against 1.4e-4 with the exact GELU. The largest errors stay near 1e-4 with the table: an input that
+    differs from llama.cpp's by an ulp on the other side of a float16 rounding boundary moves its GELU by
+    a float16 ulp (cpu and mlx, both float32 and within 7e-7 of each other with the exact GELU, differ by
+    1.4e-4 with the table)."""
+    from mlxinfer.backends.cpu import CPUBackend
+    from mlxinfer.backends.mlx import MLXBackend
+
+    monkeypatch.setattr(CPUBackend, "gelu", lambda self, x: ggml_gelu_numpy(x))
+    monkeypatch.setattr(MLXBackend, "gelu", lambda self, x: ggml_gelu_mlx(x))
+    ref = load_fixture(name)
+    logits = mlxinfer.load(new_arch_paths[name], backend=backend).logits(ref["prompt_ids"].tolist())
+    per_position = np.abs(logits - ref["prompt_logits"]).max(1)
+    assert np.median(per_position) < 5e-5 and per_position.max() < LOGIT_ATOL[name]
+
+
+# What each fixture's file must read as: (arch, Q/K/V biases, Llama 3 factors, linear scale, windowed
+# layers, attention softcap, final softcap)
+EXPECTED_ARGS = {
+    "llama3_synthetic": ("llama", False, True, 1.0, (), None, None),
+    "llama3_linear_synthetic": ("llama", False, True, 4.0, (), None, None),
+    "qwen2_synthetic": ("qwen2", True, False, 1.0, (), None, None),
+    "gemma3_synthetic": ("gemma3", False, False, 8.0, (True, True, False), None, None),
+    "gemma2_synthetic": ("gemma2", False, False, 1.0, (True, False, True), 2.0, 1.0),
+}
 
 
 @pytest.mark.parametrize("backend,pipeline", BACKENDS, ids=["cpu", "mlx-pipelined", "mlx-sync"])
-@pytest.mark.parametrize("name", ["llama3_synthetic", "llama3_linear_synthetic", "qwen2_synthetic"])
+@pytest.mark.parametrize("name", list(EXPECTED_ARGS))
 def test_new_architectures_match_llama_cpp(new_arch_paths, name, backend, pipeline):
-    """Llama 3's RoPE factors (and linear scaling on top) and Qwen2's biases, against llama.cpp: every
-    position's logits of a 70-token prompt within the bound, and 32 greedy tokens identical on three
-    prompts (every token compared, near-ties included: ours chose as llama.cpp did at each)."""
+    """Llama 3's RoPE factors (and linear scaling on top), Qwen2's biases, Gemma 3 and Gemma 2, against
+    llama.cpp: every position's logits of a 70-token prompt within the bound, and 32 greedy tokens
+    identical on three prompts (every token compared, near-ties included: ours chose as llama.cpp did at
+    each). Gemma's bound is GELU's (LOGIT_ATOL; `test_gemma_differs_from_llama_cpp_by_its_gelu_table`)."""
     engine = mlxinfer.load(new_arch_paths[name], backend=backend, prefill_chunk=16)
     a = engine.args
-    want = ("qwen2", True, False) if name == "qwen2_synthetic" else ("llama", False, True)
-    assert (a.arch, a.qkv_bias, a.rope_freqs is not None) == want
-    assert a.rope_scale == (4.0 if "linear" in name else 1.0)
+    assert (a.arch, a.qkv_bias, a.rope_freqs is not None, a.rope_scale, a.swa_layers, a.attn_softcap,
+            a.final_softcap) == EXPECTED_ARGS[name]
     gen = check_against_reference(engine, name, pipeline)
     ref = load_fixture(name)
     assert gen.token_ids == ref["greedy"].tolist() and len(gen.token_ids) == 32
@@ -148,6 +200,17 @@ def test_llama3_factors_divide_the_frequencies(new_arch_paths):
         ops = make_backend(name)
         got = ops.to_numpy(ops.rope(ops.from_numpy(x), ops.index_array(pos), 2, d, a.rope_base, True, a.rope_factors))
         np.testing.assert_allclose(got, want.reshape(5, 2 * d), rtol=0, atol=1e-4)
+
+
+def test_gemma_in_inspect(new_arch_paths):
+    """`inspect` shows Gemma's keys (window, caps) and its extra tensors (post norms, q/k norms)."""
+    text = describe(new_arch_paths["gemma2_synthetic"])
+    assert "architecture: gemma2" in text and "  attn_logit_softcapping: 2.0" in text
+    assert "  attention.sliding_window: 8" in text and re.search(r"blk\.2\.post_ffw_norm\.weight\s+F32\s+\[128\]", text)
+    text = describe(new_arch_paths["gemma3_synthetic"])
+    assert "architecture: gemma3" in text and "  rope.freq_base_swa: 10000.0" in text
+    assert re.search(r"blk\.1\.attn_q_norm\.weight\s+F32\s+\[48\]", text)
+    assert re.search(r"blk\.0\.post_attention_norm\.weight\s+F32\s+\[128\]", text)
 
 
 def test_new_architectures_in_inspect_and_the_tracer(new_arch_paths):
@@ -265,6 +328,35 @@ def test_what_the_forward_pass_does_not_apply_is_refused(synthetic, tmp_path):
         path = rewrite_gguf(base, tmp_path / f"bad{i}.gguf", **kw)
         with pytest.raises(error, match=re.escape(fragment)):
             mlxinfer.load(path, backend="cpu")
+    # Gemma: what one family reads, the other refuses; malformed window keys
+    g2 = synthetic(arch="gemma2", n_layers=2, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16,
+                   vocab_size=320, sliding_window=4)
+    g3 = synthetic(arch="gemma3", n_layers=2, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16,
+                   vocab_size=320, sliding_window=4)
+    gemma_cases = [
+        (g3, dict(edits={"gemma3.attn_logit_softcapping": 50.0}), UnsupportedError,
+         "metadata gemma3.attn_logit_softcapping = 50.0 is not supported"),
+        (src, dict(edits={"llama.final_logit_softcapping": 30.0}), UnsupportedError,
+         "metadata llama.final_logit_softcapping = 30.0 is not supported"),
+        (src, dict(edits={"llama.attention.sliding_window": 4096}), UnsupportedError,
+         "metadata llama.attention.sliding_window = 4096 is not supported"),
+        (g2, dict(add_tensors={"output.weight": np.zeros((320, 64))}), UnsupportedError,
+         "tensor 'output.weight' is not supported for gemma2: its output head is the embedding"),
+        (g3, dict(add_tensors={"blk.0.attn_q.bias": np.zeros(64)}), UnsupportedError, "tensor 'blk.0.attn_q.bias'"),
+        (g2, dict(edits={"gemma2.attention.sliding_window_pattern": np.array([1, 0, 1], dtype=np.int32)}), GGUFError,
+         "gemma2.attention.sliding_window_pattern must be a period or 2 booleans"),
+        (g2, dict(edits={"gemma2.attn_logit_softcapping": float("nan")}), GGUFError,
+         "gemma2.attn_logit_softcapping = nan is not a positive finite number"),
+    ]
+    for i, (base, kw, error, fragment) in enumerate(gemma_cases):
+        path = rewrite_gguf(base, tmp_path / f"gemma{i}.gguf", **kw)
+        with pytest.raises(error, match=re.escape(fragment)):
+            mlxinfer.load(path, backend="cpu")
+    # the file's per-layer flags and llama.cpp's defaults: Gemma 2's 4096 window and caps 50 / 30 when absent
+    flags = rewrite_gguf(g2, tmp_path / "flags.gguf", edits={
+        "gemma2.attention.sliding_window_pattern": np.array([False, True]), "gemma2.attention.sliding_window": None})
+    a = mlxinfer.load(flags, backend="cpu").args
+    assert (a.swa_layers, a.sliding_window, a.attn_softcap, a.final_softcap) == ((False, True), 4096, 50.0, 30.0)
     fine = rewrite_gguf(src, tmp_path / "fine.gguf", edits={"llama.rope.scaling.type": "none",
                                                              "general.url": "x", "quantize.imatrix.file": "y"})
     assert mlxinfer.load(fine, backend="cpu").generate([5, 6], max_tokens=2).token_ids

@@ -132,6 +132,11 @@ def tp_runs(tmp_path_factory, smollm2_path, synthetic):
                       vocab_size=333, tied_output=False, seed=7)  # Q/K/V biases, cut with their heads
     llama3 = synthetic(arch="llama", n_layers=2, hidden=128, ffn=320, n_heads=4, n_kv_heads=2, head_dim=32,
                        vocab_size=333, rope_base=500000.0, rope_freqs=llama3_rope_factors(32, 500000.0), seed=8)
+    gemma2 = synthetic(arch="gemma2", n_layers=3, hidden=128, ffn=320, n_heads=8, n_kv_heads=4, head_dim=32,
+                       vocab_size=333, sliding_window=6, attn_softcap=5.0, final_softcap=3.0,
+                       embedding_std=0.15 * 128 ** -0.5, seed=9)  # post-norms after the all-sum, capped gathered logits
+    gemma3 = synthetic(arch="gemma3", n_layers=3, hidden=128, ffn=320, n_heads=8, n_kv_heads=4, head_dim=32,
+                       vocab_size=333, sliding_window=6, swa_pattern=3, tied_output=False, seed=10)  # q/k norms per head
     prompt = [1, 504, 3458, 282, 4649, 314, 1072, 28, 260, 1837, 30, 1226, 1176, 25]  # SmolLM2 ids
     cases = [
         dict(model=smol_f32, backend="cpu", prompt=prompt, n=16, prefill_chunk=5),
@@ -140,6 +145,8 @@ def tp_runs(tmp_path_factory, smollm2_path, synthetic):
         dict(model=qwen_q8, backend="cpu", prompt=list(range(3, 40)), n=12, temperature=1.5, seed=-1),
         dict(model=qwen2, backend="cpu", prompt=list(range(3, 40)), n=12, prefill_chunk=16),
         dict(model=llama3, backend="mlx", prompt=list(range(3, 40)), n=12),
+        dict(model=gemma2, backend="cpu", prompt=list(range(3, 40)), n=12, prefill_chunk=16),
+        dict(model=gemma3, backend="mlx", prompt=list(range(3, 40)), n=12),
     ]
     with open(root / "cases.json", "w") as f:
         json.dump(cases, f)
@@ -149,8 +156,9 @@ def tp_runs(tmp_path_factory, smollm2_path, synthetic):
     return cases, runs
 
 
-@pytest.mark.parametrize("i", [0, 1, 2, 4, 5], ids=["smollm2-f32-cpu", "qwen3-f32-cpu", "qwen3-f32-mlx", "qwen2-f32-cpu",
-                                                   "llama3-rope-f32-mlx"])
+@pytest.mark.parametrize("i", [0, 1, 2, 4, 5, 6, 7], ids=["smollm2-f32-cpu", "qwen3-f32-cpu", "qwen3-f32-mlx",
+                                                         "qwen2-f32-cpu", "llama3-rope-f32-mlx", "gemma2-f32-cpu",
+                                                         "gemma3-f32-mlx"])
 def test_tp2_logits_and_greedy_text_match_one_process(tp_runs, i):
     cases, runs = tp_runs
     case = cases[i]
@@ -193,7 +201,7 @@ def test_load_passes_the_ranks_to_the_backend(monkeypatch):
     assert seen["ranks"] == 3
 
 
-@pytest.mark.parametrize("i", [0, 1, 2, 3, 4, 5])
+@pytest.mark.parametrize("i", [0, 1, 2, 3, 4, 5, 6, 7])
 def test_fused_is_bitwise_per_head_on_every_rank(tp_runs, i):
     for rank in tp_runs[1][i]:
         assert rank["fused_equals_per_head"]

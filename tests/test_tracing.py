@@ -78,6 +78,42 @@ def test_op_counts_per_layer_head_and_sequence(synthetic, shape, backend):
     check_pass(fused[1][1], per_head[1][1], L, H, B=3, T=1)
 
 
+GEMMA_SHAPES = [
+    dict(arch="gemma2", n_layers=3, hidden=64, ffn=96, n_heads=4, n_kv_heads=2, head_dim=32, sliding_window=4,
+         attn_softcap=20.0, final_softcap=10.0),
+    dict(arch="gemma3", n_layers=3, hidden=64, ffn=96, n_heads=4, n_kv_heads=2, head_dim=32, sliding_window=4,
+         swa_pattern=3, final_softcap=10.0),
+]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "mlx"])
+@pytest.mark.parametrize("shape", GEMMA_SHAPES, ids=lambda s: s["arch"])
+def test_gemma_op_counts(synthetic, shape, backend):
+    """Gemma's ops per pass: one GELU a layer; four RMSNorms a layer (six with Gemma 3's q/k norms) and
+    the final one, each with its one `scale`; beside them the embedding's scale, one query scale a layer
+    and the final soft-capping's two scales and one tanh; the per-head reference adds, per head, sequence
+    and layer, the attention scale and (Gemma 2) the soft-capping's two scales and tanh, and masks every
+    windowed layer's scores even for one decode row."""
+    path = synthetic(**shape, seed=1)
+    L, H = shape["n_layers"], shape["n_heads"]
+    attn_cap = "attn_softcap" in shape
+    engine = mlxinfer.load(path, backend="cpu")
+    windowed = sum(engine.args.swa_layers)
+    assert windowed == 2  # layers 0 and 2 (Gemma 2), 0 and 1 (Gemma 3)
+    prompts = [[3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    _, fused, _, _ = traced_passes(path, backend, "fused", prompts=prompts)
+    _, per_head, _, _ = traced_passes(path, backend, "per-head", prompts=prompts)
+    for (_, f), (_, p), T in ((fused[0], per_head[0], 3), (fused[1], per_head[1], 1)):
+        B = 3
+        norms = (4 + 2 * (shape["arch"] == "gemma3")) * L + 1
+        assert f["gelu"] == p["gelu"] == L and f["add"] == 2 * L and f["rope"] == 2 * L
+        assert f["linear"] == 7 * L + 1 and f["sum_squares_rows"] == norms
+        assert f["scale"] == norms + 1 + L + 2 and f["tanh"] == 1
+        assert p["scale"] - f["scale"] == (3 if attn_cap else 1) * H * B * L
+        assert p["tanh"] - f["tanh"] == (H * B * L if attn_cap else 0)
+        assert p.get("mask_scores", 0) == H * B * (L if T > 1 else windowed)
+
+
 def test_histogram_format_and_summary(synthetic):
     path = synthetic(**SHAPES[0], seed=1)
     _, passes, text, gen = traced_passes(path, "cpu", "fused")

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from threadpoolctl import ThreadpoolController, threadpool_limits
 
-from ..backend import Backend
+from ..backend import GELU_COEF_A, SQRT_2_OVER_PI, Backend, softcap_inverse
 from ..errors import GGUFError, RequestError
 
 
@@ -214,6 +214,13 @@ class CPUBackend(Backend):
         np.add(t, np.float32(1.0), out=t)
         return np.divide(x, t, out=t)
 
+    def gelu(self, x):
+        inner = np.float32(SQRT_2_OVER_PI) * x * (np.float32(1.0) + np.float32(GELU_COEF_A) * x * x)
+        return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+
+    def tanh(self, x):
+        return np.tanh(x)
+
     def _rope_table(self, head_dim, base, n, factors):
         key = (head_dim, base, factors)
         cos, sin = self._rope_cache.get(key, (None, None))
@@ -297,8 +304,8 @@ class CPUBackend(Backend):
         return buf[:n].reshape(shape)
 
     @staticmethod
-    def _scores_to_probabilities(scores, scale, biases) -> np.ndarray:
-        """scores [heads, T, S] -> attention weights, in place: scale, mask (biases: the pass's, query
+    def _scores_to_probabilities(scores, scale, biases, cap=None) -> np.ndarray:
+        """scores [heads, T, S] -> attention weights, in place: scale, soft-cap (`cap`), mask (biases: the pass's, query
         row i of every head = row i), softmax. Every step works row by row, so the rows are processed
         in tiles of ~2 MB (all steps of a tile while it sits in a core's cache, instead of five passes
         over tens of MB): the same operations on the same values, so the same bits, whichever tile
@@ -310,6 +317,10 @@ class CPUBackend(Backend):
             b = min(a + tile, g * t)
             block = rows[a:b]
             block *= np.float32(scale)
+            if cap:  # the reference's scale, tanh, scale
+                block *= np.float32(softcap_inverse(cap))
+                np.tanh(block, out=block)
+                block *= np.float32(cap)
             if biases:  # rows are (head, query row) pairs: query row = row % t
                 for h in range(a // t, (b - 1) // t + 1):
                     r0, r1 = max(a, h * t), min(b, (h + 1) * t)
@@ -348,7 +359,7 @@ class CPUBackend(Backend):
                 scores = self._scratch(h1 - h0, t, s)
                 for h in range(h0, h1):
                     np.matmul(qh[h], kh[h // group].T, out=scores[h - h0])
-                attn = self._scores_to_probabilities(scores, spec.scale, biases)
+                attn = self._scores_to_probabilities(scores, spec.scale, biases, spec.softcap)
                 for h in range(h0, h1):
                     np.matmul(attn[h - h0], vh[h // group], out=ctx[h])
 

@@ -38,7 +38,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from .. import collectives, kernels, quants  # noqa: E402
-from ..backend import AttentionSpec, Backend  # noqa: E402
+from ..backend import GELU_COEF_A, SQRT_2_OVER_PI, AttentionSpec, Backend, softcap_inverse  # noqa: E402
 from ..batch import Batch  # noqa: E402
 from ..errors import GGUFError, RequestError  # noqa: E402
 from ..kv_cache import KV_CACHES, PagedLayer  # noqa: E402
@@ -453,6 +453,13 @@ class MLXBackend(Backend):
     def silu(self, x):
         return x * mx.sigmoid(x)
 
+    def gelu(self, x):
+        inner = SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x)
+        return 0.5 * x * (1.0 + mx.tanh(inner))
+
+    def tanh(self, x):
+        return mx.tanh(x)
+
     def rms_norm(self, x, weight, eps):
         # One fused kernel for the six primitives (on this CPU bitwise equal to them; tested); the
         # weight is 1-D already (`load_vector`): a reshape here was a graph node a call
@@ -582,11 +589,16 @@ class MLXBackend(Backend):
                                                 seq_rows=[(0, r1 - r0)]))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
 
+    def _softcap(self, scores, cap):
+        """The reference's soft-capping (scale, tanh, scale) where the spec asks for it."""
+        return self.scale(self.tanh(self.scale(scores, softcap_inverse(cap))), cap) if cap else scores
+
     def _pass_needs_graph(self, batch, spec) -> bool:
-        """Whether this pass's attention takes the graph override even with a GPU kernel: a head_dim
-        past the kernel's limit, or (where the kernel has no split plan: Metal) few rows over long
+        """Whether this pass's attention takes the graph override even with a GPU kernel: soft-capping
+        (the kernels have none: the graph's products and softmax are the kernels', the capping MLX's
+        elementwise ops), a head_dim past the kernel's limit, or (where the kernel has no split plan: Metal) few rows over long
         caches (never a traced batch's, whose lengths live only in its arrays)."""
-        if spec.head_dim > kernels.MAX_HEAD_DIM:
+        if spec.softcap or spec.head_dim > kernels.MAX_HEAD_DIM:
             return True
         if kernels.uses_split(self.kernel, batch.n_rows, spec):
             return False
@@ -617,7 +629,7 @@ class MLXBackend(Backend):
             kh = mx.contiguous(mx.transpose(mx.reshape(k, (s, kvh, d)), (1, 0, 2)))  # [KV, S, D]
             if self.gpu_kernels:
                 scores = kernels.matmul(self.gpu_kernels, mx.reshape(qh, (kvh * group, t, d)), kh, group)
-                scores = scores * spec.scale
+                scores = self._softcap(scores * spec.scale, spec.softcap)
                 if t > 1 or spec.window:
                     scores = self.mask_scores(scores, batch.positions_of(self, b), spec.causal, spec.window)
                 attn = kernels.softmax(self.gpu_kernels, mx.reshape(scores, (-1, s)))
@@ -630,6 +642,7 @@ class MLXBackend(Backend):
                 for (h0, h1), stream in self._cpu_parts(kvh):
                     with stream:
                         scores = mx.matmul(qh[h0:h1], mx.swapaxes(kh[h0:h1, None], -1, -2)) * spec.scale  # [KV, G, T, S]
+                        scores = self._softcap(scores, spec.softcap)
                         if t > 1 or spec.window:
                             scores = self.mask_scores(scores, batch.positions_of(self, b), spec.causal, spec.window)
                         parts.append(mx.matmul(self.softmax_rows(scores), vh[h0:h1]))  # [KV, G, T, D]

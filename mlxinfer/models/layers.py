@@ -16,6 +16,8 @@ With one rank (`shard.size == 1`) neither adds an op.
 
 from __future__ import annotations
 
+import numpy as np
+
 
 def rms_norm(ops, x, weight, eps: float):
     """x * rsqrt(mean(x^2) + eps) * weight, row by row (the backend's composite op; its default is
@@ -32,6 +34,17 @@ def swiglu_mlp(ops, x, w, groups, shard):
     """down(silu(gate(x)) * up(x)), summed over the ranks' shares of the FFN width."""
     gate, up = ops.linear_group(x, w.ffn_gate_up, groups)
     return all_sum(ops, ops.linear(ops.hadamard(ops.silu(gate), up), w.ffn_down, groups), shard)
+
+
+def gelu_mlp(ops, x, w, groups, shard):
+    """down(gelu(gate(x)) * up(x)) (Gemma's GeGLU, tanh approximation), summed over the ranks' shares."""
+    gate, up = ops.linear_group(x, w.ffn_gate_up, groups)
+    return all_sum(ops, ops.linear(ops.hadamard(ops.gelu(gate), up), w.ffn_down, groups), shard)
+
+
+def softcap(ops, x, cap: float):
+    """cap * tanh(x / cap), as llama.cpp computes it: scale by the float32 1/cap, tanh, scale by cap."""
+    return ops.scale(ops.tanh(ops.scale(x, float(np.float32(1.0) / np.float32(cap)))), cap)
 
 
 def output_logits(ops, x, w, batch, eps: float, shard, vocab: int):

@@ -41,6 +41,13 @@ class ModelArgs:
     reads_rope_freqs: bool = False  # the architecture applies `rope_freqs.weight` (llama.cpp's llama does)
     rope_freqs: tuple | None = None  # that tensor's values: per-pair divisors of the RoPE frequencies
     rope_scale: float = 1.0  # linear RoPE scaling's factor: every frequency divided by it
+    post_norms: bool = False  # Gemma: RMSNorm of the attention and FFN outputs before each residual add
+    sliding_window: int | None = None  # keys a sliding-window layer's query sees, itself included
+    swa_layers: tuple = ()  # per layer, True where it attends within `sliding_window` (empty: none does)
+    rope_base_swa: float | None = None  # the sliding-window layers' RoPE base
+    attn_softcap: float | None = None  # attention scores capped to cap * tanh(score / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits capped the same way
+    extra_keys: frozenset = field(default=frozenset(), repr=False, compare=False)  # `{arch}.` keys read besides READ_KEYS
     rope_factors: tuple | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -54,7 +61,14 @@ class ModelArgs:
 
     @classmethod
     def from_gguf(cls, g, *, rope_traditional: bool, qk_norm: bool, qkv_bias: bool = False,
-                  reads_rope_freqs: bool = False) -> "ModelArgs":
+                  reads_rope_freqs: bool = False, post_norms: bool = False, swa: dict | None = None,
+                  softcaps: dict | None = None) -> "ModelArgs":
+        """`swa` (architectures with sliding-window layers): llama.cpp's defaults for what the file may
+        leave out, `pattern` (every pattern-th layer global, the others windowed), `window` (None: no
+        sliding window unless the file gives one) and `base_swa` (None: the global base). `softcaps`:
+        the soft-cappings the architecture applies, `attn` and/or `final`, each with its default (None:
+        off unless the file gives it); the keys of those it does not apply are refused
+        (`check_nothing_unread`)."""
         a = g.architecture
 
         def req(key):
@@ -94,9 +108,13 @@ class ModelArgs:
         for key, value in (("attention.layer_norm_rms_epsilon", eps), ("rope.freq_base", base)):
             if not math.isfinite(value) or value <= 0:
                 raise GGUFError(f"{g.path}: {a}.{key} = {value!r} is not a positive finite number")
+        n_layers = req("block_count")
+        window, swa_layers, base_swa = _sliding_window(g, n_layers, base, swa) if swa else (None, (), None)
+        caps = {kind: _softcap(g, f"{kind}_logit_softcapping", default) for kind, default in (softcaps or {}).items()}
+        extra = (SWA_KEYS if swa else ()) + tuple(f"{kind}_logit_softcapping" for kind in caps)
         return cls(
             arch=a,
-            n_layers=req("block_count"),
+            n_layers=n_layers,
             hidden=hidden,
             ffn=req("feed_forward_length"),
             n_heads=n_heads,
@@ -113,7 +131,54 @@ class ModelArgs:
             reads_rope_freqs=reads_rope_freqs,
             rope_freqs=_rope_freqs(g, head_dim) if reads_rope_freqs and "rope_freqs.weight" in g.tensors else None,
             rope_scale=_rope_scale(g),
+            post_norms=post_norms,
+            sliding_window=window,
+            swa_layers=swa_layers,
+            rope_base_swa=base_swa,
+            attn_softcap=caps.get("attn"),
+            final_softcap=caps.get("final"),
+            extra_keys=frozenset(extra),
         )
+
+
+SWA_KEYS = ("attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa")
+
+
+def _sliding_window(g, n_layers: int, base: float, defaults: dict):
+    """(window, which layers use it, their RoPE base) as llama.cpp reads them: `attention.sliding_window`
+    (absent or 0: no windowed layer, unless the architecture has a default), `sliding_window_pattern`
+    either one flag per layer or a period n (layer i windowed unless i % n == n - 1; 0: every layer),
+    `rope.freq_base_swa` (absent: the architecture's default, or the global base)."""
+    a = g.architecture
+    window = g.get(f"{a}.attention.sliding_window", defaults.get("window"), int)
+    if window is not None and window < 0:
+        raise GGUFError(f"{g.path}: {a}.attention.sliding_window = {window} is negative")
+    pattern = g.metadata.get(f"{a}.attention.sliding_window_pattern", defaults["pattern"])
+    if isinstance(pattern, (bool, np.bool_)) or not isinstance(pattern, (int, np.integer)):
+        flags = np.asarray(pattern)
+        if flags.dtype.kind not in "biu" or flags.shape != (n_layers,):
+            raise GGUFError(f"{g.path}: {a}.attention.sliding_window_pattern must be a period or {n_layers} "
+                            f"booleans (one per layer), not {_short(pattern)}")
+        layers = tuple(bool(f) for f in flags)  # nonzero: windowed, as llama.cpp reads it
+    else:
+        if pattern < 0:
+            raise GGUFError(f"{g.path}: {a}.attention.sliding_window_pattern = {pattern} is negative")
+        layers = tuple(pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers))
+    if not window:
+        return None, (), None
+    base_swa = g.get(f"{a}.rope.freq_base_swa", defaults.get("base_swa") or base, (int, float))
+    if not math.isfinite(base_swa) or base_swa <= 0:
+        raise GGUFError(f"{g.path}: {a}.rope.freq_base_swa = {base_swa!r} is not a positive finite number")
+    return int(window), layers, float(base_swa)
+
+
+def _softcap(g, key: str, default):
+    """A soft-capping value (`{arch}.{key}`, else the architecture's default); 0 or absent: none."""
+    a = g.architecture
+    cap = g.get(f"{a}.{key}", default, (int, float))
+    if cap is not None and (not math.isfinite(cap) or cap < 0):
+        raise GGUFError(f"{g.path}: {a}.{key} = {cap!r} is not a positive finite number")
+    return float(cap) if cap else None
 
 
 # llama.cpp's `rope.scaling.type` values: what each asks of the forward pass. "linear" (llama.cpp's
@@ -199,6 +264,9 @@ LAYER_TENSORS = (
                lambda a: (a.head_dim,), when=lambda a: a.qk_norm),
     TensorSpec("attn_k_norm", "blk.{i}.attn_k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight", NORM,
                lambda a: (a.head_dim,), when=lambda a: a.qk_norm),
+    TensorSpec("attn_post_norm", "blk.{i}.post_attention_norm.weight",
+               "model.layers.{i}.post_attention_layernorm.weight", NORM, lambda a: (a.hidden,),
+               when=lambda a: a.post_norms),
     TensorSpec("ffn_norm", "blk.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight", NORM,
                lambda a: (a.hidden,)),
     TensorSpec("ffn_gate", "blk.{i}.ffn_gate.weight", "model.layers.{i}.mlp.gate_proj.weight", MATRIX,
@@ -207,6 +275,8 @@ LAYER_TENSORS = (
                lambda a: (a.ffn, a.hidden)),
     TensorSpec("ffn_down", "blk.{i}.ffn_down.weight", "model.layers.{i}.mlp.down_proj.weight", MATRIX,
                lambda a: (a.hidden, a.ffn)),
+    TensorSpec("ffn_post_norm", "blk.{i}.post_ffw_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight",
+               NORM, lambda a: (a.hidden,), when=lambda a: a.post_norms),
 )
 
 # Layer matrices that multiply the same activations, loaded as one handle (`Backend.load_weight_group`)
@@ -271,7 +341,7 @@ def check_nothing_unread(g, args: ModelArgs) -> None:
         if key.startswith(IRRELEVANT_PREFIXES):
             continue
         name = key[len(prefix):] if key.startswith(prefix) else None
-        if name in READ_KEYS or (name in NEUTRAL_KEYS and value in NEUTRAL_KEYS[name]):
+        if name in READ_KEYS or name in args.extra_keys or (name in NEUTRAL_KEYS and value in NEUTRAL_KEYS[name]):
             continue
         raise UnsupportedError(f"{g.path}: metadata {key} = {_short(value)} is not supported: the forward pass "
                                "does not apply it")

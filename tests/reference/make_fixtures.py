@@ -2,7 +2,8 @@
 
     python -m venv /tmp/refenv && /tmp/refenv/bin/pip install llama-cpp-python numpy gguf
     PYTHONPATH=. /tmp/refenv/bin/python tests/reference/make_fixtures.py [SMOLLM2_Q4_1.gguf]
-    (TOKENIZER_ONLY=1 remakes only tokenizer_vectors.json, SPM_ONLY=1 only its SentencePiece part; on this
+    (TOKENIZER_ONLY=1 remakes only tokenizer_vectors.json, SPM_ONLY=1 only its SentencePiece part,
+    ONLY=name,... only those synthetic fixtures; on this
     project's VM llama-cpp-python must be built with CMAKE_ARGS="-DGGML_NATIVE=OFF": the native build dies with SIGILL)
 
 For each model: dequantize every tensor to F32 (`mlxinfer.synthetic.write_f32_copy`), run llama.cpp with
@@ -20,8 +21,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from mlxinfer.synthetic import rewrite_gguf, write_f32_copy, write_synthetic_model  # noqa: E402
-from tests.reference.specs import (LINEAR_ROPE_EDITS, LLAMA3_SYNTHETIC, QWEN2_SYNTHETIC, QWEN3_PROMPT_IDS,  # noqa: E402
-                                   QWEN3_SYNTHETIC, SMOLLM2_PROMPT, SYNTHETIC_PROMPTS)
+from tests.reference.specs import (QWEN3_PROMPT_IDS, QWEN3_SYNTHETIC, SMOLLM2_PROMPT, SYNTHETIC_PROMPTS,  # noqa: E402
+                                   synthetic_files)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N_GREEDY = 48
@@ -137,16 +138,12 @@ def tokenizer_vectors(smollm2_path, tmp):
           "ignore_merges:", out["ignore_merges"])
 
 
-def synthetic_references(tmp):
-    """Llama 3 (rope_freqs.weight), the same file with linear RoPE scaling on top, and Qwen2 (Q/K/V
-    biases): all-F32 synthetic files with llama.cpp's names, three prompts each, 32 greedy tokens."""
+def synthetic_references(tmp, only=None):
+    """Each synthetic file's fixture (three prompts, 32 greedy tokens); `only`: a list of fixture names."""
     first, *more = SYNTHETIC_PROMPTS
-    l3 = write_synthetic_model(os.path.join(tmp, "llama3.gguf"), LLAMA3_SYNTHETIC)
-    reference(l3, first, "llama3_synthetic.npz", more, n_greedy=32)
-    linear = rewrite_gguf(l3, os.path.join(tmp, "llama3_linear.gguf"), edits=LINEAR_ROPE_EDITS)
-    reference(linear, first, "llama3_linear_synthetic.npz", more, n_greedy=32)
-    q2 = write_synthetic_model(os.path.join(tmp, "qwen2.gguf"), QWEN2_SYNTHETIC)
-    reference(q2, first, "qwen2_synthetic.npz", more, n_greedy=32)
+    for name, path in synthetic_files(tmp).items():
+        if not only or name in only:
+            reference(path, first, name + ".npz", more, n_greedy=32)
 
 
 SPM_VOCABS = ("llama-spm", "phi-3")
@@ -218,6 +215,8 @@ def main():
         only_tokenizer = bool(os.environ.get("TOKENIZER_ONLY"))  # remake tokenizer_vectors.json alone
         if os.environ.get("SPM_ONLY"):  # remake only its SentencePiece part
             return spm_vectors(tmp)
+        if os.environ.get("ONLY"):  # ONLY=gemma3_synthetic,gemma2_synthetic remakes those alone
+            return synthetic_references(tmp, os.environ["ONLY"].split(","))
         if not only_tokenizer:
             q3 = write_synthetic_model(os.path.join(tmp, "q3.gguf"), QWEN3_SYNTHETIC)
             reference(write_f32_copy(q3, os.path.join(tmp, "q3_f32.gguf")), QWEN3_PROMPT_IDS, "qwen3_synthetic.npz")

@@ -1,6 +1,8 @@
 """The models and prompts of the reference fixtures (shared by make_fixtures.py and the tests)."""
 
-from mlxinfer.synthetic import SyntheticSpec, llama3_rope_factors
+import os
+
+from mlxinfer.synthetic import SyntheticSpec, llama3_rope_factors, rewrite_gguf, write_synthetic_model
 
 # head_dim 48 != hidden / heads = 128 / 4 = 32, untied output head, GQA 2.
 QWEN3_SYNTHETIC = SyntheticSpec(arch="qwen3", n_layers=3, hidden=128, ffn=256, n_heads=4, n_kv_heads=2,
@@ -21,3 +23,34 @@ QWEN2_SYNTHETIC = SyntheticSpec(arch="qwen2", n_layers=3, hidden=128, ffn=256, n
 # Three prompts for the new architectures' fixtures: the first (every position's logits) long enough
 # that the slowed RoPE pairs turn measurably (70 positions).
 SYNTHETIC_PROMPTS = [[(7 * i + 3) % 380 for i in range(70)], [1, 17, 250, 99, 3, 300, 42], [255, 4, 4, 4, 128]]
+
+# Gemma 3: q/k norms, head_dim 48 != 128 / 4, window 8 on layers 0 and 1 (pattern 3: every third layer
+# global) with their own RoPE base 10000, the global layer at base 1e6 with linear scaling 8 (the 4B-27B
+# files' scaling, global layers only), untied head (llama.cpp reads output.weight for gemma3; a tied head
+# with random weights repeats the last token). Softcapping: none (Gemma 3 has none).
+GEMMA3_SYNTHETIC = SyntheticSpec(arch="gemma3", n_layers=3, hidden=128, ffn=256, n_heads=4, n_kv_heads=2,
+                                 head_dim=48, vocab_size=384, tied_output=False, rope_base=1000000.0, seed=3335,
+                                 sliding_window=8, swa_pattern=3, rope_base_swa=10000.0)
+GEMMA3_EDITS = {"gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0}
+# Gemma 2: window 8 on layers 0 and 2 (the default pattern 2), RoPE base 10000 on them and 1e6 on layer 1,
+# attention soft-capping 2 and final 1 (small enough that the synthetic model's scores and logits bend),
+# tied head (gemma2's always is) with embeddings of std 0.15 hidden**-0.5 (scaled by sqrt(hidden), rows
+# ~0.15: larger ones make every token's own embedding dominate the tied head and the text repeat it);
+# logits up to ~0.6, bent by the final cap 1.
+GEMMA2_SYNTHETIC = SyntheticSpec(arch="gemma2", n_layers=3, hidden=128, ffn=256, n_heads=4, n_kv_heads=2,
+                                 head_dim=48, vocab_size=384, tied_output=True, rope_base=1000000.0, seed=2222,
+                                 sliding_window=8, rope_base_swa=10000.0, attn_softcap=2.0, final_softcap=1.0,
+                                 embedding_std=0.15 * 128 ** -0.5)
+
+
+def synthetic_files(tmp):
+    """The new architectures' all-F32 synthetic files with llama.cpp's names, by fixture name: Llama 3
+    (rope_freqs.weight), the same file with linear RoPE scaling on top, Qwen2 (Q/K/V biases), Gemma 3,
+    Gemma 2 (the specs above say what each exercises). The tests write the same files."""
+    l3 = write_synthetic_model(os.path.join(tmp, "llama3.gguf"), LLAMA3_SYNTHETIC)
+    g3 = write_synthetic_model(os.path.join(tmp, "gemma3_plain.gguf"), GEMMA3_SYNTHETIC)
+    return {"llama3_synthetic": l3,
+            "llama3_linear_synthetic": rewrite_gguf(l3, os.path.join(tmp, "llama3_linear.gguf"), edits=LINEAR_ROPE_EDITS),
+            "qwen2_synthetic": write_synthetic_model(os.path.join(tmp, "qwen2.gguf"), QWEN2_SYNTHETIC),
+            "gemma3_synthetic": rewrite_gguf(g3, os.path.join(tmp, "gemma3.gguf"), edits=GEMMA3_EDITS),
+            "gemma2_synthetic": write_synthetic_model(os.path.join(tmp, "gemma2.gguf"), GEMMA2_SYNTHETIC)}
