@@ -393,13 +393,15 @@ class GGUFFile:
 class ShardedGGUF:
     """A GGUF file whose sliced tensors read as this rank's slice: `tensor(name)` has the slice's shape,
     `raw(name)` its bytes, `dequantize(name)` its floats; other tensors read as in the file.
-    `output.weight` of a model with a tied output head is the embedding's rows."""
+    `output.weight` of a model with a tied output head is the embedding's rows; `sources` names other
+    tensors read from another one's rows (Phi-3's attn_q/k/v from its fused attn_qkv, with their cuts)."""
 
     dequantize = GGUFFile.dequantize  # the file's dequantizer, over this view's tensor() and raw()
 
-    def __init__(self, g: GGUFFile, cuts: dict):
+    def __init__(self, g: GGUFFile, cuts: dict, sources: dict | None = None):
         self.g, self.cuts, self.path = g, cuts, g.path
         self.metadata, self.tensors = g.metadata, g.tensors
+        self.sources = sources or {}
 
     def get(self, key, default=None, kind=None):
         return self.g.get(key, default, kind)
@@ -410,7 +412,7 @@ class ShardedGGUF:
     def _source(self, name: str) -> str:
         if name == "output.weight" and "output.weight" not in self.g.tensors:
             return "token_embd.weight"
-        return name
+        return self.sources.get(name, name)
 
     def tensor(self, name: str) -> TensorInfo:
         t = self.g.tensor(self._source(name))

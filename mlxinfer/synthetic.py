@@ -75,6 +75,7 @@ class SyntheticSpec:
     seed: int = 0
     random_blocks: bool = False  # random quantized blocks of qtype, streamed (for 14B-class shapes)
     rope_freqs: tuple | None = None  # written as `rope_freqs.weight` (see llama3_rope_factors)
+    rope_long_short: tuple | None = None  # Phi-3: written as `rope_factors_long/short.weight`
     # Gemma's, written where given: `attention.sliding_window`, `attention.sliding_window_pattern` (a
     # period), `rope.freq_base_swa`, `attn_logit_softcapping`, `final_logit_softcapping`
     embedding_std: float = 1.0  # Gemma's embeddings are scaled up by sqrt(hidden): hidden**-0.5 keeps rows ~1
@@ -86,10 +87,11 @@ class SyntheticSpec:
 
     def args(self) -> ModelArgs:
         """The model spec's hyperparameters for this synthetic file (what decides its tensors)."""
-        traits = {k: v for k, v in ARCHITECTURES[self.arch].TRAITS.items() if k not in ("swa", "softcaps")}
+        traits = {k: v for k, v in ARCHITECTURES[self.arch].TRAITS.items() if k not in ("swa", "softcaps", "ignored")}
         return ModelArgs(self.arch, self.n_layers, self.hidden, self.ffn, self.n_heads, self.n_kv_heads,
                          self.head_dim, self.vocab_size, self.context_length, self.rms_eps, self.rope_base,
-                         tied_output=self.tied_output, rope_freqs=self.rope_freqs, **traits)
+                         tied_output=self.tied_output, rope_freqs=self.rope_freqs,
+                         rope_long_short=self.rope_long_short, **traits)
 
 
 def llama3_rope_factors(head_dim: int, base: float, factor: float = 8.0, low_freq_factor: float = 1.0,
@@ -190,7 +192,7 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
     if spec.random_blocks:
         if qtype == GGMLQuantizationType.F32:
             raise ValueError("random blocks are written for a quantized or 16-bit type, not F32")
-        if spec.args().qkv_bias or spec.rope_freqs is not None or spec.embedding_std != 1.0:
+        if spec.args().qkv_bias or spec.rope_freqs or spec.rope_long_short or spec.embedding_std != 1.0:
             raise ValueError("random blocks are written for matrices and norms only (no biases or RoPE factors)")
         return _write_random_blocks(w, spec, rng, str(path))
     for t, _, name, _, shape in tensors(spec.args()):
@@ -199,7 +201,8 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
         elif t.kind == BIAS:
             data = _tensor(rng, shape, 0.5)
         elif t.kind == FACTORS:
-            data = np.array(spec.rope_freqs, dtype=np.float32)
+            long_short = dict(zip(("rope_long", "rope_short"), spec.rope_long_short or ()))
+            data = np.array(long_short.get(t.key, spec.rope_freqs), dtype=np.float32)
         else:
             data = _tensor(rng, shape, spec.embedding_std if t.kind == EMBEDDING else shape[1] ** -0.5)
         _add(w, name, data, qtype)

@@ -10,10 +10,10 @@ import pytest
 import mlxinfer
 from mlxinfer.backends import make_backend
 from mlxinfer.batch import Batch
-from mlxinfer.errors import GGUFError, UnsupportedError
+from mlxinfer.errors import GGUFError, RequestError, UnsupportedError
 from mlxinfer.gguf_file import GGUFFile
 from mlxinfer.inspect import describe
-from mlxinfer.models import model_args
+from mlxinfer.models import model_args, spec
 from mlxinfer.synthetic import rewrite_gguf, write_synthetic_model
 from mlxinfer.tracing import install_tracer
 
@@ -27,6 +27,8 @@ from .reference.specs import QWEN3_SYNTHETIC, synthetic_files
 # (2026-12-01, both backends): within 3.6e-6 of llama.cpp (logits up to 4.4). What differs: the order of
 # each dot product's sum (BLAS vs ggml) and the RoPE angles (float64 tables here, ggml's float32 powers).
 # Bound 1.5e-5, about 4x.
+# Phi-3 with its long and with its short RoPE factors and attention factor (2026-12-02, both backends):
+# within 4.8e-6 (logits up to 5.0); bound 1.5e-5 as the other dense ones.
 # Gemma 3 and Gemma 2 (synthetic, both backends, 2026-12-02): within 2.4e-4 of llama.cpp (logits up to
 # 4.3 and 0.56), median over positions 1.4e-4. What differs beside the dense models' sums: llama.cpp's CPU
 # GELU rounds each input to float16 and reads a float16 result from a table (ggml-cpu/vec.h,
@@ -35,7 +37,7 @@ from .reference.specs import QWEN3_SYNTHETIC, synthetic_files
 # Bound 1e-3, about 4x (a dropped soft-cap, a wrong embedding scale or window moves logits by 1e-2 and more).
 LOGIT_ATOL = {"qwen3_synthetic": 1e-5, "smollm2": 4e-4, "llama3_synthetic": 1.5e-5,
               "llama3_linear_synthetic": 1.5e-5, "qwen2_synthetic": 1.5e-5, "gemma3_synthetic": 1e-3,
-              "gemma2_synthetic": 1e-3}
+              "gemma2_synthetic": 1e-3, "phi3_synthetic": 1.5e-5, "phi3_short_synthetic": 1.5e-5}
 TIE_GAP = 1e-3
 
 
@@ -150,6 +152,8 @@ EXPECTED_ARGS = {
     "qwen2_synthetic": ("qwen2", True, False, 1.0, (), None, None),
     "gemma3_synthetic": ("gemma3", False, False, 8.0, (True, True, False), None, None),
     "gemma2_synthetic": ("gemma2", False, False, 1.0, (True, False, True), 2.0, 1.0),
+    "phi3_synthetic": ("phi3", False, True, 1.0, (), None, None),
+    "phi3_short_synthetic": ("phi3", False, True, 1.0, (), None, None),
 }
 
 
@@ -200,6 +204,33 @@ def test_llama3_factors_divide_the_frequencies(new_arch_paths):
         ops = make_backend(name)
         got = ops.to_numpy(ops.rope(ops.from_numpy(x), ops.index_array(pos), 2, d, a.rope_base, True, a.rope_factors))
         np.testing.assert_allclose(got, want.reshape(5, 2 * d), rtol=0, atol=1e-4)
+
+
+def test_phi3_reads_its_fused_matrices_and_factors(new_arch_paths):
+    """Phi-3: the fused matrices read as Q, K, V (rows in that order) and gate, up (gate first); the
+    long factors where the context (4096) exceeds the original one (64), the short ones where not (8192);
+    the attention factor read; `inspect` lists the fused tensors; tensor parallelism refuses in one line."""
+    from mlxinfer.models.shard import Shard
+
+    from .reference.specs import PHI3_SYNTHETIC
+
+    with GGUFFile(new_arch_paths["phi3_synthetic"]) as g:
+        a = model_args(g)
+        long, short = (tuple(float(np.float32(f)) for f in fs) for fs in PHI3_SYNTHETIC.rope_long_short)
+        assert a.fused and a.rope_factors == long and a.rope_attn_factor == float(np.float32(2 ** 0.5))
+        view = spec.fused_view(g, a)
+        qkv, up = g.dequantize("blk.1.attn_qkv.weight"), g.dequantize("blk.1.ffn_up.weight")
+        assert np.array_equal(view.dequantize("blk.1.attn_k.weight"), qkv[128:192])
+        assert np.array_equal(view.dequantize("blk.1.attn_v.weight"), qkv[192:])
+        assert np.array_equal(view.dequantize("blk.1.ffn_gate.weight"), up[:256])
+        assert np.array_equal(view.dequantize("blk.1.ffn_up.weight"), up[256:])
+        with pytest.raises(RequestError, match="tensor parallelism does not split phi3's fused attn_qkv and ffn_up"):
+            Shard.plan(g, a, 0, 2)
+    with GGUFFile(new_arch_paths["phi3_short_synthetic"]) as g:
+        assert model_args(g).rope_factors == short
+    text = describe(new_arch_paths["phi3_synthetic"])
+    assert "architecture: phi3" in text and re.search(r"blk\.0\.attn_qkv\.weight\s+F32\s+\[256, 128\]", text)
+    assert re.search(r"rope_factors_long\.weight\s+F32\s+\[16\]", text)
 
 
 def test_gemma_in_inspect(new_arch_paths):
@@ -328,7 +359,7 @@ def test_what_the_forward_pass_does_not_apply_is_refused(synthetic, tmp_path):
         path = rewrite_gguf(base, tmp_path / f"bad{i}.gguf", **kw)
         with pytest.raises(error, match=re.escape(fragment)):
             mlxinfer.load(path, backend="cpu")
-    # Gemma: what one family reads, the other refuses; malformed window keys
+    # Gemma and Phi-3: what one family reads, the others refuse; malformed keys and factors
     g2 = synthetic(arch="gemma2", n_layers=2, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16,
                    vocab_size=320, sliding_window=4)
     g3 = synthetic(arch="gemma3", n_layers=2, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -347,6 +378,16 @@ def test_what_the_forward_pass_does_not_apply_is_refused(synthetic, tmp_path):
          "gemma2.attention.sliding_window_pattern must be a period or 2 booleans"),
         (g2, dict(edits={"gemma2.attn_logit_softcapping": float("nan")}), GGUFError,
          "gemma2.attn_logit_softcapping = nan is not a positive finite number"),
+    ]
+    phi3 = synthetic(arch="phi3", n_layers=1, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16,
+                     vocab_size=320, rope_long_short=((1.0,) * 8, (1.0,) * 8))
+    gemma_cases += [
+        (phi3, dict(drop_tensors=("rope_factors_short.weight",)), GGUFError,
+         "tensor 'rope_factors_short.weight' is missing (Phi-3's RoPE factors come in pairs)"),
+        (src, dict(add_tensors={"rope_factors_long.weight": np.ones(8)}), UnsupportedError,
+         "tensor 'rope_factors_long.weight' (not read by the forward pass)"),
+        (phi3, dict(edits={"phi3.rope.scaling.attn_factor": -1.0}), GGUFError,
+         "phi3.rope.scaling.attn_factor = -1.0 is not a positive finite number"),
     ]
     for i, (base, kw, error, fragment) in enumerate(gemma_cases):
         path = rewrite_gguf(base, tmp_path / f"gemma{i}.gguf", **kw)

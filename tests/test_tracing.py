@@ -14,6 +14,7 @@ SHAPES = [
     dict(arch="qwen3", n_layers=2, hidden=96, ffn=128, n_heads=6, n_kv_heads=3, head_dim=48),
     dict(arch="llama", n_layers=4, hidden=64, ffn=96, n_heads=8, n_kv_heads=2, head_dim=8),
     dict(arch="llama", n_layers=1, hidden=32, ffn=64, n_heads=2, n_kv_heads=1, head_dim=16),
+    dict(arch="phi3", n_layers=2, hidden=64, ffn=96, n_heads=4, n_kv_heads=2, head_dim=16),  # fused matrices: same counts
 ]
 
 

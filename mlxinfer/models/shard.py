@@ -81,6 +81,9 @@ class Shard:
         a one-line RequestError where the model cannot be split that way."""
         if size == 1:
             return cls.whole(args)
+        if args.fused:
+            raise RequestError(f"tensor parallelism does not split {args.arch}'s fused attn_qkv and ffn_up matrices "
+                               f"yet ({g.path}): run it on one process")
         if args.n_kv_heads < size:
             raise RequestError(
                 f"tensor parallelism over {size} ranks needs at least {size} KV heads; {g.path} has "

@@ -15,8 +15,10 @@ from typing import Callable
 import numpy as np
 
 from ..errors import GGUFError, UnsupportedError
+from ..gguf_file import ShardedGGUF
 
 MATRIX, NORM, EMBEDDING, BIAS, FACTORS = "matrix", "norm", "embedding", "bias", "factors"
+FUSED = "fused"  # a matrix of several products' rows, loaded as their group through `fused_view`
 
 
 @dataclass
@@ -41,6 +43,10 @@ class ModelArgs:
     reads_rope_freqs: bool = False  # the architecture applies `rope_freqs.weight` (llama.cpp's llama does)
     rope_freqs: tuple | None = None  # that tensor's values: per-pair divisors of the RoPE frequencies
     rope_scale: float = 1.0  # linear RoPE scaling's factor: every frequency divided by it
+    fused: bool = False  # Phi-3: Q, K, V in one `attn_qkv` matrix, gate and up in one `ffn_up` (gate first)
+    rope_long_short: tuple | None = None  # Phi-3's (long, short) RoPE factors (`rope_factors_long/short.weight`)
+    rope_original_context: int = 0  # the long factors apply where context_length exceeds it, as llama.cpp
+    rope_attn_factor: float = 1.0  # every rotation's cos and sin multiplied by it (`rope.scaling.attn_factor`)
     post_norms: bool = False  # Gemma: RMSNorm of the attention and FFN outputs before each residual add
     sliding_window: int | None = None  # keys a sliding-window layer's query sees, itself included
     swa_layers: tuple = ()  # per layer, True where it attends within `sliding_window` (empty: none does)
@@ -55,6 +61,8 @@ class ModelArgs:
         factors times the linear scaling factor; None where every one is 1. Computed once: the forward
         pass hands it to every rope call."""
         self.rope_factors = None
+        if self.rope_long_short is not None:  # llama.cpp: long where its context exceeds the original one
+            self.rope_freqs = self.rope_long_short[self.context_length <= self.rope_original_context]
         if self.rope_freqs is not None or self.rope_scale != 1.0:
             freqs = self.rope_freqs or (1.0,) * (self.head_dim // 2)
             self.rope_factors = tuple(f * self.rope_scale for f in freqs)
@@ -62,11 +70,13 @@ class ModelArgs:
     @classmethod
     def from_gguf(cls, g, *, rope_traditional: bool, qk_norm: bool, qkv_bias: bool = False,
                   reads_rope_freqs: bool = False, post_norms: bool = False, swa: dict | None = None,
-                  softcaps: dict | None = None) -> "ModelArgs":
+                  softcaps: dict | None = None, fused: bool = False, ignored: dict | None = None) -> "ModelArgs":
         """`swa` (architectures with sliding-window layers): llama.cpp's defaults for what the file may
         leave out, `pattern` (every pattern-th layer global, the others windowed), `window` (None: no
-        sliding window unless the file gives one) and `base_swa` (None: the global base). `softcaps`:
-        the soft-cappings the architecture applies, `attn` and/or `final`, each with its default (None:
+        sliding window unless the file gives one) and `base_swa` (None: the global base). `fused`: Phi-3's
+        fused matrices and its long/short RoPE factors with their attention factor. `ignored`: `{arch}.`
+        keys the architecture reads and does not apply, with the reason (llama.cpp ignores them too).
+        `softcaps`: the soft-cappings the architecture applies, `attn` and/or `final`, each with its default (None:
         off unless the file gives it); the keys of those it does not apply are refused
         (`check_nothing_unread`)."""
         a = g.architecture
@@ -111,7 +121,10 @@ class ModelArgs:
         n_layers = req("block_count")
         window, swa_layers, base_swa = _sliding_window(g, n_layers, base, swa) if swa else (None, (), None)
         caps = {kind: _softcap(g, f"{kind}_logit_softcapping", default) for kind, default in (softcaps or {}).items()}
-        extra = (SWA_KEYS if swa else ()) + tuple(f"{kind}_logit_softcapping" for kind in caps)
+        extra = (SWA_KEYS if swa else ()) + tuple(f"{kind}_logit_softcapping" for kind in caps) + tuple(ignored or ())
+        ctx = req("context_length")
+        long_short = _rope_long_short(g, head_dim) if fused else None
+        rope_scale, attn_factor = _rope_scale(g, attn_factor=long_short is not None)
         return cls(
             arch=a,
             n_layers=n_layers,
@@ -121,7 +134,7 @@ class ModelArgs:
             n_kv_heads=n_kv,
             head_dim=head_dim,
             vocab_size=vocab,
-            context_length=req("context_length"),
+            context_length=ctx,
             rms_eps=float(eps),
             rope_base=float(base),
             rope_traditional=rope_traditional,
@@ -130,7 +143,11 @@ class ModelArgs:
             qkv_bias=qkv_bias,
             reads_rope_freqs=reads_rope_freqs,
             rope_freqs=_rope_freqs(g, head_dim) if reads_rope_freqs and "rope_freqs.weight" in g.tensors else None,
-            rope_scale=_rope_scale(g),
+            rope_scale=rope_scale,
+            fused=fused,
+            rope_long_short=long_short,
+            rope_original_context=g.get(f"{a}.rope.scaling.original_context_length", ctx, int),
+            rope_attn_factor=attn_factor,
             post_norms=post_norms,
             sliding_window=window,
             swa_layers=swa_layers,
@@ -186,9 +203,11 @@ def _softcap(g, key: str, default):
 ROPE_SCALING = {"none": "no scaling", "linear": "linear", "yarn": "YaRN", "longrope": "LongRoPE"}
 
 
-def _rope_scale(g) -> float:
-    """The linear RoPE scaling factor, read as llama.cpp reads it: `rope.scaling.factor` (or the old
-    `rope.scale_linear`), 0 or absent meaning 1; scaling types other than none and linear refused."""
+def _rope_scale(g, attn_factor: bool = False) -> tuple[float, float]:
+    """(the linear RoPE scaling factor, the attention factor), read as llama.cpp reads them:
+    `rope.scaling.factor` (or the old `rope.scale_linear`), 0 or absent meaning 1; scaling types other
+    than none and linear refused; `rope.scaling.attn_factor` (absent: 1) refused unless `attn_factor`
+    (Phi-3 with its long/short factors: ggml multiplies each rotation's cos and sin by it)."""
     a = g.architecture
     kind = g.get(f"{a}.rope.scaling.type", "linear", str)
     if kind not in ("none", "linear"):
@@ -205,21 +224,39 @@ def _rope_scale(g) -> float:
         raise UnsupportedError(f"{g.path}: metadata {a}.rope.scaling.factor = {factor} contradicts "
                                f"{a}.rope.scaling.type = 'none'")
     attn = g.get(f"{a}.rope.scaling.attn_factor", 1.0, (int, float))
-    if attn != 1.0:
+    if attn != 1.0 and not attn_factor:
         raise UnsupportedError(f"{g.path}: metadata {a}.rope.scaling.attn_factor = {attn} is not supported: the "
                                "forward pass does not scale the rotation")
-    return factor
+    if not math.isfinite(attn) or attn <= 0:
+        raise GGUFError(f"{g.path}: {a}.rope.scaling.attn_factor = {attn!r} is not a positive finite number")
+    return factor, float(attn)
+
+
+def _rope_long_short(g, head_dim: int) -> tuple | None:
+    """Phi-3's `rope_factors_long.weight` and `rope_factors_short.weight` (both or neither)."""
+    names = ("rope_factors_long.weight", "rope_factors_short.weight")
+    present = [n in g.tensors for n in names]
+    if not any(present):
+        return None
+    if not all(present):
+        raise GGUFError(f"{g.path}: tensor {names[present.index(False)]!r} is missing (Phi-3's RoPE factors come in pairs)")
+    return tuple(_factors(g, n, head_dim) for n in names)
 
 
 def _rope_freqs(g, head_dim: int) -> tuple:
     """Llama 3's `rope_freqs.weight`: head_dim/2 positive finite divisors of the RoPE frequencies."""
-    t = g.tensor("rope_freqs.weight")
+    return _factors(g, "rope_freqs.weight", head_dim)
+
+
+def _factors(g, name: str, head_dim: int) -> tuple:
+    """A RoPE factors tensor: head_dim/2 positive finite divisors of the frequencies."""
+    t = g.tensor(name)
     if tuple(t.shape) != (head_dim // 2,):
-        raise GGUFError(f"{g.path}: tensor 'rope_freqs.weight' has shape {list(t.shape)}, expected [{head_dim // 2}] "
+        raise GGUFError(f"{g.path}: tensor {name!r} has shape {list(t.shape)}, expected [{head_dim // 2}] "
                         "(one factor per rotary pair)")
-    values = np.asarray(g.dequantize("rope_freqs.weight"), dtype=np.float32).reshape(-1)
+    values = np.asarray(g.dequantize(name), dtype=np.float32).reshape(-1)
     if not np.all(np.isfinite(values)) or np.any(values <= 0):
-        raise GGUFError(f"{g.path}: tensor 'rope_freqs.weight' holds a factor that is not a positive finite number")
+        raise GGUFError(f"{g.path}: tensor {name!r} holds a factor that is not a positive finite number")
     return tuple(float(v) for v in values)
 
 
@@ -241,17 +278,23 @@ GLOBAL_TENSORS = (
                when=lambda a: not a.tied_output),
     # Read into ModelArgs.rope_freqs, not loaded onto the backend; Hugging Face computes it from the config
     TensorSpec("rope_freqs", "rope_freqs.weight", "", FACTORS, lambda a: (a.head_dim // 2,),
-               when=lambda a: a.rope_freqs is not None),
+               when=lambda a: a.rope_freqs is not None and a.rope_long_short is None),
+    TensorSpec("rope_long", "rope_factors_long.weight", "", FACTORS, lambda a: (a.head_dim // 2,),
+               when=lambda a: a.rope_long_short is not None),
+    TensorSpec("rope_short", "rope_factors_short.weight", "", FACTORS, lambda a: (a.head_dim // 2,),
+               when=lambda a: a.rope_long_short is not None),
 )
 LAYER_TENSORS = (
     TensorSpec("attn_norm", "blk.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight", NORM,
                lambda a: (a.hidden,)),
     TensorSpec("attn_q", "blk.{i}.attn_q.weight", "model.layers.{i}.self_attn.q_proj.weight", MATRIX,
-               lambda a: (a.n_heads * a.head_dim, a.hidden)),
+               lambda a: (a.n_heads * a.head_dim, a.hidden), when=lambda a: not a.fused),
     TensorSpec("attn_k", "blk.{i}.attn_k.weight", "model.layers.{i}.self_attn.k_proj.weight", MATRIX,
-               lambda a: (a.n_kv_heads * a.head_dim, a.hidden)),
+               lambda a: (a.n_kv_heads * a.head_dim, a.hidden), when=lambda a: not a.fused),
     TensorSpec("attn_v", "blk.{i}.attn_v.weight", "model.layers.{i}.self_attn.v_proj.weight", MATRIX,
-               lambda a: (a.n_kv_heads * a.head_dim, a.hidden)),
+               lambda a: (a.n_kv_heads * a.head_dim, a.hidden), when=lambda a: not a.fused),
+    TensorSpec("attn_qkv", "blk.{i}.attn_qkv.weight", "model.layers.{i}.self_attn.qkv_proj.weight", FUSED,
+               lambda a: ((a.n_heads + 2 * a.n_kv_heads) * a.head_dim, a.hidden), when=lambda a: a.fused),
     TensorSpec("attn_q_bias", "blk.{i}.attn_q.bias", "model.layers.{i}.self_attn.q_proj.bias", BIAS,
                lambda a: (a.n_heads * a.head_dim,), when=lambda a: a.qkv_bias),
     TensorSpec("attn_k_bias", "blk.{i}.attn_k.bias", "model.layers.{i}.self_attn.k_proj.bias", BIAS,
@@ -270,9 +313,11 @@ LAYER_TENSORS = (
     TensorSpec("ffn_norm", "blk.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight", NORM,
                lambda a: (a.hidden,)),
     TensorSpec("ffn_gate", "blk.{i}.ffn_gate.weight", "model.layers.{i}.mlp.gate_proj.weight", MATRIX,
-               lambda a: (a.ffn, a.hidden)),
+               lambda a: (a.ffn, a.hidden), when=lambda a: not a.fused),
     TensorSpec("ffn_up", "blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.up_proj.weight", MATRIX,
-               lambda a: (a.ffn, a.hidden)),
+               lambda a: (a.ffn, a.hidden), when=lambda a: not a.fused),
+    TensorSpec("ffn_gate_up", "blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.gate_up_proj.weight", FUSED,
+               lambda a: (2 * a.ffn, a.hidden), when=lambda a: a.fused),
     TensorSpec("ffn_down", "blk.{i}.ffn_down.weight", "model.layers.{i}.mlp.down_proj.weight", MATRIX,
                lambda a: (a.hidden, a.ffn)),
     TensorSpec("ffn_post_norm", "blk.{i}.post_ffw_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight",
@@ -282,6 +327,20 @@ LAYER_TENSORS = (
 # Layer matrices that multiply the same activations, loaded as one handle (`Backend.load_weight_group`)
 # and multiplied by `linear_group`: key of the group -> keys of its matrices, in output order.
 WEIGHT_GROUPS = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_gate_up": ("ffn_gate", "ffn_up")}
+
+
+def fused_view(g, args: ModelArgs):
+    """The file with each fused matrix (Phi-3's `attn_qkv`, `ffn_up` holding gate then up) readable as
+    the matrices of its group, by their usual names: their rows of the fused tensor."""
+    q, kv, cuts, sources = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, {}, {}
+    for i in range(args.n_layers):
+        b = f"blk.{i}."
+        for name, start, stop, src in (("attn_q", 0, q, "attn_qkv"), ("attn_k", q, q + kv, "attn_qkv"),
+                                       ("attn_v", q + kv, q + 2 * kv, "attn_qkv"), ("ffn_gate", 0, args.ffn, "ffn_up"),
+                                       ("ffn_up", args.ffn, 2 * args.ffn, "ffn_up")):
+            cuts[f"{b}{name}.weight"] = (0, start, stop, None)
+            sources[f"{b}{name}.weight"] = f"{b}{src}.weight"
+    return ShardedGGUF(g, cuts, sources)
 
 
 def tensors(args: ModelArgs):
@@ -368,7 +427,7 @@ def load_weights(ops, g, args: ModelArgs, shard=None) -> SimpleNamespace:
     check_shapes(g, args)
     check_nothing_unread(g, args)
     sharded = shard is not None and shard.size > 1
-    view = shard.view(g) if sharded else g
+    view = shard.view(g) if sharded else fused_view(g, args) if args.fused else g
     loaders = {MATRIX: lambda g_, n: ops.load_weight(view, n), NORM: lambda g_, n: load_norm(ops, g_, n),
                BIAS: lambda g_, n: load_norm(ops, view, n), EMBEDDING: ops.load_embedding}
     w = SimpleNamespace(layers=[SimpleNamespace() for _ in range(args.n_layers)])
@@ -376,6 +435,10 @@ def load_weights(ops, g, args: ModelArgs, shard=None) -> SimpleNamespace:
     names = {}  # layer -> {key: gguf name} of its grouped matrices
     for t, i, name, _, _ in tensors(args):
         if t.kind == FACTORS:  # in args.rope_freqs already
+            continue
+        if t.kind == FUSED:  # its group's matrices, by their names in the fused view
+            for key in WEIGHT_GROUPS[t.key]:
+                names.setdefault(i, {})[key] = f"blk.{i}.{key}.weight"
             continue
         if i is not None and t.key in grouped:
             names.setdefault(i, {})[t.key] = name

@@ -42,15 +42,31 @@ GEMMA2_SYNTHETIC = SyntheticSpec(arch="gemma2", n_layers=3, hidden=128, ffn=256,
                                  sliding_window=8, rope_base_swa=10000.0, attn_softcap=2.0, final_softcap=1.0,
                                  embedding_std=0.15 * 128 ** -0.5)
 
+# Phi-3: fused attn_qkv and ffn_up (gate rows first), rotate-half RoPE with long and short factors (16
+# pairs: long 1..16, short 1..1.3, as the 128k models' orders of magnitude) and the attention factor the
+# converter writes for them, sqrt(1 + ln(scale) / ln(original context)) with scale 4096 / 64; the long
+# factors apply (context 4096 > 64, as llama.cpp's 512 > 64). The same file with original context 8192
+# takes the short ones (both engines). A sliding window llama.cpp ignores. Untied head.
+PHI3_SYNTHETIC = SyntheticSpec(arch="phi3", n_layers=3, hidden=128, ffn=256, n_heads=4, n_kv_heads=2, head_dim=32,
+                               vocab_size=384, tied_output=False, rope_base=10000.0, rms_eps=1e-5, seed=3030,
+                               rope_long_short=(tuple(1.0 + j for j in range(16)), tuple(1.0 + 0.02 * j for j in range(16))))
+PHI3_EDITS = {"phi3.rope.scaling.original_context_length": 64, "phi3.rope.scaling.attn_factor": 2.0 ** 0.5,
+              "phi3.attention.sliding_window": 2047,
+              "general.name": "synthetic-p-3"}  # a name with "phi3" makes llama.cpp look for Phi-3's "</s>"
+PHI3_SHORT_EDITS = {**PHI3_EDITS, "phi3.rope.scaling.original_context_length": 8192}
+
 
 def synthetic_files(tmp):
     """The new architectures' all-F32 synthetic files with llama.cpp's names, by fixture name: Llama 3
     (rope_freqs.weight), the same file with linear RoPE scaling on top, Qwen2 (Q/K/V biases), Gemma 3,
-    Gemma 2 (the specs above say what each exercises). The tests write the same files."""
+    Gemma 2, Phi-3 with its long and with its short factors (the specs above say what each exercises). The tests write the same files."""
     l3 = write_synthetic_model(os.path.join(tmp, "llama3.gguf"), LLAMA3_SYNTHETIC)
     g3 = write_synthetic_model(os.path.join(tmp, "gemma3_plain.gguf"), GEMMA3_SYNTHETIC)
+    p3 = write_synthetic_model(os.path.join(tmp, "phi3_plain.gguf"), PHI3_SYNTHETIC)
     return {"llama3_synthetic": l3,
             "llama3_linear_synthetic": rewrite_gguf(l3, os.path.join(tmp, "llama3_linear.gguf"), edits=LINEAR_ROPE_EDITS),
             "qwen2_synthetic": write_synthetic_model(os.path.join(tmp, "qwen2.gguf"), QWEN2_SYNTHETIC),
             "gemma3_synthetic": rewrite_gguf(g3, os.path.join(tmp, "gemma3.gguf"), edits=GEMMA3_EDITS),
-            "gemma2_synthetic": write_synthetic_model(os.path.join(tmp, "gemma2.gguf"), GEMMA2_SYNTHETIC)}
+            "gemma2_synthetic": write_synthetic_model(os.path.join(tmp, "gemma2.gguf"), GEMMA2_SYNTHETIC),
+            "phi3_synthetic": rewrite_gguf(p3, os.path.join(tmp, "phi3.gguf"), edits=PHI3_EDITS),
+            "phi3_short_synthetic": rewrite_gguf(p3, os.path.join(tmp, "phi3_short.gguf"), edits=PHI3_SHORT_EDITS)}

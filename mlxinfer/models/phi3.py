@@ -1,0 +1,53 @@
+"""Phi-3 (GGUF architecture `phi3`; Phi-3/3.5 mini and medium, Phi-4 with full rotary dimensions).
+
+Differences from Llama: Q, K and V in one matrix `attn_qkv` and gate and up in one `ffn_up` (gate rows
+first), read as their groups' matrices through `spec.fused_view`; rotate-half RoPE; the queries scaled by
+1/sqrt(head_dim) before attention (llama.cpp's order), the scores then unscaled. Files of the 128k
+models carry `rope_factors_long/short.weight`: the long ones where the context exceeds
+`rope.scaling.original_context_length` (llama.cpp decides by its context; ours is the file's), and
+`rope.scaling.attn_factor`, by which ggml multiplies each rotation's cos and sin (here the rotated
+queries and keys). `attention.sliding_window` is read and not applied: llama.cpp disables Phi-3's window
+(ggml-org/llama.cpp#13676), and so do we, to compute what it computes. Tensor parallelism refuses the
+fused matrices (models/shard.py).
+"""
+
+import numpy as np
+
+from ..backend import AttentionSpec
+from .layers import all_sum, output_logits, rms_norm, swiglu_mlp
+from .shard import Shard
+from .spec import ModelArgs, load_weights
+
+TRAITS = dict(rope_traditional=False, qk_norm=False, fused=True,
+              ignored={"attention.sliding_window": "llama.cpp disables Phi-3's sliding window"})
+
+
+class Model:
+    def __init__(self, ops, g, args: ModelArgs, shard: Shard | None = None):
+        self.args, self.shard = args, shard or Shard.whole(args)
+        self.w = load_weights(ops, g, args, self.shard)
+        self.spec = AttentionSpec(self.shard.n_heads, self.shard.n_kv_heads, args.head_dim, 1.0)
+        self.q_scale = float(np.float32(1.0) / np.sqrt(np.float32(args.head_dim)))
+
+    def rope(self, ops, x, heads, batch):
+        a = self.args
+        x = ops.rope(x, batch.positions, heads, a.head_dim, a.rope_base, traditional=False, factors=a.rope_factors)
+        return x if a.rope_attn_factor == 1.0 else ops.scale(x, a.rope_attn_factor)
+
+    def attention(self, ops, x, w, batch, cache, layer: int):
+        sp, groups = self.spec, batch.rows
+        q, k, v = ops.linear_group(x, w.attn_qkv, groups)
+        q = ops.scale(self.rope(ops, q, sp.n_heads, batch), self.q_scale)
+        k = self.rope(ops, k, sp.n_kv_heads, batch)
+        kv = cache.update(ops, layer, k, v, batch)
+        out = ops.linear(ops.fused_attention(q, kv, batch, sp), w.attn_output, groups)
+        return all_sum(ops, out, self.shard)
+
+    def __call__(self, ops, ids, batch, cache):
+        """Logits of the batch's logit rows, [R, vocab]; writes the pass's keys and values to `cache`."""
+        a = self.args
+        x = ops.gather_rows(self.w.token_embd, ids)
+        for i, w in enumerate(self.w.layers):
+            x = ops.add(x, self.attention(ops, rms_norm(ops, x, w.attn_norm, a.rms_eps), w, batch, cache, i))
+            x = ops.add(x, swiglu_mlp(ops, rms_norm(ops, x, w.ffn_norm, a.rms_eps), w, batch.rows, self.shard))
+        return output_logits(ops, x, self.w, batch, a.rms_eps, self.shard, a.vocab_size)
