@@ -45,6 +45,7 @@ PRIMITIVE_OPS = (
     "silu",
     "gelu",
     "tanh",
+    "moe_mlp",
     "rope",
     "reshape",
     "copy_2d_from",
@@ -61,6 +62,7 @@ PRIMITIVE_OPS = (
 )
 OPS = PRIMITIVE_OPS + ("fused_attention",)
 ATTENTION_PATHS = ("fused", "per-head")
+MOE_MIN_WEIGHT_SUM = 6.103515625e-5  # llama.cpp clamps the chosen experts' weight sum to float16's smallest normal
 # GELU's tanh approximation, ggml's constants (ggml-cpu/vec.h)
 GELU_COEF_A, SQRT_2_OVER_PI = 0.044715, 0.79788456080286535587989211986876
 
@@ -244,6 +246,21 @@ class Backend:
 
     def tanh(self, x):
         """Elementwise tanh (soft-capping: cap * tanh(x / cap))."""
+        raise NotImplementedError
+
+    def load_experts(self, gguf, name: str):
+        """A [experts, out, in] stack of expert matrices (Qwen3-MoE's `*_exps`), as `moe_mlp` reads it
+        (float32: quantized experts are dequantized at load)."""
+        raise NotImplementedError
+
+    def moe_mlp(self, x, logits, experts, k: int, groups=None):
+        """Each row's mixture of experts, as llama.cpp's build_moe_ffn with softmax gating and normalized
+        weights (Qwen3-MoE): p = softmax of the router's `logits` [N, E] (`softmax_rows`' order); the k
+        experts of largest p, largest first (ties: the lower expert); weights w = those p / max(their
+        sum, 2^-14), the sum accumulated in float64 as ggml's; with `experts` = (gate, up, down) stacks,
+        y_j = down_e(silu(gate_e(x)) * up_e(x)) for the j-th chosen expert e, and the output
+        y_0 w_0 + y_1 w_1 + ... added in that order. `groups` as `linear`'s: a backend whose products
+        depend on how many rows are multiplied together keeps each sequence's rows apart."""
         raise NotImplementedError
 
     def rope(self, x, positions, n_heads: int, head_dim: int, base: float, traditional: bool, factors=None):

@@ -76,6 +76,9 @@ class SyntheticSpec:
     random_blocks: bool = False  # random quantized blocks of qtype, streamed (for 14B-class shapes)
     rope_freqs: tuple | None = None  # written as `rope_freqs.weight` (see llama3_rope_factors)
     rope_long_short: tuple | None = None  # Phi-3: written as `rope_factors_long/short.weight`
+    n_experts: int = 0  # Qwen3-MoE: `expert_count`, `expert_used_count`, `expert_feed_forward_length`
+    n_experts_used: int = 0
+    ffn_expert: int = 0
     # Gemma's, written where given: `attention.sliding_window`, `attention.sliding_window_pattern` (a
     # period), `rope.freq_base_swa`, `attn_logit_softcapping`, `final_logit_softcapping`
     embedding_std: float = 1.0  # Gemma's embeddings are scaled up by sqrt(hidden): hidden**-0.5 keeps rows ~1
@@ -87,11 +90,13 @@ class SyntheticSpec:
 
     def args(self) -> ModelArgs:
         """The model spec's hyperparameters for this synthetic file (what decides its tensors)."""
-        traits = {k: v for k, v in ARCHITECTURES[self.arch].TRAITS.items() if k not in ("swa", "softcaps", "ignored")}
+        traits = {k: v for k, v in ARCHITECTURES[self.arch].TRAITS.items()
+                  if k not in ("swa", "softcaps", "ignored", "moe")}
         return ModelArgs(self.arch, self.n_layers, self.hidden, self.ffn, self.n_heads, self.n_kv_heads,
                          self.head_dim, self.vocab_size, self.context_length, self.rms_eps, self.rope_base,
                          tied_output=self.tied_output, rope_freqs=self.rope_freqs,
-                         rope_long_short=self.rope_long_short, **traits)
+                         rope_long_short=self.rope_long_short, n_experts=self.n_experts,
+                         n_experts_used=self.n_experts_used, ffn_expert=self.ffn_expert, **traits)
 
 
 def llama3_rope_factors(head_dim: int, base: float, factor: float = 8.0, low_freq_factor: float = 1.0,
@@ -167,7 +172,9 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
     w.add_rope_freq_base(spec.rope_base)
     w.add_layer_norm_rms_eps(spec.rms_eps)
     for key, value in (("attention.sliding_window", spec.sliding_window),
-                       ("attention.sliding_window_pattern", spec.swa_pattern)):
+                       ("attention.sliding_window_pattern", spec.swa_pattern), ("expert_count", spec.n_experts or None),
+                       ("expert_used_count", spec.n_experts_used or None),
+                       ("expert_feed_forward_length", spec.ffn_expert or None)):
         if value is not None:
             w.add_uint32(f"{a}.{key}", value)
     for key, value in (("rope.freq_base_swa", spec.rope_base_swa), ("attn_logit_softcapping", spec.attn_softcap),
@@ -192,7 +199,7 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
     if spec.random_blocks:
         if qtype == GGMLQuantizationType.F32:
             raise ValueError("random blocks are written for a quantized or 16-bit type, not F32")
-        if spec.args().qkv_bias or spec.rope_freqs or spec.rope_long_short or spec.embedding_std != 1.0:
+        if spec.args().qkv_bias or spec.rope_freqs or spec.rope_long_short or spec.n_experts or spec.embedding_std != 1.0:
             raise ValueError("random blocks are written for matrices and norms only (no biases or RoPE factors)")
         return _write_random_blocks(w, spec, rng, str(path))
     for t, _, name, _, shape in tensors(spec.args()):
@@ -204,7 +211,7 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
             long_short = dict(zip(("rope_long", "rope_short"), spec.rope_long_short or ()))
             data = np.array(long_short.get(t.key, spec.rope_freqs), dtype=np.float32)
         else:
-            data = _tensor(rng, shape, spec.embedding_std if t.kind == EMBEDDING else shape[1] ** -0.5)
+            data = _tensor(rng, shape, spec.embedding_std if t.kind == EMBEDDING else shape[-1] ** -0.5)
         _add(w, name, data, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -322,6 +329,8 @@ def main(argv=None):
     p.add_argument("--rope-base-swa", type=float, default=None, help="Gemma: rope.freq_base_swa")
     p.add_argument("--attn-softcap", type=float, default=None, help="Gemma 2: attn_logit_softcapping")
     p.add_argument("--final-softcap", type=float, default=None, help="Gemma: final_logit_softcapping")
+    p.add_argument("--experts", type=int, nargs=3, default=None, metavar=("N", "USED", "WIDTH"),
+                   help="Qwen3-MoE (--arch qwen3moe): experts, experts used per token, an expert's FFN width")
     p.add_argument("--random-blocks", action="store_true",
                    help="draw --type's blocks directly, random (fast, streamed; for large shapes)")
     a = p.parse_args(argv)
@@ -333,12 +342,15 @@ def main(argv=None):
                  attn_softcap=a.attn_softcap, final_softcap=a.final_softcap)
     if not a.arch.startswith("gemma") and any(v is not None for v in gemma.values()):
         p.error("--sliding-window, --swa-pattern, --rope-base-swa and the soft-caps are Gemma's (--arch gemma2, gemma3)")
+    if (a.arch == "qwen3moe") != (a.experts is not None):
+        p.error("--arch qwen3moe needs --experts N USED WIDTH (and only it takes them)")
+    experts = dict(zip(("n_experts", "n_experts_used", "ffn_expert"), a.experts or (0, 0, 0)))
     base = a.rope_base or (500000.0 if a.llama3_rope else 1000000.0)
     factors = llama3_rope_factors(a.head_dim, base) if a.llama3_rope else None
     write_synthetic_model(a.path, SyntheticSpec(a.arch, a.layers, a.hidden, a.ffn, a.heads, a.kv_heads,
                                                 a.head_dim, a.vocab, tied_output=not a.untied, qtype=a.type,
                                                 seed=a.seed, random_blocks=a.random_blocks, rope_base=base,
-                                                rope_freqs=factors, **gemma))
+                                                rope_freqs=factors, **gemma, **experts))
     print(a.path)
 
 

@@ -28,7 +28,8 @@ from .reference.specs import QWEN3_SYNTHETIC, synthetic_files
 # each dot product's sum (BLAS vs ggml) and the RoPE angles (float64 tables here, ggml's float32 powers).
 # Bound 1.5e-5, about 4x.
 # Phi-3 with its long and with its short RoPE factors and attention factor (2026-12-02, both backends):
-# within 4.8e-6 (logits up to 5.0); bound 1.5e-5 as the other dense ones.
+# within 4.8e-6 (logits up to 5.0); Qwen3-MoE (8 experts, 2 a row) within 2.4e-6 (logits up to 4.6); bound 1.5e-5 as
+# the other dense ones (a row routed to another expert than llama.cpp's would move its logits by ~1).
 # Gemma 3 and Gemma 2 (synthetic, both backends, 2026-12-02): within 2.4e-4 of llama.cpp (logits up to
 # 4.3 and 0.56), median over positions 1.4e-4. What differs beside the dense models' sums: llama.cpp's CPU
 # GELU rounds each input to float16 and reads a float16 result from a table (ggml-cpu/vec.h,
@@ -37,7 +38,8 @@ from .reference.specs import QWEN3_SYNTHETIC, synthetic_files
 # Bound 1e-3, about 4x (a dropped soft-cap, a wrong embedding scale or window moves logits by 1e-2 and more).
 LOGIT_ATOL = {"qwen3_synthetic": 1e-5, "smollm2": 4e-4, "llama3_synthetic": 1.5e-5,
               "llama3_linear_synthetic": 1.5e-5, "qwen2_synthetic": 1.5e-5, "gemma3_synthetic": 1e-3,
-              "gemma2_synthetic": 1e-3, "phi3_synthetic": 1.5e-5, "phi3_short_synthetic": 1.5e-5}
+              "gemma2_synthetic": 1e-3, "phi3_synthetic": 1.5e-5, "phi3_short_synthetic": 1.5e-5,
+              "qwen3moe_synthetic": 1.5e-5}
 TIE_GAP = 1e-3
 
 
@@ -154,6 +156,7 @@ EXPECTED_ARGS = {
     "gemma2_synthetic": ("gemma2", False, False, 1.0, (True, False, True), 2.0, 1.0),
     "phi3_synthetic": ("phi3", False, True, 1.0, (), None, None),
     "phi3_short_synthetic": ("phi3", False, True, 1.0, (), None, None),
+    "qwen3moe_synthetic": ("qwen3moe", False, False, 1.0, (), None, None),
 }
 
 
@@ -231,6 +234,66 @@ def test_phi3_reads_its_fused_matrices_and_factors(new_arch_paths):
     text = describe(new_arch_paths["phi3_synthetic"])
     assert "architecture: phi3" in text and re.search(r"blk\.0\.attn_qkv\.weight\s+F32\s+\[256, 128\]", text)
     assert re.search(r"rope_factors_long\.weight\s+F32\s+\[16\]", text)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "mlx"])
+def test_moe_mlp_routes_each_row_to_its_top_k_experts(backend):
+    """`moe_mlp` against the mixture written out in float64: softmax over the router logits, the k most
+    probable experts (the lower expert first on a tie: rows 0 and 1 tie experts 2 and 5), their
+    probabilities normalized to sum 1, each expert's SwiGLU weighted and added. Error model: float32
+    products of 16 and 24 terms and a softmax: ~1e-6 relative; bound 1e-5 on outputs of order 1."""
+    rng = np.random.default_rng(7)
+    n, e, k, h, f = 6, 6, 3, 16, 24
+    x = rng.standard_normal((n, h), dtype=np.float32)
+    logits = rng.standard_normal((n, e), dtype=np.float32)
+    logits[:2, 5] = logits[:2, 2] = 3.0
+    gate, up = (rng.standard_normal((e, f, h), dtype=np.float32) * 0.25 for _ in range(2))
+    down = rng.standard_normal((e, h, f), dtype=np.float32) * 0.2
+    p = np.exp(logits - logits.max(1, keepdims=True)).astype(np.float64)
+    p /= p.sum(1, keepdims=True)
+    want = np.zeros((n, h))
+    for r in range(n):
+        top = sorted(range(e), key=lambda j: (-p[r, j], j))[:k]
+        assert r > 1 or top[:2] == [2, 5]
+        for j in top:
+            g, u = gate[j] @ x[r].astype(np.float64), up[j] @ x[r].astype(np.float64)
+            want[r] += p[r, j] / p[r, top].sum() * (down[j] @ (g / (1 + np.exp(-g)) * u))
+    ops = make_backend(backend)
+    stacks = _Stacks({"g": gate, "u": up, "d": down})
+    experts = tuple(ops.load_experts(stacks, name) for name in ("g", "u", "d"))
+    got = ops.to_numpy(ops.moe_mlp(ops.from_numpy(x), ops.from_numpy(logits), experts, k, [(0, 2), (2, n)]))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+class _Stacks(dict):
+    """Expert stacks by name, read as `load_experts` reads a GGUF file (`dequantize`)."""
+
+    dequantize = dict.__getitem__
+
+
+def test_qwen3moe_in_inspect_the_tracer_and_tp(new_arch_paths):
+    """`inspect` lists the router and the expert stacks; the tracer counts one `moe_mlp` a layer and five
+    products a layer (Q, K, V, output, router) plus the head; tensor parallelism refuses it in one line."""
+    from mlxinfer.models.shard import Shard
+
+    path = new_arch_paths["qwen3moe_synthetic"]
+    text = describe(path)
+    assert "architecture: qwen3moe" in text and "  expert_used_count: 2" in text
+    assert re.search(r"blk\.2\.ffn_down_exps\.weight\s+F32\s+\[8, 128, 64\]", text)
+    engine = mlxinfer.load(path, backend="cpu")
+    tracer = install_tracer(engine, stream=io.StringIO())
+    counts = []
+
+    def end(pass_name):
+        counts.append(dict(tracer.counts))
+        tracer.end_pass(pass_name)
+
+    engine.generate([3, 4, 5], max_tokens=2, on_forward=end)
+    L = engine.args.n_layers
+    assert [(c["moe_mlp"], c["linear"], c["add"]) for c in counts] == [(L, 5 * L + 1, 2 * L)] * 2
+    with GGUFFile(path) as g:
+        with pytest.raises(RequestError, match="tensor parallelism does not split qwen3moe's experts yet"):
+            Shard.plan(g, model_args(g), 0, 2)
 
 
 def test_gemma_in_inspect(new_arch_paths):
@@ -359,7 +422,7 @@ def test_what_the_forward_pass_does_not_apply_is_refused(synthetic, tmp_path):
         path = rewrite_gguf(base, tmp_path / f"bad{i}.gguf", **kw)
         with pytest.raises(error, match=re.escape(fragment)):
             mlxinfer.load(path, backend="cpu")
-    # Gemma and Phi-3: what one family reads, the others refuse; malformed keys and factors
+    # Gemma, Phi-3, Qwen3-MoE: what one family reads, the others refuse; malformed keys and factors
     g2 = synthetic(arch="gemma2", n_layers=2, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16,
                    vocab_size=320, sliding_window=4)
     g3 = synthetic(arch="gemma3", n_layers=2, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -388,6 +451,14 @@ def test_what_the_forward_pass_does_not_apply_is_refused(synthetic, tmp_path):
          "tensor 'rope_factors_long.weight' (not read by the forward pass)"),
         (phi3, dict(edits={"phi3.rope.scaling.attn_factor": -1.0}), GGUFError,
          "phi3.rope.scaling.attn_factor = -1.0 is not a positive finite number"),
+    ]
+    moe = synthetic(arch="qwen3moe", n_layers=1, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16,
+                    vocab_size=320, n_experts=4, n_experts_used=2, ffn_expert=32)
+    gemma_cases += [
+        (moe, dict(edits={"qwen3moe.expert_weights_scale": 2.5}), UnsupportedError,
+         "metadata qwen3moe.expert_weights_scale = 2.5 is not supported"),
+        (moe, dict(edits={"qwen3moe.expert_used_count": 5}), GGUFError,
+         "qwen3moe.expert_used_count 5 must be between 1 and expert_count 4"),
     ]
     for i, (base, kw, error, fragment) in enumerate(gemma_cases):
         path = rewrite_gguf(base, tmp_path / f"gemma{i}.gguf", **kw)

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from threadpoolctl import ThreadpoolController, threadpool_limits
 
-from ..backend import GELU_COEF_A, SQRT_2_OVER_PI, Backend, softcap_inverse
+from ..backend import GELU_COEF_A, MOE_MIN_WEIGHT_SUM, SQRT_2_OVER_PI, Backend, softcap_inverse
 from ..errors import GGUFError, RequestError
 
 
@@ -220,6 +220,28 @@ class CPUBackend(Backend):
 
     def tanh(self, x):
         return np.tanh(x)
+
+    def load_experts(self, gguf, name):
+        return np.ascontiguousarray(gguf.dequantize(name), dtype=np.float32)
+
+    def moe_mlp(self, x, logits, experts, k, groups=None):
+        probs = self.softmax_rows(logits)
+        ids = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+        w = np.take_along_axis(probs, ids, axis=1)
+        w = w / np.maximum(w.sum(axis=1, dtype=np.float64, keepdims=True).astype(np.float32),
+                           np.float32(MOE_MIN_WEIGHT_SUM))
+        gate, up, down = experts
+        y = np.empty((x.shape[0], k, down.shape[1]), dtype=np.float32)
+        for r0, r1 in groups or [(0, x.shape[0])]:  # each sequence's rows apart, each expert's rows together
+            for e in np.unique(ids[r0:r1]):
+                rows, slots = np.nonzero(ids[r0:r1] == e)
+                xe = x[r0 + rows]
+                h = self.silu(xe @ gate[e].T) * (xe @ up[e].T)
+                y[r0 + rows, slots] = h @ down[e].T
+        out = y[:, 0] * w[:, :1]
+        for j in range(1, k):
+            out = out + y[:, j] * w[:, j:j + 1]
+        return out
 
     def _rope_table(self, head_dim, base, n, factors):
         key = (head_dim, base, factors)

@@ -38,7 +38,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from .. import collectives, kernels, quants  # noqa: E402
-from ..backend import GELU_COEF_A, SQRT_2_OVER_PI, AttentionSpec, Backend, softcap_inverse  # noqa: E402
+from ..backend import GELU_COEF_A, MOE_MIN_WEIGHT_SUM, SQRT_2_OVER_PI, AttentionSpec, Backend, softcap_inverse  # noqa: E402
 from ..batch import Batch  # noqa: E402
 from ..errors import GGUFError, RequestError  # noqa: E402
 from ..kv_cache import KV_CACHES, PagedLayer  # noqa: E402
@@ -459,6 +459,24 @@ class MLXBackend(Backend):
 
     def tanh(self, x):
         return mx.tanh(x)
+
+    def load_experts(self, gguf, name):
+        # [experts, in, out]: gather_mm multiplies x [.., 1, in] by the chosen experts' matrices
+        return mx.array(np.ascontiguousarray(np.swapaxes(gguf.dequantize(name), 1, 2), dtype=np.float32))
+
+    def moe_mlp(self, x, logits, experts, k, groups=None):
+        probs = self.softmax_rows(logits)
+        ids = mx.argsort(-probs, axis=-1)[:, :k]
+        w = mx.take_along_axis(probs, ids, axis=-1)
+        w = w / mx.maximum(mx.sum(w, axis=-1, keepdims=True), MOE_MIN_WEIGHT_SUM)
+        gate, up, down = experts
+        xe = mx.expand_dims(x, (-2, -3))  # [N, 1, 1, in]: one row against each of its k experts
+        h = self.silu(mx.gather_mm(xe, gate, rhs_indices=ids)) * mx.gather_mm(xe, up, rhs_indices=ids)
+        y = mx.gather_mm(h, down, rhs_indices=ids)[:, :, 0]  # [N, k, hidden]
+        out = y[:, 0] * w[:, :1]
+        for j in range(1, k):
+            out = out + y[:, j] * w[:, j:j + 1]
+        return out
 
     def rms_norm(self, x, weight, eps):
         # One fused kernel for the six primitives (on this CPU bitwise equal to them; tested); the

@@ -2,10 +2,10 @@
 `TRAITS` (what `ModelArgs` needs to know of it) and `Model` (its forward pass)."""
 
 from ..errors import UnsupportedError
-from . import gemma2, gemma3, llama, phi3, qwen2, qwen3
+from . import gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe
 from .spec import ModelArgs
 
-ARCHITECTURES = {"gemma2": gemma2, "gemma3": gemma3, "llama": llama, "phi3": phi3, "qwen2": qwen2, "qwen3": qwen3}
+ARCHITECTURES = {"gemma2": gemma2, "gemma3": gemma3, "llama": llama, "phi3": phi3, "qwen2": qwen2, "qwen3": qwen3, "qwen3moe": qwen3moe}
 
 
 def architecture(g):

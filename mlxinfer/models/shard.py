@@ -81,6 +81,9 @@ class Shard:
         a one-line RequestError where the model cannot be split that way."""
         if size == 1:
             return cls.whole(args)
+        if args.n_experts:
+            raise RequestError(f"tensor parallelism does not split {args.arch}'s experts yet ({g.path}): run it on "
+                               "one process")
         if args.fused:
             raise RequestError(f"tensor parallelism does not split {args.arch}'s fused attn_qkv and ffn_up matrices "
                                f"yet ({g.path}): run it on one process")

@@ -19,6 +19,7 @@ from ..gguf_file import ShardedGGUF
 
 MATRIX, NORM, EMBEDDING, BIAS, FACTORS = "matrix", "norm", "embedding", "bias", "factors"
 FUSED = "fused"  # a matrix of several products' rows, loaded as their group through `fused_view`
+EXPERTS = "experts"  # a [experts, out, in] stack (`Backend.load_experts`)
 
 
 @dataclass
@@ -47,6 +48,9 @@ class ModelArgs:
     rope_long_short: tuple | None = None  # Phi-3's (long, short) RoPE factors (`rope_factors_long/short.weight`)
     rope_original_context: int = 0  # the long factors apply where context_length exceeds it, as llama.cpp
     rope_attn_factor: float = 1.0  # every rotation's cos and sin multiplied by it (`rope.scaling.attn_factor`)
+    n_experts: int = 0  # Qwen3-MoE: experts per layer (`expert_count`; 0: a dense FFN)
+    n_experts_used: int = 0  # experts each row takes (`expert_used_count`)
+    ffn_expert: int = 0  # an expert's FFN width (`expert_feed_forward_length`, else ffn / experts used)
     post_norms: bool = False  # Gemma: RMSNorm of the attention and FFN outputs before each residual add
     sliding_window: int | None = None  # keys a sliding-window layer's query sees, itself included
     swa_layers: tuple = ()  # per layer, True where it attends within `sliding_window` (empty: none does)
@@ -70,12 +74,14 @@ class ModelArgs:
     @classmethod
     def from_gguf(cls, g, *, rope_traditional: bool, qk_norm: bool, qkv_bias: bool = False,
                   reads_rope_freqs: bool = False, post_norms: bool = False, swa: dict | None = None,
-                  softcaps: dict | None = None, fused: bool = False, ignored: dict | None = None) -> "ModelArgs":
+                  softcaps: dict | None = None, fused: bool = False, ignored: dict | None = None,
+                  moe: bool = False) -> "ModelArgs":
         """`swa` (architectures with sliding-window layers): llama.cpp's defaults for what the file may
         leave out, `pattern` (every pattern-th layer global, the others windowed), `window` (None: no
         sliding window unless the file gives one) and `base_swa` (None: the global base). `fused`: Phi-3's
         fused matrices and its long/short RoPE factors with their attention factor. `ignored`: `{arch}.`
         keys the architecture reads and does not apply, with the reason (llama.cpp ignores them too).
+        `moe`: a mixture-of-experts FFN (`_experts`).
         `softcaps`: the soft-cappings the architecture applies, `attn` and/or `final`, each with its default (None:
         off unless the file gives it); the keys of those it does not apply are refused
         (`check_nothing_unread`)."""
@@ -123,13 +129,16 @@ class ModelArgs:
         caps = {kind: _softcap(g, f"{kind}_logit_softcapping", default) for kind, default in (softcaps or {}).items()}
         extra = (SWA_KEYS if swa else ()) + tuple(f"{kind}_logit_softcapping" for kind in caps) + tuple(ignored or ())
         ctx = req("context_length")
+        ffn = req("feed_forward_length")
+        experts = _experts(g, ffn) if moe else (0, 0, 0)
+        extra += MOE_KEYS if moe else ()
         long_short = _rope_long_short(g, head_dim) if fused else None
         rope_scale, attn_factor = _rope_scale(g, attn_factor=long_short is not None)
         return cls(
             arch=a,
             n_layers=n_layers,
             hidden=hidden,
-            ffn=req("feed_forward_length"),
+            ffn=ffn,
             n_heads=n_heads,
             n_kv_heads=n_kv,
             head_dim=head_dim,
@@ -148,6 +157,9 @@ class ModelArgs:
             rope_long_short=long_short,
             rope_original_context=g.get(f"{a}.rope.scaling.original_context_length", ctx, int),
             rope_attn_factor=attn_factor,
+            n_experts=experts[0],
+            n_experts_used=experts[1],
+            ffn_expert=experts[2],
             post_norms=post_norms,
             sliding_window=window,
             swa_layers=swa_layers,
@@ -159,6 +171,21 @@ class ModelArgs:
 
 
 SWA_KEYS = ("attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa")
+
+
+MOE_KEYS = ("expert_count", "expert_used_count", "expert_feed_forward_length")
+
+
+def _experts(g, ffn: int) -> tuple[int, int, int]:
+    """(experts, experts used per row, an expert's FFN width), as llama.cpp's qwen3moe reads them."""
+    a = g.architecture
+    n, used = g.require(f"{a}.expert_count", int), g.require(f"{a}.expert_used_count", int)
+    if not 0 < used <= n:
+        raise GGUFError(f"{g.path}: {a}.expert_used_count {used} must be between 1 and expert_count {n}")
+    width = g.get(f"{a}.expert_feed_forward_length", 0, int) or ffn // used
+    if width <= 0:
+        raise GGUFError(f"{g.path}: {a}.expert_feed_forward_length {width} must be positive")
+    return n, used, width
 
 
 def _sliding_window(g, n_layers: int, base: float, defaults: dict):
@@ -313,13 +340,21 @@ LAYER_TENSORS = (
     TensorSpec("ffn_norm", "blk.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight", NORM,
                lambda a: (a.hidden,)),
     TensorSpec("ffn_gate", "blk.{i}.ffn_gate.weight", "model.layers.{i}.mlp.gate_proj.weight", MATRIX,
-               lambda a: (a.ffn, a.hidden), when=lambda a: not a.fused),
+               lambda a: (a.ffn, a.hidden), when=lambda a: not a.fused and not a.n_experts),
     TensorSpec("ffn_up", "blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.up_proj.weight", MATRIX,
-               lambda a: (a.ffn, a.hidden), when=lambda a: not a.fused),
+               lambda a: (a.ffn, a.hidden), when=lambda a: not a.fused and not a.n_experts),
     TensorSpec("ffn_gate_up", "blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.gate_up_proj.weight", FUSED,
                lambda a: (2 * a.ffn, a.hidden), when=lambda a: a.fused),
     TensorSpec("ffn_down", "blk.{i}.ffn_down.weight", "model.layers.{i}.mlp.down_proj.weight", MATRIX,
-               lambda a: (a.hidden, a.ffn)),
+               lambda a: (a.hidden, a.ffn), when=lambda a: not a.n_experts),
+    TensorSpec("ffn_gate_inp", "blk.{i}.ffn_gate_inp.weight", "model.layers.{i}.mlp.gate.weight", MATRIX,
+               lambda a: (a.n_experts, a.hidden), when=lambda a: a.n_experts),
+    TensorSpec("ffn_gate_exps", "blk.{i}.ffn_gate_exps.weight", "model.layers.{i}.mlp.experts.gate_proj.weight",
+               EXPERTS, lambda a: (a.n_experts, a.ffn_expert, a.hidden), when=lambda a: a.n_experts),
+    TensorSpec("ffn_up_exps", "blk.{i}.ffn_up_exps.weight", "model.layers.{i}.mlp.experts.up_proj.weight",
+               EXPERTS, lambda a: (a.n_experts, a.ffn_expert, a.hidden), when=lambda a: a.n_experts),
+    TensorSpec("ffn_down_exps", "blk.{i}.ffn_down_exps.weight", "model.layers.{i}.mlp.experts.down_proj.weight",
+               EXPERTS, lambda a: (a.n_experts, a.hidden, a.ffn_expert), when=lambda a: a.n_experts),
     TensorSpec("ffn_post_norm", "blk.{i}.post_ffw_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight",
                NORM, lambda a: (a.hidden,), when=lambda a: a.post_norms),
 )
@@ -429,6 +464,7 @@ def load_weights(ops, g, args: ModelArgs, shard=None) -> SimpleNamespace:
     sharded = shard is not None and shard.size > 1
     view = shard.view(g) if sharded else fused_view(g, args) if args.fused else g
     loaders = {MATRIX: lambda g_, n: ops.load_weight(view, n), NORM: lambda g_, n: load_norm(ops, g_, n),
+               EXPERTS: ops.load_experts,
                BIAS: lambda g_, n: load_norm(ops, view, n), EMBEDDING: ops.load_embedding}
     w = SimpleNamespace(layers=[SimpleNamespace() for _ in range(args.n_layers)])
     grouped = {k: group for group, keys in WEIGHT_GROUPS.items() for k in keys}
@@ -446,7 +482,8 @@ def load_weights(ops, g, args: ModelArgs, shard=None) -> SimpleNamespace:
         setattr(w if i is None else w.layers[i], t.key, loaders[t.kind](g, name))
     for i, layer in names.items():
         for group, keys in WEIGHT_GROUPS.items():
-            setattr(w.layers[i], group, ops.load_weight_group(view, [layer[k] for k in keys]))
+            if all(k in layer for k in keys):  # (a MoE layer has no gate and up)
+                setattr(w.layers[i], group, ops.load_weight_group(view, [layer[k] for k in keys]))
     if args.tied_output:
         w.output = ops.load_weight(view, "output.weight" if sharded else "token_embd.weight")
     return w

@@ -55,11 +55,17 @@ PHI3_EDITS = {"phi3.rope.scaling.original_context_length": 64, "phi3.rope.scalin
               "general.name": "synthetic-p-3"}  # a name with "phi3" makes llama.cpp look for Phi-3's "</s>"
 PHI3_SHORT_EDITS = {**PHI3_EDITS, "phi3.rope.scaling.original_context_length": 8192}
 
+# Qwen3-MoE: Qwen3's attention (q/k norms, head_dim 48 != 128 / 4), 8 experts of width 64, 2 per row;
+# untied head. feed_forward_length (256) is written as the converter does and not used.
+QWEN3MOE_SYNTHETIC = SyntheticSpec(arch="qwen3moe", n_layers=3, hidden=128, ffn=256, n_heads=4, n_kv_heads=2,
+                                   head_dim=48, vocab_size=384, tied_output=False, seed=4041, n_experts=8,
+                                   n_experts_used=2, ffn_expert=64)
+
 
 def synthetic_files(tmp):
     """The new architectures' all-F32 synthetic files with llama.cpp's names, by fixture name: Llama 3
     (rope_freqs.weight), the same file with linear RoPE scaling on top, Qwen2 (Q/K/V biases), Gemma 3,
-    Gemma 2, Phi-3 with its long and with its short factors (the specs above say what each exercises). The tests write the same files."""
+    Gemma 2, Phi-3 with its long and with its short factors, Qwen3-MoE (the specs above say what each exercises). The tests write the same files."""
     l3 = write_synthetic_model(os.path.join(tmp, "llama3.gguf"), LLAMA3_SYNTHETIC)
     g3 = write_synthetic_model(os.path.join(tmp, "gemma3_plain.gguf"), GEMMA3_SYNTHETIC)
     p3 = write_synthetic_model(os.path.join(tmp, "phi3_plain.gguf"), PHI3_SYNTHETIC)
@@ -69,4 +75,5 @@ def synthetic_files(tmp):
             "gemma3_synthetic": rewrite_gguf(g3, os.path.join(tmp, "gemma3.gguf"), edits=GEMMA3_EDITS),
             "gemma2_synthetic": write_synthetic_model(os.path.join(tmp, "gemma2.gguf"), GEMMA2_SYNTHETIC),
             "phi3_synthetic": rewrite_gguf(p3, os.path.join(tmp, "phi3.gguf"), edits=PHI3_EDITS),
-            "phi3_short_synthetic": rewrite_gguf(p3, os.path.join(tmp, "phi3_short.gguf"), edits=PHI3_SHORT_EDITS)}
+            "phi3_short_synthetic": rewrite_gguf(p3, os.path.join(tmp, "phi3_short.gguf"), edits=PHI3_SHORT_EDITS),
+            "qwen3moe_synthetic": write_synthetic_model(os.path.join(tmp, "qwen3moe.gguf"), QWEN3MOE_SYNTHETIC)}
