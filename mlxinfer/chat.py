@@ -16,6 +16,7 @@ Every violation is a RequestError naming the problem, raised within about a seco
 from __future__ import annotations
 
 import datetime
+import functools
 import sys
 import time
 
@@ -81,8 +82,50 @@ class _Budget:
         return self
 
 
+SYSTEM_PROBE, USER_PROBE = "<<mlxinfer system probe>>", "<<mlxinfer user probe>>"
+
+
 def render_chat(template: str, messages: list[dict], *, bos_token: str = "", eos_token: str = "",
                 add_generation_prompt: bool = True, source: str = "chat template", **extra) -> str:
+    """The template rendered for `messages`. Where the template has no system role (Gemma's raises on
+    one, Phi-3 mini's drops it), each system message is joined to the next user message, system text
+    first and a newline between, as llama.cpp's chat templates do (minja's system-role polyfill):
+    nothing a request says is dropped."""
+    if any(m.get("role") == "system" for m in messages) and not supports_system_role(template, bos_token, eos_token):
+        messages = merge_system_messages(messages)
+    return _render(template, messages, bos_token=bos_token, eos_token=eos_token,
+                   add_generation_prompt=add_generation_prompt, source=source, **extra)
+
+
+@functools.lru_cache(maxsize=16)
+def supports_system_role(template: str, bos_token: str = "", eos_token: str = "") -> bool:
+    """Whether the template renders a system message's text (probed with marker texts, as minja does;
+    once per template)."""
+    probe = [{"role": "system", "content": SYSTEM_PROBE}, {"role": "user", "content": USER_PROBE}]
+    try:
+        return SYSTEM_PROBE in _render(template, probe, bos_token=bos_token, eos_token=eos_token,
+                                       add_generation_prompt=False, source="chat template")
+    except RequestError:
+        return False
+
+
+def merge_system_messages(messages: list[dict]) -> list[dict]:
+    """System messages joined to the next user message ("system\nuser"); one with no user message after
+    it becomes a user message of its own."""
+    out, pending = [], []
+    for m in messages:
+        if m.get("role") == "system":
+            pending.append(m.get("content", ""))
+        elif m.get("role") == "user" and pending:
+            out.append({**m, "content": "\n".join([*pending, m.get("content", "")])})
+            pending = []
+        else:
+            out.append(m)
+    return out + ([{"role": "user", "content": "\n".join(pending)}] if pending else [])
+
+
+def _render(template: str, messages: list[dict], *, bos_token: str, eos_token: str, add_generation_prompt: bool,
+            source: str, **extra) -> str:
     env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)

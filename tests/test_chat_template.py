@@ -1,6 +1,8 @@
 """Hostile chat templates in a model file: each fails fast, in one line naming the file and the
 problem, with bounded memory (issue: a model file's chat template can hang or exhaust the machine)."""
 
+import json
+import os
 import resource
 import subprocess
 import sys
@@ -82,3 +84,48 @@ def test_cli_with_a_hostile_model_file(tmp_path, name):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "hostile.gguf: chat template failed" in lines[0], r.stderr
     assert HOSTILE[name][1] in lines[0]
+
+
+# -- the real templates of the families issue 29 adds (Gemma, Llama 3, Phi-3, Mistral's [INST]) ------------
+LLAMA_CPP_TEMPLATES = os.path.join(os.path.dirname(__file__), "data", "llama-cpp-chat-templates.json")
+
+
+def llama_cpp_templates():
+    with open(LLAMA_CPP_TEMPLATES, encoding="utf-8") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("case", llama_cpp_templates()["cases"], ids=lambda c: c["name"][:40])
+def test_family_templates_render_as_llama_cpp_does(case):
+    """llama.cpp's own chat-template test cases (tests/data/llama-cpp-chat-templates.json says where they
+    come from): the template text as the model ships it, llama.cpp's six-message conversation with a
+    system message, and llama.cpp's expected text. Templates without a system role (Gemma raises on
+    one, Phi-3 mini and medium, Mistral v0.2 drop it) get the system text joined to the first user message,
+    as llama.cpp does; nothing is dropped."""
+    data = llama_cpp_templates()
+    got = render_chat(case["template"], data["conversation"], bos_token=case["bos_token"],
+                      eos_token=case["eos_token"], add_generation_prompt=True)
+    assert got == case["expected"]
+
+
+def test_gemma2_and_llama31_file_templates_through_the_engine(tmp_path):
+    """The templates Gemma 2 and Llama 3.1 files carry, in a GGUF, through Engine.encode_prompt (what
+    --chat and the server call): Gemma 2's is gemma-7b-it's with the BOS token first, so it renders
+    llama.cpp's expected gemma-7b-it text after BOS, the system message kept; Llama 3.1's puts the
+    system message after its knowledge-date header."""
+    import mlxinfer
+
+    data = llama_cpp_templates()
+    gemma = next(c for c in data["cases"] if c["name"] == "google/gemma-7b-it")
+    src = write_synthetic_model(tmp_path / "g2.gguf", arch="gemma2", n_layers=1, hidden=64, ffn=128, n_heads=4,
+                                n_kv_heads=2, head_dim=16)
+    for name, want in (("google/gemma-2-2b-it", "<|endoftext|>" + gemma["expected"]),
+                       ("meta-llama/Llama-3.1-8B-Instruct",
+                        "<|endoftext|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December "
+                        "2023\nToday Date: 26 Jul 2024\n\nYou are a helpful assistant<|eot_id|><|start_header_id|>user"
+                        "<|end_header_id|>\n\nHello<|eot_id|>")):
+        path = rewrite_gguf(src, tmp_path / "chat.gguf", edits={"tokenizer.chat_template": data["templates"][name]})
+        engine = mlxinfer.load(path, backend="cpu")
+        text = engine.tokenizer.decode(engine.encode_prompt(data["conversation"]), skip_special=False)
+        assert text == want if name.startswith("google") else text.startswith(want)
+    assert text.endswith("Another question<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")

@@ -280,16 +280,7 @@ def test_qwen3moe_in_inspect_the_tracer_and_tp(new_arch_paths):
     text = describe(path)
     assert "architecture: qwen3moe" in text and "  expert_used_count: 2" in text
     assert re.search(r"blk\.2\.ffn_down_exps\.weight\s+F32\s+\[8, 128, 64\]", text)
-    engine = mlxinfer.load(path, backend="cpu")
-    tracer = install_tracer(engine, stream=io.StringIO())
-    counts = []
-
-    def end(pass_name):
-        counts.append(dict(tracer.counts))
-        tracer.end_pass(pass_name)
-
-    engine.generate([3, 4, 5], max_tokens=2, on_forward=end)
-    L = engine.args.n_layers
+    L, counts = traced_counts(path)
     assert [(c["moe_mlp"], c["linear"], c["add"]) for c in counts] == [(L, 5 * L + 1, 2 * L)] * 2
     with GGUFFile(path) as g:
         with pytest.raises(RequestError, match="tensor parallelism does not split qwen3moe's experts yet"):
@@ -315,19 +306,24 @@ def test_new_architectures_in_inspect_and_the_tracer(new_arch_paths):
     text = describe(new_arch_paths["qwen2_synthetic"])
     assert "architecture: qwen2" in text and re.search(r"blk\.2\.attn_v\.bias\s+F32\s+\[64\]", text)
     for name, adds in (("llama3_synthetic", 2), ("qwen2_synthetic", 5)):
-        engine = mlxinfer.load(new_arch_paths[name], backend="cpu")
-        tracer = install_tracer(engine, stream=io.StringIO())
-        counts = []
-
-        def end(pass_name):
-            counts.append(dict(tracer.counts))
-            tracer.end_pass(pass_name)
-
-        engine.generate([3, 4, 5], max_tokens=2, on_forward=end)
-        L = engine.args.n_layers
+        L, counts = traced_counts(new_arch_paths[name])
         assert len(counts) == 2
         for c in counts:
             assert c["add"] == adds * L and c["rope"] == 2 * L and c["linear"] == 7 * L + 1
+
+
+def traced_counts(path):
+    """(layers, the traced op counts of each pass) of a prompt of 3 tokens and 2 generated, cpu backend."""
+    engine = mlxinfer.load(path, backend="cpu")
+    tracer = install_tracer(engine, stream=io.StringIO())
+    counts = []
+
+    def end(pass_name):
+        counts.append(dict(tracer.counts))
+        tracer.end_pass(pass_name)
+
+    engine.generate([3, 4, 5], max_tokens=2, on_forward=end)
+    return engine.args.n_layers, counts
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])

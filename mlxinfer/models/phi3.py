@@ -14,18 +14,19 @@ fused matrices (models/shard.py).
 import numpy as np
 
 from ..backend import AttentionSpec
-from .layers import all_sum, output_logits, rms_norm, swiglu_mlp
-from .shard import Shard
-from .spec import ModelArgs, load_weights
+from . import llama
+from .layers import all_sum
+from .spec import ModelArgs
 
 TRAITS = dict(rope_traditional=False, qk_norm=False, fused=True,
               ignored={"attention.sliding_window": "llama.cpp disables Phi-3's sliding window"})
 
 
-class Model:
-    def __init__(self, ops, g, args: ModelArgs, shard: Shard | None = None):
-        self.args, self.shard = args, shard or Shard.whole(args)
-        self.w = load_weights(ops, g, args, self.shard)
+class Model(llama.Model):
+    """Llama's decoder loop (`llama.Model.__call__`) with Phi-3's attention."""
+
+    def __init__(self, ops, g, args: ModelArgs, shard=None):
+        super().__init__(ops, g, args, shard)
         self.spec = AttentionSpec(self.shard.n_heads, self.shard.n_kv_heads, args.head_dim, 1.0)
         self.q_scale = float(np.float32(1.0) / np.sqrt(np.float32(args.head_dim)))
 
@@ -42,12 +43,3 @@ class Model:
         kv = cache.update(ops, layer, k, v, batch)
         out = ops.linear(ops.fused_attention(q, kv, batch, sp), w.attn_output, groups)
         return all_sum(ops, out, self.shard)
-
-    def __call__(self, ops, ids, batch, cache):
-        """Logits of the batch's logit rows, [R, vocab]; writes the pass's keys and values to `cache`."""
-        a = self.args
-        x = ops.gather_rows(self.w.token_embd, ids)
-        for i, w in enumerate(self.w.layers):
-            x = ops.add(x, self.attention(ops, rms_norm(ops, x, w.attn_norm, a.rms_eps), w, batch, cache, i))
-            x = ops.add(x, swiglu_mlp(ops, rms_norm(ops, x, w.ffn_norm, a.rms_eps), w, batch.rows, self.shard))
-        return output_logits(ops, x, self.w, batch, a.rms_eps, self.shard, a.vocab_size)
