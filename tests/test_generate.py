@@ -169,7 +169,12 @@ def test_chat_prompt_has_one_bos_when_the_template_writes_it(engine, monkeypatch
 
 def test_request_errors(engine):
     with pytest.raises(RequestError, match="exceeds the model's context length 256"):
-        engine.generate(list(range(200)), max_tokens=60)
+        engine.generate(list(range(256)), max_tokens=1)  # no room left for a token
+    # max_tokens past the context is capped to the room the prompt leaves (the CLI's rule too, with a
+    # notice): the generation ends where the context does
+    out = engine.generate(list(range(250)), max_tokens=60)
+    assert len(out.token_ids) <= 6 and (out.finish_reason == "stop" or len(out.token_ids) == 6)
+    assert engine.room(250, 60) == 6 and engine.room(200, 6) == 6
     with pytest.raises(RequestError, match="empty prompt"):
         engine.generate("")
     with pytest.raises(RequestError, match="outside the vocabulary"):

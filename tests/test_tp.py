@@ -253,7 +253,7 @@ def test_head_cut_inside_a_k_quant_block_of_any_layer_is_refused(synthetic, monk
 
 def test_cli_tp_reads_stdin_once_and_fails_loudly(smollm2_path):
     base = [sys.executable, "-m", "mlxinfer", "generate", "--model", smollm2_path, "--backend", "cpu", "--tp", "2"]
-    r = subprocess.run(base + ["-", "--max-tokens", "3"], input="The capital of France is", capture_output=True,
+    r = subprocess.run(base + ["-", "--raw", "--max-tokens", "3"], input="The capital of France is", capture_output=True,
                        text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0 and r.stdout.startswith(" Paris"), r.stderr[-2000:]
     bad = subprocess.run(base + ["hi", "--temp", "-1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
