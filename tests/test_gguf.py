@@ -187,7 +187,9 @@ def test_signed_metadata_reads_signed(tmp_path):
     w.add_int16("t.i16", -300)
     w.add_int32("t.i32", -70000)
     w.add_int64("t.i64", -(1 << 40))
-    w.add_array("t.i8s", [np.int8(-128), np.int8(-1), np.int8(127)])
+    from gguf import GGUFValueType
+
+    w.add_key_value("t.i8s", [-128, -1, 127], GGUFValueType.ARRAY, sub_type=GGUFValueType.INT8)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.close()
