@@ -2,8 +2,9 @@
 MODEL --text FILE` and `mlxinfer inspect FILE`.
 
 `generate` writes the generated text to stdout as it is produced, and the metrics block (and a trace,
-with --trace) to stderr, so `mlxinfer generate ... > out.txt` captures only the text. `chat` is an
-interactive conversation in the terminal with the model's chat template."""
+with --trace) to stderr, so `mlxinfer generate ... > out.txt` captures only the text; the prompt goes
+through the file's chat template where it has one (--raw: as it is). `chat` is an interactive
+conversation in the terminal with the model's chat template, its turns over one KV cache."""
 
 from __future__ import annotations
 

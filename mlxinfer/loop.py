@@ -6,6 +6,8 @@
         for seq, event in loop.step():        # TokenEvent(token_id, text, logprob, index), then FinishEvent
             ...
     loop.release(seq)                          # a sequence leaves early (cancelled): its slot is freed now
+    nxt = loop.admit(ids2, params, 64, keep=True, after=seq)  # a chat's next turn: seq admitted with keep=True;
+                                               # only what ids2 adds past what they share is prefilled
 
 `step()` is nano-vllm's `LLMEngine.step()`: plan the next pass (schedule), launch it (run), read the
 pass before it and turn its tokens into events (postprocess). A pass advances every active sequence by

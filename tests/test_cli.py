@@ -468,12 +468,12 @@ def _shared(a, b) -> int:
     return n
 
 
-@pytest.mark.parametrize("kv", ["prealloc", "basic", "paged"])
-def test_chat_turns_prefill_only_what_they_add(smollm2_path, kv):
+@pytest.mark.parametrize("backend,kv", [("cpu", "prealloc"), ("cpu", "basic"), ("cpu", "paged"), ("mlx", "prealloc")])
+def test_chat_turns_prefill_only_what_they_add(smollm2_path, backend, kv):
     """A conversation's turn 2 prefills only the tokens its rendered history adds to turn 1's prompt and
     reply (counted as the rows the model is given; with --kv paged, also the partial block before them),
     and says what a cold run of the whole history says, token for token."""
-    engine = mlxinfer_load(smollm2_path, backend="cpu", kv=kv)
+    engine = mlxinfer_load(smollm2_path, backend=backend, kv=kv, device="cpu" if backend == "mlx" else None)
     conv = engine.conversation()
     rows = []
     model = conv.loop.model
@@ -500,7 +500,7 @@ def test_chat_turns_prefill_only_what_they_add(smollm2_path, kv):
     if kv == "paged":  # whole blocks: the partial block before the new tokens is prefilled again
         new = len(ids2) - held // 16 * 16
     assert rows[0] == new == conv.prefilled and new < len(ids2) // 2
-    assert all(r == 1 for r in rows[1:])  # then one decode row per token
+    assert all(r == 1 for r in rows[1:])  # then one decode row per token (on MLX the compiled step's, uncounted)
     cold = engine.generate(ids2, max_tokens=8)
     assert second.token_ids == cold.token_ids and second.text == cold.text
     # a prompt that does not continue the history (as from a template that rewrites earlier turns): all

@@ -550,6 +550,13 @@ def test_a_prompt_is_tokenized_off_the_event_loop(served, engine, monkeypatch):
     assert result["r"].status_code == 200
 
 
+def _wait_done(reqs, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(r.done for r in reqs):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def test_the_queue_holds_max_queue_beyond_the_free_batch_places(engine):
     """Admission, made deterministic by holding the scheduler's lock (its worker cannot admit): with
     max_batch 2 and max_queue 1, an idle scheduler takes three requests, and the fourth is QueueFull."""
@@ -562,10 +569,7 @@ def test_the_queue_holds_max_queue_beyond_the_free_batch_places(engine):
             reqs = [sched.submit(LONG, SamplingParams(), 2, [], lambda ev: None) for _ in range(3)]
             with pytest.raises(QueueFull, match="max_queue 1"):
                 sched.submit(LONG, SamplingParams(), 2, [], lambda ev: None)
-        deadline = time.monotonic() + 30
-        while not all(r.done for r in reqs):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        _wait_done(reqs)
     finally:
         sched.close()
 
@@ -885,10 +889,7 @@ def test_waiting_requests_are_admitted_first_come_first_served(engine):
             reqs = [sched.submit(LONG, SamplingParams(), 2, [],
                                  lambda ev, i=i: finished.append(i) if isinstance(ev, FinishEvent) else None)
                     for i in range(3)]
-        deadline = time.monotonic() + 30
-        while not all(r.done for r in reqs):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        _wait_done(reqs)
     finally:
         sched.close()
     assert finished == [0, 1, 2]
