@@ -215,7 +215,7 @@ def test_random_seed_is_agreed_so_ranks_sample_the_same_tokens(tp_runs):
 
 
 def test_cli_tp2_prints_the_text_and_metrics_once(smollm2_path):
-    argv = ["generate", "The capital of France is", "--model", smollm2_path, "--backend", "cpu",
+    argv = ["generate", "The capital of France is", "--raw", "--model", smollm2_path, "--backend", "cpu",
             "--max-tokens", "8"]
     one = subprocess.run([sys.executable, "-m", "mlxinfer", *argv], capture_output=True, text=True, cwd=ROOT)
     two = subprocess.run([sys.executable, "-m", "mlxinfer", *argv, "--tp", "2"], capture_output=True, text=True,
