@@ -178,3 +178,14 @@ def test_top_k_keeps_ties_and_top_p_stops_at_its_exact_boundary(backend):
         assert len(set(tokens)) == kept, (top_p, sorted(set(tokens)))
     if backend == "numpy":
         assert np.count_nonzero(filter_probs_numpy(flat, SamplingParams(temperature=1.0, top_p=0.5))) == 2
+
+
+@pytest.mark.parametrize("backend", ["numpy", "mlx"])
+def test_min_p_keeps_a_token_exactly_at_its_share_of_the_top(backend):
+    """min_p keeps p >= min_p * max(p), the boundary included: four equal logits (0.25 each, exact)
+    under min_p 1 keep all four; a row without ties under min_p 1 keeps only its top token."""
+    tokens, _ = _draws(np.zeros(4, dtype=np.float32), SamplingParams(temperature=1.0, min_p=1.0, seed=1),
+                       backend=backend)
+    assert set(tokens) == {0, 1, 2, 3}
+    tokens, _ = _draws(ROW, SamplingParams(temperature=1.0, min_p=1.0, seed=1), n=20, backend=backend)
+    assert set(tokens) == {int(np.argmax(ROW))}
