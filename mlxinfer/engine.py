@@ -184,7 +184,8 @@ class Engine:
                min_p: float = 0.0, seed: int | None = None, stop=None, chat: bool = False,
                on_forward: Callable[[str], None] | None = None, **sampling) -> Iterator:
         """Generate up to `max_tokens` tokens after `prompt` (fewer where the context ends first: `room`),
-        yielding a TokenEvent per token and a FinishEvent at the end. `prompt`: text, token ids, or chat messages ([{"role", "content"}]).
+        yielding a TokenEvent per token and a FinishEvent at the end. `prompt`: text, token ids, or chat
+        messages ([{"role", "content"}]).
         Greedy when temperature is 0. `stop`: strings that end generation (not included in the text).
         `on_forward` receives a name for each forward pass ("prefill", "decode 1", ...). `sampling`:
         SamplingParams' other fields (repetition_penalty, presence_penalty, frequency_penalty,

@@ -508,7 +508,8 @@ def test_chat_turns_prefill_only_what_they_add(smollm2_path, backend, kv):
     del rows[:]
     other = engine.encode_prompt([{"role": "user", "content": "Name a colour."}])
     third = [e for e in conv.stream(other, max_tokens=4)][-1].generation
-    assert rows[0] == conv.prefilled == len(other) - (_shared(other, ids2) // 16 * 16 if kv == "paged" else _shared(other, ids2))
+    shared = _shared(other, ids2) // 16 * 16 if kv == "paged" else _shared(other, ids2)
+    assert rows[0] == conv.prefilled == len(other) - shared
     assert third.token_ids == engine.generate(other, max_tokens=4).token_ids
     # the same prompt again (the cache holds all of it): its last token is prefilled for its logits
     del rows[:]
