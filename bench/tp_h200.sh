@@ -23,4 +23,4 @@ ARGS="--cases ${CASES:-17,511} --gen ${GEN:-64} --runs ${RUNS:-3} --out $OUT/tp.
 echo "== TP=1"; python3 bench/tp_bench.py "$M" --tp 1 $ARGS 2>&1 | tail -3
 X=""; for kv in ${NCCL_EXTRA:-}; do X="$X --env $kv"; done
 echo "== TP=2 ${NCCL_EXTRA:-}"; eval $LAUNCH -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 $X -- python3 bench/tp_bench.py "$M" --tp 2 $ARGS 2>&1 | tail -4
-echo "== CLI"; python3 -m mlxinfer generate "The capital of France is" --model "$M" --max-tokens 16 --tp 2 2>&1 | tail -16
+echo "== CLI"; python3 -m mlxinfer generate --raw "The capital of France is" --model "$M" --max-tokens 16 --tp 2 2>&1 | tail -16

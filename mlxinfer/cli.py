@@ -2,8 +2,9 @@
 MODEL --text FILE` and `mlxinfer inspect FILE`.
 
 `generate` writes the generated text to stdout as it is produced, and the metrics block (and a trace,
-with --trace) to stderr, so `mlxinfer generate ... > out.txt` captures only the text. `chat` is an
-interactive conversation in the terminal with the model's chat template."""
+with --trace) to stderr, so `mlxinfer generate ... > out.txt` captures only the text; the prompt goes
+through the file's chat template where it has one (--raw: as it is). `chat` is an interactive
+conversation in the terminal with the model's chat template, its turns over one KV cache."""
 
 from __future__ import annotations
 
@@ -32,15 +33,41 @@ class _OutputError(MlxinferError):
     """Writing the generated text to stdout failed (a full disk, an I/O error; not a closed pipe)."""
 
 
+_line_open = False  # the text on stdout ends inside a line (a message on stderr starts a new one first)
+
+
 def _out(text: str) -> None:
     """Write to stdout now (the text appears as it is generated)."""
+    global _line_open
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
+        if text:
+            _line_open = not text.endswith("\n")
     except BrokenPipeError:
         raise
     except OSError as e:
         raise _OutputError(f"writing the output: {e.strerror or e}") from None
+
+
+def _new_line() -> None:
+    """End the text's open line on stderr before a message (a trace, Ctrl-C, an error) is written there:
+    on a terminal both streams share the screen, and the message would follow the text on its line."""
+    global _line_open
+    if _line_open:
+        _line_open = False
+        sys.stderr.write("\n")
+
+
+class _Messages:
+    """stderr for messages written while the text streams (the tracer's per-pass histograms)."""
+
+    def write(self, text: str) -> None:
+        _new_line()
+        sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 def _load(args):
@@ -118,10 +145,25 @@ def _check_options(args) -> None:
             raise RequestError(f"{name} is not valid UTF-8")
 
 
+def _templated(args, engine) -> bool:
+    """Whether `generate` wraps the prompt in the chat template: by default where the file has one (as
+    mlx-lm's CLI does; an Instruct model given a bare question otherwise answers with an empty line),
+    always with --chat/--system (an error without a template), never with --raw."""
+    if args.chat or args.system is not None:
+        return True
+    if args.raw or not engine.tokenizer.chat_template:
+        if args.verbose and not args.raw:
+            print(f"mlxinfer: {engine.path} has no chat template: the prompt is continued as it is", file=sys.stderr)
+        return False
+    return True
+
+
 def _generate(args) -> int:
     if args.tp < 1:
         raise RequestError(f"--tp must be a positive integer, got {args.tp}")
     _check_options(args)
+    if args.raw and (args.chat or args.system is not None):
+        raise RequestError("--raw continues the prompt as it is: not with --chat or --system")
     if args.tp > 1 and not launched():  # start the ranks under mlx.launch; each runs this same command
         check_split(args.model, args.tp)  # a model that cannot be split is refused here, once
         prompt = _read_prompt(args)  # a prompt from stdin reaches the ranks as a file (their stdin is closed)
@@ -140,15 +182,13 @@ def _generate(args) -> int:
         args.quiet, args.verbose, args.trace = True, False, False
     tracer = None
     if args.trace or (os.environ.get("MLXINFER_TRACE") == "1" and engine.shard.rank == 0):
-        tracer = install_tracer(engine)
-    ids = engine.encode_prompt(prompt, chat=args.chat or args.system is not None,  # once: the cap below
-                               system=args.system)  # and the generation read it
-    max_tokens = args.max_tokens
-    room = engine.args.context_length - len(ids)
-    if 0 < room < max_tokens:
-        print(f"mlxinfer: note: --max-tokens {max_tokens} capped to {room}: the prompt leaves {room} tokens of "
-              f"the model's context length {engine.args.context_length}", file=sys.stderr)
-        max_tokens = room
+        tracer = install_tracer(engine, _Messages())
+    ids = engine.encode_prompt(prompt, chat=_templated(args, engine),  # once: the cap below and the
+                               system=args.system)  # generation read it
+    max_tokens = engine.room(len(ids), args.max_tokens)  # the API's rule: capped to the context, said here
+    if max_tokens < args.max_tokens:
+        print(f"mlxinfer: note: --max-tokens {args.max_tokens} capped to {max_tokens}: the prompt leaves "
+              f"{max_tokens} tokens of the model's context length {engine.args.context_length}", file=sys.stderr)
     if args.verbose:
         print(f"mlxinfer: {engine.path}: {engine.args.arch}, {engine.args.n_layers} layers; backend "
               f"{engine.backend.describe()}, attention {engine.backend.attention}, kv {engine.kv}", file=sys.stderr)
@@ -165,14 +205,24 @@ def _generate(args) -> int:
     return 0
 
 
+CHAT_HELP = """/help    this list
+/reset   forget the conversation (and its KV cache)
+/exit    leave (also /quit, Ctrl-D)
+Ctrl-C   stop a reply (what was said stays in the history); at the prompt: leave
+A line starting with / is a command, never sent to the model; // at its start sends one /.
+"""
+
+
 def run_chat(engine, read_line, write, *, system: str | None = None, max_tokens: int = 512, sampling=None) -> None:
     """The chat loop: read a line, stream the reply, keep the history. `read_line(prompt)` returns a
-    line or raises EOFError; `/reset` forgets the history, `/exit` (or end of input) leaves. Ctrl-C
-    during a reply stops that reply (what was said stays in the history); at the prompt it leaves."""
+    line or raises EOFError; a line starting with / is a command answered here (/help, /reset, /exit),
+    never sent to the model. The turns share one KV cache (`Engine.conversation`): each prefills only
+    what it adds to the history. Ctrl-C during a reply stops that reply; at the prompt it leaves."""
     def fresh():
         return [{"role": "system", "content": system}] if system else []
 
     history = fresh()
+    conversation = engine.conversation()
     while True:
         try:
             line = read_line("> ")
@@ -182,20 +232,31 @@ def run_chat(engine, read_line, write, *, system: str | None = None, max_tokens:
         text = line.strip()
         if not text:
             continue
-        if text in ("/exit", "/quit"):
-            return
-        if text == "/reset":
-            history = fresh()
-            write("(history cleared)\n")
+        if text.startswith("/") and not text.startswith("//"):
+            command = text.split()[0]
+            if command in ("/exit", "/quit"):
+                return
+            if command == "/reset":
+                history = fresh()
+                conversation.reset()
+                write("(history cleared)\n")
+            elif command == "/help":
+                write(CHAT_HELP)
+            else:
+                write(f"unknown command {command} (/help lists them; // at the start sends a /)\n")
             continue
+        if text.startswith("//"):
+            text = text[1:]
         history.append({"role": "user", "content": text})
         reply = []
+        events = None
         try:
             ids = engine.encode_prompt(history)  # once: the room left and the reply read it
-            room = min(max_tokens, engine.args.context_length - len(ids))
-            if room < 1:
+            if len(ids) >= engine.args.context_length:
                 raise RequestError("the conversation fills the model's context: /reset to start again")
-            for event in engine.stream(ids, max_tokens=room, **(sampling or {})):
+            room = engine.room(len(ids), max_tokens)
+            events = conversation.stream(ids, max_tokens=room, **(sampling or {}))
+            for event in events:
                 if event.text:
                     write(event.text)
                     reply.append(event.text)  # what the user saw is what the history keeps
@@ -209,6 +270,9 @@ def run_chat(engine, read_line, write, *, system: str | None = None, max_tokens:
             history.pop()
             write(f"mlxinfer: error: {e}\n")
             continue
+        finally:
+            if events is not None:
+                events.close()  # a reply cut short: the conversation's cache starts again
         write("\n")
         history.append({"role": "assistant", "content": "".join(reply)})
 
@@ -222,7 +286,12 @@ def _chat(args) -> int:
         raise RequestError(f"{engine.path}: chat needs tokenizer.chat_template, which this file lacks")
     interactive = sys.stdin.isatty()
     if interactive:
-        print("mlxinfer chat: /reset forgets the conversation, /exit leaves; Ctrl-C stops a reply.", file=sys.stderr)
+        try:
+            import readline  # noqa: F401  (optional: input() then edits lines and keeps their history)
+        except ImportError:
+            pass
+        print("mlxinfer chat: /help lists the commands, /reset forgets the conversation, /exit leaves; "
+              "Ctrl-C stops a reply.", file=sys.stderr)
 
     def read_line(prompt):
         if interactive:
@@ -366,7 +435,11 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(g)
     g.add_argument("-n", "--max-tokens", type=int, default=64,
                    help="tokens to generate at most (capped by the context)")
-    g.add_argument("--chat", action="store_true", help="wrap PROMPT in the model's chat template")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap PROMPT in the model's chat template (the default where the file has one; with "
+                        "--chat a file without one is an error)")
+    g.add_argument("--raw", "--ignore-chat-template", action="store_true", dest="raw",
+                   help="continue PROMPT as it is, without the chat template")
     g.add_argument("--system", default=None, metavar="TEXT", help="a system prompt (implies --chat)")
     g.add_argument("--trace", action="store_true", help="count and time every backend op (stderr)")
     g.add_argument("--quiet", action="store_true", help="print only the text, no metrics block")
@@ -445,6 +518,7 @@ def main(argv=None) -> int:
         _say(f"mlxinfer: error: {e}")
         return 1
     except KeyboardInterrupt:
+        _new_line()
         print("mlxinfer: interrupted", file=sys.stderr)
         rc = 130
         return rc
@@ -470,6 +544,7 @@ def _quiet_stdout() -> None:
 def _say(line: str) -> None:
     """One line on stderr, if stderr can take it (it may be on the same full disk as stdout)."""
     try:
+        _new_line()
         print(line, file=sys.stderr)
     except (AttributeError, OSError, ValueError):
         pass

@@ -158,32 +158,43 @@ class Engine:
                 f"length {ctx}"
             )
 
-    def _requests(self, prompts, max_tokens, stop, chat) -> tuple[list[list[int]], list[str]]:
-        """Every prompt encoded (once) and checked, and the stop strings; bad requests raise here,
-        before anything runs."""
+    def room(self, n_prompt: int, max_tokens: int) -> int:
+        """`max_tokens` capped to what the context leaves after a prompt of `n_prompt` tokens: the one rule
+        of the API and the CLI (generation ends where the context does, finish_reason "length"; the CLI
+        says so in a notice). A prompt that leaves no room for a token is a RequestError. (The server
+        refuses such a request instead, with 400: OpenAI's contract.)"""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        ctx = self.args.context_length
+        if n_prompt >= ctx:
+            raise RequestError(f"prompt of {n_prompt} tokens (and one to generate) exceeds the model's context "
+                               f"length {ctx}")
+        return min(max_tokens, ctx - n_prompt)
+
+    def _requests(self, prompts, max_tokens, stop, chat) -> tuple[list[list[int]], list[str], list[int]]:
+        """Every prompt encoded (once) and checked, the stop strings, and each prompt's max_tokens capped
+        to the context it leaves (`room`); bad requests raise here, before anything runs."""
+        self.room(0, max_tokens)
         stop = stop_strings(stop)
         encoded = [self.encode_prompt(p, chat=chat) for p in prompts]
-        for ids in encoded:
-            self.check_context(len(ids), max_tokens)
-        return encoded, stop
+        return encoded, stop, [self.room(len(ids), max_tokens) for ids in encoded]
 
     # -- public API ---------------------------------------------------------------------------
     def stream(self, prompt, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                min_p: float = 0.0, seed: int | None = None, stop=None, chat: bool = False,
                on_forward: Callable[[str], None] | None = None, **sampling) -> Iterator:
-        """Generate up to `max_tokens` tokens after `prompt`, yielding a TokenEvent per token and a
-        FinishEvent at the end. `prompt`: text, token ids, or chat messages ([{"role", "content"}]).
+        """Generate up to `max_tokens` tokens after `prompt` (fewer where the context ends first: `room`),
+        yielding a TokenEvent per token and a FinishEvent at the end. `prompt`: text, token ids, or chat
+        messages ([{"role", "content"}]).
         Greedy when temperature is 0. `stop`: strings that end generation (not included in the text).
         `on_forward` receives a name for each forward pass ("prefill", "decode 1", ...). `sampling`:
         SamplingParams' other fields (repetition_penalty, presence_penalty, frequency_penalty,
         logit_bias {id: bias}, top_logprobs; mlxinfer.sampling says what each does)."""
         params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                                       **sampling)
-        (ids,), stop = self._requests([prompt], max_tokens, stop, chat)  # bad requests raise here
+        (ids,), stop, (room,) = self._requests([prompt], max_tokens, stop, chat)  # bad requests raise here
         loop = self.new_loop(on_forward=on_forward)
-        loop.admit(ids, params, max_tokens, stop)
+        loop.admit(ids, params, room, stop)
         return _events(loop)
 
     def generate(self, prompt, on_text: Callable[[str], None] | None = None, **options) -> Generation:
@@ -206,9 +217,9 @@ class Engine:
             raise RequestError("generate_batch needs at least one prompt")
         params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                                       **sampling)
-        encoded, stop = self._requests(prompts, max_tokens, stop, chat)
+        encoded, stop, rooms = self._requests(prompts, max_tokens, stop, chat)
         loop = self.new_loop(on_forward=on_forward)
-        seqs = [loop.admit(ids, params, max_tokens, stop) for ids in encoded]
+        seqs = [loop.admit(ids, params, room, stop) for ids, room in zip(encoded, rooms)]
         done = {}
         while loop.busy:
             for s, event in loop.step():
@@ -216,12 +227,56 @@ class Engine:
                     done[id(s)] = event.generation
         return [done[id(s)] for s in seqs]
 
+    def conversation(self) -> Conversation:
+        """A chat whose turns reuse the KV cache of the turns before (`Conversation`)."""
+        return Conversation(self)
+
     def logits(self, prompt) -> np.ndarray:
         """float32 [len(ids), vocab]: the logits of every prompt position, prefilled chunk by chunk
         from an empty cache."""
         ids = self.encode_prompt(prompt)
         self.check_context(len(ids), 0)
         return self.new_loop().score(ids)
+
+
+class Conversation:
+    """Turns of one chat over one KV cache kept between them: each turn's prompt (the whole history,
+    rendered) prefills only what it adds past the tokens the cache holds from the turn before (the
+    longest start they share: all of the last turn where the template renders it again as it was;
+    less where the template rewrites earlier turns or the reply's text tokenizes differently; with
+    `--kv paged` whole blocks). A turn cut short (an error, Ctrl-C) drops what the cache held.
+
+        conv = engine.conversation()
+        for event in conv.stream(engine.encode_prompt(messages), max_tokens=64): ...
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.loop = engine.new_loop()
+        self.last = None  # the finished turn whose slot the loop keeps
+        self.prefilled = 0  # prompt tokens the last turn prefilled (the rest came from the cache)
+
+    def stream(self, ids: list[int], max_tokens: int = 64, stop=None, **sampling) -> Iterator:
+        """The events of one turn generated after `ids` (`Engine.stream`'s options, max_tokens capped to
+        the context as there)."""
+        params = self.engine.sampling_params(**sampling)
+        room = self.engine.room(len(ids), max_tokens)
+        stop = stop_strings(stop)
+        last, self.last = self.last, None
+        seq = self.loop.admit(ids, params, room, stop, keep=True, after=last)
+        self.prefilled = len(ids) - seq.cached_tokens
+        try:
+            yield from _events(self.loop)
+        except BaseException:  # a pass may be half done: start the next turn from an empty cache
+            self.loop = self.engine.new_loop()
+            raise
+        self.last = seq
+
+    def reset(self) -> None:
+        """Forget the conversation's cache (the next turn prefills its whole prompt)."""
+        if self.last is not None:
+            self.loop.forget(self.last)
+            self.last = None
 
 
 def _events(loop: Loop) -> Iterator:

@@ -83,6 +83,23 @@ class _Slots:
         """The prompt tokens a fresh slot already holds from the cache (only the paged cache keeps any)."""
         return 0
 
+    def resume(self, slot: int, tokens, prompt) -> tuple[int, int]:
+        """A held slot (whose rows hold `tokens`, in order) continued by `prompt`: the rows past the longest
+        start they share are dropped (leaving at least one prompt token to prefill). Returns (slot, tokens
+        it holds now). A conversation's next turn prefills only what its prompt adds."""
+        shared = 0
+        for a, b in zip(list(tokens)[:len(prompt) - 1], prompt):
+            if a != b:
+                break
+            shared += 1
+        self._truncate(slot, shared)
+        return slot, shared
+
+    def _truncate(self, slot: int, n: int) -> None:
+        if not 0 <= n <= self.held.get(slot, -1):
+            raise RequestError(f"KV cache slot {slot} holds {self.held.get(slot)} tokens, not {n} or more")
+        self.held[slot] = n
+
     def check(self, batch) -> None:
         for slot, start in zip(batch.slots, batch.starts):
             if slot not in self.held:
@@ -227,6 +244,12 @@ class BasicKVCache(_Slots):
         for slot, n in zip(batch.slots, batch.kv_lens):
             self.held[slot] = n
 
+    def _truncate(self, slot: int, n: int) -> None:
+        super()._truncate(slot, n)
+        for stores in self.entries[slot]:
+            for layer, x in enumerate(stores):
+                stores[layer] = None if n == 0 or x is None else self.ops.copy_2d_from(x, 0, n, 0, self.width)
+
     def update(self, ops, layer: int, k, v, batch) -> BasicLayer:
         for b, (r0, r1) in enumerate(batch.rows):
             keys, values = self.entries[batch.slots[b]]
@@ -356,6 +379,13 @@ class PagedKVCache(_Slots):
             raise RequestError(f"KV cache slot {slot} is not fresh")
         self.held[slot] = self.blocks.match_prefix(slot, prompt)
         return self.held[slot]
+
+    def resume(self, slot: int, tokens, prompt) -> tuple[int, int]:
+        """The slot's full blocks kept as cached prefix blocks and a fresh slot given those `prompt` starts
+        with (whole blocks: up to block_size - 1 shared tokens are prefilled again)."""
+        self.release(slot, tokens)
+        slot = self.alloc()
+        return slot, self.match_prefix(slot, prompt)
 
     def release(self, slot: int, tokens=None) -> None:
         """Free a slot. With `tokens` (what its cache rows hold, in order) its full blocks stay cached

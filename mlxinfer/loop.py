@@ -6,6 +6,8 @@
         for seq, event in loop.step():        # TokenEvent(token_id, text, logprob, index), then FinishEvent
             ...
     loop.release(seq)                          # a sequence leaves early (cancelled): its slot is freed now
+    nxt = loop.admit(ids2, params, 64, keep=True, after=seq)  # a chat's next turn: seq admitted with keep=True;
+                                               # only what ids2 adds past what they share is prefilled
 
 `step()` is nano-vllm's `LLMEngine.step()`: plan the next pass (schedule), launch it (run), read the
 pass before it and turn its tokens into events (postprocess). A pass advances every active sequence by
@@ -84,6 +86,7 @@ class Sequence:
         self.text = ""  # text handed out so far
         self.held = ""  # text held back: it could be the start of a stop string
         self.finish: str | None = None
+        self.keep = False  # its slot stays held when it finishes (Loop.admit's keep)
         self.batch_size = 1  # the most sequences that were in the loop with it at a pass
 
     @property
@@ -119,15 +122,26 @@ class Loop:
         self.pipelined = pipeline and ops.lazy and on_forward is None
         self.tensor_parallel = tensor_parallel
         self.seqs: list[Sequence] = []  # the active sequences, in admission order
+        self.kept: set[int] = set()  # slots finished sequences admitted with keep=True still hold
         self.admitted = 0  # sequences admitted so far
         self._pending: Pass | None = None
         self.passes = 0
 
     # -- admit / step / release -----------------------------------------------------------------
-    def admit(self, prompt: list[int], params: SamplingParams, max_tokens: int, stop=(), t0: float | None = None) -> Sequence:
+    def admit(self, prompt: list[int], params: SamplingParams, max_tokens: int, stop=(), t0: float | None = None,
+              keep: bool = False, after: Sequence | None = None) -> Sequence:
         """A new sequence, given a cache slot (and the cache's prefix blocks its prompt starts with);
-        it joins the next pass. `t0`: when its request arrived (time to first token counts from it)."""
-        slot = self.cache.alloc()
+        it joins the next pass. `t0`: when its request arrived (time to first token counts from it).
+        `keep`: when it finishes its slot stays held with what it wrote, for a later sequence to continue
+        (`after=` it): that one prefills only what its prompt adds past the start they share (a chat's
+        next turn); `forget(seq)` frees a kept slot."""
+        if after is not None:
+            if after.finish is None or after.slot not in self.kept:
+                raise ValueError("a sequence continues only a finished sequence admitted with keep=True")
+            self.kept.remove(after.slot)
+            slot, held = self.cache.resume(after.slot, (after.prompt + after.out)[:after.cached], prompt)
+        else:
+            slot, held = self.cache.alloc(), None
         self.cache.expect(slot, len(prompt) + 1)
         seed = None if params.greedy else params.resolved_seed()
         if seed is not None and (params.seed is None or params.seed < 0):
@@ -135,7 +149,8 @@ class Loop:
         rng = None if seed is None else self.ops.new_random(seed)
         seq = Sequence(list(prompt), params, max_tokens, list(stop), slot, seed, rng, self.tokenizer.decode_stream(),
                        time.perf_counter() if t0 is None else t0)
-        seq.cached = seq.cached_tokens = self.cache.match_prefix(slot, seq.prompt)
+        seq.cached = seq.cached_tokens = self.cache.match_prefix(slot, seq.prompt) if held is None else held
+        seq.keep = keep
         self.seqs.append(seq)
         self.admitted += 1
         return seq
@@ -148,6 +163,12 @@ class Loop:
             self.cache.release(seq.slot, (seq.prompt + seq.out)[:seq.cached])
         if seq in self.seqs:
             self.seqs.remove(seq)
+
+    def forget(self, seq: Sequence) -> None:
+        """Free the slot a finished sequence admitted with keep=True still holds."""
+        if seq.slot in self.kept and seq.finish is not None:
+            self.kept.remove(seq.slot)
+            self.cache.release(seq.slot, (seq.prompt + seq.out)[:seq.cached])
 
     @property
     def busy(self) -> bool:
@@ -329,7 +350,10 @@ class Loop:
         s.finish = reason
         tail, s.held = s.held, ""  # held back for a stop string that never came (ended on EOS)
         s.text += tail
-        self.cache.release(s.slot, (s.prompt + s.out)[:s.cached])  # what its cache rows hold
+        if s.keep:  # held for a sequence that continues it (admit's after=)
+            self.kept.add(s.slot)
+        else:
+            self.cache.release(s.slot, (s.prompt + s.out)[:s.cached])  # what its cache rows hold
         self.seqs.remove(s)
         metrics = self._metrics(s)
         gen = Generation(s.text, list(s.out), reason, metrics, list(s.prompt), list(s.logprobs), s.seed,

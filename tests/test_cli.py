@@ -26,31 +26,43 @@ def assert_one_line_error(r, *fragments):
 
 
 def test_generate_default_model_says_paris(smollm2_path):
-    r = run_cli("generate", "--backend", "cpu", "--max-tokens", "8", "The capital of France is")
+    """The README's first command: a question to the Instruct model is wrapped in the file's chat
+    template by default (as mlx-lm's CLI does) and answered; --raw continues the text as it is."""
+    question = "What is the capital of France?"
+    r = run_cli("generate", "--backend", "cpu", "--max-tokens", "8", question)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith(" Paris") and "backend" not in r.stdout  # stdout holds only the text
+    assert "Paris" in r.stdout and "backend" not in r.stdout  # stdout holds only the text
     block = r.stderr
     assert block.startswith("\nbackend: cpu (") and "\nkv cache: prealloc\nattention: fused\n" in block
-    assert "time_to_first_token_ms:" in block and "generated_tokens: 8" in block and "(n=7)" in block
-    assert "prompt_tokens: 5  (prefill chunk 512)" in block and "finish_reason: length" in block
+    assert "time_to_first_token_ms:" in block and "generated_tokens: " in block
+    tokenizer = mlxinfer_load(smollm2_path, backend="cpu").tokenizer
+    templated = tokenizer.encode(question, add_special=True)
+    assert tokenizer.chat_template and f"prompt_tokens: {len(templated)}  (" not in block  # not the bare text
+    for raw in ("--raw", "--ignore-chat-template"):
+        r = run_cli("generate", "--backend", "cpu", "--max-tokens", "8", raw, "The capital of France is")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith(" Paris")
+        assert "generated_tokens: 8" in r.stderr and "(n=7)" in r.stderr
+        assert "prompt_tokens: 5  (prefill chunk 512)" in r.stderr and "finish_reason: length" in r.stderr
+    assert_one_line_error(run_cli("generate", "--raw", "--chat", "hi"), "--raw", "not with --chat")
 
 
 def test_generate_options_reach_the_engine(smollm2_path):
     r = run_cli("generate", "--backend", "cpu", "--max-tokens", "8", "--kv", "basic", "--prefill-chunk", "2",
-                "--attention", "per-head", "--stop", " answer", "--quiet", "The capital of France is")
+                "--attention", "per-head", "--stop", " answer", "--quiet", "--raw", "The capital of France is")
     assert r.returncode == 0, r.stderr
     assert r.stderr == "" and r.stdout.startswith(" Paris")
-    free = run_cli("generate", "--backend", "cpu", "--max-tokens", "8", "--quiet", "The capital of France is")
+    free = run_cli("generate", "--backend", "cpu", "--max-tokens", "8", "--quiet", "--raw", "The capital of France is")
     assert free.stdout.startswith(r.stdout.rstrip("\n"))
     assert " answer" in free.stdout and " answer" not in r.stdout  # the stop string was applied
     r = run_cli("generate", "--backend", "cpu", "--max-tokens", "8", "--kv", "basic", "--prefill-chunk", "2",
-                "--attention", "per-head", "The capital of France is")
+                "--attention", "per-head", "--raw", "The capital of France is")
     assert "kv cache: basic" in r.stderr and "attention: per-head" in r.stderr and "(prefill chunk 2)" in r.stderr
 
 
 def test_generate_sampling_options(smollm2_path):
     def run(*opts):
-        r = run_cli("generate", "--backend", "cpu", "--max-tokens", "12", "--quiet", *opts, "Once upon a time")
+        r = run_cli("generate", "--backend", "cpu", "--max-tokens", "12", "--quiet", "--raw", *opts, "Once upon a time")
         assert r.returncode == 0, r.stderr
         return r.stdout
 
@@ -220,7 +232,7 @@ def test_max_tokens_past_the_context_is_capped_with_a_notice(tmp_path):
     from mlxinfer.synthetic import write_synthetic_model
 
     p = write_synthetic_model(tmp_path / "short.gguf", arch="llama", n_layers=1, context_length=16)
-    r = run_cli("generate", "--model", p, "--backend", "cpu", "--max-tokens", "100", "--quiet", "a b c")
+    r = run_cli("generate", "--model", p, "--backend", "cpu", "--max-tokens", "100", "--quiet", "--raw", "a b c")
     assert r.returncode == 0, r.stderr
     notice = [x for x in r.stderr.splitlines() if x.startswith("mlxinfer: note:")]
     assert len(notice) == 1 and "--max-tokens 100 capped to" in notice[0] and "context length 16" in notice[0]
@@ -445,3 +457,110 @@ def test_threads_above_the_free_cores_are_warned_of(tmp_path, monkeypatch, capsy
     import mlxinfer
 
     assert len(repr(mlxinfer.load(path, backend="cpu").tokenizer)) < 300  # its summary, not the vocabulary
+
+
+def _shared(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("backend,kv", [("cpu", "prealloc"), ("cpu", "basic"), ("cpu", "paged"), ("mlx", "prealloc")])
+def test_chat_turns_prefill_only_what_they_add(smollm2_path, backend, kv):
+    """A conversation's turn 2 prefills only the tokens its rendered history adds to turn 1's prompt and
+    reply (counted as the rows the model is given; with --kv paged, also the partial block before them),
+    and says what a cold run of the whole history says, token for token."""
+    engine = mlxinfer_load(smollm2_path, backend=backend, kv=kv, device="cpu" if backend == "mlx" else None)
+    conv = engine.conversation()
+    rows = []
+    model = conv.loop.model
+
+    def counting(ops, ids, batch, cache):
+        rows.append(sum(batch.lengths))
+        return model(ops, ids, batch, cache)
+
+    conv.loop.model = counting
+    history = [{"role": "user", "content": "What is the capital of France?"}]
+    ids1 = engine.encode_prompt(history)
+    events = list(conv.stream(ids1, max_tokens=8))
+    first = events[-1].generation
+    assert rows[0] == len(ids1) == conv.prefilled  # turn 1: all of it
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And of Italy?"}]
+    ids2 = engine.encode_prompt(history)
+    # the template renders turn 1 as it was (prompt and reply tokens) at the start of turn 2's prompt
+    assert _shared(ids1 + first.token_ids, ids2) == len(ids1) + len(first.token_ids)
+    # held: the prompt and every reply token fed back (the last one is not when the reply ran to its length)
+    held = len(ids1) + len(first.token_ids) - (first.finish_reason == "length")
+    new = len(ids2) - held
+    del rows[:]
+    second = [e for e in conv.stream(ids2, max_tokens=8)][-1].generation
+    if kv == "paged":  # whole blocks: the partial block before the new tokens is prefilled again
+        new = len(ids2) - held // 16 * 16
+    assert rows[0] == new == conv.prefilled and new < len(ids2) // 2
+    assert all(r == 1 for r in rows[1:])  # then one decode row per token (on MLX the compiled step's, uncounted)
+    cold = engine.generate(ids2, max_tokens=8)
+    assert second.token_ids == cold.token_ids and second.text == cold.text
+    # a prompt that does not continue the history (as from a template that rewrites earlier turns): all
+    # but the start it shares (the template's system part) is prefilled
+    del rows[:]
+    other = engine.encode_prompt([{"role": "user", "content": "Name a colour."}])
+    third = [e for e in conv.stream(other, max_tokens=4)][-1].generation
+    shared = _shared(other, ids2) // 16 * 16 if kv == "paged" else _shared(other, ids2)
+    assert rows[0] == conv.prefilled == len(other) - shared
+    assert third.token_ids == engine.generate(other, max_tokens=4).token_ids
+    # the same prompt again (the cache holds all of it): its last token is prefilled for its logits
+    del rows[:]
+    again = [e for e in conv.stream(other, max_tokens=4)][-1].generation
+    assert rows[0] == conv.prefilled == (1 if kv != "paged" else len(other) - (len(other) - 1) // 16 * 16)
+    assert again.token_ids == third.token_ids
+    conv.reset()
+    assert conv.loop.cache.in_use == 0
+
+
+def test_messages_start_on_a_new_line_after_the_text(tmp_path, monkeypatch, capsys):
+    """Ctrl-C and trace messages on stderr begin on a line of their own when the text stopped inside a
+    line (a terminal shows both streams on one screen); after a finished line, no empty line."""
+    from mlxinfer import cli
+    from mlxinfer.engine import Engine
+    from mlxinfer.synthetic import write_synthetic_model
+
+    path = str(write_synthetic_model(tmp_path / "m.gguf", arch="qwen3", n_layers=1, vocab_size=320))
+
+    def interrupted(self, prompt, on_text=None, **options):
+        on_text("some text")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "generate", interrupted)
+    assert cli.main(["generate", "-m", path, "--backend", "cpu", "hi"]) == 130
+    out = capsys.readouterr()
+    assert out.out == "some text" and out.err == "\nmlxinfer: interrupted\n"
+    monkeypatch.undo()
+    assert cli.main(["generate", "-m", path, "--backend", "cpu", "-n", "3", "--trace", "--raw", "hi"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("[")  # the first pass's histogram comes before any text: no line to end
+    cli._out("abc")
+    cli._Messages().write("[trace]")
+    cli._out("def\n")
+    cli._Messages().write("[trace]")
+    assert capsys.readouterr().err == "\n[trace][trace]"
+
+
+def test_chat_commands_are_answered_here(tmp_path):
+    """/help and unknown /commands are answered by the chat loop, never sent to the model; // sends a /."""
+    from mlxinfer.cli import CHAT_HELP, run_chat
+    from mlxinfer.synthetic import write_synthetic_model
+
+    engine = mlxinfer_load(write_synthetic_model(tmp_path / "m.gguf", arch="qwen3", n_layers=1, vocab_size=320),
+                           backend="cpu")
+    sent, writes = [], []
+    original = engine.encode_prompt
+    engine.encode_prompt = lambda prompt, **kw: sent.append([m["content"] for m in prompt]) or original(prompt, **kw)
+    lines = iter(["/help", "/save x", "//etc/hosts", "/exit", "never read"])
+    run_chat(engine, lambda prompt: next(lines), writes.append, max_tokens=2)
+    assert writes[0] == CHAT_HELP and "/reset" in CHAT_HELP
+    assert writes[1].startswith("unknown command /save")
+    assert sent == [["/etc/hosts"]]  # the one line the model saw
+    assert next(lines) == "never read"  # /exit left

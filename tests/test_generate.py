@@ -169,7 +169,12 @@ def test_chat_prompt_has_one_bos_when_the_template_writes_it(engine, monkeypatch
 
 def test_request_errors(engine):
     with pytest.raises(RequestError, match="exceeds the model's context length 256"):
-        engine.generate(list(range(200)), max_tokens=60)
+        engine.generate(list(range(256)), max_tokens=1)  # no room left for a token
+    # max_tokens past the context is capped to the room the prompt leaves (the CLI's rule too, with a
+    # notice): the generation ends where the context does
+    out = engine.generate(list(range(250)), max_tokens=60)
+    assert len(out.token_ids) <= 6 and (out.finish_reason == "stop" or len(out.token_ids) == 6)
+    assert engine.room(250, 60) == 6 and engine.room(200, 6) == 6
     with pytest.raises(RequestError, match="empty prompt"):
         engine.generate("")
     with pytest.raises(RequestError, match="outside the vocabulary"):
@@ -594,3 +599,21 @@ def test_a_temperature_too_small_to_divide_by_samples_as_greedy(path, backend):
         got = e.generate([5, 6, 7], max_tokens=8, temperature=t, seed=1)
         assert got.token_ids == want.token_ids and got.seed is None, t
     assert not SamplingParams(GREEDY_BELOW).greedy
+
+
+def test_time_to_first_token_and_intervals_from_their_stamps(engine, monkeypatch):
+    """With a clock that ticks one second a reading, the loop's metrics (what the CLI prints and bench
+    averages) count time to first token from admission to the first token read (one tick: a pass whose
+    chunk samples nothing reads no clock) and each interval between consecutive tokens (one tick each).
+    Where the server stamps a request's arrival: test_server's test_time_to_first_token_counts_from_arrival."""
+    import types
+
+    import mlxinfer.loop as loop_module
+
+    ticks = iter(range(10_000))
+    monkeypatch.setattr(loop_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    monkeypatch.setattr(engine, "pipeline", False)
+    monkeypatch.setattr(engine, "prefill_chunk", 8)  # 5 prefill passes, the last one samples
+    m = engine.generate(list(range(3, 40)), max_tokens=5).metrics
+    assert m.time_to_first_token_ms == 1000.0
+    assert m.token_intervals_ms == [1000.0] * (m.generated_tokens - 1) and m.generated_tokens >= 2

@@ -176,3 +176,24 @@ def test_unsupported_tensor_type_is_reported_on_use(tmp_path):
             g.dequantize("w")
         with pytest.raises(GGUFError, match="missing tensor 'nope'"):
             g.tensor("nope")
+
+
+def test_signed_metadata_reads_signed(tmp_path):
+    """INT8/16/32/64 scalars and arrays keep their sign (an INT8 -1 is not 255), unsigned ones stay unsigned."""
+    p = tmp_path / "signed.gguf"
+    w = GGUFWriter(str(p), "llama")
+    w.add_int8("t.i8", -1)
+    w.add_uint8("t.u8", 255)
+    w.add_int16("t.i16", -300)
+    w.add_int32("t.i32", -70000)
+    w.add_int64("t.i64", -(1 << 40))
+    from gguf import GGUFValueType
+
+    w.add_key_value("t.i8s", [-128, -1, 127], GGUFValueType.ARRAY, sub_type=GGUFValueType.INT8)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    with GGUFFile(p) as g:
+        m = g.metadata
+        assert (m["t.i8"], m["t.u8"], m["t.i16"], m["t.i32"], m["t.i64"]) == (-1, 255, -300, -70000, -(1 << 40))
+        assert [int(x) for x in m["t.i8s"]] == [-128, -1, 127]

@@ -133,3 +133,59 @@ def test_mlx_sampler_rows_equal_numpys_greedy_and_top_logprobs():
     assert list(np.array(mtokens)) == list(tokens)
     assert np.array(mlps) == pytest.approx(lps, abs=1e-5)
     assert np.array_equal(np.array(b.top[0]), a.top[0]) and np.array(b.top[1]) == pytest.approx(a.top[1], abs=1e-5)
+
+
+def _draws(row, params, n=200, backend="numpy"):
+    """The tokens of n draws from one row (numpy's sampler or MLX's, each draw its own key)."""
+    if backend == "numpy":
+        rng = NumpyRandom(3)
+        out = [Sampler([params], [rng]).sample_numpy(row[None]) for _ in range(n)]
+        return [int(t[0]) for t, _ in out], [float(lp[0]) for _, lp in out]
+    mx = pytest.importorskip("mlx.core")
+    from mlxinfer.sampling import MLXRandom
+
+    rng = MLXRandom(3)
+    out = [Sampler([params], [rng]).sample_mlx(mx.array(row[None])) for _ in range(n)]
+    return [int(np.array(t)[0]) for t, _ in out], [float(np.array(lp)[0]) for _, lp in out]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "mlx"])
+def test_sampled_tokens_report_the_models_logprob(backend):
+    """At temperature != 0 with top-k/top-p cutting the row, the logprob reported with a token is the
+    model's (log-softmax of the raw logits), not that of the tempered, cut distribution it was drawn
+    from. Error model: float64 rounded to float32 (numpy) vs a float32 log-softmax (MLX), logits ~5: 1e-5."""
+    row = (ROW / 3).astype(np.float32)
+    ref = row.astype(np.float64) - np.log(np.sum(np.exp(row.astype(np.float64))))
+    tokens, lps = _draws(row, SamplingParams(temperature=1.5, top_k=8, top_p=0.9, seed=1), n=40, backend=backend)
+    assert len(set(tokens)) > 1  # sampled, not greedy
+    for t, lp in zip(tokens, lps):
+        assert lp == pytest.approx(ref[t], abs=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "mlx"])
+def test_top_k_keeps_ties_and_top_p_stops_at_its_exact_boundary(backend):
+    """top_k keeps every token tied with the k-th (the docstring's rule, both backends); top_p keeps the
+    smallest set whose probability reaches top_p, a boundary met exactly included: four equal logits are
+    0.25 each exactly (in float32 and float64), so top_p 0.5 keeps two tokens, 0.5 + 1e-6 three."""
+    tied = np.array([1.0, 3.0, 3.0, 0.0, 2.0], dtype=np.float32)
+    tokens, _ = _draws(tied, SamplingParams(temperature=1.0, top_k=1, seed=1), backend=backend)
+    assert set(tokens) == {1, 2}
+    tokens, _ = _draws(tied, SamplingParams(temperature=1.0, top_k=2, seed=1), backend=backend)
+    assert set(tokens) == {1, 2}
+    flat = np.zeros(4, dtype=np.float32)
+    for top_p, kept in ((0.5, 2), (0.5 + 1e-6, 3), (0.25, 1), (1.0, 4)):
+        tokens, _ = _draws(flat, SamplingParams(temperature=1.0, top_p=top_p, seed=1), backend=backend)
+        assert len(set(tokens)) == kept, (top_p, sorted(set(tokens)))
+    if backend == "numpy":
+        assert np.count_nonzero(filter_probs_numpy(flat, SamplingParams(temperature=1.0, top_p=0.5))) == 2
+
+
+@pytest.mark.parametrize("backend", ["numpy", "mlx"])
+def test_min_p_keeps_a_token_exactly_at_its_share_of_the_top(backend):
+    """min_p keeps p >= min_p * max(p), the boundary included: four equal logits (0.25 each, exact)
+    under min_p 1 keep all four; a row without ties under min_p 1 keeps only its top token."""
+    tokens, _ = _draws(np.zeros(4, dtype=np.float32), SamplingParams(temperature=1.0, min_p=1.0, seed=1),
+                       backend=backend)
+    assert set(tokens) == {0, 1, 2, 3}
+    tokens, _ = _draws(ROW, SamplingParams(temperature=1.0, min_p=1.0, seed=1), n=20, backend=backend)
+    assert set(tokens) == {int(np.argmax(ROW))}

@@ -550,6 +550,13 @@ def test_a_prompt_is_tokenized_off_the_event_loop(served, engine, monkeypatch):
     assert result["r"].status_code == 200
 
 
+def _wait_done(reqs, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(r.done for r in reqs):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def test_the_queue_holds_max_queue_beyond_the_free_batch_places(engine):
     """Admission, made deterministic by holding the scheduler's lock (its worker cannot admit): with
     max_batch 2 and max_queue 1, an idle scheduler takes three requests, and the fourth is QueueFull."""
@@ -562,10 +569,7 @@ def test_the_queue_holds_max_queue_beyond_the_free_batch_places(engine):
             reqs = [sched.submit(LONG, SamplingParams(), 2, [], lambda ev: None) for _ in range(3)]
             with pytest.raises(QueueFull, match="max_queue 1"):
                 sched.submit(LONG, SamplingParams(), 2, [], lambda ev: None)
-        deadline = time.monotonic() + 30
-        while not all(r.done for r in reqs):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        _wait_done(reqs)
     finally:
         sched.close()
 
@@ -774,3 +778,118 @@ def test_reasoning_content_streamed_and_not(engine, monkeypatch):
             assert sum(1 for d in deltas if getattr(d, "reasoning_content", None)) >= 2  # streamed, not one piece
         finally:
             s.stop()
+
+
+def _sse_data(path: str, url: str, body: dict) -> list[str]:
+    """The `data:` payloads of a raw SSE response, in order."""
+    with httpx.stream("POST", url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        return [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_contract_values(served, engine, monkeypatch):
+    """Values, not only names: the SSE stream ends with `data: [DONE]`; a request without temperature
+    samples at OpenAI's default 1 (the engine's run at temperature 1 with its seed); completions'
+    logprobs=0 reports the chosen tokens' logprobs with no alternatives; /metrics' counters grow by what
+    the usage says (tokens, requests by reason, one time to first token)."""
+    body = {"model": MODEL, "prompt": LONG, "max_tokens": 4, "temperature": 0, "stream": True}
+    data = _sse_data("/v1/completions", served.url, body)
+    assert data[-1] == "[DONE]" and data.count("[DONE]") == 1
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+    assert _sse_data("/v1/chat/completions", served.url, chat)[-1] == "[DONE]"
+    # default temperature: 1, as OpenAI's
+    r = served.client.completions.create(model=MODEL, prompt=LONG, max_tokens=12, seed=5)
+    assert r.choices[0].text == engine.generate(LONG, max_tokens=12, temperature=1.0, seed=5).text
+    assert r.choices[0].text != engine.generate(LONG, max_tokens=12).text
+    # logprobs=0: the chosen tokens' logprobs, no alternatives
+    want = engine.generate([5, 6, 7], max_tokens=4)
+    r = served.client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs == pytest.approx(want.logprobs)
+    assert not any(lp.top_logprobs or [])
+
+    def counters():
+        out = {}
+        for line in httpx.get(served.url + "/metrics").text.splitlines():
+            if line.startswith(("mlxinfer_generation_tokens_total ", 'mlxinfer_requests_total{reason="length"}',
+                                "mlxinfer_time_to_first_token_seconds_count", "mlxinfer_prompt_tokens_total ")):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    before = counters()
+    r = served.client.completions.create(model=MODEL, prompt=LONG + [12, 13], max_tokens=7, temperature=0)
+    after = counters()
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 7
+    assert after["mlxinfer_generation_tokens_total"] - before["mlxinfer_generation_tokens_total"] == 7
+    assert after['mlxinfer_requests_total{reason="length"}'] - before['mlxinfer_requests_total{reason="length"}'] == 1
+    assert after["mlxinfer_time_to_first_token_seconds_count"] - before["mlxinfer_time_to_first_token_seconds_count"] == 1
+    assert after["mlxinfer_prompt_tokens_total"] - before["mlxinfer_prompt_tokens_total"] == \
+        r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
+
+
+def test_text_held_for_a_stop_string_comes_out_when_the_turn_ends(served, engine, monkeypatch):
+    """A turn that ends on an end-of-generation token while text is held back (it could start a stop
+    string) hands that text out at the end: in the final SSE chunk, and in the whole answer."""
+    tokens = engine.generate(LONG, max_tokens=4).token_ids
+    assert tokens[3] not in tokens[:3]
+    pieces = iter([])
+
+    class Scripted:
+        def step(self, token):
+            return next(pieces, "")
+
+    monkeypatch.setattr(engine.tokenizer, "decode_stream", Scripted)
+    monkeypatch.setattr(engine.tokenizer, "eog_ids", frozenset({tokens[3]}))  # the 4th token ends the turn
+    body = {"model": MODEL, "prompt": LONG, "max_tokens": 10, "temperature": 0, "stop": ["xyz"]}
+    pieces = iter(["a", "b", "x"])  # "x" could start "xyz": held back until the turn ends
+    r = httpx.post(served.url + "/v1/completions", json=body, timeout=60).json()
+    assert r["choices"][0]["text"] == "abx" and r["choices"][0]["finish_reason"] == "stop"
+    pieces = iter(["a", "b", "x"])
+    data = _sse_data("/v1/completions", served.url, {**body, "stream": True})
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "abx"
+    assert chunks[-1]["choices"][0]["text"] == "x" and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_time_to_first_token_counts_from_arrival(served, monkeypatch):
+    """A request's time to first token counts from when it arrived, not from when the worker admitted
+    it: with admission held 0.3 s, the histogram's sum grows by at least 0.3 s and at most the request's
+    duration seen by the client (bounds that hold on any machine, however slow)."""
+    admit = Loop.admit
+
+    def late(self, *args, **kwargs):
+        time.sleep(0.3)
+        return admit(self, *args, **kwargs)
+
+    def ttft_sum():
+        lines = httpx.get(served.url + "/metrics").text.splitlines()
+        return next(float(x.split()[-1]) for x in lines if x.startswith("mlxinfer_time_to_first_token_seconds_sum"))
+
+    before = ttft_sum()
+    monkeypatch.setattr(Loop, "admit", late)
+    t0 = time.perf_counter()
+    served.client.completions.create(model=MODEL, prompt=[3, 4], max_tokens=2, temperature=0)
+    elapsed = time.perf_counter() - t0
+    monkeypatch.undo()
+    assert 0.3 <= ttft_sum() - before <= elapsed  # in seconds: within the request's own duration
+
+
+def test_waiting_requests_are_admitted_first_come_first_served(engine):
+    """Under the scheduler's lock (its worker cannot admit), three requests queue for a batch of one;
+    they then run, and finish, in the order they arrived."""
+    from mlxinfer.loop import FinishEvent
+    from mlxinfer.sampling import SamplingParams
+    from mlxinfer.scheduler import Scheduler
+
+    sched = Scheduler(engine, max_batch=1, max_queue=4)
+    finished = []
+    try:
+        with sched.cv:
+            reqs = [sched.submit(LONG, SamplingParams(), 2, [],
+                                 lambda ev, i=i: finished.append(i) if isinstance(ev, FinishEvent) else None)
+                    for i in range(3)]
+        _wait_done(reqs)
+    finally:
+        sched.close()
+    assert finished == [0, 1, 2]

@@ -286,3 +286,49 @@ def test_sentencepiece_matches_llama_cpp_on_random_text(spm, name):
         for parse_special in (False, True):
             assert spm[name].encode(text, add_special=True, parse_special=parse_special) == \
                 llm.tokenize(text.encode("utf-8"), add_bos=True, special=parse_special), (text, parse_special)
+
+
+def test_streamed_text_never_splits_a_character(qwen2_tok):
+    """The streaming detokenizer hands out a character only when its last byte has come: a text of
+    emoji, skin-tone and ZWJ sequences, CJK and accents, whose characters byte-level BPE splits over
+    several tokens, streams with no U+FFFD at any step and joins to the decoded text; a control token
+    streams as "" (never printed)."""
+    tok = qwen2_tok
+    text = "Hi 😀👍🏽 👩‍👩‍👧 你好, 𠀋 café<|im_end|> ok 🫠"
+    ids = tok.encode(text, parse_special=True)
+    alone = [tok.decode([i]) for i in ids]
+    assert sum("\ufffd" in a for a in alone) >= 4  # the case is real: these tokens end inside a character
+    stream = tok.decode_stream()
+    deltas = [stream.step(i) for i in ids]
+    assert not any("\ufffd" in d for d in deltas), deltas
+    assert "".join(deltas) == tok.decode(ids, skip_special=True) == text.replace("<|im_end|>", "")
+    end = ids.index(tok.tokens.index("<|im_end|>"))
+    assert deltas[end] == ""
+
+
+def _qwen2_metadata():
+    with GGUFFile(QWEN2_VOCAB) as g:
+        return dict(g.metadata)
+
+
+def test_end_of_turn_from_the_file_id():
+    """The file's tokenizer.ggml.eot_token_id ends generation whatever the token's name (llama.cpp's
+    special_eot_id), as EOS does; without it that token does not."""
+    meta = _qwen2_metadata()
+    odd = meta["tokenizer.ggml.tokens"].index("<|im_start|>")  # a control token no end-of-turn name
+    assert odd not in GGUFTokenizer.from_metadata(meta).eog_ids
+    tok = GGUFTokenizer.from_metadata({**meta, "tokenizer.ggml.eot_token_id": odd})
+    assert odd in tok.eog_ids and tok.eos_id in tok.eog_ids
+
+
+def test_duplicate_token_strings_take_the_first_id():
+    """A vocabulary listing one string twice encodes it as the first id (llama.cpp's text_to_token
+    keeps the first)."""
+    meta = _qwen2_metadata()
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    first, later = tokens.index("Hello"), len(tokens)  # a second "Hello" after the last token
+    types = np.append(meta["tokenizer.ggml.token_type"], meta["tokenizer.ggml.token_type"][first])
+    tok = GGUFTokenizer.from_metadata({**meta, "tokenizer.ggml.tokens": tokens + ["Hello"],
+                                       "tokenizer.ggml.token_type": types})
+    assert tok.encode("Hello") == [first]
+    assert tok.decode([first]) == "Hello" and later not in tok.encode("Hello Hello")

@@ -223,7 +223,7 @@ def test_random_seed_is_agreed_so_ranks_sample_the_same_tokens(tp_runs):
 
 
 def test_cli_tp2_prints_the_text_and_metrics_once(smollm2_path):
-    argv = ["generate", "The capital of France is", "--model", smollm2_path, "--backend", "cpu",
+    argv = ["generate", "The capital of France is", "--raw", "--model", smollm2_path, "--backend", "cpu",
             "--max-tokens", "8"]
     one = subprocess.run([sys.executable, "-m", "mlxinfer", *argv], capture_output=True, text=True, cwd=ROOT)
     two = subprocess.run([sys.executable, "-m", "mlxinfer", *argv, "--tp", "2"], capture_output=True, text=True,
@@ -261,7 +261,7 @@ def test_head_cut_inside_a_k_quant_block_of_any_layer_is_refused(synthetic, monk
 
 def test_cli_tp_reads_stdin_once_and_fails_loudly(smollm2_path):
     base = [sys.executable, "-m", "mlxinfer", "generate", "--model", smollm2_path, "--backend", "cpu", "--tp", "2"]
-    r = subprocess.run(base + ["-", "--max-tokens", "3"], input="The capital of France is", capture_output=True,
+    r = subprocess.run(base + ["-", "--raw", "--max-tokens", "3"], input="The capital of France is", capture_output=True,
                        text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0 and r.stdout.startswith(" Paris"), r.stderr[-2000:]
     bad = subprocess.run(base + ["hi", "--temp", "-1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -271,3 +271,35 @@ def test_cli_tp_reads_stdin_once_and_fails_loudly(smollm2_path):
     long = subprocess.run(base + ["--max-tokens", "3", "-"], input="word " * 9000, capture_output=True, text=True,
                           cwd=ROOT, timeout=300)
     assert long.returncode == 1 and "context length" in long.stderr, long.stderr[-2000:]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_ffn_of_an_odd_number_of_blocks_splits_in_whole_blocks(synthetic, qtype):
+    """An FFN 96 wide is 3 quantization blocks of 32: two ranks take 2 and 1 whole blocks (not 48 columns
+    each, a cut inside a block), each rank's slices read back exactly, and the ranks' partial FFN
+    outputs sum to the whole FFN's (float32 sums of the same products in another grouping: 1e-5 of the
+    largest output)."""
+    path = synthetic(arch="qwen3", hidden=64, ffn=96, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=333,
+                     qtype=qtype)
+    g = GGUFFile(path)
+    args = model_args(g)
+    gate, up, down = (g.dequantize(f"blk.0.ffn_{n}.weight") for n in ("gate", "up", "down"))
+    x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+
+    def ffn(gate, up, down):
+        a = x @ gate.T
+        return ((a / (1 + np.exp(-a))) * (x @ up.T)) @ down.T
+
+    whole = ffn(gate, up, down)
+    parts = []
+    for rank in range(2):
+        s = Shard.plan(g, args, rank, 2)
+        assert s.ffn == ((0, 64), (64, 96))[rank]
+        v = s.view(g)
+        f0, f1 = s.ffn
+        sliced = [v.dequantize(f"blk.0.ffn_{n}.weight") for n in ("gate", "up", "down")]
+        np.testing.assert_array_equal(sliced[0], gate[f0:f1])
+        np.testing.assert_array_equal(sliced[1], up[f0:f1])
+        np.testing.assert_array_equal(sliced[2], down[:, f0:f1])
+        parts.append(ffn(*sliced))
+    assert np.max(np.abs(parts[0] + parts[1] - whole)) <= 1e-5 * np.max(np.abs(whole))
