@@ -128,7 +128,7 @@ def browser():
 
 
 @pytest.fixture
-def page(server, browser):
+def page(browser, server):
     """The page, freshly loaded, once it shows the model's name."""
     browser.get(server + "/")
     until(lambda: browser.find_element("id", "model").text not in ("", "…"), 30, "the model's name shown")
@@ -159,6 +159,14 @@ def test_the_page_and_its_files_are_served(server):
     assert httpx.get(server + "/static/nothing.js").status_code == 404
 
 
+# Records, in the page, the length of the streaming reply's text at every change of the conversation.
+WATCH = """
+window.seenLengths = [];
+new MutationObserver(() => {
+  const reply = document.querySelector(".message.assistant.streaming");
+  if (reply) window.seenLengths.push(reply.textContent.length);
+}).observe(document.getElementById("messages"), {childList: true, subtree: true, characterData: true});
+"""
 SYSTEM = "Always answer with a bulleted markdown list."
 QUESTION = "What should I pack for a day at the beach?"
 
@@ -179,12 +187,11 @@ def test_a_reply_streams_in_and_equals_the_apis_answer(page, server):
     fill(page, "temperature", "0")
     fill(page, "max-tokens", "40")
     fill(page, "input", QUESTION)
+    page.execute_script(WATCH)
     page.find_element("id", "send").click()
     until(lambda: streaming(page), 30, "the reply starting")
-    seen = []  # the reply's lengths while it streams
-    while streaming(page):
-        seen.append(len(last_reply(page).get_attribute("textContent")))
-        time.sleep(0.02)
+    until(lambda: not streaming(page), 300, "the reply ending")
+    seen = page.execute_script("return window.seenLengths")
     assert len(set(n for n in seen if n)) >= 3, seen  # shown piece by piece as it came
     shown = last_reply(page).get_attribute("innerHTML")
     assert shown == page.execute_script(INSPECT, text)["html"]  # the API's text, rendered
