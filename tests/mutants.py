@@ -9,8 +9,9 @@ A bug is (id, class, file, [(old, new), ...], tests to run, description); each `
 once in the file, and a bug whose text no longer occurs (the code changed) is reported as not applying:
 update its strings when you change the code it targets. The copy's own `mlxinfer` is the one imported
 (pytest runs with the copy as its working directory, ahead of the editable install). Children run under
-a 6 GB address-space limit: with a chat-template bound removed, a hostile template would otherwise
-allocate until the machine swaps. Not collected by pytest (not a test_*.py file).
+a 6 GB data limit (RLIMIT_DATA: the memory a process writes; address space it only reserves, as
+chromium does for the chat page's browser tests, is not counted): with a chat-template bound removed, a
+hostile template would otherwise allocate until the machine swaps. Not collected by pytest (not a test_*.py file).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ T_MBUILD = "tests/test_metal_build.py"
 T_MORDER = "tests/test_metal_order.py"
 T_MCHECK = "tests/test_metal_selfcheck.py"
 T_PPL = "tests/test_perplexity.py"
+T_PAGE = "tests/test_page.py"
 
 CPU = "mlxinfer/backends/cpu.py"
 MLX = "mlxinfer/backends/mlx.py"
@@ -73,6 +75,9 @@ SRV_METRICS = "mlxinfer/server/metrics.py"
 SRV_SCHEMAS = "mlxinfer/server/schemas.py"
 SRV_FP = "mlxinfer/server/fingerprint.py"
 SRV_REASONING = "mlxinfer/server/reasoning.py"
+PAGE_APP = "mlxinfer/server/static/app.js"
+PAGE_MD = "mlxinfer/server/static/markdown.js"
+PYPROJECT = "pyproject.toml"
 SHARD = "mlxinfer/models/shard.py"
 COLL = "mlxinfer/collectives.py"
 GGUF = "mlxinfer/gguf_file.py"
@@ -1219,6 +1224,31 @@ def usage_chunk""")],
     ("ppl-batch-rows-of-first-window", "perplexity", LOOP,
      [("rows[b].append(logits[r0:r1])", "rows[b].append(logits[:r1 - r0])")],
      [T_PPL], "Loop.score_batch: every window of a pass given the first window's logits"),
+    # -- the chat page (GET /) -----------------------------------------------------------------
+    ("page-stop-not-aborting", "chat page", PAGE_APP,
+     [('$("stop").addEventListener("click", () => controller?.abort());',
+       '$("stop").addEventListener("click", () => {});')],
+     [T_PAGE + "::test_stop_aborts_a_reply_and_the_server_frees_its_blocks"],
+     "chat page: Stop does not abort the request (the reply runs on, its KV blocks held)"),
+    ("page-html-not-escaped", "chat page", PAGE_MD,
+     [("return text.replace(/[&<>\"']/g, (c) => ESCAPES[c]);", "return text;")],
+     [T_PAGE + "::test_markdown_escapes_hostile_input"], "chat page: a reply's HTML is not escaped by the markdown renderer"),
+    ("page-any-link-scheme", "chat page", PAGE_MD,
+     [("const SAFE_URL = /^(https?:\\/\\/|mailto:)/i;", "const SAFE_URL = /^[a-z][\\w+.-]*:/i;")],
+     [T_PAGE + "::test_markdown_escapes_hostile_input"], "chat page: markdown links of any scheme (javascript:) made links"),
+    ("page-not-package-data", "chat page", PYPROJECT,
+     [('"mlxinfer.server" = ["static/*"]  # the chat page (GET /)\n', "")],
+     [T_PAGE + "::test_the_page_is_package_data"], "the chat page's files not declared package data (pip install . leaves them out)"),
+    ("page-system-prompt-dropped", "chat page", PAGE_APP,
+     [("if (system) messages.push(", "if (false) messages.push(")],
+     [T_PAGE + "::test_a_reply_streams_in_and_equals_the_apis_answer"], "chat page: the system prompt never sent"),
+    ("page-reply-shown-at-the-end", "chat page", PAGE_APP,
+     [("requestAnimationFrame(render);", "void render;")],
+     [T_PAGE + "::test_a_reply_streams_in_and_equals_the_apis_answer"],
+     "chat page: a reply shown only when it has all come (not as it streams)"),
+    ("page-tokens-per-ms", "chat page", PAGE_APP,
+     [("(tokens - 1) / ((lastMs - firstMs) / 1000)", "(tokens - 1) / (lastMs - firstMs)")],
+     [T_PAGE + "::test_tokens_per_second_is_decode_speed"], "chat page: tokens per millisecond shown as tokens/s"),
 ]
 
 
@@ -1236,7 +1266,7 @@ def _copy_tree(root: str) -> str:
 
 
 def _limit_memory():
-    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+    resource.setrlimit(resource.RLIMIT_DATA, (6 << 30, 6 << 30))
 
 
 def run(bug, tree: str) -> dict:

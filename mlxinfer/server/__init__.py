@@ -1,6 +1,7 @@
 """`mlxinfer serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn, server-sent events through
 sse-starlette, metrics through prometheus_client) over the continuous-batching scheduler.
 
+    GET  /                       the chat page (page.py: static/index.html, its script and style)
     POST /v1/completions         prompt (text or token ids), streaming or not
     POST /v1/chat/completions    messages, rendered with the model's chat template
     GET  /v1/models              the one model served (GET /v1/models/{id}: it alone)
@@ -30,6 +31,7 @@ The package, one concern per module:
     reasoning.py    a chat turn's <think> text split from its content, as it streams
     fingerprint.py  system_fingerprint: the model file's digest, the version and the kernels
     metrics.py      the Prometheus collectors
+    page.py         the chat page's routes; its files are static/ (package data)
     body_limit.py   the ASGI middleware that refuses an oversized body before it is parsed
     app.py          create_app: the FastAPI app assembled from the above, and the scheduler's lifespan
 

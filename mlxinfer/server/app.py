@@ -14,6 +14,7 @@ from .errors import HANDLERS
 from .fingerprint import system_fingerprint
 from .reasoning import splits_reasoning
 from .metrics import ServerMetrics
+from .page import mount_page
 from .routes import ServerState, chat_completions, completions, health, metrics, model, models
 
 
@@ -50,4 +51,5 @@ def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, k
     app.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET", "HEAD"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
+    mount_page(app)  # GET /: the chat page
     return app
