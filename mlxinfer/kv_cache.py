@@ -79,9 +79,13 @@ class _Slots:
         """Announce that `slot` will soon hold `n_tokens` (a prompt): room is made once, not per chunk."""
         self.expected[slot] = n_tokens
 
-    def match_prefix(self, slot: int, prompt) -> int:
+    def match_prefix(self, slot: int, prompt, accept=None) -> int:
         """The prompt tokens a fresh slot already holds from the cache (only the paged cache keeps any)."""
         return 0
+
+    def publish(self, slot: int, tokens) -> None:
+        """Offer a running slot's first positions, written and holding `tokens`, to later prompts (only
+        the paged cache shares any)."""
 
     def check(self, batch) -> None:
         for slot, start in zip(batch.slots, batch.starts):
@@ -314,9 +318,9 @@ class BlockStores:
 class PagedKVCache(_Slots):
     """Fixed-size blocks of `block_size` positions in one pool per layer ([blocks, block_size, KV*D]
     for keys and for values) and, through the `BlockManager`, a block table per slot, so sequences take
-    memory a block at a time and blocks can be shared: a finished sequence's full blocks stay cached and
-    a new sequence whose prompt starts with the same tokens takes them instead of prefilling them again
-    (`match_prefix`). With `max_blocks` the pool never grows past it (the server's memory budget);
+    memory a block at a time and blocks can be shared: a sequence's full prompt blocks, once written
+    (`publish`, while it runs) and after it finishes, are cached, and a new sequence whose prompt starts
+    with the same tokens takes them instead of prefilling them again (`match_prefix`). With `max_blocks` the pool never grows past it (the server's memory budget);
     otherwise it doubles when full.
 
     Attention reads a sequence's keys and values gathered from its blocks (`sequence`), so every
@@ -349,13 +353,18 @@ class PagedKVCache(_Slots):
         self.blocks.new_table(slot)
         return slot
 
-    def match_prefix(self, slot: int, prompt) -> int:
+    def match_prefix(self, slot: int, prompt, accept=None) -> int:
         """Give a fresh slot the cached blocks its prompt starts with (leaving at least one prompt token
-        to prefill); returns the tokens it now holds."""
+        to prefill, and no more than `accept(tokens)` allows); returns the tokens it now holds."""
         if self.held[slot]:
             raise RequestError(f"KV cache slot {slot} is not fresh")
-        self.held[slot] = self.blocks.match_prefix(slot, prompt)
+        self.held[slot] = self.blocks.match_prefix(slot, prompt, *(() if accept is None else (accept,)))
         return self.held[slot]
+
+    def publish(self, slot: int, tokens) -> None:
+        """A running slot's full blocks among its first positions (written, holding `tokens`) are
+        shared with later prompts from now on: their values are final."""
+        self.blocks.publish(slot, tokens)
 
     def release(self, slot: int, tokens=None) -> None:
         """Free a slot. With `tokens` (what its cache rows hold, in order) its full blocks stay cached

@@ -135,7 +135,7 @@ class Loop:
         rng = None if seed is None else self.ops.new_random(seed)
         seq = Sequence(list(prompt), params, max_tokens, list(stop), slot, seed, rng, self.tokenizer.decode_stream(),
                        time.perf_counter() if t0 is None else t0)
-        seq.cached = seq.cached_tokens = self.cache.match_prefix(slot, seq.prompt)
+        seq.cached = seq.cached_tokens = self.cache.match_prefix(slot, seq.prompt, self._reusable)
         self.seqs.append(seq)
         self.admitted += 1
         return seq
@@ -145,7 +145,7 @@ class Loop:
         pass already in flight for it is read as a wasted row."""
         if seq.finish is None:
             seq.finish = reason
-            self.cache.release(seq.slot, (seq.prompt + seq.out)[:seq.cached])
+            self.cache.release(seq.slot, seq.prompt[:seq.cached])
         if seq in self.seqs:
             self.seqs.remove(seq)
 
@@ -203,6 +203,15 @@ class Loop:
                 cache.release(slot)
         return [np.concatenate(r).astype(np.float32, copy=False) for r in rows]
 
+    def _reusable(self, held: int) -> bool:
+        """Whether a prompt may take `held` tokens from cached blocks and still get a cold run's bits:
+        any number, where a prefill row's bits do not depend on the rest of its chunk
+        (`ops.rows_independent`); else a multiple of prefill_chunk, so that every chunk after the prefix
+        is the cold run's own (on numpy a row of `q @ k.T` changes with the chunk's row count). Only
+        prompt rows are shared, never decode rows (one-row products, another BLAS path:
+        docs/determinism.md)."""
+        return self.ops.rows_independent or held % self.prefill_chunk == 0
+
     # -- schedule -------------------------------------------------------------------------------
     def _plan(self) -> list[tuple[Sequence, int]]:
         """The next pass: (sequence, rows) for each sequence that can advance. Decode rows always go;
@@ -254,8 +263,11 @@ class Loop:
         ops.start(*step.outputs, *started)
         live = len(self.seqs)
         for s, n in plan:
+            prefilled = s.prefilling
             s.cached += n
             s.batch_size = max(s.batch_size, live)
+            if prefilled:  # its full prompt blocks are written (or queued first): later prompts share them
+                cache.publish(s.slot, s.prompt[:s.cached])
         for row, s in enumerate(sampled):
             s.last = (step.tokens, row)
             s.sampled += 1
@@ -329,7 +341,7 @@ class Loop:
         s.finish = reason
         tail, s.held = s.held, ""  # held back for a stop string that never came (ended on EOS)
         s.text += tail
-        self.cache.release(s.slot, (s.prompt + s.out)[:s.cached])  # what its cache rows hold
+        self.cache.release(s.slot, s.prompt[:s.cached])  # its prompt's rows: see _reusable
         self.seqs.remove(s)
         metrics = self._metrics(s)
         gen = Generation(s.text, list(s.out), reason, metrics, list(s.prompt), list(s.logprobs), s.seed,

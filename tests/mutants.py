@@ -44,6 +44,7 @@ T_MBUILD = "tests/test_metal_build.py"
 T_MORDER = "tests/test_metal_order.py"
 T_MCHECK = "tests/test_metal_selfcheck.py"
 T_PPL = "tests/test_perplexity.py"
+T_PREFIX = "tests/test_prefix.py"
 
 CPU = "mlxinfer/backends/cpu.py"
 MLX = "mlxinfer/backends/mlx.py"
@@ -539,6 +540,25 @@ M = [
     ("paged-shared-left-in-lru", "positions/KV", BLOCKS,
      [("            self.lru.pop(bid, None)\n", "")],
      [T_BM], "paged cache: a cached block taken by a prompt stays evictable while in use"),
+    ("prefix-partial-block-published", "positions/KV", BLOCKS,
+     [("for i in range(done, min(len(tokens) // b, len(table))):",
+       "for i in range(done, min(-(-len(tokens) // b), len(table))):")],
+     [T_BM], "prefix sharing: a running sequence's block made findable before it is full"),
+    ("prefix-running-decode-rows-shared", "positions/KV", LOOP,
+     [("            if prefilled:  # its full prompt blocks are written (or queued first): later prompts share them\n"
+       "                cache.publish(s.slot, s.prompt[:s.cached])",
+       "            cache.publish(s.slot, (s.prompt + s.out)[:s.cached])")],
+     [T_PREFIX], "prefix sharing: a running sequence's decode rows shared with a prompt that extends its answer"),
+    ("prefix-cancel-keeps-shared-refs", "positions/KV", LOOP,
+     [("        if seq.finish is None:\n            seq.finish = reason\n",
+       "        if seq.finish is None and not seq.cached_tokens:\n            seq.finish = reason\n")],
+     [T_PREFIX], "prefix sharing: a cancelled sequence that shares blocks keeps its references (and slot)"),
+    ("prefix-reused-anywhere", "positions/KV", LOOP,
+     [("return self.ops.rows_independent or held % self.prefill_chunk == 0", "return True")],
+     [T_PREFIX], "prefix sharing on numpy: a cached prefix taken mid-chunk (other bits than a cold run)"),
+    ("prefix-decode-rows-shared", "positions/KV", LOOP,
+     [("self.cache.release(s.slot, s.prompt[:s.cached])  # its prompt's rows", "self.cache.release(s.slot, (s.prompt + s.out)[:s.cached])  # its prompt's rows")],
+     [T_PREFIX], "prefix sharing: a finished sequence's decode rows (one-row products) cached for later prompts"),
     ("prompt-id-vocab-size-accepted", "hardening", ENG,
      [("bad = [i for i in ids if not 0 <= i < self.args.vocab_size]", "bad = [i for i in ids if not 0 <= i <= self.args.vocab_size]")],
      [T_GEN], "a prompt id equal to vocab_size accepted (the embedding gather reads past the table)"),
@@ -563,7 +583,7 @@ M = [
      [T_SRV, T_KVC], "scheduler: the prealloc budget counts running requests x longest tokens, not the cache's "
                      "slots and step rounding (1.7x over --kv-memory)"),
     ("srv-prefix-not-used", "server", LOOP,
-     [("seq.cached = seq.cached_tokens = self.cache.match_prefix(slot, seq.prompt)", "pass")],
+     [("seq.cached = seq.cached_tokens = self.cache.match_prefix(slot, seq.prompt, self._reusable)", "pass")],
      [T_SRV], "scheduler never reuses cached prefixes"),
     ("kernel-dot-butterfly-order", "kernels", KERN,
      [("return _butterfly(partial, DOT_BUTTERFLY)", "return _butterfly(partial, DOT_BUTTERFLY[::-1])")],

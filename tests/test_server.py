@@ -215,15 +215,18 @@ def test_prefix_reuse_skips_the_cached_prompt_blocks(served, engine):
                                                   max_tokens=8, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = again.usage.prompt_tokens_details.cached_tokens
-    assert cached == (n_prompt - 1) // 16 * 16 and cached >= 48  # whole blocks, one prompt token left to prefill
+    # whole blocks, one prompt token left to prefill; on numpy only whole prefill chunks (512: none here),
+    # where a cold run's bits need them (Loop._reusable)
+    exact = engine.backend.rows_independent
+    assert cached == ((n_prompt - 1) // 16 * 16 if exact else 0) and (cached >= 48 or not exact)
     assert again.choices[0].message.content == first.choices[0].message.content
-    assert other.usage.prompt_tokens_details.cached_tokens >= 32  # the shared system prompt's blocks
+    assert (other.usage.prompt_tokens_details.cached_tokens >= 32) == exact  # the shared system prompt's blocks
     assert served.scheduler.stats()["prefix_hit_tokens"] - hits == cached + other.usage.prompt_tokens_details.cached_tokens
     metrics = httpx.get(served.url + "/metrics").text
     assert 'mlxinfer_kv_blocks{state="cached"}' in metrics and "mlxinfer_prompt_tokens_cached_total" in metrics
 
 
-def test_metrics_split_prompt_tokens_as_usage_does(served):
+def test_metrics_split_prompt_tokens_as_usage_does(served, engine):
     """/metrics counts a request's prompt tokens as the usage reports them: those prefilled, and those
     the prefix cache served."""
     names = ("mlxinfer_prompt_tokens_total", "mlxinfer_prompt_tokens_cached_total")
@@ -239,7 +242,7 @@ def test_metrics_split_prompt_tokens_as_usage_does(served):
           for _ in range(2)]
     after = counters()
     cached = sum(r.usage.prompt_tokens_details.cached_tokens for r in rs)
-    assert cached >= 48  # the second request took the first one's blocks
+    assert cached >= 48 or not engine.backend.rows_independent  # the second request took the first one's blocks
     assert after["mlxinfer_prompt_tokens_cached_total"] - before["mlxinfer_prompt_tokens_cached_total"] == cached
     prefilled = sum(r.usage.prompt_tokens for r in rs) - cached
     assert after["mlxinfer_prompt_tokens_total"] - before["mlxinfer_prompt_tokens_total"] == prefilled

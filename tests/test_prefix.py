@@ -1,0 +1,145 @@
+"""Prefix sharing through the pass loop (`mlxinfer.loop`, `block_manager`): a prompt that extends a
+*running* sequence's prompt takes its full, written blocks; the reference counts stay right whichever
+of the two leaves first (finished or cancelled); and a request served that way gives the tokens and
+logprob bits of a cold run, on the cpu backend and on MLX's CPU device.
+
+Why bitwise: a shared block holds prompt rows only (prefill products), and a prompt takes a cached
+prefix only where its remaining rows get a cold run's bits (`Loop._reusable`): anywhere on MLX's CPU
+device, whose product rows do not depend on the other rows; at whole prefill chunks on numpy.
+"""
+
+import pytest
+
+import mlxinfer
+from mlxinfer.loop import FinishEvent
+from mlxinfer.sampling import SamplingParams
+
+SHAPE = dict(arch="qwen3", n_layers=2, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=320,
+             context_length=1024, tied_output=False, seed=5)
+CHUNK = 16  # = the block size: a prompt's prefill takes one pass per block
+
+
+@pytest.fixture(scope="module", params=["cpu", "mlx"])
+def engine(request, tmp_path_factory):
+    from mlxinfer.synthetic import write_synthetic_model
+
+    path = write_synthetic_model(tmp_path_factory.mktemp("prefix") / "m.gguf", **SHAPE)
+    return mlxinfer.load(path, backend=request.param, kv="paged", prefill_chunk=CHUNK)
+
+
+def run(loop, events=None):
+    """Step the loop until it is idle; {sequence: its Generation}."""
+    done = {} if events is None else events
+    while loop.busy:
+        for seq, ev in loop.step():
+            if isinstance(ev, FinishEvent):
+                done[seq] = ev.generation
+    return done
+
+
+def step_until(loop, cond, done):
+    while not cond():
+        for seq, ev in loop.step():
+            if isinstance(ev, FinishEvent):
+                done[seq] = ev.generation
+
+
+def same(gen, cold):
+    return gen.token_ids == cold.token_ids and gen.logprobs == cold.logprobs  # logprobs as floats: bit for bit
+
+
+@pytest.mark.parametrize("after_passes", [1, 3, 5])
+def test_a_prompt_extending_a_running_prompt_takes_its_written_blocks(engine, after_passes):
+    """A runs; B's prompt starts with A's 64 prompt tokens and is admitted after A's k-th pass: B takes
+    exactly A's blocks written so far (k of them, at most A's four full prompt blocks), no block A has
+    not written yet, and both give their cold runs' tokens and logprobs."""
+    a_prompt = list(range(40, 110))  # 70 tokens: 4 full blocks, then 6 positions
+    b_prompt = a_prompt[:64] + list(range(200, 211))
+    cold_a, cold_b = (engine.generate(p, max_tokens=12) for p in (a_prompt, b_prompt))
+    loop = engine.new_loop()
+    a = loop.admit(a_prompt, SamplingParams(), 12)
+    done = {}
+    for _ in range(after_passes):
+        done.update(run_one(loop))
+    assert a.finish is None and a.cached == min(70, after_passes * CHUNK)
+    b = loop.admit(b_prompt, SamplingParams(), 12)
+    assert b.cached_tokens == min(64, after_passes * CHUNK)  # written full blocks only
+    assert loop.cache.blocks.tables[b.slot] == loop.cache.blocks.tables[a.slot][:b.cached_tokens // 16]
+    run(loop, done)
+    assert same(done[a], cold_a) and same(done[b], cold_b)
+    assert loop.cache.blocks.used == 0 and loop.cache.in_use == 0
+
+
+def run_one(loop):
+    return {seq: ev.generation for seq, ev in loop.step() if isinstance(ev, FinishEvent)}
+
+
+@pytest.mark.parametrize("first", ["sharer cancelled", "owner cancelled", "owner finishes"])
+def test_shared_blocks_are_counted_whoever_leaves_first(engine, first):
+    """A shares its four prompt blocks with B while both run. Whichever leaves first (cancelled, or
+    finished), the blocks keep one reference for the other, which still reads its own tokens (its
+    cold run's output); when both are gone no block is in use and the four stay cached."""
+    a_prompt = list(range(60, 130))
+    b_prompt = a_prompt[:64] + list(range(220, 230))
+    cold_a, cold_b = (engine.generate(p, max_tokens=30) for p in (a_prompt, b_prompt))
+    loop, done = engine.new_loop(), {}
+    blocks = loop.cache.blocks
+    a = loop.admit(a_prompt, SamplingParams(), 30 if first == "sharer cancelled" else 6)
+    step_until(loop, lambda: a.cached >= 70, done)
+    b = loop.admit(b_prompt, SamplingParams(), 30 if first == "owner finishes" else 6)
+    shared = blocks.tables[a.slot][:4]
+    assert b.cached_tokens == 64 and blocks.tables[b.slot][:4] == shared
+    assert [blocks.blocks[i].refs for i in shared] == [2] * 4
+    if first == "sharer cancelled":
+        loop.release(b)
+    elif first == "owner cancelled":
+        loop.release(a)
+    else:
+        step_until(loop, lambda: a in done, done)
+    assert [blocks.blocks[i].refs for i in shared] == [1] * 4
+    run(loop, done)
+    for seq, cold in ((a, cold_a), (b, cold_b)):
+        if seq in done:  # (a cancelled one has no generation)
+            n = len(done[seq].token_ids)
+            assert done[seq].token_ids == cold.token_ids[:n] and done[seq].logprobs == cold.logprobs[:n]
+    assert [blocks.blocks[i].refs for i in shared] == [0] * 4 and blocks.used == 0
+    assert all(i in blocks.lru for i in shared)  # still cached for later prompts
+    again = loop.admit(b_prompt, SamplingParams(), 30)
+    assert again.cached_tokens == 64
+    assert same(run(loop)[again], cold_b)
+
+
+@pytest.mark.parametrize("n_prompt", [33, 49, 50, 600])
+def test_a_cached_prefix_ends_where_the_backend_gives_a_cold_runs_bits(engine, n_prompt, monkeypatch):
+    """With prefill chunks of 512: on MLX's CPU device, where a row of a product does not depend on the
+    others, a prompt takes every full cached block; on numpy, where a row of `q @ k.T` changes with the
+    chunk's row count, only whole chunks (512 of the 600-token prompt, none of the shorter ones). Either
+    way the tokens and logprobs are the cold run's."""
+    monkeypatch.setattr(engine, "prefill_chunk", 512)
+    prompt = [100 + i % 200 for i in range(n_prompt)]
+    cold = engine.generate(prompt, max_tokens=6)
+    loop = engine.new_loop()
+    loop.admit(prompt + [7, 8], SamplingParams(), 1)
+    run(loop)  # its blocks stay cached
+    again = loop.admit(prompt, SamplingParams(), 6)
+    full = (n_prompt - 1) // 16 * 16
+    assert again.cached_tokens == (full if engine.backend.rows_independent else full // 512 * 512)
+    assert same(run(loop)[again], cold)
+
+
+@pytest.mark.parametrize("answerer", ["finished", "running"])
+def test_an_answer_is_not_shared_only_its_prompt(engine, answerer):
+    """B's prompt is A's prompt and answer (a next chat turn, or a client extending a stream): B takes
+    A's prompt blocks, not the blocks A's decode steps wrote (one-row products: on numpy other bits than
+    B's cold prefill of them), whether A has finished or still runs."""
+    a_prompt = list(range(30, 70))  # 40 tokens: 2 full blocks
+    loop, done = engine.new_loop(), {}
+    a = loop.admit(a_prompt, SamplingParams(), 40)
+    step_until(loop, lambda: a in done if answerer == "finished" else len(a.out) >= 16, done)
+    answer = list(a.out)
+    assert len(answer) >= 16 and (a in done) == (answerer == "finished")
+    b_prompt = a_prompt + answer + [5, 6]
+    cold = engine.generate(b_prompt, max_tokens=6)
+    b = loop.admit(b_prompt, SamplingParams(), 6)
+    assert b.cached_tokens == 32  # (blocks 2 and 3, positions 32..63, hold decode rows)
+    assert same(run(loop, done)[b], cold)
