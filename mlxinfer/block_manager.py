@@ -151,6 +151,23 @@ class BlockManager:
         block = self.blocks[bid]
         return bid if block.tokens == tokens and block.parent == parent else None
 
+    def fork(self, src: int, dst: int, n_positions: int) -> tuple[int, int] | None:
+        """Give a fresh table what the first n_positions of `src` hold: its full blocks shared (one more
+        reference each), and a block of its own for a partial last one, returned as (src's block, the
+        new block) for the storage to copy (None when there is none)."""
+        table, full = self.tables[dst], n_positions // self.block_size
+        if table:
+            raise RequestError(f"KV cache slot {dst} is not fresh")
+        for bid in self.tables[src][:full]:
+            self.blocks[bid].refs += 1
+            table.append(bid)
+        state = self.published[src]
+        self.published[dst] = state if state is None or state[0] <= full else (0, 0, None)
+        if n_positions % self.block_size == 0:
+            return None
+        table.append(self._take())
+        return self.tables[src][full], table[-1]
+
     def extend(self, slot: int, n_positions: int) -> None:
         """Blocks for the table to hold n_positions."""
         table = self.tables[slot]

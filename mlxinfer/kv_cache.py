@@ -45,6 +45,7 @@ class _Slots:
     """Slot bookkeeping shared by the caches: which slots are in use and how many tokens each holds."""
 
     compiles = False  # implements the compiled decode step's interface (see the module docstring)
+    forks = False  # `fork` gives a slot another's positions without computing them again
 
     def __init__(self):
         self.held: dict[int, int] = {}  # slot -> tokens held
@@ -52,7 +53,11 @@ class _Slots:
 
     def next_slot(self) -> int:
         """The slot `alloc` gives next: the lowest free one."""
-        return next(i for i in range(len(self.held) + 1) if i not in self.held)
+        return self.next_slots(1)[0]
+
+    def next_slots(self, n: int) -> list[int]:
+        """The slots n calls of `alloc` give next."""
+        return [i for i in range(len(self.held) + n) if i not in self.held][:n]
 
     def alloc(self) -> int:
         slot = self.next_slot()
@@ -360,6 +365,24 @@ class PagedKVCache(_Slots):
             raise RequestError(f"KV cache slot {slot} is not fresh")
         self.held[slot] = self.blocks.match_prefix(slot, prompt, *(() if accept is None else (accept,)))
         return self.held[slot]
+
+    forks = True
+
+    def fork(self, src: int, dst: int, n_positions: int) -> None:
+        """A fresh slot `dst` holds the first n_positions of `src` (n choices of one prompt): the full
+        blocks shared, a partial last block copied (each copy then writes its own positions)."""
+        if self.held[dst]:
+            raise RequestError(f"KV cache slot {dst} is not fresh")
+        copy = self.blocks.fork(src, dst, n_positions)
+        if copy is not None:
+            bs, ops = self.block_size, self.ops
+            rows = ops.index_array([copy[0] * bs + o for o in range(bs)])
+            blocks, offsets = ops.index_array([copy[1]] * bs), ops.index_array(list(range(bs)))
+            for stores in (self.keys, self.values):
+                for i, store in enumerate(stores):
+                    read = ops.gather_rows(ops.reshape(store, store.shape[0] * bs, self.width), rows)
+                    stores[i] = ops.scatter_rows(store, blocks, offsets, read)
+        self.held[dst] = n_positions
 
     def publish(self, slot: int, tokens) -> None:
         """A running slot's full blocks among its first positions (written, holding `tokens`) are

@@ -85,6 +85,8 @@ class Sequence:
         self.held = ""  # text held back: it could be the start of a stop string
         self.finish: str | None = None
         self.batch_size = 1  # the most sequences that were in the loop with it at a pass
+        self.leader: Sequence | None = None  # while a fork waits: the sequence whose prompt it takes
+        self.forks: list[Sequence] = []  # sequences waiting to take this one's prompt (n > 1 choices)
 
     @property
     def prefilling(self) -> bool:
@@ -124,9 +126,16 @@ class Loop:
         self.passes = 0
 
     # -- admit / step / release -----------------------------------------------------------------
-    def admit(self, prompt: list[int], params: SamplingParams, max_tokens: int, stop=(), t0: float | None = None) -> Sequence:
+    def admit(self, prompt: list[int], params: SamplingParams, max_tokens: int, stop=(), t0: float | None = None,
+              fork_of: Sequence | None = None) -> Sequence:
         """A new sequence, given a cache slot (and the cache's prefix blocks its prompt starts with);
-        it joins the next pass. `t0`: when its request arrived (time to first token counts from it)."""
+        it joins the next pass. `t0`: when its request arrived (time to first token counts from it).
+
+        `fork_of` (another choice of the same request, admitted before it, with the same prompt): on a
+        cache that can fork (paged), this one is not prefilled: when the other's last prompt chunk is
+        launched it takes the other's prompt blocks (full ones shared, the last one copied) and samples
+        its first token from the same logits row with its own parameters and random state; until then
+        it waits. So n choices cost one prefill, and at temperature 0 every choice is the other's."""
         slot = self.cache.alloc()
         self.cache.expect(slot, len(prompt) + 1)
         seed = None if params.greedy else params.resolved_seed()
@@ -135,7 +144,12 @@ class Loop:
         rng = None if seed is None else self.ops.new_random(seed)
         seq = Sequence(list(prompt), params, max_tokens, list(stop), slot, seed, rng, self.tokenizer.decode_stream(),
                        time.perf_counter() if t0 is None else t0)
-        seq.cached = seq.cached_tokens = self.cache.match_prefix(slot, seq.prompt, self._reusable)
+        if fork_of is not None and self.cache.forks and fork_of.finish is None and fork_of.prefilling \
+                and fork_of.prompt == seq.prompt:
+            seq.leader = fork_of
+            fork_of.forks.append(seq)
+        else:
+            seq.cached = seq.cached_tokens = self.cache.match_prefix(slot, seq.prompt, self._reusable)
         self.seqs.append(seq)
         self.admitted += 1
         return seq
@@ -148,6 +162,13 @@ class Loop:
             self.cache.release(seq.slot, seq.prompt[:seq.cached])
         if seq in self.seqs:
             self.seqs.remove(seq)
+        if seq.leader is not None:  # a fork still waiting
+            seq.leader.forks.remove(seq)
+            seq.leader = None
+        for fork in seq.forks:  # its forks prefill their prompt themselves (from its cached blocks)
+            fork.leader = None
+            fork.cached = fork.cached_tokens = self.cache.match_prefix(fork.slot, fork.prompt, self._reusable)
+        seq.forks = []
 
     @property
     def busy(self) -> bool:
@@ -218,6 +239,8 @@ class Loop:
         prefill chunks go while the pass has room (a waiting sequence keeps its chunk boundaries)."""
         plan, budget = [], self.max_pass_rows
         for s in self.seqs:
+            if s.leader is not None:  # a fork waits for its leader's prompt
+                continue
             if not s.prefilling:
                 if s.sampled < s.max_tokens:
                     plan.append((s, 1))
@@ -251,6 +274,15 @@ class Loop:
             started = (next_index,)  # started with this step's outputs, not left lazy for the next step
         else:
             logits = self.model(ops, ids, batch, cache)
+        forks = [(f, row) for row, s in enumerate(sampled) for f in s.forks]  # take the leader's prompt now
+        for f, row in forks:
+            self.cache.fork(sampled[row].slot, f.slot, len(f.prompt))
+            f.leader, f.cached, f.cached_tokens = None, len(f.prompt), sampled[row].cached_tokens
+        if forks:
+            for s in sampled:
+                s.forks = []
+            logits = ops.gather_rows(logits, ops.index_array(list(range(len(sampled))) + [row for _, row in forks]))
+            sampled = sampled + [f for f, _ in forks]
         step = Pass(sampled)
         if sampled:
             sampler = Sampler([s.params for s in sampled], [s.rng for s in sampled],

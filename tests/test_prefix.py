@@ -28,17 +28,21 @@ def engine(request, tmp_path_factory):
 
 
 def run(loop, events=None):
-    """Step the loop until it is idle; {sequence: its Generation}."""
+    """Step the loop until it is idle (a bounded number of passes); {sequence: its Generation}."""
     done = {} if events is None else events
-    while loop.busy:
+    for _ in range(2000):
+        if not loop.busy:
+            return done
         for seq, ev in loop.step():
             if isinstance(ev, FinishEvent):
                 done[seq] = ev.generation
-    return done
+    raise AssertionError("the loop did not become idle in 2000 passes")
 
 
 def step_until(loop, cond, done):
-    while not cond():
+    for _ in range(2000):
+        if cond():
+            return
         for seq, ev in loop.step():
             if isinstance(ev, FinishEvent):
                 done[seq] = ev.generation
@@ -143,3 +147,50 @@ def test_an_answer_is_not_shared_only_its_prompt(engine, answerer):
     b = loop.admit(b_prompt, SamplingParams(), 6)
     assert b.cached_tokens == 32  # (blocks 2 and 3, positions 32..63, hold decode rows)
     assert same(run(loop, done)[b], cold)
+
+
+def test_n_choices_take_one_prefill_and_share_the_prompt_blocks(engine, monkeypatch):
+    """Four choices of a 40-token prompt (2 full blocks and 8 positions): one prefill pass, the full
+    blocks shared by all four (4 references each), the partial block copied once per fork: 3 blocks for
+    the prompt + 3 copies, not 12. At temperature 0 each choice is the single greedy answer, bit for bit;
+    sampled with seed s + i, choice i is a single request's run with seed s + i."""
+    monkeypatch.setattr(engine, "prefill_chunk", 512)
+    prompt = list(range(50, 90))
+    for params, seeds in ((dict(), [None] * 4), (dict(temperature=0.9), [7, 8, 9, 10])):
+        cold = [engine.generate(prompt, max_tokens=10, seed=s, **params) for s in seeds]
+        loop = engine.new_loop()
+        blocks = loop.cache.blocks
+        taken = []
+        take = blocks._take
+        monkeypatch.setattr(blocks, "_take", lambda: taken.append(1) or take())
+        first = loop.admit(prompt, SamplingParams(seed=seeds[0], **params), 10)
+        forks = [loop.admit(prompt, SamplingParams(seed=s, **params), 10, fork_of=first) for s in seeds[1:]]
+        loop.step()
+        assert loop.passes == 1 and all(not f.prefilling for f in forks)
+        shared = blocks.tables[first.slot][:2]
+        assert all(blocks.tables[f.slot][:2] == shared for f in forks)
+        assert [blocks.blocks[b].refs for b in shared] == [4, 4] and len(taken) == 3 + 3 and blocks.used == 6
+        done = run(loop)
+        for seq, c in zip([first] + forks, cold):
+            assert same(done[seq], c)
+        assert blocks.used == 0 and loop.cache.in_use == 0
+
+
+@pytest.mark.parametrize("who", ["first", "fork"])
+def test_a_choice_cancelled_during_the_prefill_leaves_the_others_whole(engine, who):
+    """Cancelling the first choice after its first prefill chunk (of three): its forks take the block it
+    wrote, prefill the rest themselves and still give the greedy answer; cancelling a waiting fork: it
+    never takes a block."""
+    prompt = list(range(50, 90))
+    cold = engine.generate(prompt, max_tokens=8)
+    loop = engine.new_loop()
+    first = loop.admit(prompt, SamplingParams(), 8)
+    forks = [loop.admit(prompt, SamplingParams(), 8, fork_of=first) for _ in range(2)]
+    loop.step()
+    loop.release(first if who == "first" else forks[0])
+    if who == "first":
+        assert [f.cached_tokens for f in forks] == [16, 16]
+    done = run(loop)
+    alive = forks if who == "first" else [first, forks[1]]
+    assert all(same(done[s], cold) for s in alive) and set(done) == set(alive)
+    assert loop.cache.blocks.used == 0 and loop.cache.in_use == 0

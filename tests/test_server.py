@@ -288,7 +288,9 @@ def test_a_client_that_leaves_a_busy_request_frees_its_slot(served, slow_passes)
     ({"model": MODEL, "prompt": "hi", "max_tokens": 10_000}, 400, "context length"),
     ({"model": MODEL, "prompt": ""}, 400, "empty prompt"),
     ({"model": MODEL, "prompt": [9999]}, 400, "outside the vocabulary"),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n must be 1"),
+    ({"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 9}, 400, "n 9 is more than the server's max_batch 8"),
     ({"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias keys are token ids"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"9999": 1}}, 400, "outside the vocabulary"),
@@ -381,6 +383,60 @@ def test_kv_memory_budget(engine):
         assert s.scheduler.room(n_prompt) == 32 - n_prompt
         assert chat.usage.total_tokens <= 32 and (chat.choices[0].finish_reason == "stop"
                                                  or chat.usage.total_tokens == 32)
+    finally:
+        s.stop()
+
+
+def test_n_choices_greedy_are_the_single_answer_and_count_the_prompt_once(served, engine):
+    """n = 3 at temperature 0: three choices, each the n = 1 answer (text and logprobs), indexes 0..2;
+    usage counts the prompt once and every choice's tokens; streamed, each chunk names its choice and
+    each choice's text is the same."""
+    one = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, logprobs=True)
+    three = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, n=3,
+                                                  logprobs=True)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    for c in three.choices:
+        assert c.message.content == one.choices[0].message.content
+        assert [t.logprob for t in c.logprobs.content] == [t.logprob for t in one.choices[0].logprobs.content]
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    texts, usage = ["", ""], None
+    for ch in served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, n=2,
+                                                    stream=True, stream_options={"include_usage": True}):
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+        usage = ch.usage or usage
+    assert texts == [one.choices[0].message.content] * 2
+    assert usage.completion_tokens == 2 * one.usage.completion_tokens and usage.prompt_tokens == one.usage.prompt_tokens
+    st = served.idle()
+    assert (st["slots_in_use"], st["blocks_used"]) == (0, 0)
+
+
+def test_n_choices_sampled_with_a_seed_are_each_reproducible(served):
+    """n = 3 at temperature 0.9 with seed 5: choice i is the n = 1 request with seed 5 + i (so the
+    choices differ from each other), on completions, streamed or not."""
+    body = dict(model=MODEL, prompt=LONG, max_tokens=16, temperature=0.9)
+    alone = [served.client.completions.create(seed=5 + i, **body).choices[0].text for i in range(3)]
+    assert len(set(alone)) > 1
+    many = served.client.completions.create(seed=5, n=3, **body)
+    assert [c.text for c in sorted(many.choices, key=lambda c: c.index)] == alone
+    streamed = ["", "", ""]
+    for ch in served.client.completions.create(seed=5, n=3, stream=True, **body):
+        for c in ch.choices:
+            streamed[c.index] += c.text
+    assert streamed == alone
+
+
+def test_n_choices_count_against_the_memory_budget(engine):
+    """Under a budget of 3 blocks, n = 2 choices of 2 blocks each cannot run: 400 naming the budget;
+    n = 3 choices of one block each run."""
+    per_token = 2 * 2 * 2 * 32 * 4
+    s = Served(engine, kv_memory=per_token * 48)
+    try:
+        with pytest.raises(openai.BadRequestError, match="budget"):
+            s.client.completions.create(model=MODEL, prompt=LONG, max_tokens=20, n=2)
+        ok = s.client.completions.create(model=MODEL, prompt=LONG, max_tokens=14, n=3, temperature=0)
+        assert len({c.text for c in ok.choices}) == 1 and len(ok.choices) == 3
     finally:
         s.stop()
 
