@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from .batch import pack_index_arrays, zero_padded
 from .block_manager import BlockManager, prefix_hash
 from .errors import RequestError
@@ -336,8 +338,10 @@ class PagedKVCache(_Slots):
     BLOCK_SIZE = 16
 
     def __init__(self, ops, n_layers: int, width: int, step: int = 0, block_size: int = BLOCK_SIZE,
-                 max_blocks: int | None = None, hash_fn=prefix_hash):
+                 max_blocks: int | None = None, hash_fn=prefix_hash, disk=None):
+        """disk: a `prompt_cache.DiskPrefixCache` where full prompt blocks are kept across restarts."""
         super().__init__()
+        self.disk = disk
         self.ops, self.n_layers, self.width, self.block_size = ops, n_layers, width, block_size
         self.keys: list = [None] * n_layers
         self.values: list = [None] * n_layers
@@ -363,8 +367,61 @@ class PagedKVCache(_Slots):
         to prefill, and no more than `accept(tokens)` allows); returns the tokens it now holds."""
         if self.held[slot]:
             raise RequestError(f"KV cache slot {slot} is not fresh")
-        self.held[slot] = self.blocks.match_prefix(slot, prompt, *(() if accept is None else (accept,)))
+        accept = accept or (lambda held: True)
+        self.held[slot] = self.blocks.match_prefix(slot, prompt, accept)
+        if self.disk is not None:
+            self.held[slot] = self._load_blocks(slot, list(prompt), self.held[slot], accept)
         return self.held[slot]
+
+    def _load_blocks(self, slot: int, prompt: list, held: int, accept) -> int:
+        """After the blocks found in memory, those the disk keeps for the prompt's next positions (one
+        token always left to prefill, and no more than `accept` allows): read into fresh blocks and
+        published, as if prefilled here. Returns the tokens the slot now holds."""
+        bs = self.block_size
+        ends = []  # the ends of the blocks kept, consecutive from `held`
+        for end in range(held + bs, len(prompt), bs):
+            if not self.disk.has(prompt[:end]):
+                break
+            ends.append(end)
+        while ends and not accept(ends[-1]):
+            ends.pop()
+        found = []
+        for end in ends:
+            block = self.disk.load(prompt[:end])
+            if block is None:  # (corrupt: one warning, a miss)
+                break
+            found.append(block)
+        while found and not accept(held + len(found) * bs):
+            found.pop()
+        if not found:
+            return held
+        try:
+            self.blocks.extend(slot, held + len(found) * bs)
+        except RequestError:  # no room in the pool now: prefill them instead
+            return held
+        ops, stacked = self.ops, np.concatenate(found, axis=2)  # [2, layers, n * block, width]
+        blocks, offsets = self.blocks.targets(slot, held, len(found) * bs)
+        blocks, offsets = ops.index_array(blocks), ops.index_array(offsets)
+        for kv, stores in zip(stacked, (self.keys, self.values)):
+            for layer, rows in enumerate(kv):
+                stores[layer] = ops.scatter_rows(stores[layer], blocks, offsets, ops.from_numpy(rows))
+        held += len(found) * bs
+        self.blocks.publish(slot, prompt[:held])
+        return held
+
+    def _save_blocks(self, slot: int, tokens: list) -> None:
+        """Keep the slot's full blocks of `tokens` (its prompt's, written) on disk, those not kept yet."""
+        bs, table = self.block_size, self.blocks.tables[slot]
+        ends = [e for e in range(bs, len(tokens) + 1, bs) if not self.disk.has(tokens[:e])]
+        if not ends:
+            return
+        ops = self.ops
+        rows = ops.index_array([table[e // bs - 1] * bs + o for e in ends for o in range(bs)])
+        kv = np.stack([np.stack([ops.to_numpy(ops.gather_rows(ops.reshape(store, store.shape[0] * bs, self.width),
+                                                              rows)) for store in stores])
+                       for stores in (self.keys, self.values)])  # [2, layers, n * block, width]
+        for i, end in enumerate(ends):
+            self.disk.save(tokens[:end], kv[:, :, i * bs:(i + 1) * bs])
 
     forks = True
 
@@ -393,6 +450,8 @@ class PagedKVCache(_Slots):
         """Free a slot. With `tokens` (what its cache rows hold, in order) its full blocks stay cached
         for later prompts that start with the same tokens."""
         held = self.held.get(slot, 0)
+        if tokens is not None and self.disk is not None and slot in self.held:
+            self._save_blocks(slot, list(tokens)[:held])
         super().release(slot)
         self.blocks.release(slot, None if tokens is None else list(tokens)[:held])
 

@@ -72,7 +72,6 @@ SRV_ERRORS = "mlxinfer/server/errors.py"
 SRV_BODY = "mlxinfer/server/body_limit.py"
 SRV_METRICS = "mlxinfer/server/metrics.py"
 SRV_SCHEMAS = "mlxinfer/server/schemas.py"
-SRV_FP = "mlxinfer/server/fingerprint.py"
 SRV_REASONING = "mlxinfer/server/reasoning.py"
 SHARD = "mlxinfer/models/shard.py"
 COLL = "mlxinfer/collectives.py"
@@ -85,6 +84,7 @@ T_QUANT = "tests/test_quants.py"
 T_QBITS = "tests/test_quants.py::test_kept_weights_dequantize_to_gguf_py_bit_for_bit"
 T_QMEM = "tests/test_quants.py::test_memory_after_loading_is_within_1_15x_of_the_file"
 PPL = "mlxinfer/perplexity.py"
+PCACHE = "mlxinfer/prompt_cache.py"
 
 ONLINE_SOFTMAX = '''
 
@@ -585,6 +585,30 @@ M = [
     ("n-stream-index-zero", "server", SRV_ROUTES,
      [("first[i], reasoning, index=i))}\n            sent[i]", "first[i], reasoning))}\n            sent[i]")],
      [T_SRV], "n > 1: streamed chunks all say index 0"),
+    ("pcache-key-ignores-model", "server", ENG,
+     [("h = hashlib.sha256(self.gguf.digest())", "h = hashlib.sha256()")],
+     [T_PREFIX], "prompt cache on disk: blocks named without the model file's digest (another model reads them)"),
+    ("pcache-key-ignores-backend", "server", ENG,
+     [("for part in (version, b.describe(), b.attention, b.kernel, self.prefill_chunk,",
+       "for part in (version, self.prefill_chunk,")],
+     [T_PREFIX], "prompt cache on disk: blocks named without the backend (numpy's read by MLX and back)"),
+    ("pcache-checksum-not-checked", "server", PCACHE,
+     [('else "corrupt (checksum)" if hashlib.sha256(body).digest() != data[40:72] else None)',
+       'else None)')],
+     [T_PREFIX], "prompt cache on disk: a corrupt block file read as if whole (wrong values)"),
+    ("pcache-no-eviction", "server", PCACHE,
+     [("            if total <= self.max_bytes:\n                break", "            if True:\n                break")],
+     [T_PREFIX], "prompt cache on disk: the directory grows past --prompt-cache-size"),
+    ("pcache-evicts-most-recent", "server", PCACHE,
+     [("for _, size, path in sorted(files):", "for _, size, path in sorted(files, reverse=True):")],
+     [T_PREFIX], "prompt cache on disk: evicts the most recently used block files"),
+    ("pcache-hit-not-touched", "server", PCACHE,
+     [("            os.utime(path)  # most recently used\n", "            pass\n")],
+     [T_PREFIX], "prompt cache on disk: a block read back stays as old as when it was written (evicted first)"),
+    ("pcache-not-loaded", "server", KV,
+     [("            self.held[slot] = self._load_blocks(slot, list(prompt), self.held[slot], accept)\n",
+       "            pass\n")],
+     [T_PREFIX, T_SRV], "prompt cache on disk: blocks written, never read back"),
     ("prompt-id-vocab-size-accepted", "hardening", ENG,
      [("bad = [i for i in ids if not 0 <= i < self.args.vocab_size]", "bad = [i for i in ids if not 0 <= i <= self.args.vocab_size]")],
      [T_GEN], "a prompt id equal to vocab_size accepted (the embedding gather reads past the table)"),
@@ -858,8 +882,8 @@ M = [
      [("want_logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0)",
        "want_logprobs=body.logprobs, top_logprobs=0)")],
      [T_SRV + "::test_top_logprobs_in_chat_and_completions"], "server: chat's top_logprobs dropped"),
-    ("srv-fingerprint-ignores-tensor-data", "server", SRV_FP,
-     [("        h.update(f.read(TAIL_BYTES))", "        f.read(TAIL_BYTES)")],
+    ("srv-fingerprint-ignores-tensor-data", "server", GGUF,
+     [("            h.update(f.read(self.DIGEST_TAIL))", "            f.read(self.DIGEST_TAIL)")],
      [T_SRV + "::test_the_fingerprint_follows_the_file_version_and_kernels"],
      "server: system_fingerprint blind to the tensor data (the header only)"),
     ("srv-fingerprint-not-in-chunks", "server", SRV_SCHEMAS,

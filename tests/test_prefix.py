@@ -194,3 +194,99 @@ def test_a_choice_cancelled_during_the_prefill_leaves_the_others_whole(engine, w
     alive = forks if who == "first" else [first, forks[1]]
     assert all(same(done[s], cold) for s in alive) and set(done) == set(alive)
     assert loop.cache.blocks.used == 0 and loop.cache.in_use == 0
+
+
+# -- prompt blocks on disk (--prompt-cache-dir) -------------------------------------------------------
+
+def reload(engine, directory, **options):
+    """A fresh engine on the same model file and backend (a restarted server), with a prompt cache."""
+    spec = dict(backend="mlx" if engine.backend.name == "mlx" else "cpu", kv="paged", prefill_chunk=CHUNK)
+    return mlxinfer.load(engine.path, **{**spec, **options}, prompt_cache_dir=directory)
+
+
+def admit_one(engine, prompt, max_tokens=8):
+    loop = engine.new_loop()
+    seq = loop.admit(prompt, SamplingParams(), max_tokens)
+    return seq, run(loop)[seq]
+
+
+def test_prompt_blocks_on_disk_serve_a_restarted_engine_with_cold_bits(engine, tmp_path):
+    """A prompt's full blocks are written to the directory when its request ends; a new engine (a
+    restart) that gets a prompt extending it reads them instead of prefilling, and gives the tokens and
+    logprobs of a cold run."""
+    prompt = list(range(40, 110))  # 4 full blocks
+    first = reload(engine, tmp_path)
+    admit_one(first, prompt)
+    assert len(list(tmp_path.glob("*.kvblock"))) == 4 and not list(tmp_path.glob("*.tmp"))
+    longer = prompt[:64] + [3, 4, 5, 6, 7]
+    cold = engine.generate(longer, max_tokens=8)
+    again = reload(engine, tmp_path)
+    seq, gen = admit_one(again, longer)
+    assert seq.cached_tokens == 64 and again.prompt_cache.hits == 4
+    assert same(gen, cold)
+
+
+def test_prompt_blocks_on_disk_are_never_read_by_another_model_backend_or_chunk(engine, tmp_path):
+    """The files are named by the model file's digest, the backend and its kernels and the prefill chunk
+    too: another model file (same shapes), the other backend or another chunk size finds nothing."""
+    prompt = list(range(40, 110))
+    admit_one(reload(engine, tmp_path), prompt)
+    other_model = mlxinfer.load(write_other(tmp_path.parent), backend="cpu", kv="paged", prefill_chunk=CHUNK,
+                                prompt_cache_dir=tmp_path)
+    other_backend = reload(engine, tmp_path, backend="cpu" if engine.backend.name == "mlx" else "mlx")
+    other_chunk = reload(engine, tmp_path, prefill_chunk=32)
+    for other in (other_model, other_backend, other_chunk):
+        cold = mlxinfer.load(other.path, backend=other.backend.name, kv="paged", prefill_chunk=other.prefill_chunk)
+        seq, gen = admit_one(other, prompt + [1, 2])
+        assert seq.cached_tokens == 0 and other.prompt_cache.hits == 0
+        assert same(gen, cold.generate(prompt + [1, 2], max_tokens=8))
+
+
+def write_other(directory):
+    from mlxinfer.synthetic import write_synthetic_model
+
+    return write_synthetic_model(directory / "other.gguf", **{**SHAPE, "seed": 6})
+
+
+@pytest.mark.parametrize("damage", ["truncated", "one bit flipped", "empty", "another block's bytes"])
+def test_a_damaged_block_file_is_one_warning_and_a_miss(engine, tmp_path, damage, caplog):
+    """The third of four block files damaged: the first two are read, the rest prefilled; one warning
+    line names the file; the tokens and logprobs are a cold run's; the damaged file is gone."""
+    prompt = list(range(40, 110))
+    first = reload(engine, tmp_path)
+    admit_one(first, prompt)
+    disk = first.prompt_cache
+    third = disk._path(disk._name(prompt[:48]))
+    data = open(third, "rb").read()
+    damaged = {"truncated": data[:len(data) // 2], "empty": b"",
+               "one bit flipped": data[:1000] + bytes([data[1000] ^ 1]) + data[1001:],
+               "another block's bytes": open(disk._path(disk._name(prompt[:32])), "rb").read()}[damage]
+    open(third, "wb").write(damaged)
+    cold = engine.generate(prompt, max_tokens=8)
+    with caplog.at_level("WARNING", logger="mlxinfer.prompt_cache"):
+        seq, gen = admit_one(reload(engine, tmp_path), prompt)
+    assert seq.cached_tokens == 32 and same(gen, cold)
+    warnings = [r for r in caplog.records if r.name == "mlxinfer.prompt_cache"]
+    assert len(warnings) == 1 and third in warnings[0].getMessage() and "\n" not in warnings[0].getMessage()
+    assert open(third, "rb").read() != damaged  # removed, then written again whole when the request ended
+
+
+def test_the_prompt_cache_directory_is_bounded_least_recently_used_first(engine, tmp_path):
+    """Room for 5 blocks: prompts A, B (2 blocks each), a hit on A, then C (2 blocks): the one block
+    removed is B's older one, the least recently used; A's (read since) and C's stay."""
+    import time
+
+    prompts = {k: [k * 50 + i for i in range(33)] for k in (1, 2, 3)}  # 2 full blocks each (+1 token)
+    probe = reload(engine, tmp_path)
+    size = probe.prompt_cache.block_bytes * 5
+    eng = reload(engine, tmp_path, prompt_cache_size=size)
+    files = {k: [eng.prompt_cache._path(eng.prompt_cache._name(p[:e])) for e in (16, 32)] for k, p in prompts.items()}
+    for step in ("A", "B", "hit A", "C"):
+        k = {"A": 1, "B": 2, "hit A": 1, "C": 3}[step]
+        seq, _ = admit_one(reload(engine, tmp_path, prompt_cache_size=size), prompts[k] + [9], max_tokens=2)
+        assert seq.cached_tokens == (32 if step == "hit A" else 0)
+        time.sleep(0.05)  # apart in the files' modification times
+    import os
+
+    exists = {k: [os.path.exists(f) for f in fs] for k, fs in files.items()}
+    assert exists == {1: [True, True], 2: [False, True], 3: [True, True]}

@@ -441,6 +441,49 @@ def test_n_choices_count_against_the_memory_budget(engine):
         s.stop()
 
 
+def test_prompt_cache_dir_serves_a_restarted_server(engine, tmp_path):
+    """--prompt-cache-dir: a chat after a restart takes the prompt blocks the server before it kept on
+    disk (`cached_tokens`), with the same text and logprobs."""
+    messages = [{"role": "system", "content": " ".join(f"rule {i}: be exact." for i in range(5))},
+                {"role": "user", "content": "hello there"}]
+    n_prompt = len(engine.encode_prompt(messages))
+    answers = []
+    for _ in range(2):
+        restarted = mlxinfer.load(engine.path, backend=engine.backend.name, kv="paged", prefill_chunk=16,
+                                  prompt_cache_dir=tmp_path / "pc", prompt_cache_size=10 << 20)
+        s = Served(restarted)
+        try:
+            answers.append(s.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                                            temperature=0, logprobs=True))
+        finally:
+            s.stop()
+    assert answers[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert answers[1].usage.prompt_tokens_details.cached_tokens == (n_prompt - 1) // 16 * 16 >= 48
+    assert answers[1].choices[0].message.content == answers[0].choices[0].message.content
+    assert [t.logprob for t in answers[1].choices[0].logprobs.content] == \
+        [t.logprob for t in answers[0].choices[0].logprobs.content]
+
+
+def test_cli_serve_prompt_cache_options(tmp_path):
+    import subprocess
+    import sys
+
+    for extra, fragment in ((["--prompt-cache-size", "100"], "--prompt-cache-size needs --prompt-cache-dir"),
+                            (["--prompt-cache-dir", str(tmp_path), "--prompt-cache-size", "0"], "positive"),
+                            (["--prompt-cache-dir", str(tmp_path), "--kv", "prealloc"], "paged")):
+        r = subprocess.run([sys.executable, "-m", "mlxinfer", "serve", "--port", str(_free_port()), "--backend", "cpu",
+                            "--model", str(_model_file(tmp_path)), *extra], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1 and fragment in r.stderr, r.stderr
+
+
+def _model_file(tmp_path):
+    from mlxinfer.synthetic import write_synthetic_model
+
+    path = tmp_path / MODEL
+    return path if path.exists() else write_synthetic_model(path, **SHAPE)
+
+
 def test_cli_serve_bad_options(tmp_path):
     import subprocess
     import sys
