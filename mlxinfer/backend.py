@@ -111,6 +111,10 @@ class Backend:
     kernel: str | None = None
     lazy = False  # ops build a graph evaluated later: the engine queues the next pass before reading
     compiles_decode = False  # decode passes may run as one compiled step (`compile_decode`)
+    # a prefill row's bits do not depend on the other rows of its chunk (measured on MLX's CPU device; not
+    # so on numpy/OpenBLAS, whose kernels change with a product's shape): a cached prefix may then end
+    # anywhere, else only where a prefill chunk does (`Loop._reusable`)
+    rows_independent = False
 
     def __init__(self, attention: str = "fused"):
         if attention not in ATTENTION_PATHS:

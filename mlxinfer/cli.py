@@ -79,7 +79,19 @@ def _load(args):
               "times over", file=sys.stderr)
     return load(args.model, backend=args.backend, attention=args.attention, device=args.device,
                 kernel=args.kernel, kv=args.kv, prefill_chunk=args.prefill_chunk, threads=args.threads,
-                tp=getattr(args, "tp", 1))
+                tp=getattr(args, "tp", 1), **prompt_cache_options(args))
+
+
+def prompt_cache_options(args) -> dict:
+    """load()'s prompt cache options where the command has them (serve)."""
+    if getattr(args, "prompt_cache_dir", None) is None:
+        if getattr(args, "prompt_cache_size", None) is not None:
+            raise RequestError("--prompt-cache-size needs --prompt-cache-dir")
+        return {}
+    size = args.prompt_cache_size
+    if size is not None and size < 1:
+        raise RequestError(f"--prompt-cache-size must be a positive number of bytes, got {size}")
+    return dict(prompt_cache_dir=args.prompt_cache_dir, **({} if size is None else dict(prompt_cache_size=size)))
 
 
 def _sampling(args) -> dict:
@@ -462,6 +474,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting for the batch at most (beyond: 429 with Retry-After)")
     s.add_argument("--kv-memory", type=int, default=None, metavar="BYTES",
                    help="KV cache budget: requests wait until they fit (default: unbounded)")
+    s.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                   help="keep prompts' KV blocks in DIR across restarts (needs --kv paged, the default)")
+    s.add_argument("--prompt-cache-size", type=int, default=None, metavar="BYTES",
+                   help="the prompt cache directory's bound (least recently used blocks removed first; "
+                        "default 4 GiB)")
     s.add_argument("--alias", default=None, metavar="NAME",
                    help="the model id the server reports (default: the file's name); requests may name any model")
     s.add_argument("--cors", action="append", default=None, metavar="ORIGIN",

@@ -15,7 +15,9 @@ own over every request (`mlxinfer.scheduler`).
 
 from __future__ import annotations
 
+import hashlib
 import os
+from importlib import metadata
 from typing import Callable, Iterator
 
 import numpy as np
@@ -26,14 +28,16 @@ from .chat import render_chat
 from .decode_step import DecodeStep
 from .errors import GGUFError, RequestError
 from .gguf_file import GGUFFile
-from .kv_cache import KV_CACHES
+from .kv_cache import KV_CACHES, PagedKVCache
 from .loop import FinishEvent, Generation, Loop
 from .model_source import resolve_model
 from .models import architecture, model_args
 from .models.shard import Shard
+from .prompt_cache import DiskPrefixCache
 from .sampling import SamplingParams, stop_strings
 from .tokenizer import GGUFTokenizer, token_ids
 
+DEFAULT_PROMPT_CACHE_BYTES = 4 << 30  # --prompt-cache-dir's bound unless --prompt-cache-size says otherwise
 DEFAULT_PREFILL_CHUNK = 512
 CHAT_ROLES = ("system", "user", "assistant")
 TEMPLATE_VARIABLES = ("messages", "bos_token", "eos_token", "add_generation_prompt", "source")  # ours to set
@@ -43,7 +47,8 @@ class Engine:
     pipeline = True  # on a lazy backend, queue the next pass before reading the current one's tokens
     compile_decode = True  # decode passes as one compiled step where the backend can (mlxinfer.decode_step)
 
-    def __init__(self, path, backend, kv: str = "prealloc", prefill_chunk: int | None = None, tp: int = 1):
+    def __init__(self, path, backend, kv: str = "prealloc", prefill_chunk: int | None = None, tp: int = 1,
+                 prompt_cache_dir=None, prompt_cache_size: int = DEFAULT_PROMPT_CACHE_BYTES):
         if kv not in KV_CACHES:
             raise RequestError(f"unknown KV cache {kv!r} (choose from {', '.join(KV_CACHES)})")
         rank, group = collectives.join(tp)  # before reading the file: a tp run that was not launched fails at once
@@ -68,10 +73,33 @@ class Engine:
         self.kv_width = self.shard.n_kv_heads * self.args.head_dim  # this rank's KV heads
         self.model = arch.Model(backend, self.gguf, self.args, self.shard)
         self.decode_step = DecodeStep(self.model)
+        self.prompt_cache = None  # prefix blocks on disk (prompt_cache.py), for the paged cache
+        if prompt_cache_dir is not None:
+            if kv != "paged":
+                raise RequestError(f"a prompt cache directory needs the paged KV cache (kv='paged'), not {kv!r}")
+            self.prompt_cache = DiskPrefixCache(prompt_cache_dir, prompt_cache_size, self.prompt_cache_identity(),
+                                                self.args.n_layers, PagedKVCache.BLOCK_SIZE, self.kv_width)
+
+    def prompt_cache_identity(self) -> bytes:
+        """What decides a KV block's values, which names its files on disk: the model file's digest, the
+        engine's version, the backend with its kernels and threads, the prefill chunk (a row's bits may
+        depend on it), this rank's share and the cache's shapes (float32)."""
+        try:
+            version = metadata.version("mlxinfer")
+        except metadata.PackageNotFoundError:
+            version = "unknown"
+        h = hashlib.sha256(self.gguf.digest())
+        b = self.backend
+        for part in (version, b.describe(), b.attention, b.kernel, self.prefill_chunk, self.shard.rank,
+                     self.shard.size, self.args.n_layers, self.kv_width, PagedKVCache.BLOCK_SIZE, "float32"):
+            h.update(b"\0" + str(part).encode())
+        return h.digest()
 
     # -- what a request is made of ---------------------------------------------------------------
     def new_cache(self, **options):
         """A KV cache of this engine's kind for its model (options: the cache class's own)."""
+        if self.prompt_cache is not None:
+            options.setdefault("disk", self.prompt_cache)
         return KV_CACHES[self.kv](self.backend, self.args.n_layers, self.kv_width, **options)
 
     def new_loop(self, cache=None, on_forward: Callable[[str], None] | None = None) -> Loop:
@@ -288,7 +316,8 @@ def _events(loop: Loop) -> Iterator:
 
 def load(model: str | os.PathLike | None = None, backend: str = "auto", attention: str = "fused",
          device: str | None = None, kernel: str | None = None, kv: str = "prealloc",
-         prefill_chunk: int | None = None, threads: int | None = None, tp: int = 1) -> Engine:
+         prefill_chunk: int | None = None, threads: int | None = None, tp: int = 1, prompt_cache_dir=None,
+         prompt_cache_size: int = DEFAULT_PROMPT_CACHE_BYTES) -> Engine:
     """Load a GGUF model (None: the default SmolLM2-135M-Instruct) onto a backend.
 
     backend: "auto" (MLX where it has a GPU, Metal or CUDA; else the CPU reference), "cpu" or "mlx".
@@ -299,8 +328,10 @@ def load(model: str | os.PathLike | None = None, backend: str = "auto", attentio
     threads, or on MLX's CPU device the threads its large quantized weight products and its attention
     are cut over (default: the cores not already busy, at most cores // tp; None on a GPU). tp: ranks
     of a tensor-parallel run (mlxinfer.models.shard); the process must be one of `tp` started by
-    mlx.launch."""
+    mlx.launch. prompt_cache_dir: a directory where the paged cache (kv="paged") keeps full prompt
+    blocks across runs, at most prompt_cache_size bytes (least recently used removed first)."""
     collectives.join(tp)  # a tp run that was not launched fails before anything is loaded
     ops = make_backend(backend, attention, device, kernel, threads, ranks=tp)  # the ranks share the cores
     path = resolve_model(model)
-    return Engine(path, ops, kv=kv, prefill_chunk=prefill_chunk, tp=tp)
+    return Engine(path, ops, kv=kv, prefill_chunk=prefill_chunk, tp=tp, prompt_cache_dir=prompt_cache_dir,
+                  prompt_cache_size=prompt_cache_size)

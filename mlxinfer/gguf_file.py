@@ -12,6 +12,7 @@ actually there before anything is allocated, and every problem raises `GGUFError
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import struct
@@ -218,6 +219,23 @@ class GGUFFile:
     Tensor bytes are never read until `raw(name)` / `dequantize(name)` is called, and then only that
     tensor's pages are touched.
     """
+
+    DIGEST_HEAD = 64 << 20  # a vocabulary of 150,000 tokens and its merges are ~10 MB of metadata
+    DIGEST_TAIL = 1 << 20
+
+    def digest(self) -> bytes:
+        """SHA-256 of the file's size, its header (the metadata and tensor table, up to DIGEST_HEAD) and its
+        last DIGEST_TAIL bytes of tensor data, which a re-quantization or a fine-tune with the same metadata
+        changes too: what tells one model file from another without reading it whole (a 70B file would
+        take minutes)."""
+        h = hashlib.sha256()
+        size = os.path.getsize(self.path)
+        with open(self.path, "rb") as f:
+            h.update(f.read(min(self.data_offset, self.DIGEST_HEAD)))
+            f.seek(max(self.data_offset, size - self.DIGEST_TAIL))
+            h.update(f.read(self.DIGEST_TAIL))
+        h.update(str(size).encode())
+        return h.digest()
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)

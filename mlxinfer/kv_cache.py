@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from .batch import pack_index_arrays, zero_padded
 from .block_manager import BlockManager, prefix_hash
 from .errors import RequestError
@@ -45,6 +47,7 @@ class _Slots:
     """Slot bookkeeping shared by the caches: which slots are in use and how many tokens each holds."""
 
     compiles = False  # implements the compiled decode step's interface (see the module docstring)
+    forks = False  # `fork` gives a slot another's positions without computing them again
 
     def __init__(self):
         self.held: dict[int, int] = {}  # slot -> tokens held
@@ -52,7 +55,11 @@ class _Slots:
 
     def next_slot(self) -> int:
         """The slot `alloc` gives next: the lowest free one."""
-        return next(i for i in range(len(self.held) + 1) if i not in self.held)
+        return self.next_slots(1)[0]
+
+    def next_slots(self, n: int) -> list[int]:
+        """The slots n calls of `alloc` give next."""
+        return [i for i in range(len(self.held) + n) if i not in self.held][:n]
 
     def alloc(self) -> int:
         slot = self.next_slot()
@@ -79,7 +86,7 @@ class _Slots:
         """Announce that `slot` will soon hold `n_tokens` (a prompt): room is made once, not per chunk."""
         self.expected[slot] = n_tokens
 
-    def match_prefix(self, slot: int, prompt) -> int:
+    def match_prefix(self, slot: int, prompt, accept=None) -> int:
         """The prompt tokens a fresh slot already holds from the cache (only the paged cache keeps any)."""
         return 0
 
@@ -99,6 +106,10 @@ class _Slots:
         if not 0 <= n <= self.held.get(slot, -1):
             raise RequestError(f"KV cache slot {slot} holds {self.held.get(slot)} tokens, not {n} or more")
         self.held[slot] = n
+
+    def publish(self, slot: int, tokens) -> None:
+        """Offer a running slot's first positions, written and holding `tokens`, to later prompts (only
+        the paged cache shares any)."""
 
     def check(self, batch) -> None:
         for slot, start in zip(batch.slots, batch.starts):
@@ -337,9 +348,9 @@ class BlockStores:
 class PagedKVCache(_Slots):
     """Fixed-size blocks of `block_size` positions in one pool per layer ([blocks, block_size, KV*D]
     for keys and for values) and, through the `BlockManager`, a block table per slot, so sequences take
-    memory a block at a time and blocks can be shared: a finished sequence's full blocks stay cached and
-    a new sequence whose prompt starts with the same tokens takes them instead of prefilling them again
-    (`match_prefix`). With `max_blocks` the pool never grows past it (the server's memory budget);
+    memory a block at a time and blocks can be shared: a sequence's full prompt blocks, once written
+    (`publish`, while it runs) and after it finishes, are cached, and a new sequence whose prompt starts
+    with the same tokens takes them instead of prefilling them again (`match_prefix`). With `max_blocks` the pool never grows past it (the server's memory budget);
     otherwise it doubles when full.
 
     Attention reads a sequence's keys and values gathered from its blocks (`sequence`), so every
@@ -350,8 +361,10 @@ class PagedKVCache(_Slots):
     BLOCK_SIZE = 16
 
     def __init__(self, ops, n_layers: int, width: int, step: int = 0, block_size: int = BLOCK_SIZE,
-                 max_blocks: int | None = None, hash_fn=prefix_hash):
+                 max_blocks: int | None = None, hash_fn=prefix_hash, disk=None):
+        """disk: a `prompt_cache.DiskPrefixCache` where full prompt blocks are kept across restarts."""
         super().__init__()
+        self.disk = disk
         self.ops, self.n_layers, self.width, self.block_size = ops, n_layers, width, block_size
         self.keys: list = [None] * n_layers
         self.values: list = [None] * n_layers
@@ -372,12 +385,15 @@ class PagedKVCache(_Slots):
         self.blocks.new_table(slot)
         return slot
 
-    def match_prefix(self, slot: int, prompt) -> int:
+    def match_prefix(self, slot: int, prompt, accept=None) -> int:
         """Give a fresh slot the cached blocks its prompt starts with (leaving at least one prompt token
-        to prefill); returns the tokens it now holds."""
+        to prefill, and no more than `accept(tokens)` allows); returns the tokens it now holds."""
         if self.held[slot]:
             raise RequestError(f"KV cache slot {slot} is not fresh")
-        self.held[slot] = self.blocks.match_prefix(slot, prompt)
+        accept = accept or (lambda held: True)
+        self.held[slot] = self.blocks.match_prefix(slot, prompt, accept)
+        if self.disk is not None:
+            self.held[slot] = self._load_blocks(slot, list(prompt), self.held[slot], accept)
         return self.held[slot]
 
     def resume(self, slot: int, tokens, prompt) -> tuple[int, int]:
@@ -387,10 +403,85 @@ class PagedKVCache(_Slots):
         slot = self.alloc()
         return slot, self.match_prefix(slot, prompt)
 
+    def _load_blocks(self, slot: int, prompt: list, held: int, accept) -> int:
+        """After the blocks found in memory, those the disk keeps for the prompt's next positions (one
+        token always left to prefill, and no more than `accept` allows): read into fresh blocks and
+        published, as if prefilled here. Returns the tokens the slot now holds."""
+        bs = self.block_size
+        ends = []  # the ends of the blocks kept, consecutive from `held`
+        for end in range(held + bs, len(prompt), bs):
+            if not self.disk.has(prompt[:end]):
+                break
+            ends.append(end)
+        while ends and not accept(ends[-1]):
+            ends.pop()
+        found = []
+        for end in ends:
+            block = self.disk.load(prompt[:end])
+            if block is None:  # (corrupt: one warning, a miss)
+                break
+            found.append(block)
+        while found and not accept(held + len(found) * bs):
+            found.pop()
+        if not found:
+            return held
+        try:
+            self.blocks.extend(slot, held + len(found) * bs)
+        except RequestError:  # no room in the pool now: prefill them instead
+            return held
+        ops, stacked = self.ops, np.concatenate(found, axis=2)  # [2, layers, n * block, width]
+        blocks, offsets = self.blocks.targets(slot, held, len(found) * bs)
+        blocks, offsets = ops.index_array(blocks), ops.index_array(offsets)
+        for kv, stores in zip(stacked, (self.keys, self.values)):
+            for layer, rows in enumerate(kv):
+                stores[layer] = ops.scatter_rows(stores[layer], blocks, offsets, ops.from_numpy(rows))
+        held += len(found) * bs
+        self.blocks.publish(slot, prompt[:held])
+        return held
+
+    def _save_blocks(self, slot: int, tokens: list) -> None:
+        """Keep the slot's full blocks of `tokens` (its prompt's, written) on disk, those not kept yet."""
+        bs, table = self.block_size, self.blocks.tables[slot]
+        ends = [e for e in range(bs, len(tokens) + 1, bs) if not self.disk.has(tokens[:e])]
+        if not ends:
+            return
+        ops = self.ops
+        rows = ops.index_array([table[e // bs - 1] * bs + o for e in ends for o in range(bs)])
+        kv = np.stack([np.stack([ops.to_numpy(ops.gather_rows(ops.reshape(store, store.shape[0] * bs, self.width),
+                                                              rows)) for store in stores])
+                       for stores in (self.keys, self.values)])  # [2, layers, n * block, width]
+        for i, end in enumerate(ends):
+            self.disk.save(tokens[:end], kv[:, :, i * bs:(i + 1) * bs])
+
+    forks = True
+
+    def fork(self, src: int, dst: int, n_positions: int) -> None:
+        """A fresh slot `dst` holds the first n_positions of `src` (n choices of one prompt): the full
+        blocks shared, a partial last block copied (each copy then writes its own positions)."""
+        if self.held[dst]:
+            raise RequestError(f"KV cache slot {dst} is not fresh")
+        copy = self.blocks.fork(src, dst, n_positions)
+        if copy is not None:
+            bs, ops = self.block_size, self.ops
+            rows = ops.index_array([copy[0] * bs + o for o in range(bs)])
+            blocks, offsets = ops.index_array([copy[1]] * bs), ops.index_array(list(range(bs)))
+            for stores in (self.keys, self.values):
+                for i, store in enumerate(stores):
+                    read = ops.gather_rows(ops.reshape(store, store.shape[0] * bs, self.width), rows)
+                    stores[i] = ops.scatter_rows(store, blocks, offsets, read)
+        self.held[dst] = n_positions
+
+    def publish(self, slot: int, tokens) -> None:
+        """A running slot's full blocks among its first positions (written, holding `tokens`) are
+        shared with later prompts from now on: their values are final."""
+        self.blocks.publish(slot, tokens)
+
     def release(self, slot: int, tokens=None) -> None:
         """Free a slot. With `tokens` (what its cache rows hold, in order) its full blocks stay cached
         for later prompts that start with the same tokens."""
         held = self.held.get(slot, 0)
+        if tokens is not None and self.disk is not None and slot in self.held:
+            self._save_blocks(slot, list(tokens)[:held])
         super().release(slot)
         self.blocks.release(slot, None if tokens is None else list(tokens)[:held])
 

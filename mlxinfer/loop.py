@@ -88,6 +88,8 @@ class Sequence:
         self.finish: str | None = None
         self.keep = False  # its slot stays held when it finishes (Loop.admit's keep)
         self.batch_size = 1  # the most sequences that were in the loop with it at a pass
+        self.leader: Sequence | None = None  # while a fork waits: the sequence whose prompt it takes
+        self.forks: list[Sequence] = []  # sequences waiting to take this one's prompt (n > 1 choices)
 
     @property
     def prefilling(self) -> bool:
@@ -129,12 +131,18 @@ class Loop:
 
     # -- admit / step / release -----------------------------------------------------------------
     def admit(self, prompt: list[int], params: SamplingParams, max_tokens: int, stop=(), t0: float | None = None,
-              keep: bool = False, after: Sequence | None = None) -> Sequence:
+              keep: bool = False, after: Sequence | None = None, fork_of: Sequence | None = None) -> Sequence:
         """A new sequence, given a cache slot (and the cache's prefix blocks its prompt starts with);
         it joins the next pass. `t0`: when its request arrived (time to first token counts from it).
         `keep`: when it finishes its slot stays held with what it wrote, for a later sequence to continue
         (`after=` it): that one prefills only what its prompt adds past the start they share (a chat's
-        next turn); `forget(seq)` frees a kept slot."""
+        next turn); `forget(seq)` frees a kept slot.
+
+        `fork_of` (another choice of the same request, admitted before it, with the same prompt): on a
+        cache that can fork (paged), this one is not prefilled: when the other's last prompt chunk is
+        launched it takes the other's prompt blocks (full ones shared, the last one copied) and samples
+        its first token from the same logits row with its own parameters and random state; until then
+        it waits. So n choices cost one prefill, and at temperature 0 every choice is the other's."""
         if after is not None:
             if after.finish is None or after.slot not in self.kept:
                 raise ValueError("a sequence continues only a finished sequence admitted with keep=True")
@@ -149,7 +157,14 @@ class Loop:
         rng = None if seed is None else self.ops.new_random(seed)
         seq = Sequence(list(prompt), params, max_tokens, list(stop), slot, seed, rng, self.tokenizer.decode_stream(),
                        time.perf_counter() if t0 is None else t0)
-        seq.cached = seq.cached_tokens = self.cache.match_prefix(slot, seq.prompt) if held is None else held
+        if held is not None:
+            seq.cached = seq.cached_tokens = held
+        elif fork_of is not None and self.cache.forks and fork_of.finish is None and fork_of.prefilling \
+                and fork_of.prompt == seq.prompt:
+            seq.leader = fork_of
+            fork_of.forks.append(seq)
+        else:
+            seq.cached = seq.cached_tokens = self.cache.match_prefix(slot, seq.prompt, self._reusable)
         seq.keep = keep
         self.seqs.append(seq)
         self.admitted += 1
@@ -160,9 +175,16 @@ class Loop:
         pass already in flight for it is read as a wasted row."""
         if seq.finish is None:
             seq.finish = reason
-            self.cache.release(seq.slot, (seq.prompt + seq.out)[:seq.cached])
+            self.cache.release(seq.slot, seq.prompt[:seq.cached])
         if seq in self.seqs:
             self.seqs.remove(seq)
+        if seq.leader is not None:  # a fork still waiting
+            seq.leader.forks.remove(seq)
+            seq.leader = None
+        for fork in seq.forks:  # its forks prefill their prompt themselves (from its cached blocks)
+            fork.leader = None
+            fork.cached = fork.cached_tokens = self.cache.match_prefix(fork.slot, fork.prompt, self._reusable)
+        seq.forks = []
 
     def forget(self, seq: Sequence) -> None:
         """Free the slot a finished sequence admitted with keep=True still holds."""
@@ -224,12 +246,23 @@ class Loop:
                 cache.release(slot)
         return [np.concatenate(r).astype(np.float32, copy=False) for r in rows]
 
+    def _reusable(self, held: int) -> bool:
+        """Whether a prompt may take `held` tokens from cached blocks and still get a cold run's bits:
+        any number, where a prefill row's bits do not depend on the rest of its chunk
+        (`ops.rows_independent`); else a multiple of prefill_chunk, so that every chunk after the prefix
+        is the cold run's own (on numpy a row of `q @ k.T` changes with the chunk's row count). Only
+        prompt rows are shared, never decode rows (one-row products, another BLAS path:
+        docs/determinism.md)."""
+        return self.ops.rows_independent or held % self.prefill_chunk == 0
+
     # -- schedule -------------------------------------------------------------------------------
     def _plan(self) -> list[tuple[Sequence, int]]:
         """The next pass: (sequence, rows) for each sequence that can advance. Decode rows always go;
         prefill chunks go while the pass has room (a waiting sequence keeps its chunk boundaries)."""
         plan, budget = [], self.max_pass_rows
         for s in self.seqs:
+            if s.leader is not None:  # a fork waits for its leader's prompt
+                continue
             if not s.prefilling:
                 if s.sampled < s.max_tokens:
                     plan.append((s, 1))
@@ -263,6 +296,15 @@ class Loop:
             started = (next_index,)  # started with this step's outputs, not left lazy for the next step
         else:
             logits = self.model(ops, ids, batch, cache)
+        forks = [(f, row) for row, s in enumerate(sampled) for f in s.forks]  # take the leader's prompt now
+        for f, row in forks:
+            self.cache.fork(sampled[row].slot, f.slot, len(f.prompt))
+            f.leader, f.cached, f.cached_tokens = None, len(f.prompt), sampled[row].cached_tokens
+        if forks:
+            for s in sampled:
+                s.forks = []
+            logits = ops.gather_rows(logits, ops.index_array(list(range(len(sampled))) + [row for _, row in forks]))
+            sampled = sampled + [f for f, _ in forks]
         step = Pass(sampled)
         if sampled:
             sampler = Sampler([s.params for s in sampled], [s.rng for s in sampled],
@@ -275,8 +317,11 @@ class Loop:
         ops.start(*step.outputs, *started)
         live = len(self.seqs)
         for s, n in plan:
+            prefilled = s.prefilling
             s.cached += n
             s.batch_size = max(s.batch_size, live)
+            if prefilled:  # its full prompt blocks are written (or queued first): later prompts share them
+                cache.publish(s.slot, s.prompt[:s.cached])
         for row, s in enumerate(sampled):
             s.last = (step.tokens, row)
             s.sampled += 1
@@ -353,7 +398,7 @@ class Loop:
         if s.keep:  # held for a sequence that continues it (admit's after=)
             self.kept.add(s.slot)
         else:
-            self.cache.release(s.slot, (s.prompt + s.out)[:s.cached])  # what its cache rows hold
+            self.cache.release(s.slot, s.prompt[:s.cached])  # its prompt's rows: see _reusable
         self.seqs.remove(s)
         metrics = self._metrics(s)
         gen = Generation(s.text, list(s.out), reason, metrics, list(s.prompt), list(s.logprobs), s.seed,

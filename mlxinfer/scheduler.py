@@ -14,7 +14,8 @@ boundaries, so on the cpu backend its floats (and its greedy text) are those it 
 adds what a server needs around the loop: a queue, admission under the batch and memory limits, a
 worker thread, cancellation from other threads, and statistics.
 
-Admission: at most `max_batch` requests run; up to `max_queue` wait (beyond that `submit` raises
+Admission: at most `max_batch` requests run (the n choices of one request, `submit_choices`, count n
+and are admitted together); up to `max_queue` wait (beyond that `submit` raises
 `QueueFull`); with `kv_memory` (bytes) a request waits until the cache, sized for every running request
 at its longest (prompt + max_tokens) and this one, as the cache sizes itself (`nbytes_for`: the
 preallocated cache gives every slot up to the highest in use the longest length rounded up to its step;
@@ -56,6 +57,7 @@ class Request:
     cancelled: bool = False
     seq: Sequence | None = None
     done: bool = False
+    group: list | None = None  # the n choices of one request (this one among them), admitted together
 
     @property
     def cached_tokens(self) -> int:
@@ -104,13 +106,14 @@ class Scheduler:
         self.thread.start()
 
     # -- called from other threads -------------------------------------------------------------
-    def check(self, n_prompt: int, max_tokens: int) -> None:
-        """Raise RequestError where a request can never run (context, or the memory budget)."""
+    def check(self, n_prompt: int, max_tokens: int, n: int = 1) -> None:
+        """Raise RequestError where a request (of n choices) can never run (context, or the memory budget)."""
         self.engine.check_context(n_prompt, max_tokens)
-        need = self.cache.nbytes_for({0: n_prompt + max_tokens})
+        need = self.cache.nbytes_for(dict.fromkeys(range(n), n_prompt + max_tokens))
         if self.kv_memory is not None and need > self.kv_memory:
-            raise RequestError(f"prompt of {n_prompt} tokens plus max_tokens {max_tokens} needs {need} bytes of KV "
-                               f"cache, more than the server's budget of {self.kv_memory}")
+            choices = f" x n {n}" if n > 1 else ""
+            raise RequestError(f"prompt of {n_prompt} tokens plus max_tokens {max_tokens}{choices} needs {need} bytes "
+                               f"of KV cache, more than the server's budget of {self.kv_memory}")
 
     def room(self, n_prompt: int) -> int:
         """The most tokens a prompt of n_prompt tokens can be given: the rest of the context, and under a
@@ -129,8 +132,18 @@ class Scheduler:
         return lo
 
     def submit(self, prompt, params, max_tokens: int, stop, on_event: Callable) -> Request:
-        self.check(len(prompt), max_tokens)
-        req = Request(list(prompt), params, max_tokens, list(stop), on_event)
+        return self.submit_choices(prompt, [params], max_tokens, stop, [on_event])[0]
+
+    def submit_choices(self, prompt, params: list, max_tokens: int, stop, on_events: list) -> list[Request]:
+        """n requests for n choices of one prompt (each its own params and callback): admitted together
+        (they count n against max_batch and the memory budget), prefilled once (`Loop.admit`'s
+        fork_of), each finished or cancelled on its own."""
+        if len(params) > self.max_batch:
+            raise RequestError(f"n {len(params)} is more than the server's max_batch {self.max_batch}")
+        self.check(len(prompt), max_tokens, len(params))
+        reqs = [Request(list(prompt), p, max_tokens, list(stop), cb) for p, cb in zip(params, on_events)]
+        for req in reqs:
+            req.group = reqs
         with self.cv:
             if self.closed:
                 raise SchedulerClosed("the server is shutting down" if self.error is None
@@ -138,11 +151,11 @@ class Scheduler:
             # the queue holds max_queue requests beyond those the batch is about to take: requests that
             # arrive together at an idle server wait for the worker to admit them, not a 429
             room = self.max_queue + max(0, self.max_batch - len(self.running))
-            if len(self.waiting) >= room:
+            if len(self.waiting) + len(reqs) > room:
                 raise QueueFull(f"{len(self.waiting)} requests are already waiting (max_queue {self.max_queue})")
-            self.waiting.append(req)
+            self.waiting.extend(reqs)
             self.cv.notify()
-        return req
+        return reqs
 
     def cancel(self, req: Request) -> None:
         """Stop a request: a waiting one leaves the queue now, a running one's slot is released before
@@ -176,14 +189,16 @@ class Scheduler:
         self.thread.join(timeout)
 
     # -- the worker ----------------------------------------------------------------------------
-    def _fits(self, req: Request) -> bool:
+    def _fits(self, reqs: list[Request]) -> bool:
         """Whether the cache, sized as it sizes itself (whole blocks, or every slot as long as the longest
-        sequence rounded up to its step), holds every running request at its longest and this one too
-        (cached prefix blocks can be evicted, so they count as free)."""
+        sequence rounded up to its step), holds every running request at its longest and these too
+        (cached prefix blocks can be evicted, so they count as free; choices' shared blocks count once
+        per choice: an upper bound)."""
         if self.kv_memory is None:
             return True
         lengths = {r.seq.slot: len(r.prompt) + r.max_tokens for r in self.running}
-        lengths[self.cache.next_slot()] = len(req.prompt) + req.max_tokens
+        for slot, req in zip(self.cache.next_slots(len(reqs)), reqs):
+            lengths[slot] = len(req.prompt) + req.max_tokens
         return self.cache.nbytes_for(lengths) <= self.kv_memory
 
     def _admit(self) -> None:
@@ -191,13 +206,17 @@ class Scheduler:
         for req in [r for r in self.running if r.cancelled]:
             self._end(req, "cancelled")
         while self.waiting and len(self.running) < self.max_batch:
-            req = self.waiting[0]
-            if not self._fits(req):
+            group = [r for r in self.waiting if r.group is self.waiting[0].group]  # (its choices not cancelled)
+            if len(self.running) + len(group) > self.max_batch or not self._fits(group):
                 break
-            self.waiting.popleft()
-            req.seq = self.loop.admit(req.prompt, req.params, req.max_tokens, req.stop, t0=req.submitted)
-            self.by_seq[id(req.seq)] = req
-            self.running.append(req)
+            first = None
+            for req in group:
+                self.waiting.remove(req)
+                req.seq = self.loop.admit(req.prompt, req.params, req.max_tokens, req.stop, t0=req.submitted,
+                                          fork_of=first)
+                first = first or req.seq
+                self.by_seq[id(req.seq)] = req
+                self.running.append(req)
 
     def _end(self, req: Request, reason: str) -> None:
         """A request leaves the batch without a FinishEvent from the loop (cancelled, or an error)."""

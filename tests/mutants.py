@@ -46,6 +46,7 @@ T_MORDER = "tests/test_metal_order.py"
 T_MCHECK = "tests/test_metal_selfcheck.py"
 T_PPL = "tests/test_perplexity.py"
 T_PAGE = "tests/test_page.py"
+T_PREFIX = "tests/test_prefix.py"
 
 CPU = "mlxinfer/backends/cpu.py"
 MLX = "mlxinfer/backends/mlx.py"
@@ -73,7 +74,6 @@ SRV_ERRORS = "mlxinfer/server/errors.py"
 SRV_BODY = "mlxinfer/server/body_limit.py"
 SRV_METRICS = "mlxinfer/server/metrics.py"
 SRV_SCHEMAS = "mlxinfer/server/schemas.py"
-SRV_FP = "mlxinfer/server/fingerprint.py"
 SRV_REASONING = "mlxinfer/server/reasoning.py"
 PAGE_APP = "mlxinfer/server/static/app.js"
 PAGE_MD = "mlxinfer/server/static/markdown.js"
@@ -89,6 +89,7 @@ T_QUANT = "tests/test_quants.py"
 T_QBITS = "tests/test_quants.py::test_kept_weights_dequantize_to_gguf_py_bit_for_bit"
 T_QMEM = "tests/test_quants.py::test_memory_after_loading_is_within_1_15x_of_the_file"
 PPL = "mlxinfer/perplexity.py"
+PCACHE = "mlxinfer/prompt_cache.py"
 
 ONLINE_SOFTMAX = '''
 
@@ -544,6 +545,75 @@ M = [
     ("paged-shared-left-in-lru", "positions/KV", BLOCKS,
      [("            self.lru.pop(bid, None)\n", "")],
      [T_BM], "paged cache: a cached block taken by a prompt stays evictable while in use"),
+    ("prefix-partial-block-published", "positions/KV", BLOCKS,
+     [("for i in range(done, min(len(tokens) // b, len(table))):",
+       "for i in range(done, min(-(-len(tokens) // b), len(table))):")],
+     [T_BM], "prefix sharing: a running sequence's block made findable before it is full"),
+    ("prefix-running-decode-rows-shared", "positions/KV", LOOP,
+     [("            if prefilled:  # its full prompt blocks are written (or queued first): later prompts share them\n"
+       "                cache.publish(s.slot, s.prompt[:s.cached])",
+       "            cache.publish(s.slot, (s.prompt + s.out)[:s.cached])")],
+     [T_PREFIX], "prefix sharing: a running sequence's decode rows shared with a prompt that extends its answer"),
+    ("prefix-cancel-keeps-shared-refs", "positions/KV", LOOP,
+     [("        if seq.finish is None:\n            seq.finish = reason\n",
+       "        if seq.finish is None and not seq.cached_tokens:\n            seq.finish = reason\n")],
+     [T_PREFIX], "prefix sharing: a cancelled sequence that shares blocks keeps its references (and slot)"),
+    ("prefix-reused-anywhere", "positions/KV", LOOP,
+     [("return self.ops.rows_independent or held % self.prefill_chunk == 0", "return True")],
+     [T_PREFIX], "prefix sharing on numpy: a cached prefix taken mid-chunk (other bits than a cold run)"),
+    ("prefix-decode-rows-shared", "positions/KV", LOOP,
+     [("self.cache.release(s.slot, s.prompt[:s.cached])  # its prompt's rows", "self.cache.release(s.slot, (s.prompt + s.out)[:s.cached])  # its prompt's rows")],
+     [T_PREFIX], "prefix sharing: a finished sequence's decode rows (one-row products) cached for later prompts"),
+    ("n-fork-orphan-not-matched", "server", LOOP,
+     [("            fork.cached = fork.cached_tokens = self.cache.match_prefix(fork.slot, fork.prompt, self._reusable)\n", "")],
+     [T_PREFIX], "n > 1: the first choice cancelled mid-prefill: the others prefill again what it wrote"),
+    ("n-choices-not-forked", "server", LOOP,
+     [("if fork_of is not None and self.cache.forks and", "if False and fork_of is not None and self.cache.forks and")],
+     [T_PREFIX], "n > 1: every choice prefills the prompt itself (no block shared between the choices)"),
+    ("n-fork-partial-block-shared", "positions/KV", BLOCKS,
+     [("table, full = self.tables[dst], n_positions // self.block_size",
+       "table, full = self.tables[dst], -(-n_positions // self.block_size)")],
+     [T_PREFIX], "n > 1: a fork shares the prompt's partial last block (then writes its own tokens over the others')"),
+    ("n-fork-cancel-orphans", "server", LOOP,
+     [("            fork.leader = None\n", "")],
+     [T_PREFIX], "n > 1: the first choice cancelled before its prefill leaves the others waiting for it forever"),
+    ("n-choices-same-seed", "server", SRV_ROUTES,
+     [("replace(params, seed=params.seed + i)", "params")],
+     [T_SRV], "n > 1 with a seed: every choice samples with the same seed (n copies of one answer)"),
+    ("n-usage-prompt-per-choice", "server", SRV_ROUTES,
+     [("use = usage_object(job.prompt_tokens, sum(map(len, tokens)), job.cached_tokens)",
+       "use = usage_object(job.prompt_tokens * n, sum(map(len, tokens)), job.cached_tokens)")],
+     [T_SRV], "n > 1: usage counts the prompt once per choice"),
+    ("n-budget-counts-one-choice", "server", SCHED,
+     [("dict.fromkeys(range(n), n_prompt + max_tokens)", "{0: n_prompt + max_tokens}")],
+     [T_SRV], "n > 1: the memory budget checks one choice, and n that cannot fit wait forever"),
+    ("n-stream-index-zero", "server", SRV_ROUTES,
+     [("first[i], reasoning, index=i))}\n            sent[i]", "first[i], reasoning))}\n            sent[i]")],
+     [T_SRV], "n > 1: streamed chunks all say index 0"),
+    ("pcache-key-ignores-model", "server", ENG,
+     [("h = hashlib.sha256(self.gguf.digest())", "h = hashlib.sha256()")],
+     [T_PREFIX], "prompt cache on disk: blocks named without the model file's digest (another model reads them)"),
+    ("pcache-key-ignores-backend", "server", ENG,
+     [("for part in (version, b.describe(), b.attention, b.kernel, self.prefill_chunk,",
+       "for part in (version, self.prefill_chunk,")],
+     [T_PREFIX], "prompt cache on disk: blocks named without the backend (numpy's read by MLX and back)"),
+    ("pcache-checksum-not-checked", "server", PCACHE,
+     [('else "corrupt (checksum)" if hashlib.sha256(body).digest() != data[40:72] else None)',
+       'else None)')],
+     [T_PREFIX], "prompt cache on disk: a corrupt block file read as if whole (wrong values)"),
+    ("pcache-no-eviction", "server", PCACHE,
+     [("            if total <= self.max_bytes:\n                break", "            if True:\n                break")],
+     [T_PREFIX], "prompt cache on disk: the directory grows past --prompt-cache-size"),
+    ("pcache-evicts-most-recent", "server", PCACHE,
+     [("for _, size, path in sorted(files):", "for _, size, path in sorted(files, reverse=True):")],
+     [T_PREFIX], "prompt cache on disk: evicts the most recently used block files"),
+    ("pcache-hit-not-touched", "server", PCACHE,
+     [("            os.utime(path)  # most recently used\n", "            pass\n")],
+     [T_PREFIX], "prompt cache on disk: a block read back stays as old as when it was written (evicted first)"),
+    ("pcache-not-loaded", "server", KV,
+     [("            self.held[slot] = self._load_blocks(slot, list(prompt), self.held[slot], accept)\n",
+       "            pass\n")],
+     [T_PREFIX, T_SRV], "prompt cache on disk: blocks written, never read back"),
     ("prompt-id-vocab-size-accepted", "hardening", ENG,
      [("bad = [i for i in ids if not 0 <= i < self.args.vocab_size]", "bad = [i for i in ids if not 0 <= i <= self.args.vocab_size]")],
      [T_GEN], "a prompt id equal to vocab_size accepted (the embedding gather reads past the table)"),
@@ -568,7 +638,7 @@ M = [
      [T_SRV, T_KVC], "scheduler: the prealloc budget counts running requests x longest tokens, not the cache's "
                      "slots and step rounding (1.7x over --kv-memory)"),
     ("srv-prefix-not-used", "server", LOOP,
-     [("seq.cached = seq.cached_tokens = self.cache.match_prefix(slot, seq.prompt)", "pass")],
+     [("seq.cached = seq.cached_tokens = self.cache.match_prefix(slot, seq.prompt, self._reusable)", "pass")],
      [T_SRV], "scheduler never reuses cached prefixes"),
     ("kernel-dot-butterfly-order", "kernels", KERN,
      [("return _butterfly(partial, DOT_BUTTERFLY)", "return _butterfly(partial, DOT_BUTTERFLY[::-1])")],
@@ -817,8 +887,8 @@ M = [
      [("want_logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0)",
        "want_logprobs=body.logprobs, top_logprobs=0)")],
      [T_SRV + "::test_top_logprobs_in_chat_and_completions"], "server: chat's top_logprobs dropped"),
-    ("srv-fingerprint-ignores-tensor-data", "server", SRV_FP,
-     [("        h.update(f.read(TAIL_BYTES))", "        f.read(TAIL_BYTES)")],
+    ("srv-fingerprint-ignores-tensor-data", "server", GGUF,
+     [("            h.update(f.read(self.DIGEST_TAIL))", "            f.read(self.DIGEST_TAIL)")],
      [T_SRV + "::test_the_fingerprint_follows_the_file_version_and_kernels"],
      "server: system_fingerprint blind to the tensor data (the header only)"),
     ("srv-fingerprint-not-in-chunks", "server", SRV_SCHEMAS,

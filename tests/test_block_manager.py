@@ -1,5 +1,6 @@
 """The paged cache's bookkeeping (`mlxinfer.block_manager`) driven by random sequences of admissions,
-decode steps and releases, several sequences live at once and sharing cached prefix blocks, checked after
+decode steps, publications (a running sequence's written blocks made findable) and releases, several
+sequences live at once and sharing cached prefix blocks (finished or still running ones'), checked after
 every step against a model of what each block holds.
 
 The model writes each token into the (block, offset) the manager names for it; after every operation
@@ -69,6 +70,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.live[slot].append(token)
 
     @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def publish(self, data):
+        """A running sequence's written full blocks become findable (the loop does this after each
+        prefill chunk): later prompts share them while it still runs."""
+        slot = data.draw(st.sampled_from(sorted(self.live)))
+        self.m.publish(slot, self.live[slot])
+
+    @precondition(lambda self: self.live)
     @rule(data=st.data(), keep=st.booleans())
     def release(self, data, keep):
         slot = data.draw(st.sampled_from(sorted(self.live)))
@@ -104,6 +113,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert block.key is not None and m.cached[block.key] == bid
         for key, bid in m.cached.items():
             assert m.blocks[bid].key == key
+            # findable blocks (running sequences' too) are full and hold exactly their tokens
+            assert self.pool[bid] == list(m.blocks[bid].tokens), f"block {bid} is findable before it is written"
         assert m.n_blocks <= MAX_BLOCKS
 
 

@@ -215,15 +215,18 @@ def test_prefix_reuse_skips_the_cached_prompt_blocks(served, engine):
                                                   max_tokens=8, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = again.usage.prompt_tokens_details.cached_tokens
-    assert cached == (n_prompt - 1) // 16 * 16 and cached >= 48  # whole blocks, one prompt token left to prefill
+    # whole blocks, one prompt token left to prefill; on numpy only whole prefill chunks (512: none here),
+    # where a cold run's bits need them (Loop._reusable)
+    exact = engine.backend.rows_independent
+    assert cached == ((n_prompt - 1) // 16 * 16 if exact else 0) and (cached >= 48 or not exact)
     assert again.choices[0].message.content == first.choices[0].message.content
-    assert other.usage.prompt_tokens_details.cached_tokens >= 32  # the shared system prompt's blocks
+    assert (other.usage.prompt_tokens_details.cached_tokens >= 32) == exact  # the shared system prompt's blocks
     assert served.scheduler.stats()["prefix_hit_tokens"] - hits == cached + other.usage.prompt_tokens_details.cached_tokens
     metrics = httpx.get(served.url + "/metrics").text
     assert 'mlxinfer_kv_blocks{state="cached"}' in metrics and "mlxinfer_prompt_tokens_cached_total" in metrics
 
 
-def test_metrics_split_prompt_tokens_as_usage_does(served):
+def test_metrics_split_prompt_tokens_as_usage_does(served, engine):
     """/metrics counts a request's prompt tokens as the usage reports them: those prefilled, and those
     the prefix cache served."""
     names = ("mlxinfer_prompt_tokens_total", "mlxinfer_prompt_tokens_cached_total")
@@ -239,7 +242,7 @@ def test_metrics_split_prompt_tokens_as_usage_does(served):
           for _ in range(2)]
     after = counters()
     cached = sum(r.usage.prompt_tokens_details.cached_tokens for r in rs)
-    assert cached >= 48  # the second request took the first one's blocks
+    assert cached >= 48 or not engine.backend.rows_independent  # the second request took the first one's blocks
     assert after["mlxinfer_prompt_tokens_cached_total"] - before["mlxinfer_prompt_tokens_cached_total"] == cached
     prefilled = sum(r.usage.prompt_tokens for r in rs) - cached
     assert after["mlxinfer_prompt_tokens_total"] - before["mlxinfer_prompt_tokens_total"] == prefilled
@@ -285,7 +288,9 @@ def test_a_client_that_leaves_a_busy_request_frees_its_slot(served, slow_passes)
     ({"model": MODEL, "prompt": "hi", "max_tokens": 10_000}, 400, "context length"),
     ({"model": MODEL, "prompt": ""}, 400, "empty prompt"),
     ({"model": MODEL, "prompt": [9999]}, 400, "outside the vocabulary"),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n must be 1"),
+    ({"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 9}, 400, "n 9 is more than the server's max_batch 8"),
     ({"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias keys are token ids"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"9999": 1}}, 400, "outside the vocabulary"),
@@ -380,6 +385,103 @@ def test_kv_memory_budget(engine):
                                                  or chat.usage.total_tokens == 32)
     finally:
         s.stop()
+
+
+def test_n_choices_greedy_are_the_single_answer_and_count_the_prompt_once(served, engine):
+    """n = 3 at temperature 0: three choices, each the n = 1 answer (text and logprobs), indexes 0..2;
+    usage counts the prompt once and every choice's tokens; streamed, each chunk names its choice and
+    each choice's text is the same."""
+    one = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, logprobs=True)
+    three = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, n=3,
+                                                  logprobs=True)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    for c in three.choices:
+        assert c.message.content == one.choices[0].message.content
+        assert [t.logprob for t in c.logprobs.content] == [t.logprob for t in one.choices[0].logprobs.content]
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    texts, usage = ["", ""], None
+    for ch in served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, n=2,
+                                                    stream=True, stream_options={"include_usage": True}):
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+        usage = ch.usage or usage
+    assert texts == [one.choices[0].message.content] * 2
+    assert usage.completion_tokens == 2 * one.usage.completion_tokens and usage.prompt_tokens == one.usage.prompt_tokens
+    st = served.idle()
+    assert (st["slots_in_use"], st["blocks_used"]) == (0, 0)
+
+
+def test_n_choices_sampled_with_a_seed_are_each_reproducible(served):
+    """n = 3 at temperature 0.9 with seed 5: choice i is the n = 1 request with seed 5 + i (so the
+    choices differ from each other), on completions, streamed or not."""
+    body = dict(model=MODEL, prompt=LONG, max_tokens=16, temperature=0.9)
+    alone = [served.client.completions.create(seed=5 + i, **body).choices[0].text for i in range(3)]
+    assert len(set(alone)) > 1
+    many = served.client.completions.create(seed=5, n=3, **body)
+    assert [c.text for c in sorted(many.choices, key=lambda c: c.index)] == alone
+    streamed = ["", "", ""]
+    for ch in served.client.completions.create(seed=5, n=3, stream=True, **body):
+        for c in ch.choices:
+            streamed[c.index] += c.text
+    assert streamed == alone
+
+
+def test_n_choices_count_against_the_memory_budget(engine):
+    """Under a budget of 3 blocks, n = 2 choices of 2 blocks each cannot run: 400 naming the budget;
+    n = 3 choices of one block each run."""
+    per_token = 2 * 2 * 2 * 32 * 4
+    s = Served(engine, kv_memory=per_token * 48)
+    try:
+        with pytest.raises(openai.BadRequestError, match="budget"):
+            s.client.completions.create(model=MODEL, prompt=LONG, max_tokens=20, n=2)
+        ok = s.client.completions.create(model=MODEL, prompt=LONG, max_tokens=14, n=3, temperature=0)
+        assert len({c.text for c in ok.choices}) == 1 and len(ok.choices) == 3
+    finally:
+        s.stop()
+
+
+def test_prompt_cache_dir_serves_a_restarted_server(engine, tmp_path):
+    """--prompt-cache-dir: a chat after a restart takes the prompt blocks the server before it kept on
+    disk (`cached_tokens`), with the same text and logprobs."""
+    messages = [{"role": "system", "content": " ".join(f"rule {i}: be exact." for i in range(5))},
+                {"role": "user", "content": "hello there"}]
+    n_prompt = len(engine.encode_prompt(messages))
+    answers = []
+    for _ in range(2):
+        restarted = mlxinfer.load(engine.path, backend=engine.backend.name, kv="paged", prefill_chunk=16,
+                                  prompt_cache_dir=tmp_path / "pc", prompt_cache_size=10 << 20)
+        s = Served(restarted)
+        try:
+            answers.append(s.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                                            temperature=0, logprobs=True))
+        finally:
+            s.stop()
+    assert answers[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert answers[1].usage.prompt_tokens_details.cached_tokens == (n_prompt - 1) // 16 * 16 >= 48
+    assert answers[1].choices[0].message.content == answers[0].choices[0].message.content
+    assert [t.logprob for t in answers[1].choices[0].logprobs.content] == \
+        [t.logprob for t in answers[0].choices[0].logprobs.content]
+
+
+def test_cli_serve_prompt_cache_options(tmp_path):
+    import subprocess
+    import sys
+
+    for extra, fragment in ((["--prompt-cache-size", "100"], "--prompt-cache-size needs --prompt-cache-dir"),
+                            (["--prompt-cache-dir", str(tmp_path), "--prompt-cache-size", "0"], "positive"),
+                            (["--prompt-cache-dir", str(tmp_path), "--kv", "prealloc"], "paged")):
+        r = subprocess.run([sys.executable, "-m", "mlxinfer", "serve", "--port", str(_free_port()), "--backend", "cpu",
+                            "--model", str(_model_file(tmp_path)), *extra], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1 and fragment in r.stderr, r.stderr
+
+
+def _model_file(tmp_path):
+    from mlxinfer.synthetic import write_synthetic_model
+
+    path = tmp_path / MODEL
+    return path if path.exists() else write_synthetic_model(path, **SHAPE)
 
 
 def test_cli_serve_bad_options(tmp_path):

@@ -12,8 +12,8 @@ sse-starlette, metrics through prometheus_client) over the continuous-batching s
 Options per request (schemas.py lists every field, and those accepted that change nothing): max_tokens
 (default: completions 16, as OpenAI's; chat the rest of the context, so a turn ends on its
 end-of-generation token), temperature (default 1.0, as OpenAI), top_p, top_k, min_p,
-repetition_penalty, presence_penalty, frequency_penalty, logit_bias, seed, stop (text or list), n (only
-1), logprobs and top_logprobs (up to 20), stream, stream_options.include_usage. The `model` a request
+repetition_penalty, presence_penalty, frequency_penalty, logit_bias, seed, stop (text or list), n (up
+to 16 choices, prefilled once, choice i seeded seed + i), logprobs and top_logprobs (up to 20), stream, stream_options.include_usage. The `model` a request
 names is not checked: one model is served (as llama-server). Messages: system, developer (as system),
 user, assistant; content as text or a list of text parts. Every response carries `system_fingerprint`
 (fingerprint.py). A chat turn's `<think>` text is `reasoning_content` (reasoning.py; --reasoning), and

@@ -8,7 +8,7 @@ is cancelled when the answer ends, so a client that went away frees its KV slot 
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 from fastapi.responses import PlainTextResponse
@@ -47,17 +47,27 @@ class ServerState:
 
 @dataclass(frozen=True)
 class Job:
-    """A request submitted to the scheduler, and what its answer needs."""
+    """A request submitted to the scheduler (one scheduler request per choice), and what its answer
+    needs. `events` receives (choice index, event)."""
 
     scheduler: Scheduler
-    req: Submitted
+    reqs: list[Submitted]
     events: asyncio.Queue
     prompt_tokens: int
     chat: bool
     want_logprobs: bool
     rid: str
     top_logprobs: int  # alternatives reported beside each token
-    splitter: ReasoningSplitter | None  # a chat turn's reasoning and content, where the server splits them
+    splitters: list  # per choice, a chat turn's reasoning and content splitter (None: not split)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens taken from the prefix cache (the first choice's: the others take its prompt)."""
+        return self.reqs[0].cached_tokens
+
+    def cancel(self) -> None:
+        for req in self.reqs:
+            self.scheduler.cancel(req)
 
 
 # -- the routes, each mounted at its path by app.create_app --------------------------------------
@@ -158,39 +168,44 @@ def sampling_params(state: ServerState, body: Options, top_logprobs: int) -> Sam
 def submit(request: Request, body: Options, prompt_ids: list[int], chat: bool, want_logprobs: bool,
            top_logprobs: int) -> Job:
     state = request.app.state.server
-    if body.n != 1:
-        raise ApiError(400, f"n must be 1, got {body.n}", param="n")
     try:
         stop = stop_strings(body.stop)
     except RequestError as e:
         raise ApiError(400, str(e), param="stop") from None
     params = sampling_params(state, body, top_logprobs)
+    # choice i samples with seed + i: reproducible one by one, and not n copies of one sample
+    choices = [params if i == 0 or params.seed is None or params.seed < 0 else replace(params, seed=params.seed + i)
+               for i in range(body.n)]
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+    def deliver(i: int):
+        return lambda ev: loop.call_soon_threadsafe(events.put_nowait, (i, ev))
     try:
         scheduler = running_scheduler(request)
         max_tokens = max_tokens_of(scheduler, body, len(prompt_ids), chat)
-        req = scheduler.submit(prompt_ids, params, max_tokens, stop,
-                               lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        reqs = scheduler.submit_choices(prompt_ids, choices, max_tokens, stop, [deliver(i) for i in range(body.n)])
     except QueueFull as e:
         raise ApiError(429, str(e), "rate_limit_error", headers={"Retry-After": "1"}) from None
     except SchedulerClosed as e:
         raise ApiError(503, str(e), "server_error", headers={"Retry-After": "1"}) from None
     except RequestError as e:
-        raise ApiError(400, str(e)) from None
-    splitter = None
+        raise ApiError(400, str(e), param="n" if str(e).startswith("n ") else None) from None
+    splitters = [None] * body.n
     if chat and state.reasoning:
-        splitter = ReasoningSplitter(prompt_opens_reasoning(state.engine.tokenizer.decode(prompt_ids[-8:])))
-    return Job(scheduler, req, events, len(prompt_ids), chat, want_logprobs, response_id(chat), top_logprobs,
-               splitter)
+        opens = prompt_opens_reasoning(state.engine.tokenizer.decode(prompt_ids[-8:]))
+        splitters = [ReasoningSplitter(opens) for _ in range(body.n)]
+    return Job(scheduler, reqs, events, len(prompt_ids), chat, want_logprobs, response_id(chat), top_logprobs,
+               splitters)
 
 
-def split(job: Job, text: str, last: bool = False) -> tuple[str, str]:
-    """(reasoning, content) of some text of the answer; `last`: the end of the turn (nothing held)."""
-    if job.splitter is None:
+def split(job: Job, i: int, text: str, last: bool = False) -> tuple[str, str]:
+    """(reasoning, content) of some text of choice i's answer; `last`: the end of the turn (nothing held)."""
+    splitter = job.splitters[i]
+    if splitter is None:
         return "", text
-    reasoning, content = job.splitter.feed(text)
+    reasoning, content = splitter.feed(text)
     if last:
-        r, c = job.splitter.finish()
+        r, c = splitter.finish()
         reasoning, content = reasoning + r, content + c
     return reasoning, content
 
@@ -223,72 +238,88 @@ async def answer(request: Request, state: ServerState, body: Options, prompt_ids
 
 
 async def stream(state: ServerState, job: Job, include_usage: bool):
-    """The SSE events of a streamed request: a chunk per token, the finishing chunk (with any text held
-    back for a stop string), the usage if asked, then [DONE]; a request that ended otherwise (the
-    scheduler stopped) ends its stream with an error object."""
-    n_tokens, first, sent = 0, True, 0  # sent: characters of text streamed so far
+    """The SSE events of a streamed request: a chunk per token (with its choice's `index`), each
+    choice's finishing chunk (with any text held back for a stop string), the usage if asked (the
+    prompt once, every choice's tokens), then [DONE]; a request that ended otherwise (the scheduler
+    stopped) ends its stream with an error object."""
+    n = len(job.reqs)
+    n_tokens, first, sent, left = 0, [True] * n, [0] * n, n  # sent: characters of text streamed so far
     try:
         while True:
-            ev = await job.events.get()
+            i, ev = await job.events.get()
             if isinstance(ev, FinishEvent):
-                state.metrics.record(ev, job.prompt_tokens, job.req.cached_tokens)
+                state.metrics.record(ev, job.prompt_tokens if i == 0 else 0, job.cached_tokens if i == 0 else 0)
                 if ev.finish_reason not in ("stop", "length"):
                     yield {"data": json.dumps(error_object(ended(ev), "server_error"))}
                     return
-                reasoning, text = split(job, ev.text, last=True)
+                reasoning, text = split(job, i, ev.text, last=True)
                 yield {"data": json.dumps(chunk(job.rid, state.model_id, state.fingerprint, text, None,
-                                                ev.finish_reason, job.chat, first, reasoning))}
+                                                ev.finish_reason, job.chat, first[i], reasoning, index=i))}
+                left -= 1
+                if left:
+                    continue
                 if include_usage:
-                    use = usage_object(job.prompt_tokens, n_tokens, job.req.cached_tokens)
+                    use = usage_object(job.prompt_tokens, n_tokens, job.cached_tokens)
                     yield {"data": json.dumps(usage_chunk(job.rid, state.model_id, state.fingerprint, use, job.chat))}
                 yield {"data": "[DONE]"}
                 return
             n_tokens += 1
-            lp = token_logprobs(state, job, [ev.token_id], [ev.logprob], [sent], [ev.top_logprobs])
-            reasoning, text = split(job, ev.text)
+            lp = token_logprobs(state, job, [ev.token_id], [ev.logprob], [sent[i]], [ev.top_logprobs])
+            reasoning, text = split(job, i, ev.text)
             yield {"data": json.dumps(chunk(job.rid, state.model_id, state.fingerprint, text, lp, None, job.chat,
-                                            first, reasoning))}
-            sent += len(ev.text)
-            first = False
-    finally:  # the client went away (or the stream ended): free the slot within a pass
-        job.scheduler.cancel(job.req)
+                                            first[i], reasoning, index=i))}
+            sent[i] += len(ev.text)
+            first[i] = False
+    finally:  # the client went away (or the stream ended): free the slots within a pass
+        job.cancel()
 
 
 async def collect(request: Request, state: ServerState, job: Job) -> dict:
-    """The whole answer of a request that is not streamed."""
-    text, tokens, logprobs, tops = [], [], [], []
+    """The whole answer of a request that is not streamed: every choice's."""
+    n = len(job.reqs)
+    text, tokens, logprobs, tops = ([[] for _ in range(n)] for _ in range(4))
+    finished: dict[int, FinishEvent] = {}
     clock = asyncio.get_running_loop().time
     next_check = clock() + 0.5
     try:
-        while True:
+        while len(finished) < n:
             try:
-                ev = await asyncio.wait_for(job.events.get(), timeout=max(0.01, next_check - clock()))
+                i, ev = await asyncio.wait_for(job.events.get(), timeout=max(0.01, next_check - clock()))
             except asyncio.TimeoutError:
                 ev = None
             if isinstance(ev, FinishEvent):
-                break
+                finished[i] = ev
+                state.metrics.record(ev, job.prompt_tokens if i == 0 else 0, job.cached_tokens if i == 0 else 0)
+                if ev.finish_reason not in ("stop", "length"):
+                    break
+                continue
             if clock() >= next_check:  # every half second, tokens arriving or not: a client that
                 next_check = clock() + 0.5  # left stops its request within a second
                 if await request.is_disconnected():
                     raise ApiError(400, "client disconnected") from None
             if ev is None:
                 continue
-            text.append(ev.text)
-            tokens.append(ev.token_id)
-            logprobs.append(ev.logprob)
-            tops.append(ev.top_logprobs)
+            text[i].append(ev.text)
+            tokens[i].append(ev.token_id)
+            logprobs[i].append(ev.logprob)
+            tops[i].append(ev.top_logprobs)
     finally:
-        job.scheduler.cancel(job.req)
-    state.metrics.record(ev, job.prompt_tokens, job.req.cached_tokens)
-    if ev.finish_reason not in ("stop", "length"):
-        raise ApiError(500 if ev.finish_reason == "error" else 503, ended(ev), "server_error")
-    text.append(ev.text)
-    offsets, at = [], 0
-    for piece in text[:len(tokens)]:  # each token's text, in the order they came
-        offsets.append(at)
-        at += len(piece)
-    lp = token_logprobs(state, job, tokens, logprobs, offsets, tops)
-    use = usage_object(job.prompt_tokens, len(tokens), job.req.cached_tokens)
-    reasoning, content = split(job, "".join(text), last=True)
-    return completion(job.rid, state.model_id, content, lp, ev.finish_reason, use, job.chat, state.fingerprint,
-                      reasoning)
+        job.cancel()
+    failed = [ev for ev in finished.values() if ev.finish_reason not in ("stop", "length")]
+    if failed:
+        raise ApiError(500 if failed[0].finish_reason == "error" else 503, ended(failed[0]), "server_error")
+    use = usage_object(job.prompt_tokens, sum(map(len, tokens)), job.cached_tokens)
+    answers = []
+    for i in range(n):
+        ev = finished[i]
+        text[i].append(ev.text)
+        offsets, at = [], 0
+        for piece in text[i][:len(tokens[i])]:  # each token's text, in the order they came
+            offsets.append(at)
+            at += len(piece)
+        lp = token_logprobs(state, job, tokens[i], logprobs[i], offsets, tops[i])
+        reasoning, content = split(job, i, "".join(text[i]), last=True)
+        answers.append(completion(job.rid, state.model_id, content, lp, ev.finish_reason, use, job.chat,
+                                  state.fingerprint, reasoning, index=i))
+    answers[0]["choices"] = [a["choices"][0] for a in answers]
+    return answers[0]

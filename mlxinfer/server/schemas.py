@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 Number = StrictInt | StrictFloat
+MAX_CHOICES = 16  # n: each choice is a sequence of the batch (and counts against --max-batch)
 
 # Every field a request may carry is a field of the models below; any other is a 400 naming it
 # (errors.validation_error), never ignored. Fields we accept and that change nothing here, and why:
@@ -28,7 +29,7 @@ REFUSED = {
     "audio": "audio output is not implemented", "modalities": "only text output is implemented",
     "prediction": "predicted outputs are not implemented", "web_search_options": "web search is not implemented",
     "reasoning_effort": "reasoning effort is not implemented", "suffix": "insertion (suffix) is not implemented",
-    "best_of": "best_of is not implemented (use n=1)", "echo": "echo is not implemented",
+    "best_of": "best_of is not implemented (use n)", "echo": "echo is not implemented",
 }
 
 
@@ -56,7 +57,7 @@ class Options(Strict):
     logit_bias: dict[StrictStr, Number] | None = None  # token id (as JSON keys are text) -> bias in [-100, 100]
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    n: StrictInt = 1
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)  # choices of one prompt, prefilled once
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
@@ -140,21 +141,22 @@ def logprobs_object(token_texts: list[str], token_logprobs: list[float], offsets
 
 
 def completion(rid: str, model_id: str, text: str, logprobs: dict | None, finish_reason: str, usage: dict,
-               chat: bool, fingerprint: str, reasoning: str = "") -> dict:
-    """The whole answer of a request that was not streamed; reasoning: a chat turn's `<think>` text."""
+               chat: bool, fingerprint: str, reasoning: str = "", index: int = 0) -> dict:
+    """The whole answer of a request that was not streamed; reasoning: a chat turn's `<think>` text;
+    index: the choice's (n > 1)."""
     if chat:
         message = {"role": "assistant", "content": text}
         if reasoning:
             message["reasoning_content"] = reasoning
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model_id, "system_fingerprint": fingerprint, "choices": [choice], "usage": usage}
 
 
 def chunk(rid: str, model_id: str, fingerprint: str, text: str, logprobs: dict | None, finish_reason: str | None,
-          chat: bool, first: bool = False, reasoning: str = "") -> dict:
+          chat: bool, first: bool = False, reasoning: str = "", index: int = 0) -> dict:
     """One event of a stream: a token's text, or the finish reason with the text held back for a stop
     string. A chat stream's first delta carries the role; its finishing delta is empty when no text is
     left; reasoning (`<think>` text) goes in the delta's `reasoning_content`, content alone in `content`."""
@@ -164,10 +166,10 @@ def chunk(rid: str, model_id: str, fingerprint: str, text: str, logprobs: dict |
             delta["reasoning_content"] = reasoning
         if text or first or (finish_reason is None and not reasoning):
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_id,
                 "system_fingerprint": fingerprint, "choices": [choice]}
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_id,
             "system_fingerprint": fingerprint, "choices": [choice]}
 
