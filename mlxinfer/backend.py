@@ -116,6 +116,10 @@ class Backend:
     # anywhere, else only where a prefill chunk does (`Loop._reusable`)
     rows_independent = False
 
+    dtype_name = "float32"  # the activations' dtype (MLX: --dtype)
+    kv_dtype = "float32"  # what the KV cache stores (MLX: --kv-dtype)
+    kv_value_bytes = 4.0  # bytes a KV cache value takes in the backend's stores
+
     def __init__(self, attention: str = "fused"):
         if attention not in ATTENTION_PATHS:
             raise RequestError(f"unknown attention path {attention!r} (choose from {', '.join(ATTENTION_PATHS)})")
@@ -133,7 +137,12 @@ class Backend:
     def from_numpy(self, a: np.ndarray):
         raise NotImplementedError
 
+    def activation(self, x):
+        """x (from `from_numpy`, float32) in the dtype the backend's activations have (MLX: --dtype)."""
+        return x
+
     def to_numpy(self, x) -> np.ndarray:
+        """float32 for any float tensor (MLX narrower dtypes widened)."""
         raise NotImplementedError
 
     def index_array(self, values) -> object:

@@ -317,7 +317,8 @@ def _events(loop: Loop) -> Iterator:
 def load(model: str | os.PathLike | None = None, backend: str = "auto", attention: str = "fused",
          device: str | None = None, kernel: str | None = None, kv: str = "prealloc",
          prefill_chunk: int | None = None, threads: int | None = None, tp: int = 1, prompt_cache_dir=None,
-         prompt_cache_size: int = DEFAULT_PROMPT_CACHE_BYTES) -> Engine:
+         prompt_cache_size: int = DEFAULT_PROMPT_CACHE_BYTES, dtype: str | None = None,
+         kv_dtype: str | None = None) -> Engine:
     """Load a GGUF model (None: the default SmolLM2-135M-Instruct) onto a backend.
 
     backend: "auto" (MLX where it has a GPU, Metal or CUDA; else the CPU reference), "cpu" or "mlx".
@@ -329,9 +330,13 @@ def load(model: str | os.PathLike | None = None, backend: str = "auto", attentio
     are cut over (default: the cores not already busy, at most cores // tp; None on a GPU). tp: ranks
     of a tensor-parallel run (mlxinfer.models.shard); the process must be one of `tp` started by
     mlx.launch. prompt_cache_dir: a directory where the paged cache (kv="paged") keeps full prompt
-    blocks across runs, at most prompt_cache_size bytes (least recently used removed first)."""
+    blocks across runs, at most prompt_cache_size bytes (least recently used removed first). dtype: the
+    MLX backend's activations, "float32", "bfloat16" or "float16" (default: float32 on MLX's CPU,
+    `backends.mlx.GPU_DEFAULT_DTYPE` on a GPU; the cpu backend: float32 only); kv_dtype: what its KV
+    cache stores, one of those or "q8_0" (default: dtype)."""
     collectives.join(tp)  # a tp run that was not launched fails before anything is loaded
-    ops = make_backend(backend, attention, device, kernel, threads, ranks=tp)  # the ranks share the cores
+    ops = make_backend(backend, attention, device, kernel, threads, ranks=tp, dtype=dtype,
+                       kv_dtype=kv_dtype)  # the ranks share the cores
     path = resolve_model(model)
     return Engine(path, ops, kv=kv, prefill_chunk=prefill_chunk, tp=tp, prompt_cache_dir=prompt_cache_dir,
                   prompt_cache_size=prompt_cache_size)

@@ -72,8 +72,8 @@ class _Slots:
         raise NotImplementedError
 
     def _bytes(self, positions: int) -> int:
-        """Keys and values of every layer at `positions` cache positions, float32."""
-        return 2 * self.n_layers * positions * self.width * 4
+        """Keys and values of every layer at `positions` cache positions, in the backend's stored type."""
+        return math.ceil(2 * self.n_layers * positions * self.width * self.ops.kv_value_bytes)
 
     def release(self, slot: int, tokens=None) -> None:
         """Free a slot (`tokens`, what its rows hold, matters only to a cache that keeps prefixes)."""
@@ -238,6 +238,9 @@ class BasicKVCache(_Slots):
 
     def __init__(self, ops, n_layers: int, width: int, step: int = 0):
         super().__init__()
+        if ops.kv_dtype != ops.dtype_name:
+            raise RequestError("--kv basic keeps the keys and values as the pass computed them: "
+                               "a --kv-dtype other than --dtype needs --kv prealloc or paged")
         self.ops, self.n_layers, self.width = ops, n_layers, width
         self.entries: dict[int, tuple[list, list]] = {}  # slot -> (keys per layer, values per layer)
 

@@ -103,7 +103,7 @@ def case_batch(backend: Backend, case: AttentionCase, kv: str = "prealloc"):
     k_new = np.concatenate([k[st_:] for k, st_ in zip(case.keys, starts)])
     v_new = np.concatenate([v[st_:] for v, st_ in zip(case.values, starts)])
     view = cache.update(backend, 0, backend.from_numpy(k_new), backend.from_numpy(v_new), batch)
-    return backend.from_numpy(case.q), view, batch
+    return backend.activation(backend.from_numpy(case.q)), view, batch
 
 
 @contextlib.contextmanager

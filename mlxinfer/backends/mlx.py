@@ -13,6 +13,16 @@ Attention arithmetic. On the CPU, attention's products and softmax are MLX's own
 and a batched override agree bit for bit. On a GPU they are mlxinfer's kernels (`mlxinfer.kernels`,
 one published summation order), because MLX's GPU products change order with the number of rows.
 
+Dtypes (`dtype=`, `--dtype`): activations, float weights, affine scales and dequantized blocks in
+float32, bfloat16 or float16 (norms, RoPE and elementwise ops in that dtype, as mlx-lm runs them; the
+residual stream too). Attention reads q, K and V in their dtypes and computes in float32 (each value
+widened exactly, the same products and sums as in float32), on the CPU through the widened
+operands, on a GPU in the kernels themselves (templated on the input type); its output is float32 and
+the next product narrows it. Softmax is always float32; logits leave the backend as float32
+(`to_numpy`, `sample_tokens`). The KV cache stores `kv_dtype` (default: the dtype; q8_0 in
+`backends/mlx_kv.py`). Default dtype: float32 on the CPU (MLX CPU's reduced-precision quantized
+products are far slower there), GPU_DEFAULT_DTYPE on a GPU.
+
 Fused attention, chosen by platform (overridable with `kernel=`):
   - "graph": each sequence's heads in one batched graph (the CPU's override);
   - "cuda":  one `mx.fast.cuda_kernel` launch for the whole batch (metal_kernels/attention.cu);
@@ -44,8 +54,11 @@ from ..errors import GGUFError, RequestError  # noqa: E402
 from ..kv_cache import KV_CACHES, PagedLayer  # noqa: E402
 from ..sampling import MLXRandom  # noqa: E402
 from .cpu import checked_threads, default_threads  # noqa: E402
+from .mlx_kv import KV_DTYPES, dequantize_q8_0, packed_width, quantize_q8_0, value_bytes  # noqa: E402
 from .mlx_weights import GROUP, BlockWeight, PackedWeight, QuantizedWeight, WeightGroup, to_device  # noqa: E402,F401
 
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+GPU_DEFAULT_DTYPE = "float32"  # the dtype a GPU runs when none is asked for (the CPU's: float32)
 KEPT = (*quants.AFFINE_BITS, *quants.BLOCK_TYPES, *quants.HALF_TYPES)  # every type but F32 stays as compact
 SPLIT_MIN_ROWS = 256  # quantized products are cut over the CPU threads in parts of at least this many rows
 _CPU_STREAMS: list = []  # shared by every MLX backend; thread-local: each thread that uses one gets its own
@@ -134,7 +147,7 @@ def check_case_inputs(backend: "MLXBackend", case: CheckCase, seed: int = 7):
     view = cache.update(backend, 0, backend.from_numpy(np.concatenate([x[0, st:] for x, st in zip(kv, starts)])),
                         backend.from_numpy(np.concatenate([x[1, st:] for x, st in zip(kv, starts)])), batch)
     q = rng.standard_normal((batch.n_rows, spec.n_heads * spec.head_dim), dtype=np.float32)
-    return backend.from_numpy(q), view, batch
+    return backend.activation(backend.from_numpy(q)), view, batch
 
 
 def _check_products(backend: "MLXBackend") -> str | None:
@@ -201,7 +214,8 @@ class MLXBackend(Backend):
 
     def __init__(self, attention: str = "fused", device: str | None = None, kernel: str | None = None,
                  verify=verify_gpu_kernels, per_sequence_linear: bool = False, threads: int | None = None,
-                 ranks: int = 1, float_scales: bool | None = None):
+                 ranks: int = 1, float_scales: bool | None = None, dtype: str | None = None,
+                 kv_dtype: str | None = None):
         super().__init__(attention)
         # affine weights' float32 scales formed once at load, not at each use (`mlx_weights.to_device`):
         # the same bits, more memory (1.17-1.33x the file's bytes instead of 1.00-1.03x). Default: on a
@@ -221,6 +235,14 @@ class MLXBackend(Backend):
         if threads is not None and device == "gpu":
             raise RequestError("--threads sets the threads of the CPU's weight products; on a GPU MLX schedules its own")
         self.device = device
+        dtype = dtype or (GPU_DEFAULT_DTYPE if device == "gpu" else "float32")
+        if dtype not in DTYPES:
+            raise RequestError(f"unknown dtype {dtype!r} (choose {', '.join(DTYPES)})")
+        kv_dtype = kv_dtype or dtype
+        if kv_dtype not in KV_DTYPES:
+            raise RequestError(f"unknown KV cache dtype {kv_dtype!r} (choose {', '.join(KV_DTYPES)})")
+        self.dtype_name, self.dtype, self.kv_dtype = dtype, DTYPES[dtype], kv_dtype
+        self.kv_value_bytes = value_bytes(kv_dtype)
         self.float_scales = scales_formed_once(device) if float_scales is None else float_scales
         self.mx_device = mx.gpu if device == "gpu" else mx.cpu
         self.activate()
@@ -281,12 +303,13 @@ class MLXBackend(Backend):
         return self.device == "cpu"
 
     def describe(self) -> str:
+        types = self.dtype_name + ("" if self.kv_dtype == self.dtype_name else f", {self.kv_dtype} KV cache")
         if self.device == "cpu":
-            return f"mlx (cpu, graph attention, {self.threads} thread{'s' if self.threads != 1 else ''})"
+            return f"mlx (cpu, {types}, graph attention, {self.threads} thread{'s' if self.threads != 1 else ''})"
         ops = f"{self.gpu_kernels} kernels" if self.gpu_kernels else "MLX ops"
         rows = ", each sequence's rows multiplied alone" if self.per_sequence_linear else ""
         attention = "per-head (the kernels failed their self-check)" if self.fallback else self.kernel
-        return f"mlx (gpu, {attention} attention, {ops}{rows})"
+        return f"mlx (gpu, {types}, {attention} attention, {ops}{rows})"
 
     def label(self) -> str:
         return f"MLX/{self.device.upper()}"
@@ -302,7 +325,12 @@ class MLXBackend(Backend):
         self.activate()
         return mx.array(np.asarray(a, dtype=np.float32))
 
+    def activation(self, x):
+        return x.astype(self.dtype)
+
     def to_numpy(self, x):
+        if x.dtype in (mx.bfloat16, mx.float16):  # (logits, activations: numpy has no bfloat16)
+            x = x.astype(mx.float32)
         return np.array(x, copy=True)
 
     def index_array(self, values):
@@ -344,7 +372,7 @@ class MLXBackend(Backend):
         for matmuls, since `x @ W` is ~2.5x faster than `x @ W.T` on MLX's CPU. Cached per layout."""
         key = (name, transposed and g.tensor(name).ggml_type not in KEPT)
         if key not in self._cache:
-            self._cache[key] = to_device(*self._read(g, name, transposed), self.float_scales)
+            self._cache[key] = to_device(*self._read(g, name, transposed), self.float_scales, self.dtype)
         return self._cache[key]
 
     def load_weight(self, g, name):
@@ -358,31 +386,47 @@ class MLXBackend(Backend):
         the parts never reach the device."""
         parts = [self._read(g, n, transposed=True) for n in names]
         if len({qtype for qtype, _, _ in parts}) != 1:
-            return tuple(to_device(*p, self.float_scales) for p in parts)
+            return tuple(to_device(*p, self.float_scales, self.dtype) for p in parts)
         qtype = parts[0][0]
         axis = 1 if qtype is None else 0  # float [in, out] side by side; packed [out, ...] rows stacked
         sizes = tuple(shape[0] for _, _, shape in parts)
         stacked = [np.concatenate([arrays[i] for _, arrays, _ in parts], axis=axis) for i in range(len(parts[0][1]))]
-        return WeightGroup(to_device(qtype, stacked, (sum(sizes), parts[0][2][1]), self.float_scales), sizes)
+        return WeightGroup(to_device(qtype, stacked, (sum(sizes), parts[0][2][1]), self.float_scales, self.dtype),
+                           sizes)
 
     def load_embedding(self, g, name):
         return self._matrix(g, name, transposed=False)
 
     def load_vector(self, g, name):
-        return mx.array(np.ascontiguousarray(g.dequantize(name), dtype=np.float32).reshape(-1))  # [n]
+        return mx.array(np.ascontiguousarray(g.dequantize(name), dtype=np.float32).reshape(-1)).astype(self.dtype)
 
+    # -- the KV cache's stores, in kv_dtype (q8_0: packed int8 rows, `backends/mlx_kv.py`) -----------
     def new_store(self, slots, capacity, width):
         self.activate()
-        return mx.zeros((slots, capacity, width), dtype=mx.float32)
+        if self.kv_dtype == "q8_0":
+            if width % 32:
+                raise RequestError(f"--kv-dtype q8_0 quantizes KV rows in blocks of 32 values; this model's rows "
+                                   f"hold {width} (KV heads x head_dim): choose another --kv-dtype")
+            return mx.zeros((slots, capacity, packed_width(width)), dtype=mx.int8)
+        return mx.zeros((slots, capacity, width), dtype=DTYPES[self.kv_dtype])
 
     def resize_store(self, store, slots, capacity):
-        out = self.new_store(slots, capacity, store.shape[2])
+        out = mx.zeros((slots, capacity, store.shape[2]), dtype=store.dtype)
         s, c = min(slots, store.shape[0]), min(capacity, store.shape[1])
         out[:s, :c] = store[:s, :c]
         return out
 
+    def scatter_rows(self, store, slots, positions, x):
+        store[slots, positions] = quantize_q8_0(x) if store.dtype == mx.int8 else x.astype(store.dtype)
+        return store
+
+    def read_rows(self, store, slot, length):
+        rows = store[slot, :length]
+        return dequantize_q8_0(rows) if store.dtype == mx.int8 else rows
+
     # -- primitives ---------------------------------------------------------------------------
     def linear(self, x, w, groups=None):
+        x = x.astype(self.dtype)  # (attention's float32 output narrowed here)
         # MLX's CPU products compute each row on its own (batch-invariant as they are); on a GPU they
         # do not (README: batch invariance), unless `per_sequence_linear`.
         if self.per_sequence_linear and groups is not None and len(groups) > 1:
@@ -422,14 +466,19 @@ class MLXBackend(Backend):
         return tuple(out)
 
     def matmul(self, a, b):
+        # attention's products, in float32 whatever the dtype (operands widened exactly; the kernels
+        # widen what they read the same way)
+        a, b = a.astype(mx.float32), b.astype(mx.float32)
         if self.gpu_kernels:
             return kernels.matmul(self.gpu_kernels, a[None], mx.contiguous(mx.transpose(b))[None])[0]
         return mx.matmul(a, b)
 
     def transpose_2d(self, x):
-        return mx.transpose(x)
+        # widened before the transpose: the product then sees the float32 view the graph path passes
+        return mx.transpose(x.astype(mx.float32))
 
     def softmax_rows(self, x):
+        x = x.astype(mx.float32)
         if self.gpu_kernels:
             return kernels.softmax(self.gpu_kernels, x)
         return mx.softmax(x, axis=-1, precise=True)
@@ -467,7 +516,7 @@ class MLXBackend(Backend):
 
     def load_experts(self, gguf, name):
         # [experts, in, out]: gather_mm multiplies x [.., 1, in] by the chosen experts' matrices
-        return mx.array(np.ascontiguousarray(np.swapaxes(gguf.dequantize(name), 1, 2), dtype=np.float32))
+        return mx.array(np.ascontiguousarray(np.swapaxes(gguf.dequantize(name), 1, 2), dtype=np.float32)).astype(self.dtype)
 
     def moe_mlp(self, x, logits, experts, k, groups=None):
         probs = self.softmax_rows(logits)
@@ -481,7 +530,7 @@ class MLXBackend(Backend):
         out = y[:, 0] * w[:, :1]
         for j in range(1, k):
             out = out + y[:, j] * w[:, j:j + 1]
-        return out
+        return out.astype(self.dtype)  # (the router's weights are float32)
 
     def rms_norm(self, x, weight, eps):
         # One fused kernel for the six primitives (on this CPU bitwise equal to them; tested); the
@@ -490,7 +539,8 @@ class MLXBackend(Backend):
 
     def qk_norm_rope(self, q, k, q_weight, k_weight, positions, n_heads, n_kv_heads, head_dim, eps, base,
                      traditional, factors=None):
-        if self.gpu_kernels == "cuda" and factors is None and kernels.qk_norm_rope_fits(head_dim, traditional):
+        if self.gpu_kernels == "cuda" and factors is None and kernels.qk_norm_rope_fits(head_dim, traditional) \
+                and self.dtype == mx.float32:  # (the kernel reads and writes float32)
             # one launch for both, reading the heads in place: the step's 4 launches and 4 views a layer
             # become 1 (not bit for bit mx.fast's: see kernels.qk_norm_rope)
             return kernels.qk_norm_rope("cuda", q, k, q_weight, k_weight, positions, n_heads, n_kv_heads, head_dim,
@@ -525,6 +575,8 @@ class MLXBackend(Backend):
                             freqs=_rope_periods(head_dim, base, factors))
 
     def reshape(self, x, rows, cols):
+        if x.dtype == mx.int8:  # a q8_0 store: `cols` values a row are its packed bytes
+            return mx.reshape(x, (rows, -1))
         return mx.reshape(x, (rows, cols))
 
     def copy_2d_from(self, x, row, rows, col, cols):
@@ -542,8 +594,10 @@ class MLXBackend(Backend):
 
     def gather_rows(self, table, ids):
         self.activate()
-        if isinstance(table, PackedWeight):
-            return table.rows(ids)
+        if isinstance(table, PackedWeight):  # embedding rows
+            return table.rows(ids).astype(self.dtype)
+        if table.dtype == mx.int8:  # a q8_0 store's rows
+            return dequantize_q8_0(table[ids])
         return table[ids]
 
     def mask_scores(self, scores, positions, causal, window):
@@ -557,7 +611,7 @@ class MLXBackend(Backend):
         return mx.where(hidden, mx.array(-np.inf, dtype=mx.float32), scores)
 
     def sample_tokens(self, logits, sampler):
-        return sampler.sample_mlx(logits)
+        return sampler.sample_mlx(logits.astype(mx.float32))
 
     # -- fused attention ----------------------------------------------------------------------
     @property
@@ -619,9 +673,10 @@ class MLXBackend(Backend):
     def _pass_needs_graph(self, batch, spec) -> bool:
         """Whether this pass's attention takes the graph override even with a GPU kernel: soft-capping
         (the kernels have none: the graph's products and softmax are the kernels', the capping MLX's
-        elementwise ops), a head_dim past the kernel's limit, or (where the kernel has no split plan: Metal) few rows over long
+        elementwise ops), a head_dim past the kernel's limit, a q8_0 cache (the kernels read float
+        stores; the graph dequantizes), or (where the kernel has no split plan: Metal) few rows over long
         caches (never a traced batch's, whose lengths live only in its arrays)."""
-        if spec.softcap or spec.head_dim > kernels.MAX_HEAD_DIM:
+        if spec.softcap or spec.head_dim > kernels.MAX_HEAD_DIM or self.kv_dtype == "q8_0":
             return True
         if kernels.uses_split(self.kernel, batch.n_rows, spec):
             return False
@@ -648,19 +703,20 @@ class MLXBackend(Backend):
             t = r1 - r0
             k, v = kv.sequence(self, b)
             s = k.shape[0]
-            qh = mx.contiguous(mx.transpose(mx.reshape(q[r0:r1], (t, kvh, group, d)), (1, 2, 0, 3)))  # [KV, G, T, D]
-            kh = mx.contiguous(mx.transpose(mx.reshape(k, (s, kvh, d)), (1, 0, 2)))  # [KV, S, D]
+            f32 = mx.float32  # attention's arithmetic (as `matmul`): the operands widened exactly
+            qh = mx.contiguous(mx.transpose(mx.reshape(q[r0:r1], (t, kvh, group, d)), (1, 2, 0, 3))).astype(f32)  # [KV, G, T, D]
+            kh = mx.contiguous(mx.transpose(mx.reshape(k, (s, kvh, d)), (1, 0, 2))).astype(f32)  # [KV, S, D]
             if self.gpu_kernels:
                 scores = kernels.matmul(self.gpu_kernels, mx.reshape(qh, (kvh * group, t, d)), kh, group)
                 scores = self._softcap(scores * spec.scale, spec.softcap)
                 if t > 1 or spec.window:
                     scores = self.mask_scores(scores, batch.positions_of(self, b), spec.causal, spec.window)
                 attn = kernels.softmax(self.gpu_kernels, mx.reshape(scores, (-1, s)))
-                vt = mx.contiguous(mx.transpose(mx.reshape(v, (s, kvh, d)), (1, 2, 0)))  # [KV, D, S]
+                vt = mx.contiguous(mx.transpose(mx.reshape(v, (s, kvh, d)), (1, 2, 0))).astype(f32)  # [KV, D, S]
                 ctx = kernels.matmul(self.gpu_kernels, mx.reshape(attn, (kvh * group, t, s)), vt, group)
                 ctx = mx.reshape(ctx, (kvh, group, t, d))
             else:  # the KV heads cut over the CPU threads, each part on its own stream
-                vh = mx.contiguous(mx.transpose(mx.reshape(v, (s, kvh, d)), (1, 0, 2)))[:, None]
+                vh = mx.contiguous(mx.transpose(mx.reshape(v, (s, kvh, d)), (1, 0, 2))).astype(f32)[:, None]
                 parts = []
                 for (h0, h1), stream in self._cpu_parts(kvh):
                     with stream:

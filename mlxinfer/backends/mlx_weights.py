@@ -12,6 +12,10 @@ takes which form and why each is exact):
     measures them. A fused Metal/CUDA kernel that reads the blocks is the next step.
   - float32 arrays (F32 files), [in, out] for products.
 
+Products run in the backend's activation dtype (`--dtype`): affine scales and biases, dequantized
+blocks and float matrices are cast to it (scales and float matrices once at load where they are formed
+once, blocks at each use), so that MLX's products take and give that dtype.
+
 Every array has the matrix's rows as its first axis, so a row slice, a gathered row and stacked
 matrices (`WeightGroup`) are slices, gathers and concatenations of each array.
 """
@@ -122,7 +126,8 @@ class QuantizedWeight:
     parts: tuple  # the file's scale fields, per row (`affine_scales`), or float32 (scales, biases)
     qtype: Q
     shape: tuple[int, int]  # (out, in)
-    float_scales: bool = False  # parts are the float32 (scales, biases), formed once at load
+    float_scales: bool = False  # parts are the (scales, biases) in `dtype`, formed once at load
+    dtype: mx.Dtype = mx.float32  # the products' dtype: scales and biases are cast to it
 
     @property
     def bits(self) -> int:
@@ -130,7 +135,10 @@ class QuantizedWeight:
 
     def affine(self, parts=None) -> tuple[mx.array, mx.array]:
         parts = self.parts if parts is None else parts
-        return parts if self.float_scales else affine_scales(self.qtype, parts)
+        if self.float_scales:
+            return parts
+        scales, biases = affine_scales(self.qtype, parts)
+        return scales.astype(self.dtype), biases.astype(self.dtype)
 
     @property
     def scales(self) -> mx.array:
@@ -142,7 +150,7 @@ class QuantizedWeight:
 
     def row_slice(self, a: int, b: int) -> "QuantizedWeight":
         return QuantizedWeight(self.w[a:b], tuple(p[a:b] for p in self.parts), self.qtype, (b - a, self.shape[1]),
-                               self.float_scales)
+                               self.float_scales, self.dtype)
 
     def product(self, x) -> mx.array:
         """x @ self.T."""
@@ -161,12 +169,13 @@ class BlockWeight:
     parts: tuple
     qtype: Q
     shape: tuple[int, int]  # (out, in)
+    dtype: mx.Dtype = mx.float32  # the products' dtype: the dequantized values are cast to it
 
     def row_slice(self, a: int, b: int) -> "BlockWeight":
-        return BlockWeight(tuple(p[a:b] for p in self.parts), self.qtype, (b - a, self.shape[1]))
+        return BlockWeight(tuple(p[a:b] for p in self.parts), self.qtype, (b - a, self.shape[1]), self.dtype)
 
     def dense(self) -> mx.array:
-        return dequantize(self.qtype, self.parts, *self.shape)
+        return dequantize(self.qtype, self.parts, *self.shape).astype(self.dtype)
 
     def product(self, x) -> mx.array:
         return mx.matmul(x, mx.transpose(self.dense()))
@@ -199,19 +208,21 @@ class WeightGroup:
             start += n
 
 
-def to_device(qtype, arrays, shape, float_scales: bool = False) -> object:
-    """The weight from `quants.split`'s host arrays (or a float32 matrix when qtype is None). With
-    `float_scales` an affine type's float32 scales and biases are formed once here instead of at each
-    use: the same bits (the same operations), one elementwise pass less a product, 1.17x (Q8_0, Q5_1)
-    to 1.33x (Q4_0, Q4_K) the file's bytes instead of 1.0-1.03x."""
+def to_device(qtype, arrays, shape, float_scales: bool = False, dtype=mx.float32) -> object:
+    """The weight from `quants.split`'s host arrays (or a float32 matrix when qtype is None, cast to
+    `dtype`). With `float_scales` an affine type's scales and biases are formed once here instead of at
+    each use: the same bits (the same operations), one elementwise pass less a product, 1.17x (Q8_0,
+    Q5_1) to 1.33x (Q4_0, Q4_K) the file's bytes instead of 1.0-1.03x in float32."""
     arrays = tuple(mx.array(a) for a in arrays)
+    if qtype is None:
+        arrays = (arrays[0].astype(dtype),)
     mx.eval(*arrays)
     if qtype is None:
         return arrays[0]
     if qtype in AFFINE_BITS:
         if float_scales:
-            affine = affine_scales(qtype, arrays[1:])
+            affine = tuple(a.astype(dtype) for a in affine_scales(qtype, arrays[1:]))
             mx.eval(*affine)
-            return QuantizedWeight(arrays[0], affine, qtype, shape, True)
-        return QuantizedWeight(arrays[0], arrays[1:], qtype, shape)
-    return BlockWeight(arrays, qtype, shape)
+            return QuantizedWeight(arrays[0], affine, qtype, shape, True, dtype)
+        return QuantizedWeight(arrays[0], arrays[1:], qtype, shape, dtype=dtype)
+    return BlockWeight(arrays, qtype, shape, dtype)
