@@ -17,6 +17,12 @@
 // thread adds the 32 lane partials (or chain totals) itself, taking them in the butterfly's tree order
 // (mlxi_chain_at), instead of calling mlxi_warp_total / mlxi_chain_tree.
 //
+// Input types: the attention kernels read q, k and v in the dtype MLX hands them (float, __nv_bfloat16
+// or __half: the activations' and the KV cache's, --dtype and --kv-dtype) and widen every value to
+// float32 as they load it (mlxi_f: exact for all three), before any arithmetic; the order above is then
+// the same for every input type, and so are the bits (the per-head reference widens its operands in the
+// graph first). Scores, attention weights and outputs are float32.
+//
 // mlxinfer.kernels.published_dot / published_softmax_sum emulate this order in numpy float32 (the sums
 // exactly; expf differs from numpy's exp in the last bit), and tests/test_kernels.py checks the kernels
 // against the emulation on a CUDA GPU.
@@ -25,16 +31,28 @@
 #define MLXI_WARPS 8
 #define MLXI_MAX_D 256  // largest head dimension of the fused kernel (shared memory: 32 KiB)
 
+// A value as float32 (exact: bfloat16 and float16 are subsets of float32).
+__device__ __forceinline__ float mlxi_f(float x) {
+  return x;
+}
+__device__ __forceinline__ float mlxi_f(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+__device__ __forceinline__ float mlxi_f(__half x) {
+  return __half2float(x);
+}
+
 // The warp's total of its lanes' partial sums: the butterfly s += shfl_xor(s, off), off = 16, 8, 4, 2, 1.
 __device__ __forceinline__ float mlxi_warp_total(float s) {
   for (int off = 16; off > 0; off >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
   return s;
 }
 
-__device__ __forceinline__ float mlxi_dot(const float* a, long sa, const float* b, long sb, int n, int lane) {
+template <typename A, typename B>
+__device__ __forceinline__ float mlxi_dot(const A* a, long sa, const B* b, long sb, int n, int lane) {
   float s = 0.0f;
   for (int i = lane; i < n; i += 32) {
-    s = __fadd_rn(s, __fmul_rn(a[(long)i * sa], b[(long)i * sb]));
+    s = __fadd_rn(s, __fmul_rn(mlxi_f(a[(long)i * sa]), mlxi_f(b[(long)i * sb])));
   }
   return mlxi_warp_total(s);
 }
@@ -135,8 +153,8 @@ __device__ __forceinline__ float mlxi_tree_join(float (&lvl)[5], float x, int k)
 // hb .. hb+NH-1, head dimensions d0 .. d0+3 (< D): out[r, h, d] = dot(p[r, h, :S], v[:S, d]) in the
 // published order, the thread walking all 32 chains (keys i = l, l+32, ... in increasing i) in
 // mlxi_chain_at's order and joining their totals as above. vd: v of the slot and KV head; p [N, H, cap].
-template <int R, int NH, int D, int UR>
-__device__ __forceinline__ void mlxi_context_tile(const float* p, const float* vd, long kvw, float* out, long cap,
+template <int R, int NH, int D, int UR, typename V>
+__device__ __forceinline__ void mlxi_context_tile(const float* p, const V* vd, long kvw, float* out, long cap,
                                                   long r0, int hb, int H, int d0, int S) {
   const float* pr[R][NH];
 #pragma unroll
@@ -152,12 +170,12 @@ __device__ __forceinline__ void mlxi_context_tile(const float* p, const float* v
 #pragma unroll UR
     for (int i = l; i < S; i += 32) {
       float vv[4];
-      if (D % 4 == 0) {  // 16-byte aligned: every offset is a multiple of 4 floats
+      if constexpr (sizeof(V) == 4 && D % 4 == 0) {  // float, 16-byte aligned: every offset is a multiple of 4
         const float4 t4 = *reinterpret_cast<const float4*>(vd + (long)i * kvw + d0);
         vv[0] = t4.x; vv[1] = t4.y; vv[2] = t4.z; vv[3] = t4.w;
       } else {
 #pragma unroll
-        for (int dd = 0; dd < 4; ++dd) vv[dd] = vd[(long)i * kvw + min(d0 + dd, D - 1)];
+        for (int dd = 0; dd < 4; ++dd) vv[dd] = mlxi_f(vd[(long)i * kvw + min(d0 + dd, D - 1)]);
       }
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -184,12 +202,12 @@ __device__ __forceinline__ void mlxi_context_tile(const float* p, const float* v
 }
 
 // Chain l's values vd[i * kvw] of keys i = l + 32 * (k0 + u), u < KU (0 past S): the context loop's loads.
-template <int KU>
-__device__ __forceinline__ void mlxi_chain_values(float* dst, const float* vd, long kvw, int l, long k0, int S) {
+template <int KU, typename V>
+__device__ __forceinline__ void mlxi_chain_values(float* dst, const V* vd, long kvw, int l, long k0, int S) {
 #pragma unroll
   for (int u = 0; u < KU; ++u) {
     const long i = l + 32 * (k0 + u);
-    dst[u] = (i < S) ? vd[i * kvw] : 0.0f;
+    dst[u] = (i < S) ? mlxi_f(vd[i * kvw]) : 0.0f;
   }
 }
 
@@ -267,10 +285,10 @@ for (long item = blockIdx.x; item < items; item += gridDim.x) {
   const long r = item / H;
   const int h = item % H;
   const int S = row_len[r], pos = row_pos[r];
-  const float* qh = q + r * H * D + h * D;
+  const auto* qh = q + r * H * D + h * D;
   const long base = (long)row_slot[r] * cap * kvw + (h / (H / KV)) * D;
-  const float* kb = k + base;
-  const float* vb = v + base;
+  const auto* kb = k + base;
+  const auto* vb = v + base;
   // 1. scores, scaled after the product, masked; 2. softmax: both in the published order.
   for (int j = wid; j < S; j += MLXI_WARPS) {
     const float s = __fmul_rn(mlxi_dot(qh, 1, kb + j * kvw, 1, D, lane), sc);
@@ -285,7 +303,7 @@ for (long item = blockIdx.x; item < items; item += gridDim.x) {
   for (int idx = tid; idx < 32 * D; idx += MLXI_THREADS) {
     const int l = idx / D, d = idx % D;
     float s = 0.0f;
-    for (int i = l; i < S; i += 32) s = __fadd_rn(s, __fmul_rn(pr[i], vb[(long)i * kvw + d]));
+    for (int i = l; i < S; i += 32) s = __fadd_rn(s, __fmul_rn(pr[i], mlxi_f(vb[(long)i * kvw + d])));
     part[idx] = s;
   }
   for (int off = 16; off > 0; off >>= 1) {
@@ -320,14 +338,14 @@ if (r < n) {
   const long S = row_len[r];
   const int pos = row_pos[r];
   constexpr long kvw = (long)KV * D;
-  const float* kg = k + (long)row_slot[r] * cap * kvw + g * D;
+  const auto* kg = k + (long)row_slot[r] * cap * kvw + g * D;
   float qr[G][NT], kr[8][NT];
 #pragma unroll
   for (int hh = 0; hh < G; ++hh) {
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       const int i = lane + 32 * t;
-      qr[hh][t] = i < D ? q[r * H * D + ((long)g * G + hh) * D + i] : 0.0f;
+      qr[hh][t] = i < D ? mlxi_f(q[r * H * D + ((long)g * G + hh) * D + i]) : 0.0f;
     }
   }
 #pragma unroll
@@ -337,7 +355,7 @@ if (r < n) {
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       const int i = lane + 32 * t;
-      kr[u][t] = (j < S && !hidden && i < D) ? kg[j * kvw + i] : 0.0f;
+      kr[u][t] = (j < S && !hidden && i < D) ? mlxi_f(kg[j * kvw + i]) : 0.0f;
     }
   }
 #pragma unroll
@@ -398,7 +416,7 @@ __shared__ float part[MLXI_THREADS];
 if (r < n) {  // the same for the whole block
   const int S = row_len[r];
   constexpr long kvw = (long)KV * D;
-  const float* vd = v + (long)row_slot[r] * cap * kvw + g * D + min(d, D - 1);
+  const auto* vd = v + (long)row_slot[r] * cap * kvw + g * D + min(d, D - 1);
   for (int h0 = 0; h0 < G; h0 += 4) {
     const int nh = min(4, G - h0);
     const float* xr = x + (r * H + (long)g * G + h0) * cap;
@@ -422,7 +440,7 @@ if (r < n) {  // the same for the whole block
     // arithmetic
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const int whole = WS ? S / (32 * KU) : 0;
-    const float* vp = vd + (long)l * kvw;  // chain l's value of key l + 32 * k0
+    const auto* vp = vd + (long)l * kvw;  // chain l's value of key l + 32 * k0
     const float* xp = xr + l + 32 * dd;    // the score of key l + 32 * (k0 + dd), head 0
     float xv[KU / 8][4];                   // [group of 8 keys][head]: the scores this thread turns into p
     if (PF && whole > 0) mlxi_step_scores<KU>(xv, xp, cap, nh);
@@ -432,11 +450,11 @@ if (r < n) {  // the same for the whole block
       const bool next = it + 1 < whole;  // PF: the next step is whole too (the same for the block)
       if (!PF) {
 #pragma unroll
-        for (int u = 0; u < KU; ++u) vv[u] = vp[32L * u * kvw];
+        for (int u = 0; u < KU; ++u) vv[u] = mlxi_f(vp[32L * u * kvw]);
         mlxi_step_scores<KU>(xv, xp, cap, nh);
       } else if (next) {
 #pragma unroll
-        for (int u = 0; u < KU; ++u) vn[u] = vp[32L * (KU + u) * kvw];
+        for (int u = 0; u < KU; ++u) vn[u] = mlxi_f(vp[32L * (KU + u) * kvw]);
         mlxi_step_scores<KU>(xn, xp + 32 * KU, cap, nh);
       }
       float pe[KU / 8][4];
@@ -547,7 +565,7 @@ __shared__ float part[MLXI_THREADS];
 if (r < n) {
   const long S = row_len[r];
   constexpr long kvw = (long)KV * D;
-  const float* vd = v + (long)row_slot[r] * cap * kvw + g * D + d;
+  const auto* vd = v + (long)row_slot[r] * cap * kvw + g * D + d;
   for (int h0 = 0; h0 < G; h0 += 4) {
     const int nh = min(4, G - h0);
     const float* pr = p + (r * H + (long)g * G + h0) * cap;
@@ -557,7 +575,7 @@ if (r < n) {
       for (; i + 15 * 32 < S; i += 16 * 32) {  // 16 keys' loads in flight, then the adds in the chain's order
         float vv[16];
 #pragma unroll
-        for (int u = 0; u < 16; ++u) vv[u] = vd[(i + u * 32) * kvw];
+        for (int u = 0; u < 16; ++u) vv[u] = mlxi_f(vd[(i + u * 32) * kvw]);
 #pragma unroll
         for (int u = 0; u < 16; ++u) {
 #pragma unroll
@@ -567,7 +585,7 @@ if (r < n) {
         }
       }
       for (; i < S; i += 32) {
-        const float vi = vd[i * kvw];
+        const float vi = mlxi_f(vd[i * kvw]);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           if (e < nh) acc[e] = __fadd_rn(acc[e], __fmul_rn(pr[e * cap + i], vi));
@@ -602,7 +620,7 @@ const int d0 = c * 128 + (threadIdx.x & 31) * 4;
 if (r0 < n && d0 < D) {  // no barriers or shuffles below: idle lanes may leave
   const bool pair = r0 + 1 < n && row_slot[r0 + 1] == row_slot[r0] && row_len[r0 + 1] == row_len[r0];
   for (long r = r0; r < r0 + (pair ? 1 : min(2L, n - r0)); ++r) {
-    const float* vd = v + (long)row_slot[r] * cap * kvw + g * D;
+    const auto* vd = v + (long)row_slot[r] * cap * kvw + g * D;
     const int S = row_len[r];
 #pragma unroll
     for (int h0 = 0; h0 < G; h0 += NHB) {
@@ -657,13 +675,13 @@ if (tile < tiles_shape[0] / 2) {  // the same for the whole block
     for (long j = j0; j < min(j0 + 32, (long)S); ++j) {
       any = any || !(mlxi_hidden(j, posn, CAUSAL, 0) || mlxi_hidden(j, pos0, 0, WINDOW));
     }
-    const float* kg = k + (long)slot * cap * kvw + g * D;
+    const auto* kg = k + (long)slot * cap * kvw + g * D;
     if (any) {
       // a warp writes 32 consecutive floats (8 keys x 4 terms of one l): no bank conflicts
       for (int idx = tid; idx < 32 * 32 * 4; idx += MLXI_THREADS) {
         const int t = idx & 3, l = (idx >> 5) & 31, key = (idx >> 10) * 8 + ((idx >> 2) & 7), d = l + 32 * t;
         const long j = j0 + key;
-        reinterpret_cast<float*>(ks)[(l * 32 + key) * 4 + t] = (j < S && d < D) ? kg[j * kvw + d] : 0.0f;
+        reinterpret_cast<float*>(ks)[(l * 32 + key) * 4 + t] = (j < S && d < D) ? mlxi_f(kg[j * kvw + d]) : 0.0f;
       }
     }
     const long j = j0 + lane;
@@ -675,7 +693,7 @@ if (tile < tiles_shape[0] / 2) {  // the same for the whole block
           const int row = re >> 1, e = re & 1;
           const bool ok = row < nr && hb + e < G && d < D;
           reinterpret_cast<float*>(qs)[(re * 32 + l) * 4 + t] =
-              ok ? q[(r0 + row) * H * D + (long)(g * G + hb + e) * D + d] : 0.0f;
+              ok ? mlxi_f(q[(r0 + row) * H * D + (long)(g * G + hb + e) * D + d]) : 0.0f;
         }
         __syncthreads();
       }

@@ -18,6 +18,11 @@
 //     precise::exp(x_j - m); thread t adds e_j for j = t, t+256, ...; butterfly within each simdgroup;
 //     the 8 simdgroup totals by a butterfly with off = 4, 2, 1; y_j = e_j / total.
 //
+// Input types, as in attention.cu: fused_attention reads q, k and v in the dtype MLX hands them (float,
+// bfloat16_t or float16_t: --dtype, --kv-dtype) and widens every value to float before any arithmetic
+// (exact for all three), so the order above, and the bits, are those of float32 inputs; the matmul and
+// softmax kernels take float (the backend widens their operands first).
+//
 // MLX's own Metal matmul and softmax (gemv.h, softmax.h) use other orders; that does not matter here,
 // because on a GPU both attention paths call these kernels, never MLX's.
 //@@HEADER
@@ -29,12 +34,13 @@
 #define MLXI_MAX_D 256
 #define MLXI_PART_D 128  // fused_attention's context: head dimensions a pass (threadgroup memory 32 x this)
 
-// A and B: `device` or `constant` pointers (MLX passes an input of fewer than 8 elements as `constant`).
+// A and B: `device` or `constant` pointers (MLX passes an input of fewer than 8 elements as `constant`)
+// to float, bfloat16_t or float16_t, each value widened to float before the product.
 template <typename A, typename B>
 inline float mlxi_dot(A a, long sa, B b, long sb, int n, uint lane) {
   float s = 0.0f;
   for (int i = lane; i < n; i += 32) {
-    const float prod = a[(long)i * sa] * b[(long)i * sb];
+    const float prod = float(a[(long)i * sa]) * float(b[(long)i * sb]);
     s = s + prod;
   }
   for (ushort off = 16; off > 0; off >>= 1) {
@@ -121,7 +127,7 @@ for (long item = threadgroup_position_in_grid.x; item < items; item += threadgro
       const int l = idx / dn, d = d0 + idx % dn;
       float s = 0.0f;
       for (int i = l; i < S; i += 32) {
-        const float prod = pr[i] * vb[(long)i * kvw + d];
+        const float prod = pr[i] * float(vb[(long)i * kvw + d]);
         s = s + prod;
       }
       part[idx] = s;

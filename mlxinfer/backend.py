@@ -126,7 +126,7 @@ class Backend:
         self.attention = attention
 
     def describe(self) -> str:
-        """The backend's configuration in one line, e.g. "mlx (gpu, cuda attention, cuda kernels)"."""
+        """The backend's configuration in one line, e.g. "mlx (gpu, bfloat16, cuda attention, cuda kernels)"."""
         return self.name
 
     def label(self) -> str:

@@ -18,6 +18,11 @@ A pass where a sequence brings many rows (a prefill chunk: `uses_rows`) takes th
 instead, `attn_scores_rows` (32 rows x 32 keys of one sequence a block, in shared memory) and, in the
 three-launch form, `attn_context_rows` (a thread walks all 32 chains of two rows): each thread sums the
 32 lane partials of the published order itself, in the butterfly's tree order.
+The attention kernels read q, K and V in the types they are handed (float32, bfloat16, float16: the
+MLX backend's --dtype and --kv-dtype) and widen each value exactly before any arithmetic; the matmul
+and softmax kernels take float32 (the backend widens their operands in the graph), so both paths
+compute on the same float32 values. On CUDA the input types are template arguments (`input_types`):
+MLX names a CUDA kernel by its template arguments only, so each type gets its own compiled kernel.
 Because the per-head reference and the fused kernels are built from the same device functions, they
 agree bit for bit on any number of query rows, which MLX's own products cannot promise (on CUDA a
 product of more than one row goes to cuBLASLt, whose order is unpublished).
@@ -144,7 +149,7 @@ METAL_ATTRIBUTES = {  # the thread attributes MLX 0.32's metal_kernel declares w
     "thread_position_in_threadgroup": "uint3", "threadgroup_position_in_grid": "uint3",
     "threadgroups_per_grid": "uint3", "threads_per_grid": "uint3", "threads_per_simdgroup": "uint",
     "threads_per_threadgroup": "uint3"}
-_METAL_TYPES = {"float32": "float", "int32": "int"}
+_METAL_TYPES = {"float32": "float", "int32": "int", "bfloat16": "bfloat16_t", "float16": "float16_t"}
 
 
 def metal_kernel_source(name: str, inputs) -> str:
@@ -291,6 +296,12 @@ def _score_tiles(seq_rows: tuple):
     return mx.array(np.array(tiles, dtype=np.int32).reshape(-1))
 
 
+def input_types(kind: str, q, keys) -> list:
+    """The template arguments that name a CUDA attention kernel's input types (MLX's CUDA kernel cache
+    is keyed by name and template arguments, not by the inputs' dtypes); Metal's names carry them."""
+    return [("QT", q.dtype), ("KVT", keys.dtype)] if kind == "cuda" else []
+
+
 def refuse_softcap(spec) -> None:
     """The kernels compute no soft-capping (Gemma 2's): the MLX backend sends such passes to its graph path."""
     if spec.softcap:
@@ -321,9 +332,10 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
     cap = keys.shape[1]
     dims = _dims(cap, spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.causal), int(spec.window or 0), n)
     blocks = min(n * spec.n_heads, MAX_BLOCKS)
+    types = input_types(kind, q, keys)
     out, _ = _kernel(kind, "fused_attention")(
         inputs=[q, keys, values, row_slot, row_pos, row_len, mx.array([spec.scale], dtype=mx.float32), dims],
-        grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1), **({"template": types} if types else {}),
         output_shapes=[(n, spec.n_heads * spec.head_dim), (blocks, cap)], output_dtypes=[mx.float32, mx.float32])
     return out
 
@@ -343,7 +355,7 @@ def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, ste
     n, cap = q.shape[0], keys.shape[1]
     scale_bits = int(np.array(spec.scale, dtype=np.float32).view(np.int32))
     template = [("H", spec.n_heads), ("KV", spec.n_kv_heads), ("D", spec.head_dim), ("CAUSAL", bool(spec.causal)),
-                ("WINDOW", int(spec.window or 0)), ("SCALE_BITS", scale_bits)]
+                ("WINDOW", int(spec.window or 0)), ("SCALE_BITS", scale_bits), *input_types(kind, q, keys)]
     shape = [(n, spec.n_heads, cap)]
     if two_launches is None:
         two_launches = uses_two_launches(n, cap)

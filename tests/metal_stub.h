@@ -12,6 +12,8 @@
 typedef unsigned int uint;
 typedef unsigned short ushort;
 typedef unsigned int uint3 __attribute__((ext_vector_type(3)));
+typedef _Float16 float16_t;  // MLX's names for Metal's half and bfloat (its get_type_string)
+typedef __bf16 bfloat16_t;
 
 namespace metal {
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };

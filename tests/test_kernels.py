@@ -202,9 +202,30 @@ INT_INPUTS = {"row_slot", "row_pos", "row_len", "dims", "tiles"}
 SPLIT_TEMPLATE = {"H": 16, "KV": 8, "D": 128, "CAUSAL": "true", "WINDOW": 0, "SCALE_BITS": 1035273459}
 TEMPLATED = {"attn_scores", "attn_softmax_context", "attn_context", "attn_context_rows", "attn_scores_rows", "qk_norm_rope"}  # the kernels kernels.split_attention passes `template` to
 STUB = """
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 struct Shape { int v[8]; __device__ long operator[](int i) const { return v[i]; } };
 #define INFINITY __int_as_float(0x7f800000)
 """
+CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half"}  # MLX's dtype_to_cuda_type
+ATTENTION_INPUTS = {"q": "QT", "k": "KVT", "v": "KVT"}  # read in the activations' / the KV cache's dtype
+
+
+def _cuda_include():
+    """A directory with cuda_bf16.h and cuda_fp16.h (MLX's JIT includes them before our header): the CUDA
+    runtime wheel's or a CUDA toolkit's, or None."""
+    import glob
+
+    try:
+        import nvidia
+
+        roots = [os.path.join(r, "cuda_runtime", "include") for r in nvidia.__path__]
+    except ImportError:
+        roots = []
+    for root in roots + sorted(glob.glob("/usr/local/cuda*/include")):
+        if os.path.exists(os.path.join(root, "cuda_bf16.h")):
+            return root
+    return None
 
 
 def _nvrtc():
@@ -225,19 +246,23 @@ def _nvrtc():
     return None
 
 
-def _cuda_kernel_source(name: str, body: str, header: str, extra: tuple = ()) -> str:
+def _cuda_kernel_source(name: str, body: str, header: str, extra: tuple = (), types=("float32", "float32")) -> str:
     """The source MLX's cuda_kernel compiles for a body: our header, then a __global__ function with
     each input (and its `_shape` where the body uses it), each output, the template constants (and
-    `extra` ones: (name, value) pairs)."""
+    `extra` ones: (name, value) pairs). types: the dtypes of q and of k, v (kernels.input_types)."""
     inputs, outputs = kernels._INPUTS[name]
+    ctypes_ = {"QT": CUDA_TYPES[types[0]], "KVT": CUDA_TYPES[types[1]]}
     params = []
     for i in inputs:
-        params.append(f"const {'int' if i in INT_INPUTS else 'float'}* {i}")
+        kind = "int" if i in INT_INPUTS else ctypes_[ATTENTION_INPUTS[i]] if i in ATTENTION_INPUTS and name != "qk_norm_rope" else "float"
+        params.append(f"const {kind}* {i}")
         if f"{i}_shape" in body:
             params.append(f"const __grid_constant__ Shape {i}_shape")
     params += [f"float* {o}" for o in outputs]
     consts = "".join(f"  constexpr {'bool' if v == 'true' else 'int'} {k} = {v};\n" for k, v in SPLIT_TEMPLATE.items()
                      if name in TEMPLATED) + "".join(f"  constexpr int {k} = {v};\n" for k, v in extra)
+    if {"q", "k", "v"} & set(inputs) and name != "qk_norm_rope":
+        consts += "".join(f"  using {t} = {c};\n" for t, c in ctypes_.items())
     return f"{STUB}{header}\n__global__ void k_{name}({', '.join(params)}) {{\n{consts}{body}\n}}\n"
 
 
@@ -262,10 +287,13 @@ def test_cuda_sources_compile_with_nvrtc():
     lib = _nvrtc()
     if lib is None:
         pytest.skip("needs NVRTC (pip install nvidia-cuda-nvrtc-cu12; Linux x86-64)")
+    include = _cuda_include()
+    if include is None:
+        pytest.skip("needs cuda_bf16.h and cuda_fp16.h (pip install nvidia-cuda-runtime-cu12, or a CUDA toolkit)")
     _, names = kernels.kernel_source("cuda")
     parts = {name: kernels.kernel_parts("cuda", name) for name in names}  # what MLX is handed: no comments, ...
     bodies = {name: body for name, (_, body) in parts.items()}  # ... each header cut to what its body reaches
-    opts = [b"--gpu-architecture=compute_90", b"-default-device", b"--std=c++17"]
+    opts = [b"--gpu-architecture=compute_90", b"-default-device", b"--std=c++17", f"-I{include}".encode()]
     builds = [(name, body, ()) for name, body in bodies.items() if name not in ("attn_softmax_context", "attn_context_rows", "qk_norm_rope")]
     forms = [(("NHB", nhb), ("UR", ur)) for nhb in (1, 2) for ur in (1, 2, 4, 8)]
     assert tuple(kernels.CONTEXT_ROWS_FORM) in forms
@@ -279,6 +307,14 @@ def test_cuda_sources_compile_with_nvrtc():
     for name, body, extra in builds:
         rc, log = _nvrtc_compile(lib, name, _cuda_kernel_source(name, body, parts[name][0], extra), opts)
         assert rc == 0, f"{name}: {log}"
+    # the attention kernels read q, K and V in bfloat16 and float16 too (--dtype, --kv-dtype): each kernel's
+    # form in use, with both 16-bit types, and q in bfloat16 over a float32 cache
+    forms = {"attn_context_rows": tuple(kernels.CONTEXT_ROWS_FORM), "attn_softmax_context": kernels.ONE_ROW_FORM}
+    for name in sorted(set(bodies) - {"matmul", "softmax", "attn_softmax", "qk_norm_rope"}):
+        for types in (("bfloat16", "bfloat16"), ("float16", "float16"), ("bfloat16", "float32")):
+            src = _cuda_kernel_source(name, bodies[name], parts[name][0], tuple(forms.get(name, ())), types)
+            rc, log = _nvrtc_compile(lib, name, src, opts)
+            assert rc == 0, f"{name} {types}: {log}"
 
 
 @pytest.mark.parametrize("heads", [(16, 8, 128), (32, 8, 128), (32, 4, 128), (14, 2, 64), (8, 8, 256), (9, 3, 64)])
@@ -294,8 +330,11 @@ def test_one_row_forms_keep_their_values_in_registers(heads, monkeypatch):
     monkeypatch.setitem(SPLIT_TEMPLATE, "H", h)
     monkeypatch.setitem(SPLIT_TEMPLATE, "KV", kv)
     monkeypatch.setitem(SPLIT_TEMPLATE, "D", d)
+    include = _cuda_include()
+    if include is None:
+        pytest.skip("needs cuda_bf16.h and cuda_fp16.h (pip install nvidia-cuda-runtime-cu12, or a CUDA toolkit)")
     header, body = kernels.kernel_parts("cuda", "attn_softmax_context")
-    opts = [b"--gpu-architecture=sm_90", b"-default-device", b"--std=c++17", b"--ptxas-options=-v"]
+    opts = [b"--gpu-architecture=sm_90", b"-default-device", b"--std=c++17", b"--ptxas-options=-v", f"-I{include}".encode()]
     for form in (kernels.ONE_ROW_FORM, kernels.ONE_ROW_LONG_FORM):
         src = _cuda_kernel_source("attn_softmax_context", body, header, tuple(form))
         rc, log = _nvrtc_compile(lib, "attn_softmax_context", src, opts)

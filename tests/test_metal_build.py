@@ -27,9 +27,10 @@ class Launch:
     threadgroup: tuple
 
 
-def record_launches(monkeypatch, cases) -> set[Launch]:
+def record_launches(monkeypatch, cases, dtypes=("float32",)) -> set[Launch]:
     """Every Metal kernel launch the MLX backend makes for the cases (fused override and per-head
-    reference), each kernel answered with zeros of its output shapes (nothing runs)."""
+    reference) in each of `dtypes` (--dtype: q, K and V in that type), each kernel answered with zeros
+    of its output shapes (nothing runs)."""
     launches = set()
 
     def kernel(kind, name):
@@ -44,11 +45,12 @@ def record_launches(monkeypatch, cases) -> set[Launch]:
         return launch
 
     monkeypatch.setattr(kernels, "_kernel", kernel)
-    b = MLXBackend(device="cpu")
-    b.gpu_kernels = b.kernel = "metal"  # as on a Mac whose self-check passed
-    for case in cases:
-        q, view, batch = check_case_inputs(b, case)
-        mx.eval(b.fused_attention_override(q, view, batch, case.spec), b.per_head_attention(q, view, batch, case.spec))
+    for dtype in dtypes:
+        b = MLXBackend(device="cpu", dtype=dtype)
+        b.gpu_kernels = b.kernel = "metal"  # as on a Mac whose self-check passed
+        for case in cases:
+            q, view, batch = check_case_inputs(b, case)
+            mx.eval(b.fused_attention_override(q, view, batch, case.spec), b.per_head_attention(q, view, batch, case.spec))
     return launches
 
 
@@ -70,7 +72,7 @@ def _variants(launches) -> dict[tuple, str]:
 def launches():
     mp = pytest.MonkeyPatch()
     try:
-        yield record_launches(mp, self_check_cases())
+        yield record_launches(mp, self_check_cases(), ("float32", "bfloat16", "float16"))
     finally:
         mp.undo()
 
@@ -88,6 +90,9 @@ def test_every_metal_kernel_is_launched_by_the_self_check_plans(launches):
     assert min(sizes("softmax", {"float32"})) < kernels.METAL_CONSTANT_BELOW
     rows = sizes("fused_attention", {"int32"}) - {7}  # (dims: 7 values, always constant)
     assert min(rows) < kernels.METAL_CONSTANT_BELOW <= max(rows)
+    # the fused kernel reads q, K and V in each dtype (--dtype); the products and softmax take float32
+    assert {la.inputs[0][0] for la in launches if la.name == "fused_attention"} == {"float32", "bfloat16", "float16"}
+    assert {d for la in launches if la.name in ("matmul", "softmax") for d, _ in la.inputs[:2]} <= {"float32", "int32"}
 
 
 def test_metal_launches_fit_apples_threads(launches):

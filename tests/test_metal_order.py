@@ -86,7 +86,7 @@ def test_metal_dot_product_order_is_the_emulations():
     dot = _function(header, "mlxi_dot")
     (stride,) = re.findall(r"for \(int i = lane; i < n; i \+= (\d+)\)", dot)
     assert int(stride) == kernels.LANES
-    assert re.search(r"const float prod = a\[[^]]+\] \* b\[[^]]+\];\s*s = s \+ prod;", dot)
+    assert re.search(r"const float prod = float\(a\[[^]]+\]\) \* float\(b\[[^]]+\]\);\s*s = s \+ prod;", dot)
     assert _butterflies(dot, "s") == [kernels.DOT_BUTTERFLY]
 
 
@@ -109,7 +109,7 @@ def test_metal_fused_context_is_the_dot_products_order():
     butterfly. Its scores and softmax are mlxi_dot and mlxi_softmax."""
     _, bodies = _source()
     fused = bodies["fused_attention"]
-    (stride,) = re.findall(r"for \(int i = l; i < S; i \+= (\d+)\) \{\s*const float prod = pr\[i\] \* vb\[[^]]+\];"
+    (stride,) = re.findall(r"for \(int i = l; i < S; i \+= (\d+)\) \{\s*const float prod = pr\[i\] \* float\(vb\[[^]]+\]\);"
                            r"\s*s = s \+ prod;", fused)
     assert int(stride) == kernels.LANES
     trees = [_offsets(i, c, s, v) for v, i, c, s in _loops(fused, "part[idx] = part[idx] + part[idx + off * dn]")]

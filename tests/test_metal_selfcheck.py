@@ -63,7 +63,7 @@ def test_a_kernel_that_raises_fails_the_self_check_in_one_line_naming_it(capsys)
     assert err == [f"mlxinfer: warning: the attention kernels failed their self-check ({problem}); using MLX's "
                    "own ops and per-head attention (pass --kernel to force the kernels)"]
     b.device = "gpu"  # (what describe and the report say on a Mac)
-    assert b.describe() == "mlx (gpu, per-head (the kernels failed their self-check) attention, MLX ops)"
+    assert b.describe() == "mlx (gpu, float32, per-head (the kernels failed their self-check) attention, MLX ops)"
     line, passed = b.kernel_report()
     assert not passed and line.startswith(f"kernels: metal: self-check FAILED ({problem}); mlxinfer uses MLX's own ops")
 
