@@ -8,7 +8,8 @@
 # tests   the four GPU test files (test_kernels, test_mlx_backend, test_compile, test_cuda_limits) with
 #         EXAMPLES Hypothesis examples (5) -> $OUT/tests.log
 # bench   mlxinfer bench --backends mlx --devices gpu at the prompt lengths CASES (17,511,8191), batch
-#         sizes BATCH (1,8,32), ROUNDS rounds (3) of RUNS runs (3), mlx-lm in DTYPES (float32,bfloat16)
+#         sizes BATCH (1,8,32), ROUNDS rounds (3) of RUNS runs (3), mlx-lm in DTYPES (float32,bfloat16),
+#         ours in OURS (float32,bfloat16: --dtypes) with KV_DTYPE (empty: each dtype's own; q8_0 ...)
 #         -> $OUT/bench-<cases>-b<batch>/ (results.jsonl, results.md with the command and table,
 #         results.png where matplotlib is installed) and bench-<cases>-b<batch>.log
 # report  one table (and plot) of every $OUT/bench-*/results.jsonl -> $OUT/report/ (runs `mlxinfer bench
@@ -39,7 +40,7 @@ if [ -f .peerwheels/install.sh ]; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 CASES=${CASES:-17,511,8191}; BATCH=${BATCH:-1,8,32}; ROUNDS=${ROUNDS:-3}; RUNS=${RUNS:-3}
-DTYPES=${DTYPES:-float32,bfloat16}; WARMUP=${WARMUP:-0}
+DTYPES=${DTYPES:-float32,bfloat16}; WARMUP=${WARMUP:-0}; OURS=${OURS:-float32,bfloat16}; KV_DTYPE=${KV_DTYPE:-}
 T0=$SECONDS
 log() { echo "[$((SECONDS - T0)) s] $*"; }
 for step in ${*:-tests bench report}; do
@@ -54,7 +55,8 @@ for step in ${*:-tests bench report}; do
       d=$OUT/bench-${CASES//,/-}-b${BATCH//,/-}
       timeout "${BENCH_TIMEOUT:-570}" python3 -m mlxinfer bench -m qwen3-0.6b-synthetic --backends mlx \
         --devices gpu --attention fused -p "$CASES" -n 64 --batch "$BATCH" --runs "$RUNS" --rounds "$ROUNDS" \
-        --warmup-tokens "$WARMUP" --peers mlx-lm --peer-dtypes "$DTYPES" --out "$d" >"$d.log" 2>&1; rc=$?
+        --warmup-tokens "$WARMUP" --peers mlx-lm --peer-dtypes "$DTYPES" --dtypes "$OURS" \
+        ${KV_DTYPE:+--kv-dtype "$KV_DTYPE"} --out "$d" >"$d.log" 2>&1; rc=$?
       grep -v "^  " "$d.log" | tail -40; log "bench $d rc=$rc" ;;
     report)
       python3 -m mlxinfer bench --report "$OUT"/bench-*/results.jsonl --out "$OUT/report"; log "report rc=$?" ;;

@@ -41,6 +41,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from . import __version__
+from .backend import DTYPES, KV_DTYPES
 from .engine import load
 from .errors import MlxinferError, RequestError
 from .model_source import cache_dir, resolve_model
@@ -71,6 +72,9 @@ def add_arguments(p) -> None:
     p.add_argument("--devices", default="gpu,cpu", help="MLX devices, where this machine has them (gpu, cpu)")
     p.add_argument("--attention", default="fused", help=f"attention paths ({', '.join(ATTENTION)})")
     p.add_argument("--kv", default="prealloc", help=f"KV caches ({', '.join(KV_CACHES)})")
+    p.add_argument("--dtypes", default=None, metavar="DTYPE,...",
+                   help=f"the MLX backend's --dtype, one set of rows each ({', '.join(DTYPES)}; default: its default)")
+    p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES, help="the MLX backend's --kv-dtype (default: the dtype)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), metavar="N",
                    help="threads of the rows on a CPU and of llama.cpp (default: every core, %(default)s; the "
                         "engine's own default follows the load average, which would tie a row to the one before)")
@@ -173,7 +177,7 @@ def measure_row(job: dict) -> dict:
     t0 = time.perf_counter()
     engine = load(job["model"], backend=job["backend"], attention=job["attention"],
                   device=job["device"] if job["backend"] == "mlx" else None, kv=job["kv"],
-                  threads=job["threads"] if on_cpu else None)
+                  threads=job["threads"] if on_cpu else None, dtype=job.get("dtype"), kv_dtype=job.get("kv_dtype"))
     load_s = time.perf_counter() - t0
     vocab = load_tokenizer(job["model"]).vocab_size
     n, gen, on_mlx = job["prompt"], job["gen"], job["backend"] == "mlx"
@@ -181,10 +185,16 @@ def measure_row(job: dict) -> dict:
     w = n if job["warmup_tokens"] <= 0 else min(job["warmup_tokens"], n)
     one_run(engine, on_mlx, [p[:w] for p in prompts], min(4, gen))  # warm-up: allocations, kernel compilation
     row = summarize([one_run(engine, on_mlx, prompts, gen) for _ in range(job["runs"])])
-    row.update(engine=f"mlxinfer {job['backend']}", device=job["device"], attention=job["attention"],
+    row.update(engine=engine_name(job), device=job["device"], attention=job["attention"],
                prompt_tokens=n, max_tokens=gen, warmup_prompt_tokens=w, load_s=load_s,
                threads=job["threads"] if on_cpu else None)
     return row
+
+
+def engine_name(job: dict) -> str:
+    """A row's engine: the backend, and the MLX dtype (and KV cache type) where the row asked for one."""
+    types = [t for t in (job.get("dtype"), job.get("kv_dtype") and f"kv {job['kv_dtype']}") if t]
+    return " ".join([f"mlxinfer {job['backend']}", *types])
 
 
 def run_row(job: dict) -> dict:
@@ -199,7 +209,7 @@ def run_row(job: dict) -> dict:
         why = f"signal {-r.returncode}"
     else:
         why = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-    return dict(engine=f"mlxinfer {job['backend']}", device=job["device"], attention=job["attention"],
+    return dict(engine=engine_name(job), device=job["device"], attention=job["attention"],
                 kv_cache=job["kv"], batch_size=job["batch"], prompt_tokens=job["prompt"], error=why)
 
 
@@ -478,6 +488,7 @@ def plan(args) -> tuple[str | None, list[dict], list[dict], list[str]]:
     devices = _names(args.devices, "--devices", DEVICES)
     attentions = _names(args.attention, "--attention", ATTENTION)
     kvs = _names(args.kv, "--kv", KV_CACHES)
+    ours = [None] if args.dtypes is None else _names(args.dtypes, "--dtypes", DTYPES)
     peers = [] if args.peers == "none" else _names(args.peers, "--peers", tuple(PEERS))
     dtypes = _names(args.peer_dtypes, "--peer-dtypes", PEER_DTYPES)
     if args.report:
@@ -488,9 +499,11 @@ def plan(args) -> tuple[str | None, list[dict], list[dict], list[str]]:
         notes.append("MLX has no GPU here: no gpu rows")
     spec = dict(model=model, gen=args.gen_tokens, runs=args.runs, warmup_tokens=args.warmup_tokens,
                 threads=args.threads)
-    jobs = [dict(spec, backend=b, device=d, attention=a, kv=kv, batch=n_batch, prompt=n)
+    typed = dict(kv_dtype=args.kv_dtype) if args.kv_dtype else {}
+    jobs = [dict(spec, backend=b, device=d, attention=a, kv=kv, batch=n_batch, prompt=n,
+                 **(dict(dtype=dt, **typed) if b == "mlx" and (dt or typed) else {}))
             for b in backends for d in (devices if b == "mlx" else ["cpu"]) for a in attentions for kv in kvs
-            for n_batch in batches for n in prompts]
+            for dt in (ours if b == "mlx" else [None]) for n_batch in batches for n in prompts]
     peer_jobs = []
     for p in peers:
         if not installed(p):

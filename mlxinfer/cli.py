@@ -15,6 +15,7 @@ import sys
 import tempfile
 
 from . import __version__, benchmark
+from .backend import DTYPES, GPU_DEFAULT_DTYPE, KV_DTYPES
 from .backends.cpu import checked_threads, default_threads
 from .collectives import launched
 from .engine import load
@@ -79,7 +80,7 @@ def _load(args):
               "times over", file=sys.stderr)
     return load(args.model, backend=args.backend, attention=args.attention, device=args.device,
                 kernel=args.kernel, kv=args.kv, prefill_chunk=args.prefill_chunk, threads=args.threads,
-                tp=getattr(args, "tp", 1), **prompt_cache_options(args))
+                tp=getattr(args, "tp", 1), dtype=args.dtype, kv_dtype=args.kv_dtype, **prompt_cache_options(args))
 
 
 def prompt_cache_options(args) -> dict:
@@ -412,6 +413,12 @@ def _model_options(p, sampling: bool = True) -> None:
                         "or grown by concatenation")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prompt tokens per prefill pass (default: 512)")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="MLX: the activations' and products' dtype (default: float32 on MLX's CPU, "
+                        f"{GPU_DEFAULT_DTYPE} on a GPU; the cpu backend: float32 only)")
+    p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES,
+                   help="MLX: what the KV cache stores (default: --dtype); q8_0: int8 in blocks of 32 with a "
+                        "float16 scale each, as llama.cpp's -ctk q8_0")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="CPU threads: the cpu backend's BLAS threads, or the threads MLX's CPU device cuts "
                         "large quantized weight products and attention over (default: the cores not already "

@@ -158,12 +158,13 @@ def gpu_kernel():
 
 
 @pytest.mark.skipif(not gpu_kernel(), reason="needs an MLX GPU (CUDA or Metal) for the attention kernel")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kv", ["prealloc", "paged"])
-def test_gpu_compiled_decode_equals_eager_bitwise(model, kv):
+def test_gpu_compiled_decode_equals_eager_bitwise(model, kv, dtype):
     kind = gpu_kernel()
     runs = []
     for compiled in (False, True):
-        e = Engine(model, MLXBackend(device="gpu", kernel=kind), kv=kv)
+        e = Engine(model, MLXBackend(device="gpu", kernel=kind, dtype=dtype), kv=kv)
         e.compile_decode = compiled
         assert e.backend.compiles_decode
         one = e.generate(list(range(3, 300)), max_tokens=24)

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 
 import mlx.core as mx
 import mlxinfer
@@ -39,6 +39,18 @@ def override_backends():
 
 OVERRIDES = [pytest.param(make, id=name, marks=[pytest.mark.skip(reason=why)] if why else [])
              for name, make, why in override_backends()]
+# (dtype, kv_dtype) of the byte-identity tests: each activation dtype with its own cache, and q8_0 caches
+TYPES = [pytest.param(("float32", None), id="f32"), pytest.param(("bfloat16", None), id="bf16"),
+         pytest.param(("float16", None), id="f16"), pytest.param(("float32", "q8_0"), id="f32-kv-q8_0"),
+         pytest.param(("bfloat16", "q8_0"), id="bf16-kv-q8_0")]
+
+
+def typed(make, types, case=None, **kw):
+    """The override's backend in (dtype, kv_dtype); a q8_0 cache needs KV rows of whole blocks of 32."""
+    dtype, kv_dtype = types
+    if case is not None and kv_dtype == "q8_0":
+        assume(case.spec.n_kv_heads * case.spec.head_dim % 32 == 0)
+    return make(dtype=dtype, kv_dtype=kv_dtype, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -162,38 +174,45 @@ def test_q4_k_and_f16_weights_are_read_by_our_code_not_misread(tmp_path):
         np.testing.assert_allclose(got, x @ g.dequantize(name).T, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("types", TYPES)
 @pytest.mark.parametrize("make", OVERRIDES)
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(case=attention_inputs())
-def test_fused_attention_override_is_byte_identical(make, case):
-    assert_matches_default(make(), case)
+def test_fused_attention_override_is_byte_identical(make, types, case):
+    """In every dtype and KV cache type: q, K and V in their types, both paths computing on the same
+    widened float32 values (a q8_0 cache: the same dequantized values)."""
+    assert_matches_default(typed(make, types, case), case)
 
 
+@pytest.mark.parametrize("types", [t for t in TYPES if t.values[0][1] is None])  # (basic: the pass's own K, V)
 @pytest.mark.parametrize("make", OVERRIDES)
 @settings(max_examples=max(5, EXAMPLES // 4), deadline=None)
 @given(case=attention_inputs(max_seq=300))
-def test_fused_attention_override_on_the_basic_cache(make, case):
-    assert_matches_default(make(), case, kv="basic")
+def test_fused_attention_override_on_the_basic_cache(make, types, case):
+    assert_matches_default(typed(make, types, case), case, kv="basic")
 
 
+@pytest.mark.parametrize("types", TYPES)
 @pytest.mark.parametrize("make", OVERRIDES)
 @settings(max_examples=max(5, EXAMPLES // 4), deadline=None)
 @given(case=attention_inputs(max_seq=300))
-def test_fused_attention_override_on_the_paged_cache(make, case):
-    assert_matches_default(make(), case, kv="paged")
+def test_fused_attention_override_on_the_paged_cache(make, types, case):
+    assert_matches_default(typed(make, types, case), case, kv="paged")
 
 
 needs_cuda = pytest.mark.skipif(gpu_kind() != "cuda", reason="the split kernels are CUDA's (needs an NVIDIA GPU)")
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("plan", ["split, two launches", "split, three launches", "split, three launches, context by rows",
                                   "one-launch"])
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(case=attention_inputs(softcaps=False))  # the kernels refuse soft-capping (kernels.refuse_softcap)
-def test_both_cuda_launch_plans_are_byte_identical(plan, case):
+def test_both_cuda_launch_plans_are_byte_identical(plan, dtype, case):
     """Every pass forced through one plan (the split kernels in their two- or three-launch form, the
-    latter with either context kernel, or the one-launch kernel), whatever its size."""
+    latter with either context kernel, or the one-launch kernel), whatever its size, with q, K and V in
+    each dtype (the kernels read 16-bit values and widen them)."""
     from mlxinfer import kernels
 
     split, two = plan.startswith("split"), "two" in plan
@@ -204,7 +223,7 @@ def test_both_cuda_launch_plans_are_byte_identical(plan, case):
         mp.setattr(kernels, "TWO_LAUNCH_MAX_KEYS", 10**18 if two else 0)
         mp.setattr(kernels, "ROWS_MIN", 1 if "rows" in plan else 10**9)
         mp.setattr(kernels, "ROWS_MAX_KEYS_PER_ROW", 10**9)
-        assert_matches_default(MLXBackend(device="gpu", kernel="cuda"), case)
+        assert_matches_default(MLXBackend(device="gpu", kernel="cuda", dtype=dtype), case)
 
 
 @needs_cuda
@@ -399,12 +418,13 @@ def test_mlx_attention_paths_compute_causal_gqa_attention(make, rows, kv, group,
     np.testing.assert_allclose(fused, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("types", TYPES)
 @pytest.mark.parametrize("make", OVERRIDES)
-def test_full_model_fused_vs_per_head_bitwise(make, qwen3_path):
-    """Synthetic Qwen3, prefilled in chunks of 5: logits bitwise equal, greedy text identical for 64
-    tokens, alone and in a batch."""
-    fused = mlxinfer.Engine(qwen3_path, make(attention="fused"), prefill_chunk=5)
-    per_head = mlxinfer.Engine(qwen3_path, make(attention="per-head"), prefill_chunk=5)
+def test_full_model_fused_vs_per_head_bitwise(make, types, qwen3_path):
+    """Synthetic Qwen3, prefilled in chunks of 5, in each dtype and KV cache type: logits bitwise equal,
+    greedy text identical for 64 tokens, alone and in a batch."""
+    fused = mlxinfer.Engine(qwen3_path, typed(make, types, attention="fused"), prefill_chunk=5)
+    per_head = mlxinfer.Engine(qwen3_path, typed(make, types, attention="per-head"), prefill_chunk=5)
     ids = [1, 17, 250, 99, 3, 300, 42, 42, 7, 128, 255, 64]
     assert np.array_equal(fused.logits(ids).view(np.uint32), per_head.logits(ids).view(np.uint32))
     a, b = fused.generate(ids, max_tokens=64), per_head.generate(ids, max_tokens=64)

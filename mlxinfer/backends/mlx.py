@@ -21,7 +21,7 @@ operands, on a GPU in the kernels themselves (templated on the input type); its 
 the next product narrows it. Softmax is always float32; logits leave the backend as float32
 (`to_numpy`, `sample_tokens`). The KV cache stores `kv_dtype` (default: the dtype; q8_0 in
 `backends/mlx_kv.py`). Default dtype: float32 on the CPU (MLX CPU's reduced-precision quantized
-products are far slower there), GPU_DEFAULT_DTYPE on a GPU.
+products are far slower there), `backend.GPU_DEFAULT_DTYPE` on a GPU.
 
 Fused attention, chosen by platform (overridable with `kernel=`):
   - "graph": each sequence's heads in one batched graph (the CPU's override);
@@ -48,17 +48,16 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from .. import collectives, kernels, quants  # noqa: E402
-from ..backend import GELU_COEF_A, MOE_MIN_WEIGHT_SUM, SQRT_2_OVER_PI, AttentionSpec, Backend, softcap_inverse  # noqa: E402
+from ..backend import GELU_COEF_A, GPU_DEFAULT_DTYPE, KV_DTYPES, MOE_MIN_WEIGHT_SUM, SQRT_2_OVER_PI, AttentionSpec, Backend, softcap_inverse  # noqa: E402
 from ..batch import Batch  # noqa: E402
 from ..errors import GGUFError, RequestError  # noqa: E402
 from ..kv_cache import KV_CACHES, PagedLayer  # noqa: E402
 from ..sampling import MLXRandom  # noqa: E402
 from .cpu import checked_threads, default_threads  # noqa: E402
-from .mlx_kv import KV_DTYPES, dequantize_q8_0, packed_width, quantize_q8_0, value_bytes  # noqa: E402
+from .mlx_kv import dequantize_q8_0, packed_width, quantize_q8_0, value_bytes  # noqa: E402
 from .mlx_weights import GROUP, BlockWeight, PackedWeight, QuantizedWeight, WeightGroup, to_device  # noqa: E402,F401
 
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-GPU_DEFAULT_DTYPE = "float32"  # the dtype a GPU runs when none is asked for (the CPU's: float32)
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}  # backend.DTYPES' MLX types
 KEPT = (*quants.AFFINE_BITS, *quants.BLOCK_TYPES, *quants.HALF_TYPES)  # every type but F32 stays as compact
 SPLIT_MIN_ROWS = 256  # quantized products are cut over the CPU threads in parts of at least this many rows
 _CPU_STREAMS: list = []  # shared by every MLX backend; thread-local: each thread that uses one gets its own

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-KV_DTYPES = ("float32", "bfloat16", "float16", "q8_0")
 Q8_BLOCK = 32
 Q8_BYTES_PER_VALUE = (Q8_BLOCK + 2) / Q8_BLOCK  # 32 int8 values and one float16 scale
 
