@@ -193,6 +193,29 @@ def test_runtime_request_errors(tmp_path):
     assert r.stdout == ""  # nothing printed as if generation had happened
 
 
+def test_dtype_options(tmp_path):
+    """--dtype and --kv-dtype: the MLX backend runs them (here a bfloat16 model over a q8_0 cache); what
+    cannot run is one line: the cpu backend (float32 only), a basic cache asked to store another type,
+    a q8_0 cache of rows that are not whole blocks of 32, an unknown type."""
+    from mlxinfer.synthetic import write_synthetic_model
+
+    p = write_synthetic_model(tmp_path / "m.gguf", arch="llama", n_layers=1)  # KV rows of 2 x 32 values
+    odd = write_synthetic_model(tmp_path / "odd.gguf", arch="llama", n_layers=1, n_kv_heads=1, head_dim=16)
+    mlx = ("--backend", "mlx", "--device", "cpu", "-n", "3", "--quiet")
+    r = run_cli("generate", "--model", p, *mlx, "--dtype", "bfloat16", "--kv-dtype", "q8_0", "hi")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "--dtype", "bfloat16", "hi"),
+                          "--dtype bfloat16: the cpu backend computes and stores float32 only")
+    assert_one_line_error(run_cli("generate", "--model", p, "--backend", "cpu", "--kv-dtype", "q8_0", "hi"),
+                          "--kv-dtype q8_0: the cpu backend")
+    assert_one_line_error(run_cli("generate", "--model", p, *mlx, "--kv", "basic", "--kv-dtype", "q8_0", "hi"),
+                          "a --kv-dtype other than --dtype needs --kv prealloc or paged")
+    assert_one_line_error(run_cli("generate", "--model", odd, *mlx, "--kv-dtype", "q8_0", "hi"),
+                          "--kv-dtype q8_0 quantizes KV rows in blocks of 32 values; this model's rows hold 16")
+    assert_one_line_error(run_cli("generate", "--model", p, *mlx, "--dtype", "float64", "hi"),
+                          "argument --dtype: invalid choice: 'float64'")
+
+
 def test_device_gpu_without_a_gpu(tmp_path):
     from mlxinfer.backends import mlx_gpu_available
     from mlxinfer.synthetic import write_synthetic_model

@@ -13,9 +13,12 @@ Attention arithmetic. On the CPU, attention's products and softmax are MLX's own
 and a batched override agree bit for bit. On a GPU they are mlxinfer's kernels (`mlxinfer.kernels`,
 one published summation order), because MLX's GPU products change order with the number of rows.
 
-Dtypes (`dtype=`, `--dtype`): activations, float weights, affine scales and dequantized blocks in
-float32, bfloat16 or float16 (norms, RoPE and elementwise ops in that dtype, as mlx-lm runs them; the
-residual stream too). Attention reads q, K and V in their dtypes and computes in float32 (each value
+Dtypes (`dtype=`, `--dtype`): activations in float32, bfloat16 or float16 (norms, RoPE and elementwise
+ops in that dtype, as mlx-lm runs them; the residual stream too). On a GPU the weight products run in
+it too (float weights, affine scales and dequantized blocks cast to it; MLX's GPU products accumulate
+in float32). On MLX's CPU they run in float32 from the widened activations, their outputs rounded to
+the dtype (`weight_dtype`): MLX's CPU quantized_matmul accumulates in its input type, so a bfloat16
+product of 1,536 terms there is off by ~8% of its magnitude (float32 sums: ~0.4%), and ~10x slower. Attention reads q, K and V in their dtypes and computes in float32 (each value
 widened exactly, the same products and sums as in float32), on the CPU through the widened
 operands, on a GPU in the kernels themselves (templated on the input type); its output is float32 and
 the next product narrows it. Softmax is always float32; logits leave the backend as float32
@@ -241,6 +244,7 @@ class MLXBackend(Backend):
         if kv_dtype not in KV_DTYPES:
             raise RequestError(f"unknown KV cache dtype {kv_dtype!r} (choose {', '.join(KV_DTYPES)})")
         self.dtype_name, self.dtype, self.kv_dtype = dtype, DTYPES[dtype], kv_dtype
+        self.weight_dtype = self.dtype if device == "gpu" else mx.float32  # the weight products' (docstring)
         self.kv_value_bytes = value_bytes(kv_dtype)
         self.float_scales = scales_formed_once(device) if float_scales is None else float_scales
         self.mx_device = mx.gpu if device == "gpu" else mx.cpu
@@ -371,7 +375,7 @@ class MLXBackend(Backend):
         for matmuls, since `x @ W` is ~2.5x faster than `x @ W.T` on MLX's CPU. Cached per layout."""
         key = (name, transposed and g.tensor(name).ggml_type not in KEPT)
         if key not in self._cache:
-            self._cache[key] = to_device(*self._read(g, name, transposed), self.float_scales, self.dtype)
+            self._cache[key] = to_device(*self._read(g, name, transposed), self.float_scales, self.weight_dtype)
         return self._cache[key]
 
     def load_weight(self, g, name):
@@ -385,12 +389,12 @@ class MLXBackend(Backend):
         the parts never reach the device."""
         parts = [self._read(g, n, transposed=True) for n in names]
         if len({qtype for qtype, _, _ in parts}) != 1:
-            return tuple(to_device(*p, self.float_scales, self.dtype) for p in parts)
+            return tuple(to_device(*p, self.float_scales, self.weight_dtype) for p in parts)
         qtype = parts[0][0]
         axis = 1 if qtype is None else 0  # float [in, out] side by side; packed [out, ...] rows stacked
         sizes = tuple(shape[0] for _, _, shape in parts)
         stacked = [np.concatenate([arrays[i] for _, arrays, _ in parts], axis=axis) for i in range(len(parts[0][1]))]
-        return WeightGroup(to_device(qtype, stacked, (sum(sizes), parts[0][2][1]), self.float_scales, self.dtype),
+        return WeightGroup(to_device(qtype, stacked, (sum(sizes), parts[0][2][1]), self.float_scales, self.weight_dtype),
                            sizes)
 
     def load_embedding(self, g, name):
@@ -425,11 +429,15 @@ class MLXBackend(Backend):
 
     # -- primitives ---------------------------------------------------------------------------
     def linear(self, x, w, groups=None):
-        x = x.astype(self.dtype)  # (attention's float32 output narrowed here)
+        # in the activations' dtype (attention's float32 output narrowed here), the product in
+        # `weight_dtype` (float32 on MLX's CPU: see the module docstring), its output in the dtype
+        return self._linear(x.astype(self.dtype).astype(self.weight_dtype), w, groups).astype(self.dtype)
+
+    def _linear(self, x, w, groups=None):
         # MLX's CPU products compute each row on its own (batch-invariant as they are); on a GPU they
         # do not (README: batch invariance), unless `per_sequence_linear`.
         if self.per_sequence_linear and groups is not None and len(groups) > 1:
-            return mx.concatenate([self.linear(x[r0:r1], w) for r0, r1 in groups])
+            return mx.concatenate([self._linear(x[r0:r1], w) for r0, r1 in groups])
         if isinstance(w, PackedWeight):
             if self._streams and w.shape[0] >= 2 * SPLIT_MIN_ROWS:
                 return self._split_quantized_matmul(x, w)
@@ -515,7 +523,7 @@ class MLXBackend(Backend):
 
     def load_experts(self, gguf, name):
         # [experts, in, out]: gather_mm multiplies x [.., 1, in] by the chosen experts' matrices
-        return mx.array(np.ascontiguousarray(np.swapaxes(gguf.dequantize(name), 1, 2), dtype=np.float32)).astype(self.dtype)
+        return mx.array(np.ascontiguousarray(np.swapaxes(gguf.dequantize(name), 1, 2), dtype=np.float32)).astype(self.weight_dtype)
 
     def moe_mlp(self, x, logits, experts, k, groups=None):
         probs = self.softmax_rows(logits)
