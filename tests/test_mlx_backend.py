@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlxinfer
 from mlxinfer import kernels
 from mlxinfer.backends.mlx import MLXBackend, gpu_kind, verify_gpu_kernels
+from mlxinfer.batch import Batch
 from mlxinfer.errors import RequestError
 from mlxinfer.sampling import MLXRandom, Sampler, SamplingParams, filter_probs_numpy
 from mlxinfer.testing import assert_matches_default, attention_inputs, run_both
@@ -608,3 +609,82 @@ def test_qk_norm_rope_cuda_kernel_matches_mx_fast_and_is_row_invariant():
             for g, a, one in zip(got, again, alone):
                 np.testing.assert_array_equal(np.array(g), np.array(a))
                 np.testing.assert_array_equal(np.array(g)[last:], np.array(one))
+
+
+def test_q8_0_rows_are_llama_cpp_blocks():
+    """--kv-dtype q8_0: each 32 values of a row as llama.cpp's block_q8_0 (d = max|x| / 127 kept as float16,
+    q = round(x / d) in int8; an all-zero block d = 0, q = 0); read back as float32 d * q, exact; and a row
+    read back and written again is the same row (forked blocks, the disk prompt cache)."""
+    from mlxinfer.backends.mlx_kv import Q8_BYTES_PER_VALUE, dequantize_q8_0, packed_width, quantize_q8_0
+
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((5, 96)) * 10.0 ** rng.uniform(-3, 3, (5, 1))).astype(np.float32)
+    x[1, 32:64] = 0.0  # an all-zero block
+    x[2, :32] *= 1e4  # blocks of very different magnitudes side by side
+    p = np.array(quantize_q8_0(mx.array(x)))
+    assert p.dtype == np.int8 and p.shape == (5, packed_width(96)) == (5, 96 + 6)
+    assert packed_width(96) / 96 == Q8_BYTES_PER_VALUE == 34 / 32
+    blocks = x.reshape(5, 3, 32)
+    d = np.abs(blocks).max(-1) / np.float32(127)
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
+    q = np.round(blocks * inv[..., None])
+    assert np.array_equal(p[:, :96].reshape(5, 3, 32), q.astype(np.int8)) and np.abs(q).max() == 127
+    assert np.array_equal(p[:, 96:].copy().view(np.float16), d.astype(np.float16))
+    back = np.array(dequantize_q8_0(mx.array(p)))
+    assert np.array_equal(back, (q * d.astype(np.float16).astype(np.float32)[..., None]).reshape(5, 96))
+    assert np.all(back[1, 32:64] == 0)
+    # quantization error: at most half a step d / 2 a value (plus float16's rounding of d: 2^-11 relative)
+    assert np.all(np.abs(back - x).reshape(5, 3, 32) <= d[..., None] * (0.5 + 127 * 2.0 ** -11) + 1e-30)
+    assert np.array_equal(np.array(quantize_q8_0(mx.array(back))), p)
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,stored,value_bytes", [
+    ("float32", None, mx.float32, 4), ("bfloat16", None, mx.bfloat16, 2), ("float16", None, mx.float16, 2),
+    ("bfloat16", "float32", mx.float32, 4), ("float32", "q8_0", mx.int8, 34 / 32)])
+@pytest.mark.parametrize("kv", ["prealloc", "paged"])
+def test_kv_cache_stores_its_dtype_and_counts_its_bytes(qwen3_path, kv, dtype, kv_dtype, stored, value_bytes):
+    """The cache's stores hold --kv-dtype (q8_0: packed int8 rows), and its byte counts (what the server's
+    memory budget takes) say so: keys and values x layers x KV heads x head_dim x bytes a value."""
+    e = mlxinfer.Engine(qwen3_path, MLXBackend(device="cpu", dtype=dtype, kv_dtype=kv_dtype), kv=kv)
+    cache = e.new_cache()
+    ids = [1, 17, 250, 99, 3]
+    slot = cache.alloc()
+    batch = Batch(e.backend, [slot], [0], [len(ids)])
+    cache.reserve(batch)
+    e.model(e.backend, e.backend.index_array(ids), batch, cache)
+    stores = cache.arrays()
+    assert stores and all(x.dtype == stored for x in stores)
+    spec = QWEN3_SYNTHETIC
+    per_token = 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * value_bytes
+    assert cache._bytes(1000) == int(np.ceil(per_token * 1000))
+    assert sum(x.nbytes for x in stores) == cache.nbytes()
+
+
+# (dtype, kv_dtype): bound on max |logit - float32's logit| as a fraction of the largest float32 logit, and
+# greedy tokens that agree with float32's. Error model: bfloat16 rounds each activation to 8 significant
+# bits (at most 2^-9 of itself), float16 to 11 (2^-11); SmolLM2's 30 layers of residual adds, norms and
+# products compound it (the synthetic Qwen3's 3 layers less). A q8_0 cache rounds each key and value to
+# a step of max|block| / 127 (at most half of it: 2^-8 of the block's largest value). Measured on this VM
+# (MLX's CPU device, 2026-12-02): SmolLM2 2.0%, 0.30%, 2.2% and 3.8% of the largest logit (27.4), synthetic
+# Qwen3 0.94%, 0.11%, 0.75%, 1.2%; the bounds are ~2.5x SmolLM2's. Greedy text agreed for 24, 29, 29 and 26
+# of 32 tokens on SmolLM2's prompt and all 32 on Qwen3's: asserted, 16 and 32.
+LOW_PRECISION = {("bfloat16", None): 0.05, ("float16", None): 0.0125, ("float32", "q8_0"): 0.05,
+                 ("bfloat16", "q8_0"): 0.08}
+
+
+@pytest.mark.parametrize("types", list(LOW_PRECISION), ids=lambda t: "-".join(x for x in t if x))
+@pytest.mark.parametrize("fixture,agree", [("qwen3", 32), ("smollm2", 16)])
+def test_low_precision_logits_and_greedy_text_follow_float32(fixture, agree, types, qwen3_path, smollm2_path):
+    """bfloat16, float16 and q8_0 caches against float32 on the same device: logits within the bound above
+    at every position of the prompt (logits leave the model as float32), greedy text the same for `agree`
+    tokens."""
+    from .reference.specs import QWEN3_PROMPT_IDS, SMOLLM2_PROMPT
+
+    path = qwen3_path if fixture == "qwen3" else smollm2_path
+    base = mlxinfer.load(path, backend="mlx")
+    low = mlxinfer.load(path, backend="mlx", dtype=types[0], kv_dtype=types[1])
+    ids = QWEN3_PROMPT_IDS if fixture == "qwen3" else base.encode_prompt(SMOLLM2_PROMPT)
+    want, got = base.logits(ids), low.logits(ids)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    assert np.max(np.abs(got - want)) <= LOW_PRECISION[types] * np.max(np.abs(want))
+    assert low.generate(ids, max_tokens=agree).token_ids == base.generate(ids, max_tokens=agree).token_ids
