@@ -90,6 +90,8 @@ T_QBITS = "tests/test_quants.py::test_kept_weights_dequantize_to_gguf_py_bit_for
 T_QMEM = "tests/test_quants.py::test_memory_after_loading_is_within_1_15x_of_the_file"
 PPL = "mlxinfer/perplexity.py"
 PCACHE = "mlxinfer/prompt_cache.py"
+MLXKV = "mlxinfer/backends/mlx_kv.py"
+CUDA = "metal_kernels/attention.cu"
 
 ONLINE_SOFTMAX = '''
 
@@ -1319,6 +1321,38 @@ def usage_chunk""")],
     ("page-tokens-per-ms", "chat page", PAGE_APP,
      [("(tokens - 1) / ((lastMs - firstMs) / 1000)", "(tokens - 1) / (lastMs - firstMs)")],
      [T_PAGE + "::test_tokens_per_second_is_decode_speed"], "chat page: tokens per millisecond shown as tokens/s"),
+    # -- dtypes and KV cache types (issue 30 items 1, 2, 5) ------------------------------------------
+    ("dtype-q8-scale-off-by-one-block", "dtype", MLXKV,
+     [("return mx.reshape(q * d[..., None], (*lead, w))",
+       "return mx.reshape(q * mx.roll(d, 1, axis=-1)[..., None], (*lead, w))")],
+     [T_MLX + "::test_q8_0_rows_are_llama_cpp_blocks"],
+     "q8_0 cache: each block's values read with its neighbour's scale (both attention paths read the same)"),
+    ("dtype-q8-scale-127-of-mean", "dtype", MLXKV,
+     [("d = mx.max(mx.abs(xb), axis=-1, keepdims=True) / 127.0",
+       "d = mx.mean(mx.abs(xb), axis=-1, keepdims=True) / 127.0")],
+     [T_MLX + "::test_q8_0_rows_are_llama_cpp_blocks"], "q8_0 cache: d from the block's mean magnitude (values clip)"),
+    ("dtype-graph-attention-16-bit-products", "dtype", MLX,
+     [(".astype(f32)  # [KV, G, T, D]", "  # [KV, G, T, D]"), ("(1, 0, 2))).astype(f32)  # [KV, S, D]", "(1, 0, 2)))  # [KV, S, D]")],
+     [T_MLX + "::test_fused_attention_override_is_byte_identical[graph-cpu-bf16]"],
+     "graph override: bfloat16 q and K multiplied as they are (the reference widens them to float32 first)"),
+    ("dtype-kv-store-always-float32", "dtype", MLX,
+     [("return mx.zeros((slots, capacity, width), dtype=DTYPES[self.kv_dtype])",
+       "return mx.zeros((slots, capacity, width), dtype=mx.float32)")],
+     [T_MLX + "::test_kv_cache_stores_its_dtype_and_counts_its_bytes"],
+     "--kv-dtype ignored: a bfloat16 cache stored in float32 (twice the memory its byte count says)"),
+    ("dtype-cpu-products-in-bf16", "dtype", MLX,
+     [('self.weight_dtype = self.dtype if device == "gpu" else mx.float32',
+       "self.weight_dtype = self.dtype")],
+     [T_MLX + "::test_low_precision_logits_and_greedy_text_follow_float32"],
+     "MLX CPU: weight products in bfloat16 (MLX's CPU quantized_matmul sums in bfloat16: ~8% off)"),
+    ("dtype-metal-16-bit-products", "dtype", METAL,
+     [("const float prod = float(a[(long)i * sa]) * float(b[(long)i * sb]);",
+       "const float prod = a[(long)i * sa] * b[(long)i * sb];")],
+     [T_MORDER], "Metal mlxi_dot: bfloat16/half operands multiplied in their own type, not widened first"),
+    ("dtype-cuda-half-read-as-bfloat16", "dtype", CUDA,
+     [("__device__ __forceinline__ float mlxi_f(__half x) {\n  return __half2float(x);",
+       "__device__ __forceinline__ float mlxi_f(__half x) {\n  return __bfloat162float(x);")],
+     [T_KER + "::test_cuda_sources_compile_with_nvrtc"], "CUDA: a float16 value widened as if it were a bfloat16"),
 ]
 
 
