@@ -87,6 +87,8 @@ def test_rounds_alternate_which_engine_goes_first(monkeypatch, tmp_path, capsys,
     (["--peers", "vllm"], "--peers: unknown 'vllm' (choose from mlx-lm, llama.cpp)"),
     (["--peer-dtypes", "int8"], "--peer-dtypes: unknown 'int8'"),
     (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    (["--dtypes", "float32,int8"], "--dtypes: unknown 'int8' (choose from float32, bfloat16, float16)"),
+    (["--kv-dtype", "q4_0"], "argument --kv-dtype: invalid choice: 'q4_0'"),
     (["-n", "x"], "argument -n/--gen-tokens: invalid int value: 'x'"),
     (["--report", "/nonexistent/results.jsonl"], "--report /nonexistent/results.jsonl: not a results.jsonl file"),
 ])
@@ -117,6 +119,17 @@ def test_a_tiny_run_writes_the_table_and_json_lines(synthetic, tmp_path):
         == ("mlxinfer cpu", 8, 4, 1, 1)
     assert row["backend"].startswith("cpu (") and row["decode_tokens_per_second"] > 0 and row["peak_memory_mb"] > 0
     assert (tmp_path / "results.md").read_text().startswith("command: mlxinfer bench -m ")
+
+
+def test_mlx_rows_in_each_dtype(synthetic, tmp_path):
+    """--dtypes: one set of MLX rows per dtype, each named by it (and --kv-dtype), each run in that dtype."""
+    argv = ["bench", "-m", synthetic(), "--backends", "mlx", "--devices", "cpu", "-p", "8", "-n", "3", "--runs", "1",
+            "--dtypes", "float32,bfloat16", "--kv-dtype", "q8_0", "--out", str(tmp_path)]
+    r = subprocess.run([sys.executable, "-m", "mlxinfer", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    _, *rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [row["engine"] for row in rows] == ["mlxinfer mlx float32 kv q8_0", "mlxinfer mlx bfloat16 kv q8_0"]
+    assert [row["backend"].split(", ")[1:3] for row in rows] == [["float32", "q8_0 KV cache"], ["bfloat16", "q8_0 KV cache"]]
 
 
 def test_mlx_lm_weights_take_gguf_py_values_where_mx_load_would_misread(synthetic, monkeypatch):
