@@ -408,6 +408,8 @@ class Backend:
         An override may batch heads and sequences, skip copies and fuse steps, but every float it
         produces must be computed by the same operations on the same operands in the same summation
         order (all S keys of the row, masked ones included, in every reduction).
+        Operands narrower than float32 (MLX's --dtype, --kv-dtype) are widened to float32 exactly first
+        (a q8_0 cache: dequantized, d * q); steps 3-7 then run on the same float32 values in every path.
         """
         h_all, d = spec.n_heads, spec.head_dim
         out = self.zeros(q.shape[0], h_all * d)
