@@ -352,3 +352,35 @@ def test_kernels_refuse_soft_capping_which_the_mlx_backend_sends_to_its_graph():
             launch("cuda", None, None, None, None, None, None, spec)
     mlx = make_backend("mlx")
     assert mlx._pass_needs_graph(None, spec) and not mlx.compiles_pass(None, spec)
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"),
+                                            ("bfloat16", "float32")])
+def test_cuda_attention_kernels_are_named_by_their_input_types(monkeypatch, dtype, kv_dtype):
+    """MLX's CUDA custom kernel names (and caches) a compiled kernel by its name and template arguments, not
+    by its inputs' dtypes: every attention launch on CUDA carries q's and K/V's dtypes as template arguments
+    (QT, KVT), so a bfloat16 pass never runs the float32 build. Every launch plan, recorded (nothing runs)."""
+    import mlx.core as mx
+
+    seen = []
+
+    def kernel(kind, name):
+        def launch(inputs, grid, threadgroup, output_shapes, output_dtypes, template=None):
+            seen.append((name, dict(template or [])))
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
+        return launch
+
+    monkeypatch.setattr(kernels, "_kernel", kernel)
+    spec = AttentionSpec.standard(4, 2, 64)
+    q = mx.zeros((3, 4 * 64), dtype=getattr(mx, dtype))
+    k = v = mx.zeros((2, 40, 2 * 64), dtype=getattr(mx, kv_dtype))
+    rows = [mx.array([0, 1, 1], dtype=mx.int32), mx.array([5, 0, 1], dtype=mx.int32), mx.array([6, 2, 2], dtype=mx.int32)]
+    kernels.fused_attention("cuda", q, k, v, *rows, spec, split=False)
+    for two, by_rows in ((True, False), (False, False), (False, True)):
+        kernels.split_attention("cuda", q, k, v, *rows, spec, two_launches=two, by_rows=by_rows, seq_rows=[(0, 1), (1, 3)])
+    reading = {n for n, _ in seen} - {"attn_softmax"}  # (attn_softmax reads float32 scores only)
+    assert reading == {"fused_attention", "attn_scores", "attn_softmax_context", "attn_context", "attn_scores_rows",
+                       "attn_context_rows"}
+    for name, template in seen:
+        if name in reading:
+            assert (template["QT"], template["KVT"]) == (getattr(mx, dtype), getattr(mx, kv_dtype)), name
