@@ -40,10 +40,12 @@ def test_self_check_cases_cover_every_plan_the_metal_kernels_run():
     assert any(d > 128 for d in SELF_CHECK_HEAD_DIMS) and any(d % 32 for d in SELF_CHECK_HEAD_DIMS)
 
 
-def test_self_check_passes_every_case_on_mlx_cpu():
-    """On MLX's CPU (graph attention, MLX's products) every case is bit for bit the reference: the
-    check's own inputs and comparisons are sound, so a failure on a Mac is the kernel's."""
-    assert verify_gpu_kernels(MLXBackend(device="cpu")) is None
+@pytest.mark.parametrize("dtype,kv_dtype", [("float32", None), ("bfloat16", None), ("bfloat16", "q8_0")])
+def test_self_check_passes_every_case_on_mlx_cpu(dtype, kv_dtype):
+    """On MLX's CPU (graph attention, MLX's products) every case is bit for bit the reference, in each
+    dtype and over a q8_0 cache (its cases of whole 32-value rows): the check's own inputs and comparisons
+    are sound, so a failure on a Mac is the kernel's."""
+    assert verify_gpu_kernels(MLXBackend(device="cpu", dtype=dtype, kv_dtype=kv_dtype)) is None
 
 
 def _forced_metal():
