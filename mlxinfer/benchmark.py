@@ -74,7 +74,8 @@ def add_arguments(p) -> None:
     p.add_argument("--kv", default="prealloc", help=f"KV caches ({', '.join(KV_CACHES)})")
     p.add_argument("--dtypes", default=None, metavar="DTYPE,...",
                    help=f"the MLX backend's --dtype, one set of rows each ({', '.join(DTYPES)}; default: its default)")
-    p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES, help="the MLX backend's --kv-dtype (default: the dtype)")
+    p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES,
+                   help="the MLX backend's --kv-dtype (default: the dtype)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), metavar="N",
                    help="threads of the rows on a CPU and of llama.cpp (default: every core, %(default)s; the "
                         "engine's own default follows the load average, which would tie a row to the one before)")

@@ -129,7 +129,8 @@ def test_mlx_rows_in_each_dtype(synthetic, tmp_path):
     assert r.returncode == 0, r.stderr
     _, *rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [row["engine"] for row in rows] == ["mlxinfer mlx float32 kv q8_0", "mlxinfer mlx bfloat16 kv q8_0"]
-    assert [row["backend"].split(", ")[1:3] for row in rows] == [["float32", "q8_0 KV cache"], ["bfloat16", "q8_0 KV cache"]]
+    assert [row["backend"].split(", ")[1:3] for row in rows] == [["float32", "q8_0 KV cache"],
+                                                                  ["bfloat16", "q8_0 KV cache"]]
 
 
 def test_mlx_lm_weights_take_gguf_py_values_where_mx_load_would_misread(synthetic, monkeypatch):

@@ -254,7 +254,9 @@ def _cuda_kernel_source(name: str, body: str, header: str, extra: tuple = (), ty
     ctypes_ = {"QT": CUDA_TYPES[types[0]], "KVT": CUDA_TYPES[types[1]]}
     params = []
     for i in inputs:
-        kind = "int" if i in INT_INPUTS else ctypes_[ATTENTION_INPUTS[i]] if i in ATTENTION_INPUTS and name != "qk_norm_rope" else "float"
+        kind = "int" if i in INT_INPUTS else "float"
+        if i in ATTENTION_INPUTS and name != "qk_norm_rope":  # (qk_norm_rope reads float32 q and k)
+            kind = ctypes_[ATTENTION_INPUTS[i]]
         params.append(f"const {kind}* {i}")
         if f"{i}_shape" in body:
             params.append(f"const __grid_constant__ Shape {i}_shape")

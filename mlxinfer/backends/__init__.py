@@ -1,4 +1,5 @@
-"""Backend registry: `make_backend(name, attention, device, kernel, ..., dtype, kv_dtype)` builds the backend a user asked for.
+"""Backend registry: `make_backend(name, attention, device, kernel, ..., dtype, kv_dtype)` builds the backend
+a user asked for.
 Each backend checks its own options and reports its configuration with `describe()`."""
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def make_backend(name: str = "auto", attention: str = "fused", device: str | Non
             raise RequestError(f"--kernel {kernel} selects an MLX attention kernel; the cpu backend has its own")
         for option, value in (("--dtype", dtype), ("--kv-dtype", kv_dtype)):
             if value not in (None, "float32"):
-                raise RequestError(f"{option} {value}: the cpu backend computes and stores float32 only (--backend mlx)")
+                raise RequestError(f"{option} {value}: the cpu backend computes and stores float32 only "
+                                   "(--backend mlx)")
         return CPUBackend(attention=attention, threads=threads, ranks=ranks)
     from .mlx import MLXBackend  # (imports MLX)
 

@@ -18,13 +18,14 @@ ops in that dtype, as mlx-lm runs them; the residual stream too). On a GPU the w
 it too (float weights, affine scales and dequantized blocks cast to it; MLX's GPU products accumulate
 in float32). On MLX's CPU they run in float32 from the widened activations, their outputs rounded to
 the dtype (`weight_dtype`): MLX's CPU quantized_matmul accumulates in its input type, so a bfloat16
-product of 1,536 terms there is off by ~8% of its magnitude (float32 sums: ~0.4%), and ~10x slower. Attention reads q, K and V in their dtypes and computes in float32 (each value
-widened exactly, the same products and sums as in float32), on the CPU through the widened
-operands, on a GPU in the kernels themselves (templated on the input type); its output is float32 and
-the next product narrows it. Softmax is always float32; logits leave the backend as float32
+product of 1,536 terms there came out ~8% off its largest output (summed in float32 from the same
+bfloat16 inputs: ~0.4%), and ~10x slower. Attention reads q, K and V in their dtypes and computes in
+float32 (each value widened exactly: the same products and sums as in float32), on the CPU through the
+widened operands, on a GPU in the kernels themselves (templated on the input type); its output is
+float32 and the next product narrows it. Softmax is always float32; logits leave the backend as float32
 (`to_numpy`, `sample_tokens`). The KV cache stores `kv_dtype` (default: the dtype; q8_0 in
-`backends/mlx_kv.py`). Default dtype: float32 on the CPU (MLX CPU's reduced-precision quantized
-products are far slower there), `backend.GPU_DEFAULT_DTYPE` on a GPU.
+`backends/mlx_kv.py`). Default dtype: float32 on the CPU (no faster in 16 bits there),
+`backend.GPU_DEFAULT_DTYPE` on a GPU.
 
 Fused attention, chosen by platform (overridable with `kernel=`):
   - "graph": each sequence's heads in one batched graph (the CPU's override);
@@ -398,8 +399,8 @@ class MLXBackend(Backend):
         axis = 1 if qtype is None else 0  # float [in, out] side by side; packed [out, ...] rows stacked
         sizes = tuple(shape[0] for _, _, shape in parts)
         stacked = [np.concatenate([arrays[i] for _, arrays, _ in parts], axis=axis) for i in range(len(parts[0][1]))]
-        return WeightGroup(to_device(qtype, stacked, (sum(sizes), parts[0][2][1]), self.float_scales, self.weight_dtype),
-                           sizes)
+        merged = to_device(qtype, stacked, (sum(sizes), parts[0][2][1]), self.float_scales, self.weight_dtype)
+        return WeightGroup(merged, sizes)
 
     def load_embedding(self, g, name):
         return self._matrix(g, name, transposed=False)
@@ -527,7 +528,8 @@ class MLXBackend(Backend):
 
     def load_experts(self, gguf, name):
         # [experts, in, out]: gather_mm multiplies x [.., 1, in] by the chosen experts' matrices
-        return mx.array(np.ascontiguousarray(np.swapaxes(gguf.dequantize(name), 1, 2), dtype=np.float32)).astype(self.weight_dtype)
+        experts = np.ascontiguousarray(np.swapaxes(gguf.dequantize(name), 1, 2), dtype=np.float32)
+        return mx.array(experts).astype(self.weight_dtype)
 
     def moe_mlp(self, x, logits, experts, k, groups=None):
         probs = self.softmax_rows(logits)
@@ -715,7 +717,8 @@ class MLXBackend(Backend):
             k, v = kv.sequence(self, b)
             s = k.shape[0]
             f32 = mx.float32  # attention's arithmetic (as `matmul`): the operands widened exactly
-            qh = mx.contiguous(mx.transpose(mx.reshape(q[r0:r1], (t, kvh, group, d)), (1, 2, 0, 3))).astype(f32)  # [KV, G, T, D]
+            qh = mx.contiguous(mx.transpose(mx.reshape(q[r0:r1], (t, kvh, group, d)), (1, 2, 0, 3)))
+            qh = qh.astype(f32)  # [KV, G, T, D]
             kh = mx.contiguous(mx.transpose(mx.reshape(k, (s, kvh, d)), (1, 0, 2))).astype(f32)  # [KV, S, D]
             if self.gpu_kernels:
                 scores = kernels.matmul(self.gpu_kernels, mx.reshape(qh, (kvh * group, t, d)), kh, group)
