@@ -28,7 +28,7 @@ bench() {  # name model prompts peer-quant
 }
 for step in ${*:-tests types small}; do
   case $step in
-    tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider -rfEs tests/test_block_kernels.py 2>&1 | tail -5
+    tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider -rfEs tests/test_block_kernels.py >"$OUT/tests.log" 2>&1; tail -5 "$OUT/tests.log"
            log "tests" ;;
     types) timeout 300 python3 bench/probes/decode_types.py --types "$TYPES" --runs 3 --out "$OUT/types.jsonl" 2>&1 | tail -12
            log "types" ;;

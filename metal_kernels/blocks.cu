@@ -3,8 +3,9 @@
 // values are dequantized in registers exactly as gguf-py computes them, never written to memory.
 //
 // The order, the same for every row count M (so a row's result does not depend on its batch):
-//   one warp per output row n; lane l (0..31) walks the blocks b = 0, 1, ... of the row and, in each
-//   block, the values it owns in a fixed sequence (Q6_K below); each product x*w is rounded, then added
+//   one warp per output row n; the row's values are cut into work units of 32 (Q6_K below says which);
+//   lane l (0..31) takes units l, l + 32, ... in increasing order and, in each, its 32 values in a
+//   fixed sequence; each product x*w is rounded, then added
 //   to the lane's partial sum (__fmul_rn / __fadd_rn: no contraction into fma); then the butterfly
 //   s += shfl_xor(s, off) for off = 16, 8, 4, 2, 1. block_kernels.emulate follows it in numpy.
 //@@HEADER
@@ -32,31 +33,38 @@ __device__ __forceinline__ float mlxi_warp_total(float s) {
 // [N, K/256, 16] int8, d [N, K/256] the fp16 scale's bits (uint16); dims = [N, K]; out [M, N] (T).
 // Value i of a block (gguf-py's order): h = i / 128, r = i % 128; low four bits from
 // ql[64h + r % 64] >> (4 * (r / 64)), high two from qh[32h + r % 32] >> (2 * (r / 32)); q = low | high << 4;
-// w = (d * scales[i / 16]) * (q - 32). Lane l owns, in each half h, r = l, l + 32, l + 64, l + 96 (one qh
-// byte, two ql bytes), in that order.
+// w = (d * scales[i / 16]) * (q - 32).
+// Work units: u = 8b + p, part p = 4h + c of block b holds r = 8c + t + 32j (t, j: 0..7, 0..3): eight
+// consecutive bytes of ql at 64h + 8c and at 64h + 32 + 8c, eight of qh at 32h + 8c, one scale per j.
+// Lane l takes the units u = l, l + 32, ... and in each adds j = 0..3, t = 0..7 in that order: the units
+// of a row are loaded in parallel by the lanes (a row of 1,024 values is one unit a lane).
 const int N = dims[0], K = dims[1];
-const int nb = K / 256;
+const int units = K / 32;
 const int lane = threadIdx.x & 31;
 const long n = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS + (threadIdx.x >> 5);
 if (n >= N) return;
 float acc[M];
 for (int m = 0; m < M; ++m) acc[m] = 0.0f;
-for (int b = 0; b < nb; ++b) {
-  const long blk = n * nb + b;
+for (int u = lane; u < units; u += 32) {
+  const int b = u >> 3, h = (u >> 2) & 1, c = u & 3;
+  const long blk = n * (K / 256) + b;
   const float d = mlxi_half_bits(d_bits[blk]);
-  const uint8_t* l = ql + blk * 128;
-  const uint8_t* hb = qh + blk * 64;
-  const int8_t* sc = scales + blk * 16;
-  for (int h = 0; h < 2; ++h) {
-    const unsigned int hi = hb[32 * h + lane];
-    const unsigned int lo0 = l[64 * h + lane], lo1 = l[64 * h + 32 + lane];
-    const unsigned int q4[4] = {(lo0 & 0xfu) | ((hi & 3u) << 4), (lo1 & 0xfu) | (((hi >> 2) & 3u) << 4),
-                                (lo0 >> 4) | (((hi >> 4) & 3u) << 4), (lo1 >> 4) | (((hi >> 6) & 3u) << 4)};
-    for (int j = 0; j < 4; ++j) {
-      const int r = lane + 32 * j;
-      const float w = __fmul_rn(__fmul_rn(d, (float)sc[8 * h + r / 16]), (float)((int)q4[j] - 32));
-      const long col = (long)b * 256 + 128 * h + r;
-      for (int m = 0; m < M; ++m) acc[m] = __fadd_rn(acc[m], __fmul_rn((float)x[(long)m * K + col], w));
+  const uint2 lo0 = *reinterpret_cast<const uint2*>(ql + blk * 128 + 64 * h + 8 * c);
+  const uint2 lo1 = *reinterpret_cast<const uint2*>(ql + blk * 128 + 64 * h + 32 + 8 * c);
+  const uint2 hb = *reinterpret_cast<const uint2*>(qh + blk * 64 + 32 * h + 8 * c);
+  const int8_t* sc = scales + blk * 16 + 8 * h + (c >> 1);
+  const long col = (long)b * 256 + 128 * h + 8 * c;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float dl = __fmul_rn(d, (float)sc[2 * j]);
+    const uint2 lo = (j & 1) ? lo1 : lo0;
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      const unsigned int lb = ((t < 4 ? lo.x : lo.y) >> (8 * (t & 3))) & 0xffu;
+      const unsigned int hbyte = ((t < 4 ? hb.x : hb.y) >> (8 * (t & 3))) & 0xffu;
+      const unsigned int q = ((lb >> (4 * (j >> 1))) & 0xfu) | (((hbyte >> (2 * j)) & 3u) << 4);
+      const float w = __fmul_rn(dl, (float)((int)q - 32));
+      for (int m = 0; m < M; ++m) acc[m] = __fadd_rn(acc[m], __fmul_rn((float)x[(long)m * K + col + 32 * j + t], w));
     }
   }
 }

@@ -85,20 +85,26 @@ def q6_k_values(ql, qh, scales, d) -> np.ndarray:
 
 
 def emulate(x: np.ndarray, w) -> np.ndarray:
-    """The kernel's result computed in numpy in its published order (blocks.cu's header): float32
-    [M, N] for float32 x [M, K] and a Q6_K weight's host fields `w` = (ql, qh, scales, d)."""
+    """The kernel's result computed in numpy in its published order (blocks.cu): float32 [M, N] for
+    float32 x [M, K] and a Q6_K weight's host fields `w` = (ql, qh, scales, d). Lane l adds the values
+    of work units u = l, l + 32, ... (unit u = 8b + 4h + c: block b, r = 8c + t + 32j in half h), in each
+    j = 0..3 then t = 0..7; then the butterfly 16, 8, 4, 2, 1."""
     ql, qh, scales, d = (np.asarray(p) for p in w)
-    vals = q6_k_values(ql, qh, scales, d)  # [N, nb, 256]
-    n, nb = d.shape
-    lanes = np.arange(32)
+    vals = q6_k_values(ql, qh, scales, d).reshape(d.shape[0], -1)  # [N, K]
+    n, k = vals.shape
+    units = k // 32
     acc = np.zeros((x.shape[0], n, 32), dtype=np.float32)
-    for b in range(nb):
-        for h in range(2):
-            for j in range(4):
-                r = lanes + 32 * j
-                wv = vals[:, b, 128 * h + r]  # [N, 32]
-                xv = x[:, b * 256 + 128 * h + r]  # [M, 32]
-                acc = acc + (xv[:, None, :] * wv[None, :, :]).astype(np.float32)
+    for first in range(0, units, 32):
+        u = first + np.arange(32)
+        live = u < units  # lanes past the last unit add nothing
+        u = np.minimum(u, units - 1)
+        b, h, c = u >> 3, (u >> 2) & 1, u & 3
+        for j in range(4):
+            for t in range(8):
+                col = b * 256 + 128 * h + 8 * c + 32 * j + t  # [32], one per lane
+                prod = (x[:, col][:, None, :] * vals[:, col][None, :, :]).astype(np.float32)
+                acc = np.where(live, acc + prod, acc).astype(np.float32)
+    lanes = np.arange(32)
     for off in (16, 8, 4, 2, 1):
         acc = acc + acc[..., lanes ^ off]
     return acc[..., 0]
