@@ -27,6 +27,32 @@ __device__ __forceinline__ float mlxi_warp_total(float s) {
   for (int off = 16; off > 0; off >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
   return s;
 }
+
+// Code t (0..31) of a group packed as MLX packs it: one little-endian bit stream, code t at bits
+// [BITS t, BITS (t + 1)) of the group's BITS words.
+template <int BITS>
+__device__ __forceinline__ unsigned int mlxi_code(const unsigned int* words, int t) {
+  const int bit = BITS * t, wi = bit >> 5, sh = bit & 31;
+  unsigned int v = words[wi] >> sh;
+  if (sh + BITS > 32) v |= words[wi + 1] << (32 - sh);
+  return v & ((1u << BITS) - 1u);
+}
+
+// One affine group of 32 values (w_t = scale * q_t + bias, each step rounded) into the row sums acc:
+// t = 0..31 in order, x's columns col..col + 31.
+template <int BITS, int M, typename X>
+__device__ __forceinline__ void mlxi_affine_group(const X* x, long K, long col, const unsigned int* w_row, long g,
+                                                  float scale, float bias, float* acc) {
+  unsigned int words[BITS];
+#pragma unroll
+  for (int i = 0; i < BITS; ++i) words[i] = w_row[g * BITS + i];
+#pragma unroll
+  for (int t = 0; t < 32; ++t) {
+    const float w = __fadd_rn(__fmul_rn(scale, (float)mlxi_code<BITS>(words, t)), bias);
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = __fadd_rn(acc[m], __fmul_rn((float)x[(long)m * K + col + t], w));
+  }
+}
 //@@BODY q6_k_matvec
 // x [M, K] (T: float, __half or __nv_bfloat16); the Q6_K fields of w [N, K] as quants.split keeps them,
 // per row and block of 256 values: ql [N, K/256, 128] uint8, qh [N, K/256, 64] uint8, scales
@@ -67,6 +93,63 @@ for (int u = lane; u < units; u += 32) {
       for (int m = 0; m < M; ++m) acc[m] = __fadd_rn(acc[m], __fmul_rn((float)x[(long)m * K + col + 32 * j + t], w));
     }
   }
+}
+for (int m = 0; m < M; ++m) {
+  const float s = mlxi_warp_total(acc[m]);
+  if (lane == 0) out[(long)m * N + n] = (T)s;
+}
+//@@BODY affine_d_matvec
+// Q8_0, Q4_0, Q5_0 as the MLX backend keeps them (quants.split): w [N, K BITS / 32] uint32 (MLX's packing),
+// d_bits [N, K / 32] the fp16 d's bits; per group g: scale d, bias d * OFFSET (-128, -8, -16: exact).
+// dims = [N, K]; out [M, N]. Lane l takes groups l, l + 32, ..., each t = 0..31 (mlxi_affine_group).
+const int N = dims[0], K = dims[1];
+const int lane = threadIdx.x & 31;
+const long n = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS + (threadIdx.x >> 5);
+if (n >= N) return;
+float acc[M];
+for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+const unsigned int* w_row = w + n * (K / 32) * BITS;
+for (long g = lane; g < K / 32; g += 32) {
+  const float d = mlxi_half_bits(d_bits[n * (K / 32) + g]);
+  mlxi_affine_group<BITS, M>(x, K, g * 32, w_row, g, d, __fmul_rn(d, (float)OFFSET), acc);
+}
+for (int m = 0; m < M; ++m) {
+  const float s = mlxi_warp_total(acc[m]);
+  if (lane == 0) out[(long)m * N + n] = (T)s;
+}
+//@@BODY affine_dm_matvec
+// Q4_1, Q5_1: w as above, d_bits and m_bits [N, K / 32] (fp16 bits); scale d, bias m.
+const int N = dims[0], K = dims[1];
+const int lane = threadIdx.x & 31;
+const long n = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS + (threadIdx.x >> 5);
+if (n >= N) return;
+float acc[M];
+for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+const unsigned int* w_row = w + n * (K / 32) * BITS;
+for (long g = lane; g < K / 32; g += 32) {
+  const long at = n * (K / 32) + g;
+  mlxi_affine_group<BITS, M>(x, K, g * 32, w_row, g, mlxi_half_bits(d_bits[at]), mlxi_half_bits(m_bits[at]), acc);
+}
+for (int m = 0; m < M; ++m) {
+  const float s = mlxi_warp_total(acc[m]);
+  if (lane == 0) out[(long)m * N + n] = (T)s;
+}
+//@@BODY affine_k_matvec
+// Q4_K, Q5_K: w as above; dd_bits [N, K / 256, 2] the fp16 d and dmin's bits; sm [N, K / 256, 2, 8] uint8
+// sub-scales then mins; group g = 8b + j: scale d sc_j, bias -(dmin m_j) (quants: exact).
+const int N = dims[0], K = dims[1];
+const int lane = threadIdx.x & 31;
+const long n = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS + (threadIdx.x >> 5);
+if (n >= N) return;
+float acc[M];
+for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+const unsigned int* w_row = w + n * (K / 32) * BITS;
+for (long g = lane; g < K / 32; g += 32) {
+  const long blk = n * (K / 256) + (g >> 3);
+  const int j = g & 7;
+  const float d = mlxi_half_bits(dd_bits[2 * blk]), dmin = mlxi_half_bits(dd_bits[2 * blk + 1]);
+  const float scale = __fmul_rn(d, (float)sm[16 * blk + j]), bias = -__fmul_rn(dmin, (float)sm[16 * blk + 8 + j]);
+  mlxi_affine_group<BITS, M>(x, K, g * 32, w_row, g, scale, bias, acc);
 }
 for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);

@@ -20,6 +20,30 @@ inline float mlxi_warp_total(float s) {
   for (ushort off = 16; off > 0; off >>= 1) s = s + simd_shuffle_xor(s, off);
   return s;
 }
+
+// Code t of a group packed as MLX packs it (blocks.cu's mlxi_code).
+template <int BITS>
+inline uint mlxi_code(thread const uint* words, int t) {
+  const int bit = BITS * t, wi = bit >> 5, sh = bit & 31;
+  uint v = words[wi] >> sh;
+  if (sh + BITS > 32) v |= words[wi + 1] << (32 - sh);
+  return v & ((1u << BITS) - 1u);
+}
+
+// One affine group of 32 values into the row sums (blocks.cu's mlxi_affine_group, the same order).
+template <int BITS, int M, typename XP, typename WP>
+inline void mlxi_affine_group(XP x, long K, long col, WP w_row, long g, float scale, float bias, thread float* acc) {
+  uint words[BITS];
+  for (int i = 0; i < BITS; ++i) words[i] = w_row[g * BITS + i];
+  for (int t = 0; t < 32; ++t) {
+    const float sq = scale * float(mlxi_code<BITS>(words, t));
+    const float w = sq + bias;
+    for (int m = 0; m < M; ++m) {
+      const float prod = float(x[(long)m * K + col + t]) * w;
+      acc[m] = acc[m] + prod;
+    }
+  }
+}
 //@@BODY q6_k_matvec
 // As in blocks.cu: x [M, K], ql, qh, scales, d_bits (Q6_K fields), dims = [N, K], out [M, N]; work units
 // of 32 values (u = 8b + 4h + c: r = 8c + t + 32j), lane l taking units l, l + 32, ..., each in the order
@@ -50,6 +74,64 @@ for (int u = lane; u < units; u += 32) {
       }
     }
   }
+}
+for (int m = 0; m < M; ++m) {
+  const float s = mlxi_warp_total(acc[m]);
+  if (lane == 0) out[(long)m * N + n] = T(s);
+}
+//@@BODY affine_d_matvec
+// As in blocks.cu: Q8_0, Q4_0, Q5_0; scale d, bias d * OFFSET.
+const int N = dims[0], K = dims[1];
+const uint lane = thread_index_in_simdgroup;
+const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
+    * MLXI_WARPS + simdgroup_index_in_threadgroup;
+if (n >= N) return;
+float acc[M];
+for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+const auto w_row = w + n * (K / 32) * BITS;
+for (long g = lane; g < K / 32; g += 32) {
+  const float d = mlxi_half_bits(d_bits[n * (K / 32) + g]);
+  mlxi_affine_group<BITS, M>(x, K, g * 32, w_row, g, d, d * float(OFFSET), acc);
+}
+for (int m = 0; m < M; ++m) {
+  const float s = mlxi_warp_total(acc[m]);
+  if (lane == 0) out[(long)m * N + n] = T(s);
+}
+//@@BODY affine_dm_matvec
+// As in blocks.cu: Q4_1, Q5_1; scale d, bias m.
+const int N = dims[0], K = dims[1];
+const uint lane = thread_index_in_simdgroup;
+const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
+    * MLXI_WARPS + simdgroup_index_in_threadgroup;
+if (n >= N) return;
+float acc[M];
+for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+const auto w_row = w + n * (K / 32) * BITS;
+for (long g = lane; g < K / 32; g += 32) {
+  const long at = n * (K / 32) + g;
+  mlxi_affine_group<BITS, M>(x, K, g * 32, w_row, g, mlxi_half_bits(d_bits[at]), mlxi_half_bits(m_bits[at]), acc);
+}
+for (int m = 0; m < M; ++m) {
+  const float s = mlxi_warp_total(acc[m]);
+  if (lane == 0) out[(long)m * N + n] = T(s);
+}
+//@@BODY affine_k_matvec
+// As in blocks.cu: Q4_K, Q5_K; scale d sc_j, bias -(dmin m_j).
+const int N = dims[0], K = dims[1];
+const uint lane = thread_index_in_simdgroup;
+const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
+    * MLXI_WARPS + simdgroup_index_in_threadgroup;
+if (n >= N) return;
+float acc[M];
+for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+const auto w_row = w + n * (K / 32) * BITS;
+for (long g = lane; g < K / 32; g += 32) {
+  const long blk = n * (K / 256) + (g >> 3);
+  const int j = g & 7;
+  const float d = mlxi_half_bits(dd_bits[2 * blk]), dmin = mlxi_half_bits(dd_bits[2 * blk + 1]);
+  const float scale = d * float(sm[16 * blk + j]);
+  const float mins = dmin * float(sm[16 * blk + 8 + j]);
+  mlxi_affine_group<BITS, M>(x, K, g * 32, w_row, g, scale, -mins, acc);
 }
 for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);

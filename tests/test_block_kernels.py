@@ -1,5 +1,6 @@
-"""The block kernels (mlxinfer/block_kernels.py, metal_kernels/blocks.cu and blocks.metal): products that
-read a GGUF block type's fields directly.
+"""The block kernels (mlxinfer/block_kernels.py, metal_kernels/blocks.cu and blocks.metal): decode products
+that read a weight's compact fields directly (Q6_K's blocks; the affine types' packed codes and fp16
+scale fields).
 
 Here (no GPU): the numpy emulation of the published order forms exactly gguf-py's values and is a dot
 product within its error model; the CUDA source compiles with NVRTC for every row count and dtype it is
@@ -20,11 +21,16 @@ from . import metal_clang
 from .test_kernels import _nvrtc, _nvrtc_compile
 
 SHAPES = [(16, 256), (40, 512), (8, 1024)]
+TYPES = list(block_kernels.KERNELS)
 
 
-def _fields(rng, rows, cols, edges):
-    raw = quants.random_blocks(rng, Q.Q6_K, rows, cols, edges=edges)
-    return raw, quants.split(raw, Q.Q6_K, rows, cols)
+def _fields(rng, rows, cols, edges, qtype=Q.Q6_K):
+    raw = quants.random_blocks(rng, qtype, rows, cols, edges=edges)
+    return raw, quants.split(raw, qtype, rows, cols)
+
+
+def _values(raw, qtype, rows, cols):
+    return dequantize(raw, qtype).reshape(rows, cols).astype(np.float32)
 
 
 @pytest.mark.parametrize("edges", [False, True])
@@ -38,49 +44,70 @@ def test_the_values_formed_are_gguf_pys_bit_for_bit(rows, cols, edges):
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 3, block_kernels.MAX_ROWS])
 @pytest.mark.parametrize("rows,cols", SHAPES)
-def test_the_emulated_order_is_a_dot_product_within_its_error_model(rows, cols, m):
+def test_the_emulated_order_is_a_dot_product_within_its_error_model(rows, cols, m, qtype):
     """Against float64: each lane sums K/32 rounded products in sequence, then 5 butterfly additions, so
-    |error| <= (K/32 + 6) u sum|x w| (u = 2^-24, first order). A wrong index (a value taken from another
-    lane's byte or sub-block) is off by the size of a term, far outside it."""
+    |error| <= (K/32 + 6) u sum|x w| (u = 2^-24, first order). A unit's columns taken wrongly (a value
+    added twice, another skipped) is off by the size of a term, far outside it."""
     rng = np.random.default_rng(cols)
-    raw, parts = _fields(rng, rows, cols, False)
+    raw, _ = _fields(rng, rows, cols, False, qtype)
     x = rng.standard_normal((m, cols), dtype=np.float32)
-    w = dequantize(raw, Q.Q6_K).reshape(rows, cols).astype(np.float64)
-    got = block_kernels.emulate(x, parts)
-    exact = x.astype(np.float64) @ w.T
-    bound = (cols / 32 + 6) * 2.0 ** -24 * (np.abs(x).astype(np.float64) @ np.abs(w).T)
+    w = _values(raw, qtype, rows, cols)
+    got = block_kernels.emulate(x, w, qtype)
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    bound = (cols / 32 + 6) * 2.0 ** -24 * (np.abs(x).astype(np.float64) @ np.abs(w.astype(np.float64)).T)
     assert got.shape == (m, rows) and got.dtype == np.float32
     assert np.all(np.abs(got - exact) <= bound)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q4_K])
+def test_every_column_is_in_exactly_one_unit(qtype):
+    for k in (256, 1024, 4096):
+        cols = block_kernels.unit_columns(qtype, k)
+        assert sorted(cols.reshape(-1).tolist()) == list(range(k))
 
 
 def test_each_rows_result_does_not_depend_on_the_other_rows():
     """The order is the same for every row count: row i of an 8-row product is the 1-row product of row i."""
     rng = np.random.default_rng(3)
-    _, parts = _fields(rng, 24, 512, False)
+    raw, _ = _fields(rng, 24, 512, False)
+    w = _values(raw, Q.Q6_K, 24, 512)
     x = rng.standard_normal((block_kernels.MAX_ROWS, 512), dtype=np.float32)
-    many = block_kernels.emulate(x, parts)
+    many = block_kernels.emulate(x, w, Q.Q6_K)
     for i in range(x.shape[0]):
-        assert np.array_equal(many[i].view(np.uint32), block_kernels.emulate(x[i:i + 1], parts)[0].view(np.uint32))
+        one = block_kernels.emulate(x[i:i + 1], w, Q.Q6_K)[0]
+        assert np.array_equal(many[i].view(np.uint32), one.view(np.uint32))
 
 
 CUDA_STUB = """
 typedef unsigned char uint8_t;
 typedef signed char int8_t;
 typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
 struct __half { unsigned short x; __device__ __half(float f) : x(0) {} __device__ operator float() const { return 0.0f; } };
 """
 
 
-def _cuda_source(name: str, dtype: str, m: int) -> str:
+INPUT_TYPES = {"ql": "uint8_t", "qh": "uint8_t", "scales": "int8_t", "d_bits": "uint16_t", "m_bits": "uint16_t",
+               "dd_bits": "uint16_t", "sm": "uint8_t", "w": "uint32_t", "dims": "int"}
+
+
+def _launches():
+    """(kernel, template constants) of every type's launch."""
+    return sorted({(name, consts) for name, consts in block_kernels.KERNELS.values()})
+
+
+def _cuda_source(name: str, consts, dtype: str, m: int) -> str:
     """What MLX's cuda_kernel compiles for a launch: the header, then the kernel with each input typed
     by its array's dtype, the template constants, the body."""
     header, bodies = block_kernels.kernel_source("cuda")
-    types = {"x": dtype, "ql": "uint8_t", "qh": "uint8_t", "scales": "int8_t", "d_bits": "uint16_t", "dims": "int"}
+    types = dict(INPUT_TYPES, x=dtype)
     params = ", ".join(f"const {types[i]}* {i}" for i in block_kernels.INPUTS[name]) + f", {dtype}* out"
+    extra = "".join(f"  constexpr int {k} = {v};\n" for k, v in consts)
     return (f"{CUDA_STUB}{header}\n__global__ void k_{name}({params}) {{\n  using T = {dtype};\n"
-            f"  constexpr int M = {m};\n{bodies[name]}\n}}\n")
+            f"  constexpr int M = {m};\n{extra}{bodies[name]}\n}}\n")
 
 
 @pytest.mark.parametrize("dtype", ["float", "__half"])
@@ -90,30 +117,35 @@ def test_cuda_source_compiles_with_nvrtc_for_every_row_count(dtype):
     if lib is None:
         pytest.skip("needs NVRTC (pip install nvidia-cuda-nvrtc-cu12; Linux x86-64)")
     opts = [b"--gpu-architecture=compute_90", b"-default-device", b"--std=c++17"]
-    for name in block_kernels.kernel_source("cuda")[1]:
+    assert {name for name, _ in _launches()} == set(block_kernels.kernel_source("cuda")[1])
+    for name, consts in _launches():
         for m in range(1, block_kernels.MAX_ROWS + 1):
-            rc, log = _nvrtc_compile(lib, name, _cuda_source(name, dtype, m), opts)
-            assert rc == 0, f"{name} M={m} {dtype}: {log}"
+            rc, log = _nvrtc_compile(lib, name, _cuda_source(name, consts, dtype, m), opts)
+            assert rc == 0, f"{name} {consts} M={m} {dtype}: {log}"
 
 
 METAL_EXTRA = """
 typedef unsigned char uint8_t;
 typedef signed char int8_t;
 typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
 struct half { half(float); operator float() const; };
 template <typename T, typename U> T as_type(U);
 """
 
 
-def _metal_source(name: str, m: int) -> str:
+def _metal_source(name: str, consts, m: int) -> str:
     header, bodies = block_kernels.kernel_source("metal")
-    types = {"x": "float", "ql": "uint8_t", "qh": "uint8_t", "scales": "int8_t", "d_bits": "uint16_t", "dims": "int"}
-    params = [f"  const device {types[n]}* {n} [[buffer({i})]]" for i, n in enumerate(block_kernels.INPUTS[name])]
+    types = dict(INPUT_TYPES, x="float")
+    params = [f"  const {'constant' if n == 'dims' else 'device'} {types[n]}* {n} [[buffer({i})]]"
+              for i, n in enumerate(block_kernels.INPUTS[name])]
     params += [f"  device float* out [[buffer({len(params)})]]"]
     body = bodies[name]
     params += [f"  {t} {a} [[{a}]]" for a, t in metal_clang_attributes().items() if a in body]
-    return (f"{METAL_EXTRA}{header}template <typename T, int M>\n[[kernel]] void k_{name}(\n" + ",\n".join(params)
-            + ") {\n" + body + "\n}\n" + f"template void k_{name}<float, {m}>(" +
+    decl = ", ".join(["typename T", "int M", *(f"int {k}" for k, _ in consts)])
+    args = ", ".join(["float", str(m), *(str(v) for _, v in consts)])
+    return (f"{METAL_EXTRA}{header}template <{decl}>\n[[kernel]] void k_{name}(\n" + ",\n".join(params)
+            + ") {\n" + body + "\n}\n" + f"template void k_{name}<{args}>(" +
             ", ".join(p.split("[[")[0].rsplit(" ", 2)[0].strip() for p in params) + ");\n")
 
 
@@ -128,8 +160,9 @@ def metal_clang_attributes():
 def test_metal_twin_parses_with_clang(m):
     """blocks.metal's kernels parse without an error against the Metal stand-in, instantiated for m rows,
     and declare no threadgroup memory."""
-    for name in block_kernels.kernel_source("metal")[1]:
-        tu = metal_clang.parse(_metal_source(name, m))
+    assert {name for name, _ in _launches()} == set(block_kernels.kernel_source("metal")[1])
+    for name, consts in _launches():
+        tu = metal_clang.parse(_metal_source(name, consts, m))
         errs = metal_clang.errors(tu)
         assert not errs, f"{name}:\n" + "\n".join(errs[:5])
         assert metal_clang.threadgroup_arrays(tu) == {}
@@ -159,18 +192,19 @@ needs_gpu = pytest.mark.skipif(gpu_kind() is None, reason="needs an MLX GPU (Met
 
 
 @needs_gpu
-@pytest.mark.parametrize("m", list(range(1, block_kernels.MAX_ROWS + 1)))
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 2, 5, block_kernels.MAX_ROWS])
 @pytest.mark.parametrize("rows,cols", [(40, 512), (1000, 1024), (3, 4096)])
-def test_gpu_kernel_equals_its_published_order_bit_for_bit(rows, cols, m):
+def test_gpu_kernel_equals_its_published_order_bit_for_bit(rows, cols, m, qtype):
     import mlx.core as mx
 
     rng = np.random.default_rng(rows * m)
-    raw, parts = _fields(rng, rows, cols, True)
-    be = MLXBackend(device="gpu")
-    w = to_device(Q.Q6_K, parts, (rows, cols))
+    raw, parts = _fields(rng, rows, cols, True, qtype)
+    be = MLXBackend(device="gpu", float_scales=False)
+    w = to_device(qtype, parts, (rows, cols))
     x = rng.standard_normal((m, cols), dtype=np.float32)
     got = np.array(be.linear(mx.array(x), w))
-    want = block_kernels.emulate(x, parts)
+    want = block_kernels.emulate(x, _values(raw, qtype, rows, cols), qtype)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 

@@ -127,7 +127,7 @@ def test_memory_after_loading_is_within_1_15x_of_the_file(model_dir, qtype, devi
     gc.collect()
     mx.clear_cache()
     before = mx.get_active_memory()
-    engine = mlxinfer.Engine(path, MLXBackend(device=device, float_scales=False))  # (a GPU's default: True)
+    engine = mlxinfer.Engine(path, MLXBackend(device=device))
     used = mx.get_active_memory() - before
     # MLX's CPU allocator counts the bytes asked for; a GPU build's allocator may round each buffer up
     # (not measured here: allowed at most 16 KiB an array)
@@ -239,16 +239,13 @@ def test_float_scales_give_the_same_bits_in_more_memory(model_dir, qtype):
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
-def test_scales_are_formed_once_on_a_gpu_and_at_each_use_on_the_cpu():
-    """The default of `float_scales` follows the device (decode speed on a GPU, memory on the CPU)."""
-    from mlxinfer.backends.mlx import scales_formed_once
-
-    assert scales_formed_once("gpu") is True and scales_formed_once("cpu") is False
+def test_scales_are_formed_at_each_use_unless_asked():
+    """The compact form is the default on every device (memory within 1.15x of the file's bytes; on a
+    GPU decode rows read it through the block kernels); `float_scales=True` forms them once."""
     assert MLXBackend(device="cpu").float_scales is False
     assert MLXBackend(device="cpu", float_scales=True).float_scales is True
     if gpu_kind() is not None:
-        assert MLXBackend(device="gpu").float_scales is True
-        assert MLXBackend(device="gpu", float_scales=False).float_scales is False
+        assert MLXBackend(device="gpu").float_scales is False
 
 
 def test_synthetic_mixes_give_each_tensor_the_type_llama_cpps_quantizer_gives():

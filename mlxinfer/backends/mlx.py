@@ -36,6 +36,7 @@ import sys  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from gguf.quants import dequantize  # noqa: E402
 
 from .. import block_kernels, collectives, kernels, quants  # noqa: E402
 from ..backend import GELU_COEF_A, MOE_MIN_WEIGHT_SUM, SQRT_2_OVER_PI, AttentionSpec, Backend, softcap_inverse  # noqa: E402
@@ -57,12 +58,6 @@ def _cpu_streams(n: int) -> list:
     while len(_CPU_STREAMS) < n:
         _CPU_STREAMS.append(mx.new_thread_local_stream(mx.cpu))
     return _CPU_STREAMS[:n]
-
-
-def scales_formed_once(device: str) -> bool:
-    """Whether affine weights' float32 scales are formed once at load (True) or at each use, by default:
-    once on a GPU (decode speed), at each use on MLX's CPU (memory; no slower there). See MLXBackend."""
-    return device == "gpu"
 
 
 def gpu_kind() -> str | None:
@@ -155,16 +150,16 @@ def _check_products(backend: "MLXBackend") -> str | None:
 
 def _check_block_products(backend: "MLXBackend") -> str | None:
     """The block kernels (`block_kernels`) against their numpy emulation, bit for bit, on random blocks
-    with edge values, for 1 and MAX_ROWS rows."""
+    with edge values of every type they take, for 1 and MAX_ROWS rows."""
     rng = np.random.default_rng(7)
     for qtype in block_kernels.KERNELS:
         raw = quants.random_blocks(rng, qtype, 40, 512, edges=True)
         w = to_device(qtype, quants.split(raw, qtype, 40, 512), (40, 512))
-        host = quants.split(raw, qtype, 40, 512)
+        values = dequantize(raw, qtype).reshape(40, 512)
         for m in (1, block_kernels.MAX_ROWS):
             x = rng.standard_normal((m, 512), dtype=np.float32)
             got = np.array(block_kernels.product(backend.gpu_kernels, mx.array(x), w))
-            want = block_kernels.emulate(x, host)
+            want = block_kernels.emulate(x, values, qtype)
             same = got.view(np.uint32) == want.view(np.uint32)
             if not same.all():
                 return (f"the {qtype.name} block kernel differs from its published order in {int((~same).sum())} of "
@@ -226,13 +221,13 @@ class MLXBackend(Backend):
 
     def __init__(self, attention: str = "fused", device: str | None = None, kernel: str | None = None,
                  verify=verify_gpu_kernels, per_sequence_linear: bool = False, threads: int | None = None,
-                 ranks: int = 1, float_scales: bool | None = None):
+                 ranks: int = 1, float_scales: bool = False):
         super().__init__(attention)
         # affine weights' float32 scales formed once at load, not at each use (`mlx_weights.to_device`):
-        # the same bits, more memory (1.17-1.33x the file's bytes instead of 1.00-1.03x). Default: on a
-        # GPU, where forming them at each use costs decode a third to three fifths of its speed (an
-        # elementwise pass per product; measured in docs/performance.md); not on MLX's CPU, where the
-        # larger scales are read every product and decode is no faster.
+        # the same bits, more memory (1.17-1.33x the file's bytes instead of 1.00-1.03x). Off by
+        # default: on a GPU decode rows go to the block kernels (`block_kernels`), which read the compact
+        # fields in registers, and a prefill chunk forms them once a product for many rows; on MLX's CPU
+        # the larger scales are read every product and decode is no faster.
         # MLX's GPU products are not row-invariant (README: batch invariance); this multiplies each
         # sequence's rows on their own, as the cpu backend does, at the price of batching.
         self.per_sequence_linear = per_sequence_linear
@@ -246,7 +241,7 @@ class MLXBackend(Backend):
         if threads is not None and device == "gpu":
             raise RequestError("--threads sets the threads of the CPU's weight products; on a GPU MLX schedules its own")
         self.device = device
-        self.float_scales = scales_formed_once(device) if float_scales is None else float_scales
+        self.float_scales = float_scales
         self.mx_device = mx.gpu if device == "gpu" else mx.cpu
         self.activate()
         # MLX runs a CPU stream's work on one thread: quantized products of at least 2 x SPLIT_MIN_ROWS
@@ -412,8 +407,8 @@ class MLXBackend(Backend):
         # do not (README: batch invariance), unless `per_sequence_linear`.
         if self.per_sequence_linear and groups is not None and len(groups) > 1:
             return mx.concatenate([self.linear(x[r0:r1], w) for r0, r1 in groups])
-        if isinstance(w, BlockWeight) and self.gpu_kernels and block_kernels.applies(w, x):
-            return block_kernels.product(self.gpu_kernels, x, w)  # decode rows: the blocks read in registers
+        if self.gpu_kernels and isinstance(w, PackedWeight) and block_kernels.applies(w, x):
+            return block_kernels.product(self.gpu_kernels, x, w)  # decode rows: the fields read in registers
         if isinstance(w, PackedWeight):
             if self._streams and w.shape[0] >= 2 * SPLIT_MIN_ROWS:
                 return self._split_quantized_matmul(x, w)
