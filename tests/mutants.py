@@ -58,6 +58,7 @@ LOOP = "mlxinfer/loop.py"
 ENG = "mlxinfer/engine.py"
 STEP = "mlxinfer/decode_step.py"
 BLOCKS = "mlxinfer/block_manager.py"
+BLK = "mlxinfer/block_kernels.py"
 SAMP = "mlxinfer/sampling.py"
 TOK = "mlxinfer/tokenizer.py"
 CHAT = "mlxinfer/chat.py"
@@ -86,6 +87,7 @@ PEERS = "mlxinfer/peers.py"
 QUANTS = "mlxinfer/quants.py"
 MLXW = "mlxinfer/backends/mlx_weights.py"
 T_QUANT = "tests/test_quants.py"
+T_BLK = "tests/test_block_kernels.py"
 T_QBITS = "tests/test_quants.py::test_kept_weights_dequantize_to_gguf_py_bit_for_bit"
 T_QMEM = "tests/test_quants.py::test_memory_after_loading_is_within_1_15x_of_the_file"
 PPL = "mlxinfer/perplexity.py"
@@ -1124,10 +1126,27 @@ def usage_chunk""")],
      [('        self.float_scales = float_scales\n',
        "        self.float_scales = False\n")],
      [T_QUANT + "::test_float_scales_give_the_same_bits_in_more_memory"], "MLXBackend(float_scales=True) still forms the scales at each use"),
-    ("quant-gpu-scales-at-use", "weight types", MLX,
-     [('    return device == "gpu"\n\n\ndef gpu_kind()', '    return False\n\n\ndef gpu_kind()')],
-     [T_QUANT + "::test_scales_are_formed_once_on_a_gpu_and_at_each_use_on_the_cpu"],
-     "MLX backend on a GPU forms the affine scales at each use by default (decode 1.5-2.6x slower on the H200)"),
+    ("quant-scales-formed-once-by-default", "weight types", MLX,
+     [("ranks: int = 1, float_scales: bool = False):", "ranks: int = 1, float_scales: bool = True):")],
+     [T_QUANT + "::test_scales_are_formed_at_each_use_unless_asked"],
+     "MLX backend forms the affine float32 scales at load by default (1.17-1.33x the file's bytes)"),
+    ("blk-q6k-high-bits-shifted", "block kernels", BLK,
+     [("high = (qh[..., 32 * h + r % 32] >> (2 * (r // 32))) & 0x3",
+       "high = (qh[..., 32 * h + r % 32] >> (2 * (r // 64))) & 0x3")],
+     [T_BLK + "::test_the_values_formed_are_gguf_pys_bit_for_bit"],
+     "Q6_K kernel indexing: the high two bits taken from the wrong pair of qh's bits"),
+    ("blk-q6k-unit-overlap", "block kernels", BLK,
+     [("return b * 256 + 128 * h + 8 * c + 32 * (jt // 8) + jt % 8", "return b * 256 + 128 * h + 4 * c + 32 * (jt // 8) + jt % 8")],
+     [T_BLK + "::test_every_column_is_in_exactly_one_unit"],
+     "Q6_K kernel order: work units overlap (some columns added twice, others never)"),
+    ("blk-affine-last-value-twice", "block kernels", BLK,
+     [("    return 32 * u + np.arange(32)\n", "    return 32 * u + np.minimum(np.arange(32), 30)\n")],
+     [T_BLK + "::test_the_emulated_order_is_a_dot_product_within_its_error_model"],
+     "affine kernel order: a group's last value skipped and the one before it added twice"),
+    ("blk-too-many-rows", "block kernels", BLK,
+     [("x.shape[0] > MAX_ROWS:", "x.shape[0] > MAX_ROWS + 8:")],
+     [T_BLK + "::test_the_backend_sends_decode_rows_to_the_kernel_only_on_a_gpu"],
+     "block kernels launched for more rows than their registers hold"),
     # -- issue 29 item 4: SentencePiece vocabularies ------------------------------------------------------
     ("spm-space-prefix-dropped", "tokenizer", TOK,
      [('            text = " " + text\n', '            text = text\n')],
