@@ -38,11 +38,15 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 MAX_GRAMMAR_CHARS = 200_000  # a grammar or schema is compiled on the request's thread: bounded in size
 
 
+class GrammarError(RequestError):
+    """A request's constraint is bad (or cannot be used here): what, in one line."""
+
+
 def _llguidance():
     try:
         import llguidance
     except ImportError:  # an optional dependency: the `structured` extra
-        raise RequestError("structured output needs llguidance: pip install 'mlxinfer[structured]'") from None
+        raise GrammarError("structured output needs llguidance: pip install 'mlxinfer[structured]'") from None
     return llguidance
 
 
@@ -164,7 +168,7 @@ def _llg_tokenizer(key: _Identity, width: int):
 def grammar_tokenizer(tokenizer: GGUFTokenizer, width: int):
     """llguidance's tokenizer for `tokenizer` and logits `width` wide (made once: ~1 s for 150k tokens)."""
     if not tokenizer.eog_ids:
-        raise RequestError("structured output needs an end-of-generation token, which this model's vocabulary lacks")
+        raise GrammarError("structured output needs an end-of-generation token, which this model's vocabulary lacks")
     return _llg_tokenizer(_Identity(tokenizer), max(width, tokenizer.vocab_size))
 
 
@@ -173,7 +177,7 @@ def compile_constraint(tokenizer: GGUFTokenizer, width: int, kind: str, source) 
     grammar's text; a regex's text; None for json_object). Bad input is a RequestError naming it."""
     llg = _llguidance()
     if kind not in KINDS:
-        raise RequestError(f"constraint kind {kind!r} (choose from {', '.join(KINDS)})")
+        raise GrammarError(f"constraint kind {kind!r} (choose from {', '.join(KINDS)})")
     if kind == "json_object":
         source = ANY_OBJECT
     if kind in ("json_schema", "json_object"):
@@ -181,16 +185,16 @@ def compile_constraint(tokenizer: GGUFTokenizer, width: int, kind: str, source) 
             try:
                 source = json.loads(source)
             except ValueError as e:
-                raise RequestError(f"the JSON schema is not JSON: {e}") from None
+                raise GrammarError(f"the JSON schema is not JSON: {e}") from None
         if not isinstance(source, dict):
-            raise RequestError(f"a JSON schema is an object, got {type(source).__name__}")
+            raise GrammarError(f"a JSON schema is an object, got {type(source).__name__}")
         text = json.dumps(source)
     elif not isinstance(source, str) or not source.strip():
-        raise RequestError(f"a {kind} is non-empty text")
+        raise GrammarError(f"a {kind} is non-empty text")
     else:
         text = source
     if len(text) > MAX_GRAMMAR_CHARS:
-        raise RequestError(f"the {kind} has {len(text)} characters (limit {MAX_GRAMMAR_CHARS})")
+        raise GrammarError(f"the {kind} has {len(text)} characters (limit {MAX_GRAMMAR_CHARS})")
     try:
         if kind in ("json_schema", "json_object"):
             grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_LAYOUT)
@@ -199,14 +203,14 @@ def compile_constraint(tokenizer: GGUFTokenizer, width: int, kind: str, source) 
         else:  # Lark, or GBNF (llama.cpp's), which llguidance converts to Lark
             grammar = llg.grammar_from("grammar", text)
     except ValueError as e:
-        raise RequestError(f"bad {kind}: {str(e).splitlines()[0]}") from None
+        raise GrammarError(f"bad {kind}: {str(e).splitlines()[0]}") from None
     tok = grammar_tokenizer(tokenizer, width)
     error = llg.LLMatcher.validate_grammar(grammar, tok)
     if error:
-        raise RequestError(f"bad {kind}: {' '.join(error.split())[:300]}")
+        raise GrammarError(f"bad {kind}: {' '.join(error.split())[:300]}")
     initial = llg.LLMatcher(tok, grammar, log_level=0)
     if initial.is_error():
-        raise RequestError(f"bad {kind}: {' '.join(initial.get_error().split())[:300]}")
+        raise GrammarError(f"bad {kind}: {' '.join(initial.get_error().split())[:300]}")
     return Constraint(kind, source, initial, tok.vocab_size)
 
 
@@ -218,7 +222,7 @@ def constraint_of(tokenizer: GGUFTokenizer, width: int, response_format=None, gr
     given = [name for name, v in (("response_format", response_format), ("grammar", grammar), ("regex", regex))
              if v is not None and not (name == "response_format" and isinstance(v, dict) and v.get("type") == "text")]
     if len(given) > 1:
-        raise RequestError(f"one constraint per request: {given[0]} or {given[1]}, not both")
+        raise GrammarError(f"one constraint per request: {given[0]} or {given[1]}, not both")
     if grammar is not None:
         return compile_constraint(tokenizer, width, "grammar", grammar)
     if regex is not None:
@@ -226,7 +230,7 @@ def constraint_of(tokenizer: GGUFTokenizer, width: int, response_format=None, gr
     if response_format is None:
         return None
     if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object", "json_schema"):
-        raise RequestError("response_format is {'type': 'text' | 'json_object' | 'json_schema', ...}")
+        raise GrammarError("response_format is {'type': 'text' | 'json_object' | 'json_schema', ...}")
     kind = response_format["type"]
     if kind == "text":
         return None
@@ -234,5 +238,5 @@ def constraint_of(tokenizer: GGUFTokenizer, width: int, response_format=None, gr
         return compile_constraint(tokenizer, width, "json_object", None)
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict) or "schema" not in spec:
-        raise RequestError("response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}")
+        raise GrammarError("response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}")
     return compile_constraint(tokenizer, width, "json_schema", spec["schema"])

@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from sse_starlette.sse import EventSourceResponse
 
 from ..errors import RequestError
+from ..grammar import GrammarError
 from ..loop import FinishEvent
 from ..sampling import SamplingParams, stop_strings
 from ..scheduler import QueueFull, Scheduler, SchedulerClosed
@@ -198,9 +199,12 @@ def sampling_params(state: ServerState, body: Options, top_logprobs: int, forced
             logit_bias=bias, top_logprobs=top_logprobs,
             response_format=None if body.response_format is None else body.response_format.for_engine(),
             grammar=forced if forced is not None else body.grammar, regex=body.guided_regex)
+    except GrammarError as e:  # the one constraint field the request set (several: a conflict, none named)
+        given = [name for name in ("response_format", "grammar", "guided_regex") if getattr(body, name) is not None]
+        param = "tool_choice" if forced is not None else given[0] if len(given) == 1 else None
+        raise ApiError(400, str(e), param=param) from None
     except RequestError as e:
-        named = [p for p in ("logit_bias", "response_format", "grammar", "regex") if p in str(e)]
-        raise ApiError(400, str(e), param=("guided_regex" if named[0] == "regex" else named[0]) if named else None) from None
+        raise ApiError(400, str(e), param="logit_bias" if "logit_bias" in str(e) else None) from None
 
 
 def submit(request: Request, body: Options, prompt_ids: list[int], chat: bool, want_logprobs: bool,
