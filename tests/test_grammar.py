@@ -142,3 +142,27 @@ def test_bad_constraints_are_one_line_request_errors(engine, options, fragment):
     with pytest.raises(RequestError, match=re.escape(fragment)) as e:
         engine.generate([1, 2], max_tokens=4, **options)
     assert "\n" not in str(e.value)
+
+
+def test_cli_generate_takes_a_schema_a_grammar_or_a_regex(synthetic, tmp_path, capsys):
+    from mlxinfer.cli import main
+
+    path = synthetic(**SHAPE)
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    grammar = tmp_path / "yesno.gbnf"
+    grammar.write_text('root ::= "yes" | "no"')
+    base = ["generate", "-m", path, "--backend", "cpu", "--raw", "--quiet", "-n", "80", "--temp", "0.7", "--seed", "3"]
+    assert main(base + ["--json-schema", str(schema), "hi"]) == 0
+    jsonschema.validate(json.loads(capsys.readouterr().out), PERSON)
+    assert main(base + ["--json", "hi"]) == 0
+    assert isinstance(json.loads(capsys.readouterr().out), dict)
+    assert main(base + ["--grammar", str(grammar), "hi"]) == 0
+    assert capsys.readouterr().out.strip() in ("yes", "no")
+    assert main(base + ["--regex", "[0-9]{3}", "hi"]) == 0
+    assert re.fullmatch("[0-9]{3}", capsys.readouterr().out.strip())
+    for extra, fragment in ((["--json", "--regex", "a"], "not both"), (["--grammar", str(tmp_path / "none")], "cannot read"),
+                            (["--regex", "[a-"], "bad regex")):
+        assert main(base + extra + ["hi"]) == 1
+        err = capsys.readouterr().err
+        assert fragment in err and err.count("\n") == 1
