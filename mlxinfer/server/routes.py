@@ -208,13 +208,12 @@ def sampling_params(state: ServerState, body: Options, top_logprobs: int, forced
 
 
 def submit(request: Request, body: Options, prompt_ids: list[int], chat: bool, want_logprobs: bool,
-           top_logprobs: int, tool_format: str | None = None, forced: str | None = None) -> Job:
+           top_logprobs: int, params: SamplingParams, tool_format: str | None = None) -> Job:
     state = request.app.state.server
     try:
         stop = stop_strings(body.stop)
     except RequestError as e:
         raise ApiError(400, str(e), param="stop") from None
-    params = sampling_params(state, body, top_logprobs, forced)
     # choice i samples with seed + i: reproducible one by one, and not n copies of one sample
     choices = [params if i == 0 or params.seed is None or params.seed < 0 else replace(params, seed=params.seed + i)
                for i in range(body.n)]
@@ -285,8 +284,11 @@ def token_logprobs(state: ServerState, job: Job, token_ids, logprobs, offsets, t
 
 async def answer(request: Request, state: ServerState, body: Options, prompt_ids: list[int], chat: bool,
                  want_logprobs: bool, top_logprobs: int, tool_format: str | None = None, forced: str | None = None):
-    """Submit and answer: one JSON response, or an SSE stream of chunks."""
-    job = submit(request, body, prompt_ids, chat, want_logprobs, top_logprobs, tool_format, forced)
+    """Submit and answer: one JSON response, or an SSE stream of chunks. The options are checked on a
+    worker thread: a grammar compiles there (milliseconds; the first one builds the vocabulary's grammar
+    tokenizer, about a second for 150k tokens)."""
+    params = await run_in_threadpool(sampling_params, state, body, top_logprobs, forced)
+    job = submit(request, body, prompt_ids, chat, want_logprobs, top_logprobs, params, tool_format)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventSourceResponse(stream(state, job, include_usage), ping=15)
