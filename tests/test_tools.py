@@ -247,6 +247,8 @@ def test_structured_output_over_the_api(hermes):
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "does not go with"),
     ({"tools": [WEATHER], "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "not in chat_template"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name", "Field"),
+    ({"messages": [{"role": "user"}]}, "messages.0", "needs content"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages.0", "only a tool message"),
 ])
 def test_bad_structured_and_tool_requests_are_400s(hermes, extra, param, fragment):
     r = httpx.post(hermes.url + "/v1/chat/completions", json={"model": MODEL, "messages": ASK, **extra}, timeout=10)

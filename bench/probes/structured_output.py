@@ -3,10 +3,11 @@
 Starts `mlxinfer serve`'s app in this process (uvicorn on 127.0.0.1, a free port, --max-batch 32), then
 sends 100 chat requests from 32 concurrent clients (the openai SDK's async client), each with a
 `response_format` JSON schema at temperature 0.8 (seed = request number), and checks every answer with
-`jsonschema`; then the same 100 requests without the schema. Prints one JSON line per phase: requests,
-valid answers, finish reasons, completion tokens, wall seconds and total completion tokens/s. The two
-phases' answers differ in length, so the comparison is per token, not per request. Bounded: a phase
-stops sending after --seconds.
+`jsonschema`; then --baseline-requests (50) of the same requests without the schema, each with max_tokens
+the schema answers' mean length (so both phases decode answers of about the same length: a free answer
+would otherwise run to max_tokens, and a batch's speed depends on its sequences' lengths). Prints one
+JSON line per phase: requests, valid answers, finish reasons, completion tokens, wall seconds and total
+completion tokens/s. Bounded: a phase stops sending after --seconds.
 
     PYTHONPATH=$PWD python3 bench/probes/structured_output.py [-m MODEL] [--backend cpu] [--out rows.jsonl]
 
@@ -81,9 +82,10 @@ def main() -> None:
     ap.add_argument("-m", "--model", default=None)
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("-n", "--requests", type=int, default=100)
+    ap.add_argument("--baseline-requests", type=int, default=50)
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--seconds", type=float, default=80.0, help="per phase: no request sent after this")
+    ap.add_argument("--seconds", type=float, default=110.0, help="per phase: no request sent after this")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     engine = mlxinfer.load(a.model, backend=a.backend, kv="paged")
@@ -96,10 +98,12 @@ def main() -> None:
     while not server.started:
         time.sleep(0.05)
     try:
-        for schema in (True, False):
-            row = asyncio.run(phase(f"http://127.0.0.1:{port}/v1", "probe", a.requests, a.clients, a.max_tokens, schema, a.seconds))
+        url, max_tokens = f"http://127.0.0.1:{port}/v1", a.max_tokens
+        for schema, n in ((True, a.requests), (False, a.baseline_requests)):
+            row = asyncio.run(phase(url, "probe", n, a.clients, max_tokens, schema, a.seconds))
             emit(dict(probe="structured_output", model=os.path.basename(engine.path), backend=engine.backend.describe(),
-                      clients=a.clients, max_tokens=a.max_tokens, temperature=0.8, **row), a.out)
+                      clients=a.clients, max_tokens=max_tokens, temperature=0.8, **row), a.out)
+            max_tokens = max(1, round(row["completion_tokens"] / max(1, row["requests"])))
     finally:
         server.should_exit = True
 

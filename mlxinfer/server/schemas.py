@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
 
 from .tools import template_call
 
@@ -149,6 +149,18 @@ class Message(Strict):
                 if kind != "text":
                     raise ValueError(f"content parts of type {kind!r} are not supported (only text parts)")
         return content
+
+    @model_validator(mode="after")
+    def content_or_calls(self):
+        """Content may be absent only from an assistant message that calls tools (OpenAI's rule); only an
+        assistant message calls tools, only a tool message answers one."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only a tool message has tool_call_id")
+        return self
 
     def for_template(self) -> dict:
         """The message as chat templates read it: a system role, the text parts joined by newlines
