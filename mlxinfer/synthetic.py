@@ -57,7 +57,7 @@ class SyntheticSpec:
     vocab_size: int = 320
     context_length: int = 4096
     tied_output: bool = True
-    qtype: str = "F32"  # weight matrices; norms stay F32, the embedding takes qtype too
+    qtype: str = "F32"  # weight matrices; norms stay F32, the embedding takes qtype too; or a MIXES name
     rope_base: float = 1000000.0
     rms_eps: float = 1e-6
     seed: int = 0
@@ -108,6 +108,32 @@ def llama3_rope_factors(head_dim: int, base: float, factor: float = 8.0, low_fre
     return tuple(float(np.float32(f)) for f in out)
 
 
+def _more_bits(i: int, n: int) -> bool:
+    """llama.cpp's `use_more_bits` (llama-quant.cpp): the first and last eighth of the layers and every
+    third layer between get the larger type in the _M mixes."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _mix(base: GGMLQuantizationType, more: GGMLQuantizationType):
+    """A llama.cpp K-quant mix as its quantizer assigns types (llama_tensor_get_type, dense models whose
+    rows are multiples of 256): the output head (the embedding when tied) Q6_K, `attn_v` and `ffn_down`
+    `more` in the layers `_more_bits` picks, every other matrix `base`."""
+    def qtype(name: str, layer: int | None, n_layers: int, is_head: bool) -> GGMLQuantizationType:
+        if is_head:
+            return GGMLQuantizationType.Q6_K
+        if layer is not None and (".attn_v." in name or ".ffn_down." in name) and _more_bits(layer, n_layers):
+            return more
+        return base
+    return qtype
+
+
+Q = GGMLQuantizationType
+# file-type names -> per-tensor type, for --random-blocks files shaped like what users download (the
+# mix llama.cpp's quantizer gives; tests/test_quantized_files.py checks it against llama.cpp's own files)
+MIXES = {"Q4_K_M": _mix(Q.Q4_K, Q.Q6_K), "Q5_K_M": _mix(Q.Q5_K, Q.Q6_K)}
+MIX_FILE_TYPES = {"Q4_K_M": 15, "Q5_K_M": 17}  # llama_ftype: LLAMA_FTYPE_MOSTLY_Q4_K_M, _Q5_K_M
+
+
 def _tensor(rng, shape, std):
     return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
 
@@ -143,7 +169,9 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
     a = spec.arch
     if a not in ARCHITECTURES:
         raise ValueError(f"synthetic models are {', '.join(ARCHITECTURES)}, not {a!r}")
-    qtype = GGMLQuantizationType[spec.qtype]
+    if spec.qtype in MIXES and not spec.random_blocks:
+        raise ValueError(f"{spec.qtype} (a mix of types) is written with random blocks only")
+    qtype = GGMLQuantizationType.F16 if spec.qtype in MIXES else GGMLQuantizationType[spec.qtype]
     rng = np.random.default_rng(spec.seed)
     h, d = spec.hidden, spec.head_dim
     w = GGUFWriter(str(path), a)
@@ -169,7 +197,7 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
                        ("final_logit_softcapping", spec.final_softcap)):
         if value is not None:
             w.add_float32(f"{a}.{key}", value)
-    w.add_file_type(int(qtype) if qtype != GGMLQuantizationType.F32 else 0)
+    w.add_file_type(MIX_FILE_TYPES.get(spec.qtype, int(qtype) if qtype != GGMLQuantizationType.F32 else 0))
     tokens, types, merges = synthetic_vocab(spec.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
@@ -209,17 +237,21 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
 
 
 def _write_random_blocks(w: GGUFWriter, spec: SyntheticSpec, rng, path: str) -> str:
-    """The tensors as random blocks of the spec's type (`_random_q8_0`, else `quants.random_blocks`;
-    norms as usual), each made and written in turn: memory holds one tensor at a time."""
-    specs = list(tensors(spec.args()))
-    qtype = GGMLQuantizationType[spec.qtype]
-    block, size = GGML_QUANT_SIZES[qtype]
+    """The tensors as random blocks of the spec's type, or of each tensor's type in a MIXES file
+    (`_random_q8_0`, else `quants.random_blocks`; norms as usual), each made and written in turn: memory
+    holds one tensor at a time."""
+    args = spec.args()
+    specs = list(tensors(args))
+    mix = MIXES.get(spec.qtype, lambda *_: GGMLQuantizationType[spec.qtype])
+    head = "output.weight" if not spec.tied_output else "token_embd.weight"
+    types = {name: mix(name, layer, spec.n_layers, name == head) for t, layer, name, _, _ in specs if t.kind != NORM}
     for t, _, name, _, shape in specs:
         if t.kind == NORM:
             w.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4)
         else:
+            block, size = GGML_QUANT_SIZES[types[name]]
             row = shape[1] // block * size
-            w.add_tensor_info(name, (shape[0], row), np.dtype(np.uint8), shape[0] * row, raw_dtype=qtype)
+            w.add_tensor_info(name, (shape[0], row), np.dtype(np.uint8), shape[0] * row, raw_dtype=types[name])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -228,10 +260,10 @@ def _write_random_blocks(w: GGUFWriter, spec: SyntheticSpec, rng, path: str) -> 
             w.write_tensor_data(_norm_values(rng, shape[0]))
         else:
             std = 1.0 if t.kind == EMBEDDING else shape[1] ** -0.5
-            if qtype == GGMLQuantizationType.Q8_0:
+            if types[name] == GGMLQuantizationType.Q8_0:
                 w.write_tensor_data(_random_q8_0(rng, shape, std))
             else:
-                w.write_tensor_data(quants.random_blocks(rng, qtype, *shape, std=std))
+                w.write_tensor_data(quants.random_blocks(rng, types[name], *shape, std=std))
     w.close()
     return path
 
@@ -307,7 +339,8 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--vocab", type=int, default=320)
     p.add_argument("--untied", action="store_true")
-    p.add_argument("--type", default="F32", help="F32, F16, Q8_0, Q4_0, Q4_1, ...")
+    p.add_argument("--type", default="F32", help="F32, F16, Q8_0, Q4_0, Q4_1, ..., or (with --random-blocks) "
+                   f"a mix llama.cpp's quantizer makes: {', '.join(MIXES)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--llama3-rope", action="store_true",
                    help="write rope_freqs.weight as Llama 3.1 ships it (factor 8, low/high 1/4, context 8192)")

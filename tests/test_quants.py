@@ -249,3 +249,24 @@ def test_scales_are_formed_once_on_a_gpu_and_at_each_use_on_the_cpu():
     if gpu_kind() is not None:
         assert MLXBackend(device="gpu").float_scales is True
         assert MLXBackend(device="gpu", float_scales=False).float_scales is False
+
+
+def test_synthetic_mixes_give_each_tensor_the_type_llama_cpps_quantizer_gives():
+    """`mlxinfer.synthetic.MIXES` (the Q4_K_M / Q5_K_M files of the speed rows) against llama.cpp's own
+    quantizer's choice for every matrix of Qwen3-shaped files of 28 and 36 layers, tied and untied
+    (tests/reference/quant_mixes.json, made by `python3 -m tests.reference.quantize mixes`)."""
+    import json
+    import re
+    from pathlib import Path
+
+    from mlxinfer.synthetic import MIXES
+
+    fixture = json.loads((Path(__file__).parent / "reference" / "quant_mixes.json").read_text())
+    assert len(fixture) == 8
+    for key, types in fixture.items():
+        preset, layers, tying = key.split()
+        head = "token_embd.weight" if tying == "tied" else "output.weight"
+        for name, want in types.items():
+            layer = re.match(r"blk\.(\d+)\.", name)
+            got = MIXES[preset](name, int(layer.group(1)) if layer else None, int(layers[:-1]), name == head)
+            assert got.name == want, f"{key}: {name} is {want} in llama.cpp's file, {got.name} in ours"

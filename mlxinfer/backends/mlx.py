@@ -37,7 +37,7 @@ import sys  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from .. import collectives, kernels, quants  # noqa: E402
+from .. import block_kernels, collectives, kernels, quants  # noqa: E402
 from ..backend import GELU_COEF_A, MOE_MIN_WEIGHT_SUM, SQRT_2_OVER_PI, AttentionSpec, Backend, softcap_inverse  # noqa: E402
 from ..batch import Batch  # noqa: E402
 from ..errors import GGUFError, RequestError  # noqa: E402
@@ -153,6 +153,25 @@ def _check_products(backend: "MLXBackend") -> str | None:
     return None
 
 
+def _check_block_products(backend: "MLXBackend") -> str | None:
+    """The block kernels (`block_kernels`) against their numpy emulation, bit for bit, on random blocks
+    with edge values, for 1 and MAX_ROWS rows."""
+    rng = np.random.default_rng(7)
+    for qtype in block_kernels.KERNELS:
+        raw = quants.random_blocks(rng, qtype, 40, 512, edges=True)
+        w = to_device(qtype, quants.split(raw, qtype, 40, 512), (40, 512))
+        host = quants.split(raw, qtype, 40, 512)
+        for m in (1, block_kernels.MAX_ROWS):
+            x = rng.standard_normal((m, 512), dtype=np.float32)
+            got = np.array(block_kernels.product(backend.gpu_kernels, mx.array(x), w))
+            want = block_kernels.emulate(x, host)
+            same = got.view(np.uint32) == want.view(np.uint32)
+            if not same.all():
+                return (f"the {qtype.name} block kernel differs from its published order in {int((~same).sum())} of "
+                        f"{same.size} values ({m} rows)")
+    return None
+
+
 def _one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
@@ -167,6 +186,12 @@ def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
         problem = _check_products(backend)
     except Exception as e:  # a kernel that fails to compile or launch
         return f"{_one_line(e)} (the matmul and softmax kernels)"
+    if problem:
+        return problem
+    try:
+        problem = _check_block_products(backend)
+    except Exception as e:
+        return f"{_one_line(e)} (the block kernels)"
     if problem:
         return problem
     for case in self_check_cases():
@@ -387,6 +412,8 @@ class MLXBackend(Backend):
         # do not (README: batch invariance), unless `per_sequence_linear`.
         if self.per_sequence_linear and groups is not None and len(groups) > 1:
             return mx.concatenate([self.linear(x[r0:r1], w) for r0, r1 in groups])
+        if isinstance(w, BlockWeight) and self.gpu_kernels and block_kernels.applies(w, x):
+            return block_kernels.product(self.gpu_kernels, x, w)  # decode rows: the blocks read in registers
         if isinstance(w, PackedWeight):
             if self._streams and w.shape[0] >= 2 * SPLIT_MIN_ROWS:
                 return self._split_quantized_matmul(x, w)
