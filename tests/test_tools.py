@@ -226,6 +226,11 @@ def test_structured_output_over_the_api(hermes):
         r = hermes.client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, temperature=0.8,
                                                   seed=i, max_tokens=60)
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = hermes.client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, temperature=1.0,
+                                              seed=3, max_tokens=60, n=3)  # choices share the prefill, not the grammar state
+    assert len(r.choices) == 3
+    for c in r.choices:
+        jsonschema.validate(json.loads(c.message.content), schema)
     _, content, _, finish = _stream(hermes.client, messages=ASK, response_format={"type": "json_object"},
                                     temperature=0.8, seed=1, max_tokens=60)
     assert isinstance(json.loads(content), dict) and finish == ["stop"]
