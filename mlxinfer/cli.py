@@ -479,7 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json-schema", default=None, metavar="FILE",
                    help="the output is JSON following the JSON schema in FILE (structured output)")
     g.add_argument("--json", action="store_true", help="the output is a JSON object")
-    g.add_argument("--grammar", default=None, metavar="FILE", help="the output follows the Lark or GBNF grammar in FILE")
+    g.add_argument("--grammar", default=None, metavar="FILE",
+                   help="the output follows the Lark or GBNF grammar in FILE")
     g.add_argument("--regex", default=None, metavar="REGEX", help="the output matches REGEX")
     g.add_argument("--trace", action="store_true", help="count and time every backend op (stderr)")
     g.add_argument("--quiet", action="store_true", help="print only the text, no metrics block")

@@ -229,7 +229,8 @@ def constraint_of(tokenizer: GGUFTokenizer, width: int, response_format=None, gr
         return compile_constraint(tokenizer, width, "regex", regex)
     if response_format is None:
         return None
-    if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object", "json_schema"):
+    if not isinstance(response_format, dict) \
+            or response_format.get("type") not in ("text", "json_object", "json_schema"):
         raise GrammarError("response_format is {'type': 'text' | 'json_object' | 'json_schema', ...}")
     kind = response_format["type"]
     if kind == "text":

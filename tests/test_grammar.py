@@ -161,8 +161,8 @@ def test_cli_generate_takes_a_schema_a_grammar_or_a_regex(synthetic, tmp_path, c
     assert capsys.readouterr().out.strip() in ("yes", "no")
     assert main(base + ["--regex", "[0-9]{3}", "hi"]) == 0
     assert re.fullmatch("[0-9]{3}", capsys.readouterr().out.strip())
-    for extra, fragment in ((["--json", "--regex", "a"], "not both"), (["--grammar", str(tmp_path / "none")], "cannot read"),
-                            (["--regex", "[a-"], "bad regex")):
+    for extra, fragment in ((["--json", "--regex", "a"], "not both"),
+                            (["--grammar", str(tmp_path / "none")], "cannot read"), (["--regex", "[a-"], "bad regex")):
         assert main(base + extra + ["hi"]) == 1
         err = capsys.readouterr().err
         assert fragment in err and err.count("\n") == 1

@@ -19,7 +19,8 @@ user, assistant; content as text or a list of text parts. Every response carries
 (fingerprint.py). A chat turn's `<think>` text is `reasoning_content` (reasoning.py; --reasoning), and
 `chat_template_kwargs` are variables for the template. Structured output: response_format (json_object,
 json_schema), grammar (Lark or GBNF), guided_regex (mlxinfer.grammar). Tools: tools and tool_choice
-rendered through the template, the model's calls returned as tool_calls (tools.py); tool messages. A field the server does not implement is a 400 naming it, never ignored. Every
+rendered through the template, the model's calls returned as tool_calls (tools.py); tool messages.
+A field the server does not implement is a 400 naming it, never ignored. Every
 error is OpenAI's JSON shape {"error": {"message", "type", "param", "code"}} with its status: 400 bad
 request (malformed JSON, wrong types, unsupported fields, max_tokens past the context, empty messages),
 404 unknown route or model id in /v1/models/{id}, 413 body over the size limit, 429 queue full (with

@@ -10,7 +10,8 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
+                      model_validator)
 
 from .tools import template_call
 
@@ -216,7 +217,8 @@ def logprobs_object(token_texts: list[str], token_logprobs: list[float], offsets
 
 
 def completion(rid: str, model_id: str, text: str, logprobs: dict | None, finish_reason: str, usage: dict,
-               chat: bool, fingerprint: str, reasoning: str = "", index: int = 0, tool_calls: list | None = None) -> dict:
+               chat: bool, fingerprint: str, reasoning: str = "", index: int = 0,
+               tool_calls: list | None = None) -> dict:
     """The whole answer of a request that was not streamed; reasoning: a chat turn's `<think>` text;
     index: the choice's (n > 1); tool_calls: the calls parsed out of the text (server.tools)."""
     if chat:
