@@ -20,6 +20,7 @@ from . import quants
 from .gguf_file import GGUFFile
 from .models import ARCHITECTURES
 from .models.spec import BIAS, EMBEDDING, FACTORS, NORM, ModelArgs, tensors
+from .tokenizer import byte_level_alphabet
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -29,19 +30,6 @@ CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # A few merges so BPE has work to do: (left, right) in byte-level form (Ġ is a space).
 _MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("a", "n"), ("e", "r"), ("o", "n"),
            ("Ġ", "a"), ("r", "e"), ("a", "t"), ("e", "n"), ("Ġ", "s"), ("o", "r"), ("i", "s")]
-
-
-def byte_level_alphabet() -> list[str]:
-    """GPT-2's bytes_to_unicode table, in byte order: the 256 single-byte tokens of byte-level BPE."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + n)
-            n += 1
-    return [chars[b] for b in range(256)]
 
 
 def synthetic_vocab(vocab_size: int):

@@ -92,6 +92,10 @@ T_QBITS = "tests/test_quants.py::test_kept_weights_dequantize_to_gguf_py_bit_for
 T_QMEM = "tests/test_quants.py::test_memory_after_loading_is_within_1_15x_of_the_file"
 PPL = "mlxinfer/perplexity.py"
 PCACHE = "mlxinfer/prompt_cache.py"
+GRAM = "mlxinfer/grammar.py"
+SRV_TOOLS = "mlxinfer/server/tools.py"
+T_GRAM = "tests/test_grammar.py"
+T_TOOLS = "tests/test_tools.py"
 
 ONLINE_SOFTMAX = '''
 
@@ -1338,6 +1342,46 @@ def usage_chunk""")],
     ("page-tokens-per-ms", "chat page", PAGE_APP,
      [("(tokens - 1) / ((lastMs - firstMs) / 1000)", "(tokens - 1) / (lastMs - firstMs)")],
      [T_PAGE + "::test_tokens_per_second_is_decode_speed"], "chat page: tokens per millisecond shown as tokens/s"),
+    # -- structured output (mlxinfer.grammar) and tools (server/tools.py) ------------------------
+    ("gram-numpy-mask-ignored", "structured output", SAMP,
+     [("x = np.where(allowed[i], x, np.float32(-np.inf))", "x = x")],
+     [T_GRAM + "::test_schema_output_validates"], "numpy sampler: the grammar's mask not applied"),
+    ("gram-mlx-mask-ignored", "structured output", SAMP,
+     [("adjusted = mx.where(allowed, adjusted, mx.array(-mx.inf, dtype=adjusted.dtype))", "adjusted = adjusted")],
+     [T_GRAM + "::test_schema_output_validates"], "MLX sampler: the grammar's mask not applied"),
+    ("gram-mask-one-token-behind", "structured output", LOOP,
+     [("elif any(s.matcher is not None for s in sampled):", "elif False:")],
+     [T_GRAM + "::test_schema_output_validates"],
+     "pass loop: a constrained row sampled before the pass in flight is read "
+     "(pipelined MLX: its mask misses the last token)"),
+    ("gram-mask-wrong-row", "structured output", LOOP,
+     [("s.matcher.mask_into(masks[row])", "s.matcher.mask_into(masks[0])")],
+     [T_GRAM + "::test_a_masked_sequence_does_not_depend_on_its_neighbours"],
+     "pass loop: every constrained row's mask written to the batch's first row"),
+    ("gram-one-end-token", "structured output", GRAM,
+     [("eos_token=sorted(tokenizer.eog_ids))", "eos_token=min(tokenizer.eog_ids))")],
+     [T_GRAM + "::test_an_optional_end_lets_the_model_choose_to_stop"],
+     "grammar: only one of the model's end-of-generation tokens allowed where the grammar accepts"),
+    ("tools-bad-call-lost", "tools", SRV_TOOLS,
+     [("content.append(OPEN + body + CLOSE)", "content.append(\"\")")],
+     [T_TOOLS + "::test_a_call_with_invalid_json_is_content_streamed_or_not"],
+     "tools: a <tool_call> whose JSON does not parse dropped, not returned as content"),
+    ("tools-finish-reason-stop", "tools", SRV_ROUTES,
+     [('return "tool_calls" if parser is not None and parser.found else ev.finish_reason', "return ev.finish_reason")],
+     [T_TOOLS + "::test_hermes_round_trip_with_the_openai_sdk"],
+     "tools: finish_reason stop where the model called a tool"),
+    ("tools-held-prefix-dropped", "tools", SRV_TOOLS,
+     [("self.held = pending[len(pending) - keep:]", 'self.held = ""')],
+     [T_TOOLS + "::test_the_parser_finds_calls_across_pieces_and_keeps_bad_ones_as_text"],
+     "tools: text held back as a possible <tool_call> start dropped"),
+    ("tools-choice-not-forced", "tools", SRV_ROUTES,
+     [("grammar=forced if forced is not None else body.grammar", "grammar=body.grammar")],
+     [T_TOOLS + "::test_tool_choice_required_or_named_forces_a_valid_call"],
+     "tools: tool_choice required / named not enforced"),
+    ("tools-history-arguments-as-text", "tools", SRV_TOOLS,
+     [("        parsed = json.loads(arguments)\n", "        parsed = arguments\n")],
+     [T_TOOLS + "::test_hermes_round_trip_with_the_openai_sdk"],
+     "tools: a call in the history rendered with its arguments as JSON text (the template writes them quoted)"),
 ]
 
 
