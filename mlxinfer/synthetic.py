@@ -190,7 +190,7 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
     for key, value in (("attention.sliding_window", spec.sliding_window),
                        ("attention.sliding_window_pattern", spec.swa_pattern), ("expert_count", spec.n_experts or None),
                        ("expert_used_count", spec.n_experts_used or None),
-                       ("expert_feed_forward_length", spec.ffn_expert or None)):
+                       ("expert_feed_forward_length", (spec.ffn_expert or None) if a != "llama" else None)):
         if value is not None:
             w.add_uint32(f"{a}.{key}", value)
     for key, value in (("rope.freq_base_swa", spec.rope_base_swa), ("attn_logit_softcapping", spec.attn_softcap),
@@ -351,7 +351,8 @@ def main(argv=None):
     p.add_argument("--attn-softcap", type=float, default=None, help="Gemma 2: attn_logit_softcapping")
     p.add_argument("--final-softcap", type=float, default=None, help="Gemma: final_logit_softcapping")
     p.add_argument("--experts", type=int, nargs=3, default=None, metavar=("N", "USED", "WIDTH"),
-                   help="Qwen3-MoE (--arch qwen3moe): experts, experts used per token, an expert's FFN width")
+                   help="Qwen3-MoE (--arch qwen3moe) or Mixtral (--arch llama): experts, experts used per token, an "
+                        "expert's FFN width (Mixtral's must equal --ffn)")
     p.add_argument("--random-blocks", action="store_true",
                    help="draw --type's blocks directly, random (fast, streamed; for large shapes)")
     a = p.parse_args(argv)
@@ -363,8 +364,10 @@ def main(argv=None):
                  attn_softcap=a.attn_softcap, final_softcap=a.final_softcap)
     if not a.arch.startswith("gemma") and any(v is not None for v in gemma.values()):
         p.error("--sliding-window, --swa-pattern, --rope-base-swa and the soft-caps are Gemma's (--arch gemma2, gemma3)")
-    if (a.arch == "qwen3moe") != (a.experts is not None):
-        p.error("--arch qwen3moe needs --experts N USED WIDTH (and only it takes them)")
+    if (a.arch == "qwen3moe" and a.experts is None) or (a.experts and a.arch not in ("qwen3moe", "llama")):
+        p.error("--arch qwen3moe needs --experts N USED WIDTH (and only it and llama take them)")
+    if a.experts and a.arch == "llama" and a.experts[2] != a.ffn:
+        p.error("Mixtral (--arch llama --experts): an expert's width is --ffn")
     experts = dict(zip(("n_experts", "n_experts_used", "ffn_expert"), a.experts or (0, 0, 0)))
     base = a.rope_base or (500000.0 if a.llama3_rope else 1000000.0)
     factors = llama3_rope_factors(a.head_dim, base) if a.llama3_rope else None
