@@ -215,7 +215,7 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
     if spec.random_blocks:
         if qtype == GGMLQuantizationType.F32:
             raise ValueError("random blocks are written for a quantized or 16-bit type, not F32")
-        if spec.args().qkv_bias or spec.rope_freqs or spec.rope_long_short or spec.n_experts or spec.embedding_std != 1.0:
+        if spec.args().qkv_bias or spec.rope_freqs or spec.rope_long_short or spec.embedding_std != 1.0:
             raise ValueError("random blocks are written for matrices and norms only (no biases or RoPE factors)")
         return _write_random_blocks(w, spec, rng, str(path))
     for t, _, name, _, shape in tensors(spec.args()):
@@ -248,10 +248,11 @@ def _write_random_blocks(w: GGUFWriter, spec: SyntheticSpec, rng, path: str) -> 
     for t, _, name, _, shape in specs:
         if t.kind == NORM:
             w.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4)
-        else:
+        else:  # matrices and [experts, out, in] stacks: rows of blocks
             block, size = GGML_QUANT_SIZES[types[name]]
-            row = shape[1] // block * size
-            w.add_tensor_info(name, (shape[0], row), np.dtype(np.uint8), shape[0] * row, raw_dtype=types[name])
+            row = shape[-1] // block * size
+            rows = int(np.prod(shape[:-1]))
+            w.add_tensor_info(name, (*shape[:-1], row), np.dtype(np.uint8), rows * row, raw_dtype=types[name])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -259,11 +260,12 @@ def _write_random_blocks(w: GGUFWriter, spec: SyntheticSpec, rng, path: str) -> 
         if t.kind == NORM:
             w.write_tensor_data(_norm_values(rng, shape[0]))
         else:
-            std = 1.0 if t.kind == EMBEDDING else shape[1] ** -0.5
+            std = 1.0 if t.kind == EMBEDDING else shape[-1] ** -0.5
+            rows = int(np.prod(shape[:-1]))
             if types[name] == GGMLQuantizationType.Q8_0:
-                w.write_tensor_data(_random_q8_0(rng, shape, std))
+                w.write_tensor_data(_random_q8_0(rng, (rows, shape[-1]), std))
             else:
-                w.write_tensor_data(quants.random_blocks(rng, types[name], *shape, std=std))
+                w.write_tensor_data(quants.random_blocks(rng, types[name], rows, shape[-1], std=std))
     w.close()
     return path
 

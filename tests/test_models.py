@@ -267,9 +267,17 @@ def test_moe_mlp_routes_each_row_to_its_top_k_experts(backend):
 
 
 class _Stacks(dict):
-    """Expert stacks by name, read as `load_experts` reads a GGUF file (`dequantize`)."""
+    """Expert stacks by name, read as `load_experts` reads a GGUF file (`tensor`, `dequantize`), F32."""
 
+    path = "stacks"
     dequantize = dict.__getitem__
+
+    def tensor(self, name):
+        from types import SimpleNamespace
+
+        from gguf import GGMLQuantizationType
+
+        return SimpleNamespace(shape=self[name].shape, ggml_type=GGMLQuantizationType.F32)
 
 
 @pytest.mark.parametrize("name,arch,width", [("qwen3moe_synthetic", "qwen3moe", 64), ("mixtral_synthetic", "llama", 96)])

@@ -45,7 +45,7 @@ from ..errors import GGUFError, RequestError  # noqa: E402
 from ..kv_cache import KV_CACHES, PagedLayer  # noqa: E402
 from ..sampling import MLXRandom  # noqa: E402
 from .cpu import checked_threads, default_threads  # noqa: E402
-from .mlx_weights import GROUP, BlockWeight, PackedWeight, QuantizedWeight, WeightGroup, to_device  # noqa: E402,F401
+from .mlx_weights import GROUP, BlockWeight, ExpertStack, PackedWeight, QuantizedWeight, WeightGroup, to_device  # noqa: E402,F401
 
 KEPT = (*quants.AFFINE_BITS, *quants.BLOCK_TYPES, *quants.HALF_TYPES)  # every type but F32 stays as compact
 SPLIT_MIN_ROWS = 256  # quantized products are cut over the CPU threads in parts of at least this many rows
@@ -488,8 +488,17 @@ class MLXBackend(Backend):
         return mx.tanh(x)
 
     def load_experts(self, gguf, name):
-        # [experts, in, out]: gather_mm multiplies x [.., 1, in] by the chosen experts' matrices
-        return mx.array(np.ascontiguousarray(np.swapaxes(gguf.dequantize(name), 1, 2), dtype=np.float32))
+        """An ExpertStack: a kept type's stack as [experts * out, in] rows of that type (quantized experts
+        stay quantized: Qwen3-30B-A3B's would take ~120 GB in float32), F32 as float32 [experts, in, out]."""
+        t = gguf.tensor(name)
+        if len(t.shape) != 3:
+            raise GGUFError(f"{gguf.path}: tensor {name!r} should be an [experts, out, in] stack, found shape {list(t.shape)}")
+        e, out, n_in = t.shape
+        if t.ggml_type in KEPT:
+            arrays = quants.split(gguf.raw(name), t.ggml_type, e * out, n_in)
+            return ExpertStack((e, out, n_in), weight=to_device(t.ggml_type, arrays, (e * out, n_in), self.float_scales))
+        dense = mx.array(np.ascontiguousarray(np.swapaxes(gguf.dequantize(name), 1, 2), dtype=np.float32))
+        return ExpertStack((e, out, n_in), dense=dense)
 
     def moe_mlp(self, x, logits, experts, k, groups=None):
         probs = self.softmax_rows(logits)
@@ -498,8 +507,8 @@ class MLXBackend(Backend):
         w = w / mx.maximum(mx.sum(w, axis=-1, keepdims=True), MOE_MIN_WEIGHT_SUM)
         gate, up, down = experts
         xe = mx.expand_dims(x, (-2, -3))  # [N, 1, 1, in]: one row against each of its k experts
-        h = self.silu(mx.gather_mm(xe, gate, rhs_indices=ids)) * mx.gather_mm(xe, up, rhs_indices=ids)
-        y = mx.gather_mm(h, down, rhs_indices=ids)[:, :, 0]  # [N, k, hidden]
+        h = self.silu(gate.products(xe, ids)) * up.products(xe, ids)
+        y = down.products(h, ids)[:, :, 0]  # [N, k, hidden]
         out = y[:, 0] * w[:, :1]
         for j in range(1, k):
             out = out + y[:, j] * w[:, j:j + 1]
