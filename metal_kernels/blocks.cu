@@ -98,9 +98,12 @@ for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);
   if (lane == 0) out[(long)m * N + n] = (T)s;
 }
-//@@BODY affine_d_matvec
-// Q8_0, Q4_0, Q5_0 as the MLX backend keeps them (quants.split): w [N, K BITS / 32] uint32 (MLX's packing),
-// d_bits [N, K / 32] the fp16 d's bits; per group g: scale d, bias d * OFFSET (-128, -8, -16: exact).
+//@@BODY affine_matvec
+// The affine types as the MLX backend keeps them (quants.split): w [N, K BITS / 32] uint32 (MLX's packing),
+// then the file's scale fields, by SCALES: 0 (Q8_0, Q4_0, Q5_0) s0 [N, K / 32] the fp16 d's bits, scale d,
+// bias d * OFFSET (-128, -8, -16: exact), s1 unused; 1 (Q4_1, Q5_1) s0 d and s1 m [N, K / 32] (fp16 bits),
+// scale d, bias m; 2 (Q4_K, Q5_K) s0 [N, K / 256, 2] the fp16 d and dmin's bits, s1 [N, K / 256, 2, 8]
+// uint8 sub-scales then mins, group g = 8b + j: scale d sc_j, bias -(dmin m_j) (quants: exact).
 // dims = [N, K]; out [M, N]. Lane l takes groups l, l + 32, ..., each t = 0..31 (mlxi_affine_group).
 const int N = dims[0], K = dims[1];
 const int lane = threadIdx.x & 31;
@@ -110,45 +113,19 @@ float acc[M];
 for (int m = 0; m < M; ++m) acc[m] = 0.0f;
 const unsigned int* w_row = w + n * (K / 32) * BITS;
 for (long g = lane; g < K / 32; g += 32) {
-  const float d = mlxi_half_bits(d_bits[n * (K / 32) + g]);
-  mlxi_affine_group<BITS, M>(x, K, g * 32, w_row, g, d, __fmul_rn(d, (float)OFFSET), acc);
-}
-for (int m = 0; m < M; ++m) {
-  const float s = mlxi_warp_total(acc[m]);
-  if (lane == 0) out[(long)m * N + n] = (T)s;
-}
-//@@BODY affine_dm_matvec
-// Q4_1, Q5_1: w as above, d_bits and m_bits [N, K / 32] (fp16 bits); scale d, bias m.
-const int N = dims[0], K = dims[1];
-const int lane = threadIdx.x & 31;
-const long n = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS + (threadIdx.x >> 5);
-if (n >= N) return;
-float acc[M];
-for (int m = 0; m < M; ++m) acc[m] = 0.0f;
-const unsigned int* w_row = w + n * (K / 32) * BITS;
-for (long g = lane; g < K / 32; g += 32) {
-  const long at = n * (K / 32) + g;
-  mlxi_affine_group<BITS, M>(x, K, g * 32, w_row, g, mlxi_half_bits(d_bits[at]), mlxi_half_bits(m_bits[at]), acc);
-}
-for (int m = 0; m < M; ++m) {
-  const float s = mlxi_warp_total(acc[m]);
-  if (lane == 0) out[(long)m * N + n] = (T)s;
-}
-//@@BODY affine_k_matvec
-// Q4_K, Q5_K: w as above; dd_bits [N, K / 256, 2] the fp16 d and dmin's bits; sm [N, K / 256, 2, 8] uint8
-// sub-scales then mins; group g = 8b + j: scale d sc_j, bias -(dmin m_j) (quants: exact).
-const int N = dims[0], K = dims[1];
-const int lane = threadIdx.x & 31;
-const long n = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS + (threadIdx.x >> 5);
-if (n >= N) return;
-float acc[M];
-for (int m = 0; m < M; ++m) acc[m] = 0.0f;
-const unsigned int* w_row = w + n * (K / 32) * BITS;
-for (long g = lane; g < K / 32; g += 32) {
-  const long blk = n * (K / 256) + (g >> 3);
-  const int j = g & 7;
-  const float d = mlxi_half_bits(dd_bits[2 * blk]), dmin = mlxi_half_bits(dd_bits[2 * blk + 1]);
-  const float scale = __fmul_rn(d, (float)sm[16 * blk + j]), bias = -__fmul_rn(dmin, (float)sm[16 * blk + 8 + j]);
+  const long at = n * (K / 32) + g, blk = n * (K / 256) + (g >> 3);
+  float scale, bias;
+  if (SCALES == 2) {
+    const int j = g & 7;
+    scale = __fmul_rn(mlxi_half_bits(s0[2 * blk]), (float)s1[16 * blk + j]);
+    bias = -__fmul_rn(mlxi_half_bits(s0[2 * blk + 1]), (float)s1[16 * blk + 8 + j]);
+  } else if (SCALES == 1) {
+    scale = mlxi_half_bits(s0[at]);
+    bias = mlxi_half_bits(s1[at]);
+  } else {
+    scale = mlxi_half_bits(s0[at]);
+    bias = __fmul_rn(scale, (float)OFFSET);
+  }
   mlxi_affine_group<BITS, M>(x, K, g * 32, w_row, g, scale, bias, acc);
 }
 for (int m = 0; m < M; ++m) {

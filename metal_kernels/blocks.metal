@@ -79,8 +79,8 @@ for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);
   if (lane == 0) out[(long)m * N + n] = T(s);
 }
-//@@BODY affine_d_matvec
-// As in blocks.cu: Q8_0, Q4_0, Q5_0; scale d, bias d * OFFSET.
+//@@BODY affine_matvec
+// As in blocks.cu: the affine types, their scale fields by SCALES (0: d and OFFSET; 1: d, m; 2: K-quants).
 const int N = dims[0], K = dims[1];
 const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
@@ -90,48 +90,21 @@ float acc[M];
 for (int m = 0; m < M; ++m) acc[m] = 0.0f;
 const auto w_row = w + n * (K / 32) * BITS;
 for (long g = lane; g < K / 32; g += 32) {
-  const float d = mlxi_half_bits(d_bits[n * (K / 32) + g]);
-  mlxi_affine_group<BITS, M>(x, K, g * 32, w_row, g, d, d * float(OFFSET), acc);
-}
-for (int m = 0; m < M; ++m) {
-  const float s = mlxi_warp_total(acc[m]);
-  if (lane == 0) out[(long)m * N + n] = T(s);
-}
-//@@BODY affine_dm_matvec
-// As in blocks.cu: Q4_1, Q5_1; scale d, bias m.
-const int N = dims[0], K = dims[1];
-const uint lane = thread_index_in_simdgroup;
-const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
-    * MLXI_WARPS + simdgroup_index_in_threadgroup;
-if (n >= N) return;
-float acc[M];
-for (int m = 0; m < M; ++m) acc[m] = 0.0f;
-const auto w_row = w + n * (K / 32) * BITS;
-for (long g = lane; g < K / 32; g += 32) {
-  const long at = n * (K / 32) + g;
-  mlxi_affine_group<BITS, M>(x, K, g * 32, w_row, g, mlxi_half_bits(d_bits[at]), mlxi_half_bits(m_bits[at]), acc);
-}
-for (int m = 0; m < M; ++m) {
-  const float s = mlxi_warp_total(acc[m]);
-  if (lane == 0) out[(long)m * N + n] = T(s);
-}
-//@@BODY affine_k_matvec
-// As in blocks.cu: Q4_K, Q5_K; scale d sc_j, bias -(dmin m_j).
-const int N = dims[0], K = dims[1];
-const uint lane = thread_index_in_simdgroup;
-const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
-    * MLXI_WARPS + simdgroup_index_in_threadgroup;
-if (n >= N) return;
-float acc[M];
-for (int m = 0; m < M; ++m) acc[m] = 0.0f;
-const auto w_row = w + n * (K / 32) * BITS;
-for (long g = lane; g < K / 32; g += 32) {
-  const long blk = n * (K / 256) + (g >> 3);
-  const int j = g & 7;
-  const float d = mlxi_half_bits(dd_bits[2 * blk]), dmin = mlxi_half_bits(dd_bits[2 * blk + 1]);
-  const float scale = d * float(sm[16 * blk + j]);
-  const float mins = dmin * float(sm[16 * blk + 8 + j]);
-  mlxi_affine_group<BITS, M>(x, K, g * 32, w_row, g, scale, -mins, acc);
+  const long at = n * (K / 32) + g, blk = n * (K / 256) + (g >> 3);
+  float scale, bias;
+  if (SCALES == 2) {
+    const int j = g & 7;
+    scale = mlxi_half_bits(s0[2 * blk]) * float(s1[16 * blk + j]);
+    const float mins = mlxi_half_bits(s0[2 * blk + 1]) * float(s1[16 * blk + 8 + j]);
+    bias = -mins;
+  } else if (SCALES == 1) {
+    scale = mlxi_half_bits(s0[at]);
+    bias = mlxi_half_bits(s1[at]);
+  } else {
+    scale = mlxi_half_bits(s0[at]);
+    bias = scale * float(OFFSET);
+  }
+  mlxi_affine_group<BITS, M>(x, K, g * 32, w_row, g, scale, bias, acc);
 }
 for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);

@@ -28,18 +28,16 @@ SOURCES = {"cuda": "blocks.cu", "metal": "blocks.metal"}
 # affine types from the compact form the MLX backend keeps (MLX's packed codes, the file's scale fields)
 KERNELS = {
     Q.Q6_K: ("q6_k_matvec", ()),
-    Q.Q8_0: ("affine_d_matvec", (("BITS", 8), ("OFFSET", -128))),
-    Q.Q4_0: ("affine_d_matvec", (("BITS", 4), ("OFFSET", -8))),
-    Q.Q5_0: ("affine_d_matvec", (("BITS", 5), ("OFFSET", -16))),
-    Q.Q4_1: ("affine_dm_matvec", (("BITS", 4),)),
-    Q.Q5_1: ("affine_dm_matvec", (("BITS", 5),)),
-    Q.Q4_K: ("affine_k_matvec", (("BITS", 4),)),
-    Q.Q5_K: ("affine_k_matvec", (("BITS", 5),)),
+    Q.Q8_0: ("affine_matvec", (("BITS", 8), ("SCALES", 0), ("OFFSET", -128))),
+    Q.Q4_0: ("affine_matvec", (("BITS", 4), ("SCALES", 0), ("OFFSET", -8))),
+    Q.Q5_0: ("affine_matvec", (("BITS", 5), ("SCALES", 0), ("OFFSET", -16))),
+    Q.Q4_1: ("affine_matvec", (("BITS", 4), ("SCALES", 1), ("OFFSET", 0))),
+    Q.Q5_1: ("affine_matvec", (("BITS", 5), ("SCALES", 1), ("OFFSET", 0))),
+    Q.Q4_K: ("affine_matvec", (("BITS", 4), ("SCALES", 2), ("OFFSET", 0))),
+    Q.Q5_K: ("affine_matvec", (("BITS", 5), ("SCALES", 2), ("OFFSET", 0))),
 }
 INPUTS = {"q6_k_matvec": ["x", "ql", "qh", "scales", "d_bits", "dims"],
-          "affine_d_matvec": ["x", "w", "d_bits", "dims"],
-          "affine_dm_matvec": ["x", "w", "d_bits", "m_bits", "dims"],
-          "affine_k_matvec": ["x", "w", "dd_bits", "sm", "dims"]}
+          "affine_matvec": ["x", "w", "s0", "s1", "dims"]}
 MAX_ROWS = 8  # rows of x a launch takes (each lane keeps one partial sum per row in registers)
 WARPS = 8  # output rows per block of 256 threads
 
@@ -85,11 +83,12 @@ def product(kind: str, x, w):
     if name == "q6_k_matvec":
         ql, qh, scales, d = w.parts
         fields = [ql, qh, scales, half(d)]
-    elif name == "affine_k_matvec":
+    elif w.qtype in (Q.Q4_K, Q.Q5_K):
         dd, sm = w.parts
         fields = [w.w, half(dd), sm]
-    else:
-        fields = [w.w, *(half(p) for p in w.parts)]
+    else:  # (d,) or (d, m); s1 unused without m
+        d, *m = w.parts
+        fields = [w.w, half(d), half(m[0] if m else d)]
     blocks = -(-n // WARPS)
     cols = min(blocks, 65535)
     (out,) = _kernel(kind, name)(

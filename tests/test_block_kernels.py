@@ -90,8 +90,13 @@ struct __half { unsigned short x; __device__ __half(float f) : x(0) {} __device_
 """
 
 
-INPUT_TYPES = {"ql": "uint8_t", "qh": "uint8_t", "scales": "int8_t", "d_bits": "uint16_t", "m_bits": "uint16_t",
-               "dd_bits": "uint16_t", "sm": "uint8_t", "w": "uint32_t", "dims": "int"}
+INPUT_TYPES = {"ql": "uint8_t", "qh": "uint8_t", "scales": "int8_t", "d_bits": "uint16_t", "s0": "uint16_t",
+               "w": "uint32_t", "dims": "int"}
+
+
+def _input_types(consts, x: str) -> dict:
+    """Each input's C type for a launch: s1 is the K-quants' uint8 sub-scales, else fp16 bits."""
+    return dict(INPUT_TYPES, x=x, s1="uint8_t" if dict(consts).get("SCALES") == 2 else "uint16_t")
 
 
 def _launches():
@@ -103,7 +108,7 @@ def _cuda_source(name: str, consts, dtype: str, m: int) -> str:
     """What MLX's cuda_kernel compiles for a launch: the header, then the kernel with each input typed
     by its array's dtype, the template constants, the body."""
     header, bodies = block_kernels.kernel_source("cuda")
-    types = dict(INPUT_TYPES, x=dtype)
+    types = _input_types(consts, dtype)
     params = ", ".join(f"const {types[i]}* {i}" for i in block_kernels.INPUTS[name]) + f", {dtype}* out"
     extra = "".join(f"  constexpr int {k} = {v};\n" for k, v in consts)
     return (f"{CUDA_STUB}{header}\n__global__ void k_{name}({params}) {{\n  using T = {dtype};\n"
@@ -136,7 +141,7 @@ template <typename T, typename U> T as_type(U);
 
 def _metal_source(name: str, consts, m: int) -> str:
     header, bodies = block_kernels.kernel_source("metal")
-    types = dict(INPUT_TYPES, x="float")
+    types = _input_types(consts, "float")
     params = [f"  const {'constant' if n == 'dims' else 'device'} {types[n]}* {n} [[buffer({i})]]"
               for i, n in enumerate(block_kernels.INPUTS[name])]
     params += [f"  device float* out [[buffer({len(params)})]]"]
