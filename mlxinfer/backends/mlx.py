@@ -49,6 +49,10 @@ from .mlx_weights import GROUP, BlockWeight, ExpertStack, PackedWeight, Quantize
 
 KEPT = (*quants.AFFINE_BITS, *quants.BLOCK_TYPES, *quants.HALF_TYPES)  # every type but F32 stays as compact
 SPLIT_MIN_ROWS = 256  # quantized products are cut over the CPU threads in parts of at least this many rows
+# On a GPU, a sequence's attention products with at least this many query rows (prefill chunks) are MLX's
+# own GEMMs (tensor cores where the dtype has them) a head at a time, in the per-head reference and in
+# the fused override alike; fewer rows (decode, short prompts) take mlxinfer's published-order kernels.
+PREFILL_ROWS = 128
 _CPU_STREAMS: list = []  # shared by every MLX backend; thread-local: each thread that uses one gets its own
 
 
@@ -91,7 +95,8 @@ def self_check_cases(head_dims=SELF_CHECK_HEAD_DIMS) -> list[CheckCase]:
     than 8 elements, which MLX passes to a Metal kernel as `constant`) and 300 keys (past the softmax's
     256 threads), several decode rows, prefill chunks of 3 and of 9 rows (8+), a sliding window, few rows
     over more than 1,024 keys (the graph override on Metal) and 64 rows over as many (the fused kernel
-    again), and each cache kind (prealloc, paged, basic) for decode rows and a chunk."""
+    again), and each cache kind (prealloc, paged, basic) for decode rows, a chunk, and a chunk of
+    PREFILL_ROWS rows or more beside a decode row (MLX's GEMMs for the one, the kernel for the other)."""
     cases = []
     for d in head_dims:
         gqa, win = AttentionSpec.standard(4, 2, d), AttentionSpec.standard(4, 2, d, window=16)
@@ -104,7 +109,9 @@ def self_check_cases(head_dims=SELF_CHECK_HEAD_DIMS) -> list[CheckCase]:
                   CheckCase("64 rows of a chunk over 1,100 keys", gqa, ((1100, 64),))]
         for kv in KV_CACHES:
             cases += [CheckCase("3 decode rows over 70, 257 and 5 keys", gqa, ((70, 1), (257, 1), (5, 1)), kv),
-                      CheckCase("a 9-row chunk over 40 keys and a decode row over 129", gqa, ((40, 9), (129, 1)), kv)]
+                      CheckCase("a 9-row chunk over 40 keys and a decode row over 129", gqa, ((40, 9), (129, 1)), kv),
+                      CheckCase(f"a {PREFILL_ROWS + 2}-row chunk over 300 keys (MLX's GEMMs) beside a decode row over 70",
+                                gqa, ((300, PREFILL_ROWS + 2), (70, 1)), kv)]
     return cases
 
 
@@ -150,7 +157,9 @@ def _check_products(backend: "MLXBackend") -> str | None:
 
 def _check_block_products(backend: "MLXBackend") -> str | None:
     """The block kernels (`block_kernels`) against their numpy emulation, bit for bit, on random blocks
-    with edge values of every type they take, for 1 and MAX_ROWS rows."""
+    with edge values of every type they take, for 1 and MAX_ROWS rows (none on the CPU: nothing to check)."""
+    if backend.gpu_kernels is None:
+        return None
     rng = np.random.default_rng(7)
     for qtype in block_kernels.KERNELS:
         raw = quants.random_blocks(rng, qtype, 40, 512, edges=True)
@@ -444,7 +453,10 @@ class MLXBackend(Backend):
         return tuple(out)
 
     def matmul(self, a, b):
-        if self.gpu_kernels:
+        # On a GPU, products of fewer than PREFILL_ROWS rows (decode rows, short chunks) are our kernel's
+        # (one published order, so the fused kernels can match them); longer ones MLX's own (cuBLAS, Metal
+        # GEMM), which the fused override then runs the same way (`fused_attention_override`).
+        if self.gpu_kernels and a.shape[0] < PREFILL_ROWS:
             return kernels.matmul(self.gpu_kernels, a[None], mx.contiguous(mx.transpose(b))[None])[0]
         return mx.matmul(a, b)
 
@@ -620,25 +632,51 @@ class MLXBackend(Backend):
             # split-K GEMM, a batched one never), so fused attention runs the reference itself: the same
             # products, the same bits, at the reference's speed
             return self.per_head_attention(q, kv, batch, spec)
+        long = [b for b, (r0, r1) in enumerate(batch.rows) if r1 - r0 >= PREFILL_ROWS] if self.gpu_kernels else []
+        if not long:
+            return self._fused(q, kv, batch, spec, range(len(batch.rows)))
+        # Chunks of PREFILL_ROWS rows or more: the reference's own steps (MLX's GEMMs a head at a time,
+        # the same calls as `per_head_attention`, so the same bits); the other sequences' rows as usual,
+        # then put in their places.
+        out = self.zeros(q.shape[0], spec.n_heads * spec.head_dim)
+        for b in long:
+            out = self.per_head_sequence(q, kv, batch, spec, b, out)
+        rest = [b for b in range(len(batch.rows)) if b not in long]
+        if rest:
+            at = mx.array(np.concatenate([np.arange(*batch.rows[b]) for b in rest]).astype(np.int32))
+            out[at] = self._fused(q, kv, batch, spec, rest, at)
+        return out
+
+    def _fused(self, q, kv, batch, spec, seqs, at=None):
+        """The fused override for sequences `seqs` of the batch (all, or those whose rows `at` lists):
+        their rows' attention, in that order."""
+        sub = [batch.rows[b] for b in seqs]
         if self.kernel == "graph" or self._pass_needs_graph(batch, spec):
-            return self._graph_attention(q, kv, batch, spec)
+            return self._graph_attention(q, kv, batch, spec, seqs)
+        q_all = q
+        if at is not None:  # the rows of `seqs` alone, numbered from 0
+            q = q[at]
+            starts = np.cumsum([0] + [r1 - r0 for r0, r1 in sub])
+            sub = [(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+        pick = (lambda a: a[at]) if at is not None else (lambda a: a)
         if kv.store is not None:  # the whole batch in one launch, reading the cache in place
             keys, values = kv.store
-            return kernels.fused_attention(self.kernel, q, keys, values, batch.row_slots, batch.positions,
-                                           batch.row_lens, spec, seq_rows=batch.rows)
+            return kernels.fused_attention(self.kernel, q, keys, values, pick(batch.row_slots),
+                                           pick(batch.positions), pick(batch.row_lens), spec, seq_rows=sub)
         if isinstance(kv, PagedLayer):  # the batch's rows gathered from the blocks, one launch
             rows, row_seq, s_max = kv.batch_rows(self)
             n, w = kv.keys.shape[0] * kv.keys.shape[1], kv.keys.shape[2]
             keys = kv.keys.reshape(n, w)[rows].reshape(len(batch), s_max, w)
             values = kv.values.reshape(n, w)[rows].reshape(len(batch), s_max, w)
-            return kernels.fused_attention(self.kernel, q, keys, values, row_seq, batch.positions,
-                                           batch.row_lens, spec, seq_rows=batch.rows)
+            return kernels.fused_attention(self.kernel, q, keys, values, pick(row_seq), pick(batch.positions),
+                                           pick(batch.row_lens), spec, seq_rows=sub)
         outs = []  # a cache with no single store (basic): one launch per sequence, its K/V as slot 0
-        for b, (r0, r1) in enumerate(batch.rows):
+        for b in seqs:
+            r0, r1 = batch.rows[b]
             k, v = kv.sequence(self, b)
             zeros = mx.zeros((r1 - r0,), dtype=mx.int32)
             row_len = mx.full((r1 - r0,), k.shape[0], dtype=mx.int32)
-            outs.append(kernels.fused_attention(self.kernel, q[r0:r1], k[None], v[None], zeros,
+            outs.append(kernels.fused_attention(self.kernel, q_all[r0:r1], k[None], v[None], zeros,
                                                 batch.positions_of(self, b), row_len, spec,
                                                 seq_rows=[(0, r1 - r0)]))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
@@ -668,14 +706,16 @@ class MLXBackend(Backend):
         longest = batch.max_kv_len
         return longest is not None and batch.n_rows * spec.n_heads < 256 and longest > 1024
 
-    def _graph_attention(self, q, kv, batch, spec):
-        """Each sequence's heads in one batched graph, byte-identical to the per-head reference on the
-        same device: on the CPU each head's product is the same BLAS call the reference makes (MLX's
-        CPU matmul loops one call per batch element) on the same contiguous [S, D] blocks; on a GPU the
-        products and softmax are the same kernels, batched over heads."""
+    def _graph_attention(self, q, kv, batch, spec, seqs=None):
+        """Each sequence's heads in one batched graph (of `seqs`, default all), byte-identical to the
+        per-head reference on the same device: on the CPU each head's product is the same BLAS call the
+        reference makes (MLX's CPU matmul loops one call per batch element) on the same contiguous [S, D]
+        blocks; on a GPU the products and softmax are the same kernels, batched over heads (sequences of
+        fewer than PREFILL_ROWS rows: `fused_attention_override` sends the others to the reference)."""
         kvh, d, group = spec.n_kv_heads, spec.head_dim, spec.group
         outs = []
-        for b, (r0, r1) in enumerate(batch.rows):
+        for b in (range(len(batch.rows)) if seqs is None else seqs):
+            r0, r1 = batch.rows[b]
             t = r1 - r0
             k, v = kv.sequence(self, b)
             s = k.shape[0]
