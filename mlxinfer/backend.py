@@ -265,8 +265,8 @@ class Backend:
         raise NotImplementedError
 
     def load_experts(self, gguf, name: str):
-        """A [experts, out, in] stack of expert matrices (Qwen3-MoE's `*_exps`), as `moe_mlp` reads it
-        (float32: quantized experts are dequantized at load)."""
+        """A [experts, out, in] stack of expert matrices (Qwen3-MoE's and Mixtral's `*_exps`), as `moe_mlp`
+        reads it (the cpu backend dequantizes to float32; MLX keeps the file's type)."""
         raise NotImplementedError
 
     def moe_mlp(self, x, logits, experts, k: int, groups=None):
@@ -411,24 +411,32 @@ class Backend:
         Operands narrower than float32 (MLX's --dtype, --kv-dtype) are widened to float32 exactly first
         (a q8_0 cache: dequantized, d * q); steps 3-7 then run on the same float32 values in every path.
         """
+        out = self.zeros(q.shape[0], spec.n_heads * spec.head_dim)
+        for b in range(len(batch.rows)):
+            out = self.per_head_sequence(q, kv, batch, spec, b, out)
+        return out
+
+    def per_head_sequence(self, q, kv, batch, spec: AttentionSpec, b: int, out):
+        """Steps 1-8 of `per_head_attention` for sequence b alone: its rows of `out` written, returned.
+        (An override may run some sequences through this and others its own way, as MLX's GPU override
+        does with prefill chunks.)"""
         h_all, d = spec.n_heads, spec.head_dim
-        out = self.zeros(q.shape[0], h_all * d)
-        for b, (r0, r1) in enumerate(batch.rows):
-            t = r1 - r0
-            k_b, v_b = kv.sequence(self, b)
-            s = k_b.shape[0]
-            for h in range(h_all):
-                kv_h = h // spec.group
-                q_h = self.copy_2d_from(q, r0, t, h * d, d)
-                k_h = self.copy_2d_from(k_b, 0, s, kv_h * d, d)
-                v_h = self.copy_2d_from(v_b, 0, s, kv_h * d, d)
-                scores = self.matmul(q_h, self.transpose_2d(k_h))
-                scores = self.scale(scores, spec.scale)
-                if spec.softcap:
-                    scores = self.scale(self.tanh(self.scale(scores, softcap_inverse(spec.softcap))), spec.softcap)
-                if t > 1 or spec.window:
-                    scores = self.mask_scores(scores, batch.positions_of(self, b), spec.causal, spec.window)
-                attn = self.softmax_rows(scores)
-                ctx = self.matmul(attn, v_h)
-                out = self.copy_2d_into(out, ctx, r0, h * d)
+        r0, r1 = batch.rows[b]
+        t = r1 - r0
+        k_b, v_b = kv.sequence(self, b)
+        s = k_b.shape[0]
+        for h in range(h_all):
+            kv_h = h // spec.group
+            q_h = self.copy_2d_from(q, r0, t, h * d, d)
+            k_h = self.copy_2d_from(k_b, 0, s, kv_h * d, d)
+            v_h = self.copy_2d_from(v_b, 0, s, kv_h * d, d)
+            scores = self.matmul(q_h, self.transpose_2d(k_h))
+            scores = self.scale(scores, spec.scale)
+            if spec.softcap:
+                scores = self.scale(self.tanh(self.scale(scores, softcap_inverse(spec.softcap))), spec.softcap)
+            if t > 1 or spec.window:
+                scores = self.mask_scores(scores, batch.positions_of(self, b), spec.causal, spec.window)
+            attn = self.softmax_rows(scores)
+            ctx = self.matmul(attn, v_h)
+            out = self.copy_2d_into(out, ctx, r0, h * d)
         return out

@@ -79,6 +79,10 @@ class TracingBackend:
         # The default too: one counted `linear` per matrix of the group.
         return Backend.linear_group(self, x, ws, groups)
 
+    def per_head_sequence(self, *args):
+        # the per-head reference's steps on the tracer (counted), as `per_head_attention` calls them
+        return Backend.per_head_sequence(self, *args)
+
     def fused_attention(self, q, kv, batch, spec):
         # The per-head reference runs on the tracer, so the primitives it is built from are counted.
         if self.inner.attention == "per-head":

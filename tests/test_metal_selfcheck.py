@@ -92,8 +92,8 @@ def test_a_wrong_fused_kernel_is_named_with_its_case(monkeypatch):
     b = MLXBackend(device="cpu")
     real = b._graph_attention
 
-    def wrong(q, kv, batch, spec):
-        out = real(q, kv, batch, spec)
+    def wrong(q, kv, batch, spec, *seqs):
+        out = real(q, kv, batch, spec, *seqs)
         return out + (batch.max_kv_len > 256) * 1e-3 if batch.max_kv_len is not None else out
 
     monkeypatch.setattr(b, "_graph_attention", wrong)

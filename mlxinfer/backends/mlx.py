@@ -50,8 +50,9 @@ import sys  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from gguf.quants import dequantize  # noqa: E402
 
-from .. import collectives, kernels, quants  # noqa: E402
+from .. import block_kernels, collectives, kernels, quants  # noqa: E402
 from ..backend import GELU_COEF_A, GPU_DEFAULT_DTYPE, KV_DTYPES, MOE_MIN_WEIGHT_SUM, SQRT_2_OVER_PI, AttentionSpec, Backend, softcap_inverse  # noqa: E402
 from ..batch import Batch  # noqa: E402
 from ..errors import GGUFError, RequestError  # noqa: E402
@@ -59,11 +60,15 @@ from ..kv_cache import KV_CACHES, PagedLayer  # noqa: E402
 from ..sampling import MLXRandom  # noqa: E402
 from .cpu import checked_threads, default_threads  # noqa: E402
 from .mlx_kv import dequantize_q8_0, packed_width, quantize_q8_0, value_bytes  # noqa: E402
-from .mlx_weights import GROUP, BlockWeight, PackedWeight, QuantizedWeight, WeightGroup, to_device  # noqa: E402,F401
+from .mlx_weights import GROUP, BlockWeight, ExpertStack, PackedWeight, QuantizedWeight, WeightGroup, to_device  # noqa: E402,F401
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}  # backend.DTYPES' MLX types
 KEPT = (*quants.AFFINE_BITS, *quants.BLOCK_TYPES, *quants.HALF_TYPES)  # every type but F32 stays as compact
 SPLIT_MIN_ROWS = 256  # quantized products are cut over the CPU threads in parts of at least this many rows
+# On a GPU, a sequence's attention products with at least this many query rows (prefill chunks) are MLX's
+# own GEMMs (tensor cores where the dtype has them) a head at a time, in the per-head reference and in
+# the fused override alike; fewer rows (decode, short prompts) take mlxinfer's published-order kernels.
+PREFILL_ROWS = 128
 _CPU_STREAMS: list = []  # shared by every MLX backend; thread-local: each thread that uses one gets its own
 
 
@@ -73,12 +78,6 @@ def _cpu_streams(n: int) -> list:
     while len(_CPU_STREAMS) < n:
         _CPU_STREAMS.append(mx.new_thread_local_stream(mx.cpu))
     return _CPU_STREAMS[:n]
-
-
-def scales_formed_once(device: str) -> bool:
-    """Whether affine weights' float32 scales are formed once at load (True) or at each use, by default:
-    once on a GPU (decode speed), at each use on MLX's CPU (memory; no slower there). See MLXBackend."""
-    return device == "gpu"
 
 
 def gpu_kind() -> str | None:
@@ -112,7 +111,8 @@ def self_check_cases(head_dims=SELF_CHECK_HEAD_DIMS) -> list[CheckCase]:
     than 8 elements, which MLX passes to a Metal kernel as `constant`) and 300 keys (past the softmax's
     256 threads), several decode rows, prefill chunks of 3 and of 9 rows (8+), a sliding window, few rows
     over more than 1,024 keys (the graph override on Metal) and 64 rows over as many (the fused kernel
-    again), and each cache kind (prealloc, paged, basic) for decode rows and a chunk."""
+    again), and each cache kind (prealloc, paged, basic) for decode rows, a chunk, and a chunk of
+    PREFILL_ROWS rows or more beside a decode row (MLX's GEMMs for the one, the kernel for the other)."""
     cases = []
     for d in head_dims:
         gqa, win = AttentionSpec.standard(4, 2, d), AttentionSpec.standard(4, 2, d, window=16)
@@ -125,7 +125,9 @@ def self_check_cases(head_dims=SELF_CHECK_HEAD_DIMS) -> list[CheckCase]:
                   CheckCase("64 rows of a chunk over 1,100 keys", gqa, ((1100, 64),))]
         for kv in KV_CACHES:
             cases += [CheckCase("3 decode rows over 70, 257 and 5 keys", gqa, ((70, 1), (257, 1), (5, 1)), kv),
-                      CheckCase("a 9-row chunk over 40 keys and a decode row over 129", gqa, ((40, 9), (129, 1)), kv)]
+                      CheckCase("a 9-row chunk over 40 keys and a decode row over 129", gqa, ((40, 9), (129, 1)), kv),
+                      CheckCase(f"a {PREFILL_ROWS + 2}-row chunk over 300 keys (MLX's GEMMs) beside a decode row over 70",
+                                gqa, ((300, PREFILL_ROWS + 2), (70, 1)), kv)]
     return cases
 
 
@@ -169,6 +171,27 @@ def _check_products(backend: "MLXBackend") -> str | None:
     return None
 
 
+def _check_block_products(backend: "MLXBackend") -> str | None:
+    """The block kernels (`block_kernels`) against their numpy emulation, bit for bit, on random blocks
+    with edge values of every type they take, for 1 and MAX_ROWS rows (none on the CPU: nothing to check)."""
+    if backend.gpu_kernels is None:
+        return None
+    rng = np.random.default_rng(7)
+    for qtype in block_kernels.KERNELS:
+        raw = quants.random_blocks(rng, qtype, 40, 512, edges=True)
+        w = to_device(qtype, quants.split(raw, qtype, 40, 512), (40, 512))
+        values = dequantize(raw, qtype).reshape(40, 512)
+        for m in (1, block_kernels.MAX_ROWS):
+            x = rng.standard_normal((m, 512), dtype=np.float32)
+            got = np.array(block_kernels.product(backend.gpu_kernels, mx.array(x), w))
+            want = block_kernels.emulate(x, values, qtype)
+            same = got.view(np.uint32) == want.view(np.uint32)
+            if not same.all():
+                return (f"the {qtype.name} block kernel differs from its published order in {int((~same).sum())} of "
+                        f"{same.size} values ({m} rows)")
+    return None
+
+
 def _one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
@@ -183,6 +206,12 @@ def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
         problem = _check_products(backend)
     except Exception as e:  # a kernel that fails to compile or launch
         return f"{_one_line(e)} (the matmul and softmax kernels)"
+    if problem:
+        return problem
+    try:
+        problem = _check_block_products(backend)
+    except Exception as e:
+        return f"{_one_line(e)} (the block kernels)"
     if problem:
         return problem
     for case in self_check_cases():
@@ -221,14 +250,13 @@ class MLXBackend(Backend):
 
     def __init__(self, attention: str = "fused", device: str | None = None, kernel: str | None = None,
                  verify=verify_gpu_kernels, per_sequence_linear: bool = False, threads: int | None = None,
-                 ranks: int = 1, float_scales: bool | None = None, dtype: str | None = None,
-                 kv_dtype: str | None = None):
+                 ranks: int = 1, float_scales: bool = False, dtype: str | None = None, kv_dtype: str | None = None):
         super().__init__(attention)
         # affine weights' float32 scales formed once at load, not at each use (`mlx_weights.to_device`):
-        # the same bits, more memory (1.17-1.33x the file's bytes instead of 1.00-1.03x). Default: on a
-        # GPU, where forming them at each use costs decode a third to three fifths of its speed (an
-        # elementwise pass per product; measured in docs/performance.md); not on MLX's CPU, where the
-        # larger scales are read every product and decode is no faster.
+        # the same bits, more memory (1.17-1.33x the file's bytes instead of 1.00-1.03x). Off by
+        # default: on a GPU decode rows go to the block kernels (`block_kernels`), which read the compact
+        # fields in registers, and a prefill chunk forms them once a product for many rows; on MLX's CPU
+        # the larger scales are read every product and decode is no faster.
         # MLX's GPU products are not row-invariant (README: batch invariance); this multiplies each
         # sequence's rows on their own, as the cpu backend does, at the price of batching.
         self.per_sequence_linear = per_sequence_linear
@@ -251,7 +279,7 @@ class MLXBackend(Backend):
         self.dtype_name, self.dtype, self.kv_dtype = dtype, DTYPES[dtype], kv_dtype
         self.weight_dtype = self.dtype if device == "gpu" else mx.float32  # the weight products' (docstring)
         self.kv_value_bytes = value_bytes(kv_dtype)
-        self.float_scales = scales_formed_once(device) if float_scales is None else float_scales
+        self.float_scales = float_scales
         self.mx_device = mx.gpu if device == "gpu" else mx.cpu
         self.activate()
         # MLX runs a CPU stream's work on one thread: quantized products of at least 2 x SPLIT_MIN_ROWS
@@ -443,6 +471,8 @@ class MLXBackend(Backend):
         # do not (README: batch invariance), unless `per_sequence_linear`.
         if self.per_sequence_linear and groups is not None and len(groups) > 1:
             return mx.concatenate([self._linear(x[r0:r1], w) for r0, r1 in groups])
+        if self.gpu_kernels and isinstance(w, PackedWeight) and block_kernels.applies(w, x):
+            return block_kernels.product(self.gpu_kernels, x, w)  # decode rows: the fields read in registers
         if isinstance(w, PackedWeight):
             if self._streams and w.shape[0] >= 2 * SPLIT_MIN_ROWS:
                 return self._split_quantized_matmul(x, w)
@@ -479,9 +509,12 @@ class MLXBackend(Backend):
 
     def matmul(self, a, b):
         # attention's products, in float32 whatever the dtype (operands widened exactly; the kernels
-        # widen what they read the same way)
+        # widen what they read the same way). On a GPU, products of fewer than PREFILL_ROWS rows (decode
+        # rows, short chunks) are our kernel's (one published order, so the fused kernels can match them);
+        # longer ones MLX's own (cuBLAS, Metal GEMM), which the fused override then runs the same way
+        # (`fused_attention_override`).
         a, b = a.astype(mx.float32), b.astype(mx.float32)
-        if self.gpu_kernels:
+        if self.gpu_kernels and a.shape[0] < PREFILL_ROWS:
             return kernels.matmul(self.gpu_kernels, a[None], mx.contiguous(mx.transpose(b))[None])[0]
         return mx.matmul(a, b)
 
@@ -527,9 +560,19 @@ class MLXBackend(Backend):
         return mx.tanh(x)
 
     def load_experts(self, gguf, name):
-        # [experts, in, out]: gather_mm multiplies x [.., 1, in] by the chosen experts' matrices
-        experts = np.ascontiguousarray(np.swapaxes(gguf.dequantize(name), 1, 2), dtype=np.float32)
-        return mx.array(experts).astype(self.weight_dtype)
+        """An ExpertStack: a kept type's stack as [experts * out, in] rows of that type (quantized experts
+        stay quantized: Qwen3-30B-A3B's would take ~120 GB in float32), F32 as float32 [experts, in, out]."""
+        t = gguf.tensor(name)
+        if len(t.shape) != 3:
+            raise GGUFError(f"{gguf.path}: tensor {name!r} should be an [experts, out, in] stack, found shape {list(t.shape)}")
+        e, out, n_in = t.shape
+        if t.ggml_type in KEPT:
+            arrays = quants.split(gguf.raw(name), t.ggml_type, e * out, n_in)
+            return ExpertStack((e, out, n_in), weight=to_device(t.ggml_type, arrays, (e * out, n_in), self.float_scales,
+                                                                  self.weight_dtype))
+        dense = mx.array(np.ascontiguousarray(np.swapaxes(gguf.dequantize(name), 1, 2), dtype=np.float32))
+        dense = dense.astype(self.weight_dtype)
+        return ExpertStack((e, out, n_in), dense=dense)
 
     def moe_mlp(self, x, logits, experts, k, groups=None):
         probs = self.softmax_rows(logits)
@@ -537,9 +580,9 @@ class MLXBackend(Backend):
         w = mx.take_along_axis(probs, ids, axis=-1)
         w = w / mx.maximum(mx.sum(w, axis=-1, keepdims=True), MOE_MIN_WEIGHT_SUM)
         gate, up, down = experts
-        xe = mx.expand_dims(x, (-2, -3))  # [N, 1, 1, in]: one row against each of its k experts
-        h = self.silu(mx.gather_mm(xe, gate, rhs_indices=ids)) * mx.gather_mm(xe, up, rhs_indices=ids)
-        y = mx.gather_mm(h, down, rhs_indices=ids)[:, :, 0]  # [N, k, hidden]
+        xe = mx.expand_dims(x.astype(self.weight_dtype), (-2, -3))  # [N, 1, 1, in]: one row against its k experts
+        h = self.silu(gate.products(xe, ids)) * up.products(xe, ids)
+        y = down.products(h, ids)[:, :, 0]  # [N, k, hidden]
         out = y[:, 0] * w[:, :1]
         for j in range(1, k):
             out = out + y[:, j] * w[:, j:j + 1]
@@ -656,25 +699,51 @@ class MLXBackend(Backend):
             # split-K GEMM, a batched one never), so fused attention runs the reference itself: the same
             # products, the same bits, at the reference's speed
             return self.per_head_attention(q, kv, batch, spec)
+        long = [b for b, (r0, r1) in enumerate(batch.rows) if r1 - r0 >= PREFILL_ROWS] if self.gpu_kernels else []
+        if not long:
+            return self._fused(q, kv, batch, spec, range(len(batch.rows)))
+        # Chunks of PREFILL_ROWS rows or more: the reference's own steps (MLX's GEMMs a head at a time,
+        # the same calls as `per_head_attention`, so the same bits); the other sequences' rows as usual,
+        # then put in their places.
+        out = self.zeros(q.shape[0], spec.n_heads * spec.head_dim)
+        for b in long:
+            out = self.per_head_sequence(q, kv, batch, spec, b, out)
+        rest = [b for b in range(len(batch.rows)) if b not in long]
+        if rest:
+            at = mx.array(np.concatenate([np.arange(*batch.rows[b]) for b in rest]).astype(np.int32))
+            out[at] = self._fused(q, kv, batch, spec, rest, at)
+        return out
+
+    def _fused(self, q, kv, batch, spec, seqs, at=None):
+        """The fused override for sequences `seqs` of the batch (all, or those whose rows `at` lists):
+        their rows' attention, in that order."""
+        sub = [batch.rows[b] for b in seqs]
         if self.kernel == "graph" or self._pass_needs_graph(batch, spec):
-            return self._graph_attention(q, kv, batch, spec)
+            return self._graph_attention(q, kv, batch, spec, seqs)
+        q_all = q
+        if at is not None:  # the rows of `seqs` alone, numbered from 0
+            q = q[at]
+            starts = np.cumsum([0] + [r1 - r0 for r0, r1 in sub])
+            sub = [(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+        pick = (lambda a: a[at]) if at is not None else (lambda a: a)
         if kv.store is not None:  # the whole batch in one launch, reading the cache in place
             keys, values = kv.store
-            return kernels.fused_attention(self.kernel, q, keys, values, batch.row_slots, batch.positions,
-                                           batch.row_lens, spec, seq_rows=batch.rows)
+            return kernels.fused_attention(self.kernel, q, keys, values, pick(batch.row_slots),
+                                           pick(batch.positions), pick(batch.row_lens), spec, seq_rows=sub)
         if isinstance(kv, PagedLayer):  # the batch's rows gathered from the blocks, one launch
             rows, row_seq, s_max = kv.batch_rows(self)
             n, w = kv.keys.shape[0] * kv.keys.shape[1], kv.keys.shape[2]
             keys = kv.keys.reshape(n, w)[rows].reshape(len(batch), s_max, w)
             values = kv.values.reshape(n, w)[rows].reshape(len(batch), s_max, w)
-            return kernels.fused_attention(self.kernel, q, keys, values, row_seq, batch.positions,
-                                           batch.row_lens, spec, seq_rows=batch.rows)
+            return kernels.fused_attention(self.kernel, q, keys, values, pick(row_seq), pick(batch.positions),
+                                           pick(batch.row_lens), spec, seq_rows=sub)
         outs = []  # a cache with no single store (basic): one launch per sequence, its K/V as slot 0
-        for b, (r0, r1) in enumerate(batch.rows):
+        for b in seqs:
+            r0, r1 = batch.rows[b]
             k, v = kv.sequence(self, b)
             zeros = mx.zeros((r1 - r0,), dtype=mx.int32)
             row_len = mx.full((r1 - r0,), k.shape[0], dtype=mx.int32)
-            outs.append(kernels.fused_attention(self.kernel, q[r0:r1], k[None], v[None], zeros,
+            outs.append(kernels.fused_attention(self.kernel, q_all[r0:r1], k[None], v[None], zeros,
                                                 batch.positions_of(self, b), row_len, spec,
                                                 seq_rows=[(0, r1 - r0)]))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
@@ -705,14 +774,16 @@ class MLXBackend(Backend):
         longest = batch.max_kv_len
         return longest is not None and batch.n_rows * spec.n_heads < 256 and longest > 1024
 
-    def _graph_attention(self, q, kv, batch, spec):
-        """Each sequence's heads in one batched graph, byte-identical to the per-head reference on the
-        same device: on the CPU each head's product is the same BLAS call the reference makes (MLX's
-        CPU matmul loops one call per batch element) on the same contiguous [S, D] blocks; on a GPU the
-        products and softmax are the same kernels, batched over heads."""
+    def _graph_attention(self, q, kv, batch, spec, seqs=None):
+        """Each sequence's heads in one batched graph (of `seqs`, default all), byte-identical to the
+        per-head reference on the same device: on the CPU each head's product is the same BLAS call the
+        reference makes (MLX's CPU matmul loops one call per batch element) on the same contiguous [S, D]
+        blocks; on a GPU the products and softmax are the same kernels, batched over heads (sequences of
+        fewer than PREFILL_ROWS rows: `fused_attention_override` sends the others to the reference)."""
         kvh, d, group = spec.n_kv_heads, spec.head_dim, spec.group
         outs = []
-        for b, (r0, r1) in enumerate(batch.rows):
+        for b in (range(len(batch.rows)) if seqs is None else seqs):
+            r0, r1 = batch.rows[b]
             t = r1 - r0
             k, v = kv.sequence(self, b)
             s = k.shape[0]

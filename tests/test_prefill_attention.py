@@ -1,0 +1,97 @@
+"""Prefill chunks on a GPU (mlxinfer/backends/mlx.py, PREFILL_ROWS): a sequence's attention products with
+at least PREFILL_ROWS query rows are MLX's own GEMMs a head at a time, in the per-head reference and in
+the fused override alike; the other sequences of the pass keep the published-order kernels.
+
+Here (no GPU) the MLX backend runs on its CPU device with stand-ins for the GPU kernels (MLX's CPU
+products, which compute each row on its own, as the published order does): the override must give the
+reference's bits on batches that mix long chunks, short chunks and decode rows, on every cache kind,
+and must never hand a long chunk to a kernel. On a GPU the self-check's cases with long chunks and
+tests/test_mlx_backend.py run the real kernels."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxinfer import kernels
+from mlxinfer.backend import AttentionSpec
+from mlxinfer.backends import mlx as mlx_backend
+from mlxinfer.backends.mlx import PREFILL_ROWS, CheckCase, MLXBackend, check_case_inputs
+from mlxinfer.kv_cache import KV_CACHES
+
+
+@pytest.fixture
+def gpu_like(monkeypatch):
+    """An MLX backend on the CPU whose 'GPU kernels' are stand-ins; returns (backend, log of the rows
+    each stand-in was given)."""
+    log = {"matmul_rows": [], "fused_rows": []}
+
+    def matmul(kind, a, bt, group=1):
+        log["matmul_rows"].append(a.shape[1])
+        return mx.matmul(a, mx.swapaxes(mx.repeat(bt, group, axis=0), -1, -2))
+
+    def softmax(kind, x):
+        return mx.softmax(x, axis=-1, precise=True)
+
+    def fused(kind, q, keys, values, row_slots, positions, row_lens, spec, seq_rows=None, **kw):
+        """Each row alone, with the reference's steps on the stand-ins."""
+        log["fused_rows"].append(q.shape[0])
+        d, out = spec.head_dim, []
+        slots, pos, lens = (np.array(a).tolist() for a in (row_slots, positions, row_lens))
+        for r in range(q.shape[0]):
+            heads = []
+            for h in range(spec.n_heads):
+                c = (h // spec.group) * d
+                k = keys[slots[r], :lens[r], c:c + d]
+                v = values[slots[r], :lens[r], c:c + d]
+                s = be.scale(be.matmul(q[r:r + 1, h * d:(h + 1) * d], mx.transpose(k)), spec.scale)
+                s = be.mask_scores(s, mx.array([pos[r]], dtype=mx.int32), spec.causal, spec.window)
+                heads.append(be.matmul(be.softmax_rows(s), v))
+            out.append(mx.concatenate(heads, axis=1))
+        return mx.concatenate(out)
+
+    be = MLXBackend(device="cpu")
+    be.gpu_kernels, be.kernel = "cuda", "cuda"  # the kernel paths, on the stand-ins
+    monkeypatch.setattr(kernels, "matmul", matmul)
+    monkeypatch.setattr(kernels, "softmax", softmax)
+    monkeypatch.setattr(kernels, "fused_attention", fused)
+    monkeypatch.setattr(kernels, "uses_split", lambda *a: False)
+    monkeypatch.setattr(MLXBackend, "_few_long_rows", staticmethod(lambda *a: False))
+    return be, log
+
+
+BATCHES = {
+    "one-long-chunk": ((300, PREFILL_ROWS + 2),),
+    "long-chunk-short-chunk-decode-rows": ((70, 1), (300, PREFILL_ROWS + 40), (40, 9), (129, 1)),
+    "two-long-chunks": ((PREFILL_ROWS, PREFILL_ROWS), (260, PREFILL_ROWS + 3)),
+    "just-below": ((200, PREFILL_ROWS - 1), (7, 1)),
+}
+
+
+@pytest.mark.parametrize("kv", list(KV_CACHES))
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_long_chunks_take_the_reference_steps_and_keep_its_bits(gpu_like, name, kv):
+    be, log = gpu_like
+    spec = AttentionSpec.standard(4, 2, 32)
+    q, view, batch = check_case_inputs(be, CheckCase(name, spec, BATCHES[name], kv))
+    ref = np.array(be.per_head_attention(q, view, batch, spec))
+    log["matmul_rows"].clear()
+    got = np.array(be.fused_attention_override(q, view, batch, spec))
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    assert sum(log["fused_rows"]) == sum(t for _, t in BATCHES[name] if t < PREFILL_ROWS)  # only the short ones
+    assert max(log["matmul_rows"], default=0) < PREFILL_ROWS  # long chunks never reach the kernel's product
+
+
+def test_the_reference_uses_mlx_products_from_prefill_rows(gpu_like):
+    """`matmul` of PREFILL_ROWS rows or more is MLX's product, fewer rows the kernel's."""
+    be, log = gpu_like
+    a = mx.ones((PREFILL_ROWS, 8))
+    be.matmul(a, mx.ones((8, 3)))
+    be.matmul(a[:PREFILL_ROWS - 1], mx.ones((8, 3)))
+    assert log["matmul_rows"] == [PREFILL_ROWS - 1]
+
+
+def test_prefill_rows_is_between_short_prompts_and_chunks():
+    """Short prompts (< 128 tokens) keep the one-launch kernels; the default prefill chunk (512) is long."""
+    from mlxinfer.engine import DEFAULT_PREFILL_CHUNK
+
+    assert 16 < mlx_backend.PREFILL_ROWS <= DEFAULT_PREFILL_CHUNK
