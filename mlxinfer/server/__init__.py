@@ -41,11 +41,28 @@ where the extra is absent. `require_extra`, `serve` and `create_app` check for t
 `app`; that is why `create_app` is looked up through `__getattr__` instead of imported at the top.
 """
 
+from dataclasses import dataclass
+
 from ..errors import MlxinferError
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits a context window as text
+BODY_TIMEOUT = 60.0  # seconds for a request's body (1 MiB in a minute: 17 KB/s)
+SHUTDOWN_GRACE = 10.0  # seconds uvicorn waits for connections to write their last bytes after the drain
 
-__all__ = ["MAX_BODY_BYTES", "create_app", "require_extra", "serve"]
+__all__ = ["BODY_TIMEOUT", "Bounds", "MAX_BODY_BYTES", "create_app", "require_extra", "serve"]
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What a client may hold, in connections and seconds (`mlxinfer serve`'s options of the same names;
+    connections.py, body_limit.py and drain.py say how each is kept)."""
+
+    max_connections: int = 512
+    timeout_keep_alive: float = 5.0  # idle between two requests of a connection (uvicorn's own option)
+    timeout_header: float = 15.0  # from the connection's start, or its last response, to a request's headers
+    timeout_body: float = BODY_TIMEOUT  # from the headers to the body's last byte
+    timeout_send: float = 30.0  # a response the client does not read for this long is cut off
+    drain_timeout: float = 30.0  # after SIGTERM, for the requests in flight to finish
 
 
 def require_extra() -> None:
@@ -62,16 +79,21 @@ def require_extra() -> None:
 
 def serve(engine, model_id: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int = 8,
           max_queue: int = 64, kv_memory: int | None = None, log_level: str = "info", cors_origins: tuple = (),
-          reasoning: str = "auto") -> None:
-    """Run the server until interrupted (Ctrl-C)."""
+          reasoning: str = "auto", api_key: str | None = None, bounds: Bounds = Bounds()) -> None:
+    """Run the server until stopped: SIGTERM or Ctrl-C drains it (drain.py), a second one stops it."""
     require_extra()
     import uvicorn
 
     from .app import create_app
+    from .connections import fit_descriptors, protocol_class
+    from .drain import DrainingServer
 
+    fit_descriptors(bounds.max_connections)
     app = create_app(engine, model_id, max_batch=max_batch, max_queue=max_queue, kv_memory=kv_memory,
-                     cors_origins=cors_origins, reasoning=reasoning)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+                     cors_origins=cors_origins, reasoning=reasoning, api_key=api_key, body_timeout=bounds.timeout_body)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol_class(bounds),
+                            timeout_keep_alive=bounds.timeout_keep_alive, timeout_graceful_shutdown=SHUTDOWN_GRACE)
+    DrainingServer(config, app, bounds.drain_timeout).run()
 
 
 def __getattr__(name: str):
