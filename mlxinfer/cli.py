@@ -337,6 +337,11 @@ def _serve(args) -> int:
     bounds = _bounds(args)
     if args.api_key is not None and not args.api_key.strip():
         raise RequestError("--api-key must not be empty")
+    from .server.auth import is_loopback  # (the server's extra: present, require_extra said so)
+
+    if args.api_key is None and not is_loopback(args.host):
+        print(f"mlxinfer: WARNING: listening on {args.host} without --api-key: anyone who can reach this "
+              "address can use the model", file=sys.stderr)
     _check_listen(args.host, args.port)  # before the model loads: a port in use is a one-line error
     engine = _load(args)
     if engine.kv == "paged":
@@ -344,11 +349,6 @@ def _serve(args) -> int:
     model_id = args.alias or os.path.basename(engine.path)
     print(f"mlxinfer: serving {model_id} on http://{args.host}:{args.port}/v1 ({engine.backend.describe()}, "
           f"max batch {args.max_batch})", file=sys.stderr)
-    from .server.auth import is_loopback  # (the server's extra: present, require_extra said so)
-
-    if args.api_key is None and not is_loopback(args.host):
-        print(f"mlxinfer: WARNING: listening on {args.host} without --api-key: anyone who can reach this "
-              "address can use the model", file=sys.stderr)
     serve(engine, model_id, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
           kv_memory=args.kv_memory, cors_origins=tuple(args.cors or ()), reasoning=args.reasoning,
           api_key=args.api_key, bounds=bounds)

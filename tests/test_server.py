@@ -578,8 +578,8 @@ def test_a_stopped_scheduler_gives_503(engine):
 
 
 def test_a_failed_pass_fails_its_requests_and_the_server_goes_on(served, monkeypatch):
-    """A pass that raises ends the requests in it with an error (500, or an SSE error event naming it)
-    and the worker goes on: the next request is answered and /health stays ok."""
+    """A pass that raises ends the requests in it with an error (500, or an SSE error event naming it,
+    then [DONE]) and the worker goes on: the next request is answered and /health stays ok."""
     step, failures = Loop.step, []
 
     def failing_once(self):
@@ -594,7 +594,7 @@ def test_a_failed_pass_fails_its_requests_and_the_server_goes_on(served, monkeyp
     assert r.status_code == 500 and "RuntimeError: injected failure" in r.json()["error"]["message"], r.text
     events = [line for line in httpx.post(served.url + "/v1/completions", json=dict(body, stream=True),
                                           timeout=30).text.splitlines() if line.startswith("data:")]
-    assert len(events) == 1 and "injected failure" in events[0]
+    assert len(events) == 2 and "injected failure" in events[0] and events[1] == "data: [DONE]"
     assert served.client.completions.create(**body).choices[0].text
     assert httpx.get(served.url + "/health").json() == {"status": "ok"}
 
