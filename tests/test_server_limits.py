@@ -320,3 +320,13 @@ def test_serve_warns_without_a_key_off_loopback_and_checks_its_options(model, tm
                             "--port", str(port)], capture_output=True, text=True, timeout=60)
     lines = r.stderr.splitlines()
     assert len(lines) == 2 and "WARNING" in lines[0] and "without --api-key" in lines[0] and "cannot listen" in lines[1]
+
+
+def test_a_context_no_cache_can_index_is_refused_at_load(tmp_path):
+    """A file that declares 2^32 - 1 positions of context: `mlxinfer serve` stops at load with one line
+    naming the key (it loaded, and a chat turn without max_tokens was given the rest of that context)."""
+    path = write_synthetic_model(tmp_path / "huge.gguf", **{**SHAPE, "context_length": 2**32 - 1})
+    r = subprocess.run([sys.executable, "-m", "mlxinfer", "serve", "--model", str(path), "--backend", "cpu",
+                        "--port", str(_free_port())], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "qwen3.context_length = 4294967295 is past the 2147483647 positions" in r.stderr

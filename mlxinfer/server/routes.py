@@ -20,7 +20,7 @@ from ..loop import FinishEvent
 from ..sampling import SamplingParams, stop_strings
 from ..scheduler import QueueFull, Scheduler, SchedulerClosed
 from ..scheduler import Request as Submitted
-from .errors import ApiError, error_response
+from .errors import ApiError, error_response, public
 from .metrics import ServerMetrics
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .schemas import (ChatRequest, CompletionRequest, Options, chunk, completion, error_object, logprobs_object,
@@ -254,7 +254,7 @@ async def stream(state: ServerState, job: Job, include_usage: bool):
             i, ev = await job.events.get()
             if isinstance(ev, FinishEvent):
                 if ev.finish_reason not in ("stop", "length"):
-                    yield {"data": json.dumps(error_object(ended(ev), "server_error"))}
+                    yield {"data": json.dumps(error_object(public(state, ended(ev)), "server_error"))}
                     yield {"data": "[DONE]"}
                     return
                 reasoning, text = split(job, i, ev.text, last=True)
