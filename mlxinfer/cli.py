@@ -152,9 +152,10 @@ def _check_options(args) -> None:
         raise RequestError(f"--max-tokens must be a positive integer, got {args.max_tokens}")
     SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed, args.repeat_penalty,
                    args.presence_penalty, args.frequency_penalty)
-    for name, text in [("--stop", s) for s in stop_strings(args.stop)] + [("--system", getattr(args, "system", None))]:
+    for name, text in [("--stop", s) for s in args.stop or []] + [("--system", getattr(args, "system", None))]:
         if text and _argv_escaped(text):
             raise RequestError(f"{name} is not valid UTF-8")
+    stop_strings(args.stop)
 
 
 def _templated(args, engine) -> bool:
