@@ -101,7 +101,7 @@ def server(model, tmp_path, request):
 
 def options(*args):
     """The decorator that starts a test's server with these command-line options."""
-    return pytest.mark.parametrize("server", [args], indirect=True, ids=[" ".join(args)])
+    return pytest.mark.parametrize("server", [args], indirect=True, ids=["-".join(a.lstrip("-") for a in args)])
 
 
 def _raw_request(port: int, body: dict, rcvbuf: int | None = None) -> socket.socket:
@@ -271,6 +271,24 @@ def test_a_stream_still_running_at_the_drain_timeout_gets_an_error_event_and_don
     assert rest[-1] == "[DONE]" and "--drain-timeout" in json.loads(rest[-2])["error"]["message"]
     assert whole["r"].status_code == 503 and "--drain-timeout" in whole["r"].json()["error"]["message"]
     assert server.proc.wait(30) == 0 and "Traceback" not in server.log()
+
+
+@options("--drain-timeout", "60")
+def test_a_second_signal_stops_a_draining_server_at_once(server, endless):
+    """SIGTERM, then SIGTERM again while a long stream drains: the stream ends at once with an error
+    event naming the second signal, then [DONE], and the process exits (uvicorn re-raises the signal)."""
+    client, r, data = _stream(server.url, {**endless, "max_tokens": 4000})
+    first = next(data)
+    server.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while "draining" not in server.log():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    server.proc.send_signal(signal.SIGTERM)
+    rest = [first, *data]
+    client.close()
+    assert rest[-1] == "[DONE]" and "second signal" in json.loads(rest[-2])["error"]["message"]
+    assert len(rest) < 4000 and server.proc.wait(30) in (0, -signal.SIGTERM) and "Traceback" not in server.log()
 
 
 # -- B9: the API key --------------------------------------------------------------------------------

@@ -20,8 +20,11 @@ user, assistant; content as text or a list of text parts. Every response carries
 `chat_template_kwargs` are variables for the template. A field the server does not implement is a 400 naming it, never ignored. Every
 error is OpenAI's JSON shape {"error": {"message", "type", "param", "code"}} with its status: 400 bad
 request (malformed JSON, wrong types, unsupported fields, max_tokens past the context, empty messages),
-404 unknown route or model id in /v1/models/{id}, 413 body over the size limit, 429 queue full (with
-Retry-After), 503 shutting down. CORS: off unless `--cors ORIGIN` names the browser origins allowed.
+401 no or another API key (--api-key), 404 unknown route or model id in /v1/models/{id}, 408 body not
+received in time, 413 body over the size limit, 429 queue full (with Retry-After), 503 shutting down
+(draining) or at the connection cap. CORS: off unless `--cors ORIGIN` names the browser origins allowed.
+What a client may hold (connections, the time to send a request or read an answer) is bounded:
+`Bounds`, kept where each module below says.
 
 The package, one concern per module:
 
@@ -32,7 +35,10 @@ The package, one concern per module:
     fingerprint.py  system_fingerprint: the model file's digest, the version and the kernels
     metrics.py      the Prometheus collectors
     page.py         the chat page's routes; its files are static/ (package data)
-    body_limit.py   the ASGI middleware that refuses an oversized body before it is parsed
+    body_limit.py   the ASGI middleware that refuses an oversized or too slow body before it is parsed
+    auth.py         --api-key: the bearer key the API's paths need
+    drain.py        SIGTERM: new requests 503, those taken finish until --drain-timeout (the uvicorn server)
+    connections.py  the connection cap and the header and send deadlines (uvicorn's h11 protocol, subclassed)
     app.py          create_app: the FastAPI app assembled from the above, and the scheduler's lifespan
 
 The server's packages are an optional extra, and the modules above import them at their top. This

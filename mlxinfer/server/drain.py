@@ -5,8 +5,8 @@ balancer takes the server out) gets a 503 with Retry-After and `connection: clos
 taken, running or queued, go on. When none is left, or `drain_timeout` seconds have passed, the server
 stops: a request still running then ends as cancelled, naming the drain (a stream's error event, then
 `data: [DONE]`; a whole answer's 503), and uvicorn closes the connections once their last bytes are
-written. A second signal stops the server at once (uvicorn's own handling). `drain_timeout` 0: no
-drain, uvicorn's stop.
+written. A second signal stops the server at once: the requests end as at the deadline, and uvicorn
+stops. `drain_timeout` 0: no drain, uvicorn's stop.
 """
 
 import json
@@ -58,6 +58,8 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         drain = self.app.state.drain
         if drain.draining or self.drain_timeout <= 0 or self.should_exit:
+            if drain.draining and self.app.state.scheduler is not None:  # a second signal: end them now
+                self.app.state.scheduler.stop("the server was stopped (a second signal while it drained)")
             return super().handle_exit(sig, frame)
         drain.deadline = time.monotonic() + self.drain_timeout
         log.warning("draining: %d request(s) in flight get up to %g s; new requests get 503 (signal again to stop now)",
