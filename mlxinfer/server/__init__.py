@@ -91,14 +91,15 @@ def serve(engine, model_id: str, host: str = "127.0.0.1", port: int = 8080, max_
     import uvicorn
 
     from .app import create_app
-    from .connections import fit_descriptors, protocol_class
+    from .connections import backlog, fit_descriptors, protocol_class
     from .drain import DrainingServer
 
     fit_descriptors(bounds.max_connections)
     app = create_app(engine, model_id, max_batch=max_batch, max_queue=max_queue, kv_memory=kv_memory,
                      cors_origins=cors_origins, reasoning=reasoning, api_key=api_key, body_timeout=bounds.timeout_body)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol_class(bounds),
-                            timeout_keep_alive=bounds.timeout_keep_alive, timeout_graceful_shutdown=SHUTDOWN_GRACE)
+                            backlog=backlog(bounds.max_connections), timeout_keep_alive=bounds.timeout_keep_alive,
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE)
     DrainingServer(config, app, bounds.drain_timeout).run()
 
 
