@@ -25,7 +25,7 @@ from .loop import FinishEvent
 from .perplexity import check_options as check_perplexity_options, perplexity
 from .sampling import SamplingParams, stop_strings
 from .scheduler import budget_blocks
-from .server import Bounds, require_extra, serve
+from .server import Bounds, is_loopback, require_extra, serve
 from .tracing import install_tracer
 
 
@@ -338,8 +338,6 @@ def _serve(args) -> int:
     bounds = _bounds(args)
     if args.api_key is not None and not args.api_key.strip():
         raise RequestError("--api-key must not be empty")
-    from .server.auth import is_loopback  # (the server's extra: present, require_extra said so)
-
     if args.api_key is None and not is_loopback(args.host):
         print(f"mlxinfer: WARNING: listening on {args.host} without --api-key: anyone who can reach this "
               "address can use the model", file=sys.stderr)
@@ -358,17 +356,16 @@ def _serve(args) -> int:
 
 def _bounds(args) -> Bounds:
     """serve's connection bounds, checked (and the open-file limit raised to hold them) before the model loads."""
-    from .server.connections import fit_descriptors  # (the server's extra, as is_loopback)
-
     if args.max_connections < 1:
         raise RequestError(f"--max-connections must be a positive integer, got {args.max_connections}")
     for name in ("timeout_keep_alive", "timeout_header", "timeout_body", "timeout_send", "drain_timeout"):
         v = getattr(args, name)
         if not (v > 0 or (name == "drain_timeout" and v == 0)) or v == float("inf"):
             raise RequestError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {v}")
-    fit_descriptors(args.max_connections)
-    return Bounds(args.max_connections, args.timeout_keep_alive, args.timeout_header, args.timeout_body,
-                  args.timeout_send, args.drain_timeout)
+    bounds = Bounds(args.max_connections, args.timeout_keep_alive, args.timeout_header, args.timeout_body,
+                    args.timeout_send, args.drain_timeout)
+    bounds.fit_descriptors()
+    return bounds
 
 
 def _perplexity(args) -> int:

@@ -134,11 +134,26 @@ def _closed_by_server(s: socket.socket, timeout: float) -> bool:
 
 # -- B2: idle and half-open connections -------------------------------------------------------------
 
+def _still_open(socks) -> int:
+    """How many of `socks` the server has not closed (what it sent, a 503, is read and skipped)."""
+    n = 0
+    for s in socks:
+        s.setblocking(False)
+        try:
+            while s.recv(65536):
+                pass
+        except BlockingIOError:
+            n += 1
+        except ConnectionResetError:
+            pass
+    return n
+
+
 @options("--max-connections", "50", "--timeout-header", "5")
 def test_idle_and_half_open_connections_do_not_lock_clients_out(server):
-    """200 connections that send nothing or half a request line, against a cap of 50: those beyond the
-    cap while the first 50 are fresh get a 503 and are closed; once those have idled a second, a normal
-    client is answered (it closes the longest idle one); the rest are closed at the header deadline;
+    """200 connections that send nothing or half a request line, against a cap of 50: a normal client
+    is answered (at once, or after the 503s with Retry-After that it gets while every connection is
+    fresh); no more than 50 of the idle sockets stay open, and those are closed at the header deadline;
     the log grows by a line, not a line (or a traceback) per connection."""
     before = server.log().count("\n")
     idle = []
@@ -147,15 +162,21 @@ def test_idle_and_half_open_connections_do_not_lock_clients_out(server):
         if i % 2:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")  # and never the rest
         idle.append(s)
-    idle[-2].settimeout(10)
-    assert idle[-2].recv(65536).startswith(b"HTTP/1.1 503 ")  # beyond the cap, the first 50 still fresh
-    time.sleep(EVICTABLE_AFTER)
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": [10, 11], "max_tokens": 3, "temperature": 0},
-                   timeout=30)
+    body = {"prompt": [10, 11], "max_tokens": 3, "temperature": 0}
+    for _ in range(5):  # as a client honouring Retry-After: 1
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        if r.status_code != 503:
+            break
+        assert r.headers["retry-after"] == "1" and "--max-connections" not in r.text  # (no option in the answer)
+        time.sleep(EVICTABLE_AFTER)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-    # every idle socket is closed by the server: refused at the cap, closed for the normal client, or at
-    # the header deadline (5 s)
-    assert all(_closed_by_server(s, timeout=8) for s in idle)
+    deadline = time.monotonic() + 5
+    while _still_open(idle) > 50:  # all accepted before the normal client: closed within a loop turn or two
+        assert time.monotonic() < deadline, _still_open(idle)
+        time.sleep(0.05)
+    for s in idle:
+        s.setblocking(True)
+    assert all(_closed_by_server(s, timeout=8) for s in idle)  # the rest: at the header deadline (5 s)
     for s in idle:
         s.close()
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200

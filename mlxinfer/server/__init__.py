@@ -47,15 +47,18 @@ where the extra is absent. `require_extra`, `serve` and `create_app` check for t
 `app`; that is why `create_app` is looked up through `__getattr__` instead of imported at the top.
 """
 
+import ipaddress
+import resource
 from dataclasses import dataclass
 
-from ..errors import MlxinferError
+from ..errors import MlxinferError, RequestError
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits a context window as text
 BODY_TIMEOUT = 60.0  # seconds for a request's body (1 MiB in a minute: 17 KB/s)
-SHUTDOWN_GRACE = 10.0  # seconds uvicorn waits for connections to write their last bytes after the drain
+OTHER_DESCRIPTORS = 64  # files the process holds besides connections: the model, the listener, pipes
+ACCEPT_BURSTS = 4  # bursts of accepted sockets open at once before the cap closes them (measured: 3)
 
-__all__ = ["BODY_TIMEOUT", "Bounds", "MAX_BODY_BYTES", "create_app", "require_extra", "serve"]
+__all__ = ["BODY_TIMEOUT", "Bounds", "MAX_BODY_BYTES", "create_app", "is_loopback", "require_extra", "serve"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,38 @@ class Bounds:
     timeout_body: float = BODY_TIMEOUT  # from the headers to the body's last byte
     timeout_send: float = 30.0  # a response the client does not read for this long is cut off
     drain_timeout: float = 30.0  # after SIGTERM, for the requests in flight to finish
+
+    @property
+    def backlog(self) -> int:
+        """The listen backlog, which is also how many sockets asyncio accepts at a time."""
+        return min(self.max_connections, 128)
+
+    def fit_descriptors(self) -> None:
+        """Raise this process's open-file limit to hold the connections, the bursts accepted before the
+        cap closes them (each a backlog's worth: a socket is accepted, its connection made and, at the
+        cap, its file closed on three turns of the event loop, and the listener is read on each) and its
+        other files, where the hard limit allows; a RequestError (one line, before the model loads)
+        where it does not. (Past the limit every accept fails with a logged traceback: 1.8 million
+        lines in 200 s.)"""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        need = self.max_connections + ACCEPT_BURSTS * self.backlog + OTHER_DESCRIPTORS
+        if need <= soft:
+            return
+        if hard != resource.RLIM_INFINITY and need > hard:
+            raise RequestError(f"--max-connections {self.max_connections} needs {need} open files; this process "
+                               f"may open {hard} (ulimit -Hn): lower --max-connections")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or name) is only reachable from this machine (server.auth says why it
+    matters)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def require_extra() -> None:
@@ -88,19 +123,12 @@ def serve(engine, model_id: str, host: str = "127.0.0.1", port: int = 8080, max_
           reasoning: str = "auto", api_key: str | None = None, bounds: Bounds = Bounds()) -> None:
     """Run the server until stopped: SIGTERM or Ctrl-C drains it (drain.py), a second one stops it."""
     require_extra()
-    import uvicorn
+    from .app import create_app, run
 
-    from .app import create_app
-    from .connections import backlog, fit_descriptors, protocol_class
-    from .drain import DrainingServer
-
-    fit_descriptors(bounds.max_connections)
+    bounds.fit_descriptors()
     app = create_app(engine, model_id, max_batch=max_batch, max_queue=max_queue, kv_memory=kv_memory,
                      cors_origins=cors_origins, reasoning=reasoning, api_key=api_key, body_timeout=bounds.timeout_body)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol_class(bounds),
-                            backlog=backlog(bounds.max_connections), timeout_keep_alive=bounds.timeout_keep_alive,
-                            timeout_graceful_shutdown=SHUTDOWN_GRACE)
-    DrainingServer(config, app, bounds.drain_timeout).run()
+    run(app, host, port, log_level, bounds)
 
 
 def __getattr__(name: str):

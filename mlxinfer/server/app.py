@@ -1,24 +1,29 @@
 """The FastAPI app: the routes, the middleware (CORS, the drain's 503, the API key, the body's size and
 time limits, outermost first), the error handlers and the lifespan that runs the scheduler, put
-together."""
+together; and `run`, which serves it with uvicorn within the server's bounds."""
 
 import time
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from ..scheduler import Scheduler
-from . import BODY_TIMEOUT, MAX_BODY_BYTES
+from . import BODY_TIMEOUT, MAX_BODY_BYTES, Bounds
 from .auth import RequireKey
 from .body_limit import BodyLimit
-from .drain import Drain, RefuseWhileDraining
+from .connections import protocol_class
+from .drain import Drain, DrainingServer, RefuseWhileDraining
 from .errors import HANDLERS
 from .fingerprint import system_fingerprint
 from .reasoning import splits_reasoning
 from .metrics import ServerMetrics
 from .page import mount_page
 from .routes import ServerState, chat_completions, completions, health, metrics, model, models
+
+
+SHUTDOWN_GRACE = 10.0  # seconds uvicorn waits for connections to write their last bytes after the drain
 
 
 @asynccontextmanager
@@ -64,3 +69,12 @@ def create_app(engine, model_id: str, max_batch: int = 8, max_queue: int = 64, k
     app.add_api_route("/metrics", metrics, methods=["GET"])
     mount_page(app)  # GET /: the chat page
     return app
+
+
+def run(app: FastAPI, host: str, port: int, log_level: str, bounds: Bounds) -> None:
+    """Serve `app` (made by create_app) until stopped: uvicorn with the connection bounds' protocol
+    (connections.py) and the drain on SIGTERM (drain.py)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol_class(bounds),
+                            backlog=bounds.backlog, timeout_keep_alive=bounds.timeout_keep_alive,
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE)
+    DrainingServer(config, app, bounds.drain_timeout).run()

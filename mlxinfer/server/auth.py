@@ -2,32 +2,21 @@
 with another key, is a 401 in OpenAI's shape (code "invalid_api_key") before its body is read.
 
 What needs the key: /v1/... and /metrics. What does not: /health (a load balancer's probe), the chat
-page's files (GET /; the page itself sends no key, so with a key it is for loopback use without one)
+page's files (GET /; the page itself sends no key: with --api-key its requests get 401)
 and CORS preflights (a browser sends them without credentials). Keys are compared in constant time.
 
 Without a key the server answers anyone who reaches it. That is the default on the loopback address;
 on any other address `mlxinfer serve` warns, loudly, and starts (a container or a reverse proxy that
 authenticates is the common reason to listen elsewhere, and refusing would only teach people to pass a
-dummy key): `is_loopback` says which.
+dummy key): `mlxinfer.server.is_loopback` says which.
 """
 
 import hmac
-import ipaddress
 import json
 
 from .schemas import error_object
 
 PROTECTED = ("/v1/", "/metrics")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (an address or name) is only reachable from this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class RequireKey:

@@ -22,44 +22,19 @@ deadline or the cap writes no log line; reaching the cap writes one warning a mi
 
 import json
 import logging
-import resource
 import socket
 import time
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..errors import RequestError
 from . import Bounds
 from .schemas import error_object
 
 SEND_BUFFER = 64 << 10  # bytes; the kernel doubles it: ~160 KB of a stream unread stalls the send on loopback
 WARN_EVERY = 60.0  # seconds between two warnings that the cap is reached
 EVICTABLE_AFTER = 1.0  # seconds idle before a connection may be closed to make room for a new one
-OTHER_DESCRIPTORS = 64  # files the process holds besides connections: the model, the listener, pipes
-ACCEPT_BURSTS = 4  # bursts of accepted sockets open at once before the cap closes them (measured: 3)
 
 log = logging.getLogger("mlxinfer.server")
-
-
-def backlog(max_connections: int) -> int:
-    """The listen backlog, which is also how many sockets asyncio accepts at a time."""
-    return min(max_connections, 128)
-
-
-def fit_descriptors(max_connections: int) -> None:
-    """Raise this process's open-file limit to hold `max_connections`, the bursts accepted before the
-    cap closes them (each a backlog's worth: a socket is accepted, its connection made and, at the cap,
-    its file closed on three turns of the event loop, and the listener is read on each) and its other
-    files, where the hard limit allows; a RequestError (one line, before the model loads) where it does
-    not. (Past the limit, every accept fails with a logged traceback: 1.8 million lines in 200 s.)"""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = max_connections + ACCEPT_BURSTS * backlog(max_connections) + OTHER_DESCRIPTORS
-    if need <= soft:
-        return
-    if hard != resource.RLIM_INFINITY and need > hard:
-        raise RequestError(f"--max-connections {max_connections} needs {need} open files; this process may "
-                           f"open {hard} (ulimit -Hn): lower --max-connections")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 class Limits:
