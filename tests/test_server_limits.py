@@ -149,12 +149,13 @@ def _still_open(socks) -> int:
     return n
 
 
-@options("--max-connections", "50", "--timeout-header", "5")
+@options("--max-connections", "50", "--timeout-header", "60")
 def test_idle_and_half_open_connections_do_not_lock_clients_out(server):
-    """200 connections that send nothing or half a request line, against a cap of 50: a normal client
-    is answered (at once, or after the 503s with Retry-After that it gets while every connection is
-    fresh); no more than 50 of the idle sockets stay open, and those are closed at the header deadline;
-    the log grows by a line, not a line (or a traceback) per connection."""
+    """200 connections that send nothing or half a request line, against a cap of 50 (and a header
+    deadline far away: only the cap makes room): a normal client is answered, at once or after the
+    503s with Retry-After it gets while every connection is fresh, by closing the longest idle one; no
+    more than 50 of the idle sockets stay open; the log grows by a line, not a line (or a traceback) per
+    connection. (The header deadline: the next test.)"""
     before = server.log().count("\n")
     idle = []
     for i in range(200):
@@ -163,7 +164,7 @@ def test_idle_and_half_open_connections_do_not_lock_clients_out(server):
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")  # and never the rest
         idle.append(s)
     body = {"prompt": [10, 11], "max_tokens": 3, "temperature": 0}
-    for _ in range(5):  # as a client honouring Retry-After: 1
+    for _ in range(3):  # as a client honouring Retry-After: 1
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
         if r.status_code != 503:
             break
@@ -174,9 +175,6 @@ def test_idle_and_half_open_connections_do_not_lock_clients_out(server):
     while _still_open(idle) > 50:  # all accepted before the normal client: closed within a loop turn or two
         assert time.monotonic() < deadline, _still_open(idle)
         time.sleep(0.05)
-    for s in idle:
-        s.setblocking(True)
-    assert all(_closed_by_server(s, timeout=8) for s in idle)  # the rest: at the header deadline (5 s)
     for s in idle:
         s.close()
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200

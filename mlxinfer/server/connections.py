@@ -83,7 +83,6 @@ class Guarded(H11Protocol):
             return False
         oldest = min(idle, key=lambda c: c.idle_since)
         oldest._close()
-        self.connections.discard(oldest)  # counted out now: its connection_lost comes on a later loop turn
         self.limits.at_cap(evicted=True)
         return True
 
@@ -101,9 +100,11 @@ class Guarded(H11Protocol):
         self.header_timer = self.loop.call_later(self.limits.header_timeout, self._close)
 
     def _close(self) -> None:
+        """Close the connection, counted out of the open ones now (its connection_lost comes later)."""
         self._stop(self.header_timer)
         self._stop(self.send_timer)
         self.idle_since = None
+        self.connections.discard(self)
         self.transport.close()
 
     @staticmethod
