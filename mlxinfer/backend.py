@@ -253,8 +253,8 @@ class Backend:
         raise NotImplementedError
 
     def load_experts(self, gguf, name: str):
-        """A [experts, out, in] stack of expert matrices (Qwen3-MoE's `*_exps`), as `moe_mlp` reads it
-        (float32: quantized experts are dequantized at load)."""
+        """A [experts, out, in] stack of expert matrices (Qwen3-MoE's and Mixtral's `*_exps`), as `moe_mlp`
+        reads it (the cpu backend dequantizes to float32; MLX keeps the file's type)."""
         raise NotImplementedError
 
     def moe_mlp(self, x, logits, experts, k: int, groups=None):

@@ -51,18 +51,24 @@ from .tokenizer import load_tokenizer
 # the names load() takes (its docstring); checked here so that a bad name fails before any row runs
 BACKENDS, DEVICES, ATTENTION = ("cpu", "mlx"), ("gpu", "cpu"), ("fused", "per-head")
 KV_CACHES = ("prealloc", "paged", "basic")
+_QWEN3_06B = dict(arch="qwen3", n_layers=28, hidden=1024, ffn=3072, n_heads=16, n_kv_heads=8, head_dim=128,
+                 vocab_size=151936, context_length=40960, tied_output=True, seed=0)
+_QWEN3_8B = dict(_QWEN3_06B, n_layers=36, hidden=4096, ffn=12288, n_heads=32, tied_output=False)
 SYNTHETIC = {  # --model names for synthetic shapes, written once into the cache (random weights, seed 0)
-    "qwen3-0.6b-synthetic": SyntheticSpec(arch="qwen3", n_layers=28, hidden=1024, ffn=3072, n_heads=16,
-                                          n_kv_heads=8, head_dim=128, vocab_size=151936, context_length=40960,
-                                          tied_output=True, qtype="Q8_0", seed=0),
+    "qwen3-0.6b-synthetic": SyntheticSpec(**_QWEN3_06B, qtype="Q8_0"),
+    # random blocks in the mix of types llama.cpp's Q4_K_M preset gives (`synthetic.MIXES`)
+    "qwen3-0.6b-q4km-synthetic": SyntheticSpec(**_QWEN3_06B, qtype="Q4_K_M", random_blocks=True),
+    "qwen3-8b-q4km-synthetic": SyntheticSpec(**_QWEN3_8B, qtype="Q4_K_M", random_blocks=True),
+    "qwen3-8b-synthetic": SyntheticSpec(**_QWEN3_8B, qtype="Q8_0", random_blocks=True),
 }
 
 
 def add_arguments(p) -> None:
     p.description = __doc__.split("\n\n")[0]
     p.add_argument("-m", "--model", default=None,
-                   help=f"a GGUF path, org/repo/file.gguf, or {', '.join(SYNTHETIC)} (Qwen3-0.6B's shapes, random "
-                        "Q8_0 weights, written once into the cache) (default: SmolLM2-135M-Instruct Q4_1)")
+                   help=f"a GGUF path, org/repo/file.gguf, or {', '.join(SYNTHETIC)} (Qwen3-0.6B's and Qwen3-8B's "
+                        "shapes, random Q8_0 weights or random blocks in Q4_K_M's mix of types, written once into "
+                        "the cache) (default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("-p", "--prompt-tokens", default="17,511", metavar="N,...", help="prompt lengths, one row each")
     p.add_argument("-n", "--gen-tokens", type=int, default=64, metavar="N", help="tokens generated per sequence")
     p.add_argument("--batch", default="1", metavar="B,...",
@@ -84,6 +90,10 @@ def add_arguments(p) -> None:
     p.add_argument("--peers", default="none", help=f"peer engines ({', '.join(PEERS)}) or none")
     p.add_argument("--peer-dtypes", default="float32,bfloat16", metavar="DTYPE,...",
                    help=f"mlx-lm's weights and activations, one set of rows each ({', '.join(PEER_DTYPES)})")
+    p.add_argument("--peer-quant", default="file", metavar="Q,...",
+                   help="mlx-lm's weights: 'file' (the GGUF's values, as --peer-dtypes describes) or BITS:GROUP "
+                        "(e.g. 4:32,4:64: random weights of the file's shapes, quantized by mx.quantize, as "
+                        "mlx_lm.convert -q makes them), one set of rows each")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="also write DIR/results.jsonl (a header line, then each row as measured), "
                         "DIR/results.md (the command and the table) and DIR/results.png (needs matplotlib)")
@@ -464,6 +474,19 @@ def measure(jobs, peer_jobs, rounds: int, log) -> tuple[list[dict], list[str]]:
     return rows, notes
 
 
+def parse_peer_quant(text: str) -> tuple[int, int] | None:
+    """--peer-quant's item: None for 'file', else (bits, group) as mx.quantize takes them."""
+    if text == "file":
+        return None
+    try:
+        bits, group = (int(x) for x in text.split(":"))
+    except ValueError:
+        bits = group = 0
+    if bits not in (2, 3, 4, 5, 6, 8) or group not in (32, 64, 128):
+        raise RequestError(f"--peer-quant takes 'file' or BITS:GROUP (bits 2-8, group 32, 64 or 128), got {text!r}")
+    return bits, group
+
+
 def plan(args) -> tuple[str | None, list[dict], list[dict], list[str]]:
     """The model file and the rows to measure: our jobs, the peers' jobs, and notes on what is left out
     and why. Refuses a bad option in one line (RequestError) before anything runs."""
@@ -480,6 +503,7 @@ def plan(args) -> tuple[str | None, list[dict], list[dict], list[str]]:
     kvs = _names(args.kv, "--kv", KV_CACHES)
     peers = [] if args.peers == "none" else _names(args.peers, "--peers", tuple(PEERS))
     dtypes = _names(args.peer_dtypes, "--peer-dtypes", PEER_DTYPES)
+    quants = [parse_peer_quant(q) for q in args.peer_quant.split(",")]
     if args.report:
         return None, [], [], []
     model, notes = model_path(args.model), []
@@ -496,8 +520,8 @@ def plan(args) -> tuple[str | None, list[dict], list[dict], list[str]]:
         if not installed(p):
             notes.append(f"peer {p}: not installed ({PEERS[p]} not found), no rows")
         elif p == "mlx-lm":
-            peer_jobs += [dict(spec, peer=p, device=d, dtype=dt, prompts=prompts, batches=batches)
-                          for d in devices for dt in dtypes]
+            peer_jobs += [dict(spec, peer=p, device=d, dtype=dt, quant=q, prompts=prompts, batches=batches)
+                          for d in devices for dt in dtypes for q in quants]
         elif 1 in batches:
             peer_jobs.append(dict(spec, peer=p, device="cpu", prompts=prompts))
         else:
@@ -531,7 +555,7 @@ def run(args) -> int:
             (open(os.path.join(args.out, "results.jsonl"), "w") if args.out else contextlib.nullcontext()) as log:
         for job in peer_jobs:
             if job["peer"] == "mlx-lm":  # its weights, written by the first process of each dtype
-                job["dir"] = os.path.join(tmp, job["dtype"])
+                job["dir"] = os.path.join(tmp, job["dtype"] + ("-q{}-g{}".format(*job["quant"]) if job["quant"] else ""))
         if log:
             print(json.dumps(head), file=log, flush=True)
         rows, failed = measure(jobs, peer_jobs, args.rounds, log)

@@ -100,6 +100,28 @@ def _sampling(args) -> dict:
                 frequency_penalty=args.frequency_penalty)
 
 
+def _constraint(args) -> dict:
+    """generate's structured output options as `Engine.generate` takes them (mlxinfer.grammar)."""
+    def read(path, what):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise RequestError(f"{path}: cannot read the {what} ({getattr(e, 'strerror', None) or e})") from None
+    given = [o for o, v in (("--json-schema", args.json_schema), ("--json", args.json or None),
+                            ("--grammar", args.grammar), ("--regex", args.regex)) if v is not None]
+    if len(given) > 1:
+        raise RequestError(f"one of {given[0]} and {given[1]}, not both")
+    if args.json_schema is not None:
+        schema = read(args.json_schema, "JSON schema")
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}}}
+    if args.json:
+        return {"response_format": {"type": "json_object"}}
+    if args.grammar is not None:
+        return {"grammar": read(args.grammar, "grammar")}
+    return {"regex": args.regex} if args.regex is not None else {}
+
+
 def _argv_escaped(text: str) -> bool:
     """Whether an argument held bytes that were not UTF-8 (Python passes them as surrogate escapes)."""
     return any(0xDC80 <= ord(c) <= 0xDCFF for c in text)
@@ -189,6 +211,7 @@ def _generate(args) -> int:
             argv.remove("-")
             return relaunch(args.tp, argv + ["--prompt-file", f.name], args.device)
     prompt = _read_prompt(args)
+    constraint = _constraint(args)  # (files read before the model loads)
     engine = _load(args)
     if engine.shard.rank > 0:  # rank 0 prints the text and the metrics; the others print nothing
         sys.stdout = open(os.devnull, "w")
@@ -207,7 +230,7 @@ def _generate(args) -> int:
               f"{engine.backend.describe()}, attention {engine.backend.attention}, kv {engine.kv}", file=sys.stderr)
 
     result = engine.generate(ids, max_tokens=max_tokens, on_text=_out,
-                             on_forward=tracer.end_pass if tracer else None, **_sampling(args))
+                             on_forward=tracer.end_pass if tracer else None, **_sampling(args), **constraint)
     _out("\n")
     if not args.quiet:
         sys.stderr.write("\n" + result.metrics.format() + "\n")
@@ -475,6 +498,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", "--ignore-chat-template", action="store_true", dest="raw",
                    help="continue PROMPT as it is, without the chat template")
     g.add_argument("--system", default=None, metavar="TEXT", help="a system prompt (implies --chat)")
+    g.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="the output is JSON following the JSON schema in FILE (structured output)")
+    g.add_argument("--json", action="store_true", help="the output is a JSON object")
+    g.add_argument("--grammar", default=None, metavar="FILE",
+                   help="the output follows the Lark or GBNF grammar in FILE")
+    g.add_argument("--regex", default=None, metavar="REGEX", help="the output matches REGEX")
     g.add_argument("--trace", action="store_true", help="count and time every backend op (stderr)")
     g.add_argument("--quiet", action="store_true", help="print only the text, no metrics block")
     g.add_argument("--verbose", action="store_true", help="also say what was loaded, and the seed")

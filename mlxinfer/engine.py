@@ -29,6 +29,7 @@ from .chat import render_chat
 from .decode_step import DecodeStep
 from .errors import GGUFError, RequestError
 from .gguf_file import GGUFFile
+from .grammar import constraint_of
 from .kv_cache import KV_CACHES, PagedKVCache
 from .loop import FinishEvent, Generation, Loop
 from .model_source import resolve_model
@@ -40,7 +41,7 @@ from .tokenizer import GGUFTokenizer, token_ids
 
 DEFAULT_PROMPT_CACHE_BYTES = 4 << 30  # --prompt-cache-dir's bound unless --prompt-cache-size says otherwise
 DEFAULT_PREFILL_CHUNK = 512
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 TEMPLATE_VARIABLES = ("messages", "bos_token", "eos_token", "add_generation_prompt", "source")  # ours to set
 
 
@@ -186,9 +187,15 @@ class Engine:
                                "as text, and this chat template changes a message's text, so it cannot be kept as text")
         return parts
 
-    def sampling_params(self, **options) -> SamplingParams:
+    def sampling_params(self, response_format=None, grammar: str | None = None, regex: str | None = None,
+                        **options) -> SamplingParams:
         """SamplingParams checked against this model (logit_bias names tokens of its vocabulary); an
-        option SamplingParams does not have is a RequestError naming it."""
+        option SamplingParams does not have is a RequestError naming it. `response_format` (OpenAI's:
+        {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}}}), `grammar`
+        (Lark or GBNF text) or `regex`: the grammar the output follows (mlxinfer.grammar)."""
+        constraint = constraint_of(self.tokenizer, self.args.vocab_size, response_format, grammar, regex)
+        if constraint is not None:
+            options["constraint"] = constraint
         fields = SamplingParams.__dataclass_fields__
         unknown = [k for k in options if k not in fields]
         if unknown:
@@ -241,7 +248,8 @@ class Engine:
         Greedy when temperature is 0. `stop`: strings that end generation (not included in the text).
         `on_forward` receives a name for each forward pass ("prefill", "decode 1", ...). `sampling`:
         SamplingParams' other fields (repetition_penalty, presence_penalty, frequency_penalty,
-        logit_bias {id: bias}, top_logprobs; mlxinfer.sampling says what each does)."""
+        logit_bias {id: bias}, top_logprobs; mlxinfer.sampling says what each does), and structured
+        output: response_format=, grammar= or regex= (`sampling_params`)."""
         params = self.sampling_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                                       **sampling)
         (ids,), stop, (room,) = self._requests([prompt], max_tokens, stop, chat)  # bad requests raise here

@@ -18,7 +18,9 @@ the pass (one chunk's worth of rows), so a long prompt delays running sequences 
 pass. On a lazy backend (MLX) the next pass is built and queued before the previous pass's tokens are
 read, so building the graph overlaps the device's work; a sequence that stops on an end-of-generation
 token or a stop string has then one wasted row. Decode passes run as the compiled step where they can
-(`mlxinfer.decode_step`).
+(`mlxinfer.decode_step`). A sequence under a grammar (`SamplingParams.constraint`) has its pass queued as
+the others', but the pass's sampling is built only once the pass before is read: its token mask needs
+the token that pass holds (`mlxinfer.grammar`); a grammar that is complete finishes the sequence.
 
 `Engine.stream/generate/generate_batch/logits` and the server's scheduler are thin users of this loop:
 they admit sequences, call `step()` and hand the events on.
@@ -34,6 +36,7 @@ import numpy as np
 
 from .batch import Batch
 from .decode_step import DecodeStep
+from .grammar import mask_words
 from .metrics import Metrics
 from .sampling import History, Sampler, SamplingParams
 
@@ -90,6 +93,7 @@ class Sequence:
         self.batch_size = 1  # the most sequences that were in the loop with it at a pass
         self.leader: Sequence | None = None  # while a fork waits: the sequence whose prompt it takes
         self.forks: list[Sequence] = []  # sequences waiting to take this one's prompt (n > 1 choices)
+        self.matcher = None if params.constraint is None else params.constraint.matcher()  # its grammar's state
 
     @property
     def prefilling(self) -> bool:
@@ -103,6 +107,7 @@ class Pass:
     logprobs: object = None
     top: tuple | None = None  # (ids, logprobs) [rows, k] where a sequence asked for top_logprobs
     outputs: tuple = ()  # what reading the pass waits for (its tokens, or the cache it wrote)
+    logits: object = None  # the sampled rows' logits, while their sampling waits for a grammar's masks
 
 
 class Loop:
@@ -211,6 +216,9 @@ class Loop:
         events = []
         if self._pending is not None:
             events += self._read(self._pending)
+        if launched is not None and launched.logits is not None:  # the grammars now hold every token read
+            self._sample(launched)
+            self.ops.start(*launched.outputs)
         self._pending = launched
         if not self.pipelined and self._pending is not None:
             events += self._read(self._pending)
@@ -305,16 +313,15 @@ class Loop:
                 s.forks = []
             logits = ops.gather_rows(logits, ops.index_array(list(range(len(sampled))) + [row for _, row in forks]))
             sampled = sampled + [f for f, _ in forks]
-        step = Pass(sampled)
-        if sampled:
-            sampler = Sampler([s.params for s in sampled], [s.rng for s in sampled],
-                              [self._history(s) for s in sampled])
-            step.tokens, step.logprobs = ops.sample_tokens(logits, sampler)
-            step.top = sampler.top
-            step.outputs = (step.tokens, step.logprobs, *(sampler.top or ()))
-        else:  # a pass of mid-prompt chunks: its product is the cache
-            step.outputs = tuple(cache.arrays())
-        ops.start(*step.outputs, *started)
+        step = Pass(sampled, logits=logits)
+        if not sampled:  # a pass of mid-prompt chunks: its product is the cache
+            step.outputs, step.logits = tuple(cache.arrays()), None
+            ops.start(*step.outputs, *started)
+        elif any(s.matcher is not None for s in sampled):  # sampled once the pass before is read (`step`):
+            ops.start(logits, *started)  # a grammar's mask needs the token that pass holds
+        else:
+            self._sample(step)
+            ops.start(*step.outputs, *started)
         live = len(self.seqs)
         for s, n in plan:
             prefilled = s.prefilling
@@ -322,10 +329,25 @@ class Loop:
             s.batch_size = max(s.batch_size, live)
             if prefilled:  # its full prompt blocks are written (or queued first): later prompts share them
                 cache.publish(s.slot, s.prompt[:s.cached])
+        return step
+
+    def _sample(self, step: Pass) -> None:
+        """Build the sampling of a pass's logit rows (the caller starts it), each row under its grammar's
+        mask where it has one."""
+        sampled, masks = step.seqs, None
+        if any(s.matcher is not None for s in sampled):
+            masks = np.full((len(sampled), mask_words(step.logits.shape[-1])), -1, dtype=np.int32)
+            for row, s in enumerate(sampled):
+                if s.matcher is not None and s.finish is None:  # (a finished one's row is wasted)
+                    s.matcher.mask_into(masks[row])
+        sampler = Sampler([s.params for s in sampled], [s.rng for s in sampled],
+                          [self._history(s) for s in sampled], masks)
+        step.tokens, step.logprobs = self.ops.sample_tokens(step.logits, sampler)
+        step.top, step.logits = sampler.top, None
+        step.outputs = (step.tokens, step.logprobs, *(sampler.top or ()))
         for row, s in enumerate(sampled):
             s.last = (step.tokens, row)
             s.sampled += 1
-        return step
 
     @staticmethod
     def _history(s: Sequence) -> History | None:
@@ -359,6 +381,10 @@ class Loop:
             if token in eog:
                 events.append((s, self._finish(s, "stop")))
                 continue
+            error = None if s.matcher is None else s.matcher.advance(token)
+            if error is not None:  # (the mask allows only what the grammar takes: a broken invariant)
+                events.append((s, self._fail(s, f"the grammar refused token {token}: {error}")))
+                continue
             s.out.append(token)
             s.logprobs.append(logprob)
             alternatives = None
@@ -368,7 +394,7 @@ class Loop:
                 s.top_logprobs.append(alternatives)
             text, stopped = self._text_delta(s, s.detok.step(token), last=len(s.out) >= s.max_tokens)
             events.append((s, TokenEvent(token, text, logprob, len(s.out) - 1, alternatives)))
-            if stopped:
+            if stopped or (s.matcher is not None and s.matcher.done):  # a complete grammar takes nothing more
                 events.append((s, self._finish(s, "stop")))
             elif len(s.out) >= s.max_tokens:
                 events.append((s, self._finish(s, "length")))
@@ -404,6 +430,10 @@ class Loop:
         gen = Generation(s.text, list(s.out), reason, metrics, list(s.prompt), list(s.logprobs), s.seed,
                          list(s.top_logprobs))
         return FinishEvent(reason, metrics, gen, tail)
+
+    def _fail(self, s: Sequence, error: str) -> FinishEvent:
+        self.release(s, "error")
+        return FinishEvent("error", None, None, error=error)
 
     def _metrics(self, s: Sequence) -> Metrics:
         times = s.times

@@ -120,8 +120,8 @@ def _mlx_lm_weights(g, gguf: dict, args, cast) -> tuple[dict, dict]:
     gguf-py."""
     import mlx.core as mx
 
-    if args.arch not in PEER_ARCHITECTURES:
-        raise UnsupportedError(f"{g.path}: the mlx-lm peer is written for {' and '.join(PEER_ARCHITECTURES)} files, "
+    if args.arch not in PEER_ARCHITECTURES or args.n_experts:
+        raise UnsupportedError(f"{g.path}: the mlx-lm peer is written for dense {' and '.join(PEER_ARCHITECTURES)} files, "
                                f"not {args.arch} (its Hugging Face names and config are not mapped)")
     weights, module_bits = {}, {}  # module_bits: mlx-lm module path -> bits, for every quantized tensor
     for _, _, name, hf_name, _ in tensors(args):
@@ -141,16 +141,46 @@ def _mlx_lm_weights(g, gguf: dict, args, cast) -> tuple[dict, dict]:
     return weights, module_bits
 
 
-def write_mlx_lm_model(path, out_dir, dtype: str = "float32") -> str:
+def _mlx_lm_random_quantized(args, cast, bits: int, group: int) -> tuple[dict, dict]:
+    """(weights, module_bits) of `args`' shapes: random normal matrices (std 1/sqrt(in), the embedding 1)
+    quantized by mx.quantize to `bits` with `group`, as `mlx_lm.convert -q` quantizes a checkpoint; norms
+    ones. For speed rows beside a file of another quantization (a Q4_K_M against mlx-lm's 4-bit): the
+    values are not the file's, the shapes and byte counts per weight are mlx-lm's own format's."""
+    import mlx.core as mx
+
+    weights, module_bits = {}, {}
+    key = mx.random.key(0)
+    for _, _, _, hf_name, shape in tensors(args):
+        name = hf_name[:-len(".weight")]
+        if len(shape) == 1:
+            weights[hf_name] = mx.ones(shape, dtype=cast)
+            continue
+        key, sub = mx.random.split(key)
+        w = mx.random.normal(shape, key=sub) * (1.0 if "embed" in name else shape[1] ** -0.5)
+        q, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+        weights.update({hf_name: q, name + ".scales": scales.astype(cast), name + ".biases": biases.astype(cast)})
+        module_bits[name] = bits
+        mx.eval(q, scales, biases)
+    return weights, module_bits
+
+
+def write_mlx_lm_model(path, out_dir, dtype: str = "float32", quant: tuple[int, int] | None = None) -> str:
     """The GGUF's weights as an mlx-lm model directory (config.json + model.safetensors), floats in
-    `dtype`. Names come from the model spec (`mlxinfer.models.spec.tensors`): an mlx-lm module path is
-    the Hugging Face name without its trailing ".weight"."""
+    `dtype`; with `quant` (bits, group) random weights of its shapes quantized that way instead
+    (`_mlx_lm_random_quantized`). Names come from the model spec (`mlxinfer.models.spec.tensors`): an
+    mlx-lm module path is the Hugging Face name without its trailing ".weight"."""
     import mlx.core as mx
 
     cast = getattr(mx, dtype)
     with GGUFFile(path) as g:
         args = model_args(g)
-        weights, module_bits = _mlx_lm_weights(g, mx.load(str(path)), args, cast)
+        if quant:
+            if args.arch not in PEER_ARCHITECTURES or args.n_experts:
+                raise UnsupportedError(f"{g.path}: the mlx-lm peer is written for dense {' and '.join(PEER_ARCHITECTURES)} "
+                                       f"files, not {args.arch}")
+            weights, module_bits = _mlx_lm_random_quantized(args, cast, *quant)
+        else:
+            weights, module_bits = _mlx_lm_weights(g, mx.load(str(path)), args, cast)
     config = {
         "model_type": args.arch, "hidden_size": args.hidden, "num_hidden_layers": args.n_layers,
         "intermediate_size": args.ffn, "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
@@ -164,10 +194,11 @@ def write_mlx_lm_model(path, out_dir, dtype: str = "float32") -> str:
         # mlx-lm's quantization config: a default, plus per-module entries where a file mixes types
         # (SmolLM2: Q4_1 blocks, Q8_0 embedding); float modules are marked False.
         default = max(set(module_bits.values()), key=list(module_bits.values()).count)
-        q = {"group_size": 32, "bits": default}
+        group = quant[1] if quant else 32
+        q = {"group_size": group, "bits": default}
         for key, bits in module_bits.items():
             if bits != default:
-                q[key] = {"group_size": 32, "bits": bits}
+                q[key] = {"group_size": group, "bits": bits}
         for key in {k.rsplit(".", 1)[0] for k in weights if k.endswith(".weight")} - set(module_bits):
             if not key.endswith(("norm", "layernorm")):
                 q[key] = False
@@ -217,9 +248,10 @@ def mlx_lm_rows(job) -> list[dict]:
     mx.set_default_device(mx.gpu if job["device"] == "gpu" else mx.cpu)
     folder = Path(job["dir"])
     if not (folder / "config.json").exists():  # written once per dtype, by the first round's process
-        write_mlx_lm_model(job["model"], folder, job["dtype"])
+        write_mlx_lm_model(job["model"], folder, job["dtype"], job.get("quant"))
     model, _ = load_model(folder)
-    name = f"mlx-lm {mlx_lm.__version__} ({job['dtype']})"
+    quant = "{}-bit g{}, ".format(*job["quant"]) if job.get("quant") else ""
+    name = f"mlx-lm {mlx_lm.__version__} ({quant}{job['dtype']})"
     n_gen, runs, vocab = job["gen"], job["runs"], model.args.vocab_size
     rows = []
     for b in (x for x in job["batches"] if x > 1):

@@ -79,10 +79,10 @@ def storage(qtype) -> str:
 
 def memory_bytes(qtype, shape) -> int:
     """The bytes a tensor of this type and shape takes on the MLX backend (`split`; vectors, the norms,
-    are float32)."""
-    if len(shape) != 2 or qtype == Q.F32:
+    are float32; an [experts, out, in] stack is experts * out rows)."""
+    if len(shape) == 1 or qtype == Q.F32:
         return int(np.prod(shape)) * 4
-    rows, cols = shape
+    rows, cols = int(np.prod(shape[:-1])), int(shape[-1])
     if qtype in HALF_TYPES:
         return rows * cols * 2
     block, size = GGML_QUANT_SIZES[qtype]

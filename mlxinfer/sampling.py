@@ -11,6 +11,8 @@ that on MLX a sampled token stays on the device and the next pass can be queued 
      generated text so far, all of it, no window (HF's and llama.cpp's formula; llama.cpp windows it to
      the last 64 tokens by default); `presence_penalty` a and `frequency_penalty` f subtract
      a + f * count from each token generated `count` > 0 times (OpenAI's formula, generated tokens only);
+     then a grammar's token mask (`constraint`, mlxinfer.grammar) sets every token the grammar does
+     not allow next to -inf;
   1. x = logits / temperature (a temperature below GREEDY_BELOW, 0 included, means greedy: the first
      largest logit);
   2. top_k > 0: keep the k largest values of x (every value tied with the k-th stays);
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import RequestError
+from .grammar import Constraint, unpack_mlx, unpack_numpy
 
 # Every generated token is checked against every stop string (and its prefixes, for the text held back):
 # bounded so that one request cannot slow every other sequence of its batch (10,000 stop strings once made
@@ -86,6 +89,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple = ()  # ((token id, bias), ...); a dict {id: bias} is taken too
     top_logprobs: int = 0  # the most likely tokens (and their logprobs) reported beside each token
+    constraint: Constraint | None = None  # a grammar the tokens follow (mlxinfer.grammar)
 
     def __post_init__(self):
         def bad(what):
@@ -115,6 +119,8 @@ class SamplingParams:
                 or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             bad(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
 
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            bad(f"constraint must be a grammar.Constraint, got {type(self.constraint).__name__}")
         for name in ("temperature", "top_p", "min_p"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -254,10 +260,12 @@ class Sampler:
     returns (tokens, logprobs); where a row asked for `top_logprobs`, `top` then holds (ids, logprobs),
     each [rows, k] with k the most any row asked for, most likely first (else None)."""
 
-    def __init__(self, params: list[SamplingParams], rngs: list, histories: list | None = None):
+    def __init__(self, params: list[SamplingParams], rngs: list, histories: list | None = None,
+                 masks: np.ndarray | None = None):
         self.params = params
         self.rngs = rngs
         self.histories = histories or [None] * len(params)
+        self.masks = masks  # int32 [rows, words]: the tokens each row may take, a bit each (all set: any)
         self.n_top = max((p.top_logprobs for p in params), default=0)
         self.top = None
 
@@ -270,9 +278,12 @@ class Sampler:
         logprobs = np.empty(len(self.params), dtype=np.float32)
         top_ids = np.zeros((len(self.params), self.n_top), dtype=np.int32)
         top_lps = np.zeros((len(self.params), self.n_top), dtype=np.float32)
+        allowed = None if self.masks is None else unpack_numpy(self.masks, logits.shape[-1])
         for i, (p, rng, hist) in enumerate(zip(self.params, self.rngs, self.histories)):
             row = logits[i]
             x = adjust_logits_numpy(row, p, hist) if p.adjusts else row
+            if allowed is not None and p.constraint is not None:
+                x = np.where(allowed[i], x, np.float32(-np.inf))
             if p.greedy:
                 tok = int(np.argmax(x))
             else:
@@ -299,6 +310,9 @@ class Sampler:
         if any(p.adjusts for p in self.params):
             adjusted = mx.stack([adjust_logits_mlx(logits[i], p, h) if p.adjusts else logits[i].astype(mx.float32)
                                  for i, (p, h) in enumerate(zip(self.params, self.histories))])
+        if self.masks is not None:  # unconstrained rows' words are all ones: where() keeps them as they are
+            allowed = unpack_mlx(mx.array(self.masks), logits.shape[-1])
+            adjusted = mx.where(allowed, adjusted, mx.array(-mx.inf, dtype=adjusted.dtype))
         greedy = mx.argmax(adjusted, axis=-1).astype(mx.int32)
         if self.all_greedy:
             tokens = greedy

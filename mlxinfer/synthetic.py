@@ -20,6 +20,7 @@ from . import quants
 from .gguf_file import GGUFFile
 from .models import ARCHITECTURES
 from .models.spec import BIAS, EMBEDDING, FACTORS, NORM, ModelArgs, tensors
+from .tokenizer import byte_level_alphabet
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -29,19 +30,6 @@ CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # A few merges so BPE has work to do: (left, right) in byte-level form (Ġ is a space).
 _MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("a", "n"), ("e", "r"), ("o", "n"),
            ("Ġ", "a"), ("r", "e"), ("a", "t"), ("e", "n"), ("Ġ", "s"), ("o", "r"), ("i", "s")]
-
-
-def byte_level_alphabet() -> list[str]:
-    """GPT-2's bytes_to_unicode table, in byte order: the 256 single-byte tokens of byte-level BPE."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + n)
-            n += 1
-    return [chars[b] for b in range(256)]
 
 
 def synthetic_vocab(vocab_size: int):
@@ -69,7 +57,7 @@ class SyntheticSpec:
     vocab_size: int = 320
     context_length: int = 4096
     tied_output: bool = True
-    qtype: str = "F32"  # weight matrices; norms stay F32, the embedding takes qtype too
+    qtype: str = "F32"  # weight matrices; norms stay F32, the embedding takes qtype too; or a MIXES name
     rope_base: float = 1000000.0
     rms_eps: float = 1e-6
     seed: int = 0
@@ -120,6 +108,32 @@ def llama3_rope_factors(head_dim: int, base: float, factor: float = 8.0, low_fre
     return tuple(float(np.float32(f)) for f in out)
 
 
+def _more_bits(i: int, n: int) -> bool:
+    """llama.cpp's `use_more_bits` (llama-quant.cpp): the first and last eighth of the layers and every
+    third layer between get the larger type in the _M mixes."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _mix(base: GGMLQuantizationType, more: GGMLQuantizationType):
+    """A llama.cpp K-quant mix as its quantizer assigns types (llama_tensor_get_type, dense models whose
+    rows are multiples of 256): the output head (the embedding when tied) Q6_K, `attn_v` and `ffn_down`
+    `more` in the layers `_more_bits` picks, every other matrix `base`."""
+    def qtype(name: str, layer: int | None, n_layers: int, is_head: bool) -> GGMLQuantizationType:
+        if is_head:
+            return GGMLQuantizationType.Q6_K
+        if layer is not None and (".attn_v." in name or ".ffn_down." in name) and _more_bits(layer, n_layers):
+            return more
+        return base
+    return qtype
+
+
+Q = GGMLQuantizationType
+# file-type names -> per-tensor type, for --random-blocks files shaped like what users download (the
+# mix llama.cpp's quantizer gives; tests/test_quantized_files.py checks it against llama.cpp's own files)
+MIXES = {"Q4_K_M": _mix(Q.Q4_K, Q.Q6_K), "Q5_K_M": _mix(Q.Q5_K, Q.Q6_K)}
+MIX_FILE_TYPES = {"Q4_K_M": 15, "Q5_K_M": 17}  # llama_ftype: LLAMA_FTYPE_MOSTLY_Q4_K_M, _Q5_K_M
+
+
 def _tensor(rng, shape, std):
     return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
 
@@ -155,7 +169,9 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
     a = spec.arch
     if a not in ARCHITECTURES:
         raise ValueError(f"synthetic models are {', '.join(ARCHITECTURES)}, not {a!r}")
-    qtype = GGMLQuantizationType[spec.qtype]
+    if spec.qtype in MIXES and not spec.random_blocks:
+        raise ValueError(f"{spec.qtype} (a mix of types) is written with random blocks only")
+    qtype = GGMLQuantizationType.F16 if spec.qtype in MIXES else GGMLQuantizationType[spec.qtype]
     rng = np.random.default_rng(spec.seed)
     h, d = spec.hidden, spec.head_dim
     w = GGUFWriter(str(path), a)
@@ -174,14 +190,14 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
     for key, value in (("attention.sliding_window", spec.sliding_window),
                        ("attention.sliding_window_pattern", spec.swa_pattern), ("expert_count", spec.n_experts or None),
                        ("expert_used_count", spec.n_experts_used or None),
-                       ("expert_feed_forward_length", spec.ffn_expert or None)):
+                       ("expert_feed_forward_length", (spec.ffn_expert or None) if a != "llama" else None)):
         if value is not None:
             w.add_uint32(f"{a}.{key}", value)
     for key, value in (("rope.freq_base_swa", spec.rope_base_swa), ("attn_logit_softcapping", spec.attn_softcap),
                        ("final_logit_softcapping", spec.final_softcap)):
         if value is not None:
             w.add_float32(f"{a}.{key}", value)
-    w.add_file_type(int(qtype) if qtype != GGMLQuantizationType.F32 else 0)
+    w.add_file_type(MIX_FILE_TYPES.get(spec.qtype, int(qtype) if qtype != GGMLQuantizationType.F32 else 0))
     tokens, types, merges = synthetic_vocab(spec.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
@@ -199,7 +215,7 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
     if spec.random_blocks:
         if qtype == GGMLQuantizationType.F32:
             raise ValueError("random blocks are written for a quantized or 16-bit type, not F32")
-        if spec.args().qkv_bias or spec.rope_freqs or spec.rope_long_short or spec.n_experts or spec.embedding_std != 1.0:
+        if spec.args().qkv_bias or spec.rope_freqs or spec.rope_long_short or spec.embedding_std != 1.0:
             raise ValueError("random blocks are written for matrices and norms only (no biases or RoPE factors)")
         return _write_random_blocks(w, spec, rng, str(path))
     for t, _, name, _, shape in tensors(spec.args()):
@@ -221,17 +237,22 @@ def write_synthetic_model(path, spec: SyntheticSpec | None = None, **overrides) 
 
 
 def _write_random_blocks(w: GGUFWriter, spec: SyntheticSpec, rng, path: str) -> str:
-    """The tensors as random blocks of the spec's type (`_random_q8_0`, else `quants.random_blocks`;
-    norms as usual), each made and written in turn: memory holds one tensor at a time."""
-    specs = list(tensors(spec.args()))
-    qtype = GGMLQuantizationType[spec.qtype]
-    block, size = GGML_QUANT_SIZES[qtype]
+    """The tensors as random blocks of the spec's type, or of each tensor's type in a MIXES file
+    (`_random_q8_0`, else `quants.random_blocks`; norms as usual), each made and written in turn: memory
+    holds one tensor at a time."""
+    args = spec.args()
+    specs = list(tensors(args))
+    mix = MIXES.get(spec.qtype, lambda *_: GGMLQuantizationType[spec.qtype])
+    head = "output.weight" if not spec.tied_output else "token_embd.weight"
+    types = {name: mix(name, layer, spec.n_layers, name == head) for t, layer, name, _, _ in specs if t.kind != NORM}
     for t, _, name, _, shape in specs:
         if t.kind == NORM:
             w.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4)
-        else:
-            row = shape[1] // block * size
-            w.add_tensor_info(name, (shape[0], row), np.dtype(np.uint8), shape[0] * row, raw_dtype=qtype)
+        else:  # matrices and [experts, out, in] stacks: rows of blocks
+            block, size = GGML_QUANT_SIZES[types[name]]
+            row = shape[-1] // block * size
+            rows = int(np.prod(shape[:-1]))
+            w.add_tensor_info(name, (*shape[:-1], row), np.dtype(np.uint8), rows * row, raw_dtype=types[name])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -239,11 +260,12 @@ def _write_random_blocks(w: GGUFWriter, spec: SyntheticSpec, rng, path: str) -> 
         if t.kind == NORM:
             w.write_tensor_data(_norm_values(rng, shape[0]))
         else:
-            std = 1.0 if t.kind == EMBEDDING else shape[1] ** -0.5
-            if qtype == GGMLQuantizationType.Q8_0:
-                w.write_tensor_data(_random_q8_0(rng, shape, std))
+            std = 1.0 if t.kind == EMBEDDING else shape[-1] ** -0.5
+            rows = int(np.prod(shape[:-1]))
+            if types[name] == GGMLQuantizationType.Q8_0:
+                w.write_tensor_data(_random_q8_0(rng, (rows, shape[-1]), std))
             else:
-                w.write_tensor_data(quants.random_blocks(rng, qtype, *shape, std=std))
+                w.write_tensor_data(quants.random_blocks(rng, types[name], rows, shape[-1], std=std))
     w.close()
     return path
 
@@ -319,7 +341,8 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--vocab", type=int, default=320)
     p.add_argument("--untied", action="store_true")
-    p.add_argument("--type", default="F32", help="F32, F16, Q8_0, Q4_0, Q4_1, ...")
+    p.add_argument("--type", default="F32", help="F32, F16, Q8_0, Q4_0, Q4_1, ..., or (with --random-blocks) "
+                   f"a mix llama.cpp's quantizer makes: {', '.join(MIXES)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--llama3-rope", action="store_true",
                    help="write rope_freqs.weight as Llama 3.1 ships it (factor 8, low/high 1/4, context 8192)")
@@ -330,7 +353,8 @@ def main(argv=None):
     p.add_argument("--attn-softcap", type=float, default=None, help="Gemma 2: attn_logit_softcapping")
     p.add_argument("--final-softcap", type=float, default=None, help="Gemma: final_logit_softcapping")
     p.add_argument("--experts", type=int, nargs=3, default=None, metavar=("N", "USED", "WIDTH"),
-                   help="Qwen3-MoE (--arch qwen3moe): experts, experts used per token, an expert's FFN width")
+                   help="Qwen3-MoE (--arch qwen3moe) or Mixtral (--arch llama): experts, experts used per token, an "
+                        "expert's FFN width (Mixtral's must equal --ffn)")
     p.add_argument("--random-blocks", action="store_true",
                    help="draw --type's blocks directly, random (fast, streamed; for large shapes)")
     a = p.parse_args(argv)
@@ -342,8 +366,10 @@ def main(argv=None):
                  attn_softcap=a.attn_softcap, final_softcap=a.final_softcap)
     if not a.arch.startswith("gemma") and any(v is not None for v in gemma.values()):
         p.error("--sliding-window, --swa-pattern, --rope-base-swa and the soft-caps are Gemma's (--arch gemma2, gemma3)")
-    if (a.arch == "qwen3moe") != (a.experts is not None):
-        p.error("--arch qwen3moe needs --experts N USED WIDTH (and only it takes them)")
+    if (a.arch == "qwen3moe" and a.experts is None) or (a.experts and a.arch not in ("qwen3moe", "llama")):
+        p.error("--arch qwen3moe needs --experts N USED WIDTH (and only it and llama take them)")
+    if a.experts and a.arch == "llama" and a.experts[2] != a.ffn:
+        p.error("Mixtral (--arch llama --experts): an expert's width is --ffn")
     experts = dict(zip(("n_experts", "n_experts_used", "ffn_expert"), a.experts or (0, 0, 0)))
     base = a.rope_base or (500000.0 if a.llama3_rope else 1000000.0)
     factors = llama3_rope_factors(a.head_dim, base) if a.llama3_rope else None

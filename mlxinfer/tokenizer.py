@@ -89,6 +89,19 @@ PRE_TOKENIZERS: dict[str, tuple[list[str], bool]] = {
 }
 
 
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's bytes_to_unicode table, in byte order: the 256 single-byte tokens of byte-level BPE."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + n)
+            n += 1
+    return [chars[b] for b in range(256)]
+
+
 def token_ids(values) -> list[int]:
     """`values` (a list, tuple or other iterable of token ids, or a 1-D integer array) as a list of
     ints; anything but integers (1.9, True, "5") is a RequestError rather than silently truncated or

@@ -59,6 +59,7 @@ LOOP = "mlxinfer/loop.py"
 ENG = "mlxinfer/engine.py"
 STEP = "mlxinfer/decode_step.py"
 BLOCKS = "mlxinfer/block_manager.py"
+BLK = "mlxinfer/block_kernels.py"
 SAMP = "mlxinfer/sampling.py"
 TOK = "mlxinfer/tokenizer.py"
 CHAT = "mlxinfer/chat.py"
@@ -90,10 +91,15 @@ PEERS = "mlxinfer/peers.py"
 QUANTS = "mlxinfer/quants.py"
 MLXW = "mlxinfer/backends/mlx_weights.py"
 T_QUANT = "tests/test_quants.py"
+T_BLK = "tests/test_block_kernels.py"
 T_QBITS = "tests/test_quants.py::test_kept_weights_dequantize_to_gguf_py_bit_for_bit"
 T_QMEM = "tests/test_quants.py::test_memory_after_loading_is_within_1_15x_of_the_file"
 PPL = "mlxinfer/perplexity.py"
 PCACHE = "mlxinfer/prompt_cache.py"
+GRAM = "mlxinfer/grammar.py"
+SRV_TOOLS = "mlxinfer/server/tools.py"
+T_GRAM = "tests/test_grammar.py"
+T_TOOLS = "tests/test_tools.py"
 
 ONLINE_SOFTMAX = '''
 
@@ -1124,13 +1130,47 @@ def usage_chunk""")],
      [("    GGMLQuantizationType.IQ4_XS,\n)", ")")],
      [T_QUANT + "::test_mlx_logits_match_the_cpu_reference_per_type"], "IQ4_XS refused by the reader (the cpu reference cannot load an IQ4_XS file)"),
     ("quant-float-scales-ignored", "weight types", MLX,
-     [('        self.float_scales = scales_formed_once(device) if float_scales is None else float_scales\n',
+     [('        self.float_scales = float_scales\n',
        "        self.float_scales = False\n")],
      [T_QUANT + "::test_float_scales_give_the_same_bits_in_more_memory"], "MLXBackend(float_scales=True) still forms the scales at each use"),
-    ("quant-gpu-scales-at-use", "weight types", MLX,
-     [('    return device == "gpu"\n\n\ndef gpu_kind()', '    return False\n\n\ndef gpu_kind()')],
-     [T_QUANT + "::test_scales_are_formed_once_on_a_gpu_and_at_each_use_on_the_cpu"],
-     "MLX backend on a GPU forms the affine scales at each use by default (decode 1.5-2.6x slower on the H200)"),
+    ("quant-scales-formed-once-by-default", "weight types", MLX,
+     [("ranks: int = 1, float_scales: bool = False):", "ranks: int = 1, float_scales: bool = True):")],
+     [T_QUANT + "::test_scales_are_formed_at_each_use_unless_asked"],
+     "MLX backend forms the affine float32 scales at load by default (1.17-1.33x the file's bytes)"),
+    ("blk-q6k-high-bits-shifted", "block kernels", BLK,
+     [("high = (qh[..., 32 * h + r % 32] >> (2 * (r // 32))) & 0x3",
+       "high = (qh[..., 32 * h + r % 32] >> (2 * (r // 64))) & 0x3")],
+     [T_BLK + "::test_the_values_formed_are_gguf_pys_bit_for_bit"],
+     "Q6_K kernel indexing: the high two bits taken from the wrong pair of qh's bits"),
+    ("blk-q6k-unit-overlap", "block kernels", BLK,
+     [("return b * 256 + 128 * h + 8 * c + 32 * (jt // 8) + jt % 8", "return b * 256 + 128 * h + 4 * c + 32 * (jt // 8) + jt % 8")],
+     [T_BLK + "::test_every_column_is_in_exactly_one_unit"],
+     "Q6_K kernel order: work units overlap (some columns added twice, others never)"),
+    ("blk-affine-last-value-twice", "block kernels", BLK,
+     [("    return 32 * u + np.arange(32)\n", "    return 32 * u + np.minimum(np.arange(32), 30)\n")],
+     [T_BLK + "::test_the_emulated_order_is_a_dot_product_within_its_error_model"],
+     "affine kernel order: a group's last value skipped and the one before it added twice"),
+    ("blk-too-many-rows", "block kernels", BLK,
+     [("x.shape[0] > MAX_ROWS:", "x.shape[0] > MAX_ROWS + 8:")],
+     [T_BLK + "::test_the_backend_sends_decode_rows_to_the_kernel_only_on_a_gpu"],
+     "block kernels launched for more rows than their registers hold"),
+    ("moe-mixtral-not-read", "architectures", "mlxinfer/models/llama.py",
+     [('reads_rope_freqs=True, moe="optional")', "reads_rope_freqs=True)")],
+     [T_MOD + "::test_new_architectures_match_llama_cpp"], "Mixtral: llama's expert keys not read (the file refused)"),
+    ("moe-mixtral-width-qwen", "architectures", "mlxinfer/models/spec.py",
+     [("experts = _experts(g, ffn, ffn if optional else None)", "experts = _experts(g, ffn, None)")],
+     [T_MOD + "::test_new_architectures_match_llama_cpp"], "Mixtral: an expert's width taken as ffn / experts used (Qwen3-MoE's rule)"),
+    ("moe-mixtral-dense-ffn", "architectures", "mlxinfer/models/llama.py",
+     [("        if self.args.n_experts:  # Mixtral\n", "        if False:  # Mixtral\n")],
+     [T_MOD + "::test_new_architectures_match_llama_cpp"], "Mixtral: the dense FFN run instead of the experts"),
+    ("moe-experts-expanded", "architectures", MLX,
+     [("        if t.ggml_type in KEPT:\n            arrays = quants.split(gguf.raw(name)", "        if False:\n            arrays = quants.split(gguf.raw(name)")],
+     [T_QUANT + "::test_quantized_experts_stay_compact_and_match_the_reference"],
+     "MLX: quantized expert stacks expanded to float32 at load (a 30B-A3B file would take ~120 GB)"),
+    ("moe-experts-transposed", "architectures", "mlxinfer/backends/mlx_weights.py",
+     [("rhs_indices=ids, transpose=True,\n                                 group_size=GROUP", "rhs_indices=ids, transpose=False,\n                                 group_size=GROUP")],
+     [T_QUANT + "::test_quantized_experts_stay_compact_and_match_the_reference"],
+     "MLX: quantized experts multiplied untransposed (x @ W instead of x @ W.T)"),
     # -- issue 29 item 4: SentencePiece vocabularies ------------------------------------------------------
     ("spm-space-prefix-dropped", "tokenizer", TOK,
      [('            text = " " + text\n', '            text = text\n')],
@@ -1388,6 +1428,46 @@ def usage_chunk""")],
      [("if ctx > MAX_CONTEXT:", "if False:")],
      [T_LIM + "::test_a_context_no_cache_can_index_is_refused_at_load"],
      "loader: a context of 2^32 - 1 positions loads (past what int32 positions index)"),
+    # -- structured output (mlxinfer.grammar) and tools (server/tools.py) ------------------------
+    ("gram-numpy-mask-ignored", "structured output", SAMP,
+     [("x = np.where(allowed[i], x, np.float32(-np.inf))", "x = x")],
+     [T_GRAM + "::test_schema_output_validates"], "numpy sampler: the grammar's mask not applied"),
+    ("gram-mlx-mask-ignored", "structured output", SAMP,
+     [("adjusted = mx.where(allowed, adjusted, mx.array(-mx.inf, dtype=adjusted.dtype))", "adjusted = adjusted")],
+     [T_GRAM + "::test_schema_output_validates"], "MLX sampler: the grammar's mask not applied"),
+    ("gram-mask-one-token-behind", "structured output", LOOP,
+     [("elif any(s.matcher is not None for s in sampled):", "elif False:")],
+     [T_GRAM + "::test_schema_output_validates"],
+     "pass loop: a constrained row sampled before the pass in flight is read "
+     "(pipelined MLX: its mask misses the last token)"),
+    ("gram-mask-wrong-row", "structured output", LOOP,
+     [("s.matcher.mask_into(masks[row])", "s.matcher.mask_into(masks[0])")],
+     [T_GRAM + "::test_a_masked_sequence_does_not_depend_on_its_neighbours"],
+     "pass loop: every constrained row's mask written to the batch's first row"),
+    ("gram-one-end-token", "structured output", GRAM,
+     [("eos_token=sorted(tokenizer.eog_ids))", "eos_token=min(tokenizer.eog_ids))")],
+     [T_GRAM + "::test_an_optional_end_lets_the_model_choose_to_stop"],
+     "grammar: only one of the model's end-of-generation tokens allowed where the grammar accepts"),
+    ("tools-bad-call-lost", "tools", SRV_TOOLS,
+     [("content.append(OPEN + body + CLOSE)", "content.append(\"\")")],
+     [T_TOOLS + "::test_a_call_with_invalid_json_is_content_streamed_or_not"],
+     "tools: a <tool_call> whose JSON does not parse dropped, not returned as content"),
+    ("tools-finish-reason-stop", "tools", SRV_ROUTES,
+     [('return "tool_calls" if parser is not None and parser.found else ev.finish_reason', "return ev.finish_reason")],
+     [T_TOOLS + "::test_hermes_round_trip_with_the_openai_sdk"],
+     "tools: finish_reason stop where the model called a tool"),
+    ("tools-held-prefix-dropped", "tools", SRV_TOOLS,
+     [("self.held = pending[len(pending) - keep:]", 'self.held = ""')],
+     [T_TOOLS + "::test_the_parser_finds_calls_across_pieces_and_keeps_bad_ones_as_text"],
+     "tools: text held back as a possible <tool_call> start dropped"),
+    ("tools-choice-not-forced", "tools", SRV_ROUTES,
+     [("grammar=forced if forced is not None else body.grammar", "grammar=body.grammar")],
+     [T_TOOLS + "::test_tool_choice_required_or_named_forces_a_valid_call"],
+     "tools: tool_choice required / named not enforced"),
+    ("tools-history-arguments-as-text", "tools", SRV_TOOLS,
+     [("        parsed = json.loads(arguments)\n", "        parsed = arguments\n")],
+     [T_TOOLS + "::test_hermes_round_trip_with_the_openai_sdk"],
+     "tools: a call in the history rendered with its arguments as JSON text (the template writes them quoted)"),
 ]
 
 

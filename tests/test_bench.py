@@ -151,5 +151,5 @@ def test_mlx_lm_peer_refuses_architectures_it_does_not_map(synthetic, tmp_path):
     from mlxinfer.peers import write_mlx_lm_model
 
     path = synthetic(arch="gemma2", n_layers=1, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=320)
-    with pytest.raises(UnsupportedError, match="the mlx-lm peer is written for llama and qwen3 files, not gemma2"):
+    with pytest.raises(UnsupportedError, match="the mlx-lm peer is written for dense llama and qwen3 files, not gemma2"):
         write_mlx_lm_model(path, tmp_path / "peer")

@@ -14,8 +14,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "mlxinfer"
 LAYERS = [
     ["errors"],
     ["gguf_file", "quants", "tokenizer", "chat", "model_source"],
-    ["backend", "batch", "kv_cache", "block_manager", "prompt_cache", "sampling", "metrics", "collectives"],
-    ["kernels", "backends", "backends.cpu", "backends.mlx"],
+    ["backend", "batch", "kv_cache", "block_manager", "prompt_cache", "sampling", "grammar", "metrics", "collectives"],
+    ["kernels", "block_kernels", "backends", "backends.cpu", "backends.mlx"],
     ["models", "models.spec", "models.shard", "models.layers", "models.llama", "models.qwen3"],
     ["decode_step", "loop", "engine"],
     ["scheduler", "server", "cli", "launch", "benchmark", "perplexity", "peers", "inspect", "tracing", "testing", "synthetic",

@@ -39,7 +39,7 @@ from .reference.specs import QWEN3_SYNTHETIC, synthetic_files
 LOGIT_ATOL = {"qwen3_synthetic": 1e-5, "smollm2": 4e-4, "llama3_synthetic": 1.5e-5,
               "llama3_linear_synthetic": 1.5e-5, "qwen2_synthetic": 1.5e-5, "gemma3_synthetic": 1e-3,
               "gemma2_synthetic": 1e-3, "phi3_synthetic": 1.5e-5, "phi3_short_synthetic": 1.5e-5,
-              "qwen3moe_synthetic": 1.5e-5}
+              "qwen3moe_synthetic": 1.5e-5, "mixtral_synthetic": 1.5e-5}
 TIE_GAP = 1e-3
 
 
@@ -157,6 +157,7 @@ EXPECTED_ARGS = {
     "phi3_synthetic": ("phi3", False, True, 1.0, (), None, None),
     "phi3_short_synthetic": ("phi3", False, True, 1.0, (), None, None),
     "qwen3moe_synthetic": ("qwen3moe", False, False, 1.0, (), None, None),
+    "mixtral_synthetic": ("llama", False, False, 1.0, (), None, None),
 }
 
 
@@ -266,25 +267,44 @@ def test_moe_mlp_routes_each_row_to_its_top_k_experts(backend):
 
 
 class _Stacks(dict):
-    """Expert stacks by name, read as `load_experts` reads a GGUF file (`dequantize`)."""
+    """Expert stacks by name, read as `load_experts` reads a GGUF file (`tensor`, `dequantize`), F32."""
 
+    path = "stacks"
     dequantize = dict.__getitem__
 
+    def tensor(self, name):
+        from types import SimpleNamespace
 
-def test_qwen3moe_in_inspect_the_tracer_and_tp(new_arch_paths):
-    """`inspect` lists the router and the expert stacks; the tracer counts one `moe_mlp` a layer and five
-    products a layer (Q, K, V, output, router) plus the head; tensor parallelism refuses it in one line."""
+        from gguf import GGMLQuantizationType
+
+        return SimpleNamespace(shape=self[name].shape, ggml_type=GGMLQuantizationType.F32)
+
+
+@pytest.mark.parametrize("name,arch,width", [("qwen3moe_synthetic", "qwen3moe", 64), ("mixtral_synthetic", "llama", 96)])
+def test_moe_in_inspect_the_tracer_and_tp(new_arch_paths, name, arch, width):
+    """Qwen3-MoE and Mixtral: `inspect` lists the router and the expert stacks; the tracer counts one
+    `moe_mlp` a layer and five products a layer (Q, K, V, output, router) plus the head; tensor
+    parallelism refuses it in one line."""
     from mlxinfer.models.shard import Shard
 
-    path = new_arch_paths["qwen3moe_synthetic"]
+    path = new_arch_paths[name]
     text = describe(path)
-    assert "architecture: qwen3moe" in text and "  expert_used_count: 2" in text
-    assert re.search(r"blk\.2\.ffn_down_exps\.weight\s+F32\s+\[8, 128, 64\]", text)
+    assert f"architecture: {arch}" in text and "  expert_used_count: 2" in text
+    assert re.search(rf"blk\.2\.ffn_down_exps\.weight\s+F32\s+\[8, 128, {width}\]", text)
     L, counts = traced_counts(path)
     assert [(c["moe_mlp"], c["linear"], c["add"]) for c in counts] == [(L, 5 * L + 1, 2 * L)] * 2
     with GGUFFile(path) as g:
-        with pytest.raises(RequestError, match="tensor parallelism does not split qwen3moe's experts yet"):
+        with pytest.raises(RequestError, match=f"tensor parallelism does not split {arch}'s experts yet"):
             Shard.plan(g, model_args(g), 0, 2)
+
+
+def test_mixtral_expert_width_is_the_ffn_width(new_arch_paths, tmp_path):
+    """llama.cpp's llama reads an expert as feed_forward_length wide: a file whose
+    expert_feed_forward_length says otherwise is refused in one line, not read with one width or the other."""
+    bad = rewrite_gguf(new_arch_paths["mixtral_synthetic"], tmp_path / "bad.gguf",
+                       edits={"llama.expert_feed_forward_length": 64})
+    with pytest.raises(GGUFError, match="expert_feed_forward_length 64 differs from the experts' width 96"):
+        mlxinfer.load(bad, backend="cpu")
 
 
 def test_gemma_in_inspect(new_arch_paths):
@@ -412,7 +432,8 @@ def test_what_the_forward_pass_does_not_apply_is_refused(synthetic, tmp_path):
          "llama.rope.scaling.factor = 2.0 contradicts llama.rope.scaling.type = 'none'"),
         (src, dict(edits={"llama.rope.scaling.attn_factor": 0.5}), UnsupportedError,
          "metadata llama.rope.scaling.attn_factor = 0.5 is not supported"),
-        (src, dict(edits={"llama.expert_count": 8}), UnsupportedError, "metadata llama.expert_count = 8 is not supported"),
+        (qwen2, dict(edits={"qwen2.expert_count": 8}), UnsupportedError, "metadata qwen2.expert_count = 8 is not supported"),
+        (src, dict(edits={"llama.expert_count": 8}), GGUFError, "missing metadata key 'llama.expert_used_count'"),
     ]
     for i, (base, kw, error, fragment) in enumerate(cases):
         path = rewrite_gguf(base, tmp_path / f"bad{i}.gguf", **kw)

@@ -684,8 +684,8 @@ CHAT = [{"role": "user", "content": "hello there"}]
 
 
 @pytest.mark.parametrize("extra,field", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tools": []}, "tools"),
+    ({"functions": []}, "functions"),
+    ({"audio": {"voice": "x"}}, "audio"),
     ({"frobnicate": 1}, "frobnicate"),
     ({"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
     ({"messages": [{"role": "user", "content": "hi", "audio": {}}]}, "messages.0.audio"),

@@ -64,7 +64,7 @@ def main(argv=None):
             for fs in (variants if rnd % 2 == 0 else variants[::-1]):
                 row = run(str(path), fs, a.runs, a.tokens)
                 emit(dict(probe="decode_types", when=stamp, device=str(mx.default_device()), type=name,
-                          scales="float32 precomputed" if fs else "formed at use", round=rnd,
+                          scales="float32 precomputed" if fs else "compact (block kernels at decode on a GPU)", round=rnd,
                           file_mb=round(path.stat().st_size / 2**20, 1), **row), a.out)
                 mx.clear_cache()
 

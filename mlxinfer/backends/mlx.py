@@ -36,15 +36,16 @@ import sys  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from gguf.quants import dequantize  # noqa: E402
 
-from .. import collectives, kernels, quants  # noqa: E402
+from .. import block_kernels, collectives, kernels, quants  # noqa: E402
 from ..backend import GELU_COEF_A, MOE_MIN_WEIGHT_SUM, SQRT_2_OVER_PI, AttentionSpec, Backend, softcap_inverse  # noqa: E402
 from ..batch import Batch  # noqa: E402
 from ..errors import GGUFError, RequestError  # noqa: E402
 from ..kv_cache import KV_CACHES, PagedLayer  # noqa: E402
 from ..sampling import MLXRandom  # noqa: E402
 from .cpu import checked_threads, default_threads  # noqa: E402
-from .mlx_weights import GROUP, BlockWeight, PackedWeight, QuantizedWeight, WeightGroup, to_device  # noqa: E402,F401
+from .mlx_weights import GROUP, BlockWeight, ExpertStack, PackedWeight, QuantizedWeight, WeightGroup, to_device  # noqa: E402,F401
 
 KEPT = (*quants.AFFINE_BITS, *quants.BLOCK_TYPES, *quants.HALF_TYPES)  # every type but F32 stays as compact
 SPLIT_MIN_ROWS = 256  # quantized products are cut over the CPU threads in parts of at least this many rows
@@ -57,12 +58,6 @@ def _cpu_streams(n: int) -> list:
     while len(_CPU_STREAMS) < n:
         _CPU_STREAMS.append(mx.new_thread_local_stream(mx.cpu))
     return _CPU_STREAMS[:n]
-
-
-def scales_formed_once(device: str) -> bool:
-    """Whether affine weights' float32 scales are formed once at load (True) or at each use, by default:
-    once on a GPU (decode speed), at each use on MLX's CPU (memory; no slower there). See MLXBackend."""
-    return device == "gpu"
 
 
 def gpu_kind() -> str | None:
@@ -153,6 +148,25 @@ def _check_products(backend: "MLXBackend") -> str | None:
     return None
 
 
+def _check_block_products(backend: "MLXBackend") -> str | None:
+    """The block kernels (`block_kernels`) against their numpy emulation, bit for bit, on random blocks
+    with edge values of every type they take, for 1 and MAX_ROWS rows."""
+    rng = np.random.default_rng(7)
+    for qtype in block_kernels.KERNELS:
+        raw = quants.random_blocks(rng, qtype, 40, 512, edges=True)
+        w = to_device(qtype, quants.split(raw, qtype, 40, 512), (40, 512))
+        values = dequantize(raw, qtype).reshape(40, 512)
+        for m in (1, block_kernels.MAX_ROWS):
+            x = rng.standard_normal((m, 512), dtype=np.float32)
+            got = np.array(block_kernels.product(backend.gpu_kernels, mx.array(x), w))
+            want = block_kernels.emulate(x, values, qtype)
+            same = got.view(np.uint32) == want.view(np.uint32)
+            if not same.all():
+                return (f"the {qtype.name} block kernel differs from its published order in {int((~same).sum())} of "
+                        f"{same.size} values ({m} rows)")
+    return None
+
+
 def _one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
@@ -167,6 +181,12 @@ def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
         problem = _check_products(backend)
     except Exception as e:  # a kernel that fails to compile or launch
         return f"{_one_line(e)} (the matmul and softmax kernels)"
+    if problem:
+        return problem
+    try:
+        problem = _check_block_products(backend)
+    except Exception as e:
+        return f"{_one_line(e)} (the block kernels)"
     if problem:
         return problem
     for case in self_check_cases():
@@ -201,13 +221,13 @@ class MLXBackend(Backend):
 
     def __init__(self, attention: str = "fused", device: str | None = None, kernel: str | None = None,
                  verify=verify_gpu_kernels, per_sequence_linear: bool = False, threads: int | None = None,
-                 ranks: int = 1, float_scales: bool | None = None):
+                 ranks: int = 1, float_scales: bool = False):
         super().__init__(attention)
         # affine weights' float32 scales formed once at load, not at each use (`mlx_weights.to_device`):
-        # the same bits, more memory (1.17-1.33x the file's bytes instead of 1.00-1.03x). Default: on a
-        # GPU, where forming them at each use costs decode a third to three fifths of its speed (an
-        # elementwise pass per product; measured in docs/performance.md); not on MLX's CPU, where the
-        # larger scales are read every product and decode is no faster.
+        # the same bits, more memory (1.17-1.33x the file's bytes instead of 1.00-1.03x). Off by
+        # default: on a GPU decode rows go to the block kernels (`block_kernels`), which read the compact
+        # fields in registers, and a prefill chunk forms them once a product for many rows; on MLX's CPU
+        # the larger scales are read every product and decode is no faster.
         # MLX's GPU products are not row-invariant (README: batch invariance); this multiplies each
         # sequence's rows on their own, as the cpu backend does, at the price of batching.
         self.per_sequence_linear = per_sequence_linear
@@ -221,7 +241,7 @@ class MLXBackend(Backend):
         if threads is not None and device == "gpu":
             raise RequestError("--threads sets the threads of the CPU's weight products; on a GPU MLX schedules its own")
         self.device = device
-        self.float_scales = scales_formed_once(device) if float_scales is None else float_scales
+        self.float_scales = float_scales
         self.mx_device = mx.gpu if device == "gpu" else mx.cpu
         self.activate()
         # MLX runs a CPU stream's work on one thread: quantized products of at least 2 x SPLIT_MIN_ROWS
@@ -387,6 +407,8 @@ class MLXBackend(Backend):
         # do not (README: batch invariance), unless `per_sequence_linear`.
         if self.per_sequence_linear and groups is not None and len(groups) > 1:
             return mx.concatenate([self.linear(x[r0:r1], w) for r0, r1 in groups])
+        if self.gpu_kernels and isinstance(w, PackedWeight) and block_kernels.applies(w, x):
+            return block_kernels.product(self.gpu_kernels, x, w)  # decode rows: the fields read in registers
         if isinstance(w, PackedWeight):
             if self._streams and w.shape[0] >= 2 * SPLIT_MIN_ROWS:
                 return self._split_quantized_matmul(x, w)
@@ -466,8 +488,17 @@ class MLXBackend(Backend):
         return mx.tanh(x)
 
     def load_experts(self, gguf, name):
-        # [experts, in, out]: gather_mm multiplies x [.., 1, in] by the chosen experts' matrices
-        return mx.array(np.ascontiguousarray(np.swapaxes(gguf.dequantize(name), 1, 2), dtype=np.float32))
+        """An ExpertStack: a kept type's stack as [experts * out, in] rows of that type (quantized experts
+        stay quantized: Qwen3-30B-A3B's would take ~120 GB in float32), F32 as float32 [experts, in, out]."""
+        t = gguf.tensor(name)
+        if len(t.shape) != 3:
+            raise GGUFError(f"{gguf.path}: tensor {name!r} should be an [experts, out, in] stack, found shape {list(t.shape)}")
+        e, out, n_in = t.shape
+        if t.ggml_type in KEPT:
+            arrays = quants.split(gguf.raw(name), t.ggml_type, e * out, n_in)
+            return ExpertStack((e, out, n_in), weight=to_device(t.ggml_type, arrays, (e * out, n_in), self.float_scales))
+        dense = mx.array(np.ascontiguousarray(np.swapaxes(gguf.dequantize(name), 1, 2), dtype=np.float32))
+        return ExpertStack((e, out, n_in), dense=dense)
 
     def moe_mlp(self, x, logits, experts, k, groups=None):
         probs = self.softmax_rows(logits)
@@ -476,8 +507,8 @@ class MLXBackend(Backend):
         w = w / mx.maximum(mx.sum(w, axis=-1, keepdims=True), MOE_MIN_WEIGHT_SUM)
         gate, up, down = experts
         xe = mx.expand_dims(x, (-2, -3))  # [N, 1, 1, in]: one row against each of its k experts
-        h = self.silu(mx.gather_mm(xe, gate, rhs_indices=ids)) * mx.gather_mm(xe, up, rhs_indices=ids)
-        y = mx.gather_mm(h, down, rhs_indices=ids)[:, :, 0]  # [N, k, hidden]
+        h = self.silu(gate.products(xe, ids)) * up.products(xe, ids)
+        y = down.products(h, ids)[:, :, 0]  # [N, k, hidden]
         out = y[:, 0] * w[:, :1]
         for j in range(1, k):
             out = out + y[:, j] * w[:, j:j + 1]

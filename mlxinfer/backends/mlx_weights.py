@@ -11,6 +11,7 @@ takes which form and why each is exact):
     gather for the codebook); figures in tests/test_quants.py's docstring, `bench/probes/weight_types.py`
     measures them. A fused Metal/CUDA kernel that reads the blocks is the next step.
   - float32 arrays (F32 files), [in, out] for products.
+  - `ExpertStack`: a mixture's [experts, out, in] stacks in one of the forms above, rows flattened.
 
 Every array has the matrix's rows as its first axis, so a row slice, a gathered row and stacked
 matrices (`WeightGroup`) are slices, gathers and concatenations of each array.
@@ -177,6 +178,31 @@ class BlockWeight:
 
 
 PackedWeight = (QuantizedWeight, BlockWeight)  # the kinds with a row_slice / product / rows
+
+
+@dataclass
+class ExpertStack:
+    """[experts, out, in] expert matrices (a mixture of experts' `*_exps`) kept as compact as the file:
+    `weight` is a QuantizedWeight or BlockWeight of the stack as [experts * out, in] rows, or None for
+    float32, then `dense` [experts, in, out]. `products` multiplies each row by its chosen experts:
+    affine types through `mx.gather_qmm` (only the chosen experts' codes are read), block and 16-bit
+    types dequantized (every expert) then `mx.gather_mm`."""
+
+    shape: tuple[int, int, int]  # (experts, out, in)
+    weight: object = None
+    dense: object = None
+
+    def products(self, x, ids) -> mx.array:
+        """x [N, 1, 1, in] by the experts `ids` [N, k] -> [N, k, 1, out]."""
+        e, out, n_in = self.shape
+        w = self.weight
+        if w is None:
+            return mx.gather_mm(x, self.dense, rhs_indices=ids)
+        if isinstance(w, QuantizedWeight):
+            scales, biases = (mx.reshape(a, (e, out, -1)) for a in w.affine())
+            return mx.gather_qmm(x, mx.reshape(w.w, (e, out, -1)), scales, biases, rhs_indices=ids, transpose=True,
+                                 group_size=GROUP, bits=w.bits)
+        return mx.gather_mm(x, mx.swapaxes(mx.reshape(w.dense(), (e, out, n_in)), 1, 2), rhs_indices=ids)
 
 
 @dataclass

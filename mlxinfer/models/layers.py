@@ -42,6 +42,15 @@ def gelu_mlp(ops, x, w, groups, shard):
     return all_sum(ops, ops.linear(ops.hadamard(ops.gelu(gate), up), w.ffn_down, groups), shard)
 
 
+def moe_mlp(ops, x, w, groups, used: int):
+    """A mixture of SwiGLU experts: the router `ffn_gate_inp` gives each row one logit per expert, the
+    backend's `moe_mlp` takes the `used` most probable, weights them by their softmax probabilities
+    normalized to sum 1 and adds their outputs (llama.cpp's build_moe_ffn with softmax gating and
+    normalized weights: Qwen3-MoE, Mixtral)."""
+    logits = ops.linear(x, w.ffn_gate_inp, groups)
+    return ops.moe_mlp(x, logits, (w.ffn_gate_exps, w.ffn_up_exps, w.ffn_down_exps), used, groups)
+
+
 def softcap(ops, x, cap: float):
     """cap * tanh(x / cap), as llama.cpp computes it: scale by the float32 1/cap, tanh, scale by cap."""
     return ops.scale(ops.tanh(ops.scale(x, float(np.float32(1.0) / np.float32(cap)))), cap)

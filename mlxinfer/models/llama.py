@@ -7,14 +7,17 @@ No q/k norm; output head tied to the embedding unless `output.weight` is present
 `rope_freqs.weight` (the llama3 RoPE scaling, computed by llama.cpp's converter from the HF config's
 factor, low/high frequency factors and original context): each rotary pair's frequency divided by its
 factor, as ggml's rope does with `freq_factors` (`ModelArgs.rope_factors`, with linear scaling folded in).
+A file with `llama.expert_count` (Mixtral) has a mixture of experts for its FFN, routed as Qwen3-MoE's
+(softmax, the top `expert_used_count`, weights normalized; llama.cpp's build_moe_ffn for llama), each
+expert `feed_forward_length` wide.
 """
 
 from ..backend import AttentionSpec
-from .layers import all_sum, output_logits, rms_norm, swiglu_mlp
+from .layers import all_sum, moe_mlp, output_logits, rms_norm, swiglu_mlp
 from .shard import Shard
 from .spec import ModelArgs, load_weights
 
-TRAITS = dict(rope_traditional=True, qk_norm=False, reads_rope_freqs=True)
+TRAITS = dict(rope_traditional=True, qk_norm=False, reads_rope_freqs=True, moe="optional")
 
 
 class Model:
@@ -34,11 +37,16 @@ class Model:
         out = ops.linear(ops.fused_attention(q, kv, batch, sp), w.attn_output, groups)
         return all_sum(ops, out, self.shard)
 
+    def ffn(self, ops, x, w, groups):
+        if self.args.n_experts:  # Mixtral
+            return moe_mlp(ops, x, w, groups, self.args.n_experts_used)
+        return swiglu_mlp(ops, x, w, groups, self.shard)
+
     def __call__(self, ops, ids, batch, cache):
         """Logits of the batch's logit rows, [R, vocab]; writes the pass's keys and values to `cache`."""
         a = self.args
         x = ops.gather_rows(self.w.token_embd, ids)
         for i, w in enumerate(self.w.layers):
             x = ops.add(x, self.attention(ops, rms_norm(ops, x, w.attn_norm, a.rms_eps), w, batch, cache, i))
-            x = ops.add(x, swiglu_mlp(ops, rms_norm(ops, x, w.ffn_norm, a.rms_eps), w, batch.rows, self.shard))
+            x = ops.add(x, self.ffn(ops, rms_norm(ops, x, w.ffn_norm, a.rms_eps), w, batch.rows))
         return output_logits(ops, x, self.w, batch, a.rms_eps, self.shard, a.vocab_size)

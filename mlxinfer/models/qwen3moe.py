@@ -8,23 +8,18 @@ build_moe_ffn does for this architecture (softmax gating, normalized weights, no
 parallelism refuses it in one line (models/shard.py).
 """
 
-from .layers import output_logits, rms_norm
+from .layers import moe_mlp, output_logits, rms_norm
 from .qwen3 import Model as Qwen3
 
 TRAITS = dict(rope_traditional=False, qk_norm=True, moe=True)
 
 
 class Model(Qwen3):
-    def experts(self, ops, x, w, groups):
-        logits = ops.linear(x, w.ffn_gate_inp, groups)
-        return ops.moe_mlp(x, logits, (w.ffn_gate_exps, w.ffn_up_exps, w.ffn_down_exps), self.args.n_experts_used,
-                           groups)
-
     def __call__(self, ops, ids, batch, cache):
         """Logits of the batch's logit rows, [R, vocab]; writes the pass's keys and values to `cache`."""
         a = self.args
         x = ops.gather_rows(self.w.token_embd, ids)
         for i, w in enumerate(self.w.layers):
             x = ops.add(x, self.attention(ops, rms_norm(ops, x, w.attn_norm, a.rms_eps), w, batch, cache, i))
-            x = ops.add(x, self.experts(ops, rms_norm(ops, x, w.ffn_norm, a.rms_eps), w, batch.rows))
+            x = ops.add(x, moe_mlp(ops, rms_norm(ops, x, w.ffn_norm, a.rms_eps), w, batch.rows, a.n_experts_used))
         return output_logits(ops, x, self.w, batch, a.rms_eps, self.shard, a.vocab_size)

@@ -76,13 +76,15 @@ class ModelArgs:
     def from_gguf(cls, g, *, rope_traditional: bool, qk_norm: bool, qkv_bias: bool = False,
                   reads_rope_freqs: bool = False, post_norms: bool = False, swa: dict | None = None,
                   softcaps: dict | None = None, fused: bool = False, ignored: dict | None = None,
-                  moe: bool = False) -> "ModelArgs":
+                  moe: bool | str = False) -> "ModelArgs":
         """`swa` (architectures with sliding-window layers): llama.cpp's defaults for what the file may
         leave out, `pattern` (every pattern-th layer global, the others windowed), `window` (None: no
         sliding window unless the file gives one) and `base_swa` (None: the global base). `fused`: Phi-3's
         fused matrices and its long/short RoPE factors with their attention factor. `ignored`: `{arch}.`
         keys the architecture reads and does not apply, with the reason (llama.cpp ignores them too).
-        `moe`: a mixture-of-experts FFN (`_experts`).
+        `moe`: a mixture-of-experts FFN (`_experts`): True always (an expert's width
+        `expert_feed_forward_length`, else ffn / experts used, as llama.cpp's qwen3moe), "optional" where
+        the file has `expert_count` (llama: Mixtral, each expert feed_forward_length wide).
         `softcaps`: the soft-cappings the architecture applies, `attn` and/or `final`, each with its default (None:
         off unless the file gives it); the keys of those it does not apply are refused
         (`check_nothing_unread`)."""
@@ -134,7 +136,9 @@ class ModelArgs:
             raise GGUFError(f"{g.path}: {a}.context_length = {ctx} is past the {MAX_CONTEXT} positions a KV cache "
                             "can index (int32)")
         ffn = req("feed_forward_length")
-        experts = _experts(g, ffn) if moe else (0, 0, 0)
+        optional = moe == "optional"
+        moe = moe is True or (optional and f"{a}.expert_count" in g.metadata)
+        experts = _experts(g, ffn, ffn if optional else None) if moe else (0, 0, 0)
         extra += MOE_KEYS if moe else ()
         long_short = _rope_long_short(g, head_dim) if fused else None
         rope_scale, attn_factor = _rope_scale(g, attn_factor=long_short is not None)
@@ -180,13 +184,18 @@ SWA_KEYS = ("attention.sliding_window", "attention.sliding_window_pattern", "rop
 MOE_KEYS = ("expert_count", "expert_used_count", "expert_feed_forward_length")
 
 
-def _experts(g, ffn: int) -> tuple[int, int, int]:
-    """(experts, experts used per row, an expert's FFN width), as llama.cpp's qwen3moe reads them."""
+def _experts(g, ffn: int, width: int | None = None) -> tuple[int, int, int]:
+    """(experts, experts used per row, an expert's FFN width), as llama.cpp reads them: the width given
+    (llama), else `expert_feed_forward_length`, else ffn / experts used (qwen3moe)."""
     a = g.architecture
     n, used = g.require(f"{a}.expert_count", int), g.require(f"{a}.expert_used_count", int)
     if not 0 < used <= n:
         raise GGUFError(f"{g.path}: {a}.expert_used_count {used} must be between 1 and expert_count {n}")
-    width = g.get(f"{a}.expert_feed_forward_length", 0, int) or ffn // used
+    given = g.get(f"{a}.expert_feed_forward_length", 0, int)
+    if width and given and given != width:
+        raise GGUFError(f"{g.path}: {a}.expert_feed_forward_length {given} differs from the experts' width "
+                        f"{width} ({a}'s experts are feed_forward_length wide)")
+    width = width or given or ffn // used
     if width <= 0:
         raise GGUFError(f"{g.path}: {a}.expert_feed_forward_length {width} must be positive")
     return n, used, width

@@ -17,7 +17,10 @@ to 16 choices, prefilled once, choice i seeded seed + i), logprobs and top_logpr
 names is not checked: one model is served (as llama-server). Messages: system, developer (as system),
 user, assistant; content as text or a list of text parts. Every response carries `system_fingerprint`
 (fingerprint.py). A chat turn's `<think>` text is `reasoning_content` (reasoning.py; --reasoning), and
-`chat_template_kwargs` are variables for the template. A field the server does not implement is a 400 naming it, never ignored. Every
+`chat_template_kwargs` are variables for the template. Structured output: response_format (json_object,
+json_schema), grammar (Lark or GBNF), guided_regex (mlxinfer.grammar). Tools: tools and tool_choice
+rendered through the template, the model's calls returned as tool_calls (tools.py); tool messages.
+A field the server does not implement is a 400 naming it, never ignored. Every
 error is OpenAI's JSON shape {"error": {"message", "type", "param", "code"}} with its status: 400 bad
 request (malformed JSON, wrong types, unsupported fields, max_tokens past the context, empty messages),
 401 no or another API key (--api-key), 404 unknown route or model id in /v1/models/{id}, 408 body not
@@ -32,6 +35,7 @@ The package, one concern per module:
     routes.py       one function per route, and the submit / stream / collect they share
     errors.py       ApiError, and the handlers that turn every failure into OpenAI's error object
     reasoning.py    a chat turn's <think> text split from its content, as it streams
+    tools.py        tool calls parsed out of a chat turn's text (whole or streamed); forcing grammars
     fingerprint.py  system_fingerprint: the model file's digest, the version and the kernels
     metrics.py      the Prometheus collectors
     page.py         the chat page's routes; its files are static/ (package data)

@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from sse_starlette.sse import EventSourceResponse
 
 from ..errors import RequestError
+from ..grammar import GrammarError
 from ..loop import FinishEvent
 from ..sampling import SamplingParams, stop_strings
 from ..scheduler import QueueFull, Scheduler, SchedulerClosed
@@ -23,8 +24,9 @@ from ..scheduler import Request as Submitted
 from .errors import ApiError, error_response, public
 from .metrics import ServerMetrics
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
-from .schemas import (ChatRequest, CompletionRequest, Options, chunk, completion, error_object, logprobs_object,
-                      model_list, model_object, response_id, usage_chunk, usage_object)
+from .schemas import (ChatRequest, CompletionRequest, NamedToolChoice, Options, chunk, completion, error_object,
+                      logprobs_object, model_list, model_object, response_id, usage_chunk, usage_object)
+from .tools import ToolCallParser, call_format, forcing_grammar
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions; chat's default is the rest of the context
 
@@ -59,6 +61,7 @@ class Job:
     rid: str
     top_logprobs: int  # alternatives reported beside each token
     splitters: list  # per choice, a chat turn's reasoning and content splitter (None: not split)
+    parsers: list  # per choice, the parser of the tool calls in its content (None: no tools)
 
     @property
     def cached_tokens(self) -> int:
@@ -88,9 +91,41 @@ async def chat_completions(request: Request, body: ChatRequest):
     if body.top_logprobs and not body.logprobs:  # as OpenAI: alternatives only beside the chosen tokens
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     messages = [m.for_template() for m in body.messages]
-    prompt_ids = await encode(state, messages, "messages", body.chat_template_kwargs)
+    tools, fmt, forced = tool_setup(state, body)
+    if tools and "tools" in (body.chat_template_kwargs or {}):
+        raise ApiError(400, "tools go in `tools`, not in chat_template_kwargs", param="chat_template_kwargs")
+    kwargs = {**(body.chat_template_kwargs or {}), **tools} or None
+    prompt_ids = await encode(state, messages, "messages", kwargs)
     return await answer(request, state, body, prompt_ids, chat=True,
-                        want_logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0)
+                        want_logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0, tool_format=fmt,
+                        forced=forced)
+
+
+def tool_setup(state: ServerState, body: ChatRequest) -> tuple[dict, str | None, str | None]:
+    """A chat request's tools: (the template's `tools` variable, or nothing; the format its calls are
+    parsed in, None: not parsed; the grammar that forces a call, for tool_choice "required" or a
+    named function). tool_choice "none" renders no tools and parses no calls."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none", "auto"):
+            raise ApiError(400, "tool_choice names a tool, but the request has no tools", param="tool_choice")
+        return {}, None, None
+    if choice == "none":
+        return {}, None, None
+    fmt = call_format(state.engine.tokenizer.chat_template)
+    if fmt is None:
+        raise ApiError(400, "this model's chat template does not render tools", param="tools")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    if name is not None and name not in [t["function"]["name"] for t in tools]:
+        raise ApiError(400, f"tool_choice names {name!r}, which is not one of the tools", param="tool_choice")
+    forced = None
+    if choice == "required" or name is not None:
+        if body.response_format is not None or body.grammar is not None or body.guided_regex is not None:
+            raise ApiError(400, "tool_choice required or named forces a call: it does not go with "
+                                "response_format, grammar or guided_regex", param="tool_choice")
+        forced = forcing_grammar(fmt, tools, name)
+    return {"tools": tools}, fmt, forced
 
 
 async def models(request: Request):
@@ -148,8 +183,9 @@ def max_tokens_of(scheduler: Scheduler, body: Options, n_prompt: int, chat: bool
     return max(1, scheduler.room(n_prompt)) if chat else COMPLETION_MAX_TOKENS
 
 
-def sampling_params(state: ServerState, body: Options, top_logprobs: int) -> SamplingParams:
-    """The request's sampling options, checked against the model (logit_bias names its tokens)."""
+def sampling_params(state: ServerState, body: Options, top_logprobs: int, forced: str | None = None) -> SamplingParams:
+    """The request's sampling options, checked against the model (logit_bias names its tokens), and its
+    structured output's grammar (`forced`: one from tool_choice)."""
     bias = {}
     for key, value in (body.logit_bias or {}).items():
         if not key.isdigit():
@@ -160,19 +196,24 @@ def sampling_params(state: ServerState, body: Options, top_logprobs: int) -> Sam
             temperature=float(body.temperature), top_k=body.top_k, top_p=float(body.top_p), min_p=float(body.min_p),
             seed=body.seed, repetition_penalty=float(body.repetition_penalty),
             presence_penalty=float(body.presence_penalty), frequency_penalty=float(body.frequency_penalty),
-            logit_bias=bias, top_logprobs=top_logprobs)
+            logit_bias=bias, top_logprobs=top_logprobs,
+            response_format=None if body.response_format is None else body.response_format.for_engine(),
+            grammar=forced if forced is not None else body.grammar, regex=body.guided_regex)
+    except GrammarError as e:  # the one constraint field the request set (several: a conflict, none named)
+        given = [name for name in ("response_format", "grammar", "guided_regex") if getattr(body, name) is not None]
+        param = "tool_choice" if forced is not None else given[0] if len(given) == 1 else None
+        raise ApiError(400, str(e), param=param) from None
     except RequestError as e:
         raise ApiError(400, str(e), param="logit_bias" if "logit_bias" in str(e) else None) from None
 
 
 def submit(request: Request, body: Options, prompt_ids: list[int], chat: bool, want_logprobs: bool,
-           top_logprobs: int) -> Job:
+           top_logprobs: int, params: SamplingParams, tool_format: str | None = None) -> Job:
     state = request.app.state.server
     try:
         stop = stop_strings(body.stop)
     except RequestError as e:
         raise ApiError(400, str(e), param="stop") from None
-    params = sampling_params(state, body, top_logprobs)
     # choice i samples with seed + i: reproducible one by one, and not n copies of one sample
     choices = [params if i == 0 or params.seed is None or params.seed < 0 else replace(params, seed=params.seed + i)
                for i in range(body.n)]
@@ -199,20 +240,34 @@ def submit(request: Request, body: Options, prompt_ids: list[int], chat: bool, w
     if chat and state.reasoning:
         opens = prompt_opens_reasoning(state.engine.tokenizer.decode(prompt_ids[-8:]))
         splitters = [ReasoningSplitter(opens) for _ in range(body.n)]
+    parsers = [None if tool_format is None else ToolCallParser(tool_format) for _ in range(body.n)]
     return Job(scheduler, reqs, events, len(prompt_ids), chat, want_logprobs, response_id(chat), top_logprobs,
-               splitters)
+               splitters, parsers)
 
 
-def split(job: Job, i: int, text: str, last: bool = False) -> tuple[str, str]:
-    """(reasoning, content) of some text of choice i's answer; `last`: the end of the turn (nothing held)."""
-    splitter = job.splitters[i]
-    if splitter is None:
-        return "", text
-    reasoning, content = splitter.feed(text)
+def split(job: Job, i: int, text: str, last: bool = False) -> tuple[str, str, list]:
+    """(reasoning, content, tool calls) of some text of choice i's answer; `last`: the end of the turn
+    (nothing held)."""
+    splitter, parser = job.splitters[i], job.parsers[i]
+    reasoning, content = "", text
+    if splitter is not None:
+        reasoning, content = splitter.feed(text)
+        if last:
+            r, c = splitter.finish()
+            reasoning, content = reasoning + r, content + c
+    if parser is None:
+        return reasoning, content, []
+    content, calls = parser.feed(content)
     if last:
-        r, c = splitter.finish()
-        reasoning, content = reasoning + r, content + c
-    return reasoning, content
+        c, more = parser.finish()
+        content, calls = content + c, calls + more
+    return reasoning, content, calls
+
+
+def finish_reason(job: Job, i: int, ev: FinishEvent) -> str:
+    """OpenAI's finish_reason: "tool_calls" where the answer called a tool."""
+    parser = job.parsers[i]
+    return "tool_calls" if parser is not None and parser.found else ev.finish_reason
 
 
 def ended(ev: FinishEvent) -> str:
@@ -233,9 +288,12 @@ def token_logprobs(state: ServerState, job: Job, token_ids, logprobs, offsets, t
 
 
 async def answer(request: Request, state: ServerState, body: Options, prompt_ids: list[int], chat: bool,
-                 want_logprobs: bool, top_logprobs: int):
-    """Submit and answer: one JSON response, or an SSE stream of chunks."""
-    job = submit(request, body, prompt_ids, chat, want_logprobs, top_logprobs)
+                 want_logprobs: bool, top_logprobs: int, tool_format: str | None = None, forced: str | None = None):
+    """Submit and answer: one JSON response, or an SSE stream of chunks. The options are checked on a
+    worker thread: a grammar compiles there (milliseconds; the first one builds the vocabulary's grammar
+    tokenizer, about a second for 150k tokens)."""
+    params = await run_in_threadpool(sampling_params, state, body, top_logprobs, forced)
+    job = submit(request, body, prompt_ids, chat, want_logprobs, top_logprobs, params, tool_format)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventSourceResponse(stream(state, job, include_usage), ping=15)
@@ -257,9 +315,11 @@ async def stream(state: ServerState, job: Job, include_usage: bool):
                     yield {"data": json.dumps(error_object(public(state, ended(ev)), "server_error"))}
                     yield {"data": "[DONE]"}
                     return
-                reasoning, text = split(job, i, ev.text, last=True)
+                before = len(job.parsers[i].found) if job.parsers[i] else 0
+                reasoning, text, calls = split(job, i, ev.text, last=True)
                 yield {"data": json.dumps(chunk(job.rid, state.model_id, state.fingerprint, text, None,
-                                                ev.finish_reason, job.chat, first[i], reasoning, index=i))}
+                                                finish_reason(job, i, ev), job.chat, first[i], reasoning, index=i,
+                                                tool_calls=calls, calls_before=before))}
                 left -= 1
                 if left:
                     continue
@@ -270,9 +330,10 @@ async def stream(state: ServerState, job: Job, include_usage: bool):
                 return
             n_tokens += 1
             lp = token_logprobs(state, job, [ev.token_id], [ev.logprob], [sent[i]], [ev.top_logprobs])
-            reasoning, text = split(job, i, ev.text)
+            before = len(job.parsers[i].found) if job.parsers[i] else 0
+            reasoning, text, calls = split(job, i, ev.text)
             yield {"data": json.dumps(chunk(job.rid, state.model_id, state.fingerprint, text, lp, None, job.chat,
-                                            first[i], reasoning, index=i))}
+                                            first[i], reasoning, index=i, tool_calls=calls, calls_before=before))}
             sent[i] += len(ev.text)
             first[i] = False
     finally:  # the client went away (or the stream ended): free the slots within a pass
@@ -322,8 +383,8 @@ async def collect(request: Request, state: ServerState, job: Job) -> dict:
             offsets.append(at)
             at += len(piece)
         lp = token_logprobs(state, job, tokens[i], logprobs[i], offsets, tops[i])
-        reasoning, content = split(job, i, "".join(text[i]), last=True)
-        answers.append(completion(job.rid, state.model_id, content, lp, ev.finish_reason, use, job.chat,
-                                  state.fingerprint, reasoning, index=i))
+        reasoning, content, calls = split(job, i, "".join(text[i]), last=True)
+        answers.append(completion(job.rid, state.model_id, content, lp, finish_reason(job, i, ev), use, job.chat,
+                                  state.fingerprint, reasoning, index=i, tool_calls=calls))
     answers[0]["choices"] = [a["choices"][0] for a in answers]
     return answers[0]

@@ -3,6 +3,7 @@ in llama.cpp beside ours.
 
     python3 -m tests.reference.quantize make                 # the files, into $MLXINFER_CACHE/quantized
     python3 -m tests.reference.quantize ppl --ctx 256        # llama.cpp vs ours (cpu, mlx): a table
+    python3 -m tests.reference.quantize mixes                # llama.cpp's per-tensor types -> quant_mixes.json
 
 `make` writes two sources and quantizes each with `llama_cpp.llama_model_quantize` and
 `llama_model_quantize_default_params()` (what `llama-quantize SRC DST TYPE` does) into each preset in
@@ -199,9 +200,38 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+MIX_FIXTURE = Path(__file__).with_name("quant_mixes.json")
+MIX_LAYERS = (28, 36)  # Qwen3-0.6B's and Qwen3-8B's layer counts (llama.cpp's choice depends on the layer)
+
+
+def mixes(root: Path | None = None) -> dict:
+    """{"<preset> <layers>L": {tensor: type}} of llama.cpp's quantizer on small Qwen3-shaped F16 files
+    (rows of 256, tied and untied output) of MIX_LAYERS layers: what `mlxinfer.synthetic.MIXES` must
+    reproduce; written to quant_mixes.json for tests/test_quantized_files.py (no llama.cpp needed there)."""
+    root = root or out_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for layers in MIX_LAYERS:
+        for tied in (True, False):
+            spec = SyntheticSpec("qwen3", n_layers=layers, hidden=256, ffn=512, n_heads=4, n_kv_heads=2, head_dim=64,
+                                 vocab_size=1024, qtype="F16", tied_output=tied, seed=0)
+            src = root / f"mix-{layers}L-{'tied' if tied else 'untied'}.F16.gguf"
+            if not src.exists():
+                write_synthetic_model(str(src), spec)
+            for preset in ("Q4_K_M", "Q5_K_M"):
+                dst = root / f"{src.stem[:-4]}.{preset}.gguf"
+                if not dst.exists():
+                    quantize(src, dst, preset)
+                with GGUFFile(dst) as g:
+                    out[f"{preset} {layers}L {'tied' if tied else 'untied'}"] = {
+                        n: t.ggml_type.name for n, t in g.tensors.items() if len(t.shape) == 2}
+    MIX_FIXTURE.write_text(json.dumps(out, separators=(",", ":"), sort_keys=True) + "\n")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["make", "ppl"])
+    p.add_argument("what", choices=["make", "ppl", "mixes"])
     p.add_argument("--presets", default=",".join(PRESETS))
     p.add_argument("--sources", default="SmolLM2-135M-Instruct,qwen3-4L-1024")
     p.add_argument("--ctx", type=int, default=256)
@@ -209,6 +239,9 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default="cpu,mlx")
     p.add_argument("--out", default=None, help="JSON lines of the results")
     a = p.parse_args(argv)
+    if a.what == "mixes":
+        print(f"{MIX_FIXTURE}: {len(mixes())} files")
+        return 0
     rows = [r for r in make() if r["source"] in a.sources.split(",") and r["preset"] in a.presets.split(",")]
     if a.what == "make":
         for r in rows:

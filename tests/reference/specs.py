@@ -61,11 +61,17 @@ QWEN3MOE_SYNTHETIC = SyntheticSpec(arch="qwen3moe", n_layers=3, hidden=128, ffn=
                                    head_dim=48, vocab_size=384, tied_output=False, seed=4041, n_experts=8,
                                    n_experts_used=2, ffn_expert=64)
 
+# Mixtral (llama with `expert_count`): interleaved RoPE, base 1e6, 8 experts each feed_forward_length (96)
+# wide, 2 per row, GQA 2, untied head.
+MIXTRAL_SYNTHETIC = SyntheticSpec(arch="llama", n_layers=3, hidden=128, ffn=96, n_heads=4, n_kv_heads=2, head_dim=32,
+                                  vocab_size=384, tied_output=False, rope_base=1000000.0, rms_eps=1e-5, seed=5151,
+                                  n_experts=8, n_experts_used=2, ffn_expert=96)
+
 
 def synthetic_files(tmp):
     """The new architectures' all-F32 synthetic files with llama.cpp's names, by fixture name: Llama 3
     (rope_freqs.weight), the same file with linear RoPE scaling on top, Qwen2 (Q/K/V biases), Gemma 3,
-    Gemma 2, Phi-3 with its long and with its short factors, Qwen3-MoE (the specs above say what each exercises). The tests write the same files."""
+    Gemma 2, Phi-3 with its long and with its short factors, Qwen3-MoE, Mixtral (the specs above say what each exercises). The tests write the same files."""
     l3 = write_synthetic_model(os.path.join(tmp, "llama3.gguf"), LLAMA3_SYNTHETIC)
     g3 = write_synthetic_model(os.path.join(tmp, "gemma3_plain.gguf"), GEMMA3_SYNTHETIC)
     p3 = write_synthetic_model(os.path.join(tmp, "phi3_plain.gguf"), PHI3_SYNTHETIC)
@@ -76,4 +82,5 @@ def synthetic_files(tmp):
             "gemma2_synthetic": write_synthetic_model(os.path.join(tmp, "gemma2.gguf"), GEMMA2_SYNTHETIC),
             "phi3_synthetic": rewrite_gguf(p3, os.path.join(tmp, "phi3.gguf"), edits=PHI3_EDITS),
             "phi3_short_synthetic": rewrite_gguf(p3, os.path.join(tmp, "phi3_short.gguf"), edits=PHI3_SHORT_EDITS),
-            "qwen3moe_synthetic": write_synthetic_model(os.path.join(tmp, "qwen3moe.gguf"), QWEN3MOE_SYNTHETIC)}
+            "qwen3moe_synthetic": write_synthetic_model(os.path.join(tmp, "qwen3moe.gguf"), QWEN3MOE_SYNTHETIC),
+            "mixtral_synthetic": write_synthetic_model(os.path.join(tmp, "mixtral.gguf"), MIXTRAL_SYNTHETIC)}

@@ -1,0 +1,112 @@
+// Products straight from a GGUF block type's fields for MLX's Metal backend (mx.fast.metal_kernel): the
+// twin of blocks.cu, in the same order (one simdgroup per output row, lane l's work units and values in
+// the same sequence, each product rounded then added, the butterfly 16, 8, 4, 2, 1).
+//
+// UNVERIFIED ON HARDWARE, as attention.metal: parsed with clang against a stand-in for Metal's headers
+// (tests/test_block_kernels.py); on a Mac the MLX backend checks these products on the device against
+// MLX's own (`verify_gpu_kernels`) before it uses any kernel of ours.
+//@@HEADER
+#include <metal_simdgroup>
+#pragma clang fp contract(off)
+#pragma clang fp reassociate(off)
+#define MLXI_THREADS 256
+#define MLXI_WARPS 8
+
+inline float mlxi_half_bits(uint h) {
+  return float(as_type<half>(ushort(h)));  // every half is a float: exact
+}
+
+inline float mlxi_warp_total(float s) {
+  for (ushort off = 16; off > 0; off >>= 1) s = s + simd_shuffle_xor(s, off);
+  return s;
+}
+
+// Code t of a group packed as MLX packs it (blocks.cu's mlxi_code).
+template <int BITS>
+inline uint mlxi_code(thread const uint* words, int t) {
+  const int bit = BITS * t, wi = bit >> 5, sh = bit & 31;
+  uint v = words[wi] >> sh;
+  if (sh + BITS > 32) v |= words[wi + 1] << (32 - sh);
+  return v & ((1u << BITS) - 1u);
+}
+
+// One affine group of 32 values into the row sums (blocks.cu's mlxi_affine_group, the same order).
+template <int BITS, int M, typename XP, typename WP>
+inline void mlxi_affine_group(XP x, long K, long col, WP w_row, long g, float scale, float bias, thread float* acc) {
+  uint words[BITS];
+  for (int i = 0; i < BITS; ++i) words[i] = w_row[g * BITS + i];
+  for (int t = 0; t < 32; ++t) {
+    const float sq = scale * float(mlxi_code<BITS>(words, t));
+    const float w = sq + bias;
+    for (int m = 0; m < M; ++m) {
+      const float prod = float(x[(long)m * K + col + t]) * w;
+      acc[m] = acc[m] + prod;
+    }
+  }
+}
+//@@BODY q6_k_matvec
+// As in blocks.cu: x [M, K], ql, qh, scales, d_bits (Q6_K fields), dims = [N, K], out [M, N]; work units
+// of 32 values (u = 8b + 4h + c: r = 8c + t + 32j), lane l taking units l, l + 32, ..., each in the order
+// j = 0..3, t = 0..7.
+const int N = dims[0], K = dims[1];
+const int units = K / 32;
+const uint lane = thread_index_in_simdgroup;
+const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
+    * MLXI_WARPS + simdgroup_index_in_threadgroup;
+if (n >= N) return;
+float acc[M];
+for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+for (int u = lane; u < units; u += 32) {
+  const int b = u >> 3, h = (u >> 2) & 1, c = u & 3;
+  const long blk = n * (K / 256) + b;
+  const float d = mlxi_half_bits(d_bits[blk]);
+  const long lo_at = blk * 128 + 64 * h + 8 * c, hb_at = blk * 64 + 32 * h + 8 * c;
+  const long col = (long)b * 256 + 128 * h + 8 * c;
+  for (int j = 0; j < 4; ++j) {
+    const float dl = d * float(scales[blk * 16 + 8 * h + (c >> 1) + 2 * j]);
+    for (int t = 0; t < 8; ++t) {
+      const uint lb = ql[lo_at + 32 * (j & 1) + t], hbyte = qh[hb_at + t];
+      const uint q = ((lb >> (4 * (j >> 1))) & 0xfu) | (((hbyte >> (2 * j)) & 3u) << 4);
+      const float w = dl * float(int(q) - 32);
+      for (int m = 0; m < M; ++m) {
+        const float prod = float(x[(long)m * K + col + 32 * j + t]) * w;
+        acc[m] = acc[m] + prod;
+      }
+    }
+  }
+}
+for (int m = 0; m < M; ++m) {
+  const float s = mlxi_warp_total(acc[m]);
+  if (lane == 0) out[(long)m * N + n] = T(s);
+}
+//@@BODY affine_matvec
+// As in blocks.cu: the affine types, their scale fields by SCALES (0: d and OFFSET; 1: d, m; 2: K-quants).
+const int N = dims[0], K = dims[1];
+const uint lane = thread_index_in_simdgroup;
+const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
+    * MLXI_WARPS + simdgroup_index_in_threadgroup;
+if (n >= N) return;
+float acc[M];
+for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+const auto w_row = w + n * (K / 32) * BITS;
+for (long g = lane; g < K / 32; g += 32) {
+  const long at = n * (K / 32) + g, blk = n * (K / 256) + (g >> 3);
+  float scale, bias;
+  if (SCALES == 2) {
+    const int j = g & 7;
+    scale = mlxi_half_bits(s0[2 * blk]) * float(s1[16 * blk + j]);
+    const float mins = mlxi_half_bits(s0[2 * blk + 1]) * float(s1[16 * blk + 8 + j]);
+    bias = -mins;
+  } else if (SCALES == 1) {
+    scale = mlxi_half_bits(s0[at]);
+    bias = mlxi_half_bits(s1[at]);
+  } else {
+    scale = mlxi_half_bits(s0[at]);
+    bias = scale * float(OFFSET);
+  }
+  mlxi_affine_group<BITS, M>(x, K, g * 32, w_row, g, scale, bias, acc);
+}
+for (int m = 0; m < M; ++m) {
+  const float s = mlxi_warp_total(acc[m]);
+  if (lane == 0) out[(long)m * N + n] = T(s);
+}

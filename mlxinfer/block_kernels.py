@@ -1,0 +1,146 @@
+"""GPU products straight from a weight's compact fields (metal_kernels/blocks.cu, blocks.metal): for a few
+rows of activations (decode), a kernel reads the weight's fields and dequantizes each value in
+registers, exactly as gguf-py does, instead of the graph writing a float32 matrix (or float32 scales) out
+at every product (`mlx_weights`' products, which stay the path for prefill chunks, where the matrix is
+read once for many rows, and on the CPU).
+
+Types with a kernel: Q6_K (the output head and half of `attn_v`/`ffn_down` in the Q4_K_M and Q5_K_M
+files users download), and the affine types Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K in the compact
+form the backend keeps (MLX's packed codes, the file's fp16 scales and 6-bit sub-scales), so that a GPU
+need not form float32 scales at load (1.17-1.33x the file's bytes) to decode fast. The summation order
+is published in blocks.cu's header and followed by `emulate` (numpy), which the GPU tests compare with
+bit for bit; it is the same for every row count, so a decode row's product does not depend on its
+batch.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from importlib import resources
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from .kernels import strip_comments
+
+SOURCES = {"cuda": "blocks.cu", "metal": "blocks.metal"}
+# type -> (kernel, template constants besides T and M): the block type read from its own fields, and the
+# affine types from the compact form the MLX backend keeps (MLX's packed codes, the file's scale fields)
+KERNELS = {
+    Q.Q6_K: ("q6_k_matvec", ()),
+    Q.Q8_0: ("affine_matvec", (("BITS", 8), ("SCALES", 0), ("OFFSET", -128))),
+    Q.Q4_0: ("affine_matvec", (("BITS", 4), ("SCALES", 0), ("OFFSET", -8))),
+    Q.Q5_0: ("affine_matvec", (("BITS", 5), ("SCALES", 0), ("OFFSET", -16))),
+    Q.Q4_1: ("affine_matvec", (("BITS", 4), ("SCALES", 1), ("OFFSET", 0))),
+    Q.Q5_1: ("affine_matvec", (("BITS", 5), ("SCALES", 1), ("OFFSET", 0))),
+    Q.Q4_K: ("affine_matvec", (("BITS", 4), ("SCALES", 2), ("OFFSET", 0))),
+    Q.Q5_K: ("affine_matvec", (("BITS", 5), ("SCALES", 2), ("OFFSET", 0))),
+}
+INPUTS = {"q6_k_matvec": ["x", "ql", "qh", "scales", "d_bits", "dims"],
+          "affine_matvec": ["x", "w", "s0", "s1", "dims"]}
+MAX_ROWS = 8  # rows of x a launch takes (each lane keeps one partial sum per row in registers)
+WARPS = 8  # output rows per block of 256 threads
+
+
+def applies(w, x) -> bool:
+    """Whether the product x @ w.T goes to a block kernel: a kernel exists for w's type (an affine weight
+    only in its compact form, scales not formed at load), x has at most MAX_ROWS rows, and w's rows are
+    whole blocks (256 values for the K-quants, 32 for the others)."""
+    if w.qtype not in KERNELS or getattr(w, "float_scales", False) or x.ndim != 2 or x.shape[0] > MAX_ROWS:
+        return False
+    return w.shape[1] % (256 if w.qtype in (Q.Q6_K, Q.Q4_K, Q.Q5_K) else 32) == 0
+
+
+def kernel_source(kind: str) -> tuple[str, dict[str, str]]:
+    """(header, {kernel name: body}) of blocks.cu or blocks.metal, split at its //@@ markers."""
+    text = resources.files("metal_kernels").joinpath(SOURCES[kind]).read_text(encoding="utf-8")
+    _, rest = text.split("//@@HEADER\n", 1)
+    header, *bodies = rest.split("//@@BODY ")
+    if kind == "cuda":  # MLX hashes a CUDA kernel's whole source at every launch: keep it short
+        header = strip_comments(header)
+        return header, {b.split("\n", 1)[0].strip(): strip_comments(b.split("\n", 1)[1]) for b in bodies}
+    return header, {b.split("\n", 1)[0].strip(): b.split("\n", 1)[1] for b in bodies}
+
+
+@lru_cache(maxsize=None)
+def _kernel(kind: str, name: str):
+    import mlx.core as mx
+
+    header, bodies = kernel_source(kind)
+    make = mx.fast.metal_kernel if kind == "metal" else mx.fast.cuda_kernel
+    return make(name=f"mlxinfer_{name}_{kind}", input_names=INPUTS[name], output_names=["out"],
+                source=bodies[name], header=header, ensure_row_contiguous=True)
+
+
+def product(kind: str, x, w):
+    """x @ w.T [M, N] in x's dtype, by the kernel of w's type on `kind` ("cuda" or "metal")."""
+    import mlx.core as mx
+
+    m, k = x.shape
+    n = w.shape[0]
+    name, consts = KERNELS[w.qtype]
+    half = lambda a: mx.view(a, mx.uint16)  # noqa: E731 (fp16 fields as their bits: read exactly in the kernel)
+    if name == "q6_k_matvec":
+        ql, qh, scales, d = w.parts
+        fields = [ql, qh, scales, half(d)]
+    elif w.qtype in (Q.Q4_K, Q.Q5_K):
+        dd, sm = w.parts
+        fields = [w.w, half(dd), sm]
+    else:  # (d,) or (d, m); s1 unused without m
+        d, *m = w.parts
+        fields = [w.w, half(d), half(m[0] if m else d)]
+    blocks = -(-n // WARPS)
+    cols = min(blocks, 65535)
+    (out,) = _kernel(kind, name)(
+        inputs=[x, *fields, mx.array([n, k], dtype=mx.int32)],
+        template=[("T", x.dtype), ("M", m), *consts], grid=(cols * 32 * WARPS, -(-blocks // cols), 1),
+        threadgroup=(32 * WARPS, 1, 1), output_shapes=[(m, n)], output_dtypes=[x.dtype])
+    return out
+
+
+def q6_k_values(ql, qh, scales, d) -> np.ndarray:
+    """float32 [rows, blocks, 256] of Q6_K fields (quants.split's arrays), in gguf-py's arithmetic:
+    the values the kernel forms in registers."""
+    i = np.arange(256)
+    h, r = i // 128, i % 128
+    low = (ql[..., 64 * h + r % 64] >> (4 * (r // 64))) & 0xF
+    high = (qh[..., 32 * h + r % 32] >> (2 * (r // 32))) & 0x3
+    q = (low | (high << 4)).astype(np.float32) - np.float32(32)
+    dl = d.astype(np.float32)[..., None] * scales.astype(np.float32)[..., i // 16]
+    return dl * q
+
+
+def unit_columns(qtype, k: int) -> np.ndarray:
+    """[K / 32, 32]: the columns of each work unit in the order a lane adds them. Q6_K: unit
+    u = 8b + 4h + c holds r = 8c + t + 32j of half h of block b, j = 0..3 then t = 0..7; the affine types:
+    unit g is group g, t = 0..31."""
+    u = np.arange(k // 32)[:, None]
+    if qtype == Q.Q6_K:
+        b, h, c = u >> 3, (u >> 2) & 1, u & 3
+        jt = np.arange(32)
+        return b * 256 + 128 * h + 8 * c + 32 * (jt // 8) + jt % 8
+    return 32 * u + np.arange(32)
+
+
+def emulate(x: np.ndarray, values: np.ndarray, qtype) -> np.ndarray:
+    """The kernel's result in numpy, in its published order (blocks.cu): float32 [M, N] for float32 x
+    [M, K] and the weight's values [N, K] (gguf-py's dequantization, which the kernel forms exactly).
+    Lane l adds the values of units l, l + 32, ... (`unit_columns`), each product rounded, then the
+    butterfly 16, 8, 4, 2, 1."""
+    values = np.asarray(values, dtype=np.float32)
+    n, k = values.shape
+    cols = unit_columns(qtype, k)
+    units = len(cols)
+    acc = np.zeros((x.shape[0], n, 32), dtype=np.float32)
+    for first in range(0, units, 32):
+        u = first + np.arange(32)
+        live = u < units  # lanes past the last unit add nothing
+        lane_cols = cols[np.minimum(u, units - 1)]  # [32 lanes, 32 steps]
+        for step in range(32):
+            col = lane_cols[:, step]
+            prod = (x[:, col][:, None, :] * values[:, col][None, :, :]).astype(np.float32)
+            acc = np.where(live, acc + prod, acc).astype(np.float32)
+    lanes = np.arange(32)
+    for off in (16, 8, 4, 2, 1):
+        acc = acc + acc[..., lanes ^ off]
+    return acc[..., 0]

@@ -1,0 +1,218 @@
+"""The block kernels (mlxinfer/block_kernels.py, metal_kernels/blocks.cu and blocks.metal): decode products
+that read a weight's compact fields directly (Q6_K's blocks; the affine types' packed codes and fp16
+scale fields).
+
+Here (no GPU): the numpy emulation of the published order forms exactly gguf-py's values and is a dot
+product within its error model; the CUDA source compiles with NVRTC for every row count and dtype it is
+launched with; the Metal twin parses with clang against the Metal stand-in; the MLX backend sends a
+decode row's product to the kernel only on a GPU. On a GPU: the kernel equals the emulation bit for bit,
+through `MLXBackend.linear`, and its self-check passes."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from mlxinfer import block_kernels, quants
+from mlxinfer.backends.mlx import MLXBackend, _check_block_products, gpu_kind
+from mlxinfer.backends.mlx_weights import to_device
+
+from . import metal_clang
+from .test_kernels import _nvrtc, _nvrtc_compile
+
+SHAPES = [(16, 256), (40, 512), (8, 1024)]
+TYPES = list(block_kernels.KERNELS)
+
+
+def _fields(rng, rows, cols, edges, qtype=Q.Q6_K):
+    raw = quants.random_blocks(rng, qtype, rows, cols, edges=edges)
+    return raw, quants.split(raw, qtype, rows, cols)
+
+
+def _values(raw, qtype, rows, cols):
+    return dequantize(raw, qtype).reshape(rows, cols).astype(np.float32)
+
+
+@pytest.mark.parametrize("edges", [False, True])
+@pytest.mark.parametrize("rows,cols", SHAPES)
+def test_the_values_formed_are_gguf_pys_bit_for_bit(rows, cols, edges):
+    """Every value the kernel forms in registers (`q6_k_values`, the kernel's indexing) is gguf-py's
+    dequantization, bit for bit, on random blocks and on blocks of extreme codes and scales."""
+    raw, parts = _fields(np.random.default_rng(rows + cols), rows, cols, edges)
+    got = block_kernels.q6_k_values(*parts).reshape(rows, cols)
+    want = dequantize(raw, Q.Q6_K).reshape(rows, cols).astype(np.float32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 3, block_kernels.MAX_ROWS])
+@pytest.mark.parametrize("rows,cols", SHAPES)
+def test_the_emulated_order_is_a_dot_product_within_its_error_model(rows, cols, m, qtype):
+    """Against float64: each lane sums K/32 rounded products in sequence, then 5 butterfly additions, so
+    |error| <= (K/32 + 6) u sum|x w| (u = 2^-24, first order). A unit's columns taken wrongly (a value
+    added twice, another skipped) is off by the size of a term, far outside it."""
+    rng = np.random.default_rng(cols)
+    raw, _ = _fields(rng, rows, cols, False, qtype)
+    x = rng.standard_normal((m, cols), dtype=np.float32)
+    w = _values(raw, qtype, rows, cols)
+    got = block_kernels.emulate(x, w, qtype)
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    bound = (cols / 32 + 6) * 2.0 ** -24 * (np.abs(x).astype(np.float64) @ np.abs(w.astype(np.float64)).T)
+    assert got.shape == (m, rows) and got.dtype == np.float32
+    assert np.all(np.abs(got - exact) <= bound)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q4_K])
+def test_every_column_is_in_exactly_one_unit(qtype):
+    for k in (256, 1024, 4096):
+        cols = block_kernels.unit_columns(qtype, k)
+        assert sorted(cols.reshape(-1).tolist()) == list(range(k))
+
+
+def test_each_rows_result_does_not_depend_on_the_other_rows():
+    """The order is the same for every row count: row i of an 8-row product is the 1-row product of row i."""
+    rng = np.random.default_rng(3)
+    raw, _ = _fields(rng, 24, 512, False)
+    w = _values(raw, Q.Q6_K, 24, 512)
+    x = rng.standard_normal((block_kernels.MAX_ROWS, 512), dtype=np.float32)
+    many = block_kernels.emulate(x, w, Q.Q6_K)
+    for i in range(x.shape[0]):
+        one = block_kernels.emulate(x[i:i + 1], w, Q.Q6_K)[0]
+        assert np.array_equal(many[i].view(np.uint32), one.view(np.uint32))
+
+
+CUDA_STUB = """
+typedef unsigned char uint8_t;
+typedef signed char int8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+struct __half { unsigned short x; __device__ __half(float f) : x(0) {} __device__ operator float() const { return 0.0f; } };
+"""
+
+
+INPUT_TYPES = {"ql": "uint8_t", "qh": "uint8_t", "scales": "int8_t", "d_bits": "uint16_t", "s0": "uint16_t",
+               "w": "uint32_t", "dims": "int"}
+
+
+def _input_types(consts, x: str) -> dict:
+    """Each input's C type for a launch: s1 is the K-quants' uint8 sub-scales, else fp16 bits."""
+    return dict(INPUT_TYPES, x=x, s1="uint8_t" if dict(consts).get("SCALES") == 2 else "uint16_t")
+
+
+def _launches():
+    """(kernel, template constants) of every type's launch."""
+    return sorted({(name, consts) for name, consts in block_kernels.KERNELS.values()})
+
+
+def _cuda_source(name: str, consts, dtype: str, m: int) -> str:
+    """What MLX's cuda_kernel compiles for a launch: the header, then the kernel with each input typed
+    by its array's dtype, the template constants, the body."""
+    header, bodies = block_kernels.kernel_source("cuda")
+    types = _input_types(consts, dtype)
+    params = ", ".join(f"const {types[i]}* {i}" for i in block_kernels.INPUTS[name]) + f", {dtype}* out"
+    extra = "".join(f"  constexpr int {k} = {v};\n" for k, v in consts)
+    return (f"{CUDA_STUB}{header}\n__global__ void k_{name}({params}) {{\n  using T = {dtype};\n"
+            f"  constexpr int M = {m};\n{extra}{bodies[name]}\n}}\n")
+
+
+@pytest.mark.parametrize("dtype", ["float", "__half"])
+def test_cuda_source_compiles_with_nvrtc_for_every_row_count(dtype):
+    """blocks.cu's kernels compile (NVRTC, sm_90) for 1..MAX_ROWS rows, as MLX's cuda_kernel builds them."""
+    lib = _nvrtc()
+    if lib is None:
+        pytest.skip("needs NVRTC (pip install nvidia-cuda-nvrtc-cu12; Linux x86-64)")
+    opts = [b"--gpu-architecture=compute_90", b"-default-device", b"--std=c++17"]
+    assert {name for name, _ in _launches()} == set(block_kernels.kernel_source("cuda")[1])
+    for name, consts in _launches():
+        for m in range(1, block_kernels.MAX_ROWS + 1):
+            rc, log = _nvrtc_compile(lib, name, _cuda_source(name, consts, dtype, m), opts)
+            assert rc == 0, f"{name} {consts} M={m} {dtype}: {log}"
+
+
+METAL_EXTRA = """
+typedef unsigned char uint8_t;
+typedef signed char int8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+struct half { half(float); operator float() const; };
+template <typename T, typename U> T as_type(U);
+"""
+
+
+def _metal_source(name: str, consts, m: int) -> str:
+    header, bodies = block_kernels.kernel_source("metal")
+    types = _input_types(consts, "float")
+    params = [f"  const {'constant' if n == 'dims' else 'device'} {types[n]}* {n} [[buffer({i})]]"
+              for i, n in enumerate(block_kernels.INPUTS[name])]
+    params += [f"  device float* out [[buffer({len(params)})]]"]
+    body = bodies[name]
+    params += [f"  {t} {a} [[{a}]]" for a, t in metal_clang_attributes().items() if a in body]
+    decl = ", ".join(["typename T", "int M", *(f"int {k}" for k, _ in consts)])
+    args = ", ".join(["float", str(m), *(str(v) for _, v in consts)])
+    return (f"{METAL_EXTRA}{header}template <{decl}>\n[[kernel]] void k_{name}(\n" + ",\n".join(params)
+            + ") {\n" + body + "\n}\n" + f"template void k_{name}<{args}>(" +
+            ", ".join(p.split("[[")[0].rsplit(" ", 2)[0].strip() for p in params) + ");\n")
+
+
+def metal_clang_attributes():
+    from mlxinfer.kernels import METAL_ATTRIBUTES
+
+    return METAL_ATTRIBUTES
+
+
+@pytest.mark.skipif(not metal_clang.available(), reason="needs libclang (pip install libclang)")
+@pytest.mark.parametrize("m", [1, block_kernels.MAX_ROWS])
+def test_metal_twin_parses_with_clang(m):
+    """blocks.metal's kernels parse without an error against the Metal stand-in, instantiated for m rows,
+    and declare no threadgroup memory."""
+    assert {name for name, _ in _launches()} == set(block_kernels.kernel_source("metal")[1])
+    for name, consts in _launches():
+        tu = metal_clang.parse(_metal_source(name, consts, m))
+        errs = metal_clang.errors(tu)
+        assert not errs, f"{name}:\n" + "\n".join(errs[:5])
+        assert metal_clang.threadgroup_arrays(tu) == {}
+
+
+def test_the_backend_sends_decode_rows_to_the_kernel_only_on_a_gpu(monkeypatch):
+    """On MLX's CPU a Q6_K product is the graph's (dequantize, then matmul); `applies` takes decode-sized
+    products of whole 256-value blocks only."""
+    calls = []
+    monkeypatch.setattr(block_kernels, "product", lambda *a: calls.append(a))
+    rng = np.random.default_rng(0)
+    raw, parts = _fields(rng, 16, 256, False)
+    w = to_device(Q.Q6_K, parts, (16, 256))
+    be = MLXBackend(device="cpu")
+    import mlx.core as mx
+
+    x = mx.array(rng.standard_normal((2, 256), dtype=np.float32))
+    got = np.array(be.linear(x, w))
+    assert calls == []
+    want = np.array(x) @ dequantize(raw, Q.Q6_K).reshape(16, 256).T
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert block_kernels.applies(w, x)
+    assert not block_kernels.applies(w, mx.zeros((block_kernels.MAX_ROWS + 1, 256)))
+
+
+needs_gpu = pytest.mark.skipif(gpu_kind() is None, reason="needs an MLX GPU (Metal or CUDA)")
+
+
+@needs_gpu
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 2, 5, block_kernels.MAX_ROWS])
+@pytest.mark.parametrize("rows,cols", [(40, 512), (1000, 1024), (3, 4096)])
+def test_gpu_kernel_equals_its_published_order_bit_for_bit(rows, cols, m, qtype):
+    import mlx.core as mx
+
+    rng = np.random.default_rng(rows * m)
+    raw, parts = _fields(rng, rows, cols, True, qtype)
+    be = MLXBackend(device="gpu", float_scales=False)
+    w = to_device(qtype, parts, (rows, cols))
+    x = rng.standard_normal((m, cols), dtype=np.float32)
+    got = np.array(be.linear(mx.array(x), w))
+    want = block_kernels.emulate(x, _values(raw, qtype, rows, cols), qtype)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@needs_gpu
+def test_gpu_self_check_of_the_block_kernels_passes():
+    assert _check_block_products(MLXBackend(device="gpu")) is None
