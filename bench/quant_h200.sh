@@ -4,12 +4,18 @@
 # Qwen3-8B shapes (synthetic random blocks; mlx-lm's: random weights of the same shapes, mx.quantize).
 # From the repo root, after `source .mlxcuda2/setup.sh` (MLX's CUDA build and mlx-lm):
 #
-#   OUT=DIR bash bench/quant_h200.sh [STEP...]     # steps: tests types small large (default: tests types small)
+#   OUT=DIR bash bench/quant_h200.sh [STEP...]     # steps: check tests types small prefill large
+#                                                  # (default: tests types small)
 #
-# tests  tests/test_block_kernels.py (the kernel against its published order, bit for bit)
+# check  `mlxinfer inspect --kernels`: the GPU self-check (attention kernels, long prefill chunks on
+#        MLX's GEMMs, the block kernels), bit for bit
+# tests  tests/test_block_kernels.py (the kernel against its published order, bit for bit), and the
+#        quantized experts on the GPU (tests/test_quants.py -k experts)
 # types  bench/probes/decode_types.py --types TYPES (Q8_0,Q4_K,Q6_K) -> $OUT/types.jsonl
 # small  mlxinfer bench on qwen3-0.6b-q4km-synthetic with mlx-lm 4:32 and 4:64 in bfloat16, then on
-#        qwen3-0.6b-synthetic (Q8_0), prompts 17 and 511, 64 tokens, ROUNDS (2) rounds of RUNS (3)
+#        qwen3-0.6b-synthetic (Q8_0), prompts PROMPTS (17,511), 64 tokens, ROUNDS (2) rounds of RUNS (3)
+# prefill the Q8_0 file beside mlx-lm's 8-bit model in bfloat16 at prompts LONG (2047,8191): time to first
+#        token with long chunks on MLX's GEMMs
 # large  the same on qwen3-8b-q4km-synthetic (prompt 17, mlx-lm 4:64), and MLX's active memory after
 #        loading it beside the file's tensor bytes
 set -u
@@ -17,23 +23,27 @@ cd "$(dirname "$0")/.." || exit 1
 : "${OUT:?set OUT}"
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-ROUNDS=${ROUNDS:-2}; RUNS=${RUNS:-3}; TYPES=${TYPES:-Q8_0,Q4_K,Q6_K}
+ROUNDS=${ROUNDS:-2}; RUNS=${RUNS:-3}; TYPES=${TYPES:-Q8_0,Q4_K,Q6_K}; PROMPTS=${PROMPTS:-17,511}; LONG=${LONG:-2047,8191}
 T0=$SECONDS
 log() { echo "[$((SECONDS - T0)) s] $*"; }
 bench() {  # name model prompts peer-quant
   timeout "${BENCH_TIMEOUT:-400}" python3 -m mlxinfer bench -m "$2" --backends mlx --devices gpu --attention fused \
     -p "$3" -n 64 --batch 1 --runs "$RUNS" --rounds "$ROUNDS" --peers "$([ "$4" = none ] && echo none || echo mlx-lm)" \
-    --peer-dtypes bfloat16 --peer-quant "${4/none/file}" --out "$OUT/$1" >"$OUT/$1.log" 2>&1
+    --peer-dtypes bfloat16 --peer-quant "${4/none/file}" ${EXTRA_BENCH:-} --out "$OUT/$1" >"$OUT/$1.log" 2>&1
   log "bench $1 rc=$?"; grep -v "^  " "$OUT/$1.log" | tail -14
 }
 for step in ${*:-tests types small}; do
   case $step in
-    tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider -rfEs tests/test_block_kernels.py >"$OUT/tests.log" 2>&1; tail -5 "$OUT/tests.log"
-           log "tests" ;;
+    check) timeout 200 python3 -m mlxinfer inspect --kernels >"$OUT/check.log" 2>&1; tail -3 "$OUT/check.log"
+           log "check" ;;
+    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_block_kernels.py \
+             tests/test_quants.py -k "not cpu and (experts or Q4_K or Q6_K or block or gpu)" >"$OUT/tests.log" 2>&1
+           tail -5 "$OUT/tests.log"; log "tests" ;;
     types) timeout 300 python3 bench/probes/decode_types.py --types "$TYPES" --runs 3 --out "$OUT/types.jsonl" 2>&1 | tail -12
            log "types" ;;
-    small) bench q4km-0.6b qwen3-0.6b-q4km-synthetic 17,511 4:32,4:64
-           bench q8-0.6b qwen3-0.6b-synthetic 17,511 none ;;
+    small) bench q4km-0.6b qwen3-0.6b-q4km-synthetic "$PROMPTS" 4:32,4:64
+           bench q8-0.6b qwen3-0.6b-synthetic "$PROMPTS" none ;;
+    prefill) bench prefill-0.6b qwen3-0.6b-synthetic "$LONG" file ;;
     large) bench q4km-8b qwen3-8b-q4km-synthetic 17 4:64
            python3 - <<'PY'
 import mlx.core as mx, mlxinfer

@@ -26,7 +26,7 @@ from .loop import FinishEvent
 from .perplexity import check_options as check_perplexity_options, perplexity
 from .sampling import SamplingParams, stop_strings
 from .scheduler import budget_blocks
-from .server import require_extra, serve
+from .server import Bounds, is_loopback, require_extra, serve
 from .tracing import install_tracer
 
 
@@ -175,9 +175,10 @@ def _check_options(args) -> None:
         raise RequestError(f"--max-tokens must be a positive integer, got {args.max_tokens}")
     SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed, args.repeat_penalty,
                    args.presence_penalty, args.frequency_penalty)
-    for name, text in [("--stop", s) for s in stop_strings(args.stop)] + [("--system", getattr(args, "system", None))]:
+    for name, text in [("--stop", s) for s in args.stop or []] + [("--system", getattr(args, "system", None))]:
         if text and _argv_escaped(text):
             raise RequestError(f"{name} is not valid UTF-8")
+    stop_strings(args.stop)
 
 
 def _templated(args, engine) -> bool:
@@ -358,6 +359,12 @@ def _serve(args) -> int:
         v = getattr(args, name)
         if v is not None and (v < 1 or (name == "port" and v > 65535)):
             raise RequestError(f"--{name.replace('_', '-')} must be a positive integer{' below 65536' if name == 'port' else ''}, got {v}")
+    bounds = _bounds(args)
+    if args.api_key is not None and not args.api_key.strip():
+        raise RequestError("--api-key must not be empty")
+    if args.api_key is None and not is_loopback(args.host):
+        print(f"mlxinfer: WARNING: listening on {args.host} without --api-key: anyone who can reach this "
+              "address can use the model", file=sys.stderr)
     _check_listen(args.host, args.port)  # before the model loads: a port in use is a one-line error
     engine = _load(args)
     if engine.kv == "paged":
@@ -366,8 +373,23 @@ def _serve(args) -> int:
     print(f"mlxinfer: serving {model_id} on http://{args.host}:{args.port}/v1 ({engine.backend.describe()}, "
           f"max batch {args.max_batch})", file=sys.stderr)
     serve(engine, model_id, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
-          kv_memory=args.kv_memory, cors_origins=tuple(args.cors or ()), reasoning=args.reasoning)
+          kv_memory=args.kv_memory, cors_origins=tuple(args.cors or ()), reasoning=args.reasoning,
+          api_key=args.api_key, bounds=bounds)
     return 0
+
+
+def _bounds(args) -> Bounds:
+    """serve's connection bounds, checked (and the open-file limit raised to hold them) before the model loads."""
+    if args.max_connections < 1:
+        raise RequestError(f"--max-connections must be a positive integer, got {args.max_connections}")
+    for name in ("timeout_keep_alive", "timeout_header", "timeout_body", "timeout_send", "drain_timeout"):
+        v = getattr(args, name)
+        if not (v > 0 or (name == "drain_timeout" and v == 0)) or v == float("inf"):
+            raise RequestError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {v}")
+    bounds = Bounds(args.max_connections, args.timeout_keep_alive, args.timeout_header, args.timeout_body,
+                    args.timeout_send, args.drain_timeout)
+    bounds.fit_descriptors()
+    return bounds
 
 
 def _perplexity(args) -> int:
@@ -523,6 +545,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reasoning", default="auto", choices=["auto", "on", "off"],
                    help="return chat turns' <think>...</think> as reasoning_content (auto: where the vocabulary "
                         "has both tags as tokens)")
+    s.add_argument("--api-key", default=os.environ.get("MLXINFER_API_KEY"), metavar="KEY",
+                   help="requests to /v1 and /metrics must send 'Authorization: Bearer KEY' (default: "
+                        "$MLXINFER_API_KEY; none: anyone who reaches the server is served)")
+    limits = Bounds()
+    s.add_argument("--max-connections", type=int, default=limits.max_connections, metavar="N",
+                   help="open connections at most (at the cap, a new one closes the longest idle)")
+    for name, what in (("keep-alive", "a connection idle between requests"),
+                       ("header", "a request's headers, from the connection's start or its last response"),
+                       ("body", "a request's body, after its headers"),
+                       ("send", "a response the client does not read (then the request is cancelled)")):
+        s.add_argument(f"--timeout-{name}", type=float, default=getattr(limits, f"timeout_{name.replace('-', '_')}"),
+                       metavar="SECONDS", help=f"bound on {what}")
+    s.add_argument("--drain-timeout", type=float, default=limits.drain_timeout, metavar="SECONDS",
+                   help="on SIGTERM, time for the requests in flight to finish (new ones get 503); 0: stop at once")
     s.set_defaults(func=_serve)
     q = sub.add_parser("perplexity", help="the model's perplexity on a text, by llama-perplexity's method",
                        formatter_class=fmt)

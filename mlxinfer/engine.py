@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from importlib import metadata
 from typing import Callable, Iterator
 
@@ -159,9 +160,32 @@ class Engine:
             raise RequestError(f"{self.path}: chat messages need tokenizer.chat_template, which this file lacks")
         bos = tok.tokens[tok.bos_id] if tok.bos_id is not None else ""
         eos = tok.tokens[tok.eos_id] if tok.eos_id is not None else ""
-        text = render_chat(tok.chat_template, messages, bos_token=bos, eos_token=eos, add_generation_prompt=True,
-                           source=f"{self.path}: chat template", **template_kwargs)
-        return tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
+
+        def render(messages):
+            return render_chat(tok.chat_template, messages, bos_token=bos, eos_token=eos, add_generation_prompt=True,
+                               source=f"{self.path}: chat template", **template_kwargs)
+        text = render(messages)
+        add = not (bos and text.startswith(bos))
+        typed = {i: m["content"] for i, m in enumerate(messages) if tok.control_text(m["content"])}
+        if not typed:
+            return tok.encode(text, add_special=add, parse_special=True)
+        return tok.encode_parts(self._parts(text, render, messages, typed), add_special=add)
+
+    def _parts(self, text: str, render: Callable, messages: list[dict], typed: dict[int, str]) -> list[tuple]:
+        """A rendered chat prompt as (text, parse_special) parts: the messages `typed` (index: content),
+        which write control tokens (`<|im_end|>`) in their text, are text (parse_special False) and the
+        template's own tokens are parsed. Where they are is found by rendering again with a marker for
+        each such message: the template must keep a message's text as it is (else a RequestError)."""
+        marks = {i: f"\ue000{i}\ue001" for i in typed}  # private-use characters, in no template
+        marked = render([dict(m, content=marks[i]) if i in marks else m for i, m in enumerate(messages)])
+        pieces = re.split("(" + "|".join(marks.values()) + ")", marked)
+        content = {mark: typed[i] for i, mark in marks.items()}
+        parts = [(content[p], False) if p in content else (p, True) for p in pieces]
+        if "".join(p for p, _ in parts) != text or len(pieces) != 2 * len(marks) + 1:
+            i = min(typed)
+            raise RequestError(f"message {i} writes the control token {self.tokenizer.control_text(typed[i])!r} "
+                               "as text, and this chat template changes a message's text, so it cannot be kept as text")
+        return parts
 
     def sampling_params(self, response_format=None, grammar: str | None = None, regex: str | None = None,
                         **options) -> SamplingParams:

@@ -66,6 +66,10 @@ def stop_strings(stop) -> list[str]:
     longest = max(stop, key=len, default="")
     if len(longest) > MAX_STOP_LENGTH:
         raise RequestError(f"a stop string holds at most {MAX_STOP_LENGTH} characters, got {len(longest)}")
+    for x in stop:  # generated text is UTF-8: a lone surrogate could never match it
+        bad = next((c for c in x if 0xD800 <= ord(c) <= 0xDFFF), None)
+        if bad is not None:
+            raise RequestError(f"a stop string is not valid Unicode: a lone surrogate U+{ord(bad):04X}")
     return list(stop)
 
 

@@ -102,6 +102,7 @@ class Scheduler:
         self.cv = threading.Condition()
         self.closed = False
         self.error: BaseException | None = None
+        self.stopped_because: str | None = None  # stop()'s reason, given to the requests it ends
         self.thread = threading.Thread(target=self._loop, name="mlxinfer-scheduler", daemon=True)
         self.thread.start()
 
@@ -188,6 +189,13 @@ class Scheduler:
             self.cv.notify()
         self.thread.join(timeout)
 
+    def stop(self, why: str) -> None:
+        """Take no more requests and end every one running or waiting, as cancelled with `why` for its
+        error, once the pass in flight is done (the server's drain, at its deadline); returns at once."""
+        with self.cv:
+            self.closed, self.stopped_because = True, why
+            self.cv.notify()
+
     # -- the worker ----------------------------------------------------------------------------
     def _fits(self, reqs: list[Request]) -> bool:
         """Whether the cache, sized as it sizes itself (whole blocks, or every slot as long as the longest
@@ -218,11 +226,11 @@ class Scheduler:
                 self.by_seq[id(req.seq)] = req
                 self.running.append(req)
 
-    def _end(self, req: Request, reason: str) -> None:
+    def _end(self, req: Request, reason: str, error: str | None = None) -> None:
         """A request leaves the batch without a FinishEvent from the loop (cancelled, or an error)."""
         self.loop.release(req.seq, reason)
         self._leave(req)
-        self._deliver(req, FinishEvent(reason, None, None))
+        self._deliver(req, FinishEvent(reason, None, None, error=error))
 
     def _pass_failed(self, e: Exception) -> None:
         """Under the lock: a pass raised. Its requests (every running one: they shared it) end with the
@@ -283,7 +291,8 @@ class Scheduler:
         finally:
             with self.cv:
                 self.closed = True
+                reason, why = ("error", None) if self.error else ("cancelled", self.stopped_because)
                 for req in list(self.running):
-                    self._end(req, "error" if self.error else "cancelled")
+                    self._end(req, reason, why)
                 while self.waiting:
-                    self._deliver(self.waiting.popleft(), FinishEvent("error" if self.error else "cancelled", None, None))
+                    self._deliver(self.waiting.popleft(), FinishEvent(reason, None, None, error=why))

@@ -29,6 +29,7 @@ import heapq
 import os
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -373,6 +374,28 @@ class GGUFTokenizer:
         if add_special and self.add_eos:
             ids = ids + [self.eos_id]
         return ids
+
+    def encode_parts(self, parts: list[tuple[str, bool]], add_special: bool = False) -> list[int]:
+        """Token ids of the text of `parts`, each (text, parse_special) tokenized on its own and the ids
+        joined (BOS and EOS, where `add_special` and the model ask, once around the whole): a chat
+        prompt whose messages hold control-token text, kept as text while the template's are parsed."""
+        ids = [t for text, special in parts if text for t in self.encode(text, parse_special=special)]
+        if add_special and self.add_bos:
+            ids = [self.bos_id] + ids
+        if add_special and self.add_eos:
+            ids = ids + [self.eos_id]
+        return ids
+
+    @cached_property
+    def _control(self) -> re.Pattern | None:
+        ids = np.nonzero((self.token_types == TOKEN_CONTROL) | (self.token_types == TOKEN_UNKNOWN))[0]
+        texts = sorted((self.tokens[i] for i in ids if self.tokens[i]), key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    def control_text(self, text: str) -> str | None:
+        """The first control token written in `text` (what `parse_special` would make its id), or None."""
+        m = self._control.search(text) if self._control is not None else None
+        return m.group() if m else None
 
     def decode(self, ids, skip_special: bool = False) -> str:
         """Text of token ids; bytes that do not form complete UTF-8 become U+FFFD."""

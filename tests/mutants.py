@@ -47,6 +47,7 @@ T_MCHECK = "tests/test_metal_selfcheck.py"
 T_PPL = "tests/test_perplexity.py"
 T_PAGE = "tests/test_page.py"
 T_PREFIX = "tests/test_prefix.py"
+T_LIM = "tests/test_server_limits.py"
 
 CPU = "mlxinfer/backends/cpu.py"
 MLX = "mlxinfer/backends/mlx.py"
@@ -76,6 +77,9 @@ SRV_BODY = "mlxinfer/server/body_limit.py"
 SRV_METRICS = "mlxinfer/server/metrics.py"
 SRV_SCHEMAS = "mlxinfer/server/schemas.py"
 SRV_REASONING = "mlxinfer/server/reasoning.py"
+SRV_CONN = "mlxinfer/server/connections.py"
+SRV_DRAIN = "mlxinfer/server/drain.py"
+SRV_AUTH = "mlxinfer/server/auth.py"
 PAGE_APP = "mlxinfer/server/static/app.js"
 PAGE_MD = "mlxinfer/server/static/markdown.js"
 PYPROJECT = "pyproject.toml"
@@ -435,8 +439,7 @@ M = [
      [(r'''\p{N}{1,3}''', r'''\p{N}{1,2}''')],
      [T_TOK], "llama3 regex: digits grouped by 2"),
     ("tok-chat-double-bos", "tokenizer", ENG,
-     [("return tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True)",
-       "return tok.encode(text, add_special=True, parse_special=True)")],
+     [("add = not (bos and text.startswith(bos))", "add = True")],
      [T_GEN, T_TOK], "chat prompt: BOS added again when the template already starts with it"),
     # -- chat template bounds ----------------------------------------------------------------------
     ("chat-no-size-cap-mul", "chat", CHAT,
@@ -1277,7 +1280,7 @@ def usage_chunk""")],
      [("want_logprobs=body.logprobs is not None", "want_logprobs=bool(body.logprobs)")],
      [T_SRV + "::test_contract_values"], "completions' logprobs=0 returns no logprobs (the chosen tokens' are asked)"),
     ("srv-metrics-tokens-off-by-one", "server", SRV_METRICS,
-     [("self.generated.inc(ev.metrics.generated_tokens)", "self.generated.inc(ev.metrics.generated_tokens + 1)")],
+     [("self.generated.inc(len(ev.generation.token_ids))", "self.generated.inc(len(ev.generation.token_ids) + 1)")],
      [T_SRV + "::test_contract_values"], "/metrics counts one generated token more than the usage (the end-of-text)"),
     ("srv-held-text-dropped-in-stream", "server", SRV_ROUTES,
      [("reasoning, text = split(job, ev.text, last=True)", 'reasoning, text = split(job, "", last=True)')],
@@ -1408,6 +1411,72 @@ def usage_chunk""")],
      [("__device__ __forceinline__ float mlxi_f(__half x) {\n  return __half2float(x);",
        "__device__ __forceinline__ float mlxi_f(__half x) {\n  return __bfloat162float(x);")],
      [T_KER + "::test_cuda_sources_compile_with_nvrtc"], "CUDA: a float16 value widened as if it were a bfloat16"),
+    # -- issue 33 B2, B6, B8, B9: what clients hold, the drain, the key, the smaller contract points -----
+    ("conn-cap-refuses-instead-of-evicting", "server limits", SRV_CONN,
+     [("        if not idle:\n            return False", "        if True:\n            return False")],
+     [T_LIM + "::test_idle_and_half_open_connections_do_not_lock_clients_out"],
+     "connections: at the cap a new client is refused (503) while idle sockets keep their places"),
+    ("conn-no-header-deadline", "server limits", SRV_CONN,
+     [("self.header_timer = self.loop.call_later(self.limits.header_timeout, self._close)", "self.header_timer = None")],
+     [T_LIM + "::test_a_request_trickled_byte_by_byte_is_cut_at_the_header_and_body_timeouts"],
+     "connections: no deadline for a request's headers (a byte now and then holds a connection forever)"),
+    ("conn-send-stall-unbounded", "server limits", SRV_CONN,
+     [("self.send_timer = self.loop.call_later(self.limits.send_timeout, self.transport.abort)", "pass")],
+     [T_LIM + "::test_clients_that_never_read_are_cut_off_and_free_their_slots"],
+     "connections: a client that never reads holds its slot until max_tokens"),
+    ("conn-send-buffer-autotuned", "server limits", SRV_CONN,
+     [("            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)\n", "            pass\n")],
+     [T_LIM + "::test_clients_that_never_read_are_cut_off_and_free_their_slots"],
+     "connections: the kernel's autotuned send buffer (~3 MB of a stream unread before the send stalls)"),
+    ("body-no-deadline", "server limits", SRV_BODY,
+     [("async with asyncio.timeout(self.timeout):", "async with asyncio.timeout(None):")],
+     [T_LIM + "::test_a_request_trickled_byte_by_byte_is_cut_at_the_header_and_body_timeouts"],
+     "body: a body that stops halfway holds its request forever"),
+    ("drain-not-refusing", "server drain", SRV_DRAIN,
+     [('if scope["type"] != "http" or not self.drain.draining:', "if True:")],
+     [T_LIM + "::test_sigterm_lets_running_streams_finish_and_answers_new_requests_503"],
+     "drain: new requests are taken while the server drains"),
+    ("drain-cuts-streams", "server drain", SRV_DRAIN,
+     [("        drain.deadline = time.monotonic() + self.drain_timeout\n",
+       "        return super().handle_exit(sig, frame)\n")],
+     [T_LIM + "::test_sigterm_lets_running_streams_finish_and_answers_new_requests_503"],
+     "drain: SIGTERM stops the server at once (streams cut, new connections refused)"),
+    ("drain-deadline-ignored", "server drain", SRV_DRAIN,
+     [("elif time.monotonic() >= drain.deadline:", "elif False:")],
+     [T_LIM + "::test_a_stream_still_running_at_the_drain_timeout_gets_an_error_event_and_done"],
+     "drain: --drain-timeout not enforced (a long stream holds the stop)"),
+    ("drain-second-signal-waits", "server drain", SRV_DRAIN,
+     [("            if drain.draining and self.app.state.scheduler is not None:", "            if False:")],
+     [T_LIM + "::test_a_second_signal_stops_a_draining_server_at_once"],
+     "drain: a second signal leaves running streams to uvicorn's grace period (cut without an error event)"),
+    ("srv-error-event-without-done", "server", SRV_ROUTES,
+     [('                    yield {"data": "[DONE]"}\n                    return', "                    return")],
+     [T_SRV + "::test_a_failed_pass_fails_its_requests_and_the_server_goes_on"],
+     "a stream ended by an error event has no data: [DONE]"),
+    ("auth-any-key", "server auth", SRV_AUTH,
+     [("hmac.compare_digest(token.strip(), self.key)", "True")],
+     [T_LIM + "::test_api_key"], "--api-key: any bearer token accepted"),
+    ("auth-metrics-open", "server auth", SRV_AUTH,
+     [('PROTECTED = ("/v1/", "/metrics")', 'PROTECTED = ("/v1/",)')],
+     [T_LIM + "::test_api_key"], "--api-key: /metrics readable without the key"),
+    ("srv-path-in-errors", "server", SRV_ERRORS,
+     [("    path = str(state.engine.path)\n    return message.replace(", "    return message\n    return message.replace(")],
+     [T_SRV + "::test_errors_name_the_model_not_its_path"], "a 400 tells the client the model file's path"),
+    ("srv-left-client-not-counted", "server", SRV_ROUTES,
+     [("            if isinstance(ev, FinishEvent):  # so a request", "            if isinstance(ev, FinishEvent) and ev.metrics:  # so")],
+     [T_LIM + "::test_a_client_that_leaves_is_counted_and_frees_its_slot"],
+     "/metrics: a request whose client left never reaches requests_total"),
+    ("stop-lone-surrogate", "sampling", SAMP,
+     [("        if bad is not None:\n            raise RequestError(f\"a stop string", "        if False:\n            raise RequestError(f\"a stop string")],
+     [T_SRV + "::test_bad_completion_requests"], "a stop string with a lone surrogate accepted (it can never match)"),
+    ("tok-typed-control-tokens-parsed", "tokenizer", ENG,
+     [("        if not typed:\n", "        if True:\n")],
+     [T_SRV + "::test_control_tokens_typed_in_a_message_are_text"],
+     "chat: `<|im_end|>` typed in a user message becomes the control token (a user can forge turns)"),
+    ("spec-context-unbounded", "loading", "mlxinfer/models/spec.py",
+     [("if ctx > MAX_CONTEXT:", "if False:")],
+     [T_LIM + "::test_a_context_no_cache_can_index_is_refused_at_load"],
+     "loader: a context of 2^32 - 1 positions loads (past what int32 positions index)"),
     # -- structured output (mlxinfer.grammar) and tools (server/tools.py) ------------------------
     ("gram-numpy-mask-ignored", "structured output", SAMP,
      [("x = np.where(allowed[i], x, np.float32(-np.inf))", "x = x")],

@@ -18,6 +18,7 @@ from ..errors import GGUFError, UnsupportedError
 from ..gguf_file import ShardedGGUF
 
 MATRIX, NORM, EMBEDDING, BIAS, FACTORS = "matrix", "norm", "embedding", "bias", "factors"
+MAX_CONTEXT = 2**31 - 1  # positions are int32 wherever a cache or a kernel indexes them
 FUSED = "fused"  # a matrix of several products' rows, loaded as their group through `fused_view`
 EXPERTS = "experts"  # a [experts, out, in] stack (`Backend.load_experts`)
 
@@ -131,6 +132,9 @@ class ModelArgs:
         caps = {kind: _softcap(g, f"{kind}_logit_softcapping", default) for kind, default in (softcaps or {}).items()}
         extra = (SWA_KEYS if swa else ()) + tuple(f"{kind}_logit_softcapping" for kind in caps) + tuple(ignored or ())
         ctx = req("context_length")
+        if ctx > MAX_CONTEXT:  # (refused here, at load: no cache could index its positions)
+            raise GGUFError(f"{g.path}: {a}.context_length = {ctx} is past the {MAX_CONTEXT} positions a KV cache "
+                            "can index (int32)")
         ffn = req("feed_forward_length")
         optional = moe == "optional"
         moe = moe is True or (optional and f"{a}.expert_count" in g.metadata)

@@ -1,6 +1,10 @@
 """Every failure a client can see is OpenAI's error object with its status, never FastAPI's own
 `{"detail": ...}` nor a traceback: what the routes raise (ApiError), what FastAPI's validation finds,
-what Starlette answers itself (an unknown route, a wrong method), and anything unexpected (a 500)."""
+what Starlette answers itself (an unknown route, a wrong method), and anything unexpected (a 500).
+The engine's messages name the model file by its path (for the CLI's user); a client reads the
+model's id there instead (`public`): the server's file system is not its business."""
+
+import os
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -24,8 +28,14 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
     return JSONResponse(error_object(message, type_, param, code), status_code=status, headers=headers)
 
 
+def public(state, message: str) -> str:
+    """`message` with the model file's path, and then its folder, replaced by the served model's id."""
+    path = str(state.engine.path)
+    return message.replace(path, state.model_id).replace(os.path.dirname(path) + os.sep, "")
+
+
 async def api_error(request, e: ApiError):
-    return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+    return error_response(e.status, public(request.app.state.server, e.message), e.type, e.param, e.code, e.headers)
 
 
 async def validation_error(request, e: RequestValidationError):
@@ -62,7 +72,8 @@ async def http_error(request, e: HTTPException):
 
 
 async def internal_error(request, e: Exception):
-    return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+    return error_response(500, public(request.app.state.server, f"internal error: {type(e).__name__}: {e}"),
+                          "server_error")
 
 
 HANDLERS = {ApiError: api_error, RequestValidationError: validation_error, HTTPException: http_error,

@@ -31,14 +31,14 @@ class ServerMetrics:
                             "requests, cached for prefix reuse (evictable), free", ["state"], registry=r)
 
     def record(self, ev: FinishEvent, prompt_tokens: int, cached_tokens: int) -> None:
-        """Count a finished request; one that ended before it ran (cancelled while waiting) has no
+        """Count a finished request; one that ended early (cancelled, its client gone, or failed) has no
         metrics and counts only by its reason."""
         self.requests.labels(ev.finish_reason).inc()
         if ev.metrics is None:
             return
         self.prompt.inc(prompt_tokens - cached_tokens)
         self.cached.inc(cached_tokens)
-        self.generated.inc(ev.metrics.generated_tokens)
+        self.generated.inc(len(ev.generation.token_ids))  # as the usage: not the end-of-generation token
         if ev.metrics.time_to_first_token_ms:
             self.ttft.observe(ev.metrics.time_to_first_token_ms / 1000)
         for iv in ev.metrics.token_intervals_ms:

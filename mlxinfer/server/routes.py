@@ -21,7 +21,7 @@ from ..loop import FinishEvent
 from ..sampling import SamplingParams, stop_strings
 from ..scheduler import QueueFull, Scheduler, SchedulerClosed
 from ..scheduler import Request as Submitted
-from .errors import ApiError, error_response
+from .errors import ApiError, error_response, public
 from .metrics import ServerMetrics
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .schemas import (ChatRequest, CompletionRequest, NamedToolChoice, Options, chunk, completion, error_object,
@@ -217,14 +217,19 @@ def submit(request: Request, body: Options, prompt_ids: list[int], chat: bool, w
     # choice i samples with seed + i: reproducible one by one, and not n copies of one sample
     choices = [params if i == 0 or params.seed is None or params.seed < 0 else replace(params, seed=params.seed + i)
                for i in range(body.n)]
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    loop, events, submitted = asyncio.get_running_loop(), asyncio.Queue(), []
 
     def deliver(i: int):
-        return lambda ev: loop.call_soon_threadsafe(events.put_nowait, (i, ev))
+        def arrived(ev):  # on the event loop (after `submitted` is filled), whether or not anyone still reads
+            if isinstance(ev, FinishEvent):  # so a request whose client left is counted too
+                state.metrics.record(ev, len(prompt_ids) if i == 0 else 0, submitted[0].cached_tokens if i == 0 else 0)
+            events.put_nowait((i, ev))
+        return lambda ev: loop.call_soon_threadsafe(arrived, ev)
     try:
         scheduler = running_scheduler(request)
         max_tokens = max_tokens_of(scheduler, body, len(prompt_ids), chat)
         reqs = scheduler.submit_choices(prompt_ids, choices, max_tokens, stop, [deliver(i) for i in range(body.n)])
+        submitted.extend(reqs)
     except QueueFull as e:
         raise ApiError(429, str(e), "rate_limit_error", headers={"Retry-After": "1"}) from None
     except SchedulerClosed as e:
@@ -298,17 +303,17 @@ async def answer(request: Request, state: ServerState, body: Options, prompt_ids
 async def stream(state: ServerState, job: Job, include_usage: bool):
     """The SSE events of a streamed request: a chunk per token (with its choice's `index`), each
     choice's finishing chunk (with any text held back for a stop string), the usage if asked (the
-    prompt once, every choice's tokens), then [DONE]; a request that ended otherwise (the scheduler
-    stopped) ends its stream with an error object."""
+    prompt once, every choice's tokens), then [DONE]; a request that ended otherwise (a failed pass, the
+    server's drain) gets an error object, then [DONE]."""
     n = len(job.reqs)
     n_tokens, first, sent, left = 0, [True] * n, [0] * n, n  # sent: characters of text streamed so far
     try:
         while True:
             i, ev = await job.events.get()
             if isinstance(ev, FinishEvent):
-                state.metrics.record(ev, job.prompt_tokens if i == 0 else 0, job.cached_tokens if i == 0 else 0)
                 if ev.finish_reason not in ("stop", "length"):
-                    yield {"data": json.dumps(error_object(ended(ev), "server_error"))}
+                    yield {"data": json.dumps(error_object(public(state, ended(ev)), "server_error"))}
+                    yield {"data": "[DONE]"}
                     return
                 before = len(job.parsers[i].found) if job.parsers[i] else 0
                 reasoning, text, calls = split(job, i, ev.text, last=True)
@@ -350,7 +355,6 @@ async def collect(request: Request, state: ServerState, job: Job) -> dict:
                 ev = None
             if isinstance(ev, FinishEvent):
                 finished[i] = ev
-                state.metrics.record(ev, job.prompt_tokens if i == 0 else 0, job.cached_tokens if i == 0 else 0)
                 if ev.finish_reason not in ("stop", "length"):
                     break
                 continue
