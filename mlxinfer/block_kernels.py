@@ -76,7 +76,7 @@ def product(kind: str, x, w):
     """x @ w.T [M, N] in x's dtype, by the kernel of w's type on `kind` ("cuda" or "metal")."""
     import mlx.core as mx
 
-    m, k = x.shape
+    rows, k = x.shape
     n = w.shape[0]
     name, consts = KERNELS[w.qtype]
     half = lambda a: mx.view(a, mx.uint16)  # noqa: E731 (fp16 fields as their bits: read exactly in the kernel)
@@ -87,14 +87,14 @@ def product(kind: str, x, w):
         dd, sm = w.parts
         fields = [w.w, half(dd), sm]
     else:  # (d,) or (d, m); s1 unused without m
-        d, *m = w.parts
-        fields = [w.w, half(d), half(m[0] if m else d)]
+        d, *rest = w.parts
+        fields = [w.w, half(d), half(rest[0] if rest else d)]
     blocks = -(-n // WARPS)
     cols = min(blocks, 65535)
     (out,) = _kernel(kind, name)(
         inputs=[x, *fields, mx.array([n, k], dtype=mx.int32)],
-        template=[("T", x.dtype), ("M", m), *consts], grid=(cols * 32 * WARPS, -(-blocks // cols), 1),
-        threadgroup=(32 * WARPS, 1, 1), output_shapes=[(m, n)], output_dtypes=[x.dtype])
+        template=[("T", x.dtype), ("M", rows), *consts], grid=(cols * 32 * WARPS, -(-blocks // cols), 1),
+        threadgroup=(32 * WARPS, 1, 1), output_shapes=[(rows, n)], output_dtypes=[x.dtype])
     return out
 
 

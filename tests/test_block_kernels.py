@@ -193,6 +193,43 @@ def test_the_backend_sends_decode_rows_to_the_kernel_only_on_a_gpu(monkeypatch):
     assert not block_kernels.applies(w, mx.zeros((block_kernels.MAX_ROWS + 1, 256)))
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, block_kernels.MAX_ROWS])
+def test_each_launch_is_what_mlx_custom_kernels_take(qtype, m, monkeypatch):
+    """The arguments `product` hands MLX's kernel (run here against a recorder, as no GPU is): the kernel's
+    inputs in its order with the dtypes its source reads (fp16 fields as uint16 bits), template values
+    that are a dtype or an int (M the row count), the whole grid of warps, an [M, N] output in x's dtype."""
+    import mlx.core as mx
+
+    calls = []
+
+    def fake(name):
+        def launch(**kw):
+            calls.append((name, kw))
+            return [mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]
+        return launch
+
+    monkeypatch.setattr(block_kernels, "_kernel", lambda kind, name: fake(name))
+    rows, cols = 40, 512
+    _, parts = _fields(np.random.default_rng(0), rows, cols, False, qtype)
+    w = to_device(qtype, parts, (rows, cols))
+    x = mx.zeros((m, cols), dtype=mx.bfloat16)
+    out = block_kernels.product("cuda", x, w)
+    (name, kw), = calls
+    assert out.shape == (m, rows) and out.dtype == mx.bfloat16 and name == block_kernels.KERNELS[qtype][0]
+    ins = kw["inputs"]
+    assert len(ins) == len(block_kernels.INPUTS[name]) and ins[0] is x and ins[-1].tolist() == [rows, cols]
+    want = {"ql": mx.uint8, "qh": mx.uint8, "scales": mx.int8, "d_bits": mx.uint16, "s0": mx.uint16,
+            "w": mx.uint32, "s1": mx.uint8 if qtype in (Q.Q4_K, Q.Q5_K) else mx.uint16, "dims": mx.int32}
+    for n, a in zip(block_kernels.INPUTS[name][1:], ins[1:]):
+        assert a.dtype == want[n], (n, a.dtype)
+    template = dict(kw["template"])
+    assert template["T"] == mx.bfloat16 and template["M"] == m
+    assert all(isinstance(v, mx.Dtype) or type(v) is int for v in template.values()), kw["template"]
+    assert kw["threadgroup"] == (32 * block_kernels.WARPS, 1, 1)
+    assert kw["grid"][0] * kw["grid"][1] >= rows * 32 and kw["output_shapes"] == [(m, rows)]
+
+
 needs_gpu = pytest.mark.skipif(gpu_kind() is None, reason="needs an MLX GPU (Metal or CUDA)")
 
 

@@ -31,7 +31,9 @@ Fused attention, chosen by platform (overridable with `kernel=`):
   - "graph": each sequence's heads in one batched graph (the CPU's override);
   - "cuda":  one `mx.fast.cuda_kernel` launch for the whole batch (metal_kernels/attention.cu);
   - "metal": its `mx.fast.metal_kernel` twin (metal_kernels/attention.metal), never run on hardware by
-    this project: used by default only after a self-check on the device (see `verify_gpu_kernels`).
+    this project.
+Either is used by default only after a self-check on the device (`verify_gpu_kernels`; its verdict is
+remembered per machine and code, `kernel_checks`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from ..batch import Batch  # noqa: E402
 from ..errors import GGUFError, RequestError  # noqa: E402
 from ..kv_cache import KV_CACHES, PagedLayer  # noqa: E402
 from ..sampling import MLXRandom  # noqa: E402
+from . import kernel_checks  # noqa: E402
 from .cpu import checked_threads, default_threads  # noqa: E402
 from .mlx_kv import dequantize_q8_0, packed_width, quantize_q8_0, value_bytes  # noqa: E402
 from .mlx_weights import GROUP, BlockWeight, ExpertStack, PackedWeight, QuantizedWeight, WeightGroup, to_device  # noqa: E402,F401
@@ -301,15 +304,24 @@ class MLXBackend(Backend):
         self.fallback = None  # the self-check's failure, once one failed
         self.checked = None  # the kernel the self-check ran on, once it ran
         self._cache: dict[str, object] = {}
-        if device == "gpu" and kernel is None and gpu == "metal" and verify is not None:
+        if device == "gpu" and kernel is None and verify is not None:
             self.check_kernels(verify)
 
-    def check_kernels(self, verify=verify_gpu_kernels) -> str | None:
-        """Never run an unverified kernel silently: run `verify` (on the device); on a mismatch use
-        MLX's own ops instead, with fused attention running the per-head reference itself (see
-        `fused_attention_override`), say so in one line on stderr, and return it."""
+    def check_kernels(self, verify=verify_gpu_kernels, fresh: bool = False) -> str | None:
+        """Never run an unverified kernel silently: run `verify` (on the device; the default check's
+        verdict is remembered per machine, code and dtypes: `kernel_checks`, unless `fresh`); on a
+        mismatch use MLX's own ops instead, with fused attention running the per-head reference itself
+        (see `fused_attention_override`), say so in one line on stderr, and return it."""
         self.checked = self.kernel
-        problem = verify(self)
+        if verify is verify_gpu_kernels and self.device == "gpu":  # (tests force kernels on the CPU: not kept)
+            run = lambda: verify(self)  # noqa: E731
+            if fresh:
+                problem = run()
+                kernel_checks.remember(kernel_checks.key(self.kernel, self.dtype_name, self.kv_dtype), problem)
+            else:
+                problem = kernel_checks.verdict(self.kernel, self.dtype_name, self.kv_dtype, run)
+        else:
+            problem = verify(self)
         if problem:
             self.fallback = problem
             self.gpu_kernels, self.kernel = None, "graph"
@@ -322,8 +334,8 @@ class MLXBackend(Backend):
         cases (run now if it has not run), for `mlxinfer inspect --kernels`."""
         if self.device != "gpu":
             return "kernels: none on the CPU (MLX's own ops, graph attention): nothing to check", True
-        if self.checked is None:
-            self.check_kernels()
+        if self.checked is None or not self.fallback:  # asked for: run it now, whatever is remembered
+            self.check_kernels(fresh=True)
         kind = self.checked
         cases = self_check_cases()
         what = (f"{len(cases)} cases: head dims {', '.join(map(str, SELF_CHECK_HEAD_DIMS))}; decode rows, chunks, "

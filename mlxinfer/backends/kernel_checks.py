@@ -1,0 +1,100 @@
+"""The GPU self-check's verdicts, kept so that a kernel is checked once per machine, not once per process.
+
+The MLX backend never runs its own GPU kernels unchecked: at first use on a device it runs
+`verify_gpu_kernels` (every launch plan against the per-head reference and the block kernels against
+their published order, bit for bit) and falls back to MLX's own ops if anything differs. The check takes
+seconds (it compiles every kernel form), and a benchmark or a test suite starts many backends, so its
+verdict is remembered: in this process, and on disk (`kernel-checks.json` in mlxinfer's cache), keyed by
+everything that decides it: the digest of the kernel sources and of the Python that launches them and
+holds the reference, MLX's version, the GPU kind and device name, and the dtypes. The same key gives
+the same bits, so the verdict is reused; any change of code, MLX or GPU checks again. A damaged or
+unwritable file only means checking again (one warning line when it cannot be written).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+from ..model_source import cache_dir
+
+_ROOT = Path(__file__).resolve().parent.parent  # the mlxinfer package
+# what decides a verdict: the kernels, the code that launches them, the reference they are checked against
+SOURCES = ("../metal_kernels", "kernels.py", "block_kernels.py", "backend.py", "backends/mlx.py",
+           "backends/mlx_kv.py", "backends/mlx_weights.py", "kv_cache.py", "batch.py")
+_VERDICTS: dict[str, str | None] = {}  # this process's
+
+
+@lru_cache(maxsize=None)
+def sources_digest() -> str:
+    h = hashlib.sha256()
+    for name in SOURCES:
+        path = (_ROOT / name).resolve()
+        files = sorted(p for p in path.iterdir() if p.suffix in (".cu", ".metal")) if path.is_dir() else [path]
+        for f in files:
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def device_name(kind: str) -> str:
+    """The GPU's name where MLX tells it (best effort: the key only needs to tell machines apart)."""
+    import mlx.core as mx
+
+    try:
+        info = (mx.metal.device_info() if kind == "metal" else mx.cuda.device_info())  # type: ignore[attr-defined]
+        return str(info.get("device_name") or info.get("name") or "")
+    except Exception:
+        return ""
+
+
+def key(kind: str, dtype: str, kv_dtype: str) -> str:
+    import mlx.core as mx
+
+    return f"{sources_digest()} mlx {mx.__version__} {kind} {device_name(kind)!r} {dtype} {kv_dtype}"
+
+
+def _file() -> Path:
+    return cache_dir() / "kernel-checks.json"
+
+
+def _read() -> dict:
+    try:
+        data = json.loads(_file().read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def verdict(kind: str, dtype: str, kv_dtype: str, run) -> str | None:
+    """The self-check's verdict for this key (None: passed, else its one-line problem): remembered in
+    this process or on disk, else `run()` now and remembered."""
+    k = key(kind, dtype, kv_dtype)
+    if k in _VERDICTS:
+        return _VERDICTS[k]
+    known = _read()
+    if k in known and isinstance(known[k], dict) and "problem" in known[k]:
+        _VERDICTS[k] = known[k]["problem"]
+        return _VERDICTS[k]
+    _VERDICTS[k] = problem = run()
+    remember(k, problem)
+    return problem
+
+
+def remember(k: str, problem: str | None) -> None:
+    _VERDICTS[k] = problem
+    known = _read()
+    known[k] = {"problem": problem}
+    path = _file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"mlxinfer: warning: cannot keep the kernel self-check's verdict in {path} ({e.strerror}): "
+              "it runs again in the next process", file=sys.stderr)
