@@ -1,4 +1,4 @@
-"""Structured output and tool calling over the server (the openai SDK and raw HTTP), on a Qwen3-style
+"""Structured output and tool calling over the server (the openai SDK and raw HTTP), on Qwen3's own
 template (calls as `<tool_call>` JSON) and on Llama 3.1's own template (tests/data), and the tool-call
 parser by itself.
 
@@ -23,23 +23,11 @@ pytest.importorskip("llguidance")
 from mlxinfer.synthetic import rewrite_gguf, write_synthetic_model  # noqa: E402
 from tests.test_server import MODEL, SHAPE, Served  # noqa: E402
 
-# A Qwen3-style (Hermes) template: tools listed in the system turn, calls as <tool_call> JSON, tool
-# results as <tool_response> in a user turn (written for these tests, after the format Qwen's cards give).
-HERMES = (
-    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
-    "# Tools\n\nYou may call one or more functions.\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
-    "</tools>\n\nFor each function call, return a json object within <tool_call></tool_call> tags:\n<tool_call>\n"
-    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
-    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'user' %}<|im_start|>user\n{{ message.content }}<|im_end|>\n"
-    "{%- elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content }}"
-    "{%- for tc in message.tool_calls or [] %}\n<tool_call>\n{\"name\": \"{{ tc.function.name }}\", \"arguments\": "
-    "{{ tc.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
-    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
-    "</tool_response><|im_end|>\n{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# Qwen3's own chat template (Qwen/Qwen3-0.6B's, as llama.cpp keeps it in models/templates, shipped in
+# llama-cpp-python 0.3.36's source distribution): tools listed in the system turn, calls as <tool_call>
+# JSON, tool results as <tool_response> in a user turn, <think> blocks.
+with open("tests/data/Qwen-Qwen3-0.6B.jinja") as f:
+    HERMES = f.read()
 with open("tests/data/llama-cpp-chat-templates.json") as f:
     LLAMA31 = json.load(f)["templates"]["meta-llama/Llama-3.1-8B-Instruct"]
 
