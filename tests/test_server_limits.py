@@ -183,6 +183,23 @@ def test_idle_and_half_open_connections_do_not_lock_clients_out(server):
     assert any("--max-connections" in line for line in new)
 
 
+@options("--max-connections", "1", "--timeout-header", "60")
+def test_a_connection_with_a_request_in_flight_is_never_closed_for_the_cap(server, endless):
+    """At the cap, only an idle connection may be closed to make room: a stream running longer than the
+    idle grace keeps its connection (the newcomer gets the 503), and goes on to its [DONE]."""
+    body = {**endless, "max_tokens": 4000, "stream": True}  # seconds of tokens (~1,000/s on a 2-core VM)
+    with httpx.Client(timeout=30) as c, c.stream("POST", server.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        t0 = time.monotonic()
+        events = 0
+        while time.monotonic() - t0 < EVICTABLE_AFTER + 0.3:  # past the grace an idle connection gets
+            events += next(lines).startswith("data: {")
+        newcomer = httpx.get(server.url + "/health", timeout=10)
+        assert newcomer.status_code == 503 and newcomer.headers["retry-after"] == "1"
+        data = [line for line in lines if line.startswith("data: ")]
+    assert data[-1] == "data: [DONE]" and events + len(data) - 1 == 4000 + 1  # a chunk a token, the finishing one
+
+
 @options("--timeout-header", "1", "--timeout-body", "1")
 def test_a_request_trickled_byte_by_byte_is_cut_at_the_header_and_body_timeouts(server):
     """Headers sent a byte at a time (each byte well within uvicorn's keep-alive) are cut at the
