@@ -135,6 +135,19 @@ def test_a_stop_string_across_two_tokens_is_never_streamed(engine):
     assert gen.text == "".join(pieces) == full[:ends[i] - 1]
 
 
+def test_two_stop_strings_completed_by_one_token_end_the_text_at_the_earlier(engine):
+    """A stop string and its own last character, both completed by the same token: the text ends where
+    the earlier one (the longer) starts, in whichever order they are given."""
+    text = engine.generate([1, 2, 3], max_tokens=30).text
+    end = next(j for j in range(2, len(text)) if text[j] not in text[:j])  # a character's first occurrence
+    longer, last = text[end - 2:end + 1], text[end]
+    assert text.find(longer) == end - 2 and text.find(last) == end
+    for stop in ([longer, last], [last, longer]):
+        pieces = []
+        gen = engine.generate([1, 2, 3], max_tokens=30, stop=stop, on_text=pieces.append)
+        assert gen.finish_reason == "stop" and gen.text == "".join(pieces) == text[:end - 2], stop
+
+
 def test_stops_at_end_of_generation_token(engine, monkeypatch):
     free = engine.generate([1, 2, 3], max_tokens=6)
     stopper = free.token_ids[3]

@@ -80,6 +80,23 @@ def test_stores_shrink_to_the_longest_live_sequence(engine):
     assert np.array_equal(v, np.concatenate([rows[:10], 3 * rows[:1]]))
 
 
+def test_a_released_slots_announced_prompt_no_longer_holds_room(engine):
+    """A prompt announced (`expect`, as the loop does when it admits one) and then released before it
+    ran (a cancelled request): the stores shrink to the sequences still live, as for a released one."""
+    ops = engine.backend
+    cache = PreallocKVCache(ops, n_layers=1, width=4, step=STEP)
+    long_, short = cache.alloc(), cache.alloc()
+    cache.expect(long_, 100)
+    rows = np.arange(40, dtype=np.float32).reshape(10, 4)
+    batch = Batch(ops, [short], [0], [10])
+    cache.reserve(batch)
+    cache.update(ops, 0, rows, rows, batch)
+    assert (cache.n_slots, cache.capacity) == (2, _rounded(100)), "the announced prompt's room in one allocation"
+    cache.release(long_)
+    assert (cache.n_slots, cache.capacity) == (2, _rounded(10)), "the released announcement still holds room"
+    assert cache.nbytes() == cache.nbytes_for({long_: 0, short: 10})
+
+
 @pytest.mark.parametrize("kv", ["prealloc", "paged", "basic"])
 def test_the_server_budget_holds_the_cache_as_it_sizes_itself(tmp_path, kv):
     """Requests of 20-60 tokens under a budget of two 256-position prealloc slots: the cache rounds

@@ -979,6 +979,39 @@ def test_time_to_first_token_counts_from_arrival(served, monkeypatch):
     assert 0.3 <= ttft_sum() - before <= elapsed  # in seconds: within the request's own duration
 
 
+def _metric_values(served, *names) -> dict:
+    lines = httpx.get(served.url + "/metrics").text.splitlines()
+    return {n: float(line.split()[-1]) for line in lines for n in names if line.startswith(n + " ")}
+
+
+def test_inter_token_latencies_are_seconds_within_the_request(served):
+    """The inter-token latency histogram: one observation per interval between a request's tokens, their
+    sum in seconds, so within the request's duration seen by the client (a bound that holds on any
+    machine, however slow; in milliseconds the sum would pass it by orders of magnitude)."""
+    names = ("mlxinfer_inter_token_latency_seconds_sum", "mlxinfer_inter_token_latency_seconds_count")
+    before = _metric_values(served, *names)
+    t0 = time.perf_counter()
+    r = served.client.completions.create(model=MODEL, prompt=LONG, max_tokens=8, temperature=0)
+    elapsed = time.perf_counter() - t0
+    after = _metric_values(served, *names)
+    assert r.usage.completion_tokens == 8
+    assert after[names[1]] - before[names[1]] == 7
+    assert 0 < after[names[0]] - before[names[0]] <= elapsed
+
+
+def test_metrics_count_the_prompt_of_n_choices_once(served, engine):
+    """n = 3 choices share one prompt: /metrics counts its tokens once (prefilled plus cached), as the
+    usage does, however many choices ran."""
+    names = ("mlxinfer_prompt_tokens_total", "mlxinfer_prompt_tokens_cached_total")
+    before = _metric_values(served, *names)
+    r = served.client.completions.create(model=MODEL, prompt=[7, 8, 9, 10, 11], max_tokens=3, temperature=0, n=3)
+    after = _metric_values(served, *names)
+    assert len(r.choices) == 3 and r.usage.prompt_tokens == 5
+    counted = sum(after[n] - before[n] for n in names)
+    assert counted == r.usage.prompt_tokens
+    assert after[names[1]] - before[names[1]] == r.usage.prompt_tokens_details.cached_tokens
+
+
 def test_waiting_requests_are_admitted_first_come_first_served(engine):
     """Under the scheduler's lock (its worker cannot admit), three requests queue for a batch of one;
     they then run, and finish, in the order they arrived."""

@@ -183,6 +183,31 @@ def test_idle_and_half_open_connections_do_not_lock_clients_out(server):
     assert any("--max-connections" in line for line in new)
 
 
+@options("--max-connections", "1", "--timeout-header", "60")
+def test_a_connection_with_a_request_in_flight_is_never_closed_for_the_cap(server, endless):
+    """At the cap, only an idle connection may be closed to make room: a connection that waited past the
+    idle grace before sending its request is busy once the request came, so a newcomer then gets the 503
+    and the stream goes on to its end and [DONE]."""
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    time.sleep(EVICTABLE_AFTER + 0.3)  # idle past the grace (the header deadline is far away)
+    data = json.dumps({**endless, "max_tokens": 2000, "stream": True}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    got = b""
+    while b"data: {" not in got:  # the stream has started: the request is in flight
+        more = s.recv(65536)
+        assert more, got
+        got += more
+    newcomer = httpx.get(server.url + "/health", timeout=10)
+    assert newcomer.status_code == 503 and newcomer.headers["retry-after"] == "1"
+    while b"data: [DONE]" not in got:
+        more = s.recv(65536)
+        assert more, "the stream was cut"
+        got += more
+    s.close()
+    assert b'"finish_reason": "length"' in got  # it ran to max_tokens
+
+
 @options("--timeout-header", "1", "--timeout-body", "1")
 def test_a_request_trickled_byte_by_byte_is_cut_at_the_header_and_body_timeouts(server):
     """Headers sent a byte at a time (each byte well within uvicorn's keep-alive) are cut at the

@@ -332,3 +332,14 @@ def test_duplicate_token_strings_take_the_first_id():
                                        "tokenizer.ggml.token_type": types})
     assert tok.encode("Hello") == [first]
     assert tok.decode([first]) == "Hello" and later not in tok.encode("Hello Hello")
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama-spm"])
+def test_decode_refuses_the_first_id_past_the_vocabulary(name):
+    """decode takes ids 0 .. vocab_size - 1 and names any other in one line, on both kinds of vocabulary
+    (the first id past the end is where an off-by-one would decode "" or raise an IndexError)."""
+    tok = mlxinfer.load_tokenizer(os.path.join(DATA, f"ggml-vocab-{name}.gguf"))
+    assert isinstance(tok.decode([tok.vocab_size - 1]), str)
+    for bad in (tok.vocab_size, -1):
+        with pytest.raises(RequestError, match=rf"token id {bad} is outside the vocabulary \[0, {tok.vocab_size}\)"):
+            tok.decode([5, bad])

@@ -100,6 +100,11 @@ def test_the_parser_finds_calls_across_pieces_and_keeps_bad_ones_as_text(size):
     assert prose.feed("It is sunny.") == ("It is sunny.", []) and prose.finish() == ("", [])
     broken = ToolCallParser("llama3")
     assert broken.feed('{"name": ') == ("", []) and broken.finish() == ('{"name": ', [])
+    # a Llama 3 reply that names its arguments "arguments" (as OpenAI does) keeps them
+    openai_style = ToolCallParser("llama3")
+    assert openai_style.feed('{"name": "get_time", "arguments": {"zone": "UTC"}}') == ("", [])
+    _, (call,) = openai_style.finish()
+    assert call["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
 
 
 def _stream(client, **kw):
