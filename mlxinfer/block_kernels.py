@@ -16,12 +16,11 @@ batch.
 from __future__ import annotations
 
 from functools import lru_cache
-from importlib import resources
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from .kernels import strip_comments
+from .kernels import source_parts, strip_comments
 
 SOURCES = {"cuda": "blocks.cu", "metal": "blocks.metal"}
 # type -> (kernel, template constants besides T and M): the block type read from its own fields, and the
@@ -52,14 +51,11 @@ def applies(w, x) -> bool:
 
 
 def kernel_source(kind: str) -> tuple[str, dict[str, str]]:
-    """(header, {kernel name: body}) of blocks.cu or blocks.metal, split at its //@@ markers."""
-    text = resources.files("metal_kernels").joinpath(SOURCES[kind]).read_text(encoding="utf-8")
-    _, rest = text.split("//@@HEADER\n", 1)
-    header, *bodies = rest.split("//@@BODY ")
+    """(header, {kernel name: body}) of blocks.cu or blocks.metal (`kernels.source_parts`)."""
+    header, bodies = source_parts(SOURCES[kind])
     if kind == "cuda":  # MLX hashes a CUDA kernel's whole source at every launch: keep it short
-        header = strip_comments(header)
-        return header, {b.split("\n", 1)[0].strip(): strip_comments(b.split("\n", 1)[1]) for b in bodies}
-    return header, {b.split("\n", 1)[0].strip(): b.split("\n", 1)[1] for b in bodies}
+        return strip_comments(header), {name: strip_comments(body) for name, body in bodies.items()}
+    return header, bodies
 
 
 @lru_cache(maxsize=None)

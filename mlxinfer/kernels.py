@@ -47,12 +47,17 @@ MAX_BLOCKS = 1024  # fused attention: blocks in flight (each keeps one row of sc
 MAX_HEAD_DIM = 256  # the fused kernel's shared memory holds 32 partial sums per head dimension
 
 
-def kernel_source(kind: str) -> tuple[str, dict[str, str]]:
-    """(header, {kernel name: body}) of a kernel source file, split at its //@@ markers."""
-    text = resources.files("metal_kernels").joinpath(SOURCES[kind]).read_text(encoding="utf-8")
+def source_parts(file: str) -> tuple[str, dict[str, str]]:
+    """(header, {kernel name: body}) of a kernel source file of metal_kernels/, split at its //@@ markers."""
+    text = resources.files("metal_kernels").joinpath(file).read_text(encoding="utf-8")
     _, rest = text.split("//@@HEADER\n", 1)
     header, *bodies = rest.split("//@@BODY ")
     return header, {b.split("\n", 1)[0].strip(): b.split("\n", 1)[1] for b in bodies}
+
+
+def kernel_source(kind: str) -> tuple[str, dict[str, str]]:
+    """(header, {kernel name: body}) of the attention kernels' source for `kind`."""
+    return source_parts(SOURCES[kind])
 
 
 _INPUTS = {

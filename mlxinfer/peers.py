@@ -120,9 +120,6 @@ def _mlx_lm_weights(g, gguf: dict, args, cast) -> tuple[dict, dict]:
     gguf-py."""
     import mlx.core as mx
 
-    if args.arch not in PEER_ARCHITECTURES or args.n_experts:
-        raise UnsupportedError(f"{g.path}: the mlx-lm peer is written for dense {' and '.join(PEER_ARCHITECTURES)} files, "
-                               f"not {args.arch} (its Hugging Face names and config are not mapped)")
     weights, module_bits = {}, {}  # module_bits: mlx-lm module path -> bits, for every quantized tensor
     for _, _, name, hf_name, _ in tensors(args):
         if not hf_name.endswith(".weight"):
@@ -174,10 +171,10 @@ def write_mlx_lm_model(path, out_dir, dtype: str = "float32", quant: tuple[int, 
     cast = getattr(mx, dtype)
     with GGUFFile(path) as g:
         args = model_args(g)
+        if args.arch not in PEER_ARCHITECTURES or args.n_experts:
+            raise UnsupportedError(f"{g.path}: the mlx-lm peer is written for dense {' and '.join(PEER_ARCHITECTURES)} "
+                                   f"files, not {args.arch} (its Hugging Face names and config are not mapped)")
         if quant:
-            if args.arch not in PEER_ARCHITECTURES or args.n_experts:
-                raise UnsupportedError(f"{g.path}: the mlx-lm peer is written for dense {' and '.join(PEER_ARCHITECTURES)} "
-                                       f"files, not {args.arch}")
             weights, module_bits = _mlx_lm_random_quantized(args, cast, *quant)
         else:
             weights, module_bits = _mlx_lm_weights(g, mx.load(str(path)), args, cast)

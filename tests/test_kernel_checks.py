@@ -46,6 +46,17 @@ def test_a_failure_is_kept_too_and_another_key_checks_again(store):
     assert runs == ["kernel differs", None, None]
 
 
+def test_fresh_runs_it_again_and_keeps_the_new_verdict(store, monkeypatch):
+    """`mlxinfer inspect --kernels` asks for a fresh run: the check runs whatever is remembered, and its
+    verdict replaces the old one for the next process."""
+    _, runs, check = store
+    kernel_checks.verdict("cuda", "float32", "float32", check())
+    assert kernel_checks.verdict("cuda", "float32", "float32", check("now differs"), fresh=True) == "now differs"
+    monkeypatch.setattr(kernel_checks, "_VERDICTS", {})
+    assert kernel_checks.verdict("cuda", "float32", "float32", check()) == "now differs"
+    assert runs == [None, "now differs"]
+
+
 def test_the_key_follows_the_code(store, monkeypatch):
     _, runs, check = store
     kernel_checks.verdict("cuda", "float32", "float32", check())

@@ -279,6 +279,14 @@ def _stream(url: str, body: dict):
     return client, r, (line[len("data: "):] for line in r.iter_lines() if line.startswith("data: "))
 
 
+def _until_logged(server, text: str, timeout: float = 10) -> None:
+    """Wait (at most `timeout` s) until the server's log holds `text`."""
+    deadline = time.monotonic() + timeout
+    while text not in server.log():
+        assert time.monotonic() < deadline, f"{text!r} not logged in {timeout} s"
+        time.sleep(0.02)
+
+
 @options("--drain-timeout", "60")
 def test_sigterm_lets_running_streams_finish_and_answers_new_requests_503(server, endless):
     """SIGTERM mid-stream: the stream goes on to its last token and [DONE]; meanwhile a new request and
@@ -286,10 +294,7 @@ def test_sigterm_lets_running_streams_finish_and_answers_new_requests_503(server
     client, r, data = _stream(server.url, {**endless, "max_tokens": 1500})
     first = next(data)
     server.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while "draining" not in server.log():
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    _until_logged(server, "draining")
     new = httpx.post(server.url + "/v1/completions", json={**endless, "max_tokens": 2}, timeout=10)
     assert new.status_code == 503 and new.headers["retry-after"] == "1"
     assert "shutting down" in new.json()["error"]["message"]
@@ -330,10 +335,7 @@ def test_a_second_signal_stops_a_draining_server_at_once(server, endless):
     client, r, data = _stream(server.url, {**endless, "max_tokens": 4000})
     first = next(data)
     server.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while "draining" not in server.log():
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    _until_logged(server, "draining")
     server.proc.send_signal(signal.SIGTERM)
     rest = [first, *data]
     client.close()

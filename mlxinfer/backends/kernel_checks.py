@@ -70,24 +70,17 @@ def _read() -> dict:
         return {}
 
 
-def verdict(kind: str, dtype: str, kv_dtype: str, run) -> str | None:
+def verdict(kind: str, dtype: str, kv_dtype: str, run, fresh: bool = False) -> str | None:
     """The self-check's verdict for this key (None: passed, else its one-line problem): remembered in
-    this process or on disk, else `run()` now and remembered."""
+    this process or on disk, else (or with `fresh`) `run()` now and remembered."""
     k = key(kind, dtype, kv_dtype)
-    if k in _VERDICTS:
+    if not fresh and k in _VERDICTS:
         return _VERDICTS[k]
     known = _read()
-    if k in known and isinstance(known[k], dict) and "problem" in known[k]:
+    if not fresh and k in known and isinstance(known[k], dict) and "problem" in known[k]:
         _VERDICTS[k] = known[k]["problem"]
         return _VERDICTS[k]
     _VERDICTS[k] = problem = run()
-    remember(k, problem)
-    return problem
-
-
-def remember(k: str, problem: str | None) -> None:
-    _VERDICTS[k] = problem
-    known = _read()
     known[k] = {"problem": problem}
     path = _file()
     try:
@@ -98,3 +91,4 @@ def remember(k: str, problem: str | None) -> None:
     except OSError as e:
         print(f"mlxinfer: warning: cannot keep the kernel self-check's verdict in {path} ({e.strerror}): "
               "it runs again in the next process", file=sys.stderr)
+    return problem

@@ -303,6 +303,7 @@ class MLXBackend(Backend):
         self.kernel = kernel or (gpu if device == "gpu" else "graph")
         self.fallback = None  # the self-check's failure, once one failed
         self.checked = None  # the kernel the self-check ran on, once it ran
+        self.checked_here = False  # whether it ran in this process (not a remembered verdict)
         self._cache: dict[str, object] = {}
         if device == "gpu" and kernel is None and verify is not None:
             self.check_kernels(verify)
@@ -313,15 +314,17 @@ class MLXBackend(Backend):
         mismatch use MLX's own ops instead, with fused attention running the per-head reference itself
         (see `fused_attention_override`), say so in one line on stderr, and return it."""
         self.checked = self.kernel
+        ran = []
+
+        def run():
+            ran.append(True)
+            return verify(self)
+
         if verify is verify_gpu_kernels and self.device == "gpu":  # (tests force kernels on the CPU: not kept)
-            run = lambda: verify(self)  # noqa: E731
-            if fresh:
-                problem = run()
-                kernel_checks.remember(kernel_checks.key(self.kernel, self.dtype_name, self.kv_dtype), problem)
-            else:
-                problem = kernel_checks.verdict(self.kernel, self.dtype_name, self.kv_dtype, run)
+            problem = kernel_checks.verdict(self.kernel, self.dtype_name, self.kv_dtype, run, fresh=fresh)
         else:
-            problem = verify(self)
+            problem = run()
+        self.checked_here = bool(ran)  # run in this process, not a remembered verdict
         if problem:
             self.fallback = problem
             self.gpu_kernels, self.kernel = None, "graph"
@@ -334,7 +337,7 @@ class MLXBackend(Backend):
         cases (run now if it has not run), for `mlxinfer inspect --kernels`."""
         if self.device != "gpu":
             return "kernels: none on the CPU (MLX's own ops, graph attention): nothing to check", True
-        if self.checked is None or not self.fallback:  # asked for: run it now, whatever is remembered
+        if not (self.fallback or self.checked_here):  # asked for: run now unless it just ran here
             self.check_kernels(fresh=True)
         kind = self.checked
         cases = self_check_cases()
