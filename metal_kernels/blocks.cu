@@ -101,7 +101,7 @@ for (int m = 0; m < M; ++m) {
 //@@BODY affine_matvec
 // The affine types as the MLX backend keeps them (quants.split): w [N, K BITS / 32] uint32 (MLX's packing),
 // then the file's scale fields, by SCALES: 0 (Q8_0, Q4_0, Q5_0) s0 [N, K / 32] the fp16 d's bits, scale d,
-// bias d * OFFSET (-128, -8, -16: exact), s1 unused; 1 (Q4_1, Q5_1) s0 d and s1 m [N, K / 32] (fp16 bits),
+// bias -(d * ZERO) (ZERO 128, 8, 16: exact), s1 unused; 1 (Q4_1, Q5_1) s0 d and s1 m [N, K / 32] (fp16 bits),
 // scale d, bias m; 2 (Q4_K, Q5_K) s0 [N, K / 256, 2] the fp16 d and dmin's bits, s1 [N, K / 256, 2, 8]
 // uint8 sub-scales then mins, group g = 8b + j: scale d sc_j, bias -(dmin m_j) (quants: exact).
 // dims = [N, K]; out [M, N]. Lane l takes groups l, l + 32, ..., each t = 0..31 (mlxi_affine_group).
@@ -124,7 +124,7 @@ for (long g = lane; g < K / 32; g += 32) {
     bias = mlxi_half_bits(s1[at]);
   } else {
     scale = mlxi_half_bits(s0[at]);
-    bias = __fmul_rn(scale, (float)OFFSET);
+    bias = -__fmul_rn(scale, (float)ZERO);
   }
   mlxi_affine_group<BITS, M>(x, K, g * 32, w_row, g, scale, bias, acc);
 }

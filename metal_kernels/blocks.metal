@@ -80,7 +80,7 @@ for (int m = 0; m < M; ++m) {
   if (lane == 0) out[(long)m * N + n] = T(s);
 }
 //@@BODY affine_matvec
-// As in blocks.cu: the affine types, their scale fields by SCALES (0: d and OFFSET; 1: d, m; 2: K-quants).
+// As in blocks.cu: the affine types, their scale fields by SCALES (0: d and ZERO; 1: d, m; 2: K-quants).
 const int N = dims[0], K = dims[1];
 const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
@@ -102,7 +102,7 @@ for (long g = lane; g < K / 32; g += 32) {
     bias = mlxi_half_bits(s1[at]);
   } else {
     scale = mlxi_half_bits(s0[at]);
-    bias = scale * float(OFFSET);
+    bias = -(scale * float(ZERO));
   }
   mlxi_affine_group<BITS, M>(x, K, g * 32, w_row, g, scale, bias, acc);
 }

@@ -24,16 +24,18 @@ from .kernels import source_parts, strip_comments
 
 SOURCES = {"cuda": "blocks.cu", "metal": "blocks.metal"}
 # type -> (kernel, template constants besides T and M): the block type read from its own fields, and the
-# affine types from the compact form the MLX backend keeps (MLX's packed codes, the file's scale fields)
+# affine types from the compact form the MLX backend keeps (MLX's packed codes, the file's scale fields).
+# Template integers are never negative: MLX CUDA names a kernel by its template arguments, and a '-' in
+# that name fails its compile (the Q8_0 zero point is ZERO = 128, bias = -(d * 128), not OFFSET = -128).
 KERNELS = {
     Q.Q6_K: ("q6_k_matvec", ()),
-    Q.Q8_0: ("affine_matvec", (("BITS", 8), ("SCALES", 0), ("OFFSET", -128))),
-    Q.Q4_0: ("affine_matvec", (("BITS", 4), ("SCALES", 0), ("OFFSET", -8))),
-    Q.Q5_0: ("affine_matvec", (("BITS", 5), ("SCALES", 0), ("OFFSET", -16))),
-    Q.Q4_1: ("affine_matvec", (("BITS", 4), ("SCALES", 1), ("OFFSET", 0))),
-    Q.Q5_1: ("affine_matvec", (("BITS", 5), ("SCALES", 1), ("OFFSET", 0))),
-    Q.Q4_K: ("affine_matvec", (("BITS", 4), ("SCALES", 2), ("OFFSET", 0))),
-    Q.Q5_K: ("affine_matvec", (("BITS", 5), ("SCALES", 2), ("OFFSET", 0))),
+    Q.Q8_0: ("affine_matvec", (("BITS", 8), ("SCALES", 0), ("ZERO", 128))),
+    Q.Q4_0: ("affine_matvec", (("BITS", 4), ("SCALES", 0), ("ZERO", 8))),
+    Q.Q5_0: ("affine_matvec", (("BITS", 5), ("SCALES", 0), ("ZERO", 16))),
+    Q.Q4_1: ("affine_matvec", (("BITS", 4), ("SCALES", 1), ("ZERO", 0))),
+    Q.Q5_1: ("affine_matvec", (("BITS", 5), ("SCALES", 1), ("ZERO", 0))),
+    Q.Q4_K: ("affine_matvec", (("BITS", 4), ("SCALES", 2), ("ZERO", 0))),
+    Q.Q5_K: ("affine_matvec", (("BITS", 5), ("SCALES", 2), ("ZERO", 0))),
 }
 INPUTS = {"q6_k_matvec": ["x", "ql", "qh", "scales", "d_bits", "dims"],
           "affine_matvec": ["x", "w", "s0", "s1", "dims"]}

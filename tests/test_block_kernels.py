@@ -105,13 +105,16 @@ def _launches():
 
 
 def _cuda_source(name: str, consts, dtype: str, m: int) -> str:
-    """What MLX's cuda_kernel compiles for a launch: the header, then the kernel with each input typed
-    by its array's dtype, the template constants, the body."""
+    """What MLX's cuda_kernel compiles for a launch: the header, then the kernel, named as MLX names it
+    (custom_kernel_, the name, each template argument, a hash: mlx/backend/cuda/custom_kernel.cpp), with
+    each input typed by its array's dtype, the template constants, the body."""
     header, bodies = block_kernels.kernel_source("cuda")
     types = _input_types(consts, dtype)
     params = ", ".join(f"const {types[i]}* {i}" for i in block_kernels.INPUTS[name]) + f", {dtype}* out"
     extra = "".join(f"  constexpr int {k} = {v};\n" for k, v in consts)
-    return (f"{CUDA_STUB}{header}\n__global__ void k_{name}({params}) {{\n  using T = {dtype};\n"
+    fn = f"custom_kernel_mlxinfer_{name}_cuda_{ {'float': 'float', '__half': 'float16'}[dtype]}_{m}" + "".join(
+        f"_{v}" for _, v in consts) + "_52e4a46224f4393e"
+    return (f"{CUDA_STUB}{header}\n__global__ void {fn}({params}) {{\n  using T = {dtype};\n"
             f"  constexpr int M = {m};\n{extra}{bodies[name]}\n}}\n")
 
 
