@@ -245,10 +245,9 @@ def test_gpu_kernel_equals_its_published_order_bit_for_bit(rows, cols, m, qtype)
 
     rng = np.random.default_rng(rows * m)
     raw, parts = _fields(rng, rows, cols, True, qtype)
-    be = MLXBackend(device="gpu", float_scales=False)
     w = to_device(qtype, parts, (rows, cols))
     x = rng.standard_normal((m, cols), dtype=np.float32)
-    got = np.array(be.linear(mx.array(x), w))
+    got = np.array(block_kernels.product(gpu_kind(), mx.array(x), w))  # the kernel itself, whatever the verdict
     want = block_kernels.emulate(x, _values(raw, qtype, rows, cols), qtype)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
