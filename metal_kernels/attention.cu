@@ -18,10 +18,11 @@
 // (mlxi_chain_at), instead of calling mlxi_warp_total / mlxi_chain_tree.
 //
 // Input types: the attention kernels read q, k and v in the dtype MLX hands them (float, __nv_bfloat16
-// or __half: the activations' and the KV cache's, --dtype and --kv-dtype) and widen every value to
-// float32 as they load it (mlxi_f: exact for all three), before any arithmetic; the order above is then
-// the same for every input type, and so are the bits (the per-head reference widens its operands in the
-// graph first). Scores, attention weights and outputs are float32.
+// or __half: the activations' and the KV cache's, --dtype and --kv-dtype; k and v also int8_t, a q8_0
+// cache's packed rows) and widen every value to float32 as they load it (mlxi_f, mlxi_kv: exact for
+// all), before any arithmetic; the order above is then the same for every input type, and so are the
+// bits (the per-head reference widens its operands in the graph first, dequantize_q8_0 for q8_0).
+// Scores, attention weights and outputs are float32.
 //
 // mlxinfer.kernels.published_dot / published_softmax_sum emulate this order in numpy float32 (the sums
 // exactly; expf differs from numpy's exp in the last bit), and tests/test_kernels.py checks the kernels
@@ -42,14 +43,47 @@ __device__ __forceinline__ float mlxi_f(__half x) {
   return __half2float(x);
 }
 
+// Value c of row r of a K/V store s whose rows hold w values, as float32. A float store (float,
+// __nv_bfloat16, __half) holds a row as its w values; a q8_0 store (int8_t: --kv-dtype q8_0,
+// mlxinfer/backends/mlx_kv.py) as w + w/16 bytes, llama.cpp's block_q8_0 laid out per row: the w values
+// q as int8, then the float16 scale d of each block of 32 values, two bytes, low byte first (read
+// bytewise: no alignment assumed). The value is d * q formed in float32, exact (d's 11 significant bits
+// times q's 8 fit float32's 24): what the graph's dequantize_q8_0 forms, so the order above runs on the
+// same float32 values from every store.
+template <typename T>
+__device__ __forceinline__ float mlxi_kv(const T* s, long r, long c, long w) {
+  return mlxi_f(s[r * w + c]);
+}
+__device__ __forceinline__ float mlxi_kv(const int8_t* s, long r, long c, long w) {
+  const int8_t* row = s + r * (w + w / 16);
+  const int8_t* d = row + w + 2 * (c / 32);
+  const float scale = __half2float(__ushort_as_half((unsigned short)((d[0] & 0xff) | (d[1] & 0xff) << 8)));
+  return __fmul_rn(scale, (float)row[c]);
+}
+
+// Values c0, c0 + 1, ... of row r of a K/V store, indexed as a pointer is (mlxi_dot's operand).
+template <typename T>
+struct mlxi_kv_row {
+  const T* s;
+  long r, c0, w;
+  __device__ __forceinline__ float operator[](long i) const {
+    return mlxi_kv(s, r, c0 + i, w);
+  }
+};
+template <typename T>
+__device__ __forceinline__ mlxi_kv_row<T> mlxi_kv_row_at(const T* s, long r, long c0, long w) {
+  return {s, r, c0, w};
+}
+
 // The warp's total of its lanes' partial sums: the butterfly s += shfl_xor(s, off), off = 16, 8, 4, 2, 1.
 __device__ __forceinline__ float mlxi_warp_total(float s) {
   for (int off = 16; off > 0; off >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
   return s;
 }
 
+// a: a pointer; b: a pointer or a K/V row (mlxi_kv_row).
 template <typename A, typename B>
-__device__ __forceinline__ float mlxi_dot(const A* a, long sa, const B* b, long sb, int n, int lane) {
+__device__ __forceinline__ float mlxi_dot(const A* a, long sa, B b, long sb, int n, int lane) {
   float s = 0.0f;
   for (int i = lane; i < n; i += 32) {
     s = __fadd_rn(s, __fmul_rn(mlxi_f(a[(long)i * sa]), mlxi_f(b[(long)i * sb])));
@@ -152,10 +186,11 @@ __device__ __forceinline__ float mlxi_tree_join(float (&lvl)[5], float x, int k)
 // One thread's context for R rows r0 .. r0+R-1 (one sequence: one cache slot, S keys) and NH heads
 // hb .. hb+NH-1, head dimensions d0 .. d0+3 (< D): out[r, h, d] = dot(p[r, h, :S], v[:S, d]) in the
 // published order, the thread walking all 32 chains (keys i = l, l+32, ... in increasing i) in
-// mlxi_chain_at's order and joining their totals as above. vd: v of the slot and KV head; p [N, H, cap].
+// mlxi_chain_at's order and joining their totals as above. v: the store, v0: the slot's first row, c0:
+// the KV head's first column; p [N, H, cap].
 template <int R, int NH, int D, int UR, typename V>
-__device__ __forceinline__ void mlxi_context_tile(const float* p, const V* vd, long kvw, float* out, long cap,
-                                                  long r0, int hb, int H, int d0, int S) {
+__device__ __forceinline__ void mlxi_context_tile(const float* p, const V* v, long v0, long c0, long kvw, float* out,
+                                                  long cap, long r0, int hb, int H, int d0, int S) {
   const float* pr[R][NH];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -171,11 +206,11 @@ __device__ __forceinline__ void mlxi_context_tile(const float* p, const V* vd, l
     for (int i = l; i < S; i += 32) {
       float vv[4];
       if constexpr (sizeof(V) == 4 && D % 4 == 0) {  // float, 16-byte aligned: every offset is a multiple of 4
-        const float4 t4 = *reinterpret_cast<const float4*>(vd + (long)i * kvw + d0);
+        const float4 t4 = *reinterpret_cast<const float4*>(v + (v0 + i) * kvw + c0 + d0);
         vv[0] = t4.x; vv[1] = t4.y; vv[2] = t4.z; vv[3] = t4.w;
       } else {
 #pragma unroll
-        for (int dd = 0; dd < 4; ++dd) vv[dd] = mlxi_f(vd[(long)i * kvw + min(d0 + dd, D - 1)]);
+        for (int dd = 0; dd < 4; ++dd) vv[dd] = mlxi_kv(v, v0 + i, c0 + min(d0 + dd, D - 1), kvw);
       }
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -201,13 +236,15 @@ __device__ __forceinline__ void mlxi_context_tile(const float* p, const V* vd, l
   }
 }
 
-// Chain l's values vd[i * kvw] of keys i = l + 32 * (k0 + u), u < KU (0 past S): the context loop's loads.
+// Chain l's values of keys i = l + 32 * (k0 + u), u < KU (0 past S), column c of store v whose slot
+// starts at row v0: the context loop's loads.
 template <int KU, typename V>
-__device__ __forceinline__ void mlxi_chain_values(float* dst, const V* vd, long kvw, int l, long k0, int S) {
+__device__ __forceinline__ void mlxi_chain_values(float* dst, const V* v, long v0, long c, long kvw, int l, long k0,
+                                                  int S) {
 #pragma unroll
   for (int u = 0; u < KU; ++u) {
     const long i = l + 32 * (k0 + u);
-    dst[u] = (i < S) ? mlxi_f(vd[i * kvw]) : 0.0f;
+    dst[u] = (i < S) ? mlxi_kv(v, v0 + i, c, kvw) : 0.0f;
   }
 }
 
@@ -286,12 +323,10 @@ for (long item = blockIdx.x; item < items; item += gridDim.x) {
   const int h = item % H;
   const int S = row_len[r], pos = row_pos[r];
   const auto* qh = q + r * H * D + h * D;
-  const long base = (long)row_slot[r] * cap * kvw + (h / (H / KV)) * D;
-  const auto* kb = k + base;
-  const auto* vb = v + base;
+  const long row0 = (long)row_slot[r] * cap, c0 = (long)(h / (H / KV)) * D;  // the slot's first row, the KV head's first column
   // 1. scores, scaled after the product, masked; 2. softmax: both in the published order.
   for (int j = wid; j < S; j += MLXI_WARPS) {
-    const float s = __fmul_rn(mlxi_dot(qh, 1, kb + j * kvw, 1, D, lane), sc);
+    const float s = __fmul_rn(mlxi_dot(qh, 1, mlxi_kv_row_at(k, row0 + j, c0, kvw), 1, D, lane), sc);
     if (lane == 0) pr[j] = mlxi_hidden(j, pos, CAUSAL, WINDOW) ? -INFINITY : s;
   }
   __syncthreads();
@@ -303,7 +338,7 @@ for (long item = blockIdx.x; item < items; item += gridDim.x) {
   for (int idx = tid; idx < 32 * D; idx += MLXI_THREADS) {
     const int l = idx / D, d = idx % D;
     float s = 0.0f;
-    for (int i = l; i < S; i += 32) s = __fadd_rn(s, __fmul_rn(pr[i], mlxi_f(vb[(long)i * kvw + d])));
+    for (int i = l; i < S; i += 32) s = __fadd_rn(s, __fmul_rn(pr[i], mlxi_kv(v, row0 + i, c0 + d, kvw)));
     part[idx] = s;
   }
   for (int off = 16; off > 0; off >>= 1) {
@@ -338,7 +373,7 @@ if (r < n) {
   const long S = row_len[r];
   const int pos = row_pos[r];
   constexpr long kvw = (long)KV * D;
-  const auto* kg = k + (long)row_slot[r] * cap * kvw + g * D;
+  const long row0 = (long)row_slot[r] * cap;  // the slot's first row
   float qr[G][NT], kr[8][NT];
 #pragma unroll
   for (int hh = 0; hh < G; ++hh) {
@@ -355,7 +390,7 @@ if (r < n) {
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       const int i = lane + 32 * t;
-      kr[u][t] = (j < S && !hidden && i < D) ? mlxi_f(kg[j * kvw + i]) : 0.0f;
+      kr[u][t] = (j < S && !hidden && i < D) ? mlxi_kv(k, row0 + j, g * D + i, kvw) : 0.0f;
     }
   }
 #pragma unroll
@@ -416,12 +451,12 @@ __shared__ float part[MLXI_THREADS];
 if (r < n) {  // the same for the whole block
   const int S = row_len[r];
   constexpr long kvw = (long)KV * D;
-  const auto* vd = v + (long)row_slot[r] * cap * kvw + g * D + min(d, D - 1);
+  const long v0 = (long)row_slot[r] * cap, vc = g * D + min(d, D - 1);  // the slot's first row, this thread's column
   for (int h0 = 0; h0 < G; h0 += 4) {
     const int nh = min(4, G - h0);
     const float* xr = x + (r * H + (long)g * G + h0) * cap;
     float vv[KU];  // PF: the first KU values of the chain are loaded now, in flight during step 1
-    if (PF) mlxi_chain_values<KU>(vv, vd, kvw, l, 0, S);
+    if (PF) mlxi_chain_values<KU>(vv, v, v0, vc, kvw, l, 0, S);
     float m[4], total[4];
     {  // 1. the softmax's max and total, per head
       float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
@@ -440,21 +475,21 @@ if (r < n) {  // the same for the whole block
     // arithmetic
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const int whole = WS ? S / (32 * KU) : 0;
-    const auto* vp = vd + (long)l * kvw;  // chain l's value of key l + 32 * k0
+    long vr = v0 + l;                      // the row of chain l's key l + 32 * k0
     const float* xp = xr + l + 32 * dd;    // the score of key l + 32 * (k0 + dd), head 0
     float xv[KU / 8][4];                   // [group of 8 keys][head]: the scores this thread turns into p
     if (PF && whole > 0) mlxi_step_scores<KU>(xv, xp, cap, nh);
     long k0 = 0;
-    for (int it = 0; it < whole; ++it, k0 += KU, vp += 32L * KU * kvw, xp += 32 * KU) {
+    for (int it = 0; it < whole; ++it, k0 += KU, vr += 32L * KU, xp += 32 * KU) {
       float vn[KU], xn[KU / 8][4];
       const bool next = it + 1 < whole;  // PF: the next step is whole too (the same for the block)
       if (!PF) {
 #pragma unroll
-        for (int u = 0; u < KU; ++u) vv[u] = mlxi_f(vp[32L * u * kvw]);
+        for (int u = 0; u < KU; ++u) vv[u] = mlxi_kv(v, vr + 32L * u, vc, kvw);
         mlxi_step_scores<KU>(xv, xp, cap, nh);
       } else if (next) {
 #pragma unroll
-        for (int u = 0; u < KU; ++u) vn[u] = mlxi_f(vp[32L * (KU + u) * kvw]);
+        for (int u = 0; u < KU; ++u) vn[u] = mlxi_kv(v, vr + 32L * (KU + u), vc, kvw);
         mlxi_step_scores<KU>(xn, xp + 32 * KU, cap, nh);
       }
       float pe[KU / 8][4];
@@ -481,13 +516,13 @@ if (r < n) {  // the same for the whole block
         }
       }
     }
-    if (PF && whole > 0) mlxi_chain_values<KU>(vv, vd, kvw, l, k0, S);  // the first values of 2b
+    if (PF && whole > 0) mlxi_chain_values<KU>(vv, v, v0, vc, kvw, l, k0, S);  // the first values of 2b
     // 2b. the last steps, each key checked; the loop bound is the warp's (its chains l start at 4 * wid):
     // shuffles need all 32
     for (; 4L * wid + 32 * k0 < S; k0 += KU) {
       float vn[KU];  // PF: the next KU values, in flight during this step's arithmetic
-      if (PF) mlxi_chain_values<KU>(vn, vd, kvw, l, k0 + KU, S);
-      else mlxi_chain_values<KU>(vv, vd, kvw, l, k0, S);
+      if (PF) mlxi_chain_values<KU>(vn, v, v0, vc, kvw, l, k0 + KU, S);
+      else mlxi_chain_values<KU>(vv, v, v0, vc, kvw, l, k0, S);
       float pe[KU / 8][4];  // [group of 8 keys][head]: the p of key k0 + 8 * q + dd of chain l
 #pragma unroll
       for (int q8 = 0; q8 < KU / 8; ++q8) {
@@ -565,7 +600,7 @@ __shared__ float part[MLXI_THREADS];
 if (r < n) {
   const long S = row_len[r];
   constexpr long kvw = (long)KV * D;
-  const auto* vd = v + (long)row_slot[r] * cap * kvw + g * D + d;
+  const long v0 = (long)row_slot[r] * cap, vc = g * D + d;  // the slot's first row, this thread's column
   for (int h0 = 0; h0 < G; h0 += 4) {
     const int nh = min(4, G - h0);
     const float* pr = p + (r * H + (long)g * G + h0) * cap;
@@ -575,7 +610,7 @@ if (r < n) {
       for (; i + 15 * 32 < S; i += 16 * 32) {  // 16 keys' loads in flight, then the adds in the chain's order
         float vv[16];
 #pragma unroll
-        for (int u = 0; u < 16; ++u) vv[u] = mlxi_f(vd[(i + u * 32) * kvw]);
+        for (int u = 0; u < 16; ++u) vv[u] = mlxi_kv(v, v0 + i + u * 32, vc, kvw);
 #pragma unroll
         for (int u = 0; u < 16; ++u) {
 #pragma unroll
@@ -585,7 +620,7 @@ if (r < n) {
         }
       }
       for (; i < S; i += 32) {
-        const float vi = mlxi_f(vd[i * kvw]);
+        const float vi = mlxi_kv(v, v0 + i, vc, kvw);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           if (e < nh) acc[e] = __fadd_rn(acc[e], __fmul_rn(pr[e * cap + i], vi));
@@ -620,16 +655,16 @@ const int d0 = c * 128 + (threadIdx.x & 31) * 4;
 if (r0 < n && d0 < D) {  // no barriers or shuffles below: idle lanes may leave
   const bool pair = r0 + 1 < n && row_slot[r0 + 1] == row_slot[r0] && row_len[r0 + 1] == row_len[r0];
   for (long r = r0; r < r0 + (pair ? 1 : min(2L, n - r0)); ++r) {
-    const auto* vd = v + (long)row_slot[r] * cap * kvw + g * D;
+    const long v0 = (long)row_slot[r] * cap;  // the slot's first row
     const int S = row_len[r];
 #pragma unroll
     for (int h0 = 0; h0 < G; h0 += NHB) {
       if (pair) {
-        if (h0 + 2 <= G && NHB == 2) mlxi_context_tile<2, 2, D, UR>(p, vd, kvw, out, cap, r, g * G + h0, H, d0, S);
-        else mlxi_context_tile<2, 1, D, UR>(p, vd, kvw, out, cap, r, g * G + h0, H, d0, S);
+        if (h0 + 2 <= G && NHB == 2) mlxi_context_tile<2, 2, D, UR>(p, v, v0, g * D, kvw, out, cap, r, g * G + h0, H, d0, S);
+        else mlxi_context_tile<2, 1, D, UR>(p, v, v0, g * D, kvw, out, cap, r, g * G + h0, H, d0, S);
       } else {
-        if (h0 + 2 <= G && NHB == 2) mlxi_context_tile<1, 2, D, UR>(p, vd, kvw, out, cap, r, g * G + h0, H, d0, S);
-        else mlxi_context_tile<1, 1, D, UR>(p, vd, kvw, out, cap, r, g * G + h0, H, d0, S);
+        if (h0 + 2 <= G && NHB == 2) mlxi_context_tile<1, 2, D, UR>(p, v, v0, g * D, kvw, out, cap, r, g * G + h0, H, d0, S);
+        else mlxi_context_tile<1, 1, D, UR>(p, v, v0, g * D, kvw, out, cap, r, g * G + h0, H, d0, S);
       }
     }
   }
@@ -675,13 +710,13 @@ if (tile < tiles_shape[0] / 2) {  // the same for the whole block
     for (long j = j0; j < min(j0 + 32, (long)S); ++j) {
       any = any || !(mlxi_hidden(j, posn, CAUSAL, 0) || mlxi_hidden(j, pos0, 0, WINDOW));
     }
-    const auto* kg = k + (long)slot * cap * kvw + g * D;
+    const long row0 = (long)slot * cap;  // the slot's first row
     if (any) {
       // a warp writes 32 consecutive floats (8 keys x 4 terms of one l): no bank conflicts
       for (int idx = tid; idx < 32 * 32 * 4; idx += MLXI_THREADS) {
         const int t = idx & 3, l = (idx >> 5) & 31, key = (idx >> 10) * 8 + ((idx >> 2) & 7), d = l + 32 * t;
         const long j = j0 + key;
-        reinterpret_cast<float*>(ks)[(l * 32 + key) * 4 + t] = (j < S && d < D) ? mlxi_f(kg[j * kvw + d]) : 0.0f;
+        reinterpret_cast<float*>(ks)[(l * 32 + key) * 4 + t] = (j < S && d < D) ? mlxi_kv(k, row0 + j, g * D + d, kvw) : 0.0f;
       }
     }
     const long j = j0 + lane;

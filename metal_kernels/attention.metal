@@ -19,9 +19,10 @@
 //     the 8 simdgroup totals by a butterfly with off = 4, 2, 1; y_j = e_j / total.
 //
 // Input types, as in attention.cu: fused_attention reads q, k and v in the dtype MLX hands them (float,
-// bfloat16_t or float16_t: --dtype, --kv-dtype) and widens every value to float before any arithmetic
-// (exact for all three), so the order above, and the bits, are those of float32 inputs; the matmul and
-// softmax kernels take float (the backend widens their operands first).
+// bfloat16_t or float16_t: --dtype, --kv-dtype; k and v also int8_t, a q8_0 cache's packed rows: mlxi_kv)
+// and widens every value to float before any arithmetic (exact for all), so the order above, and the
+// bits, are those of float32 inputs; the matmul and softmax kernels take float (the backend widens their
+// operands first).
 //
 // MLX's own Metal matmul and softmax (gemv.h, softmax.h) use other orders; that does not matter here,
 // because on a GPU both attention paths call these kernels, never MLX's.
@@ -34,8 +35,39 @@
 #define MLXI_MAX_D 256
 #define MLXI_PART_D 128  // fused_attention's context: head dimensions a pass (threadgroup memory 32 x this)
 
+// Value c of row r of a K/V store s whose rows hold w values, as float, as in attention.cu: a float
+// store (float, bfloat16_t, float16_t; `device` or `constant`) holds a row as its w values; a q8_0 store
+// (int8_t, always `device`: a row is 34 bytes or more) as w + w/16 bytes, the w values q as int8, then
+// the float16 scale d of each block of 32 values, two bytes, low byte first. d * q is formed in float,
+// exact: what the graph's dequantize_q8_0 forms.
+template <typename P>
+inline float mlxi_kv(P s, long r, long c, long w) {
+  return float(s[r * w + c]);
+}
+inline float mlxi_kv(const device int8_t* s, long r, long c, long w) {
+  const device int8_t* row = s + r * (w + w / 16);
+  const device int8_t* d = row + w + 2 * (c / 32);
+  const float scale = float(as_type<float16_t>(ushort((d[0] & 0xff) | (d[1] & 0xff) << 8)));
+  return scale * float(row[c]);
+}
+
+// Values c0, c0 + 1, ... of row r of a K/V store, indexed as a pointer is (mlxi_dot's operand).
+template <typename P>
+struct mlxi_kv_row {
+  P s;
+  long r, c0, w;
+  float operator[](long i) const {
+    return mlxi_kv(s, r, c0 + i, w);
+  }
+};
+template <typename P>
+inline mlxi_kv_row<P> mlxi_kv_row_at(P s, long r, long c0, long w) {
+  return {s, r, c0, w};
+}
+
 // A and B: `device` or `constant` pointers (MLX passes an input of fewer than 8 elements as `constant`)
-// to float, bfloat16_t or float16_t, each value widened to float before the product.
+// to float, bfloat16_t or float16_t, each value widened to float before the product; B also a K/V row
+// (mlxi_kv_row).
 template <typename A, typename B>
 inline float mlxi_dot(A a, long sa, B b, long sb, int n, uint lane) {
   float s = 0.0f;
@@ -111,11 +143,9 @@ for (long item = threadgroup_position_in_grid.x; item < items; item += threadgro
   const int h = item % H;
   const int S = row_len[r], pos = row_pos[r];
   const auto qh = q + r * H * D + h * D;  // device or constant pointers, as MLX passes them
-  const long base = (long)row_slot[r] * cap * kvw + (h / (H / KV)) * D;
-  const auto kb = k + base;
-  const auto vb = v + base;
+  const long row0 = (long)row_slot[r] * cap, c0 = (long)(h / (H / KV)) * D;  // the slot's first row, the KV head's first column
   for (int j = wid; j < S; j += MLXI_WARPS) {
-    const float s = mlxi_dot(qh, 1, kb + j * kvw, 1, D, lane) * sc;
+    const float s = mlxi_dot(qh, 1, mlxi_kv_row_at(k, row0 + j, c0, kvw), 1, D, lane) * sc;
     const bool hidden = (CAUSAL && j > pos) || (WINDOW > 0 && j <= pos - WINDOW);
     if (lane == 0) pr[j] = hidden ? -INFINITY : s;
   }
@@ -127,7 +157,7 @@ for (long item = threadgroup_position_in_grid.x; item < items; item += threadgro
       const int l = idx / dn, d = d0 + idx % dn;
       float s = 0.0f;
       for (int i = l; i < S; i += 32) {
-        const float prod = pr[i] * float(vb[(long)i * kvw + d]);
+        const float prod = pr[i] * mlxi_kv(v, row0 + i, c0 + d, kvw);
         s = s + prod;
       }
       part[idx] = s;

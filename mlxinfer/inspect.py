@@ -83,12 +83,17 @@ def describe(path) -> str:
 
 def kernels_report() -> tuple[str, bool]:
     """(one line, passed): the MLX backend on this machine's GPU, its kernels run through their
-    self-check (every plan they run, bit for bit against the per-head reference). The first thing to run
-    on a Mac: the Metal kernels have never run on Apple hardware where mlxinfer is developed."""
+    self-check (every plan they run, bit for bit against the per-head reference), over a cache of the
+    default dtype and over a q8_0 cache (the kernels then read packed int8 rows: a check, and a verdict,
+    of its own). The first thing to run on a Mac: the Metal kernels have never run on Apple hardware
+    where mlxinfer is developed."""
     try:
         backend = make_backend("mlx", device="gpu")
+        q8 = make_backend("mlx", device="gpu", kv_dtype="q8_0")
     except ImportError as e:
         return f"kernels: MLX is not installed ({e}): nothing to check", False
     except MlxinferError as e:
         return f"kernels: {e}: nothing to check", False
-    return backend.kernel_report()
+    line, passed = backend.kernel_report()
+    _, q8_passed = q8.kernel_report()
+    return f"{line}; over a q8_0 KV cache: {'passed' if q8_passed else f'FAILED ({q8.fallback})'}", passed and q8_passed

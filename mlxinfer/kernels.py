@@ -19,7 +19,8 @@ instead, `attn_scores_rows` (32 rows x 32 keys of one sequence a block, in share
 three-launch form, `attn_context_rows` (a thread walks all 32 chains of two rows): each thread sums the
 32 lane partials of the published order itself, in the butterfly's tree order.
 The attention kernels read q, K and V in the types they are handed (float32, bfloat16, float16: the
-MLX backend's --dtype and --kv-dtype) and widen each value exactly before any arithmetic; the matmul
+MLX backend's --dtype and --kv-dtype; K and V also as a q8_0 cache's packed int8 rows, each value d * q
+formed in float32) and widen each value exactly before any arithmetic; the matmul
 and softmax kernels take float32 (the backend widens their operands in the graph), so both paths
 compute on the same float32 values. On CUDA the input types are template arguments (`input_types`):
 MLX names a CUDA kernel by its template arguments only, so each type gets its own compiled kernel.
@@ -91,7 +92,8 @@ def strip_comments(text: str) -> str:
 
 def _header_units(header: str) -> list[tuple[str | None, str]]:
     """A comment-free header cut into (name, text) units: each #define line (name None: always kept) and
-    each top-level definition, from its first line at column 0 to its closing brace at column 0."""
+    each top-level definition (a function or a struct), from its first line at column 0 to its closing
+    brace at column 0."""
     units, current = [], []
     for line in header.split("\n"):
         if not line:
@@ -100,9 +102,9 @@ def _header_units(header: str) -> list[tuple[str | None, str]]:
             units.append((None, line))
             continue
         current.append(line)
-        if line == "}":
+        if line in ("}", "};"):
             text = "\n".join(current)
-            units.append((re.search(r"\b(mlxi_\w+)\s*\(", text).group(1), text))
+            units.append((re.search(r"\b(mlxi_\w+)\s*[({]", text).group(1), text))
             current = []
     if current:
         raise ValueError(f"kernel header: a definition without its closing brace at column 0: {current[0]!r}")
@@ -122,7 +124,10 @@ def kernel_parts(kind: str, name: str) -> tuple[str, str]:
         return header, bodies[name]
     body = strip_comments(bodies[name])
     units = _header_units(strip_comments(header))
-    defined = {n: text for n, text in units if n}
+    defined: dict[str, str] = {}  # each name's text, all its overloads'
+    for n, text in units:
+        if n:
+            defined[n] = defined.get(n, "") + text
     needed, todo = set(), set(re.findall(r"\bmlxi_\w+", body))
     while todo:
         n = todo.pop()
@@ -154,7 +159,7 @@ METAL_ATTRIBUTES = {  # the thread attributes MLX 0.32's metal_kernel declares w
     "thread_position_in_threadgroup": "uint3", "threadgroup_position_in_grid": "uint3",
     "threadgroups_per_grid": "uint3", "threads_per_grid": "uint3", "threads_per_simdgroup": "uint",
     "threads_per_threadgroup": "uint3"}
-_METAL_TYPES = {"float32": "float", "int32": "int", "bfloat16": "bfloat16_t", "float16": "float16_t"}
+_METAL_TYPES = {"float32": "float", "int32": "int", "bfloat16": "bfloat16_t", "float16": "float16_t", "int8": "int8_t"}
 
 
 def metal_kernel_source(name: str, inputs) -> str:
@@ -303,7 +308,8 @@ def _score_tiles(seq_rows: tuple):
 
 def input_types(kind: str, q, keys) -> list:
     """The template arguments that name a CUDA attention kernel's input types (MLX's CUDA kernel cache
-    is keyed by name and template arguments, not by the inputs' dtypes); Metal's names carry them."""
+    is keyed by name and template arguments, not by the inputs' dtypes; KVT int8: a q8_0 cache's packed
+    rows); Metal's names carry them."""
     return [("QT", q.dtype), ("KVT", keys.dtype)] if kind == "cuda" else []
 
 

@@ -14,8 +14,10 @@ typedef unsigned short ushort;
 typedef unsigned int uint3 __attribute__((ext_vector_type(3)));
 typedef _Float16 float16_t;  // MLX's names for Metal's half and bfloat (its get_type_string)
 typedef __bf16 bfloat16_t;
+typedef signed char int8_t;
 
 namespace metal {
+template <typename T, typename U> T as_type(U x);  // a reinterpretation of x's bits (types of one size)
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 mem_flags operator|(mem_flags a, mem_flags b);
 void threadgroup_barrier(mem_flags flags);

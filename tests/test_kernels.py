@@ -206,8 +206,9 @@ STUB = """
 #include <cuda_fp16.h>
 struct Shape { int v[8]; __device__ long operator[](int i) const { return v[i]; } };
 #define INFINITY __int_as_float(0x7f800000)
+typedef signed char int8_t;  // (MLX's device/utils.cuh brings libcu++'s)
 """
-CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half"}  # MLX's dtype_to_cuda_type
+CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int8": "int8_t"}  # MLX's dtype_to_cuda_type
 ATTENTION_INPUTS = {"q": "QT", "k": "KVT", "v": "KVT"}  # read in the activations' / the KV cache's dtype
 
 
@@ -309,14 +310,86 @@ def test_cuda_sources_compile_with_nvrtc():
     for name, body, extra in builds:
         rc, log = _nvrtc_compile(lib, name, _cuda_kernel_source(name, body, parts[name][0], extra), opts)
         assert rc == 0, f"{name}: {log}"
-    # the attention kernels read q, K and V in bfloat16 and float16 too (--dtype, --kv-dtype): each kernel's
-    # form in use, with both 16-bit types, and q in bfloat16 over a float32 cache
+    # the attention kernels read q, K and V in bfloat16 and float16 too (--dtype, --kv-dtype), and K and V
+    # from a q8_0 cache's int8 rows: each kernel's form in use, with both 16-bit types, q in bfloat16 over
+    # a float32 cache, and q in float32 and bfloat16 over a q8_0 cache
     forms = {"attn_context_rows": tuple(kernels.CONTEXT_ROWS_FORM), "attn_softmax_context": kernels.ONE_ROW_FORM}
     for name in sorted(set(bodies) - {"matmul", "softmax", "attn_softmax", "qk_norm_rope"}):
-        for types in (("bfloat16", "bfloat16"), ("float16", "float16"), ("bfloat16", "float32")):
+        for types in (("bfloat16", "bfloat16"), ("float16", "float16"), ("bfloat16", "float32"), ("float32", "int8"),
+                      ("bfloat16", "int8")):
             src = _cuda_kernel_source(name, bodies[name], parts[name][0], tuple(forms.get(name, ())), types)
             rc, log = _nvrtc_compile(lib, name, src, opts)
             assert rc == 0, f"{name} {types}: {log}"
+
+
+HOST_STUBS = {  # what the kernels' K/V reader needs of CUDA and of Metal, for this CPU's C++ compiler
+    "cuda": """#include <cstdint>
+#include <cstring>
+#define __device__
+#define __forceinline__ inline
+struct __half { unsigned short x; };
+struct __nv_bfloat16 { unsigned short x; };
+inline __half __ushort_as_half(unsigned short x) { return {x}; }
+inline float __half2float(__half h) { _Float16 f; std::memcpy(&f, &h.x, 2); return (float)f; }
+inline float __bfloat162float(__nv_bfloat16 b) { uint32_t u = (uint32_t)b.x << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+""",
+    "metal": """#include <cstdint>
+#include <cstring>
+#define device
+typedef _Float16 float16_t;
+typedef unsigned short ushort;
+template <typename T, typename U> T as_type(U x) { static_assert(sizeof(T) == sizeof(U), ""); T t; std::memcpy(&t, &x, sizeof t); return t; }
+"""}
+
+
+@pytest.mark.parametrize("kind", ["cuda", "metal"])
+def test_the_kernels_read_a_q8_0_cache_as_the_graph_does(kind, tmp_path):
+    """A q8_0 cache's packed rows (values q as int8, then each block's float16 scale d) read by the
+    kernels' own reader, `mlxi_kv` as it stands in the header of attention.cu / attention.metal, compiled
+    for this CPU (g++; stand-ins for CUDA's and Metal's half-float intrinsics): every value of every row
+    is d * q with the bits of `dequantize_q8_0`'s, which the per-head reference and the graph override
+    read. Blocks of magnitudes 1e-6 to 1e4 (float16 scales from subnormal to large), negative values,
+    all-zero blocks, rows of 5 blocks. (On a GPU the kernels' attention over such caches is checked
+    against the reference: tests/test_mlx_backend.py, the self-check.)"""
+    import ctypes
+    import shutil
+    import subprocess
+
+    import mlx.core as mx
+    from mlxinfer.backends.mlx_kv import dequantize_q8_0, packed_width, quantize_q8_0
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("needs a C++ compiler (g++) for this CPU")
+    header, _ = kernels.kernel_source(kind)
+    units = [text for name, text in kernels._header_units(kernels.strip_comments(header)) if name in ("mlxi_f", "mlxi_kv")]
+    assert len(units) == (5 if kind == "cuda" else 2), "the reader's definitions in the header"
+    src = HOST_STUBS[kind] + "\n".join(units) + """
+extern "C" void read_store(const int8_t* s, long rows, long w, float* out) {
+  for (long r = 0; r < rows; ++r)
+    for (long c = 0; c < w; ++c) out[r * w + c] = mlxi_kv(s, r, c, w);
+}
+"""
+    lib_path = tmp_path / "reader.so"
+    build = subprocess.run([cxx, "-std=c++17", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-x", "c++", "-",
+                            "-o", str(lib_path)], input=src, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    rng = np.random.default_rng(11)
+    rows, w = 7, 160
+    mags = 10.0 ** rng.uniform(-6, 4, (rows, w // 32, 1))
+    x = (rng.standard_normal((rows, w // 32, 32)) * mags).astype(np.float32).reshape(rows, w)
+    x[2, 32:64] = 0.0  # an all-zero block: d = 0, q = 0
+    packed = np.array(quantize_q8_0(mx.array(x)))
+    assert packed.dtype == np.int8 and packed.shape == (rows, packed_width(w)) and (packed[:, :w] < 0).any()
+    store = np.concatenate([packed.reshape(-1), np.zeros(64, np.int8)])  # (room past the last row)
+    out = np.zeros((rows, w), np.float32)
+    lib = ctypes.CDLL(str(lib_path))
+    lib.read_store(store.ctypes.data_as(ctypes.c_void_p), ctypes.c_long(rows), ctypes.c_long(w),
+                   out.ctypes.data_as(ctypes.c_void_p))
+    want = np.array(dequantize_q8_0(mx.array(packed)))
+    same = out.view(np.uint32) == want.view(np.uint32)
+    assert same.all(), f"{int((~same).sum())} of {same.size} values differ, first at {np.argwhere(~same)[0]}"
 
 
 @pytest.mark.parametrize("heads", [(16, 8, 128), (32, 8, 128), (32, 4, 128), (14, 2, 64), (8, 8, 256), (9, 3, 64)])

@@ -12,7 +12,7 @@ import pytest
 
 import mlx.core as mx
 from mlxinfer import kernels
-from mlxinfer.backends.mlx import MLXBackend, check_case_inputs, self_check_cases
+from mlxinfer.backends.mlx import MLXBackend, case_applies, check_case_inputs, self_check_cases
 
 from . import metal_clang
 
@@ -27,10 +27,10 @@ class Launch:
     threadgroup: tuple
 
 
-def record_launches(monkeypatch, cases, dtypes=("float32",)) -> set[Launch]:
+def record_launches(monkeypatch, cases, types=(("float32", None),)) -> set[Launch]:
     """Every Metal kernel launch the MLX backend makes for the cases (fused override and per-head
-    reference) in each of `dtypes` (--dtype: q, K and V in that type), each kernel answered with zeros
-    of its output shapes (nothing runs)."""
+    reference) in each of `types` ((--dtype, --kv-dtype): q in the one, K and V in the other, its default
+    the dtype), each kernel answered with zeros of its output shapes (nothing runs)."""
     launches = set()
 
     def kernel(kind, name):
@@ -45,10 +45,10 @@ def record_launches(monkeypatch, cases, dtypes=("float32",)) -> set[Launch]:
         return launch
 
     monkeypatch.setattr(kernels, "_kernel", kernel)
-    for dtype in dtypes:
-        b = MLXBackend(device="cpu", dtype=dtype)
+    for dtype, kv_dtype in types:
+        b = MLXBackend(device="cpu", dtype=dtype, kv_dtype=kv_dtype)
         b.gpu_kernels = b.kernel = "metal"  # as on a Mac whose self-check passed
-        for case in cases:
+        for case in filter(lambda c: case_applies(b, c), cases):
             q, view, batch = check_case_inputs(b, case)
             mx.eval(b.fused_attention_override(q, view, batch, case.spec), b.per_head_attention(q, view, batch, case.spec))
     return launches
@@ -72,7 +72,8 @@ def _variants(launches) -> dict[tuple, str]:
 def launches():
     mp = pytest.MonkeyPatch()
     try:
-        yield record_launches(mp, self_check_cases(), ("float32", "bfloat16", "float16"))
+        yield record_launches(mp, self_check_cases(), (("float32", None), ("bfloat16", None), ("float16", None),
+                                                       ("float32", "q8_0"), ("bfloat16", "q8_0")))
     finally:
         mp.undo()
 
@@ -90,8 +91,10 @@ def test_every_metal_kernel_is_launched_by_the_self_check_plans(launches):
     assert min(sizes("softmax", {"float32"})) < kernels.METAL_CONSTANT_BELOW
     rows = sizes("fused_attention", {"int32"}) - {7}  # (dims: 7 values, always constant)
     assert min(rows) < kernels.METAL_CONSTANT_BELOW <= max(rows)
-    # the fused kernel reads q, K and V in each dtype (--dtype); the products and softmax take float32
+    # the fused kernel reads q, K and V in each dtype (--dtype), K and V also a q8_0 cache's int8 rows
+    # (--kv-dtype); the products and softmax take float32
     assert {la.inputs[0][0] for la in launches if la.name == "fused_attention"} == {"float32", "bfloat16", "float16"}
+    assert {la.inputs[1][0] for la in launches if la.name == "fused_attention"} == {"float32", "bfloat16", "float16", "int8"}
     assert {d for la in launches if la.name in ("matmul", "softmax") for d, _ in la.inputs[:2]} <= {"float32", "int32"}
 
 

@@ -109,12 +109,12 @@ def test_metal_fused_context_is_the_dot_products_order():
     butterfly. Its scores and softmax are mlxi_dot and mlxi_softmax."""
     _, bodies = _source()
     fused = bodies["fused_attention"]
-    (stride,) = re.findall(r"for \(int i = l; i < S; i \+= (\d+)\) \{\s*const float prod = pr\[i\] \* float\(vb\[[^]]+\]\);"
-                           r"\s*s = s \+ prod;", fused)
+    (stride,) = re.findall(r"for \(int i = l; i < S; i \+= (\d+)\) \{\s*const float prod = pr\[i\] \* mlxi_kv\(v, row0 \+ i, "
+                           r"c0 \+ d, kvw\);\s*s = s \+ prod;", fused)
     assert int(stride) == kernels.LANES
     trees = [_offsets(i, c, s, v) for v, i, c, s in _loops(fused, "part[idx] = part[idx] + part[idx + off * dn]")]
     assert trees == [kernels.DOT_BUTTERFLY]
-    assert "mlxi_dot(qh, 1, kb + j * kvw, 1, D, lane) * sc" in fused and "mlxi_softmax(pr, S, tid, red)" in fused
+    assert "mlxi_dot(qh, 1, mlxi_kv_row_at(k, row0 + j, c0, kvw), 1, D, lane) * sc" in fused and "mlxi_softmax(pr, S, tid, red)" in fused
 
 
 def test_metal_math_is_the_exact_math_the_contract_names():

@@ -132,8 +132,32 @@ def test_inspect_kernels_on_a_machine_without_a_gpu():
     assert not passed and line == "kernels: --device gpu: MLX has no GPU here (neither Metal nor CUDA is available): nothing to check"
 
 
+@pytest.mark.parametrize("failing", ["", "q8_0"])  # ("": neither)
+def test_inspect_kernels_checks_a_q8_0_cache_too(monkeypatch, failing):
+    """`inspect --kernels` runs the self-check over the default cache and over a q8_0 cache (whose kernels
+    read packed int8 rows: a verdict of its own); a failure over either fails the report, named in its
+    one line. (Stand-in backends: no GPU here.)"""
+    from mlxinfer import inspect
+
+    class Checked:
+        def __init__(self, kv_dtype):
+            self.fallback = "kernel differs" if kv_dtype == failing else None
+
+        def kernel_report(self):
+            return "kernels: cuda: self-check " + ("FAILED" if self.fallback else "passed"), self.fallback is None
+
+    made = []
+    monkeypatch.setattr(inspect, "make_backend", lambda name, device, kv_dtype=None: made.append(kv_dtype) or Checked(kv_dtype))
+    line, passed = inspect.kernels_report()
+    assert made == [None, "q8_0"] and passed is (not failing)
+    want = "FAILED (kernel differs)" if failing else "passed"
+    assert line == f"kernels: cuda: self-check passed; over a q8_0 KV cache: {want}"
+
+
 @pytest.mark.skipif(gpu_kind() is None, reason="needs an MLX GPU (Metal or CUDA); this machine has none")
-def test_self_check_passes_on_this_gpu():
-    """The whole self-check on the device, with its kernels forced (on CUDA: every launch plan too)."""
-    b = MLXBackend(device="gpu", kernel=gpu_kind())
+@pytest.mark.parametrize("dtype,kv_dtype", [("float32", None), ("bfloat16", None), ("float32", "q8_0"), ("bfloat16", "q8_0")])
+def test_self_check_passes_on_this_gpu(dtype, kv_dtype):
+    """The whole self-check on the device, with its kernels forced (on CUDA: every launch plan too), in
+    float32 and bfloat16 and over q8_0 caches (the kernels reading the packed int8 rows)."""
+    b = MLXBackend(device="gpu", kernel=gpu_kind(), dtype=dtype, kv_dtype=kv_dtype)
     assert verify_gpu_kernels(b) is None

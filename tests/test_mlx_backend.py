@@ -205,15 +205,16 @@ needs_cuda = pytest.mark.skipif(gpu_kind() != "cuda", reason="the split kernels 
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("types", TYPES)
 @pytest.mark.parametrize("plan", ["split, two launches", "split, three launches", "split, three launches, context by rows",
                                   "one-launch"])
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(case=attention_inputs(softcaps=False))  # the kernels refuse soft-capping (kernels.refuse_softcap)
-def test_both_cuda_launch_plans_are_byte_identical(plan, dtype, case):
+def test_both_cuda_launch_plans_are_byte_identical(plan, types, case):
     """Every pass forced through one plan (the split kernels in their two- or three-launch form, the
     latter with either context kernel, or the one-launch kernel), whatever its size, with q, K and V in
-    each dtype (the kernels read 16-bit values and widen them)."""
+    each dtype (the kernels read 16-bit values and widen them) and over q8_0 caches (the kernels form
+    d * q from the packed rows)."""
     from mlxinfer import kernels
 
     split, two = plan.startswith("split"), "two" in plan
@@ -224,7 +225,7 @@ def test_both_cuda_launch_plans_are_byte_identical(plan, dtype, case):
         mp.setattr(kernels, "TWO_LAUNCH_MAX_KEYS", 10**18 if two else 0)
         mp.setattr(kernels, "ROWS_MIN", 1 if "rows" in plan else 10**9)
         mp.setattr(kernels, "ROWS_MAX_KEYS_PER_ROW", 10**9)
-        assert_matches_default(MLXBackend(device="gpu", kernel="cuda", dtype=dtype), case)
+        assert_matches_default(typed(lambda **kw: MLXBackend(device="gpu", kernel="cuda", **kw), types, case), case)
 
 
 @needs_cuda

@@ -134,6 +134,14 @@ def self_check_cases(head_dims=SELF_CHECK_HEAD_DIMS) -> list[CheckCase]:
     return cases
 
 
+def case_applies(backend: "MLXBackend", case: CheckCase) -> bool:
+    """Whether the backend's cache can hold the case: a q8_0 cache holds rows of whole blocks of 32 values
+    only, and the basic cache stores what the pass computed (it refuses another --kv-dtype)."""
+    if backend.kv_dtype == "q8_0" and case.spec.n_kv_heads * case.spec.head_dim % 32:
+        return False
+    return case.kv != "basic" or backend.kv_dtype == backend.dtype_name
+
+
 def check_case_inputs(backend: "MLXBackend", case: CheckCase, seed: int = 7):
     """(q, cache layer view, batch) of a case on `backend`, random values of magnitude ~3 (softmax rows
     spread, so that another summation order shows): each sequence's earlier rows written by a first
@@ -218,10 +226,8 @@ def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
     if problem:
         return problem
     for case in self_check_cases():
-        if backend.kv_dtype == "q8_0" and case.spec.n_kv_heads * case.spec.head_dim % 32:
-            continue  # (a q8_0 cache holds rows of whole blocks of 32 values only)
-        if case.kv == "basic" and backend.kv_dtype != backend.dtype_name:
-            continue  # (the basic cache stores what the pass computed: it refuses another --kv-dtype)
+        if not case_applies(backend, case):
+            continue
         try:
             q, view, batch = check_case_inputs(backend, case)
             spec = case.spec
@@ -779,10 +785,10 @@ class MLXBackend(Backend):
     def _pass_needs_graph(self, batch, spec) -> bool:
         """Whether this pass's attention takes the graph override even with a GPU kernel: soft-capping
         (the kernels have none: the graph's products and softmax are the kernels', the capping MLX's
-        elementwise ops), a head_dim past the kernel's limit, a q8_0 cache (the kernels read float
-        stores; the graph dequantizes), or (where the kernel has no split plan: Metal) few rows over long
-        caches (never a traced batch's, whose lengths live only in its arrays)."""
-        if spec.softcap or spec.head_dim > kernels.MAX_HEAD_DIM or self.kv_dtype == "q8_0":
+        elementwise ops), a head_dim past the kernel's limit, or (where the kernel has no split plan:
+        Metal) few rows over long caches (never a traced batch's, whose lengths live only in its arrays).
+        A q8_0 cache is read by the kernels in place (`mlxi_kv`)."""
+        if spec.softcap or spec.head_dim > kernels.MAX_HEAD_DIM:
             return True
         if kernels.uses_split(self.kernel, batch.n_rows, spec):
             return False

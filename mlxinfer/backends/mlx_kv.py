@@ -8,7 +8,9 @@ then the W/32 scales' bytes, so that every cache operation that moves rows (scat
 fork) moves a row's values with its scales. 34 bytes per 32 values, as llama.cpp's `-ctk q8_0`.
 
 Reading dequantizes: float32 d * q, exact (11 bits of d times 8 of q fit float32's 24), so every path
-that reads a q8_0 cache (the per-head reference, the graph override) reads the same float32 values.
+that reads a q8_0 cache (the per-head reference, the graph override, and on a GPU the attention kernels,
+which form d * q from the packed rows in registers: `mlxi_kv` in metal_kernels/) reads the same float32
+values.
 Quantizing what was read gives the same row again (d' = 127 d / 127 = d, q' = q), so rows copied
 through float32 (a forked block, the disk prompt cache) keep their bits.
 """
