@@ -34,7 +34,7 @@ bench() {  # name model prompts peer-quant
 }
 for step in ${*:-tests types small}; do
   case $step in
-    check) timeout 200 python3 -m mlxinfer inspect --kernels >"$OUT/check.log" 2>&1; tail -3 "$OUT/check.log"
+    check) timeout 400 python3 -m mlxinfer inspect --kernels >"$OUT/check.log" 2>&1; tail -3 "$OUT/check.log"
            log "check" ;;
     tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_block_kernels.py \
              tests/test_quants.py -k "not cpu and (experts or Q4_K or Q6_K or block or gpu)" >"$OUT/tests.log" 2>&1
