@@ -138,7 +138,6 @@ typedef signed char int8_t;
 typedef unsigned short uint16_t;
 typedef unsigned int uint32_t;
 struct half { half(float); operator float() const; };
-template <typename T, typename U> T as_type(U);
 """
 
 
