@@ -32,7 +32,7 @@ from gguf.quants import dequantize
 import mlxinfer
 from mlxinfer import quants
 from mlxinfer.backends.mlx import MLXBackend, gpu_kind
-from mlxinfer.backends.mlx_weights import BlockWeight, QuantizedWeight, to_device
+from mlxinfer.backends.mlx_weights import BlockWeight, ExpertStack, QuantizedWeight, to_device
 from mlxinfer.gguf_file import GGUFFile
 from mlxinfer.synthetic import SyntheticSpec, write_synthetic_model
 
@@ -150,7 +150,7 @@ def test_mlx_logits_match_the_cpu_reference_per_type(model_dir, qtype, device):
     assert np.max(np.abs(a - b)) <= REL_BOUND * scale, (np.max(np.abs(a - b)) / scale)
 
 
-MOE_TYPES = [Q.Q4_K, Q.Q5_1, Q.Q8_0, Q.Q6_K, Q.F16]  # affine (gather_qmm) and block/16-bit (dequantized) stacks
+MOE_TYPES = [Q.Q4_K, Q.Q5_1, Q.Q8_0, Q.Q6_K, Q.IQ4_XS, Q.F16]  # affine (gather_qmm), block/16-bit (dequantized)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -179,6 +179,82 @@ def test_quantized_experts_stay_compact_and_match_the_reference(model_dir, qtype
     a = np.concatenate([cpu.logits(IDS), decode_logits(cpu, IDS, 4)])
     b = np.concatenate([ml.logits(IDS), decode_logits(ml, IDS, 4)])
     assert np.max(np.abs(a - b)) <= REL_BOUND * np.max(np.abs(a)), np.max(np.abs(a - b)) / np.max(np.abs(a))
+
+
+def whole_stack(stack, ids):
+    """`ExpertStack.chosen` replaced by the stack itself: every expert dequantized, the ids as given
+    (the path block and 16-bit stacks took before they read only the chosen experts)."""
+    return stack.weight, ids
+
+
+def expert_stack(rng, qtype, e, out, n_in, edges=False) -> ExpertStack:
+    raw = quants.random_blocks(rng, qtype, e * out, n_in, std=n_in ** -0.5, edges=edges)
+    weight = to_device(qtype, quants.split(raw, qtype, e * out, n_in), (e * out, n_in))
+    return ExpertStack((e, out, n_in), weight=weight)
+
+
+def same_products(got, want) -> None:
+    got, want = np.array(got), np.array(want)
+    assert got.shape == want.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+ROUTINGS = [[[5, 2]],  # one decode row's experts
+            [[1, 6], [6, 0], [3, 1]],  # rows sharing experts (6 selections of 8)
+            [[7, 6, 5, 4, 3, 0, 1]]]  # nearly all: 7 of 8
+
+
+@pytest.mark.parametrize("qtype", [*quants.BLOCK_TYPES, *quants.HALF_TYPES], ids=lambda q: q.name)
+def test_chosen_experts_multiply_as_the_whole_stack(qtype, monkeypatch):
+    """A block or 16-bit stack's products over only the selected experts (`ExpertStack.chosen`) have
+    the bits of the whole stack's (every expert dequantized, then `gather_mm` by the router's ids), for
+    one row, rows that share experts and a row taking 7 of 8, on edge blocks (module docstring):
+    dequantization is exact per value and the products are gather_mm's over the same values (no error
+    model: bits). float32 only: MLX's CPU gather_mm takes no other dtype (a GPU's bfloat16 not run)."""
+    MLXBackend(device="cpu")
+    rng = np.random.default_rng(int(qtype) + 300)
+    stack = expert_stack(rng, qtype, 8, 48, 256, edges=True)
+    for routing in ROUTINGS:
+        ids = mx.array(np.array(routing, np.uint32))
+        x = mx.array(rng.standard_normal((ids.shape[0], 1, 1, 256)).astype(np.float32))
+        got = stack.products(x, ids)
+        with monkeypatch.context() as m:
+            m.setattr(ExpertStack, "chosen", whole_stack)
+            same_products(got, stack.products(x, ids))
+
+
+def test_a_decode_row_dequantizes_only_its_experts(monkeypatch):
+    """One row's products over 2 of 64 Q6_K experts take a transient a fraction of the whole stack's
+    float32 (MLX's peak memory over the call, this machine's CPU): the chosen experts alone are
+    dequantized. The whole-stack path, measured the same way, takes at least the stack's float32."""
+    MLXBackend(device="cpu")
+    e, out, n_in = 64, 128, 512
+    stack = expert_stack(np.random.default_rng(5), Q.Q6_K, e, out, n_in)
+    x, ids = mx.ones((1, 1, 1, n_in)), mx.array([[9, 40]], dtype=mx.uint32)
+
+    def peak():
+        mx.eval(stack.products(x, ids))
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(stack.products(x, ids))
+        return mx.get_peak_memory() - before
+
+    chosen = peak()
+    monkeypatch.setattr(ExpertStack, "chosen", whole_stack)
+    whole = peak()
+    assert whole >= e * out * n_in * 4 > 8 * chosen, (chosen, whole)
+
+
+@pytest.mark.parametrize("used", [2, 7], ids=lambda k: f"{k}-of-8")
+def test_moe_logits_equal_the_whole_stack_paths(model_dir, used, monkeypatch):
+    """A Q6_K Qwen3-MoE model on MLX: prefill and decode logits with the experts of few (2 of 8) and
+    nearly all (7 of 8) read alone have the bits of the whole-stack path's (`whole_stack`)."""
+    spec = SyntheticSpec(arch="qwen3moe", qtype="Q6_K", n_layers=2, n_experts=8, n_experts_used=used, ffn_expert=256,
+                         **SPEC)
+    ml = mlxinfer.load(write_synthetic_model(model_dir / f"moe-used{used}.gguf", spec), backend="mlx", device="cpu")
+    got = np.concatenate([ml.logits(IDS[:3]), decode_logits(ml, IDS[:8], 3)])
+    monkeypatch.setattr(ExpertStack, "chosen", whole_stack)
+    want = np.concatenate([ml.logits(IDS[:3]), decode_logits(ml, IDS[:8], 3)])
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_a_type_that_is_not_kept_is_refused_in_one_line(model_dir, monkeypatch):

@@ -3,9 +3,9 @@
 Differences from Qwen3: the FFN is a mixture of experts. The router `ffn_gate_inp` gives each row one
 logit per expert; `Backend.moe_mlp` takes the `expert_used_count` experts of largest softmax probability,
 weights them by those probabilities normalized to sum 1, and adds their SwiGLU outputs (`ffn_gate_exps`,
-`ffn_up_exps`, `ffn_down_exps`: [experts, out, in] stacks, float32 on both backends), as llama.cpp's
-build_moe_ffn does for this architecture (softmax gating, normalized weights, no scale). Tensor
-parallelism refuses it in one line (models/shard.py).
+`ffn_up_exps`, `ffn_down_exps`: [experts, out, in] stacks, in the file's type on MLX (`ExpertStack`),
+float32 on the cpu backend), as llama.cpp's build_moe_ffn does for this architecture (softmax gating,
+normalized weights, no scale). Tensor parallelism refuses it in one line (models/shard.py).
 """
 
 from .layers import moe_mlp, output_logits, rms_norm
