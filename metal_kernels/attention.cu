@@ -128,6 +128,24 @@ __device__ __forceinline__ void mlxi_chain_tree(float* part, int tid) {
   __syncthreads();
 }
 
+// tanh of a float32 (soft-capping): CUDA's tanhf, the function MLX's own float32 tanh calls on CUDA
+// (mlx/backend/cuda/device/unary_ops.cuh: cuda::std::tanh, which is __builtin_tanhf, CUDA's tanhf, under
+// nvcc). MLX's tanh kernel is compiled with the toolkit that built MLX, ours by the NVRTC at run time,
+// and the two tanhf need not agree to the last bit: so on a GPU the MLX backend's tanh primitive is the
+// `tanh` kernel below, this very function, and the per-head reference, the graph override and the fused
+// kernels compile one tanhf in one NVRTC.
+__device__ __forceinline__ float mlxi_tanh(float x) {
+  return tanhf(x);
+}
+
+// A score from its dot product, in the per-head reference's operations: scaled after the product, then
+// with a soft-cap (Gemma 2; cap 0: none) cap * tanh(s / cap) as scale(tanh(scale(s, inv)), cap), inv
+// the float32 1/cap (backend.softcap_inverse), each product rounded once.
+__device__ __forceinline__ float mlxi_score(float dot, float sc, float cap, float inv) {
+  const float s = __fmul_rn(dot, sc);
+  return cap != 0.0f ? __fmul_rn(mlxi_tanh(__fmul_rn(s, inv)), cap) : s;
+}
+
 // Whether key j is hidden from a query at position pos: past it (causal), or WINDOW or more before it.
 __device__ __forceinline__ bool mlxi_hidden(long j, int pos, int causal, int window) {
   return (causal && j > pos) || (window > 0 && j <= pos - window);
@@ -306,15 +324,15 @@ mlxi_softmax(y, (int)n, threadIdx.x, red);
 // (this pass's included), and the query sits at position row_pos[r]. Each block takes work items
 // blockIdx.x, blockIdx.x + gridDim.x, ... and keeps the row's scores in its own row of the scratch
 // output p [gridDim.x, CAP], so the scratch is sized by the grid, not by the batch.
-// q [N, H*D]; k, v [slots, CAP, KV*D]; out [N, H*D].
-// dims = [CAP, H, KV, D, CAUSAL (0/1), WINDOW (0 = none), N]: run-time values, so one compiled kernel
-// serves every model and every batch.
+// q [N, H*D]; k, v [slots, CAP, KV*D]; out [N, H*D]; scales = [the scale, the soft-cap (0: none), its
+// float32 inverse]. dims = [CAP, H, KV, D, CAUSAL (0/1), WINDOW (0 = none), N]: run-time values, so one
+// compiled kernel serves every model and every batch.
 const long cap = dims[0];
 const int H = dims[1], KV = dims[2], D = dims[3], CAUSAL = dims[4], WINDOW = dims[5];
 const long items = (long)dims[6] * H;
 const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
 const long kvw = (long)KV * D;
-const float sc = scale[0];
+const float sc = scales[0], softcap = scales[1], softcap_inv = scales[2];
 float* pr = p + (long)blockIdx.x * cap;
 __shared__ float red[MLXI_WARPS];
 __shared__ float part[32 * MLXI_MAX_D];
@@ -324,9 +342,10 @@ for (long item = blockIdx.x; item < items; item += gridDim.x) {
   const int S = row_len[r], pos = row_pos[r];
   const auto* qh = q + r * H * D + h * D;
   const long row0 = (long)row_slot[r] * cap, c0 = (long)(h / (H / KV)) * D;  // the slot's first row, the KV head's first column
-  // 1. scores, scaled after the product, masked; 2. softmax: both in the published order.
+  // 1. scores, scaled after the product (soft-capped), masked; 2. softmax: both in the published order.
   for (int j = wid; j < S; j += MLXI_WARPS) {
-    const float s = __fmul_rn(mlxi_dot(qh, 1, mlxi_kv_row_at(k, row0 + j, c0, kvw), 1, D, lane), sc);
+    const float s = mlxi_score(mlxi_dot(qh, 1, mlxi_kv_row_at(k, row0 + j, c0, kvw), 1, D, lane), sc, softcap,
+                               softcap_inv);
     if (lane == 0) pr[j] = mlxi_hidden(j, pos, CAUSAL, WINDOW) ? -INFINITY : s;
   }
   __syncthreads();
@@ -358,11 +377,13 @@ for (long item = blockIdx.x; item < items; item += gridDim.x) {
 // keys w, w+8, ..., w+56 of them, loading all 8 before the dot products (mlxi_dot's order, from
 // registers: lane l adds its terms i = l, l+32, ... in increasing i, then the butterfly).
 // q [N, H*D]; k [slots, CAP, KV*D]; p [N, H, CAP]. The split kernels take the attention's shape as
-// compile-time constants (H, KV, D, CAUSAL, WINDOW, SCALE_BITS: the scale's float32 bits), the capacity
+// compile-time constants (H, KV, D, CAUSAL, WINDOW, SCALE_BITS: the scale's float32 bits, SOFTCAP_BITS
+// and SOFTCAP_INV_BITS: the soft-cap's (0: none) and its float32 inverse's; mlxi_score), the capacity
 // and row count from the inputs' shapes: no small arrays to move per launch.
 const long cap = k_shape[1], n = q_shape[0];
 constexpr int G = H / KV, NT = (D + 31) / 32;
 const float sc = __int_as_float(SCALE_BITS);
+const float softcap = __int_as_float(SOFTCAP_BITS), softcap_inv = __int_as_float(SOFTCAP_INV_BITS);
 const long nkb = (cap + 63) / 64;
 const long blk = (long)blockIdx.y * gridDim.x + blockIdx.x;
 const long kb = blk % nkb, rg = blk / nkb;
@@ -408,7 +429,7 @@ if (r < n) {
           }
           s = mlxi_warp_total(s);
         }
-        if (lane == 0) p[(r * H + (long)g * G + hh) * cap + j] = hidden ? -INFINITY : __fmul_rn(s, sc);
+        if (lane == 0) p[(r * H + (long)g * G + hh) * cap + j] = hidden ? -INFINITY : mlxi_score(s, sc, softcap, softcap_inv);
       }
     }
   }
@@ -678,7 +699,7 @@ if (r0 < n && d0 < D) {  // no barriers or shuffles below: idle lanes may leave
 // takes rows 4w .. 4w+3, lane j key kt*32 + j, for both heads: 8 dot products a thread, each summed
 // as mlxi_dot sums it: lane l's terms in increasing t, then the butterfly's tree over l, the thread
 // taking the 32 lanes' partials in mlxi_chain_at's order (what a warp's shuffles add, added here in
-// registers). Scaled after the product; a key hidden from a row gets -INFINITY (whole tiles of hidden
+// registers). Scaled after the product (and soft-capped: mlxi_score); a key hidden from a row gets -INFINITY (whole tiles of hidden
 // keys without products). Head dimensions up to 128 (NT <= 4).
 // q [N, H*D]; k [slots, CAP, KV*D]; tiles [2 * tiles]; p [N, H, CAP]; compile-time H, KV, D as attn_scores'.
 const long cap = k_shape[1];
@@ -686,6 +707,7 @@ constexpr int G = H / KV, NT = (D + 31) / 32;
 static_assert(NT <= 4, "attn_scores_rows holds head dimensions up to 128");
 constexpr long kvw = (long)KV * D;
 const float sc = __int_as_float(SCALE_BITS);
+const float softcap = __int_as_float(SOFTCAP_BITS), softcap_inv = __int_as_float(SOFTCAP_INV_BITS);
 const long nkt = (cap + 31) / 32;
 const long blk = (long)blockIdx.y * gridDim.x + blockIdx.x;
 const long kt = blk % nkt, tg = blk / nkt;
@@ -766,7 +788,7 @@ if (tile < tiles_shape[0] / 2) {  // the same for the whole block
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               if (hb + e < G) {
-                p[((r0 + row) * H + (long)g * G + hb + e) * cap + j] = (hidden || !any) ? -INFINITY : __fmul_rn(tot[rr][e], sc);
+                p[((r0 + row) * H + (long)g * G + hb + e) * cap + j] = (hidden || !any) ? -INFINITY : mlxi_score(tot[rr][e], sc, softcap, softcap_inv);
               }
             }
           }
@@ -775,6 +797,11 @@ if (tile < tiles_shape[0] / 2) {  // the same for the whole block
     }
   }
 }
+//@@BODY tanh
+// out[i] = tanh(x[i]) (float32, i < dims[0]): the MLX backend's tanh primitive on a GPU (soft-capping),
+// mlxi_tanh, the function the attention kernels cap their scores with. One thread a value.
+const long i = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_THREADS + threadIdx.x;
+if (i < dims[0]) out[i] = mlxi_tanh(x[i]);
 //@@BODY qk_norm_rope
 // Not attention's arithmetic but its inputs: Qwen3's q_norm / k_norm then RoPE (rotate-half) of a pass's
 // queries q [N, H*D] and keys k [N, KV*D] in one launch (the MLX backend's qk_norm_rope on CUDA; a decode

@@ -81,6 +81,21 @@ inline float mlxi_dot(A a, long sa, B b, long sb, int n, uint lane) {
   return s;
 }
 
+// tanh of a float (soft-capping): metal::precise::tanh, what MLX's own Metal tanh calls
+// (mlx/backend/metal/kernels/unary_ops.h). MLX's is compiled into its metallib when MLX is built, ours
+// when the kernel is first used; so, as on CUDA, the MLX backend's tanh primitive on a GPU is the `tanh`
+// kernel below, this very function, for the reference and the fused kernel alike.
+inline float mlxi_tanh(float x) {
+  return metal::precise::tanh(x);
+}
+
+// A score from its dot product, as attention.cu's mlxi_score: scaled after the product, then with a
+// soft-cap (cap 0: none) scale(tanh(scale(s, inv)), cap), inv the float32 1/cap.
+inline float mlxi_score(float dot, float sc, float cap, float inv) {
+  const float s = dot * sc;
+  return cap != 0.0f ? mlxi_tanh(s * inv) * cap : s;
+}
+
 inline void mlxi_softmax(device float* x, int n, uint tid, threadgroup float* red) {
   const uint lane = tid & 31, wid = tid >> 5;
   float m = -INFINITY;
@@ -128,13 +143,14 @@ mlxi_softmax(y, (int)n, tid, red);
 // As in attention.cu: work items (row, head), blocks striding over them, scores in the block's own
 // scratch row, context by lane partials over consecutive columns, then the butterfly as a tree, up to
 // MLXI_PART_D head dimensions a pass (the same chains and tree for every dimension, in any pass).
+// scales = [the scale, the soft-cap (0: none), its float32 inverse].
 const long cap = dims[0];
 const int H = dims[1], KV = dims[2], D = dims[3], CAUSAL = dims[4], WINDOW = dims[5];
 const long items = (long)dims[6] * H;
 const uint tid = thread_position_in_threadgroup.x;
 const uint lane = thread_index_in_simdgroup, wid = simdgroup_index_in_threadgroup;
 const long kvw = (long)KV * D;
-const float sc = scale[0];
+const float sc = scales[0], softcap = scales[1], softcap_inv = scales[2];
 device float* pr = p + (long)threadgroup_position_in_grid.x * cap;
 threadgroup float red[MLXI_WARPS];
 threadgroup float part[32 * MLXI_PART_D];  // 16 KB: Apple GPUs give a threadgroup 32 KB
@@ -145,7 +161,8 @@ for (long item = threadgroup_position_in_grid.x; item < items; item += threadgro
   const auto qh = q + r * H * D + h * D;  // device or constant pointers, as MLX passes them
   const long row0 = (long)row_slot[r] * cap, c0 = (long)(h / (H / KV)) * D;  // the slot's first row, the KV head's first column
   for (int j = wid; j < S; j += MLXI_WARPS) {
-    const float s = mlxi_dot(qh, 1, mlxi_kv_row_at(k, row0 + j, c0, kvw), 1, D, lane) * sc;
+    const float s = mlxi_score(mlxi_dot(qh, 1, mlxi_kv_row_at(k, row0 + j, c0, kvw), 1, D, lane), sc, softcap,
+                               softcap_inv);
     const bool hidden = (CAUSAL && j > pos) || (WINDOW > 0 && j <= pos - WINDOW);
     if (lane == 0) pr[j] = hidden ? -INFINITY : s;
   }
@@ -171,4 +188,7 @@ for (long item = threadgroup_position_in_grid.x; item < items; item += threadgro
     threadgroup_barrier(mem_flags::mem_threadgroup);  // part is rewritten by the next pass
   }
   threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
-}
+}//@@BODY tanh
+// out[i] = tanh(x[i]) (i < dims[0]): the MLX backend's tanh primitive on a GPU, mlxi_tanh.
+const long i = (long)thread_position_in_grid.y * threads_per_grid.x + thread_position_in_grid.x;
+if (i < dims[0]) out[i] = mlxi_tanh(x[i]);

@@ -24,6 +24,9 @@ formed in float32) and widen each value exactly before any arithmetic; the matmu
 and softmax kernels take float32 (the backend widens their operands in the graph), so both paths
 compute on the same float32 values. On CUDA the input types are template arguments (`input_types`):
 MLX names a CUDA kernel by its template arguments only, so each type gets its own compiled kernel.
+Soft-capping (Gemma 2) is in the kernels' scores (`mlxi_score`: the reference's scale, then scale,
+tanh, scale), its tanh `mlxi_tanh`, which the `tanh` kernel also gives the MLX backend's tanh primitive
+on a GPU, so the reference caps its scores with the same function.
 Because the per-head reference and the fused kernels are built from the same device functions, they
 agree bit for bit on any number of query rows, which MLX's own products cannot promise (on CUDA a
 product of more than one row goes to cuBLASLt, whose order is unpublished).
@@ -40,7 +43,7 @@ from importlib import resources
 
 import numpy as np
 
-from .errors import UnsupportedError
+from .backend import softcap_inverse
 
 SOURCES = {"metal": "attention.metal", "cuda": "attention.cu"}
 THREADS = 256  # threads per block (8 warps / simdgroups of 32)
@@ -64,7 +67,8 @@ def kernel_source(kind: str) -> tuple[str, dict[str, str]]:
 _INPUTS = {
     "matmul": (["a", "bt", "dims"], ["out"]),
     "softmax": (["x", "dims"], ["out"]),
-    "fused_attention": (["q", "k", "v", "row_slot", "row_pos", "row_len", "scale", "dims"], ["out", "p"]),
+    "fused_attention": (["q", "k", "v", "row_slot", "row_pos", "row_len", "scales", "dims"], ["out", "p"]),
+    "tanh": (["x", "dims"], ["out"]),
     "attn_scores": (["q", "k", "row_slot", "row_pos", "row_len"], ["p"]),
     "attn_softmax_context": (["x", "v", "row_slot", "row_len"], ["out"]),
     "attn_softmax": (["x", "row_len"], ["out"]),
@@ -313,11 +317,21 @@ def input_types(kind: str, q, keys) -> list:
     return [("QT", q.dtype), ("KVT", keys.dtype)] if kind == "cuda" else []
 
 
-def refuse_softcap(spec) -> None:
-    """The kernels compute no soft-capping (Gemma 2's): the MLX backend sends such passes to its graph path."""
-    if spec.softcap:
-        raise UnsupportedError(f"attention soft-capping ({spec.softcap}) is not in the fused attention kernels: "
-                               "run it through the graph path")
+def softcap_values(spec) -> tuple[float, float]:
+    """(cap, its float32 inverse) of a soft-capped spec, (0, 0) without one: what the kernels' mlxi_score
+    takes (a cap of 0 is none)."""
+    return (float(np.float32(spec.softcap)), softcap_inverse(spec.softcap)) if spec.softcap else (0.0, 0.0)
+
+
+def tanh(kind: str, x):
+    """tanh of float32 x (any shape) elementwise, by mlxi_tanh: the function the attention kernels cap
+    their scores with (the MLX backend's tanh on a GPU, so that the reference caps with it too)."""
+    import mlx.core as mx
+
+    n = x.size
+    (out,) = _kernel(kind, "tanh")(inputs=[mx.reshape(x, (-1,)), _dims(n)], grid=_grid(-(-n // THREADS)),
+                                   threadgroup=(THREADS, 1, 1), output_shapes=[(n,)], output_dtypes=[mx.float32])
+    return mx.reshape(out, x.shape)
 
 
 def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec, split: bool | None = None,
@@ -336,7 +350,6 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
     rows by rows (`uses_rows`: `attn_scores_rows`, `attn_context_rows`)."""
     import mlx.core as mx
 
-    refuse_softcap(spec)
     if split if split is not None else uses_split(kind, q.shape[0], spec, keys.shape[1]):
         return split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, seq_rows=seq_rows)
     n = q.shape[0]
@@ -344,8 +357,9 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
     dims = _dims(cap, spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.causal), int(spec.window or 0), n)
     blocks = min(n * spec.n_heads, MAX_BLOCKS)
     types = input_types(kind, q, keys)
+    scales = mx.array([spec.scale, *softcap_values(spec)], dtype=mx.float32)
     out, _ = _kernel(kind, "fused_attention")(
-        inputs=[q, keys, values, row_slot, row_pos, row_len, mx.array([spec.scale], dtype=mx.float32), dims],
+        inputs=[q, keys, values, row_slot, row_pos, row_len, scales, dims],
         grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1), **({"template": types} if types else {}),
         output_shapes=[(n, spec.n_heads * spec.head_dim), (blocks, cap)], output_dtypes=[mx.float32, mx.float32])
     return out
@@ -360,13 +374,13 @@ def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, ste
     (True) or the others (False). The attention's shape is compiled into the kernels."""
     import mlx.core as mx
 
-    refuse_softcap(spec)
     if steps not in (1, 2, 3):
         raise ValueError(f"steps must be 1 (scores), 2 (and softmax) or 3 (the whole plan), got {steps}")
     n, cap = q.shape[0], keys.shape[1]
-    scale_bits = int(np.array(spec.scale, dtype=np.float32).view(np.int32))
+    softcap, softcap_inv = softcap_values(spec)
     template = [("H", spec.n_heads), ("KV", spec.n_kv_heads), ("D", spec.head_dim), ("CAUSAL", bool(spec.causal)),
-                ("WINDOW", int(spec.window or 0)), ("SCALE_BITS", scale_bits), *input_types(kind, q, keys)]
+                ("WINDOW", int(spec.window or 0)), ("SCALE_BITS", _f32_bits(spec.scale)), ("SOFTCAP_BITS", _f32_bits(softcap)),
+                ("SOFTCAP_INV_BITS", _f32_bits(softcap_inv)), *input_types(kind, q, keys)]
     shape = [(n, spec.n_heads, cap)]
     if two_launches is None:
         two_launches = uses_two_launches(n, cap)
@@ -412,9 +426,10 @@ def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, ste
 LANES = 32  # dot products: lane l sums the terms l, l + LANES, ... (one warp / simdgroup)
 DOT_BUTTERFLY = (16, 8, 4, 2, 1)  # then the lanes' partials, s += shuffle_xor(s, off) for these offsets
 WARP_TOTALS_BUTTERFLY = (4, 2, 1)  # softmax: THREADS thread-strided partials, DOT_BUTTERFLY in each warp,
-# then the 8 warp totals by these offsets. tests/test_metal_order.py reads all of this (and the exp and
-# division the kernels use: EXACT_MATH) from metal_kernels/attention.metal and fails where they differ.
-EXACT_MATH = ("metal::precise::exp", "metal::precise::divide")
+# then the 8 warp totals by these offsets. tests/test_metal_order.py reads all of this (and the exp,
+# division and tanh the kernels use: EXACT_MATH) from metal_kernels/attention.metal and fails where they
+# differ. (precise::tanh is not correctly rounded, but it is MLX's, and the reference takes the kernels'.)
+EXACT_MATH = ("metal::precise::exp", "metal::precise::divide", "metal::precise::tanh")
 def _butterfly(partials: np.ndarray, offsets) -> np.ndarray:
     """Combine partial sums on the last axis as the kernels' xor butterfly does; returns lane 0's."""
     p = partials.astype(np.float32)

@@ -30,6 +30,7 @@ float exp(float x);
 namespace precise {
 float exp(float x);
 float divide(float a, float b);
+float tanh(float x);
 }  // namespace precise
 namespace fast {
 float exp(float x);

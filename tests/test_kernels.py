@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from mlxinfer import kernels
-from mlxinfer.backend import AttentionSpec
+from mlxinfer.backend import AttentionSpec, softcap_inverse
 from mlxinfer.backends import make_backend
-from mlxinfer.errors import UnsupportedError
+from mlxinfer.batch import Batch
 
 GPU = None
 try:
@@ -29,7 +29,7 @@ def test_kernel_sources_hold_every_kernel():
              "qk_norm_rope"}  # (qk_norm_rope: CUDA only, like the split kernels)
     for kind in ("cuda", "metal"):
         header, bodies = kernels.kernel_source(kind)
-        assert set(bodies) == {"matmul", "softmax", "fused_attention"} | (split if kind in kernels.SPLIT_KINDS else set())
+        assert set(bodies) == {"matmul", "softmax", "fused_attention", "tanh"} | (split if kind in kernels.SPLIT_KINDS else set())
         assert "mlxi_dot" in header and "mlxi_softmax" in header
 
 
@@ -199,7 +199,8 @@ def test_launch_plan_rule():
 
 
 INT_INPUTS = {"row_slot", "row_pos", "row_len", "dims", "tiles"}
-SPLIT_TEMPLATE = {"H": 16, "KV": 8, "D": 128, "CAUSAL": "true", "WINDOW": 0, "SCALE_BITS": 1035273459}
+SPLIT_TEMPLATE = {"H": 16, "KV": 8, "D": 128, "CAUSAL": "true", "WINDOW": 0, "SCALE_BITS": 1035273459, "SOFTCAP_BITS": 0,
+                  "SOFTCAP_INV_BITS": 0}
 TEMPLATED = {"attn_scores", "attn_softmax_context", "attn_context", "attn_context_rows", "attn_scores_rows", "qk_norm_rope"}  # the kernels kernels.split_attention passes `template` to
 STUB = """
 #include <cuda_bf16.h>
@@ -284,7 +285,7 @@ def _nvrtc_compile(lib, name: str, source: str, opts) -> tuple[int, str]:
     return rc, log.value.decode(errors="replace")
 
 
-def test_cuda_sources_compile_with_nvrtc():
+def test_cuda_sources_compile_with_nvrtc(monkeypatch):
     """Every CUDA kernel body compiles (NVRTC, sm_90, no GPU needed), as MLX's cuda_kernel would build it:
     a typo in metal_kernels/attention.cu fails here, on any Linux x86-64 machine, not first on a GPU."""
     lib = _nvrtc()
@@ -320,10 +321,17 @@ def test_cuda_sources_compile_with_nvrtc():
             src = _cuda_kernel_source(name, bodies[name], parts[name][0], tuple(forms.get(name, ())), types)
             rc, log = _nvrtc_compile(lib, name, src, opts)
             assert rc == 0, f"{name} {types}: {log}"
+    # the score kernels with a soft-cap (Gemma 2's 50; its bits as kernels.split_attention passes them)
+    monkeypatch.setitem(SPLIT_TEMPLATE, "SOFTCAP_BITS", kernels._f32_bits(50.0))
+    monkeypatch.setitem(SPLIT_TEMPLATE, "SOFTCAP_INV_BITS", kernels._f32_bits(softcap_inverse(50.0)))
+    for name in ("attn_scores", "attn_scores_rows"):
+        rc, log = _nvrtc_compile(lib, name, _cuda_kernel_source(name, bodies[name], parts[name][0]), opts)
+        assert rc == 0, f"{name}, soft-capped: {log}"
 
 
-HOST_STUBS = {  # what the kernels' K/V reader needs of CUDA and of Metal, for this CPU's C++ compiler
-    "cuda": """#include <cstdint>
+HOST_STUBS = {  # what the kernels' K/V reader and scores need of CUDA and of Metal, for this CPU's C++ compiler
+    "cuda": """#include <cmath>
+#include <cstdint>
 #include <cstring>
 #define __device__
 #define __forceinline__ inline
@@ -334,13 +342,36 @@ inline float __half2float(__half h) { _Float16 f; std::memcpy(&f, &h.x, 2); retu
 inline float __bfloat162float(__nv_bfloat16 b) { uint32_t u = (uint32_t)b.x << 16; float f; std::memcpy(&f, &u, 4); return f; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 """,
-    "metal": """#include <cstdint>
+    "metal": """#include <cmath>
+#include <cstdint>
 #include <cstring>
 #define device
 typedef _Float16 float16_t;
 typedef unsigned short ushort;
 template <typename T, typename U> T as_type(U x) { static_assert(sizeof(T) == sizeof(U), ""); T t; std::memcpy(&t, &x, sizeof t); return t; }
+namespace metal { namespace precise { inline float tanh(float x) { return ::tanhf(x); } } }
 """}
+
+
+def _host_library(kind: str, names, code: str, tmp_path):
+    """The header definitions `names` of the `kind` kernel source, as they stand there, and `code` (extern
+    "C" functions calling them), compiled for this CPU with g++ (HOST_STUBS standing in for the GPU's
+    intrinsics; no contraction into fma), loaded through ctypes; skips without a C++ compiler."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("needs a C++ compiler (g++) for this CPU")
+    header, _ = kernels.kernel_source(kind)
+    units = [text for name, text in kernels._header_units(kernels.strip_comments(header)) if name in names]
+    src = HOST_STUBS[kind] + "\n".join(units) + "\n" + code
+    path = tmp_path / f"{kind}.so"
+    build = subprocess.run([cxx, "-std=c++17", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-x", "c++", "-",
+                            "-o", str(path)], input=src, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    return ctypes.CDLL(str(path)), len(units)
 
 
 @pytest.mark.parametrize("kind", ["cuda", "metal"])
@@ -353,28 +384,17 @@ def test_the_kernels_read_a_q8_0_cache_as_the_graph_does(kind, tmp_path):
     all-zero blocks, rows of 5 blocks. (On a GPU the kernels' attention over such caches is checked
     against the reference: tests/test_mlx_backend.py, the self-check.)"""
     import ctypes
-    import shutil
-    import subprocess
 
     import mlx.core as mx
     from mlxinfer.backends.mlx_kv import dequantize_q8_0, packed_width, quantize_q8_0
 
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("needs a C++ compiler (g++) for this CPU")
-    header, _ = kernels.kernel_source(kind)
-    units = [text for name, text in kernels._header_units(kernels.strip_comments(header)) if name in ("mlxi_f", "mlxi_kv")]
-    assert len(units) == (5 if kind == "cuda" else 2), "the reader's definitions in the header"
-    src = HOST_STUBS[kind] + "\n".join(units) + """
+    lib, units = _host_library(kind, ("mlxi_f", "mlxi_kv"), """
 extern "C" void read_store(const int8_t* s, long rows, long w, float* out) {
   for (long r = 0; r < rows; ++r)
     for (long c = 0; c < w; ++c) out[r * w + c] = mlxi_kv(s, r, c, w);
 }
-"""
-    lib_path = tmp_path / "reader.so"
-    build = subprocess.run([cxx, "-std=c++17", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-x", "c++", "-",
-                            "-o", str(lib_path)], input=src, capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
+""", tmp_path)
+    assert units == (5 if kind == "cuda" else 2), "the reader's definitions in the header"
     rng = np.random.default_rng(11)
     rows, w = 7, 160
     mags = 10.0 ** rng.uniform(-6, 4, (rows, w // 32, 1))
@@ -384,12 +404,46 @@ extern "C" void read_store(const int8_t* s, long rows, long w, float* out) {
     assert packed.dtype == np.int8 and packed.shape == (rows, packed_width(w)) and (packed[:, :w] < 0).any()
     store = np.concatenate([packed.reshape(-1), np.zeros(64, np.int8)])  # (room past the last row)
     out = np.zeros((rows, w), np.float32)
-    lib = ctypes.CDLL(str(lib_path))
     lib.read_store(store.ctypes.data_as(ctypes.c_void_p), ctypes.c_long(rows), ctypes.c_long(w),
                    out.ctypes.data_as(ctypes.c_void_p))
     want = np.array(dequantize_q8_0(mx.array(packed)))
     same = out.view(np.uint32) == want.view(np.uint32)
     assert same.all(), f"{int((~same).sum())} of {same.size} values differ, first at {np.argwhere(~same)[0]}"
+
+
+@pytest.mark.parametrize("kind", ["cuda", "metal"])
+def test_the_kernels_score_and_soft_cap_in_the_reference_order(kind, tmp_path):
+    """The kernels' scores (`mlxi_score`, as it stands in the header of attention.cu / attention.metal,
+    compiled for this CPU) against the per-head reference's steps 4 on the same dot products: scale(dot,
+    scale), then with a soft-cap scale(tanh(scale(s, 1/cap)), cap), each product rounded to float32, 1/cap
+    softcap_inverse's; tanh here is this CPU's tanhf on both sides (on a GPU the reference takes the
+    kernels' own: kernels.tanh). Caps of 0 (none), 0.5, 2, 50 (Gemma 2's) and 60 over dot products of
+    magnitudes 1e-3 to 1e4; the cap taken before the scale, or tanh of s * cap, give other bits."""
+    import ctypes
+    import ctypes.util
+
+    lib, _ = _host_library(kind, ("mlxi_tanh", "mlxi_score"), """
+extern "C" void scores(const float* dot, long n, float sc, float cap, float inv, float* out) {
+  for (long i = 0; i < n; ++i) out[i] = mlxi_score(dot[i], sc, cap, inv);
+}
+""", tmp_path)
+    tanhf = ctypes.CDLL(ctypes.util.find_library("m")).tanhf
+    tanhf.restype, tanhf.argtypes = ctypes.c_float, [ctypes.c_float]
+    rng = np.random.default_rng(4)
+    dot = (rng.standard_normal(3000) * 10.0 ** rng.uniform(-3, 4, 3000)).astype(np.float32)
+    sc = np.float32(AttentionSpec.standard(1, 1, 128).scale)
+    f = ctypes.c_float
+    for cap in (0.0, 0.5, 2.0, 50.0, 60.0):
+        inv = np.float32(softcap_inverse(cap)) if cap else np.float32(0)
+        out = np.zeros_like(dot)
+        lib.scores(dot.ctypes.data_as(ctypes.c_void_p), ctypes.c_long(dot.size), f(sc), f(cap), f(inv),
+                   out.ctypes.data_as(ctypes.c_void_p))
+        s = (dot * sc).astype(np.float32)  # 4. scale after the product
+        if cap:  # soft-capping: scale(tanh(scale(s, 1/cap)), cap)
+            t = np.array([tanhf(float(v)) for v in (s * inv).astype(np.float32)], np.float32)
+            s = (t * np.float32(cap)).astype(np.float32)
+        same = out.view(np.uint32) == s.view(np.uint32)
+        assert same.all(), f"cap {cap}: {int((~same).sum())} of {same.size} scores differ, first at {np.argmax(~same)}"
 
 
 @pytest.mark.parametrize("heads", [(16, 8, 128), (32, 8, 128), (32, 4, 128), (14, 2, 64), (8, 8, 256), (9, 3, 64)])
@@ -417,16 +471,57 @@ def test_one_row_forms_keep_their_values_in_registers(heads, monkeypatch):
         assert "0 bytes spill stores, 0 bytes spill loads" in log, (form, log[-400:])
 
 
-def test_kernels_refuse_soft_capping_which_the_mlx_backend_sends_to_its_graph():
-    """The CUDA and Metal kernels compute no soft-capping: both launch plans refuse a spec with one in
-    one line (never a wrong result), and the MLX backend routes such passes to its graph override (the
-    same products and softmax kernels, the capping as MLX's elementwise ops)."""
-    spec = replace(AttentionSpec.standard(4, 2, 64), softcap=50.0)
-    for launch in (kernels.fused_attention, kernels.split_attention):
-        with pytest.raises(UnsupportedError, match=r"attention soft-capping \(50.0\) is not in the fused attention kernels"):
-            launch("cuda", None, None, None, None, None, None, spec)
-    mlx = make_backend("mlx")
-    assert mlx._pass_needs_graph(None, spec) and not mlx.compiles_pass(None, spec)
+def _recorded_launches(monkeypatch) -> list:
+    """[(kernel name, its inputs, its template as a dict)] of every kernel launched from here on, each
+    answered with zeros of its output shapes (nothing runs)."""
+    import mlx.core as mx
+
+    seen = []
+
+    def kernel(kind, name):
+        def launch(inputs, grid, threadgroup, output_shapes, output_dtypes, template=None):
+            seen.append((name, inputs, dict(template or [])))
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
+        return launch
+
+    monkeypatch.setattr(kernels, "_kernel", kernel)
+    return seen
+
+
+def test_soft_capped_passes_reach_the_kernels_with_their_cap(monkeypatch):
+    """Soft-capping (Gemma 2) is in the kernels: the split plans carry the cap's and its float32 inverse's
+    bits as template arguments (0 without one: another compiled kernel), the one-launch kernel both
+    beside its scale; the MLX backend sends such passes to the kernels (and may compile their decode
+    step), and on a GPU its tanh primitive is the kernels' own (kernels.tanh)."""
+    import mlx.core as mx
+
+    seen = _recorded_launches(monkeypatch)
+    q = mx.zeros((3, 4 * 64))
+    k = v = mx.zeros((2, 40, 2 * 64))
+    rows = [mx.array([0, 1, 1], dtype=mx.int32), mx.array([5, 0, 1], dtype=mx.int32), mx.array([6, 2, 2], dtype=mx.int32)]
+    plain = AttentionSpec.standard(4, 2, 64)
+    for spec in (plain, replace(plain, softcap=50.0)):
+        cap, inv = (50.0, softcap_inverse(50.0)) if spec.softcap else (0.0, 0.0)
+        seen.clear()
+        kernels.fused_attention("cuda", q, k, v, *rows, spec, split=False)
+        for two, by_rows in ((True, False), (False, True)):
+            kernels.split_attention("cuda", q, k, v, *rows, spec, two_launches=two, by_rows=by_rows, seq_rows=[(0, 1), (1, 3)])
+        (fused,) = [inputs for name, inputs, _ in seen if name == "fused_attention"]
+        assert np.array(fused[6]).tolist() == [np.float32(spec.scale), np.float32(cap), np.float32(inv)]
+        scores = [t for name, _, t in seen if name in ("attn_scores", "attn_scores_rows")]
+        assert len(scores) == 2 and all((t["SOFTCAP_BITS"], t["SOFTCAP_INV_BITS"]) == (kernels._f32_bits(cap), kernels._f32_bits(inv))
+                                        for t in scores)
+    assert inv == float(np.float32(1) / np.float32(50)) != 0.02
+    mlx = make_backend("mlx", device="cpu")
+    mlx.kernel = "cuda"  # pretend: the dispatch rule only
+    spec = replace(plain, softcap=50.0)
+    assert not mlx._pass_needs_graph(Batch(mlx, [0], [5], [1]), spec) and mlx.compiles_pass(Batch(mlx, [0], [5], [1]), spec)
+    mlx.gpu_kernels = "cuda"
+    seen.clear()
+    mlx.tanh(mx.zeros((3, 5)))
+    assert [name for name, _, _ in seen] == ["tanh"]
+    mlx.tanh(mx.zeros((3, 5), dtype=mx.bfloat16))  # (16-bit values: MLX's own)
+    assert len(seen) == 1
 
 
 @pytest.mark.parametrize("dtype,kv_dtype", [("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"),
@@ -437,15 +532,7 @@ def test_cuda_attention_kernels_are_named_by_their_input_types(monkeypatch, dtyp
     (QT, KVT), so a bfloat16 pass never runs the float32 build. Every launch plan, recorded (nothing runs)."""
     import mlx.core as mx
 
-    seen = []
-
-    def kernel(kind, name):
-        def launch(inputs, grid, threadgroup, output_shapes, output_dtypes, template=None):
-            seen.append((name, dict(template or [])))
-            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
-        return launch
-
-    monkeypatch.setattr(kernels, "_kernel", kernel)
+    seen = _recorded_launches(monkeypatch)
     spec = AttentionSpec.standard(4, 2, 64)
     q = mx.zeros((3, 4 * 64), dtype=getattr(mx, dtype))
     k = v = mx.zeros((2, 40, 2 * 64), dtype=getattr(mx, kv_dtype))
@@ -453,9 +540,9 @@ def test_cuda_attention_kernels_are_named_by_their_input_types(monkeypatch, dtyp
     kernels.fused_attention("cuda", q, k, v, *rows, spec, split=False)
     for two, by_rows in ((True, False), (False, False), (False, True)):
         kernels.split_attention("cuda", q, k, v, *rows, spec, two_launches=two, by_rows=by_rows, seq_rows=[(0, 1), (1, 3)])
-    reading = {n for n, _ in seen} - {"attn_softmax"}  # (attn_softmax reads float32 scores only)
+    reading = {n for n, _, _ in seen} - {"attn_softmax"}  # (attn_softmax reads float32 scores only)
     assert reading == {"fused_attention", "attn_scores", "attn_softmax_context", "attn_context", "attn_scores_rows",
                        "attn_context_rows"}
-    for name, template in seen:
+    for name, _, template in seen:
         if name in reading:
             assert (template["QT"], template["KVT"]) == (getattr(mx, dtype), getattr(mx, kv_dtype)), name

@@ -114,7 +114,7 @@ def test_metal_fused_context_is_the_dot_products_order():
     assert int(stride) == kernels.LANES
     trees = [_offsets(i, c, s, v) for v, i, c, s in _loops(fused, "part[idx] = part[idx] + part[idx + off * dn]")]
     assert trees == [kernels.DOT_BUTTERFLY]
-    assert "mlxi_dot(qh, 1, mlxi_kv_row_at(k, row0 + j, c0, kvw), 1, D, lane) * sc" in fused and "mlxi_softmax(pr, S, tid, red)" in fused
+    assert "mlxi_score(mlxi_dot(qh, 1, mlxi_kv_row_at(k, row0 + j, c0, kvw), 1, D, lane), sc, softcap," in fused and "mlxi_softmax(pr, S, tid, red)" in fused
 
 
 def test_metal_math_is_the_exact_math_the_contract_names():
@@ -124,7 +124,7 @@ def test_metal_math_is_the_exact_math_the_contract_names():
     tests/test_metal_build.py, on clang's reading.)"""
     header, bodies = _source()
     text = header + "".join(bodies.values())
-    calls = re.findall(r"[\w:]*\b(?:exp|exp2|divide|log|recip)\(", text)
+    calls = re.findall(r"[\w:]*\b(?:exp|exp2|divide|log|recip|tanh)\(", text)
     assert calls and set(calls) <= {f"{f}(" for f in kernels.EXACT_MATH}, calls
     assert "#pragma clang fp contract(off)" in header and "#pragma clang fp reassociate(off)" in header
 

@@ -32,6 +32,8 @@ def test_self_check_cases_cover_every_plan_the_metal_kernels_run():
         assert min(rows) == 1 and 1 < min(t for t in rows if t > 1) < 8 <= max(rows)
         assert min(keys) < kernels.METAL_CONSTANT_BELOW and max(keys) > 1024 and any(256 < s <= 1024 for s in keys)
         assert any(c.spec.window for c in mine) and {c.kv for c in mine} == set(KV_CACHES)
+        assert any(c.spec.softcap and any(t == 1 for _, t in c.seqs) for c in mine)  # soft-capped decode rows
+        assert any(c.spec.softcap and any(t > 8 for _, t in c.seqs) for c in mine)  # and chunks
         for c in mine:
             _, view, batch = check_case_inputs(b, c)
             (graph if b._pass_needs_graph(batch, c.spec) else fused).add(c.label)

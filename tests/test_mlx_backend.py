@@ -209,12 +209,12 @@ needs_cuda = pytest.mark.skipif(gpu_kind() != "cuda", reason="the split kernels 
 @pytest.mark.parametrize("plan", ["split, two launches", "split, three launches", "split, three launches, context by rows",
                                   "one-launch"])
 @settings(max_examples=EXAMPLES, deadline=None)
-@given(case=attention_inputs(softcaps=False))  # the kernels refuse soft-capping (kernels.refuse_softcap)
+@given(case=attention_inputs())
 def test_both_cuda_launch_plans_are_byte_identical(plan, types, case):
     """Every pass forced through one plan (the split kernels in their two- or three-launch form, the
     latter with either context kernel, or the one-launch kernel), whatever its size, with q, K and V in
-    each dtype (the kernels read 16-bit values and widen them) and over q8_0 caches (the kernels form
-    d * q from the packed rows)."""
+    each dtype (the kernels read 16-bit values and widen them), over q8_0 caches (the kernels form
+    d * q from the packed rows) and soft-capped (half the cases)."""
     from mlxinfer import kernels
 
     split, two = plan.startswith("split"), "two" in plan

@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # MLX's CUDA backend runs float32 cuBLAS matmuls in TF32 unless told otherwise: ~3e-3 error on logits,
 # outside our 1e-3 agreement with the CPU reference. Read once by MLX at its first matmul; a user who
@@ -112,18 +112,23 @@ class CheckCase:
 def self_check_cases(head_dims=SELF_CHECK_HEAD_DIMS) -> list[CheckCase]:
     """Every plan the GPU kernels run, at each head size: one decode row over 1, 7 (operands of fewer
     than 8 elements, which MLX passes to a Metal kernel as `constant`) and 300 keys (past the softmax's
-    256 threads), several decode rows, prefill chunks of 3 and of 9 rows (8+), a sliding window, few rows
+    256 threads), several decode rows, prefill chunks of 3 and of 9 rows (8+), a sliding window, soft-caps
+    (Gemma 2's 50 and a cap of 2, which bends scores of ~3), few rows
     over more than 1,024 keys (the graph override on Metal) and 64 rows over as many (the fused kernel
     again), and each cache kind (prealloc, paged, basic) for decode rows, a chunk, and a chunk of
     PREFILL_ROWS rows or more beside a decode row (MLX's GEMMs for the one, the kernel for the other)."""
     cases = []
     for d in head_dims:
         gqa, win = AttentionSpec.standard(4, 2, d), AttentionSpec.standard(4, 2, d, window=16)
+        capped = [replace(win, softcap=50.0), replace(gqa, softcap=2.0)]
         cases += [CheckCase("one decode row over 1 key", gqa, ((1, 1),)),
                   CheckCase("one decode row over 7 keys", AttentionSpec.standard(1, 1, d), ((7, 1),)),
                   CheckCase("one decode row over 300 keys", gqa, ((300, 1),)),
                   CheckCase("3 rows of a chunk over 70 keys", gqa, ((70, 3),)),
                   CheckCase("9 rows of a chunk over 300 keys, window 16", win, ((300, 9),)),
+                  CheckCase("9 rows of a chunk over 300 keys, window 16, soft-cap 50", capped[0], ((300, 9),)),
+                  CheckCase("a decode row over 300 keys and a 3-row chunk over 70, soft-cap 2", capped[1],
+                            ((300, 1), (70, 3))),
                   CheckCase("one decode row over 1,100 keys", gqa, ((1100, 1),)),
                   CheckCase("64 rows of a chunk over 1,100 keys", gqa, ((1100, 64),))]
         for kv in KV_CACHES:
@@ -168,7 +173,8 @@ def check_case_inputs(backend: "MLXBackend", case: CheckCase, seed: int = 7):
 
 def _check_products(backend: "MLXBackend") -> str | None:
     """The matmul and softmax kernels against numpy's product and MLX's softmax (to 1e-5), on a product of
-    full operands and on one of operands of fewer than 8 elements."""
+    full operands and on one of operands of fewer than 8 elements; the tanh kernel against MLX's tanh (to
+    2e-7: both are tanhf, of two builds)."""
     rng = np.random.default_rng(7)
     for m, k, n in ((3, 128, 70), (1, 3, 2)):
         a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32) * 3
@@ -179,6 +185,10 @@ def _check_products(backend: "MLXBackend") -> str | None:
         want = np.array(mx.softmax(mx.array(prod), axis=-1, precise=True))
         if not np.allclose(soft, want, rtol=1e-5, atol=1e-6):
             return f"softmax kernel differs from MLX's softmax by {np.max(np.abs(soft - want)):.3g} (rows of {n})"
+    x = mx.array(np.linspace(-12, 12, 1001, dtype=np.float32))
+    got, want = np.array(backend.tanh(x)), np.array(mx.tanh(x))
+    if not np.allclose(got, want, rtol=2e-7, atol=1e-7):
+        return f"tanh kernel differs from MLX's tanh by {np.max(np.abs(got - want)):.3g}"
     return None
 
 
@@ -354,7 +364,7 @@ class MLXBackend(Backend):
         kind = self.checked
         cases = self_check_cases()
         what = (f"{len(cases)} cases: head dims {', '.join(map(str, SELF_CHECK_HEAD_DIMS))}; decode rows, chunks, "
-                f"a window, contexts of 1 to 1,100 keys; {', '.join(KV_CACHES)} caches")
+                f"a window, soft-caps, contexts of 1 to 1,100 keys; {', '.join(KV_CACHES)} caches")
         if self.fallback:
             return (f"kernels: {kind}: self-check FAILED ({self.fallback}); mlxinfer uses MLX's own ops and "
                     f"per-head attention ({what})"), False
@@ -584,6 +594,10 @@ class MLXBackend(Backend):
         return 0.5 * x * (1.0 + mx.tanh(inner))
 
     def tanh(self, x):
+        # on a GPU float32 (attention's soft-capping, the logits') through our kernel: the tanh the fused
+        # kernels cap scores with (kernels.tanh; MLX's own may be another toolkit's tanhf)
+        if self.gpu_kernels and x.dtype == mx.float32:
+            return kernels.tanh(self.gpu_kernels, x)
         return mx.tanh(x)
 
     def load_experts(self, gguf, name):
@@ -780,12 +794,11 @@ class MLXBackend(Backend):
         return self.scale(self.tanh(self.scale(scores, softcap_inverse(cap))), cap) if cap else scores
 
     def _pass_needs_graph(self, batch, spec) -> bool:
-        """Whether this pass's attention takes the graph override even with a GPU kernel: soft-capping
-        (the kernels have none: the graph's products and softmax are the kernels', the capping MLX's
-        elementwise ops), a head_dim past the kernel's limit, or (where the kernel has no split plan:
-        Metal) few rows over long caches (never a traced batch's, whose lengths live only in its arrays).
-        A q8_0 cache is read by the kernels in place (`mlxi_kv`)."""
-        if spec.softcap or spec.head_dim > kernels.MAX_HEAD_DIM:
+        """Whether this pass's attention takes the graph override even with a GPU kernel: a head_dim past
+        the kernel's limit, or (where the kernel has no split plan: Metal) few rows over long caches
+        (never a traced batch's, whose lengths live only in its arrays). A q8_0 cache is read by the
+        kernels in place (`mlxi_kv`), soft-capping computed in them (`mlxi_score`)."""
+        if spec.head_dim > kernels.MAX_HEAD_DIM:
             return True
         if kernels.uses_split(self.kernel, batch.n_rows, spec):
             return False
