@@ -8,6 +8,7 @@ launched with; the Metal twin parses with clang against the Metal stand-in; the 
 decode row's product to the kernel only on a GPU. On a GPU: the kernel equals the emulation bit for bit,
 through `MLXBackend.linear`, and its self-check passes."""
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -252,5 +253,42 @@ def test_gpu_kernel_equals_its_published_order_bit_for_bit(rows, cols, m, qtype)
 
 
 @needs_gpu
-def test_gpu_self_check_of_the_block_kernels_passes():
-    assert _check_block_products(MLXBackend(device="gpu")) is None
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_gpu_self_check_of_the_block_kernels_passes(dtype):
+    assert _check_block_products(MLXBackend(device="gpu", dtype=dtype)) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_block_self_check_compares_in_the_products_dtype(monkeypatch, dtype):
+    """The block kernels' self-check launches them with x in the products' dtype (a 16-bit x widened
+    exactly, the float32 sum rounded once to it, `(T)s`) and expects exactly that: a stand-in kernel that
+    is the emulation so rounded passes; one whose largest value is one unit in the last place off fails, naming the type, rows and dtype. (Stand-in kernel on MLX's CPU.)"""
+    from mlxinfer.backends import mlx as mlx_mod
+
+    seen = {}
+    real = mlx_mod.dequantize
+
+    def dequantize_seen(raw, qtype):  # the values the check expects the kernel to form
+        seen["v"] = real(raw, qtype)
+        return seen["v"]
+
+    monkeypatch.setattr(mlx_mod, "dequantize", dequantize_seen)
+    b = MLXBackend(device="cpu", dtype=dtype)
+    b.weight_dtype, b.block_kind = b.dtype, "cuda"  # (as on a GPU: products in the dtype)
+    off = {"by": 0}
+
+    def kernel(kind, x, w):
+        xs = np.array(x.astype(mx.float32))
+        assert x.dtype == b.dtype and np.array_equal(np.array(mx.array(xs).astype(x.dtype).astype(mx.float32)), xs)
+        s = block_kernels.emulate(xs, seen["v"].reshape(w.shape), w.qtype)
+        out = np.array(mx.array(s).astype(x.dtype).astype(mx.float32))
+        big = np.unravel_index(np.argmax(np.abs(out)), out.shape)  # (a normal number in every dtype)
+        out.view(np.uint32)[big] += off["by"] << (16 if dtype == "bfloat16" else 13 if dtype == "float16" else 0)
+        return mx.array(out).astype(x.dtype)
+
+    monkeypatch.setattr(block_kernels, "product", kernel)
+    assert _check_block_products(b) is None
+    off["by"] = 1
+    first = next(iter(block_kernels.KERNELS)).name
+    assert _check_block_products(b) == (f"the {first} block kernel differs from its published order in 1 of 40 "
+                                        f"values (1 rows, {dtype})")

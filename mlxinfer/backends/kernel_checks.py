@@ -1,8 +1,10 @@
 """The GPU self-check's verdicts, kept so that a kernel is checked once per machine, not once per process.
 
 The MLX backend never runs its own GPU kernels unchecked: at first use on a device it runs
-`verify_gpu_kernels` (every launch plan against the per-head reference and the block kernels against
-their published order, bit for bit) and falls back to MLX's own ops if anything differs. The check takes
+`verify_gpu_kernels` (every launch plan against the per-head reference, bit for bit) and falls back to
+MLX's own ops and per-head attention if anything differs; the block kernels (`verify_block_kernels`, bit
+for bit their published order) have a verdict of their own, so one family failing leaves the other on
+(kind "cuda blocks" or "metal blocks", no KV dtype). The check takes
 seconds (it compiles every kernel form), and a benchmark or a test suite starts many backends, so its
 verdict is remembered: in this process, and on disk (`kernel-checks.json` in mlxinfer's cache), keyed by
 everything that decides it: the digest of the kernel sources and of the Python that launches them and

@@ -194,22 +194,27 @@ def _check_products(backend: "MLXBackend") -> str | None:
 
 def _check_block_products(backend: "MLXBackend") -> str | None:
     """The block kernels (`block_kernels`) against their numpy emulation, bit for bit, on random blocks
-    with edge values of every type they take, for 1 and MAX_ROWS rows (none on the CPU: nothing to check)."""
-    if backend.gpu_kernels is None:
+    with edge values of every type they take, for 1 and MAX_ROWS rows, with x in the products' dtype
+    (`weight_dtype`: a 16-bit x is widened exactly, the float32 sum rounded once to that dtype at the end;
+    none on the CPU: nothing to check)."""
+    if backend.block_kind is None:
         return None
     rng = np.random.default_rng(7)
+    dtype = backend.weight_dtype
+    narrow = lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))  # noqa: E731 (MLX's rounding)
     for qtype in block_kernels.KERNELS:
         raw = quants.random_blocks(rng, qtype, 40, 512, edges=True)
         w = to_device(qtype, quants.split(raw, qtype, 40, 512), (40, 512))
         values = dequantize(raw, qtype).reshape(40, 512)
         for m in (1, block_kernels.MAX_ROWS):
-            x = rng.standard_normal((m, 512), dtype=np.float32)
-            got = np.array(block_kernels.product(backend.gpu_kernels, mx.array(x), w))
-            want = block_kernels.emulate(x, values, qtype)
+            x = narrow(rng.standard_normal((m, 512), dtype=np.float32))
+            out = block_kernels.product(backend.block_kind, mx.array(x).astype(dtype), w)
+            got = np.array(out.astype(mx.float32))
+            want = narrow(block_kernels.emulate(x, values, qtype))
             same = got.view(np.uint32) == want.view(np.uint32)
             if not same.all():
                 return (f"the {qtype.name} block kernel differs from its published order in {int((~same).sum())} of "
-                        f"{same.size} values ({m} rows)")
+                        f"{same.size} values ({m} rows, {backend.dtype_name})")
     return None
 
 
@@ -222,17 +227,12 @@ def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
     against the per-head reference, bit for bit (and, where the kernel has them, each launch plan on the
     same inputs; for decode rows also under mx.compile), and the matmul/softmax kernels against the
     reference product and MLX's softmax.
-    Returns None when all agree, else one line naming the first failure and its case."""
+    Returns None when all agree, else one line naming the first failure and its case. (The block
+    kernels have a check and a verdict of their own, `verify_block_kernels`: neither needs the other.)"""
     try:
         problem = _check_products(backend)
     except Exception as e:  # a kernel that fails to compile or launch
         return f"{_one_line(e)} (the matmul and softmax kernels)"
-    if problem:
-        return problem
-    try:
-        problem = _check_block_products(backend)
-    except Exception as e:
-        return f"{_one_line(e)} (the block kernels)"
     if problem:
         return problem
     for case in self_check_cases():
@@ -267,6 +267,14 @@ def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
                 return (f"fused attention kernel{plan} differs from the per-head reference in {int((~same).sum())} "
                         f"of {same.size} values ({case})")
     return None
+
+
+def verify_block_kernels(backend: "MLXBackend") -> str | None:
+    """The block kernels' self-check (`_check_block_products`): None, or one line naming the failure."""
+    try:
+        return _check_block_products(backend)
+    except Exception as e:  # a kernel that fails to compile or launch
+        return f"{_one_line(e)} (the block kernels)"
 
 
 class MLXBackend(Backend):
@@ -323,7 +331,10 @@ class MLXBackend(Backend):
         # On a GPU, attention's arithmetic runs on our kernels (`self.gpu_kernels`, "metal" or "cuda").
         self.gpu_kernels = gpu if device == "gpu" else None
         self.kernel = kernel or (gpu if device == "gpu" else "graph")
+        # the quantized products' block kernels ("metal", "cuda" or None): checked apart from attention
+        self.block_kind = self.gpu_kernels
         self.fallback = None  # the self-check's failure, once one failed
+        self.block_fallback = None  # the block kernels' self-check failure, once it failed
         self.checked = None  # the kernel the self-check ran on, once it ran
         self.checked_here = False  # whether it ran in this process (not a remembered verdict)
         self._cache: dict[str, object] = {}
@@ -342,7 +353,8 @@ class MLXBackend(Backend):
             ran.append(True)
             return verify(self)
 
-        if verify is verify_gpu_kernels and self.device == "gpu":  # (tests force kernels on the CPU: not kept)
+        kept = verify is verify_gpu_kernels and self.device == "gpu"  # (tests force kernels on the CPU: not kept)
+        if kept:
             problem = kernel_checks.verdict(self.kernel, self.dtype_name, self.kv_dtype, run, fresh=fresh)
         else:
             problem = run()
@@ -352,6 +364,13 @@ class MLXBackend(Backend):
             self.gpu_kernels, self.kernel = None, "graph"
             print(f"mlxinfer: warning: the attention kernels failed their self-check ({problem}); using "
                   "MLX's own ops and per-head attention (pass --kernel to force the kernels)", file=sys.stderr)
+        if kept and self.block_kind:  # the block kernels' verdict, of their own (they read no KV cache)
+            blocks = kernel_checks.verdict(f"{self.block_kind} blocks", self.dtype_name, "-",
+                                           lambda: verify_block_kernels(self), fresh=fresh)
+            if blocks:
+                self.block_fallback, self.block_kind = blocks, None
+                print(f"mlxinfer: warning: the block kernels failed their self-check ({blocks}); quantized "
+                      "products use MLX's own ops", file=sys.stderr)
         return problem
 
     def kernel_report(self) -> tuple[str, bool]:
@@ -365,10 +384,15 @@ class MLXBackend(Backend):
         cases = self_check_cases()
         what = (f"{len(cases)} cases: head dims {', '.join(map(str, SELF_CHECK_HEAD_DIMS))}; decode rows, chunks, "
                 f"a window, soft-caps, contexts of 1 to 1,100 keys; {', '.join(KV_CACHES)} caches")
+        if self.block_fallback:
+            blocks = f"; block kernels: self-check FAILED ({self.block_fallback}), quantized products on MLX's own ops"
+        else:
+            blocks = "; block kernels: self-check passed, bit for bit their published order"
         if self.fallback:
             return (f"kernels: {kind}: self-check FAILED ({self.fallback}); mlxinfer uses MLX's own ops and "
-                    f"per-head attention ({what})"), False
-        return f"kernels: {kind}: self-check passed, fused attention bit for bit the per-head reference ({what})", True
+                    f"per-head attention ({what}){blocks}"), False
+        return (f"kernels: {kind}: self-check passed, fused attention bit for bit the per-head reference ({what})"
+                f"{blocks}"), self.block_fallback is None
 
     @property
     def rows_independent(self) -> bool:
@@ -380,6 +404,10 @@ class MLXBackend(Backend):
         if self.device == "cpu":
             return f"mlx (cpu, {types}, graph attention, {self.threads} thread{'s' if self.threads != 1 else ''})"
         ops = f"{self.gpu_kernels} kernels" if self.gpu_kernels else "MLX ops"
+        if self.block_fallback:
+            ops += " (quantized products on MLX's: the block kernels failed their self-check)"
+        elif self.block_kind and not self.gpu_kernels:
+            ops += f" ({self.block_kind} block kernels)"
         rows = ", each sequence's rows multiplied alone" if self.per_sequence_linear else ""
         attention = "per-head (the kernels failed their self-check)" if self.fallback else self.kernel
         return f"mlx (gpu, {types}, {attention} attention, {ops}{rows})"
@@ -508,8 +536,8 @@ class MLXBackend(Backend):
         # do not (README: batch invariance), unless `per_sequence_linear`.
         if self.per_sequence_linear and groups is not None and len(groups) > 1:
             return mx.concatenate([self._linear(x[r0:r1], w) for r0, r1 in groups])
-        if self.gpu_kernels and isinstance(w, PackedWeight) and block_kernels.applies(w, x):
-            return block_kernels.product(self.gpu_kernels, x, w)  # decode rows: the fields read in registers
+        if self.block_kind and isinstance(w, PackedWeight) and block_kernels.applies(w, x):
+            return block_kernels.product(self.block_kind, x, w)  # decode rows: the fields read in registers
         if isinstance(w, PackedWeight):
             if self._streams and w.shape[0] >= 2 * SPLIT_MIN_ROWS:
                 return self._split_quantized_matmul(x, w)
