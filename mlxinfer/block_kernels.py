@@ -20,6 +20,7 @@ from functools import lru_cache
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from . import cuda_jit
 from .kernels import source_parts, strip_comments
 
 SOURCES = {"cuda": "blocks.cu", "metal": "blocks.metal"}
@@ -65,9 +66,10 @@ def _kernel(kind: str, name: str):
     import mlx.core as mx
 
     header, bodies = kernel_source(kind)
-    make = mx.fast.metal_kernel if kind == "metal" else mx.fast.cuda_kernel
-    return make(name=f"mlxinfer_{name}_{kind}", input_names=INPUTS[name], output_names=["out"],
-                source=bodies[name], header=header, ensure_row_contiguous=True)
+    if kind == "cuda":  # compiled into MLX's kernel cache once per machine (`cuda_jit`)
+        return cuda_jit.Kernel(f"mlxinfer_{name}_{kind}", INPUTS[name], ["out"], bodies[name], header)
+    return mx.fast.metal_kernel(name=f"mlxinfer_{name}_{kind}", input_names=INPUTS[name], output_names=["out"],
+                                source=bodies[name], header=header, ensure_row_contiguous=True)
 
 
 def product(kind: str, x, w):

@@ -43,6 +43,7 @@ from importlib import resources
 
 import numpy as np
 
+from . import cuda_jit
 from .backend import softcap_inverse
 
 SOURCES = {"metal": "attention.metal", "cuda": "attention.cu"}
@@ -146,10 +147,11 @@ def _kernel(kind: str, name: str):
     import mlx.core as mx
 
     header, body = kernel_parts(kind, name)
-    make = mx.fast.metal_kernel if kind == "metal" else mx.fast.cuda_kernel
     inputs, outputs = _INPUTS[name]
-    return make(name=f"mlxinfer_{name}_{kind}", input_names=inputs, output_names=outputs, source=body,
-                header=header, ensure_row_contiguous=True)
+    if kind == "cuda":  # compiled into MLX's kernel cache once per machine (`cuda_jit`)
+        return cuda_jit.Kernel(f"mlxinfer_{name}_{kind}", inputs, outputs, body, header)
+    return mx.fast.metal_kernel(name=f"mlxinfer_{name}_{kind}", input_names=inputs, output_names=outputs,
+                                source=body, header=header, ensure_row_contiguous=True)
 
 
 METAL_CONSTANT_BELOW = 8  # MLX's metal_kernel passes an input of fewer elements in `constant` memory

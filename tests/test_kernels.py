@@ -231,21 +231,10 @@ def _cuda_include():
 
 
 def _nvrtc():
-    """libnvrtc through ctypes (the nvidia-cuda-nvrtc wheel, Linux x86-64), or None."""
-    import ctypes
-    import glob
+    """libnvrtc through ctypes (the nvidia-cuda-nvrtc wheel, Linux x86-64: `cuda_jit.find_nvrtc`), or None."""
+    from mlxinfer import cuda_jit
 
-    try:
-        import nvidia
-    except ImportError:
-        return None
-    for root in nvidia.__path__:
-        for lib in sorted(glob.glob(os.path.join(root, "cuda_nvrtc", "lib", "libnvrtc.so*"))):
-            try:
-                return ctypes.CDLL(lib)
-            except OSError:
-                pass
-    return None
+    return cuda_jit.find_nvrtc()
 
 
 def _cuda_kernel_source(name: str, body: str, header: str, extra: tuple = (), types=("float32", "float32")) -> str:
@@ -290,10 +279,10 @@ def test_cuda_sources_compile_with_nvrtc(monkeypatch):
     a typo in metal_kernels/attention.cu fails here, on any Linux x86-64 machine, not first on a GPU."""
     lib = _nvrtc()
     if lib is None:
-        pytest.skip("needs NVRTC (pip install nvidia-cuda-nvrtc-cu12; Linux x86-64)")
+        pytest.skip("needs NVRTC (pip install 'nvidia-cuda-nvrtc>=13'; Linux x86-64)")
     include = _cuda_include()
     if include is None:
-        pytest.skip("needs cuda_bf16.h and cuda_fp16.h (pip install nvidia-cuda-runtime-cu12, or a CUDA toolkit)")
+        pytest.skip("needs cuda_bf16.h and cuda_fp16.h (pip install 'nvidia-cuda-runtime>=13', or a CUDA toolkit)")
     _, names = kernels.kernel_source("cuda")
     parts = {name: kernels.kernel_parts("cuda", name) for name in names}  # what MLX is handed: no comments, ...
     bodies = {name: body for name, (_, body) in parts.items()}  # ... each header cut to what its body reaches
@@ -454,14 +443,14 @@ def test_one_row_forms_keep_their_values_in_registers(heads, monkeypatch):
     undo the point (NVRTC to sm_90 with ptxas' report; no GPU needed)."""
     lib = _nvrtc()
     if lib is None:
-        pytest.skip("needs NVRTC (pip install nvidia-cuda-nvrtc-cu12; Linux x86-64)")
+        pytest.skip("needs NVRTC (pip install 'nvidia-cuda-nvrtc>=13'; Linux x86-64)")
     h, kv, d = heads
     monkeypatch.setitem(SPLIT_TEMPLATE, "H", h)
     monkeypatch.setitem(SPLIT_TEMPLATE, "KV", kv)
     monkeypatch.setitem(SPLIT_TEMPLATE, "D", d)
     include = _cuda_include()
     if include is None:
-        pytest.skip("needs cuda_bf16.h and cuda_fp16.h (pip install nvidia-cuda-runtime-cu12, or a CUDA toolkit)")
+        pytest.skip("needs cuda_bf16.h and cuda_fp16.h (pip install 'nvidia-cuda-runtime>=13', or a CUDA toolkit)")
     header, body = kernels.kernel_parts("cuda", "attn_softmax_context")
     opts = [b"--gpu-architecture=sm_90", b"-default-device", b"--std=c++17", b"--ptxas-options=-v", f"-I{include}".encode()]
     for form in (kernels.ONE_ROW_FORM, kernels.ONE_ROW_LONG_FORM):

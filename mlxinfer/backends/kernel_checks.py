@@ -26,7 +26,7 @@ from ..model_source import cache_dir
 
 _ROOT = Path(__file__).resolve().parent.parent  # the mlxinfer package
 # what decides a verdict: the kernels, the code that launches them, the reference they are checked against
-SOURCES = ("../metal_kernels", "kernels.py", "block_kernels.py", "backend.py", "backends/mlx.py",
+SOURCES = ("../metal_kernels", "kernels.py", "block_kernels.py", "cuda_jit.py", "backend.py", "backends/mlx.py",
            "backends/mlx_kv.py", "backends/mlx_weights.py", "kv_cache.py", "batch.py")
 _VERDICTS: dict[str, str | None] = {}  # this process's
 

@@ -54,7 +54,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
-from .. import block_kernels, collectives, kernels, quants  # noqa: E402
+from .. import block_kernels, collectives, cuda_jit, kernels, quants  # noqa: E402
 from ..backend import GELU_COEF_A, GPU_DEFAULT_DTYPE, KV_DTYPES, MOE_MIN_WEIGHT_SUM, SQRT_2_OVER_PI, AttentionSpec, Backend, softcap_inverse  # noqa: E402
 from ..batch import Batch  # noqa: E402
 from ..errors import GGUFError, RequestError  # noqa: E402
@@ -229,48 +229,76 @@ def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
     reference product and MLX's softmax.
     Returns None when all agree, else one line naming the first failure and its case. (The block
     kernels have a check and a verdict of their own, `verify_block_kernels`: neither needs the other.)"""
+    cases = [case for case in self_check_cases() if case_applies(backend, case)]
+    _prebuild(backend, [lambda: _check_products(backend), lambda: backend.softmax_rows(mx.zeros((3, 70))),
+                        lambda: backend.tanh(mx.zeros((8,)))] + [lambda c=c: _check_case(backend, c) for c in cases])
     try:
         problem = _check_products(backend)
     except Exception as e:  # a kernel that fails to compile or launch
         return f"{_one_line(e)} (the matmul and softmax kernels)"
     if problem:
         return problem
-    for case in self_check_cases():
-        if not case_applies(backend, case):
-            continue
-        try:
-            q, view, batch = check_case_inputs(backend, case)
-            spec = case.spec
-            plans = {"": np.array(backend.fused_attention_override(q, view, batch, spec))}
-            if backend.kernel in kernels.SPLIT_KINDS and view.store is not None:  # every launch plan
-                args = (backend.kernel, q, *view.store, batch.row_slots, batch.positions, batch.row_lens, spec)
-                plans[" (one launch)"] = np.array(kernels.fused_attention(*args, split=False))
-                for two, form in ((True, "two"), (False, "three")):
-                    plans[f" (split, {form} launches)"] = np.array(kernels.split_attention(*args, two_launches=two))
-                plans[" (split, three launches, context by rows)"] = np.array(kernels.split_attention(
-                    *args, two_launches=False, seq_rows=batch.rows, by_rows=True))
-            if all(t == 1 for _, t in case.seqs):  # decode rows, as the compiled decode step launches them
-                compiled = mx.compile(lambda x: backend.fused_attention_override(x, view, batch, spec))
-                plans[" (compiled)"] = np.array(compiled(q))
-            ref = np.array(backend.per_head_attention(q, view, batch, spec))
-        except Exception as e:  # a kernel that fails to compile or launch
-            return f"{_one_line(e)} ({case})"
-        # the launch plans run every row through a kernel, but a sequence of PREFILL_ROWS rows or more is
-        # MLX's GEMMs in the reference and in the override (never a kernel): they answer for the others
-        kernel_rows = np.zeros(ref.shape[0], dtype=bool)
-        for r0, r1 in batch.rows:
-            kernel_rows[r0:r1] = r1 - r0 < PREFILL_ROWS
-        for plan, got in plans.items():
-            rows = slice(None) if plan in ("", " (compiled)") else kernel_rows
-            same = got[rows].view(np.uint32) == ref[rows].view(np.uint32)
-            if not same.all():
-                return (f"fused attention kernel{plan} differs from the per-head reference in {int((~same).sum())} "
-                        f"of {same.size} values ({case})")
+    for case in cases:
+        problem = _check_case(backend, case)
+        if problem:
+            return problem
+    return None
+
+
+def _prebuild(backend: "MLXBackend", parts) -> None:
+    """On CUDA, compile every kernel form that `parts` launch at once, on every core, into MLX's kernel
+    cache (`cuda_jit`: each part runs with every launch recording its form and returning zeros, its
+    result and any failure ignored); the check then loads them instead of compiling one at a time."""
+    if "cuda" not in (backend.kernel, backend.block_kind) or cuda_jit.builder() is None:
+        return
+    with cuda_jit.collecting() as jobs:
+        for part in parts:
+            with contextlib.suppress(Exception):
+                part()
+    cuda_jit.build(jobs)
+
+
+def _check_case(backend: "MLXBackend", case: CheckCase) -> str | None:
+    """One self-check case: None, or one line naming how the kernels differ from the reference."""
+    try:
+        q, view, batch = check_case_inputs(backend, case)
+        spec = case.spec
+        plans = {"": np.array(backend.fused_attention_override(q, view, batch, spec))}
+        if backend.kernel in kernels.SPLIT_KINDS and view.store is not None:  # every launch plan
+            args = (backend.kernel, q, *view.store, batch.row_slots, batch.positions, batch.row_lens, spec)
+            plans[" (one launch)"] = np.array(kernels.fused_attention(*args, split=False))
+            for two, form in ((True, "two"), (False, "three")):
+                plans[f" (split, {form} launches)"] = np.array(kernels.split_attention(*args, two_launches=two))
+            plans[" (split, three launches, context by rows)"] = np.array(kernels.split_attention(
+                *args, two_launches=False, seq_rows=batch.rows, by_rows=True))
+        if all(t == 1 for _, t in case.seqs):  # decode rows, as the compiled decode step launches them
+            compiled = mx.compile(lambda x: backend.fused_attention_override(x, view, batch, spec))
+            plans[" (compiled)"] = np.array(compiled(q))
+        ref = np.array(backend.per_head_attention(q, view, batch, spec))
+    except Exception as e:  # a kernel that fails to compile or launch
+        return f"{_one_line(e)} ({case})"
+    # the launch plans run every row through a kernel, but a sequence of PREFILL_ROWS rows or more is
+    # MLX's GEMMs in the reference and in the override (never a kernel): they answer for the others
+    kernel_rows = np.zeros(ref.shape[0], dtype=bool)
+    for r0, r1 in batch.rows:
+        kernel_rows[r0:r1] = r1 - r0 < PREFILL_ROWS
+    for plan, got in plans.items():
+        rows = slice(None) if plan in ("", " (compiled)") else kernel_rows
+        same = got[rows].view(np.uint32) == ref[rows].view(np.uint32)
+        if not same.all():
+            return (f"fused attention kernel{plan} differs from the per-head reference in {int((~same).sum())} "
+                    f"of {same.size} values ({case})")
     return None
 
 
 def verify_block_kernels(backend: "MLXBackend") -> str | None:
     """The block kernels' self-check (`_check_block_products`): None, or one line naming the failure."""
+    if backend.block_kind == "cuda":  # every row count a decode batch launches, not only those checked
+        rng = np.random.default_rng(7)
+        weights = [to_device(t, quants.split(quants.random_blocks(rng, t, 8, 256), t, 8, 256), (8, 256))
+                   for t in block_kernels.KERNELS]
+        _prebuild(backend, [lambda w=w, m=m: block_kernels.product("cuda", mx.zeros((m, 256), backend.weight_dtype), w)
+                            for w in weights for m in range(1, block_kernels.MAX_ROWS + 1)])
     try:
         return _check_block_products(backend)
     except Exception as e:  # a kernel that fails to compile or launch

@@ -1,0 +1,379 @@
+"""Our CUDA kernels compiled once per machine, many at once, into MLX's own kernel cache.
+
+MLX's `mx.fast.cuda_kernel` compiles each form of a kernel (its template arguments and input types) with
+NVRTC when a graph first launches it, one at a time, and keeps the result in that process only: it
+never writes a custom kernel to its disk cache, though it reads that cache for every module it builds
+(mlx/backend/cuda/jit_module.cpp, MLX 0.32: `read_cached_ptx` before compiling, `write_cached_ptx` only
+for its own kernels). Our attention and block kernels come in dozens of forms (head sizes, GQA shapes,
+dtypes, unrollings, row counts), so the GPU self-check spent minutes compiling before the first token
+and every process paid again for the forms it launched.
+
+This module writes what MLX would have compiled into the cache MLX reads, under the name MLX looks for:
+for a launch it rebuilds the source MLX generates (`mlx_source`, a copy of MLX 0.32's `build_kernel`),
+names the module as MLX does (the kernel's name and template arguments, then libstdc++'s std::hash of
+that source: `std_hash`), and compiles the same source with NVRTC for the device (MLX's options; MLX's
+own device header replaced by `UTILS_STUB`, which declares what our kernels use of it: the fp16/bf16
+types, fixed-width integers, `Shape` as MLX passes it). MLX then loads the cubin from disk instead of
+compiling. Where anything here does not match (another MLX, no NVRTC, a name MLX does not look for),
+MLX simply compiles the kernel itself, as before: slower, never different. The bits are checked as
+always by the self-check, whose verdict is keyed by this file's digest too.
+
+`collecting()` lets the self-check find every form it will launch without launching any (each launch
+returns zeros and records its form), so that `build` compiles them all at once on every core.
+Hand-written because no library does this; it is the project's own build step for its own kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import glob
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+SUPPORTED_MLX = ("0.32.",)  # MLX versions whose build_kernel `mlx_source` copies (read from 0.32's sources)
+MAX_NDIM = 10  # MLX's Shape: cuda::std::array<int32_t, MAX_NDIM>, passed by value
+CUDA_TYPES = {"bool": "bool", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t",
+              "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t",
+              "float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}  # dtype_to_cuda_type
+TYPE_STRINGS = {"float32": "float", "float16": "float16_t", "bfloat16": "bfloat16_t", "bool": "bool",
+                "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t", "uint8": "uint8_t",
+                "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t"}  # get_type_string
+DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+UTILS_NAME = "mlx/backend/cuda/device/utils.cuh"
+UTILS_STUB = """#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+typedef signed char int8_t;
+typedef unsigned char uint8_t;
+typedef short int16_t;
+typedef unsigned short uint16_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef long long int64_t;
+typedef unsigned long long uint64_t;
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+namespace mlx::core::cu {
+struct Shape { int32_t v[%d]; __device__ const int32_t& operator[](int i) const { return v[i]; } };
+struct Strides { int64_t v[%d]; __device__ const int64_t& operator[](int i) const { return v[i]; } };
+}
+""" % (MAX_NDIM, MAX_NDIM)
+
+_MASK = (1 << 64) - 1
+_MUL = (0xC6A4A793 << 32) + 0x5BD1E995
+
+
+def std_hash(data: bytes) -> int:
+    """libstdc++'s std::hash<std::string> on a 64-bit machine (`_Hash_bytes`, seed 0xc70f6907), which
+    MLX's CUDA backend puts in a custom kernel's module name."""
+
+    def shift_mix(v: int) -> int:
+        return v ^ (v >> 47)
+
+    n = len(data)
+    h = (0xC70F6907 ^ (n * _MUL)) & _MASK
+    whole = n & ~7
+    for i in range(0, whole, 8):
+        word = int.from_bytes(data[i:i + 8], "little")
+        h = ((h ^ ((shift_mix((word * _MUL) & _MASK) * _MUL) & _MASK)) * _MUL) & _MASK
+    if n & 7:
+        h = ((h ^ int.from_bytes(data[whole:], "little")) * _MUL) & _MASK
+    h = (shift_mix(h) * _MUL) & _MASK
+    return shift_mix(h)
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def template_suffix(template) -> str:
+    """MLX's `template_arguments_hash`: what follows a kernel's name in its compiled name."""
+    out = []
+    for _, v in template:
+        if isinstance(v, bool):
+            out.append("_t" if v else "_f")
+        elif isinstance(v, int):
+            out.append(f"_{v}")
+        else:
+            out.append("_" + TYPE_STRINGS[_dtype_name(v)])
+    return "".join(out)
+
+
+def _constant(name: str, v) -> str:
+    if isinstance(v, bool):
+        return f"  constexpr bool {name} = {'true' if v else 'false'};\n"
+    if isinstance(v, int):
+        return f"  constexpr int {name} = {v};\n"
+    return f"  using {name} = {CUDA_TYPES[_dtype_name(v)]};\n"
+
+
+def mlx_source(func: str, header: str, body: str, input_names, inputs, output_names, output_dtypes,
+               template) -> str:
+    """The source MLX 0.32's `build_kernel` generates for a launch: `inputs` as (dtype name, ndim) per
+    input; an input's `_shape` (`_strides`, `_ndim`) parameter is there where the body names it and the
+    input is not a scalar, as MLX decides it."""
+    s = [DEFAULT_HEADER, header, "namespace mlx::core::cu {\n\n", "namespace cg = cooperative_groups;\n\n",
+         f"__global__ void {func}(\n"]
+    for name, (dtype, ndim) in zip(input_names, inputs, strict=True):
+        s.append(f"    const {CUDA_TYPES[dtype]}* {name},\n")
+        if ndim > 0:
+            for suffix, kind in (("_shape", "Shape"), ("_strides", "Strides"), ("_ndim", "int")):
+                if name + suffix in body:
+                    s.append(f"    const __grid_constant__ {kind} {name}{suffix},\n")
+    for i, (name, dtype) in enumerate(zip(output_names, output_dtypes, strict=True)):
+        s.append(f"    {CUDA_TYPES[dtype]}* {name}" + (",\n" if i < len(output_names) - 1 else ") {\n"))
+    if template:
+        s += [_constant(n, v) for n, v in template] + ["\n"]
+    s += [body, "\n}\n\n} // namespace mlx::core::cu\n"]
+    return "".join(s)
+
+
+# -- where MLX looks, and NVRTC ---------------------------------------------------------------------
+def ptx_cache_dir(version: str) -> Path:
+    """MLX's `ptx_cache_dir`: $MLX_PTX_CACHE_DIR, else <temp>/mlx/<version>/ptx (std::filesystem's
+    temp_directory_path: $TMPDIR, $TMP, $TEMP, $TEMPDIR, else /tmp)."""
+    if os.environ.get("MLX_PTX_CACHE_DIR"):
+        return Path(os.environ["MLX_PTX_CACHE_DIR"]).absolute()
+    tmp = next((os.environ[v] for v in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if os.environ.get(v)), "/tmp")
+    return Path(tmp) / "mlx" / version / "ptx"
+
+
+def ptx_path(cache: Path, module: str) -> Path:
+    """MLX's `get_ptx_path`: names longer than 245 characters are cut into directories."""
+    limit, parts = 245, []
+    while len(module) > limit:
+        parts.append(module[:limit])
+        module = module[limit:]
+    return cache.joinpath(*parts, module + ".ptx")
+
+
+def _loaded_nvrtc() -> list[str]:
+    """The libnvrtc MLX has loaded, from this process's maps (Linux), then the nvidia wheels' beside MLX."""
+    found = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+            if "/libnvrtc.so" in path and path not in found:
+                found.append(path)
+    return found
+
+
+def _nvidia_roots() -> list[Path]:
+    import mlx
+
+    roots = [Path(p).parent / "nvidia" for p in mlx.__path__]
+    with contextlib.suppress(ImportError):
+        import nvidia
+
+        roots += [Path(p) for p in nvidia.__path__]
+    return [r for r in dict.fromkeys(roots) if r.is_dir()]
+
+
+def find_nvrtc():
+    """libnvrtc through ctypes: the one MLX loaded, else an nvidia wheel's beside MLX (or None). Its
+    builtins library is loaded first from the same directory, where NVRTC looks for it by name."""
+    wheels = [p for r in _nvidia_roots() for p in sorted(glob.glob(str(r / "*" / "lib" / "libnvrtc.so*")))
+              if ".alt." not in p]
+    for path in _loaded_nvrtc() + wheels:
+        try:
+            for builtins in sorted(Path(path).parent.glob("libnvrtc-builtins.so*")):
+                with contextlib.suppress(OSError):
+                    ctypes.CDLL(str(builtins))
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+def find_include() -> Path | None:
+    """The CUDA headers MLX compiles against: nvidia/cu13 (or cuda_runtime)/include beside MLX, then
+    $CUDA_HOME, $CUDA_PATH, /usr/local/cuda."""
+    dirs = [r / d / "include" for r in _nvidia_roots() for d in ("cu13", "cuda_runtime")]
+    dirs += [Path(os.environ[v]) / "include" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    dirs.append(Path("/usr/local/cuda/include"))
+    return next((d for d in dirs if (d / "cooperative_groups.h").exists() and (d / "cuda_bf16.h").exists()), None)
+
+
+def include_path(cuda: Path) -> list[Path]:
+    """MLX's include path for NVRTC: its bundled headers and CCCL (libcu++, which cooperative_groups.h
+    needs), then the CUDA headers (and their CCCL, where MLX bundles none)."""
+    import mlx
+
+    dirs = [d for p in mlx.__path__ for d in (Path(p) / "include", Path(p) / "include" / "cccl")]
+    return [d for d in dirs + [cuda / "cccl", cuda] if d.is_dir()]
+
+
+def compile_cubin(lib, source: str, name_expr: str, arch: str, include: Path) -> tuple[bytes, str]:
+    """(cubin, lowered name of `name_expr`) of a source, as MLX's JIT compiles it; raises RuntimeError
+    with NVRTC's log on failure."""
+    prog = ctypes.c_void_p()
+    headers = (ctypes.c_char_p * 1)(UTILS_STUB.encode())
+    names = (ctypes.c_char_p * 1)(UTILS_NAME.encode())
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"mlxinfer.cu", 1, headers, names):
+        raise RuntimeError("nvrtcCreateProgram failed")
+    try:
+        lib.nvrtcAddNameExpression(prog, name_expr.encode())
+        opts = [b"--device-as-default-execution-space", f"--gpu-architecture={arch}".encode()]
+        opts += [f"--include-path={d}".encode() for d in include_path(include)]
+        if lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)):
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            lines = [line for line in log.value.decode(errors="replace").splitlines() if "error" in line]
+            raise RuntimeError(lines[0].strip() if lines else "NVRTC failed")
+        lowered = ctypes.c_char_p()
+        lib.nvrtcGetLoweredName(prog, name_expr.encode(), ctypes.byref(lowered))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, cubin)
+        return cubin.raw, lowered.value.decode()
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+class Builder:
+    """Writes kernels into MLX's cache: `job` names a launch's module, `build` compiles what is missing."""
+
+    def __init__(self, version: str, arch: str, lib, include: Path, cache: Path):
+        self.version, self.arch, self.lib, self.include, self.cache = version, arch, lib, include, cache
+        self.done: set[str] = set()  # modules known to be on disk (this process)
+        self.lock = threading.Lock()
+        self.warned = False
+
+    def missing(self, module: str) -> bool:
+        if module in self.done:
+            return False
+        path = ptx_path(self.cache, module)
+        if path.exists() and path.with_suffix(".txt").exists():
+            self.done.add(module)
+            return False
+        return True
+
+    def build(self, jobs) -> int:
+        """Compile and write each (module, kernel name, source) not yet on disk, on every core; returns how
+        many were compiled. A failure costs only speed (MLX compiles that one itself): one warning line."""
+        todo = {m: (k, s) for m, k, s in jobs if self.missing(m)}
+        if not todo:
+            return 0
+        with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
+            results = list(pool.map(lambda item: self._one(*item), [(m, k, s) for m, (k, s) in todo.items()]))
+        return sum(results)
+
+    def _one(self, module: str, kernel: str, source: str) -> bool:
+        name = f"mlx::core::cu::{kernel}"
+        try:
+            cubin, lowered = compile_cubin(self.lib, source, name, self.arch, self.include)
+            path = ptx_path(self.cache, module)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tag = f".{os.getpid()}.{threading.get_ident()}.tmp"
+            for suffix, data in ((".txt", f"{name}\t{lowered}\n".encode()), (".ptx", cubin)):  # .ptx last: MLX reads both
+                tmp = path.with_suffix(suffix + tag)
+                tmp.write_bytes(data)
+                os.replace(tmp, path.with_suffix(suffix))
+        except (OSError, RuntimeError) as e:
+            with self.lock:
+                if not self.warned:
+                    self.warned = True
+                    print(f"mlxinfer: warning: cannot prebuild the CUDA kernel {kernel} ({e}); MLX compiles "
+                          "it itself at first launch", file=sys.stderr)
+            return False
+        with self.lock:
+            self.done.add(module)
+        return True
+
+
+_BUILDER: Builder | None = None
+_BUILDER_READY = False
+_COLLECT: list | None = None  # the jobs of a `collecting()` block
+
+
+def builder() -> Builder | None:
+    """This process's Builder, or None where kernels cannot be prebuilt (no CUDA device, an MLX whose
+    source generation is not known here, no NVRTC or headers, MLXINFER_CUDA_PREBUILD=0)."""
+    global _BUILDER, _BUILDER_READY
+    if _BUILDER_READY:
+        return _BUILDER
+    _BUILDER_READY = True
+    if os.environ.get("MLXINFER_CUDA_PREBUILD", "1") == "0":
+        return None
+    import mlx.core as mx
+
+    if not (hasattr(mx, "cuda") and mx.cuda.is_available()) or not mx.__version__.startswith(SUPPORTED_MLX):
+        return None
+    try:
+        info = mx.cuda.device_info()
+        major, minor = int(info["compute_capability_major"]), int(info["compute_capability_minor"])
+    except Exception:
+        return None
+    lib, include = find_nvrtc(), find_include()
+    if lib is None or include is None:
+        return None
+    arch = f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+    _BUILDER = Builder(mx.__version__, arch, lib, include, ptx_cache_dir(mx.__version__))
+    return _BUILDER
+
+
+@contextlib.contextmanager
+def collecting():
+    """Within the block every prebuilt kernel's launch records its module and returns zeros: run the
+    code whose kernels are to be built, then `build` the jobs yielded."""
+    global _COLLECT
+    outer, _COLLECT = _COLLECT, []
+    try:
+        yield _COLLECT
+    finally:
+        _COLLECT = outer
+
+
+def build(jobs) -> int:
+    b = builder()
+    return b.build(jobs) if b else 0
+
+
+class Kernel:
+    """`mx.fast.cuda_kernel` with its forms prebuilt: called as MLX's kernel is. At each form's first
+    launch in this process (its template, input dtypes and ranks) the module is built into MLX's cache
+    if missing, before MLX looks for it."""
+
+    def __init__(self, name: str, input_names, output_names, source: str, header: str):
+        self.name, self.input_names, self.output_names = name, list(input_names), list(output_names)
+        self.body, self.header = source, header
+        self.mlx = None  # MLX's kernel, made at the first launch (MLX without CUDA refuses to make one)
+        self.seen: set = set()
+
+    def job(self, inputs, template, output_dtypes) -> tuple[str, str, str]:
+        """(module, kernel name, source) of a launch, as MLX names and generates it."""
+        kernel = f"custom_kernel_{self.name}{template_suffix(template)}"
+        ins = [(_dtype_name(a.dtype), a.ndim) for a in inputs]
+        source = mlx_source(kernel, self.header, self.body, self.input_names, ins, self.output_names,
+                            [_dtype_name(d) for d in output_dtypes], template)
+        return f"{kernel}_{std_hash(source.encode()):x}", kernel, source
+
+    def __call__(self, *, inputs, grid, threadgroup, output_shapes, output_dtypes, template=()):
+        import mlx.core as mx
+
+        template = list(template)
+        if _COLLECT is not None:
+            _COLLECT.append(self.job(inputs, template, output_dtypes))
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+        form = (tuple((n, v if isinstance(v, int) else _dtype_name(v)) for n, v in template),
+                tuple((a.dtype, a.ndim) for a in inputs), tuple(output_dtypes))
+        if form not in self.seen:
+            self.seen.add(form)
+            b = builder()
+            if b is not None:
+                b.build([self.job(inputs, template, output_dtypes)])
+        if self.mlx is None:
+            self.mlx = mx.fast.cuda_kernel(name=self.name, input_names=self.input_names, output_names=self.output_names,
+                                           source=self.body, header=self.header, ensure_row_contiguous=True)
+        kw = {"template": template} if template else {}
+        return self.mlx(inputs=inputs, grid=grid, threadgroup=threadgroup, output_shapes=output_shapes,
+                        output_dtypes=output_dtypes, **kw)
+

@@ -1,0 +1,191 @@
+"""`cuda_jit`: our CUDA kernels compiled into MLX's own kernel cache, under the names MLX looks for.
+
+No GPU here: what can be checked is checked on this CPU. The hash MLX names a module with is libstdc++'s
+(checked against g++'s), the source is the one MLX 0.32's build_kernel generates (its parameters and
+constants, read from MLX's custom_kernel.cpp), the files land where MLX's read_cached_ptx reads them,
+NVRTC compiles the sources for an H200 (sm_90a) where the nvidia-cuda-nvrtc wheel is installed, and the
+self-check's collecting pass finds every form the check then launches. That MLX then loads them is
+seen on a GPU only (docs/performance.md)."""
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+from mlxinfer import block_kernels, cuda_jit, kernels
+from mlxinfer.backends import mlx as mlx_backend
+from mlxinfer.backends.mlx import MLXBackend, case_applies, self_check_cases
+
+
+@pytest.fixture(autouse=True)
+def _fresh_kernels():
+    kernels._kernel.cache_clear()
+    block_kernels._kernel.cache_clear()
+    yield
+    kernels._kernel.cache_clear()
+    block_kernels._kernel.cache_clear()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (libstdc++'s std::hash)")
+def test_std_hash_is_libstdcpps(tmp_path):
+    src = tmp_path / "h.cpp"
+    src.write_text('#include <iostream>\n#include <string>\n#include <functional>\nint main() { std::string l;\n'
+                   '  while (std::getline(std::cin, l)) { std::string s;\n'
+                   '    for (size_t i = 0; i < l.size(); i += 2) s.push_back((char)std::stoi(l.substr(i, 2), nullptr, 16));\n'
+                   '    std::cout << std::hex << std::hash<std::string>{}(s) << "\\n"; } }\n')
+    subprocess.run(["g++", "-O1", "-o", str(tmp_path / "h"), str(src)], check=True)
+    rng = np.random.default_rng(0)
+    cases = [b"x", b"abcdefg", b"abcdefgh", b"abcdefghi"] + [rng.bytes(n) for n in (15, 16, 17, 1000, 4099)]
+    out = subprocess.run([str(tmp_path / "h")], input="".join(c.hex() + "\n" for c in cases).encode(),
+                         capture_output=True, check=True).stdout.decode().split()
+    assert [int(o, 16) for o in out] == [cuda_jit.std_hash(c) for c in cases]
+
+
+def _scores_launch():
+    q, keys, i32 = mx.zeros((3, 512), mx.bfloat16), mx.zeros((2, 70, 256), mx.bfloat16), mx.zeros((3,), mx.int32)
+    template = [("H", 4), ("KV", 2), ("D", 128), ("CAUSAL", True), ("WINDOW", 0), ("SCALE_BITS", 7),
+                ("SOFTCAP_BITS", 0), ("SOFTCAP_INV_BITS", 0), ("QT", mx.bfloat16), ("KVT", mx.bfloat16)]
+    return kernels._kernel("cuda", "attn_scores"), [q, keys, i32, i32, i32], template
+
+
+def test_the_source_and_module_name_are_mlxs():
+    """As MLX 0.32's build_kernel writes them: its header, each input typed by its dtype with its Shape
+    where the body names `<input>_shape`, the outputs, each template argument as a constant of its kind
+    (bool as true/false, a dtype as its CUDA type), the body; named custom_kernel_<name> and the
+    template's suffix (_t for true, a dtype's type string), then the hash of that source in hex."""
+    k, inputs, template = _scores_launch()
+    module, kernel, source = k.job(inputs, template, [mx.float32])
+    assert kernel == "custom_kernel_mlxinfer_attn_scores_cuda_4_2_128_t_0_7_0_0_bfloat16_t_bfloat16_t"
+    assert module == f"{kernel}_{cuda_jit.std_hash(source.encode()):x}"
+    assert source.startswith(cuda_jit.DEFAULT_HEADER + k.header + "namespace mlx::core::cu {\n\nnamespace cg")
+    params = source.split(f"__global__ void {kernel}(\n", 1)[1].split(") {\n", 1)[0]
+    assert params.split(",\n") == [
+        "    const __nv_bfloat16* q", "    const __grid_constant__ Shape q_shape", "    const __nv_bfloat16* k",
+        "    const __grid_constant__ Shape k_shape", "    const int32_t* row_slot", "    const int32_t* row_pos",
+        "    const int32_t* row_len", "    float* p"]
+    assert ("  constexpr bool CAUSAL = true;\n" in source and "  constexpr int SCALE_BITS = 7;\n" in source
+            and "  using KVT = __nv_bfloat16;\n" in source)
+    assert source.endswith(k.body + "\n}\n\n} // namespace mlx::core::cu\n")
+    # a scalar input has no Shape parameter; a different template argument is a different module
+    other = k.job([mx.array(1.0, mx.bfloat16)] + inputs[1:], template, [mx.float32])
+    assert "Shape q_shape" not in other[2] and "Shape k_shape" in other[2] and other[0] != module
+
+
+def test_modules_are_written_where_mlx_reads_them(tmp_path, monkeypatch, capsys):
+    """<cache>/<module>.ptx (the cubin) and .txt ('mlx::core::cu::<kernel>' TAB its lowered name), names of
+    more than 245 characters cut into directories as MLX's get_ptx_path cuts them; a module on disk is
+    not built again; a compile that fails writes nothing and says so in one line."""
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "t"))
+    assert cuda_jit.ptx_cache_dir("0.32.4") == tmp_path / "t" / "mlx" / "0.32.4" / "ptx"
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "c"))
+    assert cuda_jit.ptx_cache_dir("0.32.4") == tmp_path / "c"
+    compiled = []
+
+    def fake_compile(lib, source, name, arch, include):
+        compiled.append(name)
+        if "broken" in source:
+            raise RuntimeError("mlxinfer.cu(3): error: identifier \"oops\" is undefined")
+        return b"\x7fELF" + source.encode()[:8], "_Z3low"
+
+    monkeypatch.setattr(cuda_jit, "compile_cubin", fake_compile)
+    b = cuda_jit.Builder("0.32.4", "sm_90a", None, tmp_path, tmp_path / "c")
+    long = "custom_kernel_" + "x" * 300 + "_1f"
+    assert b.build([("m_1", "k1", "src one"), (long, "k2", "src two")]) == 2
+    assert (tmp_path / "c" / "m_1.ptx").read_bytes() == b"\x7fELFsrc one"
+    assert (tmp_path / "c" / "m_1.txt").read_text() == "mlx::core::cu::k1\t_Z3low\n"
+    assert (tmp_path / "c" / long[:245] / (long[245:] + ".ptx")).exists()
+    assert b.build([("m_1", "k1", "src one")]) == 0 and len(compiled) == 2
+    assert cuda_jit.Builder("0.32.4", "sm_90a", None, tmp_path, tmp_path / "c").build([("m_1", "k1", "x")]) == 0
+    assert b.build([("m_2", "k3", "broken"), ("m_3", "k4", "broken")]) == 0
+    assert not (tmp_path / "c" / "m_2.ptx").exists() and not (tmp_path / "c" / "m_2.txt").exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot prebuild the CUDA kernel" in err[0] and "oops" in err[0]
+
+
+def test_nvrtc_compiles_the_sources_for_an_h200():
+    """A launch's source, as MLX generates it, compiles with MLX's NVRTC options for sm_90a against our
+    stand-in for MLX's device header: a cubin, and the lowered name MLX's module lookup is told."""
+    lib, include = cuda_jit.find_nvrtc(), cuda_jit.find_include()
+    if lib is None or include is None:
+        pytest.skip("needs NVRTC 13 and the CUDA headers (pip install 'nvidia-cuda-nvrtc>=13'; a CUDA toolkit)")
+    k, inputs, template = _scores_launch()
+    w = mx.zeros((40, 64), mx.uint32)
+    launches = [k.job(inputs, template, [mx.float32]),
+                block_kernels._kernel("cuda", "affine_matvec").job(
+                    [mx.zeros((2, 512), mx.float16), w, mx.zeros((40, 16), mx.uint16), mx.zeros((40, 16), mx.uint16),
+                     mx.zeros((2,), mx.int32)], [("T", mx.float16), ("M", 2), ("BITS", 4), ("SCALES", 1), ("ZERO", 0)],
+                    [mx.float16])]
+    for _, kernel, source in launches:
+        cubin, lowered = cuda_jit.compile_cubin(lib, source, f"mlx::core::cu::{kernel}", "sm_90a", include)
+        assert cubin[:4] == b"\x7fELF" and kernel in lowered
+
+
+class _Recorder:
+    """A Builder that records the modules asked for (compiling nothing)."""
+
+    def __init__(self):
+        self.asked = []
+
+    def build(self, jobs):
+        self.asked += [m for m, _, _ in jobs]
+        return 0
+
+
+def _forced_cuda(monkeypatch):
+    """An MLX CPU backend told the CUDA kernels are selected, MLX's CUDA kernels replaced by zeros."""
+    rec = _Recorder()
+    monkeypatch.setattr(cuda_jit, "builder", lambda: rec)
+    monkeypatch.setattr(cuda_jit, "build", lambda jobs: rec.build(jobs))
+
+    def fake_kernel(**kw):
+        return lambda **launch: [mx.zeros(s, d) for s, d in zip(launch["output_shapes"], launch["output_dtypes"])]
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", fake_kernel)
+    b = MLXBackend(device="cpu", dtype="bfloat16")
+    b.gpu_kernels = b.kernel = b.block_kind = "cuda"
+    b.weight_dtype = b.dtype
+    return b, rec
+
+
+def test_the_self_checks_prebuild_finds_every_form_they_launch(monkeypatch):
+    """The collecting pass asks for every module that the attention check's cases and the block check
+    then launch (recorded as each form's first launch asks for it), at every head size, and for the
+    block kernels at every row count a decode batch launches, not only the two checked."""
+    b, rec = _forced_cuda(monkeypatch)
+    assert mlx_backend.verify_gpu_kernels(b) is not None  # (zeros are not a product: the check fails)
+    collected = set(rec.asked)
+    rec.asked.clear()
+    kernels._kernel.cache_clear()  # as in a new process: every form's first launch asks again
+    for case in self_check_cases():
+        if case_applies(b, case):
+            mlx_backend._check_case(b, case)
+    launched = set(rec.asked)
+    assert launched and launched <= collected
+    names = {m.split("_cuda_")[0].removeprefix("custom_kernel_mlxinfer_") for m in collected}
+    assert names >= {"matmul", "softmax", "tanh", "fused_attention", "attn_scores", "attn_scores_rows",
+                     "attn_softmax", "attn_softmax_context", "attn_context", "attn_context_rows"}
+    assert {d for d in mlx_backend.SELF_CHECK_HEAD_DIMS if any(f"scores_cuda_4_2_{d}_" in m for m in collected)} \
+        == set(mlx_backend.SELF_CHECK_HEAD_DIMS)
+    rec.asked.clear()
+    mlx_backend.verify_block_kernels(b)
+    rows = {int(m.split("bfloat16_t_")[1].split("_")[0]) for m in rec.asked if "matvec" in m}
+    assert rows == set(range(1, block_kernels.MAX_ROWS + 1))
+    assert {m.split("_cuda_")[0] for m in rec.asked} == {
+        f"custom_kernel_mlxinfer_{n}" for n, _ in block_kernels.KERNELS.values()}
+
+
+def test_each_launch_asks_once_per_form(monkeypatch):
+    """Outside a collecting pass a form's first launch in a process asks for its module (built before
+    MLX looks for it), later launches of that form do not; another form asks again."""
+    b, rec = _forced_cuda(monkeypatch)
+    k, inputs, template = _scores_launch()
+    launch = dict(inputs=inputs, template=template, grid=(256, 1, 1), threadgroup=(256, 1, 1),
+                  output_shapes=[(3, 4, 70)], output_dtypes=[mx.float32])
+    k(**launch)
+    k(**launch)
+    assert len(rec.asked) == 1
+    k(**dict(launch, template=template[:-1] + [("KVT", mx.float32)]))
+    assert len(rec.asked) == 2 and rec.asked[0] != rec.asked[1]
