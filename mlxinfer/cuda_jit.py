@@ -308,9 +308,11 @@ def builder() -> Builder | None:
     if not (hasattr(mx, "cuda") and mx.cuda.is_available()) or not mx.__version__.startswith(SUPPORTED_MLX):
         return None
     try:
-        info = mx.cuda.device_info()
+        info = mx.device_info(mx.gpu)
         major, minor = int(info["compute_capability_major"]), int(info["compute_capability_minor"])
-    except Exception:
+    except Exception as e:
+        print(f"mlxinfer: warning: cannot read the GPU's compute capability ({type(e).__name__}: {e}); MLX "
+              "compiles our CUDA kernels itself, one at a time", file=sys.stderr)
         return None
     lib, include = find_nvrtc(), find_include()
     if lib is None or include is None:

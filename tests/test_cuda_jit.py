@@ -21,11 +21,13 @@ from mlxinfer.backends.mlx import MLXBackend, case_applies, self_check_cases
 
 @pytest.fixture(autouse=True)
 def _fresh_kernels():
+    device = mx.default_device()  # (a CPU backend made here makes the CPU MLX's default: not for later tests)
     kernels._kernel.cache_clear()
     block_kernels._kernel.cache_clear()
     yield
     kernels._kernel.cache_clear()
     block_kernels._kernel.cache_clear()
+    mx.set_default_device(device)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (libstdc++'s std::hash)")

@@ -48,7 +48,7 @@ def device_name(kind: str) -> str:
     import mlx.core as mx
 
     try:
-        info = (mx.metal.device_info() if kind == "metal" else mx.cuda.device_info())  # type: ignore[attr-defined]
+        info = mx.device_info(mx.gpu)
         return str(info.get("device_name") or info.get("name") or "")
     except Exception:
         return ""
