@@ -247,7 +247,8 @@ def test_gpu_kernel_equals_its_published_order_bit_for_bit(rows, cols, m, qtype)
     raw, parts = _fields(rng, rows, cols, True, qtype)
     w = to_device(qtype, parts, (rows, cols))
     x = rng.standard_normal((m, cols), dtype=np.float32)
-    got = np.array(block_kernels.product(gpu_kind(), mx.array(x), w))  # the kernel itself, whatever the verdict
+    with mx.stream(mx.gpu):  # (an earlier test's CPU backend may have made the CPU MLX's default device)
+        got = np.array(block_kernels.product(gpu_kind(), mx.array(x), w))  # the kernel itself, whatever the verdict
     want = block_kernels.emulate(x, _values(raw, qtype, rows, cols), qtype)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
