@@ -28,10 +28,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import glob
+import json
 import os
+import subprocess
 import sys
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SUPPORTED_MLX = ("0.32.",)  # MLX versions whose build_kernel `mlx_source` copies (read from 0.32's sources)
@@ -181,13 +181,17 @@ def find_nvrtc():
               if ".alt." not in p]
     for path in _loaded_nvrtc() + wheels:
         try:
-            for builtins in sorted(Path(path).parent.glob("libnvrtc-builtins.so*")):
-                with contextlib.suppress(OSError):
-                    ctypes.CDLL(str(builtins))
-            return ctypes.CDLL(path)
+            return load_nvrtc(path)
         except OSError:
             continue
     return None
+
+
+def load_nvrtc(path: str):
+    for builtins in sorted(Path(path).parent.glob("libnvrtc-builtins.so*")):
+        with contextlib.suppress(OSError):
+            ctypes.CDLL(str(builtins))
+    return ctypes.CDLL(path)
 
 
 def find_include() -> Path | None:
@@ -241,10 +245,11 @@ def compile_cubin(lib, source: str, name_expr: str, arch: str, include: Path) ->
 class Builder:
     """Writes kernels into MLX's cache: `job` names a launch's module, `build` compiles what is missing."""
 
-    def __init__(self, version: str, arch: str, lib, include: Path, cache: Path):
+    def __init__(self, version: str, arch: str, lib, include: Path, cache: Path, workers: int | None = None):
         self.version, self.arch, self.lib, self.include, self.cache = version, arch, lib, include, cache
+        self.lib_path = getattr(lib, "_name", None)
+        self.workers = workers or os.cpu_count() or 1
         self.done: set[str] = set()  # modules known to be on disk (this process)
-        self.lock = threading.Lock()
         self.warned = False
 
     def missing(self, module: str) -> bool:
@@ -258,35 +263,67 @@ class Builder:
 
     def build(self, jobs) -> int:
         """Compile and write each (module, kernel name, source) not yet on disk, on every core; returns how
-        many were compiled. A failure costs only speed (MLX compiles that one itself): one warning line."""
-        todo = {m: (k, s) for m, k, s in jobs if self.missing(m)}
+        many were compiled. A failure costs only speed (MLX compiles that one itself): one warning line.
+        Several go to worker processes (this file run as a script: nothing of the caller's program is
+        imported again), as NVRTC compiles one program at a time in a process (two threads took 1.1x
+        one thread's time for four kernels on this project's 2-core VM)."""
+        todo = [(m, k, s) for m, k, s in dict((m, (m, k, s)) for m, k, s in jobs).values() if self.missing(m)]
         if not todo:
             return 0
-        with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
-            results = list(pool.map(lambda item: self._one(*item), [(m, k, s) for m, (k, s) in todo.items()]))
-        return sum(results)
+        args = [(self.lib_path, s, k, self.arch, str(self.include), str(self.cache), m) for m, k, s in todo]
+        workers = min(len(todo), self.workers)
+        if workers == 1:
+            errors = [_compile_and_write(*a, lib=self.lib) for a in args]
+        else:
+            procs = [subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL) for _ in range(workers)]
+            for n, p in enumerate(procs):
+                p.stdin.write(json.dumps(args[n::workers]).encode())
+                p.stdin.close()
+            errors = [None] * len(args)
+            for n, p in enumerate(procs):
+                out = p.stdout.read()
+                p.wait()
+                try:
+                    errors[n::workers] = json.loads(out)
+                except ValueError:
+                    errors[n::workers] = [f"a compile worker exited with {p.returncode}"] * len(args[n::workers])
+        for (m, k, _), error in zip(todo, errors):
+            if error is None:
+                self.done.add(m)
+            elif not self.warned:
+                self.warned = True
+                print(f"mlxinfer: warning: cannot prebuild the CUDA kernel {k} ({error}); MLX compiles it itself "
+                      "at first launch", file=sys.stderr)
+        return errors.count(None)
 
-    def _one(self, module: str, kernel: str, source: str) -> bool:
-        name = f"mlx::core::cu::{kernel}"
-        try:
-            cubin, lowered = compile_cubin(self.lib, source, name, self.arch, self.include)
-            path = ptx_path(self.cache, module)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tag = f".{os.getpid()}.{threading.get_ident()}.tmp"
-            for suffix, data in ((".txt", f"{name}\t{lowered}\n".encode()), (".ptx", cubin)):  # .ptx last: MLX reads both
-                tmp = path.with_suffix(suffix + tag)
-                tmp.write_bytes(data)
-                os.replace(tmp, path.with_suffix(suffix))
-        except (OSError, RuntimeError) as e:
-            with self.lock:
-                if not self.warned:
-                    self.warned = True
-                    print(f"mlxinfer: warning: cannot prebuild the CUDA kernel {kernel} ({e}); MLX compiles "
-                          "it itself at first launch", file=sys.stderr)
-            return False
-        with self.lock:
-            self.done.add(module)
-        return True
+
+def write_module(cache: Path, module: str, kernel: str, cubin: bytes, lowered: str) -> None:
+    """A module as MLX's read_cached_ptx reads it: <module>.ptx (the cubin) and .txt (the kernel's name,
+    a tab, its lowered name), each written whole (a temporary file, then renamed), the .ptx last."""
+    path = ptx_path(cache, module)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for suffix, data in ((".txt", f"mlx::core::cu::{kernel}\t{lowered}\n".encode()), (".ptx", cubin)):
+        tmp = path.with_suffix(f"{suffix}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path.with_suffix(suffix))
+
+
+_LIBS: dict = {}  # a worker's NVRTC, by path
+
+
+def _compile_and_write(lib_path, source, kernel, arch, include, cache, module, lib=None) -> str | None:
+    """One module compiled and written: None, or the error's line."""
+    try:
+        if lib is None:
+            if lib_path not in _LIBS:
+                _LIBS[lib_path] = load_nvrtc(lib_path)
+            lib = _LIBS[lib_path]
+        cubin, lowered = compile_cubin(lib, source, f"mlx::core::cu::{kernel}", arch, Path(include))
+        write_module(Path(cache), module, kernel, cubin, lowered)
+        return None
+    except (OSError, RuntimeError) as e:
+        return str(e) or type(e).__name__
 
 
 _BUILDER: Builder | None = None
@@ -379,3 +416,6 @@ class Kernel:
         return self.mlx(inputs=inputs, grid=grid, threadgroup=threadgroup, output_shapes=output_shapes,
                         output_dtypes=output_dtypes, **kw)
 
+
+if __name__ == "__main__":  # a compile worker (`Builder.build`): jobs as JSON on stdin, their errors on stdout
+    print(json.dumps([_compile_and_write(*job) for job in json.loads(sys.stdin.read())]))

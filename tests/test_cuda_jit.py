@@ -93,23 +93,24 @@ def test_modules_are_written_where_mlx_reads_them(tmp_path, monkeypatch, capsys)
         return b"\x7fELF" + source.encode()[:8], "_Z3low"
 
     monkeypatch.setattr(cuda_jit, "compile_cubin", fake_compile)
-    b = cuda_jit.Builder("0.32.4", "sm_90a", None, tmp_path, tmp_path / "c")
+    b = cuda_jit.Builder("0.32.4", "sm_90a", object(), tmp_path, tmp_path / "c", workers=1)
     long = "custom_kernel_" + "x" * 300 + "_1f"
     assert b.build([("m_1", "k1", "src one"), (long, "k2", "src two")]) == 2
     assert (tmp_path / "c" / "m_1.ptx").read_bytes() == b"\x7fELFsrc one"
     assert (tmp_path / "c" / "m_1.txt").read_text() == "mlx::core::cu::k1\t_Z3low\n"
     assert (tmp_path / "c" / long[:245] / (long[245:] + ".ptx")).exists()
     assert b.build([("m_1", "k1", "src one")]) == 0 and len(compiled) == 2
-    assert cuda_jit.Builder("0.32.4", "sm_90a", None, tmp_path, tmp_path / "c").build([("m_1", "k1", "x")]) == 0
+    assert cuda_jit.Builder("0.32.4", "sm_90a", object(), tmp_path, tmp_path / "c").build([("m_1", "k1", "x")]) == 0
     assert b.build([("m_2", "k3", "broken"), ("m_3", "k4", "broken")]) == 0
     assert not (tmp_path / "c" / "m_2.ptx").exists() and not (tmp_path / "c" / "m_2.txt").exists()
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot prebuild the CUDA kernel" in err[0] and "oops" in err[0]
 
 
-def test_nvrtc_compiles_the_sources_for_an_h200():
+def test_nvrtc_compiles_the_sources_for_an_h200(tmp_path):
     """A launch's source, as MLX generates it, compiles with MLX's NVRTC options for sm_90a against our
-    stand-in for MLX's device header: a cubin, and the lowered name MLX's module lookup is told."""
+    stand-in for MLX's device header: a cubin, and the lowered name MLX's module lookup is told; built
+    by two worker processes, each module lands in the cache whole."""
     lib, include = cuda_jit.find_nvrtc(), cuda_jit.find_include()
     if lib is None or include is None:
         pytest.skip("needs NVRTC 13 and the CUDA headers (pip install 'nvidia-cuda-nvrtc>=13'; a CUDA toolkit)")
@@ -120,9 +121,11 @@ def test_nvrtc_compiles_the_sources_for_an_h200():
                     [mx.zeros((2, 512), mx.float16), w, mx.zeros((40, 16), mx.uint16), mx.zeros((40, 16), mx.uint16),
                      mx.zeros((2,), mx.int32)], [("T", mx.float16), ("M", 2), ("BITS", 4), ("SCALES", 1), ("ZERO", 0)],
                     [mx.float16])]
-    for _, kernel, source in launches:
-        cubin, lowered = cuda_jit.compile_cubin(lib, source, f"mlx::core::cu::{kernel}", "sm_90a", include)
-        assert cubin[:4] == b"\x7fELF" and kernel in lowered
+    assert cuda_jit.Builder("0.32.4", "sm_90a", lib, include, tmp_path, workers=2).build(launches) == 2
+    for module, kernel, _ in launches:
+        name, lowered = (tmp_path / f"{module}.txt").read_text().rstrip("\n").split("\t")
+        assert (tmp_path / f"{module}.ptx").read_bytes()[:4] == b"\x7fELF"
+        assert name == f"mlx::core::cu::{kernel}" and kernel in lowered and lowered.startswith("_Z")
 
 
 class _Recorder:
