@@ -4,8 +4,9 @@ The MLX backend never runs its own GPU kernels unchecked: at first use on a devi
 `verify_gpu_kernels` (every launch plan against the per-head reference, bit for bit) and falls back to
 MLX's own ops and per-head attention if anything differs; the block kernels (`verify_block_kernels`, bit
 for bit their published order) have a verdict of their own, so one family failing leaves the other on
-(kind "cuda blocks" or "metal blocks", no KV dtype). The check takes
-seconds (it compiles every kernel form), and a benchmark or a test suite starts many backends, so its
+(kind "cuda blocks" or "metal blocks", no KV dtype). The check compiles
+every kernel form it launches (on CUDA all at once, into MLX's kernel cache: `cuda_jit`; about a minute on
+a fresh H200, seconds once compiled), and a benchmark or a test suite starts many backends, so its
 verdict is remembered: in this process, and on disk (`kernel-checks.json` in mlxinfer's cache), keyed by
 everything that decides it: the digest of the kernel sources and of the Python that launches them and
 holds the reference, MLX's version, the GPU kind and device name, and the dtypes. The same key gives
