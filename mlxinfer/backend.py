@@ -374,6 +374,12 @@ class Backend:
         return self.from_numpy(collectives.through_mlx(collectives.all_gather_cols, self.to_numpy(x), group, cols))
 
     # -- the composite op ---------------------------------------------------------------------
+    def check_model(self, specs) -> str | None:
+        """Called once a model is built, with its layers' attention specs: a backend whose fused
+        attention runs kernels compiled per shape checks them in that shape before use (the MLX backend
+        on a GPU); None, or the one-line problem that made it fall back. Here nothing to check."""
+        return None
+
     def fused_attention(self, q, kv, batch, spec: AttentionSpec):
         """Attention of the batch's query rows q [N, H*D] against each sequence's own cached keys and
         values (`kv`, a cache layer view), -> [N, H*D]. Runs the path chosen at construction."""

@@ -74,6 +74,7 @@ class Engine:
         self.shard = Shard.plan(self.gguf, self.args, rank, tp, group)
         self.kv_width = self.shard.n_kv_heads * self.args.head_dim  # this rank's KV heads
         self.model = arch.Model(backend, self.gguf, self.args, self.shard)
+        backend.check_model(getattr(self.model, "specs", None) or [self.model.spec])  # its kernels, in its shape
         self.decode_step = DecodeStep(self.model)
         self.prompt_cache = None  # prefix blocks on disk (prompt_cache.py), for the paged cache
         if prompt_cache_dir is not None:

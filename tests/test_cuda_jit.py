@@ -194,3 +194,35 @@ def test_each_launch_asks_once_per_form(monkeypatch):
     assert len(rec.asked) == 1
     k(**dict(launch, template=template[:-1] + [("KVT", mx.float32)]))
     assert len(rec.asked) == 2 and rec.asked[0] != rec.asked[1]
+
+
+def test_a_models_check_builds_and_launches_its_own_shapes(monkeypatch):
+    """`check_model` with Qwen3-0.6B's spec (16 and 8 heads of 128) collects and launches that shape's
+    forms, not the self-check's 4 and 2 heads: the scores kernel, the kernels by rows, and the one-row
+    softmax-context in its short- and long-context forms and its several-rows form, as the dispatch
+    picks them; every form launched was collected first."""
+    from mlxinfer.backend import AttentionSpec
+
+    b, rec = _forced_cuda(monkeypatch)
+    b.checked = "cuda"  # (as after the self-check)
+    spec = AttentionSpec.standard(16, 8, 128)
+    collected = []
+    real = mlx_backend._prebuild
+
+    def prebuild(backend, parts):
+        real(backend, parts)
+        collected.extend(rec.asked)
+        rec.asked.clear()
+
+    monkeypatch.setattr(mlx_backend, "_prebuild", prebuild)
+    b.check_model([spec, spec])  # (zeros are not attention: the check fails, after launching every case)
+    assert collected and set(rec.asked) <= set(collected)
+    shape = cuda_jit.template_suffix([("H", 16), ("KV", 8), ("D", 128), ("CAUSAL", True), ("WINDOW", 0),
+                                      ("SCALE_BITS", kernels._f32_bits(spec.scale)), ("SOFTCAP_BITS", 0),
+                                      ("SOFTCAP_INV_BITS", 0), ("QT", mx.bfloat16), ("KVT", mx.bfloat16)])
+    for name, form in [("attn_scores", []), ("attn_scores_rows", []), ("attn_context_rows", kernels.CONTEXT_ROWS_FORM),
+                       ("attn_softmax_context", kernels.ONE_ROW_FORM), ("attn_softmax_context", kernels.ONE_ROW_LONG_FORM),
+                       ("attn_softmax_context", kernels.split_unroll(8, 300))]:
+        kernel = f"custom_kernel_mlxinfer_{name}_cuda{shape}{cuda_jit.template_suffix(form)}_"
+        assert any(m.startswith(kernel) for m in collected), kernel
+    assert not any("_cuda_4_2_" in m for m in collected)

@@ -220,3 +220,30 @@ def test_one_kernel_family_failing_leaves_the_other_on(monkeypatch, tmp_path, ca
     runs.clear()
     again.check_kernels()
     assert runs == [] and (again.block_kind, again.fallback) == (b.block_kind, b.fallback)
+
+
+def test_a_failing_model_check_falls_back_in_one_line(capsys):
+    """The check in a model's own shape (`check_model`) fails as the self-check does: one warning line
+    naming the kernel's failure and that it was in the model's shape, then MLX's ops and per-head
+    attention; without GPU kernels (the CPU) it checks nothing."""
+    from mlxinfer.backend import AttentionSpec
+
+    spec = AttentionSpec.standard(16, 8, 128)
+    assert MLXBackend(device="cpu").check_model([spec]) is None
+    b = _forced_metal()
+    b.checked = "metal"  # (as after a self-check that passed)
+    problem = b.check_model([spec])
+    assert problem and "in the model's shape" in problem and "No Metal back-end" in problem
+    assert b.gpu_kernels is None and b.kernel == "graph" and b.fallback == problem
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "failed their self-check" in err[0]
+
+
+def test_the_engine_checks_its_models_attention_shapes(synthetic, monkeypatch):
+    """Loading a model hands its backend the model's attention specs before any pass."""
+    import mlxinfer
+
+    seen = []
+    monkeypatch.setattr(MLXBackend, "check_model", lambda self, specs: seen.append(list(specs)))
+    engine = mlxinfer.load(synthetic(), backend="mlx", device="cpu")
+    assert seen == [[engine.model.spec]]

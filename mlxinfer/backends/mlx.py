@@ -139,6 +139,26 @@ def self_check_cases(head_dims=SELF_CHECK_HEAD_DIMS) -> list[CheckCase]:
     return cases
 
 
+def model_check_cases(spec: AttentionSpec) -> list[CheckCase]:
+    """The plans a model's attention launches, in the model's own shape: on CUDA its head counts, head
+    size, scale, window and soft-cap are template arguments, so each model runs kernels of its own
+    compile, which `self_check_cases` (4 and 2 heads) never launched. One decode row over 7 keys, over
+    300 and over more than ONE_ROW_LONG_FORM_ABOVE (the long-context form); 3 and 8 decode rows (a
+    batch); a 9-row chunk; a chunk of ROWS_MIN rows or more (the kernels by rows); a chunk of
+    PREFILL_ROWS rows or more beside a decode row (MLX's GEMMs for the one)."""
+    long = kernels.ONE_ROW_LONG_FORM_ABOVE + 100
+    rows = kernels.ROWS_MIN + 6
+    return [CheckCase("one decode row over 7 keys", spec, ((7, 1),)),
+            CheckCase("one decode row over 300 keys", spec, ((300, 1),)),
+            CheckCase(f"one decode row over {long:,} keys", spec, ((long, 1),)),
+            CheckCase("3 decode rows over 70, 257 and 5 keys", spec, ((70, 1), (257, 1), (5, 1))),
+            CheckCase("8 decode rows over 300 keys", spec, ((300, 1),) * 8),
+            CheckCase("9 rows of a chunk over 300 keys", spec, ((300, 9),)),
+            CheckCase(f"{rows} rows of a chunk over {rows} keys (by rows)", spec, ((rows, rows),)),
+            CheckCase(f"a {PREFILL_ROWS + 2}-row chunk over 300 keys beside a decode row over 70", spec,
+                      ((300, PREFILL_ROWS + 2), (70, 1)))]
+
+
 def case_applies(backend: "MLXBackend", case: CheckCase) -> bool:
     """Whether the backend's cache can hold the case: a q8_0 cache holds rows of whole blocks of 32 values
     only, and the basic cache stores what the pass computed (it refuses another --kv-dtype)."""
@@ -388,10 +408,7 @@ class MLXBackend(Backend):
             problem = run()
         self.checked_here = bool(ran)  # run in this process, not a remembered verdict
         if problem:
-            self.fallback = problem
-            self.gpu_kernels, self.kernel = None, "graph"
-            print(f"mlxinfer: warning: the attention kernels failed their self-check ({problem}); using "
-                  "MLX's own ops and per-head attention (pass --kernel to force the kernels)", file=sys.stderr)
+            self._attention_falls_back(problem)
         if kept and self.block_kind:  # the block kernels' verdict, of their own (they read no KV cache)
             blocks = kernel_checks.verdict(f"{self.block_kind} blocks", self.dtype_name, "-",
                                            lambda: verify_block_kernels(self), fresh=fresh)
@@ -400,6 +417,36 @@ class MLXBackend(Backend):
                 print(f"mlxinfer: warning: the block kernels failed their self-check ({blocks}); quantized "
                       "products use MLX's own ops", file=sys.stderr)
         return problem
+
+    def _attention_falls_back(self, problem: str) -> None:
+        self.fallback = problem
+        self.gpu_kernels, self.kernel = None, "graph"
+        print(f"mlxinfer: warning: the attention kernels failed their self-check ({problem}); using "
+              "MLX's own ops and per-head attention (pass --kernel to force the kernels)", file=sys.stderr)
+
+    def check_model(self, specs) -> str | None:
+        """The attention kernels checked in a model's own shapes (`model_check_cases` for each distinct
+        spec, bit for bit as `verify_gpu_kernels` checks its cases; on CUDA their forms compiled at once
+        first), before the model's first pass; the verdict remembered per spec as the self-check's is.
+        A failure falls back as the self-check's does. Nothing to do without GPU kernels, or when they
+        are forced (--kernel: unchecked, as asked)."""
+        if not self.gpu_kernels or self.checked is None:
+            return None
+        for spec in dict.fromkeys(specs):
+            cases = [c for c in model_check_cases(spec) if case_applies(self, c)]
+
+            def run(cases=cases):
+                _prebuild(self, [lambda c=c: _check_case(self, c) for c in cases])
+                return next((p for p in map(lambda c: _check_case(self, c), cases) if p), None)
+
+            shape = (f"{self.kernel} model {spec.n_heads}x{spec.n_kv_heads}x{spec.head_dim} scale {spec.scale!r} "
+                     f"window {spec.window} softcap {spec.softcap} causal {spec.causal}")
+            problem = (kernel_checks.verdict(shape, self.dtype_name, self.kv_dtype, run) if self.device == "gpu"
+                       else run())  # (tests force kernels on the CPU: not kept)
+            if problem:
+                self._attention_falls_back(f"{problem}, in the model's shape")
+                return self.fallback
+        return None
 
     def kernel_report(self) -> tuple[str, bool]:
         """(one line, passed) on the GPU kernels of this device: the self-check's verdict over its
