@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 
 SUPPORTED_MLX = ("0.32.",)  # MLX versions whose build_kernel `mlx_source` copies (read from 0.32's sources)
+ANNOUNCE_FROM = 8  # a build of at least this many forms says so first (one line: it takes seconds to a minute)
 MAX_NDIM = 10  # MLX's Shape: cuda::std::array<int32_t, MAX_NDIM>, passed by value
 CUDA_TYPES = {"bool": "bool", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t",
               "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t",
@@ -272,6 +273,9 @@ class Builder:
             return 0
         args = [(self.lib_path, s, k, self.arch, str(self.include), str(self.cache), m) for m, k, s in todo]
         workers = min(len(todo), self.workers)
+        if len(todo) >= ANNOUNCE_FROM:
+            print(f"mlxinfer: compiling {len(todo)} CUDA kernel forms on {workers} processes into MLX's kernel cache "
+                  f"({self.cache}; once per machine for this MLX and these kernels)", file=sys.stderr, flush=True)
         if workers == 1:
             errors = [_compile_and_write(*a, lib=self.lib) for a in args]
         else:
@@ -402,8 +406,7 @@ class Kernel:
         if _COLLECT is not None:
             _COLLECT.append(self.job(inputs, template, output_dtypes))
             return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
-        form = (tuple((n, v if isinstance(v, int) else _dtype_name(v)) for n, v in template),
-                tuple((a.dtype, a.ndim) for a in inputs), tuple(output_dtypes))
+        form = (tuple(template), tuple([(a.dtype, a.ndim > 0) for a in inputs]), tuple(output_dtypes))  # ~1 us
         if form not in self.seen:
             self.seen.add(form)
             b = builder()
