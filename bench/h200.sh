@@ -16,7 +16,8 @@
 #         --report`; also works here on fetched results, where matplotlib is)
 #
 # All steps in one go suit a machine without a time limit. A device call holds at most 600 s and a fresh
-# machine compiles every kernel first, so there: one call a step, and the bench step split by CASES and
+# machine compiles the self-check's kernels first (into MLX's cache, on every core: ~70 s in float32 and
+# ~46 s more for bfloat16 on an H200, 2026-12-03; seconds in later processes), so there: one call a step, and the bench step split by CASES and
 # BATCH. The tests take 300-440 s (TESTS_TIMEOUT 560). Estimates from runs with one mlx-lm dtype: CASES=17
 # or CASES=511 with the default batches and rounds ~5 min each, CASES=8191 BATCH=1 ~3 min. At 8,191
 # tokens batch B's prefill is B times batch 1's (ours takes 5.3 s a sequence), so CASES=8191 BATCH=8
