@@ -14,9 +14,11 @@ names the module as MLX does (the kernel's name and template arguments, then lib
 that source: `std_hash`), and compiles the same source with NVRTC for the device (MLX's options; MLX's
 own device header replaced by `UTILS_STUB`, which declares what our kernels use of it: the fp16/bf16
 types, fixed-width integers, `Shape` as MLX passes it). MLX then loads the cubin from disk instead of
-compiling. Where anything here does not match (another MLX, no NVRTC, a name MLX does not look for),
-MLX simply compiles the kernel itself, as before: slower, never different. The bits are checked as
-always by the self-check, whose verdict is keyed by this file's digest too.
+compiling. Where anything here does not match (another MLX, no NVRTC, a name MLX does not look for, a
+cache it cannot write), MLX compiles the kernel itself, as before, only slower. Either compile's bits
+are what the self-check vouches for: its verdict is keyed by this file's digest and by `identity()`
+(the builder's stamp: the stand-in header, NVRTC's options and version, the GPU's architecture), and a
+module whose stamp file differs from this builder's is compiled again.
 
 `collecting()` lets the self-check find every form it will launch without launching any (each launch
 returns zeros and records its form), so that `build` compiles them all at once on every core.
@@ -28,10 +30,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import glob
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 SUPPORTED_MLX = ("0.32.",)  # MLX versions whose build_kernel `mlx_source` copies (read from 0.32's sources)
@@ -213,6 +217,22 @@ def include_path(cuda: Path) -> list[Path]:
     return [d for d in dirs + [cuda / "cccl", cuda] if d.is_dir()]
 
 
+def nvrtc_options(arch: str, include: Path) -> list[str]:
+    """MLX's NVRTC options (jit_module.cpp's `compile`)."""
+    return ["--device-as-default-execution-space", f"--gpu-architecture={arch}",
+            *(f"--include-path={d}" for d in include_path(include))]
+
+
+def stamp(lib, arch: str, include: Path) -> str:
+    """What decides a cubin besides its source: the stand-in header, NVRTC's options and version, the
+    architecture. Kept beside each module (<module>.mlxinfer) and in the self-check's key."""
+    major, minor = ctypes.c_int(0), ctypes.c_int(0)
+    with contextlib.suppress(Exception):
+        lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    parts = [UTILS_STUB, *nvrtc_options(arch, include), f"nvrtc {major.value}.{minor.value}", arch]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
 def compile_cubin(lib, source: str, name_expr: str, arch: str, include: Path) -> tuple[bytes, str]:
     """(cubin, lowered name of `name_expr`) of a source, as MLX's JIT compiles it; raises RuntimeError
     with NVRTC's log on failure."""
@@ -222,9 +242,9 @@ def compile_cubin(lib, source: str, name_expr: str, arch: str, include: Path) ->
     if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"mlxinfer.cu", 1, headers, names):
         raise RuntimeError("nvrtcCreateProgram failed")
     try:
-        lib.nvrtcAddNameExpression(prog, name_expr.encode())
-        opts = [b"--device-as-default-execution-space", f"--gpu-architecture={arch}".encode()]
-        opts += [f"--include-path={d}".encode() for d in include_path(include)]
+        if lib.nvrtcAddNameExpression(prog, name_expr.encode()):
+            raise RuntimeError("nvrtcAddNameExpression failed")
+        opts = [o.encode() for o in nvrtc_options(arch, include)]
         if lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)):
             size = ctypes.c_size_t()
             lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
@@ -233,11 +253,14 @@ def compile_cubin(lib, source: str, name_expr: str, arch: str, include: Path) ->
             lines = [line for line in log.value.decode(errors="replace").splitlines() if "error" in line]
             raise RuntimeError(lines[0].strip() if lines else "NVRTC failed")
         lowered = ctypes.c_char_p()
-        lib.nvrtcGetLoweredName(prog, name_expr.encode(), ctypes.byref(lowered))
+        if lib.nvrtcGetLoweredName(prog, name_expr.encode(), ctypes.byref(lowered)) or not lowered.value:
+            raise RuntimeError(f"NVRTC has no lowered name for {name_expr}")
         size = ctypes.c_size_t()
-        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        if lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)) or not size.value:
+            raise RuntimeError("NVRTC made no cubin")
         cubin = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetCUBIN(prog, cubin)
+        if lib.nvrtcGetCUBIN(prog, cubin):
+            raise RuntimeError("nvrtcGetCUBIN failed")
         return cubin.raw, lowered.value.decode()
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
@@ -249,65 +272,106 @@ class Builder:
     def __init__(self, version: str, arch: str, lib, include: Path, cache: Path, workers: int | None = None):
         self.version, self.arch, self.lib, self.include, self.cache = version, arch, lib, include, cache
         self.lib_path = getattr(lib, "_name", None)
-        self.workers = workers or os.cpu_count() or 1
+        self.workers = workers or default_workers()
+        self.stamp = stamp(lib, arch, include)
         self.done: set[str] = set()  # modules known to be on disk (this process)
         self.warned = False
+        self.off = False  # set when the cache cannot be written: nothing more is compiled in vain
 
     def missing(self, module: str) -> bool:
+        """Whether the module is not on disk as this builder would write it (its stamp file too)."""
         if module in self.done:
             return False
         path = ptx_path(self.cache, module)
-        if path.exists() and path.with_suffix(".txt").exists():
+        try:
+            same = path.with_suffix(".mlxinfer").read_text() == self.stamp
+        except (OSError, ValueError):
+            same = False
+        if same and path.exists() and path.with_suffix(".txt").exists():
             self.done.add(module)
             return False
         return True
 
+    def _warn(self, kernel: str, error: str) -> None:
+        if not self.warned:
+            self.warned = True
+            print(f"mlxinfer: warning: cannot prebuild the CUDA kernel {kernel} ({error}); MLX compiles it itself "
+                  "at first launch", file=sys.stderr)
+
     def build(self, jobs) -> int:
         """Compile and write each (module, kernel name, source) not yet on disk, on every core; returns how
-        many were compiled. A failure costs only speed (MLX compiles that one itself): one warning line.
-        Several go to worker processes (this file run as a script: nothing of the caller's program is
-        imported again), as NVRTC compiles one program at a time in a process (two threads took 1.1x
-        one thread's time for four kernels on this project's 2-core VM)."""
+        many were compiled. A failure costs only speed (MLX compiles that one itself): one warning line;
+        a cache that cannot be written stops the builder for this process.
+        Several go to worker processes (this file run as an isolated script, `python -I`: nothing of
+        the caller's program or environment is imported), as NVRTC compiles one program at a time in a
+        process (two threads took 1.1x one thread's time for four kernels on this project's 2-core VM)."""
+        if self.off:
+            return 0
         todo = [(m, k, s) for m, k, s in dict((m, (m, k, s)) for m, k, s in jobs).values() if self.missing(m)]
         if not todo:
             return 0
-        args = [(self.lib_path, s, k, self.arch, str(self.include), str(self.cache), m) for m, k, s in todo]
+        try:
+            errors = self._compile(todo)
+        except Exception as e:  # nothing here may stop a run: MLX compiles what is not built
+            self._warn(todo[0][1], f"{type(e).__name__}: {e}")
+            return 0
+        for (m, k, _), error in zip(todo, errors):
+            if error is None:
+                self.done.add(m)
+                continue
+            stage, message = error
+            self.off = self.off or stage == "write"
+            self._warn(k, message)
+        return errors.count(None)
+
+    def _compile(self, todo) -> list:
+        args = [(self.lib_path, s, k, self.arch, str(self.include), str(self.cache), m, self.stamp) for m, k, s in todo]
         workers = min(len(todo), self.workers)
         if len(todo) >= ANNOUNCE_FROM:
             print(f"mlxinfer: compiling {len(todo)} CUDA kernel forms on {workers} processes into MLX's kernel cache "
                   f"({self.cache}; once per machine for this MLX and these kernels)", file=sys.stderr, flush=True)
         if workers == 1:
-            errors = [_compile_and_write(*a, lib=self.lib) for a in args]
-        else:
-            procs = [subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.DEVNULL) for _ in range(workers)]
-            for n, p in enumerate(procs):
-                p.stdin.write(json.dumps(args[n::workers]).encode())
-                p.stdin.close()
-            errors = [None] * len(args)
-            for n, p in enumerate(procs):
-                out = p.stdout.read()
+            return [_compile_and_write(*a, lib=self.lib) for a in args]
+        procs = []
+        try:
+            for n in range(workers):
+                procs.append(subprocess.Popen([sys.executable, "-I", __file__], stdin=subprocess.PIPE,
+                                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL))
+                procs[-1].stdin.write(json.dumps(args[n::workers]).encode())
+                procs[-1].stdin.close()
+        except OSError as e:  # a worker that cannot start (no processes left, no memory): none are built
+            for p in procs:
+                p.kill()
                 p.wait()
-                try:
-                    errors[n::workers] = json.loads(out)
-                except ValueError:
-                    errors[n::workers] = [f"a compile worker exited with {p.returncode}"] * len(args[n::workers])
-        for (m, k, _), error in zip(todo, errors):
-            if error is None:
-                self.done.add(m)
-            elif not self.warned:
-                self.warned = True
-                print(f"mlxinfer: warning: cannot prebuild the CUDA kernel {k} ({error}); MLX compiles it itself "
-                      "at first launch", file=sys.stderr)
-        return errors.count(None)
+            return [("start", f"a compile worker did not start: {e}")] * len(args)
+        errors = [None] * len(args)
+        for n, p in enumerate(procs):
+            out = p.stdout.read()
+            p.wait()
+            try:
+                errors[n::workers] = [e if e is None else tuple(e) for e in json.loads(out)]
+            except (ValueError, TypeError):
+                errors[n::workers] = [("worker", f"a compile worker exited with {p.returncode}")] * len(args[n::workers])
+        return errors
 
 
-def write_module(cache: Path, module: str, kernel: str, cubin: bytes, lowered: str) -> None:
+def default_workers() -> int:
+    """The cores this process may run on (its affinity, not the machine's), at most 32."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 32))
+
+
+def write_module(cache: Path, module: str, kernel: str, cubin: bytes, lowered: str, stamp: str) -> None:
     """A module as MLX's read_cached_ptx reads it: <module>.ptx (the cubin) and .txt (the kernel's name,
-    a tab, its lowered name), each written whole (a temporary file, then renamed), the .ptx last."""
+    a tab, its lowered name), each written whole (a temporary file, then renamed), the .ptx after the
+    .txt; then our stamp file (<module>.mlxinfer: `stamp`), which MLX does not read."""
     path = ptx_path(cache, module)
     path.parent.mkdir(parents=True, exist_ok=True)
-    for suffix, data in ((".txt", f"mlx::core::cu::{kernel}\t{lowered}\n".encode()), (".ptx", cubin)):
+    for suffix, data in ((".txt", f"mlx::core::cu::{kernel}\t{lowered}\n".encode()), (".ptx", cubin),
+                         (".mlxinfer", stamp.encode())):
         tmp = path.with_suffix(f"{suffix}.{os.getpid()}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, path.with_suffix(suffix))
@@ -316,23 +380,26 @@ def write_module(cache: Path, module: str, kernel: str, cubin: bytes, lowered: s
 _LIBS: dict = {}  # a worker's NVRTC, by path
 
 
-def _compile_and_write(lib_path, source, kernel, arch, include, cache, module, lib=None) -> str | None:
-    """One module compiled and written: None, or the error's line."""
+def _compile_and_write(lib_path, source, kernel, arch, include, cache, module, stamp, lib=None):
+    """One module compiled and written: None, or (stage, the error's line), stage "compile" or "write"."""
     try:
         if lib is None:
             if lib_path not in _LIBS:
                 _LIBS[lib_path] = load_nvrtc(lib_path)
             lib = _LIBS[lib_path]
         cubin, lowered = compile_cubin(lib, source, f"mlx::core::cu::{kernel}", arch, Path(include))
-        write_module(Path(cache), module, kernel, cubin, lowered)
-        return None
-    except (OSError, RuntimeError) as e:
-        return str(e) or type(e).__name__
+    except Exception as e:
+        return "compile", f"{type(e).__name__}: {e}"
+    try:
+        write_module(Path(cache), module, kernel, cubin, lowered, stamp)
+    except OSError as e:
+        return "write", f"{type(e).__name__}: {e}"
+    return None
 
 
 _BUILDER: Builder | None = None
 _BUILDER_READY = False
-_COLLECT: list | None = None  # the jobs of a `collecting()` block
+_STATE = threading.local()  # .jobs: the jobs of this thread's `collecting()` block (other threads launch)
 
 
 def builder() -> Builder | None:
@@ -359,20 +426,37 @@ def builder() -> Builder | None:
     if lib is None or include is None:
         return None
     arch = f"sm_{major}{minor}{'a' if major >= 9 else ''}"
-    _BUILDER = Builder(mx.__version__, arch, lib, include, ptx_cache_dir(mx.__version__))
+    cache = ptx_cache_dir(mx.__version__)
+    try:  # a cache MLX reads but we cannot write (another user's /tmp/mlx): every compile would be in vain
+        cache.mkdir(parents=True, exist_ok=True)
+        probe = cache / f".mlxinfer-write-check.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        print(f"mlxinfer: warning: cannot write MLX's kernel cache {cache} ({e.strerror}); MLX compiles our "
+              "CUDA kernels itself, one at a time (set MLX_PTX_CACHE_DIR to a writable directory)", file=sys.stderr)
+        return None
+    _BUILDER = Builder(mx.__version__, arch, lib, include, cache)
     return _BUILDER
+
+
+def identity() -> str:
+    """How our CUDA kernels get compiled here, for the self-check's key: the builder's stamp, or
+    "mlx" where MLX compiles them itself."""
+    b = builder()
+    return f"prebuilt {b.stamp}" if b else "mlx"
 
 
 @contextlib.contextmanager
 def collecting():
     """Within the block every prebuilt kernel's launch records its module and returns zeros: run the
     code whose kernels are to be built, then `build` the jobs yielded."""
-    global _COLLECT
-    outer, _COLLECT = _COLLECT, []
+    outer = getattr(_STATE, "jobs", None)
+    _STATE.jobs = jobs = []
     try:
-        yield _COLLECT
+        yield jobs
     finally:
-        _COLLECT = outer
+        _STATE.jobs = outer
 
 
 def build(jobs) -> int:
@@ -403,8 +487,9 @@ class Kernel:
         import mlx.core as mx
 
         template = list(template)
-        if _COLLECT is not None:
-            _COLLECT.append(self.job(inputs, template, output_dtypes))
+        jobs = getattr(_STATE, "jobs", None)
+        if jobs is not None:
+            jobs.append(self.job(inputs, template, output_dtypes))
             return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
         form = (tuple(template), tuple([(a.dtype, a.ndim > 0) for a in inputs]), tuple(output_dtypes))  # ~1 us
         if form not in self.seen:

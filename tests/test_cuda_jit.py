@@ -9,6 +9,7 @@ seen on a GPU only (docs/performance.md)."""
 
 import shutil
 import subprocess
+import threading
 
 import numpy as np
 import pytest
@@ -215,7 +216,7 @@ def test_a_models_check_builds_and_launches_its_own_shapes(monkeypatch):
         rec.asked.clear()
 
     monkeypatch.setattr(mlx_backend, "_prebuild", prebuild)
-    b.check_model([spec, spec])  # (zeros are not attention: the check fails, after launching every case)
+    b.check_model([spec, spec])  # (every kernel gives zeros, the reference's too: each case runs to its end)
     assert collected and set(rec.asked) <= set(collected)
     shape = cuda_jit.template_suffix([("H", 16), ("KV", 8), ("D", 128), ("CAUSAL", True), ("WINDOW", 0),
                                       ("SCALE_BITS", kernels._f32_bits(spec.scale)), ("SOFTCAP_BITS", 0),
@@ -226,3 +227,85 @@ def test_a_models_check_builds_and_launches_its_own_shapes(monkeypatch):
         kernel = f"custom_kernel_mlxinfer_{name}_cuda{shape}{cuda_jit.template_suffix(form)}_"
         assert any(m.startswith(kernel) for m in collected), kernel
     assert not any("_cuda_4_2_" in m for m in collected)
+
+
+def _fake_compile(calls):
+    def compile_cubin(lib, source, name, arch, include):
+        calls.append(name)
+        return b"\x7fELF" + source.encode()[:8], "_Z3low"
+    return compile_cubin
+
+
+def test_a_worker_that_cannot_start_costs_only_speed(tmp_path, monkeypatch, capsys):
+    """No process left to start a compile worker (EAGAIN): nothing is built, one warning line, no raise."""
+    def no_fork(*a, **k):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(cuda_jit.subprocess, "Popen", no_fork)
+    b = cuda_jit.Builder("0.32.4", "sm_90a", object(), tmp_path, tmp_path / "c", workers=2)
+    assert b.build([("m_1", "k1", "a"), ("m_2", "k2", "b")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did not start" in err[0]
+
+
+def test_an_unexpected_failure_in_process_costs_only_speed(tmp_path, monkeypatch):
+    """A form's first launch compiles in the caller's process: any exception there (here what a failed
+    lowered-name lookup would raise) is one warning, never out of the user's forward pass."""
+    def bad(lib, source, name, arch, include):
+        return None.decode()
+
+    monkeypatch.setattr(cuda_jit, "compile_cubin", bad)
+    b = cuda_jit.Builder("0.32.4", "sm_90a", object(), tmp_path, tmp_path / "c", workers=1)
+    assert b.build([("m_1", "k1", "a")]) == 0
+
+
+def test_an_unwritable_cache_stops_the_compiles(tmp_path, monkeypatch):
+    """Once a module cannot be written, nothing more is compiled in vain in this process (MLX compiles)."""
+    calls = []
+    monkeypatch.setattr(cuda_jit, "compile_cubin", _fake_compile(calls))
+
+    def read_only(*a):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cuda_jit, "write_module", read_only)
+    b = cuda_jit.Builder("0.32.4", "sm_90a", object(), tmp_path, tmp_path / "c", workers=1)
+    for n in range(5):
+        b.build([(f"m_{n}", f"k{n}", f"src {n}")])
+    assert len(calls) == 1
+
+
+def test_a_changed_stub_rebuilds_the_modules(tmp_path, monkeypatch):
+    """A module on disk from another stand-in header (or NVRTC, options, architecture: its stamp file)
+    is compiled again, not loaded; the same stamp is not."""
+    calls = []
+    monkeypatch.setattr(cuda_jit, "compile_cubin", _fake_compile(calls))
+    new = lambda: cuda_jit.Builder("0.32.4", "sm_90a", object(), tmp_path, tmp_path / "c", workers=1)  # noqa: E731
+    new().build([("m_1", "k1", "s")])
+    new().build([("m_1", "k1", "s")])
+    assert len(calls) == 1
+    monkeypatch.setattr(cuda_jit, "UTILS_STUB", cuda_jit.UTILS_STUB + "// fixed\n")
+    new().build([("m_1", "k1", "s")])
+    assert len(calls) == 2
+    assert cuda_jit.Builder("0.32.4", "sm_100a", object(), tmp_path, tmp_path / "c", workers=1).build(
+        [("m_1", "k1", "s")]) == 1
+
+
+def test_collecting_is_this_threads_only(monkeypatch):
+    """While one thread collects (a second engine's check), another thread's launches run for real."""
+    monkeypatch.setattr(cuda_jit, "builder", lambda: None)
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: (
+        lambda **launch: [mx.ones(s, d) for s, d in zip(launch["output_shapes"], launch["output_dtypes"])]))
+    k = cuda_jit.Kernel("k", ["x"], ["out"], "out[0] = x[0];", "")
+    launch = dict(inputs=[mx.zeros((4,))], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(4,)],
+                  output_dtypes=[mx.float32])
+    got = []
+    with cuda_jit.collecting() as jobs:
+        def serve():
+            with mx.stream(mx.new_stream(mx.cpu)):
+                got.append(mx.array_equal(k(**launch)[0], mx.ones((4,))).item())
+
+        t = threading.Thread(target=serve)
+        t.start()
+        t.join()
+        assert not mx.array_equal(k(**launch)[0], mx.ones((4,))).item()  # this thread collects
+    assert got == [True] and len(jobs) == 1

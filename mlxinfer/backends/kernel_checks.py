@@ -23,6 +23,7 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
+from .. import cuda_jit
 from ..model_source import cache_dir
 
 _ROOT = Path(__file__).resolve().parent.parent  # the mlxinfer package
@@ -58,7 +59,8 @@ def device_name(kind: str) -> str:
 def key(kind: str, dtype: str, kv_dtype: str) -> str:
     import mlx.core as mx
 
-    return f"{sources_digest()} mlx {mx.__version__} {kind} {device_name(kind)!r} {dtype} {kv_dtype}"
+    built = f" {cuda_jit.identity()}" if kind.startswith("cuda") else ""  # who compiled the kernels, and how
+    return f"{sources_digest()} mlx {mx.__version__} {kind} {device_name(kind)!r} {dtype} {kv_dtype}{built}"
 
 
 def _file() -> Path:
