@@ -15,7 +15,7 @@ LAYERS = [
     ["errors"],
     ["gguf_file", "quants", "tokenizer", "chat", "model_source"],
     ["backend", "batch", "kv_cache", "block_manager", "prompt_cache", "sampling", "grammar", "metrics", "collectives"],
-    ["kernels", "block_kernels", "backends", "backends.cpu", "backends.mlx"],
+    ["kernels", "block_kernels", "cuda_jit", "backends", "backends.cpu", "backends.mlx"],
     ["models", "models.spec", "models.shard", "models.layers", "models.llama", "models.qwen3"],
     ["decode_step", "loop", "engine"],
     ["scheduler", "server", "cli", "launch", "benchmark", "perplexity", "peers", "inspect", "tracing", "testing", "synthetic",
