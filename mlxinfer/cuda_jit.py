@@ -269,8 +269,8 @@ def compile_cubin(lib, source: str, name_expr: str, arch: str, include: Path) ->
 class Builder:
     """Writes kernels into MLX's cache: `job` names a launch's module, `build` compiles what is missing."""
 
-    def __init__(self, version: str, arch: str, lib, include: Path, cache: Path, workers: int | None = None):
-        self.version, self.arch, self.lib, self.include, self.cache = version, arch, lib, include, cache
+    def __init__(self, arch: str, lib, include: Path, cache: Path, workers: int | None = None):
+        self.arch, self.lib, self.include, self.cache = arch, lib, include, cache
         self.lib_path = getattr(lib, "_name", None)
         self.workers = workers or default_workers()
         self.stamp = stamp(lib, arch, include)
@@ -436,7 +436,7 @@ def builder() -> Builder | None:
         print(f"mlxinfer: warning: cannot write MLX's kernel cache {cache} ({e.strerror}); MLX compiles our "
               "CUDA kernels itself, one at a time (set MLX_PTX_CACHE_DIR to a writable directory)", file=sys.stderr)
         return None
-    _BUILDER = Builder(mx.__version__, arch, lib, include, cache)
+    _BUILDER = Builder(arch, lib, include, cache)
     return _BUILDER
 
 

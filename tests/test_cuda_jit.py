@@ -94,14 +94,14 @@ def test_modules_are_written_where_mlx_reads_them(tmp_path, monkeypatch, capsys)
         return b"\x7fELF" + source.encode()[:8], "_Z3low"
 
     monkeypatch.setattr(cuda_jit, "compile_cubin", fake_compile)
-    b = cuda_jit.Builder("0.32.4", "sm_90a", object(), tmp_path, tmp_path / "c", workers=1)
+    b = cuda_jit.Builder("sm_90a", object(), tmp_path, tmp_path / "c", workers=1)
     long = "custom_kernel_" + "x" * 300 + "_1f"
     assert b.build([("m_1", "k1", "src one"), (long, "k2", "src two")]) == 2
     assert (tmp_path / "c" / "m_1.ptx").read_bytes() == b"\x7fELFsrc one"
     assert (tmp_path / "c" / "m_1.txt").read_text() == "mlx::core::cu::k1\t_Z3low\n"
     assert (tmp_path / "c" / long[:245] / (long[245:] + ".ptx")).exists()
     assert b.build([("m_1", "k1", "src one")]) == 0 and len(compiled) == 2
-    assert cuda_jit.Builder("0.32.4", "sm_90a", object(), tmp_path, tmp_path / "c").build([("m_1", "k1", "x")]) == 0
+    assert cuda_jit.Builder("sm_90a", object(), tmp_path, tmp_path / "c").build([("m_1", "k1", "x")]) == 0
     assert b.build([("m_2", "k3", "broken"), ("m_3", "k4", "broken")]) == 0
     assert not (tmp_path / "c" / "m_2.ptx").exists() and not (tmp_path / "c" / "m_2.txt").exists()
     err = capsys.readouterr().err.strip().splitlines()
@@ -122,7 +122,7 @@ def test_nvrtc_compiles_the_sources_for_an_h200(tmp_path):
                     [mx.zeros((2, 512), mx.float16), w, mx.zeros((40, 16), mx.uint16), mx.zeros((40, 16), mx.uint16),
                      mx.zeros((2,), mx.int32)], [("T", mx.float16), ("M", 2), ("BITS", 4), ("SCALES", 1), ("ZERO", 0)],
                     [mx.float16])]
-    assert cuda_jit.Builder("0.32.4", "sm_90a", lib, include, tmp_path, workers=2).build(launches) == 2
+    assert cuda_jit.Builder("sm_90a", lib, include, tmp_path, workers=2).build(launches) == 2
     for module, kernel, _ in launches:
         name, lowered = (tmp_path / f"{module}.txt").read_text().rstrip("\n").split("\t")
         assert (tmp_path / f"{module}.ptx").read_bytes()[:4] == b"\x7fELF"
@@ -242,7 +242,7 @@ def test_a_worker_that_cannot_start_costs_only_speed(tmp_path, monkeypatch, caps
         raise BlockingIOError(11, "Resource temporarily unavailable")
 
     monkeypatch.setattr(cuda_jit.subprocess, "Popen", no_fork)
-    b = cuda_jit.Builder("0.32.4", "sm_90a", object(), tmp_path, tmp_path / "c", workers=2)
+    b = cuda_jit.Builder("sm_90a", object(), tmp_path, tmp_path / "c", workers=2)
     assert b.build([("m_1", "k1", "a"), ("m_2", "k2", "b")]) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "did not start" in err[0]
@@ -255,7 +255,7 @@ def test_an_unexpected_failure_in_process_costs_only_speed(tmp_path, monkeypatch
         return None.decode()
 
     monkeypatch.setattr(cuda_jit, "compile_cubin", bad)
-    b = cuda_jit.Builder("0.32.4", "sm_90a", object(), tmp_path, tmp_path / "c", workers=1)
+    b = cuda_jit.Builder("sm_90a", object(), tmp_path, tmp_path / "c", workers=1)
     assert b.build([("m_1", "k1", "a")]) == 0
 
 
@@ -268,7 +268,7 @@ def test_an_unwritable_cache_stops_the_compiles(tmp_path, monkeypatch):
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(cuda_jit, "write_module", read_only)
-    b = cuda_jit.Builder("0.32.4", "sm_90a", object(), tmp_path, tmp_path / "c", workers=1)
+    b = cuda_jit.Builder("sm_90a", object(), tmp_path, tmp_path / "c", workers=1)
     for n in range(5):
         b.build([(f"m_{n}", f"k{n}", f"src {n}")])
     assert len(calls) == 1
@@ -279,14 +279,14 @@ def test_a_changed_stub_rebuilds_the_modules(tmp_path, monkeypatch):
     is compiled again, not loaded; the same stamp is not."""
     calls = []
     monkeypatch.setattr(cuda_jit, "compile_cubin", _fake_compile(calls))
-    new = lambda: cuda_jit.Builder("0.32.4", "sm_90a", object(), tmp_path, tmp_path / "c", workers=1)  # noqa: E731
+    new = lambda: cuda_jit.Builder("sm_90a", object(), tmp_path, tmp_path / "c", workers=1)  # noqa: E731
     new().build([("m_1", "k1", "s")])
     new().build([("m_1", "k1", "s")])
     assert len(calls) == 1
     monkeypatch.setattr(cuda_jit, "UTILS_STUB", cuda_jit.UTILS_STUB + "// fixed\n")
     new().build([("m_1", "k1", "s")])
     assert len(calls) == 2
-    assert cuda_jit.Builder("0.32.4", "sm_100a", object(), tmp_path, tmp_path / "c", workers=1).build(
+    assert cuda_jit.Builder("sm_100a", object(), tmp_path, tmp_path / "c", workers=1).build(
         [("m_1", "k1", "s")]) == 1
 
 

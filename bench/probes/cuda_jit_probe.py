@@ -39,7 +39,7 @@ def mlx_printed_source(k: cuda_jit.Kernel, launch: dict) -> str:
 
 def main():
     b = cuda_jit.builder()
-    print("builder:", None if b is None else (b.version, b.arch, b.lib._name, str(b.include), str(b.cache)))
+    print("builder:", None if b is None else (mx.__version__, b.arch, b.lib._name, str(b.include), str(b.cache)))
     q, keys, i32 = mx.zeros((3, 512), mx.bfloat16), mx.zeros((2, 70, 256), mx.bfloat16), mx.zeros((3,), mx.int32)
     template = [("H", 4), ("KV", 2), ("D", 128), ("CAUSAL", True), ("WINDOW", 0), ("SCALE_BITS", 7),
                 ("SOFTCAP_BITS", 0), ("SOFTCAP_INV_BITS", 0), ("QT", mx.bfloat16), ("KVT", mx.bfloat16)]

@@ -258,11 +258,12 @@ def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
         return f"{_one_line(e)} (the matmul and softmax kernels)"
     if problem:
         return problem
-    for case in cases:
-        problem = _check_case(backend, case)
-        if problem:
-            return problem
-    return None
+    return _first_problem(backend, cases)
+
+
+def _first_problem(backend: "MLXBackend", cases) -> str | None:
+    """The first of the cases' failures (`_check_case`), or None."""
+    return next(filter(None, (_check_case(backend, case) for case in cases)), None)
 
 
 def _prebuild(backend: "MLXBackend", parts) -> None:
@@ -437,7 +438,7 @@ class MLXBackend(Backend):
 
             def run(cases=cases):
                 _prebuild(self, [lambda c=c: _check_case(self, c) for c in cases])
-                return next((p for p in map(lambda c: _check_case(self, c), cases) if p), None)
+                return _first_problem(self, cases)
 
             shape = (f"{self.kernel} model {spec.n_heads}x{spec.n_kv_heads}x{spec.head_dim} scale {spec.scale!r} "
                      f"window {spec.window} softcap {spec.softcap} causal {spec.causal}")
