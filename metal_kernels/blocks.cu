@@ -8,9 +8,19 @@
 //   fixed sequence; each product x*w is rounded, then added
 //   to the lane's partial sum (__fmul_rn / __fadd_rn: no contraction into fma); then the butterfly
 //   s += shfl_xor(s, off) for off = 16, 8, 4, 2, 1. block_kernels.emulate follows it in numpy.
+//
+// How the work is laid out does not change that order. A block's 8 warps first copy x, MLXI_TILE columns
+// at a time, into shared memory (coalesced; padded so that the lanes' reads of their own units do not
+// collide in its banks), and read it from there: read straight from memory, each lane's four values
+// of x sit 128 bytes from its neighbours', 32 cache lines a warp's load, and that load, not the weight,
+// bounded the product (one row a warp: ~30 ms a token on a Qwen3-8B-shaped Q4_K_M, H200). And a warp
+// takes R = dims[2] consecutive output rows (1..MLXI_MAX_R, `block_kernels.rows_per_warp`), each with
+// its own partial sums, so that each value of x a lane reads serves R rows.
 //@@HEADER
 #define MLXI_THREADS 256
 #define MLXI_WARPS 8
+#define MLXI_MAX_R 4
+#define MLXI_TILE 1024
 
 // An IEEE half's bits as float, exactly (every half is a float).
 __device__ __forceinline__ float mlxi_half_bits(unsigned int h) {
@@ -38,65 +48,156 @@ __device__ __forceinline__ unsigned int mlxi_code(const unsigned int* words, int
   return v & ((1u << BITS) - 1u);
 }
 
-// One affine group of 32 values (w_t = scale * q_t + bias, each step rounded) into the row sums acc:
-// t = 0..31 in order, x's columns col..col + 31.
-template <int BITS, int M, typename X>
-__device__ __forceinline__ void mlxi_affine_group(const X* x, long K, long col, const unsigned int* w_row, long g,
-                                                  float scale, float bias, float* acc) {
-  unsigned int words[BITS];
+// Whether four consecutive values of x starting at x's base can be one vector load (x's rows and every
+// offset the kernels load from are multiples of four values, so the base decides).
+template <typename X>
+__device__ __forceinline__ bool mlxi_aligned4(const X* x) {
+  return (reinterpret_cast<unsigned long long>(x) & (4 * sizeof(X) - 1)) == 0;
+}
+
+// Four consecutive values of x as float (each conversion exact): one 16-byte (float) or 8-byte (16-bit
+// types) load where `vec`, else four.
+template <typename X>
+__device__ __forceinline__ void mlxi_load4(const X* p, bool vec, float* v) {
+  if (vec && sizeof(X) == 4) {
+    const float4 f = *reinterpret_cast<const float4*>(p);
+    v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+  } else if (vec) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const X* h = reinterpret_cast<const X*>(&u);
 #pragma unroll
-  for (int i = 0; i < BITS; ++i) words[i] = w_row[g * BITS + i];
+    for (int i = 0; i < 4; ++i) v[i] = (float)h[i];
+  } else {
 #pragma unroll
-  for (int t = 0; t < 32; ++t) {
-    const float w = __fadd_rn(__fmul_rn(scale, (float)mlxi_code<BITS>(words, t)), bias);
+    for (int i = 0; i < 4; ++i) v[i] = (float)p[i];
+  }
+}
+
+// Where column c of a tile of x sits in shared memory: four floats of padding after every PAD columns.
+template <int PAD>
+__device__ __forceinline__ int mlxi_xs_at(int c) {
+  return c + 4 * (c / PAD);
+}
+
+// Columns col0 .. col0 + cols - 1 of x's M rows, as float, into shared memory xs (row stride STRIDE, column c
+// at mlxi_xs_at<PAD>(c)), four at a time by the block's threads in turn. cols is a multiple of 32.
+template <int PAD, int M, int STRIDE, typename X>
+__device__ __forceinline__ void mlxi_stage_x(const X* x, long K, long col0, int cols, bool vec, float* xs) {
+  const int quads = cols / 4;
+  for (int i = threadIdx.x; i < M * quads; i += MLXI_THREADS) {
+    const int m = i / quads, c = 4 * (i - m * quads);
+    float v[4];
+    mlxi_load4(x + (long)m * K + col0 + c, vec, v);
+    *reinterpret_cast<float4*>(xs + m * STRIDE + mlxi_xs_at<PAD>(c)) = make_float4(v[0], v[1], v[2], v[3]);
+  }
+}
+
+// A group's BITS words of codes: 16-byte loads where BITS is a multiple of 4 and p is so aligned.
+template <int BITS>
+__device__ __forceinline__ void mlxi_words(const unsigned int* p, unsigned int* words) {
+  if (BITS % 4 == 0 && (reinterpret_cast<unsigned long long>(p) & 15) == 0) {
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = __fadd_rn(acc[m], __fmul_rn((float)x[(long)m * K + col + t], w));
+    for (int i = 0; i < BITS / 4; ++i) {
+      const uint4 v = *reinterpret_cast<const uint4*>(p + 4 * i);
+      words[4 * i] = v.x; words[4 * i + 1] = v.y; words[4 * i + 2] = v.z; words[4 * i + 3] = v.w;
+    }
+#pragma unroll
+    for (int i = 4 * (BITS / 4); i < BITS; ++i) words[i] = p[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < BITS; ++i) words[i] = p[i];
   }
 }
 //@@BODY q6_k_matvec
 // x [M, K] (T: float, __half or __nv_bfloat16); the Q6_K fields of w [N, K] as quants.split keeps them,
 // per row and block of 256 values: ql [N, K/256, 128] uint8, qh [N, K/256, 64] uint8, scales
-// [N, K/256, 16] int8, d [N, K/256] the fp16 scale's bits (uint16); dims = [N, K]; out [M, N] (T).
+// [N, K/256, 16] int8, d [N, K/256] the fp16 scale's bits (uint16); dims = [N, K, R]; out [M, N] (T).
 // Value i of a block (gguf-py's order): h = i / 128, r = i % 128; low four bits from
 // ql[64h + r % 64] >> (4 * (r / 64)), high two from qh[32h + r % 32] >> (2 * (r / 32)); q = low | high << 4;
 // w = (d * scales[i / 16]) * (q - 32).
 // Work units: u = 8b + p, part p = 4h + c of block b holds r = 8c + t + 32j (t, j: 0..7, 0..3): eight
 // consecutive bytes of ql at 64h + 8c and at 64h + 32 + 8c, eight of qh at 32h + 8c, one scale per j.
 // Lane l takes the units u = l, l + 32, ... and in each adds j = 0..3, t = 0..7 in that order: the units
-// of a row are loaded in parallel by the lanes (a row of 1,024 values is one unit a lane).
-const int N = dims[0], K = dims[1];
-const int units = K / 32;
+// of a row are loaded in parallel by the lanes (a row of 1,024 values is one unit a lane). A tile of x
+// (MLXI_TILE columns: four blocks) holds the 32 units the lanes take next, one a lane.
+constexpr int STRIDE = MLXI_TILE + 4 * (MLXI_TILE / 128);
+__shared__ float xs[M * STRIDE];
+const int N = dims[0], K = dims[1], R = dims[2];
+const long warp0 = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS;
+if (warp0 * R >= N) return;  // (the whole block: no warp of it has a row)
 const int lane = threadIdx.x & 31;
-const long n = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS + (threadIdx.x >> 5);
-if (n >= N) return;
-float acc[M];
-for (int m = 0; m < M; ++m) acc[m] = 0.0f;
-for (int u = lane; u < units; u += 32) {
+const long n0 = (warp0 + (threadIdx.x >> 5)) * R;
+const int rows = n0 >= N ? 0 : (N - n0 < R ? (int)(N - n0) : R);  // 0: the warp only helps stage x
+const bool vec = mlxi_aligned4(x);
+float acc[MLXI_MAX_R][M];
+#pragma unroll
+for (int r = 0; r < MLXI_MAX_R; ++r)
+#pragma unroll
+  for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
+  const int cols = K - col0 < MLXI_TILE ? (int)(K - col0) : MLXI_TILE;
+  __syncthreads();
+  mlxi_stage_x<128, M, STRIDE>(x, K, col0, cols, vec, xs);
+  __syncthreads();
+  if (rows == 0 || 32 * lane >= cols) continue;
+  const int u = (int)(col0 / 32) + lane;
   const int b = u >> 3, h = (u >> 2) & 1, c = u & 3;
-  const long blk = n * (K / 256) + b;
-  const float d = mlxi_half_bits(d_bits[blk]);
-  const uint2 lo0 = *reinterpret_cast<const uint2*>(ql + blk * 128 + 64 * h + 8 * c);
-  const uint2 lo1 = *reinterpret_cast<const uint2*>(ql + blk * 128 + 64 * h + 32 + 8 * c);
-  const uint2 hb = *reinterpret_cast<const uint2*>(qh + blk * 64 + 32 * h + 8 * c);
-  const int8_t* sc = scales + blk * 16 + 8 * h + (c >> 1);
-  const long col = (long)b * 256 + 128 * h + 8 * c;
+  const int tc = 256 * (lane >> 3) + 128 * h + 8 * c;  // the unit's first column in the tile
+  float d[MLXI_MAX_R];
+  uint2 lo0[MLXI_MAX_R], lo1[MLXI_MAX_R], hb[MLXI_MAX_R];
+  const int8_t* sc[MLXI_MAX_R];
+#pragma unroll
+  for (int r = 0; r < MLXI_MAX_R; ++r) {
+    if (r < rows) {
+      const long blk = (n0 + r) * (K / 256) + b;
+      d[r] = mlxi_half_bits(d_bits[blk]);
+      lo0[r] = *reinterpret_cast<const uint2*>(ql + blk * 128 + 64 * h + 8 * c);
+      lo1[r] = *reinterpret_cast<const uint2*>(ql + blk * 128 + 64 * h + 32 + 8 * c);
+      hb[r] = *reinterpret_cast<const uint2*>(qh + blk * 64 + 32 * h + 8 * c);
+      sc[r] = scales + blk * 16 + 8 * h + (c >> 1);
+    }
+  }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const float dl = __fmul_rn(d, (float)sc[2 * j]);
-    const uint2 lo = (j & 1) ? lo1 : lo0;
+    float dl[MLXI_MAX_R];
 #pragma unroll
-    for (int t = 0; t < 8; ++t) {
-      const unsigned int lb = ((t < 4 ? lo.x : lo.y) >> (8 * (t & 3))) & 0xffu;
-      const unsigned int hbyte = ((t < 4 ? hb.x : hb.y) >> (8 * (t & 3))) & 0xffu;
-      const unsigned int q = ((lb >> (4 * (j >> 1))) & 0xfu) | (((hbyte >> (2 * j)) & 3u) << 4);
-      const float w = __fmul_rn(dl, (float)((int)q - 32));
-      for (int m = 0; m < M; ++m) acc[m] = __fadd_rn(acc[m], __fmul_rn((float)x[(long)m * K + col + 32 * j + t], w));
+    for (int r = 0; r < MLXI_MAX_R; ++r)
+      if (r < rows) dl[r] = __fmul_rn(d[r], (float)sc[r][2 * j]);
+#pragma unroll
+    for (int hv = 0; hv < 2; ++hv) {
+      float xv[M][4];
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const float4 f = *reinterpret_cast<const float4*>(xs + m * STRIDE + mlxi_xs_at<128>(tc + 32 * j + 4 * hv));
+        xv[m][0] = f.x; xv[m][1] = f.y; xv[m][2] = f.z; xv[m][3] = f.w;
+      }
+#pragma unroll
+      for (int r = 0; r < MLXI_MAX_R; ++r) {
+        if (r < rows) {
+          const uint2 lo = (j & 1) ? lo1[r] : lo0[r];
+          const unsigned int lw = hv ? lo.y : lo.x, hw = hv ? hb[r].y : hb[r].x;
+#pragma unroll
+          for (int tt = 0; tt < 4; ++tt) {
+            const unsigned int lb = (lw >> (8 * tt)) & 0xffu, hbyte = (hw >> (8 * tt)) & 0xffu;
+            const unsigned int q = ((lb >> (4 * (j >> 1))) & 0xfu) | (((hbyte >> (2 * j)) & 3u) << 4);
+            const float w = __fmul_rn(dl[r], (float)((int)q - 32));
+#pragma unroll
+            for (int m = 0; m < M; ++m) acc[r][m] = __fadd_rn(acc[r][m], __fmul_rn(xv[m][tt], w));
+          }
+        }
+      }
     }
   }
 }
-for (int m = 0; m < M; ++m) {
-  const float s = mlxi_warp_total(acc[m]);
-  if (lane == 0) out[(long)m * N + n] = (T)s;
+#pragma unroll
+for (int r = 0; r < MLXI_MAX_R; ++r) {
+  if (r < rows) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float s = mlxi_warp_total(acc[r][m]);
+      if (lane == 0) out[(long)m * N + n0 + r] = (T)s;
+    }
+  }
 }
 //@@BODY affine_matvec
 // The affine types as the MLX backend keeps them (quants.split): w [N, K BITS / 32] uint32 (MLX's packing),
@@ -104,31 +205,79 @@ for (int m = 0; m < M; ++m) {
 // bias -(d * ZERO) (ZERO 128, 8, 16: exact), s1 unused; 1 (Q4_1, Q5_1) s0 d and s1 m [N, K / 32] (fp16 bits),
 // scale d, bias m; 2 (Q4_K, Q5_K) s0 [N, K / 256, 2] the fp16 d and dmin's bits, s1 [N, K / 256, 2, 8]
 // uint8 sub-scales then mins, group g = 8b + j: scale d sc_j, bias -(dmin m_j) (quants: exact).
-// dims = [N, K]; out [M, N]. Lane l takes groups l, l + 32, ..., each t = 0..31 (mlxi_affine_group).
-const int N = dims[0], K = dims[1];
+// dims = [N, K, R]; out [M, N]. Lane l takes groups l, l + 32, ..., each t = 0..31: code t of the group
+// (MLX's packing: bits [BITS t, BITS (t + 1)) of the group's BITS words), w = scale * code + bias (each
+// step rounded), then the product with x and the sum. A tile of x (MLXI_TILE columns) holds the 32
+// groups the lanes take next, one a lane.
+constexpr int STRIDE = MLXI_TILE + 4 * (MLXI_TILE / 32);
+__shared__ float xs[M * STRIDE];
+const int N = dims[0], K = dims[1], R = dims[2];
+const long warp0 = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS;
+if (warp0 * R >= N) return;  // (the whole block: no warp of it has a row)
 const int lane = threadIdx.x & 31;
-const long n = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS + (threadIdx.x >> 5);
-if (n >= N) return;
-float acc[M];
-for (int m = 0; m < M; ++m) acc[m] = 0.0f;
-const unsigned int* w_row = w + n * (K / 32) * BITS;
-for (long g = lane; g < K / 32; g += 32) {
-  const long at = n * (K / 32) + g, blk = n * (K / 256) + (g >> 3);
-  float scale, bias;
-  if (SCALES == 2) {
-    const int j = g & 7;
-    scale = __fmul_rn(mlxi_half_bits(s0[2 * blk]), (float)s1[16 * blk + j]);
-    bias = -__fmul_rn(mlxi_half_bits(s0[2 * blk + 1]), (float)s1[16 * blk + 8 + j]);
-  } else if (SCALES == 1) {
-    scale = mlxi_half_bits(s0[at]);
-    bias = mlxi_half_bits(s1[at]);
-  } else {
-    scale = mlxi_half_bits(s0[at]);
-    bias = -__fmul_rn(scale, (float)ZERO);
+const long n0 = (warp0 + (threadIdx.x >> 5)) * R;
+const int rows = n0 >= N ? 0 : (N - n0 < R ? (int)(N - n0) : R);  // 0: the warp only helps stage x
+const bool vec = mlxi_aligned4(x);
+float acc[MLXI_MAX_R][M];
+#pragma unroll
+for (int r = 0; r < MLXI_MAX_R; ++r)
+#pragma unroll
+  for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
+  const int cols = K - col0 < MLXI_TILE ? (int)(K - col0) : MLXI_TILE;
+  __syncthreads();
+  mlxi_stage_x<32, M, STRIDE>(x, K, col0, cols, vec, xs);
+  __syncthreads();
+  if (rows == 0 || 32 * lane >= cols) continue;
+  const long g = col0 / 32 + lane;
+  unsigned int words[MLXI_MAX_R][BITS];
+  float scale[MLXI_MAX_R], bias[MLXI_MAX_R];
+#pragma unroll
+  for (int r = 0; r < MLXI_MAX_R; ++r) {
+    if (r < rows) {
+      const long n = n0 + r, at = n * (K / 32) + g, blk = n * (K / 256) + (g >> 3);
+      if (SCALES == 2) {
+        const int j = g & 7;
+        scale[r] = __fmul_rn(mlxi_half_bits(s0[2 * blk]), (float)s1[16 * blk + j]);
+        bias[r] = -__fmul_rn(mlxi_half_bits(s0[2 * blk + 1]), (float)s1[16 * blk + 8 + j]);
+      } else if (SCALES == 1) {
+        scale[r] = mlxi_half_bits(s0[at]);
+        bias[r] = mlxi_half_bits(s1[at]);
+      } else {
+        scale[r] = mlxi_half_bits(s0[at]);
+        bias[r] = -__fmul_rn(scale[r], (float)ZERO);
+      }
+      mlxi_words<BITS>(w + at * BITS, words[r]);
+    }
   }
-  mlxi_affine_group<BITS, M>(x, K, g * 32, w_row, g, scale, bias, acc);
+#pragma unroll
+  for (int t0 = 0; t0 < 32; t0 += 4) {
+    float xv[M][4];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float4 f = *reinterpret_cast<const float4*>(xs + m * STRIDE + mlxi_xs_at<32>(32 * lane + t0));
+      xv[m][0] = f.x; xv[m][1] = f.y; xv[m][2] = f.z; xv[m][3] = f.w;
+    }
+#pragma unroll
+    for (int r = 0; r < MLXI_MAX_R; ++r) {
+      if (r < rows) {
+#pragma unroll
+        for (int tt = 0; tt < 4; ++tt) {
+          const float wv = __fadd_rn(__fmul_rn(scale[r], (float)mlxi_code<BITS>(words[r], t0 + tt)), bias[r]);
+#pragma unroll
+          for (int m = 0; m < M; ++m) acc[r][m] = __fadd_rn(acc[r][m], __fmul_rn(xv[m][tt], wv));
+        }
+      }
+    }
+  }
 }
-for (int m = 0; m < M; ++m) {
-  const float s = mlxi_warp_total(acc[m]);
-  if (lane == 0) out[(long)m * N + n] = (T)s;
+#pragma unroll
+for (int r = 0; r < MLXI_MAX_R; ++r) {
+  if (r < rows) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float s = mlxi_warp_total(acc[r][m]);
+      if (lane == 0) out[(long)m * N + n0 + r] = (T)s;
+    }
+  }
 }

@@ -1,6 +1,7 @@
 // Products straight from a GGUF block type's fields for MLX's Metal backend (mx.fast.metal_kernel): the
 // twin of blocks.cu, in the same order (one simdgroup per output row, lane l's work units and values in
-// the same sequence, each product rounded then added, the butterfly 16, 8, 4, 2, 1).
+// the same sequence, each product rounded then added, the butterfly 16, 8, 4, 2, 1). A simdgroup takes one
+// output row (dims[2] is 1: `block_kernels.rows_per_warp`); blocks.cu's warps may take several.
 //
 // UNVERIFIED ON HARDWARE, as attention.metal: parsed with clang against a stand-in for Metal's headers
 // (tests/test_block_kernels.py); on a Mac the MLX backend checks these products on the device against
@@ -45,7 +46,7 @@ inline void mlxi_affine_group(XP x, long K, long col, WP w_row, long g, float sc
   }
 }
 //@@BODY q6_k_matvec
-// As in blocks.cu: x [M, K], ql, qh, scales, d_bits (Q6_K fields), dims = [N, K], out [M, N]; work units
+// As in blocks.cu: x [M, K], ql, qh, scales, d_bits (Q6_K fields), dims = [N, K, 1], out [M, N]; work units
 // of 32 values (u = 8b + 4h + c: r = 8c + t + 32j), lane l taking units l, l + 32, ..., each in the order
 // j = 0..3, t = 0..7.
 const int N = dims[0], K = dims[1];

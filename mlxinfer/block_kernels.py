@@ -41,7 +41,8 @@ KERNELS = {
 INPUTS = {"q6_k_matvec": ["x", "ql", "qh", "scales", "d_bits", "dims"],
           "affine_matvec": ["x", "w", "s0", "s1", "dims"]}
 MAX_ROWS = 8  # rows of x a launch takes (each lane keeps one partial sum per row in registers)
-WARPS = 8  # output rows per block of 256 threads
+WARPS = 8  # warps per block of 256 threads
+MAX_ROWS_PER_WARP = 4  # blocks.cu's MLXI_MAX_R: output rows a warp may take
 
 
 def applies(w, x) -> bool:
@@ -51,6 +52,19 @@ def applies(w, x) -> bool:
     if w.qtype not in KERNELS or getattr(w, "float_scales", False) or x.ndim != 2 or x.shape[0] > MAX_ROWS:
         return False
     return w.shape[1] % (256 if w.qtype in (Q.Q6_K, Q.Q4_K, Q.Q5_K) else 32) == 0
+
+
+def rows_per_warp(kind: str, n: int) -> int:
+    """Output rows a CUDA warp takes (blocks.cu: each x value a lane loads serves that many rows) for an
+    [N, K] weight: as many as still leave two blocks of 8 warps per H200 multiprocessor (132), so that a
+    narrow product keeps the GPU busy. The Metal twin takes one row a simdgroup. The order, and so the
+    bits, are the same for every choice (tests/test_block_kernels.py)."""
+    if kind != "cuda":
+        return 1
+    for r in (4, 2):
+        if n >= r * WARPS * 2 * 132:
+            return r
+    return 1
 
 
 def kernel_source(kind: str) -> tuple[str, dict[str, str]]:
@@ -72,12 +86,16 @@ def _kernel(kind: str, name: str):
                                 source=bodies[name], header=header, ensure_row_contiguous=True)
 
 
-def product(kind: str, x, w):
-    """x @ w.T [M, N] in x's dtype, by the kernel of w's type on `kind` ("cuda" or "metal")."""
+def product(kind: str, x, w, per_warp: int | None = None):
+    """x @ w.T [M, N] in x's dtype, by the kernel of w's type on `kind` ("cuda" or "metal"), each warp
+    taking `per_warp` output rows (default `rows_per_warp`; CUDA only, 1..MAX_ROWS_PER_WARP)."""
     import mlx.core as mx
 
     rows, k = x.shape
     n = w.shape[0]
+    per_warp = rows_per_warp(kind, n) if per_warp is None else per_warp
+    if not 1 <= per_warp <= (MAX_ROWS_PER_WARP if kind == "cuda" else 1):
+        raise ValueError(f"{per_warp} output rows a warp: the {kind} block kernels take 1..{rows_per_warp(kind, 1 << 30)}")
     name, consts = KERNELS[w.qtype]
     half = lambda a: mx.view(a, mx.uint16)  # noqa: E731 (fp16 fields as their bits: read exactly in the kernel)
     if name == "q6_k_matvec":
@@ -89,10 +107,11 @@ def product(kind: str, x, w):
     else:  # (d,) or (d, m); s1 unused without m
         d, *rest = w.parts
         fields = [w.w, half(d), half(rest[0] if rest else d)]
-    blocks = -(-n // WARPS)
+    warps = -(-n // per_warp)
+    blocks = -(-warps // WARPS)
     cols = min(blocks, 65535)
     (out,) = _kernel(kind, name)(
-        inputs=[x, *fields, mx.array([n, k], dtype=mx.int32)],
+        inputs=[x, *fields, mx.array([n, k, per_warp], dtype=mx.int32)],
         template=[("T", x.dtype), ("M", rows), *consts], grid=(cols * 32 * WARPS, -(-blocks // cols), 1),
         threadgroup=(32 * WARPS, 1, 1), output_shapes=[(rows, n)], output_dtypes=[x.dtype])
     return out

@@ -198,10 +198,12 @@ def test_the_backend_sends_decode_rows_to_the_kernel_only_on_a_gpu(monkeypatch):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, block_kernels.MAX_ROWS])
-def test_each_launch_is_what_mlx_custom_kernels_take(qtype, m, monkeypatch):
+@pytest.mark.parametrize("per_warp", [1, 3, block_kernels.MAX_ROWS_PER_WARP])
+def test_each_launch_is_what_mlx_custom_kernels_take(qtype, m, per_warp, monkeypatch):
     """The arguments `product` hands MLX's kernel (run here against a recorder, as no GPU is): the kernel's
     inputs in its order with the dtypes its source reads (fp16 fields as uint16 bits), template values
-    that are a dtype or an int (M the row count), the whole grid of warps, an [M, N] output in x's dtype."""
+    that are a dtype or an int (M the row count), dims [N, K, rows a warp], a grid with a warp for every
+    `per_warp` output rows, an [M, N] output in x's dtype."""
     import mlx.core as mx
 
     calls = []
@@ -217,11 +219,11 @@ def test_each_launch_is_what_mlx_custom_kernels_take(qtype, m, monkeypatch):
     _, parts = _fields(np.random.default_rng(0), rows, cols, False, qtype)
     w = to_device(qtype, parts, (rows, cols))
     x = mx.zeros((m, cols), dtype=mx.bfloat16)
-    out = block_kernels.product("cuda", x, w)
+    out = block_kernels.product("cuda", x, w, per_warp)
     (name, kw), = calls
     assert out.shape == (m, rows) and out.dtype == mx.bfloat16 and name == block_kernels.KERNELS[qtype][0]
     ins = kw["inputs"]
-    assert len(ins) == len(block_kernels.INPUTS[name]) and ins[0] is x and ins[-1].tolist() == [rows, cols]
+    assert len(ins) == len(block_kernels.INPUTS[name]) and ins[0] is x and ins[-1].tolist() == [rows, cols, per_warp]
     want = {"ql": mx.uint8, "qh": mx.uint8, "scales": mx.int8, "d_bits": mx.uint16, "s0": mx.uint16,
             "w": mx.uint32, "s1": mx.uint8 if qtype in (Q.Q4_K, Q.Q5_K) else mx.uint16, "dims": mx.int32}
     for n, a in zip(block_kernels.INPUTS[name][1:], ins[1:]):
@@ -230,7 +232,22 @@ def test_each_launch_is_what_mlx_custom_kernels_take(qtype, m, monkeypatch):
     assert template["T"] == mx.bfloat16 and template["M"] == m
     assert all(isinstance(v, mx.Dtype) or type(v) is int for v in template.values()), kw["template"]
     assert kw["threadgroup"] == (32 * block_kernels.WARPS, 1, 1)
-    assert kw["grid"][0] * kw["grid"][1] >= rows * 32 and kw["output_shapes"] == [(m, rows)]
+    warps = kw["grid"][0] * kw["grid"][1] // 32
+    assert warps >= -(-rows // per_warp) and warps - 32 * block_kernels.WARPS < -(-rows // per_warp)
+    assert kw["output_shapes"] == [(m, rows)]
+
+
+def test_rows_a_warp_takes():
+    """CUDA warps take 4 output rows of a wide weight, fewer of a narrow one (never so few blocks that
+    the GPU idles); Metal's simdgroups one; a count outside the kernel's registers is refused."""
+    assert block_kernels.rows_per_warp("cuda", 151936) == block_kernels.MAX_ROWS_PER_WARP
+    assert block_kernels.rows_per_warp("cuda", 1024) == 1
+    assert [block_kernels.rows_per_warp("metal", n) for n in (8, 151936)] == [1, 1]
+    x, w = mx.zeros((1, 256)), to_device(Q.Q8_0, quants.split(quants.random_blocks(np.random.default_rng(0), Q.Q8_0, 8, 256),
+                                                              Q.Q8_0, 8, 256), (8, 256))
+    for kind, r in (("cuda", block_kernels.MAX_ROWS_PER_WARP + 1), ("cuda", 0), ("metal", 2)):
+        with pytest.raises(ValueError, match="output rows a warp"):
+            block_kernels.product(kind, x, w, r)
 
 
 needs_gpu = pytest.mark.skipif(gpu_kind() is None, reason="needs an MLX GPU (Metal or CUDA)")
@@ -239,8 +256,10 @@ needs_gpu = pytest.mark.skipif(gpu_kind() is None, reason="needs an MLX GPU (Met
 @needs_gpu
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 2, 5, block_kernels.MAX_ROWS])
-@pytest.mark.parametrize("rows,cols", [(40, 512), (1000, 1024), (3, 4096)])
-def test_gpu_kernel_equals_its_published_order_bit_for_bit(rows, cols, m, qtype):
+@pytest.mark.parametrize("rows,cols", [(41, 512), (1000, 1024), (3, 4096)])
+@pytest.mark.parametrize("per_warp", [1, 2, 4])
+def test_gpu_kernel_equals_its_published_order_bit_for_bit(rows, cols, m, qtype, per_warp):
+    """Whatever rows a warp takes (a last warp with fewer left), each output is its published order's."""
     import mlx.core as mx
 
     rng = np.random.default_rng(rows * m)
@@ -248,7 +267,8 @@ def test_gpu_kernel_equals_its_published_order_bit_for_bit(rows, cols, m, qtype)
     w = to_device(qtype, parts, (rows, cols))
     x = rng.standard_normal((m, cols), dtype=np.float32)
     with mx.stream(mx.gpu):  # (an earlier test's CPU backend may have made the CPU MLX's default device)
-        got = np.array(block_kernels.product(gpu_kind(), mx.array(x), w))  # the kernel itself, whatever the verdict
+        per_warp = per_warp if gpu_kind() == "cuda" else 1
+        got = np.array(block_kernels.product(gpu_kind(), mx.array(x), w, per_warp))  # the kernel itself, whatever the verdict
     want = block_kernels.emulate(x, _values(raw, qtype, rows, cols), qtype)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
@@ -278,7 +298,7 @@ def test_the_block_self_check_compares_in_the_products_dtype(monkeypatch, dtype)
     b.weight_dtype, b.block_kind = b.dtype, "cuda"  # (as on a GPU: products in the dtype)
     off = {"by": 0}
 
-    def kernel(kind, x, w):
+    def kernel(kind, x, w, per_warp=None):
         xs = np.array(x.astype(mx.float32))
         assert x.dtype == b.dtype and np.array_equal(np.array(mx.array(xs).astype(x.dtype).astype(mx.float32)), xs)
         s = block_kernels.emulate(xs, seen["v"].reshape(w.shape), w.qtype)
@@ -291,5 +311,5 @@ def test_the_block_self_check_compares_in_the_products_dtype(monkeypatch, dtype)
     assert _check_block_products(b) is None
     off["by"] = 1
     first = next(iter(block_kernels.KERNELS)).name
-    assert _check_block_products(b) == (f"the {first} block kernel differs from its published order in 1 of 40 "
-                                        f"values (1 rows, {dtype})")
+    assert _check_block_products(b) == (f"the {first} block kernel differs from its published order in 1 of 42 "
+                                        f"values (1 rows, 1 a warp, {dtype})")

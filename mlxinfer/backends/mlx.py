@@ -214,27 +214,30 @@ def _check_products(backend: "MLXBackend") -> str | None:
 
 def _check_block_products(backend: "MLXBackend") -> str | None:
     """The block kernels (`block_kernels`) against their numpy emulation, bit for bit, on random blocks
-    with edge values of every type they take, for 1 and MAX_ROWS rows, with x in the products' dtype
-    (`weight_dtype`: a 16-bit x is widened exactly, the float32 sum rounded once to that dtype at the end;
-    none on the CPU: nothing to check)."""
+    with edge values of every type they take, for 1 and MAX_ROWS rows, each output row count a warp
+    takes (42 rows: a last warp of 4 with 2 left), with x in the products' dtype (`weight_dtype`: a
+    16-bit x is widened exactly, the float32 sum rounded once to that dtype at the end; none on the CPU:
+    nothing to check)."""
     if backend.block_kind is None:
         return None
     rng = np.random.default_rng(7)
     dtype = backend.weight_dtype
     narrow = lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))  # noqa: E731 (MLX's rounding)
+    per_warp = (1, 2, 4) if backend.block_kind == "cuda" else (1,)
     for qtype in block_kernels.KERNELS:
-        raw = quants.random_blocks(rng, qtype, 40, 512, edges=True)
-        w = to_device(qtype, quants.split(raw, qtype, 40, 512), (40, 512))
-        values = dequantize(raw, qtype).reshape(40, 512)
+        raw = quants.random_blocks(rng, qtype, 42, 512, edges=True)
+        w = to_device(qtype, quants.split(raw, qtype, 42, 512), (42, 512))
+        values = dequantize(raw, qtype).reshape(42, 512)
         for m in (1, block_kernels.MAX_ROWS):
             x = narrow(rng.standard_normal((m, 512), dtype=np.float32))
-            out = block_kernels.product(backend.block_kind, mx.array(x).astype(dtype), w)
-            got = np.array(out.astype(mx.float32))
             want = narrow(block_kernels.emulate(x, values, qtype))
-            same = got.view(np.uint32) == want.view(np.uint32)
-            if not same.all():
-                return (f"the {qtype.name} block kernel differs from its published order in {int((~same).sum())} of "
-                        f"{same.size} values ({m} rows, {backend.dtype_name})")
+            for r in per_warp:
+                out = block_kernels.product(backend.block_kind, mx.array(x).astype(dtype), w, r)
+                got = np.array(out.astype(mx.float32))
+                same = got.view(np.uint32) == want.view(np.uint32)
+                if not same.all():
+                    return (f"the {qtype.name} block kernel differs from its published order in {int((~same).sum())} "
+                            f"of {same.size} values ({m} rows, {r} a warp, {backend.dtype_name})")
     return None
 
 
