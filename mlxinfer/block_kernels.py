@@ -55,16 +55,11 @@ def applies(w, x) -> bool:
 
 
 def rows_per_warp(kind: str, n: int) -> int:
-    """Output rows a CUDA warp takes (blocks.cu: each x value a lane loads serves that many rows) for an
-    [N, K] weight: as many as still leave two blocks of 8 warps per H200 multiprocessor (132), so that a
-    narrow product keeps the GPU busy. The Metal twin takes one row a simdgroup. The order, and so the
-    bits, are the same for every choice (tests/test_block_kernels.py)."""
-    if kind != "cuda":
-        return 1
-    for r in (4, 2):
-        if n >= r * WARPS * 2 * 132:
-            return r
-    return 1
+    """Output rows a CUDA warp takes (blocks.cu: each x value a lane reads from shared memory serves that
+    many rows): 4, the fastest of 1, 2, 4 on every decode product of the Qwen3-0.6B and 8B shapes on an
+    H200 (`bench/probes/block_products.py`, docs/performance.md), the narrow ones (4,096 rows) too. The
+    Metal twin takes one row a simdgroup. The order, and so the bits, are the same for every choice."""
+    return MAX_ROWS_PER_WARP if kind == "cuda" else 1
 
 
 def kernel_source(kind: str) -> tuple[str, dict[str, str]]:

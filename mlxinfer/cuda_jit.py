@@ -302,7 +302,8 @@ class Builder:
         """Compile and write each (module, kernel name, source) not yet on disk, on every core; returns how
         many were compiled. A failure costs only speed (MLX compiles that one itself): one warning line;
         a cache that cannot be written stops the builder for this process.
-        Several go to worker processes (this file run as an isolated script, `python -I`: nothing of
+        Several go to worker processes (this file run as an isolated script, `python -I`, given this
+        process's sys.path after its own, as MLX may be on PYTHONPATH alone: nothing of
         the caller's program or environment is imported), as NVRTC compiles one program at a time in a
         process (two threads took 1.1x one thread's time for four kernels on this project's 2-core VM)."""
         if self.off:
@@ -337,7 +338,8 @@ class Builder:
             for n in range(workers):
                 procs.append(subprocess.Popen([sys.executable, "-I", __file__], stdin=subprocess.PIPE,
                                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL))
-                procs[-1].stdin.write(json.dumps(args[n::workers]).encode())
+                # (-I leaves out PYTHONPATH, where MLX may be: the worker is given this process's path)
+                procs[-1].stdin.write(json.dumps({"path": sys.path, "jobs": args[n::workers]}).encode())
                 procs[-1].stdin.close()
         except OSError as e:  # a worker that cannot start (no processes left, no memory): none are built
             for p in procs:
@@ -505,5 +507,7 @@ class Kernel:
                         output_dtypes=output_dtypes, **kw)
 
 
-if __name__ == "__main__":  # a compile worker (`Builder.build`): jobs as JSON on stdin, their errors on stdout
-    print(json.dumps([_compile_and_write(*job) for job in json.loads(sys.stdin.read())]))
+if __name__ == "__main__":  # a compile worker (`Builder.build`): its path and jobs as JSON on stdin, their errors on stdout
+    _payload = json.loads(sys.stdin.read())
+    sys.path.extend(p for p in _payload["path"] if p not in sys.path)  # after the standard library's
+    print(json.dumps([_compile_and_write(*job) for job in _payload["jobs"]]))

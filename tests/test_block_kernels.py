@@ -215,7 +215,7 @@ def test_each_launch_is_what_mlx_custom_kernels_take(qtype, m, per_warp, monkeyp
         return launch
 
     monkeypatch.setattr(block_kernels, "_kernel", lambda kind, name: fake(name))
-    rows, cols = 40, 512
+    rows, cols = 33, 512  # (4 a warp: 8 warps and one for the last row)
     _, parts = _fields(np.random.default_rng(0), rows, cols, False, qtype)
     w = to_device(qtype, parts, (rows, cols))
     x = mx.zeros((m, cols), dtype=mx.bfloat16)
@@ -232,16 +232,15 @@ def test_each_launch_is_what_mlx_custom_kernels_take(qtype, m, per_warp, monkeyp
     assert template["T"] == mx.bfloat16 and template["M"] == m
     assert all(isinstance(v, mx.Dtype) or type(v) is int for v in template.values()), kw["template"]
     assert kw["threadgroup"] == (32 * block_kernels.WARPS, 1, 1)
-    warps = kw["grid"][0] * kw["grid"][1] // 32
-    assert warps >= -(-rows // per_warp) and warps - 32 * block_kernels.WARPS < -(-rows // per_warp)
+    assert kw["grid"][0] * kw["grid"][1] == 32 * block_kernels.WARPS * -(-(-(-rows // per_warp)) // block_kernels.WARPS)
     assert kw["output_shapes"] == [(m, rows)]
 
 
 def test_rows_a_warp_takes():
-    """CUDA warps take 4 output rows of a wide weight, fewer of a narrow one (never so few blocks that
-    the GPU idles); Metal's simdgroups one; a count outside the kernel's registers is refused."""
+    """CUDA warps take 4 output rows; Metal's simdgroups one; a count outside the kernel's registers is
+    refused."""
     assert block_kernels.rows_per_warp("cuda", 151936) == block_kernels.MAX_ROWS_PER_WARP
-    assert block_kernels.rows_per_warp("cuda", 1024) == 1
+    assert block_kernels.rows_per_warp("cuda", 1024) == block_kernels.MAX_ROWS_PER_WARP
     assert [block_kernels.rows_per_warp("metal", n) for n in (8, 151936)] == [1, 1]
     x, w = mx.zeros((1, 256)), to_device(Q.Q8_0, quants.split(quants.random_blocks(np.random.default_rng(0), Q.Q8_0, 8, 256),
                                                               Q.Q8_0, 8, 256), (8, 256))
@@ -282,7 +281,8 @@ def test_gpu_self_check_of_the_block_kernels_passes(dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_the_block_self_check_compares_in_the_products_dtype(monkeypatch, dtype):
     """The block kernels' self-check launches them with x in the products' dtype (a 16-bit x widened
-    exactly, the float32 sum rounded once to it, `(T)s`) and expects exactly that: a stand-in kernel that
+    exactly, the float32 sum rounded once to it, `(T)s`), for each number of rows a CUDA warp takes, and
+    expects exactly that: a stand-in kernel that
     is the emulation so rounded passes; one whose largest value is one unit in the last place off fails, naming the type, rows and dtype. (Stand-in kernel on MLX's CPU.)"""
     from mlxinfer.backends import mlx as mlx_mod
 
@@ -298,7 +298,10 @@ def test_the_block_self_check_compares_in_the_products_dtype(monkeypatch, dtype)
     b.weight_dtype, b.block_kind = b.dtype, "cuda"  # (as on a GPU: products in the dtype)
     off = {"by": 0}
 
+    per_warp_seen = set()
+
     def kernel(kind, x, w, per_warp=None):
+        per_warp_seen.add(per_warp)
         xs = np.array(x.astype(mx.float32))
         assert x.dtype == b.dtype and np.array_equal(np.array(mx.array(xs).astype(x.dtype).astype(mx.float32)), xs)
         s = block_kernels.emulate(xs, seen["v"].reshape(w.shape), w.qtype)
@@ -309,6 +312,7 @@ def test_the_block_self_check_compares_in_the_products_dtype(monkeypatch, dtype)
 
     monkeypatch.setattr(block_kernels, "product", kernel)
     assert _check_block_products(b) is None
+    assert per_warp_seen == {1, 2, block_kernels.MAX_ROWS_PER_WARP}  # every layout a CUDA warp may take
     off["by"] = 1
     first = next(iter(block_kernels.KERNELS)).name
     assert _check_block_products(b) == (f"the {first} block kernel differs from its published order in 1 of 42 "

@@ -129,6 +129,29 @@ def test_nvrtc_compiles_the_sources_for_an_h200(tmp_path):
         assert name == f"mlx::core::cu::{kernel}" and kernel in lowered and lowered.startswith("_Z")
 
 
+def test_a_worker_imports_mlx_from_the_path_it_is_handed(tmp_path):
+    """A compile worker runs isolated (`python -I`: no PYTHONPATH, which is where MLX was on the lent
+    H200, 2026-12-04: 'No module named mlx' for every form, MLX compiling each itself). It is handed this
+    process's sys.path: run here without site-packages at all (-S), it still finds MLX there and builds."""
+    import json
+    import subprocess
+    import sys
+
+    lib, include = cuda_jit.find_nvrtc(), cuda_jit.find_include()
+    if lib is None or include is None:
+        pytest.skip("needs NVRTC 13 and the CUDA headers (pip install 'nvidia-cuda-nvrtc>=13'; a CUDA toolkit)")
+    k, inputs, template = _scores_launch()
+    module, kernel, source = k.job(inputs, template, [mx.float32])
+    b = cuda_jit.Builder("sm_90a", lib, include, tmp_path, workers=2)
+    job = [b.lib_path, source, kernel, b.arch, str(b.include), str(b.cache), module, b.stamp]
+    run = lambda path: subprocess.run([sys.executable, "-I", "-S", cuda_jit.__file__], capture_output=True,  # noqa: E731
+                                      input=json.dumps({"path": path, "jobs": [job]}).encode(), timeout=300)
+    assert json.loads(run(sys.path).stdout) == [None]
+    assert (tmp_path / f"{module}.ptx").exists()
+    missing = json.loads(run([]).stdout)  # (without it: MLX's include path cannot be found)
+    assert missing[0][0] == "compile" and "mlx" in missing[0][1]
+
+
 class _Recorder:
     """A Builder that records the modules asked for (compiling nothing)."""
 
