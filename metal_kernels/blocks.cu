@@ -13,7 +13,7 @@
 // at a time, into shared memory (coalesced; padded so that the lanes' reads of their own units do not
 // collide in its banks), and read it from there: read straight from memory, each lane's four values
 // of x sit 128 bytes from its neighbours', 32 cache lines a warp's load, and that load, not the weight,
-// bounded the product (one row a warp: ~30 ms a token on a Qwen3-8B-shaped Q4_K_M, H200). And a warp
+// bounds the product (docs/performance.md). And a warp
 // takes R = dims[2] consecutive output rows (1..MLXI_MAX_R, `block_kernels.rows_per_warp`), each with
 // its own partial sums, so that each value of x a lane reads serves R rows.
 //@@HEADER

@@ -9,7 +9,8 @@ takes which form and why each is exact):
     gguf-py's arithmetic), then a float32 product. This costs time, not memory: on MLX's CPU a product
     of Q6_K, Q3_K or Q2_K takes 2-3.5x an affine type's, F16/BF16 1.5-2.5x, IQ4_NL/IQ4_XS ~10x (MLX's
     gather for the codebook); figures in tests/test_quants.py's docstring, `bench/probes/weight_types.py`
-    measures them. A fused Metal/CUDA kernel that reads the blocks is the next step.
+    measures them. A product dequantizes a slice of rows at a time (`DENSE_SLICE_BYTES`), so the float32
+    matrix is never whole in memory. On a GPU decode rows of Q6_K go to a kernel (`block_kernels`).
   - float32 arrays (F32 files), [in, out] for products.
   - `ExpertStack`: a mixture's [experts, out, in] stacks in one of the forms above, rows flattened.
 
@@ -32,6 +33,7 @@ from gguf import GGMLQuantizationType as Q
 from ..quants import AFFINE_BITS, GROUP, IQ4_VALUES
 
 _OFFSET = {Q.Q8_0: -128.0, Q.Q4_0: -8.0, Q.Q5_0: -16.0}  # bias = offset·d; the others carry m or dmin
+DENSE_SLICE_BYTES = 128 << 20  # the most of a BlockWeight a product dequantizes at once (float32 bytes)
 
 
 def affine_scales(qtype, parts) -> tuple[mx.array, mx.array]:
@@ -179,7 +181,21 @@ class BlockWeight:
         return dequantize(self.qtype, self.parts, *self.shape).astype(self.dtype)
 
     def product(self, x) -> mx.array:
-        return mx.matmul(x, mx.transpose(self.dense()))
+        """x @ self.T, the matrix dequantized in slices of rows of at most DENSE_SLICE_BYTES as float32,
+        each slice's fields made to depend on the previous slice's product (`mx.depends`: left to itself
+        MLX dequantizes every slice before the first product), so the transient float32 matrix is one
+        slice, not the whole (a Qwen3-8B-shaped Q6_K output head is 2.5 GB as float32)."""
+        rows, cols = self.shape
+        step = max(1, DENSE_SLICE_BYTES // (4 * cols))
+        if rows <= step:
+            return mx.matmul(x, mx.transpose(self.dense()))
+        outs = []
+        for a in range(0, rows, step):
+            part = self.row_slice(a, min(a + step, rows))
+            if outs:
+                part = BlockWeight(tuple(mx.depends(list(part.parts), [outs[-1]])), part.qtype, part.shape, part.dtype)
+            outs.append(mx.matmul(x, mx.transpose(part.dense())))
+        return mx.concatenate(outs, axis=-1)
 
     def rows(self, ids) -> mx.array:
         ids = mx.reshape(ids, (-1,))
