@@ -6,8 +6,9 @@ size and prompt length, with mlx-lm and llama.cpp beside ours on the same weight
         --peers mlx-lm --peer-dtypes float32,bfloat16 --rounds 3 --out results/
     mlxinfer bench --report results/results.jsonl              # the table (and plot) of an earlier run
 
-Every row runs in a fresh child process (load, one warm-up, --runs measured runs), so that its peak memory
-is its own, no row inherits another's heap and a crash costs one row. Batch 1 is `Engine.generate` on one
+Every row runs in a fresh child process (load, one warm-up run of the same prompts and length, --runs
+measured runs), so that its peak memory is its own, no row inherits another's heap and a crash costs one
+row. Batch 1 is `Engine.generate` on one
 prompt; batch B is one `Engine.generate_batch` call on B different prompts of the row's length. Per row:
 - TTFT: time to the first token (batch B: the mean over the sequences);
 - decode tok/s: per sequence, the tokens after the first over the time from the first to the last
@@ -90,8 +91,8 @@ def add_arguments(p) -> None:
                    help="measure every row, ours and the peers', this many times, alternating which engine goes "
                         "first; the ratios are given per round with their median")
     p.add_argument("--warmup-tokens", type=int, default=0, metavar="N",
-                   help="prompt tokens of the warm-up run (0: the row's whole prompt; shorter saves minutes where "
-                        "prefill is slow)")
+                   help="prompt tokens of the warm-up run (0: the row's whole prompt and every generated token; "
+                        "shorter, with 4 tokens generated, saves minutes where prefill is slow)")
     p.add_argument("--peers", default="none", help=f"peer engines ({', '.join(PEERS)}) or none")
     p.add_argument("--peer-dtypes", default="float32,bfloat16", metavar="DTYPE,...",
                    help=f"mlx-lm's weights and activations, one set of rows each ({', '.join(PEER_DTYPES)})")
@@ -194,7 +195,10 @@ def measure_row(job: dict) -> dict:
     n, gen, on_mlx = job["prompt"], job["gen"], job["backend"] == "mlx"
     prompts = [prompt_ids(n, vocab, seed=b) for b in range(job["batch"])]
     w = n if job["warmup_tokens"] <= 0 else min(job["warmup_tokens"], n)
-    one_run(engine, on_mlx, [p[:w] for p in prompts], min(4, gen))  # warm-up: allocations, kernel compilation
+    # warm-up: allocations, kernel compilation. The row's own prompts and length where the warm-up takes
+    # the whole prompt, so that a measured run meets no shape (cache capacity, attention plan, compiled
+    # step) the warm-up did not: GPU kernels compiled inside a measured run are not its speed.
+    one_run(engine, on_mlx, [p[:w] for p in prompts], gen if w == n else min(4, gen))
     row = summarize([one_run(engine, on_mlx, prompts, gen) for _ in range(job["runs"])])
     row.update(engine=engine_name(job), device=job["device"], attention=job["attention"],
                prompt_tokens=n, max_tokens=gen, warmup_prompt_tokens=w, load_s=load_s,

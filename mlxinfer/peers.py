@@ -254,7 +254,7 @@ def mlx_lm_rows(job) -> list[dict]:
     for b in (x for x in job["batches"] if x > 1):
         for n in job["prompts"]:
             prompts = [prompt_ids(n, vocab, seed=i) for i in range(b)]
-            mlx_lm_batch_run(model, name, job["device"], [p[:min(n, 16)] for p in prompts], 4)  # warm-up
+            mlx_lm_batch_run(model, name, job["device"], prompts, n_gen)  # warm-up: the same shapes as the runs
             rows.append(dict(summarize([mlx_lm_batch_run(model, name, job["device"], prompts, n_gen)
                                         for _ in range(runs)]), max_tokens=n_gen))
     for n in (job["prompts"] if 1 in job["batches"] else []):

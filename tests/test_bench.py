@@ -167,3 +167,24 @@ def test_mlx_lm_peer_refuses_architectures_it_does_not_map(synthetic, tmp_path):
     path = synthetic(arch="gemma2", n_layers=1, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=320)
     with pytest.raises(UnsupportedError, match="the mlx-lm peer is written for dense llama and qwen3 files, not gemma2"):
         write_mlx_lm_model(path, tmp_path / "peer")
+
+
+@pytest.mark.parametrize("warmup_tokens,want", [(0, (20, 64)), (8, (8, 4))])
+def test_the_warm_up_runs_the_rows_own_shapes(monkeypatch, warmup_tokens, want):
+    """The warm-up takes the row's whole prompts and every generated token (the same cache capacity and
+    compiled shapes as the measured runs: a kernel compiled inside a run is not its speed); with
+    --warmup-tokens it is a short prompt and 4 tokens. (A stand-in engine records each call.)"""
+    calls = []
+
+    class Vocab:
+        vocab_size = 1000
+
+    monkeypatch.setattr(benchmark, "load", lambda *a, **k: object())
+    monkeypatch.setattr(benchmark, "load_tokenizer", lambda *a, **k: Vocab())
+    monkeypatch.setattr(benchmark, "one_run", lambda engine, on_mlx, prompts, n_gen: calls.append(
+        (len(prompts[0]), n_gen)) or dict(decode_tokens_per_second=1.0))
+    monkeypatch.setattr(benchmark, "summarize", lambda runs: {})
+    job = dict(model="m", backend="mlx", attention="fused", device="gpu", kv="prealloc", threads=None, prompt=20,
+               gen=64, batch=2, runs=2, warmup_tokens=warmup_tokens)
+    benchmark.measure_row(job)
+    assert calls == [want, (20, 64), (20, 64)]
