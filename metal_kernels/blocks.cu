@@ -48,6 +48,13 @@ __device__ __forceinline__ unsigned int mlxi_code(const unsigned int* words, int
   return v & ((1u << BITS) - 1u);
 }
 
+// Code q (below 2^23) less z as float, exactly, on the float pipe: 0x4B000000 | q is the float 2^23 + q,
+// and z2 = 2^23 + z (an integer conversion runs at a quarter of a float operation's rate on sm_90, and
+// one a weight value bounded these kernels).
+__device__ __forceinline__ float mlxi_code_float(unsigned int q, float z2) {
+  return __fsub_rn(__uint_as_float(0x4B000000u | q), z2);
+}
+
 // Whether four consecutive values of x starting at x's base can be one vector load (x's rows and every
 // offset the kernels load from are multiples of four values, so the base decides).
 template <typename X>
@@ -180,7 +187,7 @@ for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
           for (int tt = 0; tt < 4; ++tt) {
             const unsigned int lb = (lw >> (8 * tt)) & 0xffu, hbyte = (hw >> (8 * tt)) & 0xffu;
             const unsigned int q = ((lb >> (4 * (j >> 1))) & 0xfu) | (((hbyte >> (2 * j)) & 3u) << 4);
-            const float w = __fmul_rn(dl[r], (float)((int)q - 32));
+            const float w = __fmul_rn(dl[r], mlxi_code_float(q, 8388640.0f));  // q - 32
 #pragma unroll
             for (int m = 0; m < M; ++m) acc[r][m] = __fadd_rn(acc[r][m], __fmul_rn(xv[m][tt], w));
           }
@@ -208,7 +215,9 @@ for (int r = 0; r < MLXI_MAX_R; ++r) {
 // dims = [N, K, R]; out [M, N]. Lane l takes groups l, l + 32, ..., each t = 0..31: code t of the group
 // (MLX's packing: bits [BITS t, BITS (t + 1)) of the group's BITS words), w = scale * code + bias (each
 // step rounded), then the product with x and the sum. A tile of x (MLXI_TILE columns) holds the 32
-// groups the lanes take next, one a lane.
+// groups the lanes take next, one a lane. scale * code is exact in float32 (an fp16 d, times a 6-bit
+// sub-scale for the K-quants, times the code: tests/test_quants.py's exactness test), so w is one fma of
+// the same bits, and for SCALES 0 (bias -(d * ZERO), also exact) d * (code - ZERO).
 constexpr int STRIDE = MLXI_TILE + 4 * (MLXI_TILE / 32);
 __shared__ float xs[M * STRIDE];
 const int N = dims[0], K = dims[1], R = dims[2];
@@ -244,8 +253,7 @@ for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
         scale[r] = mlxi_half_bits(s0[at]);
         bias[r] = mlxi_half_bits(s1[at]);
       } else {
-        scale[r] = mlxi_half_bits(s0[at]);
-        bias[r] = -__fmul_rn(scale[r], (float)ZERO);
+        scale[r] = mlxi_half_bits(s0[at]);  // (bias -(scale * ZERO): folded into the code below)
       }
       mlxi_words<BITS>(w + at * BITS, words[r]);
     }
@@ -263,7 +271,9 @@ for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
       if (r < rows) {
 #pragma unroll
         for (int tt = 0; tt < 4; ++tt) {
-          const float wv = __fadd_rn(__fmul_rn(scale[r], (float)mlxi_code<BITS>(words[r], t0 + tt)), bias[r]);
+          const unsigned int q = mlxi_code<BITS>(words[r], t0 + tt);
+          const float wv = SCALES == 0 ? __fmul_rn(scale[r], mlxi_code_float(q, 8388608.0f + ZERO))
+                                       : __fmaf_rn(scale[r], mlxi_code_float(q, 8388608.0f), bias[r]);
 #pragma unroll
           for (int m = 0; m < M; ++m) acc[r][m] = __fadd_rn(acc[r][m], __fmul_rn(xv[m][tt], wv));
         }
