@@ -43,7 +43,7 @@ from pathlib import Path
 
 from . import __version__
 from .backend import DTYPES, KV_DTYPES
-from .engine import load
+from .engine import DEFAULT_PREFILL_CHUNK, load
 from .errors import MlxinferError, RequestError
 from .model_source import cache_dir, resolve_model
 from .peers import PEER_DTYPES, PEERS, ROOT, installed, prompt_ids, run_peer, summarize
@@ -81,6 +81,9 @@ def add_arguments(p) -> None:
     p.add_argument("--kv", default="prealloc", help=f"KV caches ({', '.join(KV_CACHES)})")
     p.add_argument("--dtypes", default=None, metavar="DTYPE,...",
                    help=f"the MLX backend's --dtype, one set of rows each ({', '.join(DTYPES)}; default: its default)")
+    p.add_argument("--prefill-chunks", default=None, metavar="N,...",
+                   help="prompt tokens per prefill pass, one set of rows each (default: the engine's, "
+                        f"{DEFAULT_PREFILL_CHUNK})")
     p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES,
                    help="the MLX backend's --kv-dtype (default: the dtype)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), metavar="N",
@@ -189,7 +192,8 @@ def measure_row(job: dict) -> dict:
     t0 = time.perf_counter()
     engine = load(job["model"], backend=job["backend"], attention=job["attention"],
                   device=job["device"] if job["backend"] == "mlx" else None, kv=job["kv"],
-                  threads=job["threads"] if on_cpu else None, dtype=job.get("dtype"), kv_dtype=job.get("kv_dtype"))
+                  threads=job["threads"] if on_cpu else None, dtype=job.get("dtype"), kv_dtype=job.get("kv_dtype"),
+                  prefill_chunk=job.get("prefill_chunk"))
     load_s = time.perf_counter() - t0
     vocab = load_tokenizer(job["model"]).vocab_size
     n, gen, on_mlx = job["prompt"], job["gen"], job["backend"] == "mlx"
@@ -208,7 +212,8 @@ def measure_row(job: dict) -> dict:
 
 def engine_name(job: dict) -> str:
     """A row's engine: the backend, and the MLX dtype (and KV cache type) where the row asked for one."""
-    types = [t for t in (job.get("dtype"), job.get("kv_dtype") and f"kv {job['kv_dtype']}") if t]
+    types = [t for t in (job.get("dtype"), job.get("kv_dtype") and f"kv {job['kv_dtype']}",
+                         job.get("prefill_chunk") and f"chunk {job['prefill_chunk']}") if t]
     return " ".join([f"mlxinfer {job['backend']}", *types])
 
 
@@ -517,6 +522,7 @@ def plan(args) -> tuple[str | None, list[dict], list[dict], list[str]]:
     attentions = _names(args.attention, "--attention", ATTENTION)
     kvs = _names(args.kv, "--kv", KV_CACHES)
     ours = [None] if args.dtypes is None else _names(args.dtypes, "--dtypes", DTYPES)
+    chunks = [None] if args.prefill_chunks is None else _ints(args.prefill_chunks, "--prefill-chunks")
     peers = [] if args.peers == "none" else _names(args.peers, "--peers", tuple(PEERS))
     dtypes = _names(args.peer_dtypes, "--peer-dtypes", PEER_DTYPES)
     quants = [parse_peer_quant(q) for q in args.peer_quant.split(",")]
@@ -530,9 +536,10 @@ def plan(args) -> tuple[str | None, list[dict], list[dict], list[str]]:
                 threads=args.threads)
     typed = dict(kv_dtype=args.kv_dtype) if args.kv_dtype else {}
     jobs = [dict(spec, backend=b, device=d, attention=a, kv=kv, batch=n_batch, prompt=n,
-                 **(dict(dtype=dt, **typed) if b == "mlx" and (dt or typed) else {}))
+                 **(dict(dtype=dt, **typed) if b == "mlx" and (dt or typed) else {}),
+                 **(dict(prefill_chunk=c) if c else {}))
             for b in backends for d in (devices if b == "mlx" else ["cpu"]) for a in attentions for kv in kvs
-            for dt in (ours if b == "mlx" else [None]) for n_batch in batches for n in prompts]
+            for dt in (ours if b == "mlx" else [None]) for c in chunks for n_batch in batches for n in prompts]
     peer_jobs = []
     for p in peers:
         if not installed(p):

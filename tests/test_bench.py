@@ -133,6 +133,18 @@ def test_mlx_rows_in_each_dtype(synthetic, tmp_path):
                                                                   ["bfloat16", "q8_0 KV cache"]]
 
 
+def test_rows_for_each_prefill_chunk(synthetic, tmp_path):
+    """--prefill-chunks: one set of rows per chunk size, each named by it and run with it (the metrics'
+    prefill_chunk), so a run compares chunk sizes side by side."""
+    argv = ["bench", "-m", synthetic(), "--backends", "cpu", "-p", "8", "-n", "2", "--runs", "1",
+            "--prefill-chunks", "3,16", "--out", str(tmp_path)]
+    r = subprocess.run([sys.executable, "-m", "mlxinfer", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    _, *rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(row["engine"], row["prefill_chunk"]) for row in rows] == [("mlxinfer cpu chunk 3", 3),
+                                                                       ("mlxinfer cpu chunk 16", 16)]
+
+
 def test_mlx_lm_weights_take_gguf_py_values_where_mx_load_would_misread(synthetic, monkeypatch):
     """The mlx-lm peer reads the GGUF through `mx.load` only for the types it returns exactly (F32, F16,
     Q8_0, Q4_0, Q4_1: it mis-decodes Q4_K and rounds BF16); every other type is dequantized by gguf-py.
