@@ -128,7 +128,9 @@ __device__ __forceinline__ void mlxi_words(const unsigned int* p, unsigned int* 
 // of a row are loaded in parallel by the lanes (a row of 1,024 values is one unit a lane). A tile of x
 // (MLXI_TILE columns: four blocks) holds the 32 units the lanes take next, one a lane.
 constexpr int STRIDE = MLXI_TILE + 4 * (MLXI_TILE / 128);
-__shared__ float xs[M * STRIDE];
+static_assert(MLXI_TILE == 32 * 32, "a tile holds one unit a lane");
+static_assert(M * STRIDE * 4 <= 48 * 1024, "static shared memory: at most 48 KB a block");
+__shared__ __align__(16) float xs[M * STRIDE];  // (float4 reads and writes)
 const int N = dims[0], K = dims[1], R = dims[2];
 const long warp0 = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS;
 if (warp0 * R >= N) return;  // (the whole block: no warp of it has a row)
@@ -219,7 +221,9 @@ for (int r = 0; r < MLXI_MAX_R; ++r) {
 // sub-scale for the K-quants, times the code: tests/test_quants.py's exactness test), so w is one fma of
 // the same bits, and for SCALES 0 (bias -(d * ZERO), also exact) d * (code - ZERO).
 constexpr int STRIDE = MLXI_TILE + 4 * (MLXI_TILE / 32);
-__shared__ float xs[M * STRIDE];
+static_assert(MLXI_TILE == 32 * 32, "a tile holds one unit a lane");
+static_assert(M * STRIDE * 4 <= 48 * 1024, "static shared memory: at most 48 KB a block");
+__shared__ __align__(16) float xs[M * STRIDE];  // (float4 reads and writes)
 const int N = dims[0], K = dims[1], R = dims[2];
 const long warp0 = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS;
 if (warp0 * R >= N) return;  // (the whole block: no warp of it has a row)

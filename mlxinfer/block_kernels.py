@@ -51,7 +51,12 @@ def applies(w, x) -> bool:
     whole blocks (256 values for the K-quants, 32 for the others)."""
     if w.qtype not in KERNELS or getattr(w, "float_scales", False) or x.ndim != 2 or x.shape[0] > MAX_ROWS:
         return False
-    return w.shape[1] % (256 if w.qtype in (Q.Q6_K, Q.Q4_K, Q.Q5_K) else 32) == 0
+    return w.shape[1] % row_multiple(w.qtype) == 0
+
+
+def row_multiple(qtype) -> int:
+    """The values a kernel's row length must be a multiple of: a K-quant's block, or a 32-value group."""
+    return 256 if qtype in (Q.Q6_K, Q.Q4_K, Q.Q5_K) else 32
 
 
 def rows_per_warp(kind: str, n: int) -> int:

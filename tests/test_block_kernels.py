@@ -272,6 +272,37 @@ def test_gpu_kernel_equals_its_published_order_bit_for_bit(rows, cols, m, qtype,
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+# K with a last partial tile after full ones (tiles of 1,024 columns), K above 4,096, and for the 32-value
+# types K not a multiple of 256 (Qwen2.5-0.5B's 896 and 4,864, Qwen2.5-1.5B's 1,536, Qwen3-8B's 12,288)
+TILE_SHAPES = [(42, 1536), (70, 4864), (67, 12288), (29, 896), (9, 1056), (5, 32)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("rows,cols", TILE_SHAPES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_kernel_partial_tiles_equal_the_published_order(rows, cols, m, qtype, dtype):
+    """Shapes whose last tile of x is partial, after full ones (a wrong count of that tile's columns
+    passes every shape of the test above), 4 rows a warp with a remainder, x in float32 and bfloat16."""
+    import mlx.core as mx
+
+    rng = np.random.default_rng(rows + cols + m)
+    x = rng.standard_normal((m, cols), dtype=np.float32)
+    if cols % block_kernels.row_multiple(qtype):
+        pytest.skip(f"{qtype.name} takes rows of whole 256-value blocks")
+    raw, parts = _fields(rng, rows, cols, True, qtype)
+    w = to_device(qtype, parts, (rows, cols))
+    assert block_kernels.applies(w, mx.array(x))
+    xd = mx.array(x).astype(getattr(mx, dtype))
+    x = np.array(xd.astype(mx.float32))  # (bfloat16's values, widened exactly)
+    with mx.stream(mx.gpu):
+        got = np.array(block_kernels.product(gpu_kind(), xd, w).astype(mx.float32))
+    want = np.array(mx.array(block_kernels.emulate(x, _values(raw, qtype, rows, cols), qtype)).astype(xd.dtype)
+                    .astype(mx.float32))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_gpu_self_check_of_the_block_kernels_passes(dtype):

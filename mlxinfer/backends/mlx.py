@@ -215,9 +215,10 @@ def _check_products(backend: "MLXBackend") -> str | None:
 def _check_block_products(backend: "MLXBackend") -> str | None:
     """The block kernels (`block_kernels`) against their numpy emulation, bit for bit, on random blocks
     with edge values of every type they take, for 1 and MAX_ROWS rows, each output row count a warp
-    takes (42 rows: a last warp of 4 with 2 left), with x in the products' dtype (`weight_dtype`: a
-    16-bit x is widened exactly, the float32 sum rounded once to that dtype at the end; none on the CPU:
-    nothing to check)."""
+    takes (42 rows: a last warp of 4 with 2 left), rows of 1,280 values (1,312 for the 32-value types:
+    a full tile of x, then a partial one), with x in the products' dtype (`weight_dtype`: a 16-bit x
+    is widened exactly, the float32 sum rounded once to that dtype at the end; none on the CPU: nothing
+    to check)."""
     if backend.block_kind is None:
         return None
     rng = np.random.default_rng(7)
@@ -225,11 +226,12 @@ def _check_block_products(backend: "MLXBackend") -> str | None:
     narrow = lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))  # noqa: E731 (MLX's rounding)
     per_warp = (1, 2, 4) if backend.block_kind == "cuda" else (1,)
     for qtype in block_kernels.KERNELS:
-        raw = quants.random_blocks(rng, qtype, 42, 512, edges=True)
-        w = to_device(qtype, quants.split(raw, qtype, 42, 512), (42, 512))
-        values = dequantize(raw, qtype).reshape(42, 512)
+        k = 1280 if block_kernels.row_multiple(qtype) == 256 else 1312
+        raw = quants.random_blocks(rng, qtype, 42, k, edges=True)
+        w = to_device(qtype, quants.split(raw, qtype, 42, k), (42, k))
+        values = dequantize(raw, qtype).reshape(42, k)
         for m in (1, block_kernels.MAX_ROWS):
-            x = narrow(rng.standard_normal((m, 512), dtype=np.float32))
+            x = narrow(rng.standard_normal((m, k), dtype=np.float32))
             want = narrow(block_kernels.emulate(x, values, qtype))
             for r in per_warp:
                 out = block_kernels.product(backend.block_kind, mx.array(x).astype(dtype), w, r)
