@@ -4,8 +4,9 @@ scale fields).
 
 Here (no GPU): the numpy emulation of the published order forms exactly gguf-py's values and is a dot
 product within its error model; the CUDA source compiles with NVRTC for every row count and dtype it is
-launched with; the Metal twin parses with clang against the Metal stand-in; the MLX backend sends a
-decode row's product to the kernel only on a GPU. On a GPU: the kernel equals the emulation bit for bit,
+launched with, and, compiled by g++ for the host (tests/cuda_host.py), runs as launched and equals the
+emulation bit for bit; the Metal twin parses with clang against the Metal stand-in; the MLX backend
+sends a decode row's product to the kernel only on a GPU. On a GPU: the kernel equals the emulation bit for bit,
 through `MLXBackend.linear`, and its self-check passes."""
 
 import mlx.core as mx
@@ -18,10 +19,13 @@ from mlxinfer import block_kernels, quants
 from mlxinfer.backends.mlx import MLXBackend, _check_block_products, gpu_kind
 from mlxinfer.backends.mlx_weights import to_device
 
-from . import metal_clang
+from . import cuda_host, metal_clang
 from .test_kernels import _nvrtc, _nvrtc_compile
 
 SHAPES = [(16, 256), (40, 512), (8, 1024)]
+# K with a last partial tile after full ones (tiles of 1,024 columns), K above 4,096, and for the 32-value
+# types K not a multiple of 256 (Qwen2.5-0.5B's 896 and 4,864, Qwen2.5-1.5B's 1,536, Qwen3-8B's 12,288)
+TILE_SHAPES = [(42, 1536), (70, 4864), (67, 12288), (29, 896), (9, 1056), (5, 32)]
 TYPES = list(block_kernels.KERNELS)
 
 
@@ -236,6 +240,40 @@ def test_each_launch_is_what_mlx_custom_kernels_take(qtype, m, per_warp, monkeyp
     assert kw["output_shapes"] == [(m, rows)]
 
 
+@pytest.fixture(scope="module")
+def host_kernels(tmp_path_factory):
+    """blocks.cu's kernels compiled for the host (tests/cuda_host.py): every type's form, x float32 and
+    bfloat16, 1 and 5 rows."""
+    if not cuda_host.available():
+        pytest.skip("needs g++ (C++20) to run the CUDA kernels on the host")
+    forms = [(name, consts, t, m) for name, consts in _launches() for t in ("float", "__nv_bfloat16") for m in (1, 5)]
+    return cuda_host.HostKernels(tmp_path_factory.mktemp("cuda_host"), forms)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,cols", [(41, 512), (3, 4096), *TILE_SHAPES])
+def test_the_cuda_kernels_run_on_the_host_give_their_published_order(host_kernels, rows, cols, qtype):
+    """blocks.cu itself (not a transcription), run on the host as `product` launches it on CUDA: its
+    bits equal the numpy emulation of its published order on random blocks with edge values, for one
+    row of x and one output row a warp, 5 rows of x and 4 a warp, 5 rows of bfloat16 x and 3 a warp
+    (a last warp with fewer rows), over full tiles of x, partial ones after full ones, and 32-value rows
+    that are not whole 256-value blocks. The GPU's compiler and memory are not in it: the GPU test
+    below and the self-check are."""
+    if cols % block_kernels.row_multiple(qtype):
+        pytest.skip(f"{qtype.name} takes rows of whole 256-value blocks")
+    rng = np.random.default_rng(rows * cols)
+    raw, parts = _fields(rng, rows, cols, True, qtype)
+    w = to_device(qtype, parts, (rows, cols))
+    values = _values(raw, qtype, rows, cols)
+    for m, per_warp, dtype in ((1, 1, mx.float32), (5, 4, mx.float32), (5, 3, mx.bfloat16)):
+        xd = mx.array(rng.standard_normal((m, cols), dtype=np.float32)).astype(dtype)
+        x = np.array(xd.astype(mx.float32))
+        got = host_kernels.product(xd, w, per_warp)
+        want = np.array(mx.array(block_kernels.emulate(x, values, qtype)).astype(dtype).astype(mx.float32))
+        same = got.view(np.uint32) == want.view(np.uint32)
+        assert same.all(), f"{int((~same).sum())} of {same.size} differ ({m} rows, {per_warp} a warp, {dtype})"
+
+
 def test_rows_a_warp_takes():
     """CUDA warps take 4 output rows; Metal's simdgroups one; a count outside the kernel's registers is
     refused."""
@@ -270,11 +308,6 @@ def test_gpu_kernel_equals_its_published_order_bit_for_bit(rows, cols, m, qtype,
         got = np.array(block_kernels.product(gpu_kind(), mx.array(x), w, per_warp))  # the kernel itself, whatever the verdict
     want = block_kernels.emulate(x, _values(raw, qtype, rows, cols), qtype)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-
-
-# K with a last partial tile after full ones (tiles of 1,024 columns), K above 4,096, and for the 32-value
-# types K not a multiple of 256 (Qwen2.5-0.5B's 896 and 4,864, Qwen2.5-1.5B's 1,536, Qwen3-8B's 12,288)
-TILE_SHAPES = [(42, 1536), (70, 4864), (67, 12288), (29, 896), (9, 1056), (5, 32)]
 
 
 @needs_gpu

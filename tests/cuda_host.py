@@ -1,0 +1,110 @@
+"""metal_kernels/blocks.cu run on the host: each kernel body compiled by g++ against tests/cuda_host.h (the
+CUDA subset it uses) and launched with the arguments `block_kernels.product` hands MLX, one std::thread per
+CUDA thread, so that CI, which has no GPU, runs the kernels' own indexing, tiles of x, barriers and warp
+shuffles and compares their bits with the published order's numpy emulation. What it cannot show: the
+GPU's compiler and memory system (alignment faults, races the host's scheduling happens to hide).
+
+    lib = HostKernels(tmp_dir, forms)    # forms: [(kernel, constants, "float" | "__nv_bfloat16", M)]
+    out = lib.product(x, w, per_warp)    # as block_kernels.product("cuda", x, w, per_warp)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from mlxinfer import block_kernels
+
+HEADER = Path(__file__).with_name("cuda_host.h")
+C_TYPES = {"ql": "uint8_t", "qh": "uint8_t", "scales": "int8_t", "d_bits": "uint16_t", "s0": "uint16_t",
+           "w": "uint32_t", "dims": "int"}
+T_NAMES = {mx.float32: "float", mx.bfloat16: "__nv_bfloat16", mx.float16: "__half"}
+
+
+def available() -> bool:
+    return shutil.which("g++") is not None
+
+
+def _form_id(name, consts, t, m) -> str:
+    return f"{name}_{'_'.join(str(v) for _, v in consts)}_{t.strip('_')}_{m}"
+
+
+def _types(name, consts, t) -> dict:
+    s1 = "uint8_t" if dict(consts).get("SCALES") == 2 else "uint16_t"
+    return dict(C_TYPES, x=t, s1=s1)
+
+
+def source(forms) -> str:
+    """One C++ file: the header, blocks.cu's header, and per form a function holding the kernel body with
+    its constants (as MLX's cuda_kernel writes them) and an extern "C" launcher."""
+    header, bodies = block_kernels.kernel_source("cuda")
+    parts = [f'#include "{HEADER}"\n', header]
+    for name, consts, t, m in forms:
+        fid = _form_id(name, consts, t, m)
+        types = _types(name, consts, t)
+        ins = block_kernels.INPUTS[name]
+        params = ", ".join(f"const {types[i]}* {i}" for i in ins) + f", {t}* out"
+        extra = "".join(f"constexpr int {k} = {v};\n" for k, v in consts)
+        args = ", ".join(f"(const {types[i]}*)a{n}" for n, i in enumerate(ins)) + f", ({t}*)o"
+        void_params = ", ".join(f"const void* a{n}" for n in range(len(ins))) + ", void* o"
+        parts.append(f"namespace {fid} {{\nusing T = {t};\nconstexpr int M = {m};\n{extra}"
+                     f"void body({params}) {{\n{bodies[name]}\n}}\n}}\n"
+                     f'extern "C" void run_{fid}({void_params}, unsigned gx, unsigned gy, unsigned threads) {{\n'
+                     f"  mlxh_launch(gx, gy, threads, [&] {{ {fid}::body({args}); }});\n}}\n")
+    return "\n".join(parts)
+
+
+class HostKernels:
+    """The forms compiled into one shared library under `folder` (reused while its source is unchanged)."""
+
+    def __init__(self, folder, forms):
+        text = source(forms)
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        folder = Path(folder)
+        lib = folder / f"blocks_host_{digest}.so"
+        if not lib.exists():
+            src = folder / f"blocks_host_{digest}.cpp"
+            src.write_text(text)
+            r = subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC",
+                                "-pthread", "-w", "-o", str(lib), str(src)], capture_output=True, text=True, timeout=600)
+            if r.returncode:
+                raise RuntimeError(f"g++ failed:\n{r.stderr[-3000:]}")
+        self.lib = ctypes.CDLL(str(lib))
+
+    def product(self, x, w, per_warp=None):
+        """x @ w.T by the host-compiled kernel, launched exactly as `block_kernels.product` launches it on
+        CUDA (its inputs, template and grid recorded from a stand-in for MLX's kernel)."""
+        seen = {}
+
+        def record(kind, name):
+            def launch(**kw):
+                seen.update(kw, name=name)
+                return [mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]
+            return launch
+
+        real = block_kernels._kernel
+        block_kernels._kernel = record
+        try:
+            block_kernels.product("cuda", x, w, per_warp)
+        finally:
+            block_kernels._kernel = real
+        template = dict(seen["template"])
+        t, m = T_NAMES[template.pop("T")], template.pop("M")
+        consts = tuple(template.items())
+        arrays = [np.ascontiguousarray(np.array(mx.view(a, mx.uint16) if a.dtype in (mx.bfloat16, mx.float16) else a))
+                  for a in seen["inputs"]]
+        shape, dtype = seen["output_shapes"][0], seen["output_dtypes"][0]
+        out = np.zeros(shape, np.float32 if dtype == mx.float32 else np.uint16)
+        (gx, gy, _), (tx, _, _) = seen["grid"], seen["threadgroup"]
+        fn = getattr(self.lib, f"run_{_form_id(seen['name'], consts, t, m)}")
+        fn(*[a.ctypes.data_as(ctypes.c_void_p) for a in arrays], out.ctypes.data_as(ctypes.c_void_p),
+           ctypes.c_uint(gx // tx), ctypes.c_uint(gy), ctypes.c_uint(tx))
+        if dtype == mx.float32:
+            return out
+        return np.array(mx.view(mx.array(out), dtype).astype(mx.float32))
