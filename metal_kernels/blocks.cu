@@ -55,6 +55,12 @@ __device__ __forceinline__ float mlxi_code_float(unsigned int q, float z2) {
   return __fsub_rn(__uint_as_float(0x4B000000u | q), z2);
 }
 
+// Entry c (0..15) of IQ4_NL's and IQ4_XS's codebook (llama.cpp's kvalues_iq4nl), as float.
+__device__ __forceinline__ float mlxi_iq4_value(unsigned int c) {
+  const signed char v[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+  return (float)v[c];
+}
+
 // Whether four consecutive values of x starting at x's base can be one vector load (x's rows and every
 // offset the kernels load from are multiples of four values, so the base decides).
 template <typename X>
@@ -278,6 +284,94 @@ for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
           const unsigned int q = mlxi_code<BITS>(words[r], t0 + tt);
           const float wv = SCALES == 0 ? __fmul_rn(scale[r], mlxi_code_float(q, 8388608.0f + ZERO))
                                        : __fmaf_rn(scale[r], mlxi_code_float(q, 8388608.0f), bias[r]);
+#pragma unroll
+          for (int m = 0; m < M; ++m) acc[r][m] = __fadd_rn(acc[r][m], __fmul_rn(xv[m][tt], wv));
+        }
+      }
+    }
+  }
+}
+#pragma unroll
+for (int r = 0; r < MLXI_MAX_R; ++r) {
+  if (r < rows) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float s = mlxi_warp_total(acc[r][m]);
+      if (lane == 0) out[(long)m * N + n0 + r] = (T)s;
+    }
+  }
+}
+//@@BODY iq4_matvec
+// IQ4_NL (XS 0) and IQ4_XS (XS 1) as the MLX backend keeps them (quants.split: the file's fields): qs the
+// 4-bit codes, 16 bytes per 32 values (IQ4_NL [N, K / 32, 16]; IQ4_XS [N, K / 256, 128], sub-block j at
+// 16 j), d_bits the fp16 d's bits ([N, K / 32] or [N, K / 256]); IQ4_XS also sc_h [N, K / 256] uint16 and
+// sc_l [N, K / 256, 4] uint8, sub-block j's 6-bit scale ls = (sc_l[j / 2] >> 4 (j % 2)) & 15 |
+// ((sc_h >> 2 j) & 3) << 4 (IQ4_NL: unused). dims = [N, K, R]; out [M, N]. Group g = 32 values (IQ4_NL's
+// block; IQ4_XS's sub-block j = g % 8 of block g / 8): dl = d (NL) or d * (ls - 32) (XS), value t the
+// table entry (llama.cpp's kvalues_iq4nl) of code t, the low nibble of byte t for t < 16, else the high one
+// of byte t - 16, w = dl * entry (each product exact: quants), then as the affine kernel: lane l takes
+// groups l, l + 32, ..., t = 0..31, each product with x rounded then added, the butterfly.
+constexpr int STRIDE = MLXI_TILE + 4 * (MLXI_TILE / 32);
+static_assert(MLXI_TILE == 32 * 32, "a tile holds one unit a lane");
+static_assert(M * STRIDE * 4 <= 48 * 1024, "static shared memory: at most 48 KB a block");
+__shared__ __align__(16) float xs[M * STRIDE];  // (float4 reads and writes)
+__shared__ float table[16];  // the codebook, read by every lane at its own index: no bank conflict
+const int N = dims[0], K = dims[1], R = dims[2];
+const long warp0 = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS;
+if (warp0 * R >= N) return;  // (the whole block: no warp of it has a row)
+if (threadIdx.x < 16) table[threadIdx.x] = mlxi_iq4_value(threadIdx.x);  // (published by the first barrier)
+const int lane = threadIdx.x & 31;
+const long n0 = (warp0 + (threadIdx.x >> 5)) * R;
+const int rows = n0 >= N ? 0 : (N - n0 < R ? (int)(N - n0) : R);  // 0: the warp only helps stage x
+const bool vec = mlxi_aligned4(x);
+float acc[MLXI_MAX_R][M];
+#pragma unroll
+for (int r = 0; r < MLXI_MAX_R; ++r)
+#pragma unroll
+  for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
+  const int cols = K - col0 < MLXI_TILE ? (int)(K - col0) : MLXI_TILE;
+  __syncthreads();
+  mlxi_stage_x<32, M, STRIDE>(x, K, col0, cols, vec, xs);
+  __syncthreads();
+  if (rows == 0 || 32 * lane >= cols) continue;
+  const long g = col0 / 32 + lane;
+  uint4 codes[MLXI_MAX_R];
+  float dl[MLXI_MAX_R];
+#pragma unroll
+  for (int r = 0; r < MLXI_MAX_R; ++r) {
+    if (r < rows) {
+      const long n = n0 + r;
+      if (XS) {
+        const long blk = n * (K / 256) + (g >> 3);
+        const int j = g & 7;
+        const unsigned int ls = ((sc_l[4 * blk + (j >> 1)] >> (4 * (j & 1))) & 0xfu) | (((sc_h[blk] >> (2 * j)) & 3u) << 4);
+        dl[r] = __fmul_rn(mlxi_half_bits(d_bits[blk]), mlxi_code_float(ls, 8388640.0f));  // d * (ls - 32)
+        codes[r] = *reinterpret_cast<const uint4*>(qs + blk * 128 + 16 * j);
+      } else {
+        dl[r] = mlxi_half_bits(d_bits[n * (K / 32) + g]);
+        codes[r] = *reinterpret_cast<const uint4*>(qs + (n * (K / 32) + g) * 16);
+      }
+    }
+  }
+#pragma unroll
+  for (int t0 = 0; t0 < 32; t0 += 4) {
+    float xv[M][4];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float4 f = *reinterpret_cast<const float4*>(xs + m * STRIDE + mlxi_xs_at<32>(32 * lane + t0));
+      xv[m][0] = f.x; xv[m][1] = f.y; xv[m][2] = f.z; xv[m][3] = f.w;
+    }
+#pragma unroll
+    for (int r = 0; r < MLXI_MAX_R; ++r) {
+      if (r < rows) {
+        // bytes t0 % 16 .. + 3: one word of the four; the low nibbles for t < 16, the high ones after
+        const int b = t0 & 15;
+        const unsigned int word = b < 4 ? codes[r].x : b < 8 ? codes[r].y : b < 12 ? codes[r].z : codes[r].w;
+#pragma unroll
+        for (int tt = 0; tt < 4; ++tt) {
+          const unsigned int code = (word >> (8 * tt + 4 * (t0 >> 4))) & 0xfu;
+          const float wv = __fmul_rn(dl[r], table[code]);
 #pragma unroll
           for (int m = 0; m < M; ++m) acc[r][m] = __fadd_rn(acc[r][m], __fmul_rn(xv[m][tt], wv));
         }

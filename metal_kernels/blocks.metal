@@ -22,6 +22,12 @@ inline float mlxi_warp_total(float s) {
   return s;
 }
 
+// Entry c of IQ4_NL's and IQ4_XS's codebook (blocks.cu's mlxi_iq4_value).
+inline float mlxi_iq4_value(uint c) {
+  const char v[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+  return float(v[c]);
+}
+
 // Code t of a group packed as MLX packs it (blocks.cu's mlxi_code).
 template <int BITS>
 inline uint mlxi_code(thread const uint* words, int t) {
@@ -106,6 +112,44 @@ for (long g = lane; g < K / 32; g += 32) {
     bias = -(scale * float(ZERO));
   }
   mlxi_affine_group<BITS, M>(x, K, g * 32, w_row, g, scale, bias, acc);
+}
+for (int m = 0; m < M; ++m) {
+  const float s = mlxi_warp_total(acc[m]);
+  if (lane == 0) out[(long)m * N + n] = T(s);
+}
+//@@BODY iq4_matvec
+// As in blocks.cu: IQ4_NL (XS 0) and IQ4_XS (XS 1), qs, d_bits, sc_h, sc_l (IQ4_XS's scales; unused for
+// IQ4_NL), dims = [N, K, 1]; group g of 32 values, dl = d or d * (ls - 32), value t = dl * the codebook's
+// entry for code t (byte t's low nibble for t < 16, else byte t - 16's high one); lane l takes groups
+// l, l + 32, ..., each t = 0..31.
+const int N = dims[0], K = dims[1];
+const uint lane = thread_index_in_simdgroup;
+const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
+    * MLXI_WARPS + simdgroup_index_in_threadgroup;
+if (n >= N) return;
+float acc[M];
+for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+for (long g = lane; g < K / 32; g += 32) {
+  float dl;
+  long at;
+  if (XS) {
+    const long blk = n * (K / 256) + (g >> 3);
+    const int j = g & 7;
+    const uint ls = ((uint(sc_l[4 * blk + (j >> 1)]) >> (4 * (j & 1))) & 0xfu) | (((uint(sc_h[blk]) >> (2 * j)) & 3u) << 4);
+    dl = mlxi_half_bits(d_bits[blk]) * float(int(ls) - 32);
+    at = blk * 128 + 16 * j;
+  } else {
+    dl = mlxi_half_bits(d_bits[n * (K / 32) + g]);
+    at = (n * (K / 32) + g) * 16;
+  }
+  for (int t = 0; t < 32; ++t) {
+    const uint code = (uint(qs[at + (t & 15)]) >> (4 * (t >> 4))) & 0xfu;
+    const float w = dl * mlxi_iq4_value(code);
+    for (int m = 0; m < M; ++m) {
+      const float prod = float(x[(long)m * K + g * 32 + t]) * w;
+      acc[m] = acc[m] + prod;
+    }
+  }
 }
 for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);

@@ -5,8 +5,8 @@ at every product (`mlx_weights`' products, which stay the path for prefill chunk
 read once for many rows, and on the CPU).
 
 Types with a kernel: Q6_K (the output head and half of `attn_v`/`ffn_down` in the Q4_K_M and Q5_K_M
-files users download), and the affine types Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K in the compact
-form the backend keeps (MLX's packed codes, the file's fp16 scales and 6-bit sub-scales), so that a GPU
+files users download), IQ4_NL and IQ4_XS (their codebook in shared memory), and the affine types Q8_0,
+Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K in the compact form the backend keeps (MLX's packed codes, the file's fp16 scales and 6-bit sub-scales), so that a GPU
 need not form float32 scales at load (1.17-1.33x the file's bytes) to decode fast. The summation order
 is published in blocks.cu's header and followed by `emulate` (numpy), which the GPU tests compare with
 bit for bit; it is the same for every row count, so a decode row's product does not depend on its
@@ -37,9 +37,12 @@ KERNELS = {
     Q.Q5_1: ("affine_matvec", (("BITS", 5), ("SCALES", 1), ("ZERO", 0))),
     Q.Q4_K: ("affine_matvec", (("BITS", 4), ("SCALES", 2), ("ZERO", 0))),
     Q.Q5_K: ("affine_matvec", (("BITS", 5), ("SCALES", 2), ("ZERO", 0))),
+    Q.IQ4_NL: ("iq4_matvec", (("XS", 0),)),
+    Q.IQ4_XS: ("iq4_matvec", (("XS", 1),)),
 }
 INPUTS = {"q6_k_matvec": ["x", "ql", "qh", "scales", "d_bits", "dims"],
-          "affine_matvec": ["x", "w", "s0", "s1", "dims"]}
+          "affine_matvec": ["x", "w", "s0", "s1", "dims"],
+          "iq4_matvec": ["x", "qs", "d_bits", "sc_h", "sc_l", "dims"]}
 MAX_ROWS = 8  # rows of x a launch takes (each lane keeps one partial sum per row in registers)
 WARPS = 8  # warps per block of 256 threads
 MAX_ROWS_PER_WARP = 4  # blocks.cu's MLXI_MAX_R: output rows a warp may take
@@ -56,7 +59,7 @@ def applies(w, x) -> bool:
 
 def row_multiple(qtype) -> int:
     """The values a kernel's row length must be a multiple of: a K-quant's block, or a 32-value group."""
-    return 256 if qtype in (Q.Q6_K, Q.Q4_K, Q.Q5_K) else 32
+    return 256 if qtype in (Q.Q6_K, Q.Q4_K, Q.Q5_K, Q.IQ4_XS) else 32
 
 
 def rows_per_warp(kind: str, n: int) -> int:
@@ -101,6 +104,12 @@ def product(kind: str, x, w, per_warp: int | None = None):
     if name == "q6_k_matvec":
         ql, qh, scales, d = w.parts
         fields = [ql, qh, scales, half(d)]
+    elif w.qtype == Q.IQ4_XS:
+        d, scales_h, scales_l, qs = w.parts
+        fields = [qs, half(d), scales_h, scales_l]
+    elif w.qtype == Q.IQ4_NL:  # (sc_h, sc_l unused: IQ4_XS's)
+        d, qs = w.parts
+        fields = [qs, half(d), half(d), qs]
     elif w.qtype in (Q.Q4_K, Q.Q5_K):
         dd, sm = w.parts
         fields = [w.w, half(dd), sm]
