@@ -105,6 +105,21 @@ __device__ __forceinline__ void mlxi_stage_x(const X* x, long K, long col0, int 
   }
 }
 
+// The columns of the tile of x that starts at col0: MLXI_TILE, or what is left of a row of K.
+__device__ __forceinline__ int mlxi_tile_cols(long K, long col0) {
+  return K - col0 < MLXI_TILE ? (int)(K - col0) : MLXI_TILE;
+}
+
+// Values t0 .. t0 + 3 of lane `lane`'s group of 32 in the tile (padding of 4 every 32), each of M rows.
+template <int M, int STRIDE>
+__device__ __forceinline__ void mlxi_group_x4(const float* xs, int lane, int t0, float (&xv)[M][4]) {
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const float4 f = *reinterpret_cast<const float4*>(xs + m * STRIDE + mlxi_xs_at<32>(32 * lane + t0));
+    xv[m][0] = f.x; xv[m][1] = f.y; xv[m][2] = f.z; xv[m][3] = f.w;
+  }
+}
+
 // A group's BITS words of codes: 16-byte loads where BITS is a multiple of 4 and p is so aligned.
 template <int BITS>
 __device__ __forceinline__ void mlxi_words(const unsigned int* p, unsigned int* words) {
@@ -150,7 +165,7 @@ for (int r = 0; r < MLXI_MAX_R; ++r)
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
 for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
-  const int cols = K - col0 < MLXI_TILE ? (int)(K - col0) : MLXI_TILE;
+  const int cols = mlxi_tile_cols(K, col0);
   __syncthreads();
   mlxi_stage_x<128, M, STRIDE>(x, K, col0, cols, vec, xs);
   __syncthreads();
@@ -243,7 +258,7 @@ for (int r = 0; r < MLXI_MAX_R; ++r)
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
 for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
-  const int cols = K - col0 < MLXI_TILE ? (int)(K - col0) : MLXI_TILE;
+  const int cols = mlxi_tile_cols(K, col0);
   __syncthreads();
   mlxi_stage_x<32, M, STRIDE>(x, K, col0, cols, vec, xs);
   __syncthreads();
@@ -271,11 +286,7 @@ for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
 #pragma unroll
   for (int t0 = 0; t0 < 32; t0 += 4) {
     float xv[M][4];
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const float4 f = *reinterpret_cast<const float4*>(xs + m * STRIDE + mlxi_xs_at<32>(32 * lane + t0));
-      xv[m][0] = f.x; xv[m][1] = f.y; xv[m][2] = f.z; xv[m][3] = f.w;
-    }
+    mlxi_group_x4<M, STRIDE>(xs, lane, t0, xv);
 #pragma unroll
     for (int r = 0; r < MLXI_MAX_R; ++r) {
       if (r < rows) {
@@ -330,7 +341,7 @@ for (int r = 0; r < MLXI_MAX_R; ++r)
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
 for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
-  const int cols = K - col0 < MLXI_TILE ? (int)(K - col0) : MLXI_TILE;
+  const int cols = mlxi_tile_cols(K, col0);
   __syncthreads();
   mlxi_stage_x<32, M, STRIDE>(x, K, col0, cols, vec, xs);
   __syncthreads();
@@ -357,11 +368,7 @@ for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
 #pragma unroll
   for (int t0 = 0; t0 < 32; t0 += 4) {
     float xv[M][4];
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const float4 f = *reinterpret_cast<const float4*>(xs + m * STRIDE + mlxi_xs_at<32>(32 * lane + t0));
-      xv[m][0] = f.x; xv[m][1] = f.y; xv[m][2] = f.z; xv[m][3] = f.w;
-    }
+    mlxi_group_x4<M, STRIDE>(xs, lane, t0, xv);
 #pragma unroll
     for (int r = 0; r < MLXI_MAX_R; ++r) {
       if (r < rows) {

@@ -57,6 +57,16 @@ def applies(w, x) -> bool:
     return w.shape[1] % row_multiple(w.qtype) == 0
 
 
+def kernel_names() -> list[str]:
+    """The kernels, each with a self-check verdict of its own (a failing one turns off only its types)."""
+    return sorted({name for name, _ in KERNELS.values()})
+
+
+def types_of(kernel: str | None) -> list:
+    """The types a kernel multiplies (None: every type with a kernel)."""
+    return [t for t, (name, _) in KERNELS.items() if kernel is None or name == kernel]
+
+
 def row_multiple(qtype) -> int:
     """The values a kernel's row length must be a multiple of: a K-quant's block, or a 32-value group."""
     return 256 if qtype in (Q.Q6_K, Q.Q4_K, Q.Q5_K, Q.IQ4_XS) else 32

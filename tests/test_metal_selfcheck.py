@@ -167,11 +167,11 @@ def test_self_check_passes_on_this_gpu(dtype, kv_dtype):
 
 @pytest.mark.parametrize("failing", ["blocks", "attention"])
 def test_one_kernel_family_failing_leaves_the_other_on(monkeypatch, tmp_path, capsys, failing):
-    """The attention kernels and the block kernels have a self-check and a verdict each: a failing block
-    kernel turns off only the block kernels (quantized products on MLX's own ops, attention kernels kept),
-    a failing attention kernel only attention's, each in one warning line; the verdicts are remembered
-    apart, and a product reaches a block kernel exactly while its family stands. (Stand-in verdicts on
-    MLX's CPU: the backend told it is on a GPU.)"""
+    """The attention kernels and each block kernel have a self-check and a verdict each: a failing block
+    kernel turns off only its own types (their products on MLX's own ops; the other block kernels and
+    the attention kernels kept), a failing attention kernel only attention's, each in one warning line;
+    the verdicts are remembered apart, and a product reaches a block kernel exactly while its kernel
+    stands. (Stand-in verdicts on MLX's CPU: the backend told it is on a GPU.)"""
     from mlxinfer import block_kernels, quants
     from mlxinfer.backends import kernel_checks
     from mlxinfer.backends import mlx as mlx_mod
@@ -183,12 +183,12 @@ def test_one_kernel_family_failing_leaves_the_other_on(monkeypatch, tmp_path, ca
     runs = []
     block_problem = "the Q4_K block kernel differs from its published order in 3 of 40 values (1 rows, float32)"
     product_problem = "matmul kernel differs from the reference product by 0.1"
-    monkeypatch.setattr(mlx_mod, "_check_block_products",
-                        lambda b: runs.append("blocks") or (block_problem if failing == "blocks" else None))
+    monkeypatch.setattr(mlx_mod, "_check_block_products", lambda b, kernel=None: runs.append(kernel) or (
+        block_problem if failing == "blocks" and kernel == "affine_matvec" else None))
     monkeypatch.setattr(mlx_mod, "_check_products",
                         lambda b: runs.append("attention") or (product_problem if failing == "attention" else None))
     launched = []
-    monkeypatch.setattr(block_kernels, "product", lambda kind, x, w: launched.append(kind) or w.product(x))
+    monkeypatch.setattr(block_kernels, "product", lambda kind, x, w: launched.append(w.qtype) or w.product(x))
 
     def gpu_backend():
         b = MLXBackend(device="cpu")
@@ -198,28 +198,30 @@ def test_one_kernel_family_failing_leaves_the_other_on(monkeypatch, tmp_path, ca
     b = gpu_backend()
     problem = b.check_kernels()
     err = capsys.readouterr().err.strip().splitlines()
-    assert runs == ["attention", "blocks"] and len(err) == 1
+    assert runs == ["attention", *block_kernels.kernel_names()] and len(err) == 1
+    affine = ", ".join(t.name for t in block_kernels.types_of("affine_matvec"))
     if failing == "blocks":
-        assert problem is None and b.fallback is None and b.block_kind is None and b.block_fallback == block_problem
-        assert err[0] == (f"mlxinfer: warning: the block kernels failed their self-check ({block_problem}); "
-                          "quantized products use MLX's own ops")
-        assert "quantized products on MLX's: the block kernels failed their self-check" in b.describe()
+        assert problem is None and b.fallback is None and b.block_kind == "cuda" and b.block_fallback == block_problem
+        assert err[0] == (f"mlxinfer: warning: a block kernel failed its self-check ({block_problem}); {affine} "
+                          "products use MLX's own ops")
+        assert f"({affine} products on MLX's: their block kernel failed its self-check)" in b.describe()
         line, passed = b.kernel_report()
         assert not passed and line.startswith("kernels: graph: self-check passed")
-        assert line.endswith(f"; block kernels: self-check FAILED ({block_problem}), quantized products on MLX's own ops")
+        assert line.endswith(f"; block kernels: self-check FAILED ({block_problem}), {affine} products on MLX's own ops")
     else:
         assert problem == product_problem == b.fallback and b.block_kind == "cuda" and b.block_fallback is None
         assert err[0].startswith(f"mlxinfer: warning: the attention kernels failed their self-check ({product_problem})")
         assert b.describe().endswith("attention, MLX ops (cuda block kernels))")
     rng = np.random.default_rng(1)
-    raw = quants.random_blocks(rng, quants.Q.Q8_0, 40, 512)
-    w = to_device(quants.Q.Q8_0, quants.split(raw, quants.Q.Q8_0, 40, 512), (40, 512))
-    b.linear(mx.array(rng.standard_normal((1, 512), dtype=np.float32)), w)
-    assert launched == ([] if failing == "blocks" else ["cuda"])
-    again = gpu_backend()  # a second backend in this process: both verdicts remembered, nothing runs again
+    for qtype in (quants.Q.Q8_0, quants.Q.Q6_K):
+        raw = quants.random_blocks(rng, qtype, 40, 512)
+        w = to_device(qtype, quants.split(raw, qtype, 40, 512), (40, 512))
+        b.linear(mx.array(rng.standard_normal((1, 512), dtype=np.float32)), w)
+    assert launched == ([quants.Q.Q6_K] if failing == "blocks" else [quants.Q.Q8_0, quants.Q.Q6_K])
+    again = gpu_backend()  # a second backend in this process: every verdict remembered, nothing runs again
     runs.clear()
     again.check_kernels()
-    assert runs == [] and (again.block_kind, again.fallback) == (b.block_kind, b.fallback)
+    assert runs == [] and (again.block_types, again.fallback) == (b.block_types, b.fallback)
 
 
 def test_a_failing_model_check_falls_back_in_one_line(capsys):

@@ -212,20 +212,20 @@ def _check_products(backend: "MLXBackend") -> str | None:
     return None
 
 
-def _check_block_products(backend: "MLXBackend") -> str | None:
+def _check_block_products(backend: "MLXBackend", kernel: str | None = None) -> str | None:
     """The block kernels (`block_kernels`) against their numpy emulation, bit for bit, on random blocks
     with edge values of every type they take, for 1 and MAX_ROWS rows, each output row count a warp
     takes (42 rows: a last warp of 4 with 2 left), rows of 1,280 values (1,312 for the 32-value types:
     a full tile of x, then a partial one), with x in the products' dtype (`weight_dtype`: a 16-bit x
     is widened exactly, the float32 sum rounded once to that dtype at the end; none on the CPU: nothing
-    to check)."""
+    to check). `kernel`: only the types of that kernel (`block_kernels.KERNELS`), else every type."""
     if backend.block_kind is None:
         return None
     rng = np.random.default_rng(7)
     dtype = backend.weight_dtype
     narrow = lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))  # noqa: E731 (MLX's rounding)
     per_warp = (1, 2, 4) if backend.block_kind == "cuda" else (1,)
-    for qtype in block_kernels.KERNELS:
+    for qtype in block_kernels.types_of(kernel):
         k = 1280 if block_kernels.row_multiple(qtype) == 256 else 1312
         raw = quants.random_blocks(rng, qtype, 42, k, edges=True)
         w = to_device(qtype, quants.split(raw, qtype, 42, k), (42, k))
@@ -317,16 +317,17 @@ def _check_case(backend: "MLXBackend", case: CheckCase) -> str | None:
     return None
 
 
-def verify_block_kernels(backend: "MLXBackend") -> str | None:
-    """The block kernels' self-check (`_check_block_products`): None, or one line naming the failure."""
+def verify_block_kernels(backend: "MLXBackend", kernel: str | None = None) -> str | None:
+    """A block kernel's self-check (`_check_block_products` over its types; None: every kernel's): None,
+    or one line naming the failure."""
     if backend.block_kind == "cuda" and cuda_jit.builder() is not None:  # every row count a decode batch launches
         rng = np.random.default_rng(7)
         weights = [to_device(t, quants.split(quants.random_blocks(rng, t, 8, 256), t, 8, 256), (8, 256))
-                   for t in block_kernels.KERNELS]
+                   for t in block_kernels.types_of(kernel)]
         _prebuild(backend, [lambda w=w, m=m: block_kernels.product("cuda", mx.zeros((m, 256), backend.weight_dtype), w)
                             for w in weights for m in range(1, block_kernels.MAX_ROWS + 1)])
     try:
-        return _check_block_products(backend)
+        return _check_block_products(backend, kernel)
     except Exception as e:  # a kernel that fails to compile or launch
         return f"{_one_line(e)} (the block kernels)"
 
@@ -387,8 +388,10 @@ class MLXBackend(Backend):
         self.kernel = kernel or (gpu if device == "gpu" else "graph")
         # the quantized products' block kernels ("metal", "cuda" or None): checked apart from attention
         self.block_kind = self.gpu_kernels
+        self.block_types = frozenset(block_kernels.KERNELS)  # less those whose kernel failed its self-check
         self.fallback = None  # the self-check's failure, once one failed
-        self.block_fallback = None  # the block kernels' self-check failure, once it failed
+        self.block_fallback = None  # the block kernels' self-check failures, once one failed
+        self.block_off = ""  # the types whose block kernel failed it
         self.checked = None  # the kernel the self-check ran on, once it ran
         self.checked_here = False  # whether it ran in this process (not a remembered verdict)
         self._cache: dict[str, object] = {}
@@ -415,13 +418,21 @@ class MLXBackend(Backend):
         self.checked_here = bool(ran)  # run in this process, not a remembered verdict
         if problem:
             self._attention_falls_back(problem)
-        if kept and self.block_kind:  # the block kernels' verdict, of their own (they read no KV cache)
-            blocks = kernel_checks.verdict(f"{self.block_kind} blocks", self.dtype_name, "-",
-                                           lambda: verify_block_kernels(self), fresh=fresh)
-            if blocks:
-                self.block_fallback, self.block_kind = blocks, None
-                print(f"mlxinfer: warning: the block kernels failed their self-check ({blocks}); quantized "
-                      "products use MLX's own ops", file=sys.stderr)
+        if kept and self.block_kind:  # each block kernel's verdict, of its own (they read no KV cache)
+            failed = {}
+            for name in block_kernels.kernel_names():
+                blocks = kernel_checks.verdict(f"{self.block_kind} blocks {name}", self.dtype_name, "-",
+                                               lambda name=name: verify_block_kernels(self, name), fresh=fresh)
+                if blocks:
+                    failed[name] = blocks
+            if failed:
+                self.block_types = self.block_types - {t for n in failed for t in block_kernels.types_of(n)}
+                self.block_fallback = "; ".join(failed.values())
+                if not self.block_types:
+                    self.block_kind = None
+                self.block_off = ", ".join(t.name for n in failed for t in block_kernels.types_of(n))
+                print(f"mlxinfer: warning: a block kernel failed its self-check ({self.block_fallback}); "
+                      f"{self.block_off} products use MLX's own ops", file=sys.stderr)
         return problem
 
     def _attention_falls_back(self, problem: str) -> None:
@@ -466,7 +477,7 @@ class MLXBackend(Backend):
         what = (f"{len(cases)} cases: head dims {', '.join(map(str, SELF_CHECK_HEAD_DIMS))}; decode rows, chunks, "
                 f"a window, soft-caps, contexts of 1 to 1,100 keys; {', '.join(KV_CACHES)} caches")
         if self.block_fallback:
-            blocks = f"; block kernels: self-check FAILED ({self.block_fallback}), quantized products on MLX's own ops"
+            blocks = f"; block kernels: self-check FAILED ({self.block_fallback}), {self.block_off} products on MLX's own ops"
         else:
             blocks = "; block kernels: self-check passed, bit for bit their published order"
         if self.fallback:
@@ -486,7 +497,7 @@ class MLXBackend(Backend):
             return f"mlx (cpu, {types}, graph attention, {self.threads} thread{'s' if self.threads != 1 else ''})"
         ops = f"{self.gpu_kernels} kernels" if self.gpu_kernels else "MLX ops"
         if self.block_fallback:
-            ops += " (quantized products on MLX's: the block kernels failed their self-check)"
+            ops += f" ({self.block_off} products on MLX's: their block kernel failed its self-check)"
         elif self.block_kind and not self.gpu_kernels:
             ops += f" ({self.block_kind} block kernels)"
         rows = ", each sequence's rows multiplied alone" if self.per_sequence_linear else ""
@@ -617,7 +628,7 @@ class MLXBackend(Backend):
         # do not (README: batch invariance), unless `per_sequence_linear`.
         if self.per_sequence_linear and groups is not None and len(groups) > 1:
             return mx.concatenate([self._linear(x[r0:r1], w) for r0, r1 in groups])
-        if self.block_kind and isinstance(w, PackedWeight) and block_kernels.applies(w, x):
+        if self.block_kind and isinstance(w, PackedWeight) and w.qtype in self.block_types and block_kernels.applies(w, x):
             return block_kernels.product(self.block_kind, x, w)  # decode rows: the fields read in registers
         if isinstance(w, PackedWeight):
             if self._streams and w.shape[0] >= 2 * SPLIT_MIN_ROWS:
