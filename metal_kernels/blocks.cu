@@ -136,6 +136,228 @@ __device__ __forceinline__ void mlxi_words(const unsigned int* p, unsigned int* 
     for (int i = 0; i < BITS; ++i) words[i] = p[i];
   }
 }
+// The group kernels' frame (iq4, q3_k, q2_k, half): the affine kernel's order and layout (tiles of x in
+// shared memory, R rows a warp; lane l takes groups l, l + 32, ... of 32 consecutive values, t = 0..31,
+// each product with x rounded then added, the butterfly), with a type's reader G for the values:
+//   G::Fields  its pointers;  G::prepare()  once a block, before the first barrier;
+//   G::Row G::load(fields, n, g, K)  what row n's group g needs;  float G::value(row, t)  value t, exactly
+//   gguf-py's (t is a constant once the loops are unrolled).
+template <int M, typename G, typename X, typename Y>
+__device__ __forceinline__ void mlxi_group_matvec(const X* x, Y* out, const int* dims, const typename G::Fields& f) {
+  constexpr int STRIDE = MLXI_TILE + 4 * (MLXI_TILE / 32);
+  static_assert(MLXI_TILE == 32 * 32, "a tile holds one unit a lane");
+  static_assert(M * STRIDE * 4 <= 48 * 1024 - 1024, "static shared memory: at most 48 KB a block");
+  __shared__ __align__(16) float xs[M * STRIDE];  // (float4 reads and writes)
+  const int N = dims[0], K = dims[1], R = dims[2];
+  const long warp0 = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS;
+  if (warp0 * R >= N) return;  // (the whole block: no warp of it has a row)
+  G::prepare();
+  const int lane = threadIdx.x & 31;
+  const long n0 = (warp0 + (threadIdx.x >> 5)) * R;
+  const int rows = n0 >= N ? 0 : (N - n0 < R ? (int)(N - n0) : R);  // 0: the warp only helps stage x
+  const bool vec = mlxi_aligned4(x);
+  float acc[MLXI_MAX_R][M];
+#pragma unroll
+  for (int r = 0; r < MLXI_MAX_R; ++r)
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+  for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
+    const int cols = mlxi_tile_cols(K, col0);
+    __syncthreads();
+    mlxi_stage_x<32, M, STRIDE>(x, K, col0, cols, vec, xs);
+    __syncthreads();
+    if (rows == 0 || 32 * lane >= cols) continue;
+    const long g = col0 / 32 + lane;
+    typename G::Row row[MLXI_MAX_R];
+#pragma unroll
+    for (int r = 0; r < MLXI_MAX_R; ++r)
+      if (r < rows) row[r] = G::load(f, n0 + r, g, K);
+#pragma unroll
+    for (int t0 = 0; t0 < 32; t0 += 4) {
+      float xv[M][4];
+      mlxi_group_x4<M, STRIDE>(xs, lane, t0, xv);
+#pragma unroll
+      for (int r = 0; r < MLXI_MAX_R; ++r) {
+        if (r < rows) {
+#pragma unroll
+          for (int tt = 0; tt < 4; ++tt) {
+            const float wv = G::value(row[r], t0 + tt);
+#pragma unroll
+            for (int m = 0; m < M; ++m) acc[r][m] = __fadd_rn(acc[r][m], __fmul_rn(xv[m][tt], wv));
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < MLXI_MAX_R; ++r) {
+    if (r < rows) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const float s = mlxi_warp_total(acc[r][m]);
+        if (lane == 0) out[(long)m * N + n0 + r] = (Y)s;
+      }
+    }
+  }
+}
+
+// Byte t (0..31) of 32 bytes held as two uint4.
+__device__ __forceinline__ unsigned int mlxi_byte32(const uint4& a, const uint4& b, int t) {
+  const uint4& h = t < 16 ? a : b;
+  const int w = (t >> 2) & 3;
+  const unsigned int word = w == 0 ? h.x : w == 1 ? h.y : w == 2 ? h.z : h.w;
+  return (word >> (8 * (t & 3))) & 0xffu;
+}
+
+// IQ4_NL (XS 0) and IQ4_XS (XS 1): group g is IQ4_NL's block g, or IQ4_XS's sub-block j = g % 8 of block
+// g / 8; dl = d or d * (ls - 32), value t = dl * the codebook's entry for code t (byte t's low nibble for
+// t < 16, else byte t - 16's high one).
+template <int XS>
+struct mlxi_iq4 {
+  struct Fields {
+    const uint8_t* qs;
+    const uint16_t* d_bits;
+    const uint16_t* sc_h;
+    const uint8_t* sc_l;
+  };
+  struct Row {
+    uint4 codes;
+    float dl;
+  };
+  __device__ static float* table() {  // the codebook, each lane reading its own entry: no bank conflict
+    __shared__ float t[16];
+    return t;
+  }
+  __device__ static void prepare() {
+    if (threadIdx.x < 16) table()[threadIdx.x] = mlxi_iq4_value(threadIdx.x);
+  }
+  __device__ static Row load(const Fields& f, long n, long g, long K) {
+    Row r;
+    if (XS) {
+      const long blk = n * (K / 256) + (g >> 3);
+      const int j = g & 7;
+      const unsigned int ls = ((f.sc_l[4 * blk + (j >> 1)] >> (4 * (j & 1))) & 0xfu) | (((f.sc_h[blk] >> (2 * j)) & 3u) << 4);
+      r.dl = __fmul_rn(mlxi_half_bits(f.d_bits[blk]), mlxi_code_float(ls, 8388640.0f));  // d * (ls - 32)
+      r.codes = *reinterpret_cast<const uint4*>(f.qs + blk * 128 + 16 * j);
+    } else {
+      r.dl = mlxi_half_bits(f.d_bits[n * (K / 32) + g]);
+      r.codes = *reinterpret_cast<const uint4*>(f.qs + (n * (K / 32) + g) * 16);
+    }
+    return r;
+  }
+  __device__ static float value(const Row& r, int t) {
+    const int b = t & 15;
+    const unsigned int word = b < 4 ? r.codes.x : b < 8 ? r.codes.y : b < 12 ? r.codes.z : r.codes.w;
+    const unsigned int code = (word >> (8 * (b & 3) + 4 * (t >> 4))) & 0xfu;
+    return __fmul_rn(r.dl, table()[code]);
+  }
+};
+
+// Q3_K: group g is values 32 j .. 32 j + 31 of block g / 8 (j = g % 8): value i = 128 h + 32 s + t
+// (h = j / 4, s = j % 4) has low bits (qs[32 h + t] >> 2 s) & 3 and high bit (hmask[t] >> j) & 1, q =
+// low - 4 (1 - high); scale k = i / 16 (2 j for t < 16, else 2 j + 1), 6 bits: k < 8 the low nibble of
+// scales[k], else the high nibble of scales[k - 8], with (scales[8 + k % 4] >> 2 (k / 4)) & 3 above;
+// value = (d * (scale - 32)) * q.
+struct mlxi_q3k {
+  struct Fields {
+    const uint8_t* hmask;
+    const uint8_t* qs;
+    const uint8_t* sc;
+    const uint16_t* d_bits;
+  };
+  struct Row {
+    uint4 q0, q1, m0, m1;
+    float dl0, dl1;
+    int s, j;
+  };
+  __device__ static void prepare() {}
+  __device__ static unsigned int scale(const uint8_t* sc, int k) {
+    const unsigned int lo = k < 8 ? sc[k] & 0xfu : sc[k - 8] >> 4;
+    return lo | (((sc[8 + (k & 3)] >> (2 * (k >> 2))) & 3u) << 4);
+  }
+  __device__ static Row load(const Fields& f, long n, long g, long K) {
+    Row r;
+    const long blk = n * (K / 256) + (g >> 3);
+    r.j = g & 7;
+    r.s = r.j & 3;
+    const uint8_t* sc = f.sc + blk * 12;
+    const float d = mlxi_half_bits(f.d_bits[blk]);
+    r.dl0 = __fmul_rn(d, mlxi_code_float(scale(sc, 2 * r.j), 8388640.0f));
+    r.dl1 = __fmul_rn(d, mlxi_code_float(scale(sc, 2 * r.j + 1), 8388640.0f));
+    const uint4* q = reinterpret_cast<const uint4*>(f.qs + blk * 64 + 32 * (r.j >> 2));
+    const uint4* m = reinterpret_cast<const uint4*>(f.hmask + blk * 32);
+    r.q0 = q[0]; r.q1 = q[1]; r.m0 = m[0]; r.m1 = m[1];
+    return r;
+  }
+  __device__ static float value(const Row& r, int t) {
+    const unsigned int low = (mlxi_byte32(r.q0, r.q1, t) >> (2 * r.s)) & 3u;
+    const unsigned int high = (mlxi_byte32(r.m0, r.m1, t) >> r.j) & 1u;
+    return __fmul_rn(t < 16 ? r.dl0 : r.dl1, mlxi_code_float(low | (high << 2), 8388612.0f));  // low - 4 (1 - high)
+  }
+};
+
+// Q2_K: group g is values 32 j .. 32 j + 31 of block g / 8: value i = 128 h + 32 s + t has q =
+// (qs[32 h + t] >> 2 s) & 3; scale k = i / 16: dl = d * (scales[k] & 15), ml = dmin * (scales[k] >> 4);
+// value = dl * q - ml (dl * q exact: one fma).
+struct mlxi_q2k {
+  struct Fields {
+    const uint8_t* sc;
+    const uint8_t* qs;
+    const uint16_t* d_bits;
+    const uint16_t* dmin_bits;
+  };
+  struct Row {
+    uint4 q0, q1;
+    float dl0, dl1, ml0, ml1;
+    int s;
+  };
+  __device__ static void prepare() {}
+  __device__ static Row load(const Fields& f, long n, long g, long K) {
+    Row r;
+    const long blk = n * (K / 256) + (g >> 3);
+    const int j = g & 7;
+    r.s = j & 3;
+    const float d = mlxi_half_bits(f.d_bits[blk]), dmin = mlxi_half_bits(f.dmin_bits[blk]);
+    const unsigned int c0 = f.sc[blk * 16 + 2 * j], c1 = f.sc[blk * 16 + 2 * j + 1];
+    r.dl0 = __fmul_rn(d, mlxi_code_float(c0 & 0xfu, 8388608.0f));
+    r.dl1 = __fmul_rn(d, mlxi_code_float(c1 & 0xfu, 8388608.0f));
+    r.ml0 = __fmul_rn(dmin, mlxi_code_float(c0 >> 4, 8388608.0f));
+    r.ml1 = __fmul_rn(dmin, mlxi_code_float(c1 >> 4, 8388608.0f));
+    const uint4* q = reinterpret_cast<const uint4*>(f.qs + blk * 64 + 32 * (j >> 2));
+    r.q0 = q[0]; r.q1 = q[1];
+    return r;
+  }
+  __device__ static float value(const Row& r, int t) {
+    const unsigned int q = (mlxi_byte32(r.q0, r.q1, t) >> (2 * r.s)) & 3u;
+    return __fmaf_rn(t < 16 ? r.dl0 : r.dl1, mlxi_code_float(q, 8388608.0f), -(t < 16 ? r.ml0 : r.ml1));
+  }
+};
+
+// F16 (BF 0) and BF16 (BF 1) values, kept as 16-bit: value t of group g is element 32 g + t of the row.
+template <int BF>
+struct mlxi_half_values {
+  struct Fields {
+    const uint16_t* v;
+  };
+  struct Row {
+    uint4 a[4];
+  };
+  __device__ static void prepare() {}
+  __device__ static Row load(const Fields& f, long n, long g, long K) {
+    Row r;
+    const uint4* p = reinterpret_cast<const uint4*>(f.v + n * K + 32 * g);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r.a[i] = p[i];
+    return r;
+  }
+  __device__ static float value(const Row& r, int t) {
+    const uint4& q = r.a[t >> 3];
+    const int w = (t >> 1) & 3;
+    const unsigned int word = w == 0 ? q.x : w == 1 ? q.y : w == 2 ? q.z : q.w;
+    const unsigned int h = (word >> (16 * (t & 1))) & 0xffffu;
+    return BF ? __uint_as_float(h << 16) : mlxi_half_bits(h);
+  }
+};
 //@@BODY q6_k_matvec
 // x [M, K] (T: float, __half or __nv_bfloat16); the Q6_K fields of w [N, K] as quants.split keeps them,
 // per row and block of 256 values: ql [N, K/256, 128] uint8, qh [N, K/256, 64] uint8, scales
@@ -317,82 +539,17 @@ for (int r = 0; r < MLXI_MAX_R; ++r) {
 // 4-bit codes, 16 bytes per 32 values (IQ4_NL [N, K / 32, 16]; IQ4_XS [N, K / 256, 128], sub-block j at
 // 16 j), d_bits the fp16 d's bits ([N, K / 32] or [N, K / 256]); IQ4_XS also sc_h [N, K / 256] uint16 and
 // sc_l [N, K / 256, 4] uint8, sub-block j's 6-bit scale ls = (sc_l[j / 2] >> 4 (j % 2)) & 15 |
-// ((sc_h >> 2 j) & 3) << 4 (IQ4_NL: unused). dims = [N, K, R]; out [M, N]. Group g = 32 values (IQ4_NL's
-// block; IQ4_XS's sub-block j = g % 8 of block g / 8): dl = d (NL) or d * (ls - 32) (XS), value t the
-// table entry (llama.cpp's kvalues_iq4nl) of code t, the low nibble of byte t for t < 16, else the high one
-// of byte t - 16, w = dl * entry (each product exact: quants), then as the affine kernel: lane l takes
-// groups l, l + 32, ..., t = 0..31, each product with x rounded then added, the butterfly.
-constexpr int STRIDE = MLXI_TILE + 4 * (MLXI_TILE / 32);
-static_assert(MLXI_TILE == 32 * 32, "a tile holds one unit a lane");
-static_assert(M * STRIDE * 4 <= 48 * 1024, "static shared memory: at most 48 KB a block");
-__shared__ __align__(16) float xs[M * STRIDE];  // (float4 reads and writes)
-__shared__ float table[16];  // the codebook, read by every lane at its own index: no bank conflict
-const int N = dims[0], K = dims[1], R = dims[2];
-const long warp0 = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS;
-if (warp0 * R >= N) return;  // (the whole block: no warp of it has a row)
-if (threadIdx.x < 16) table[threadIdx.x] = mlxi_iq4_value(threadIdx.x);  // (published by the first barrier)
-const int lane = threadIdx.x & 31;
-const long n0 = (warp0 + (threadIdx.x >> 5)) * R;
-const int rows = n0 >= N ? 0 : (N - n0 < R ? (int)(N - n0) : R);  // 0: the warp only helps stage x
-const bool vec = mlxi_aligned4(x);
-float acc[MLXI_MAX_R][M];
-#pragma unroll
-for (int r = 0; r < MLXI_MAX_R; ++r)
-#pragma unroll
-  for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
-for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
-  const int cols = mlxi_tile_cols(K, col0);
-  __syncthreads();
-  mlxi_stage_x<32, M, STRIDE>(x, K, col0, cols, vec, xs);
-  __syncthreads();
-  if (rows == 0 || 32 * lane >= cols) continue;
-  const long g = col0 / 32 + lane;
-  uint4 codes[MLXI_MAX_R];
-  float dl[MLXI_MAX_R];
-#pragma unroll
-  for (int r = 0; r < MLXI_MAX_R; ++r) {
-    if (r < rows) {
-      const long n = n0 + r;
-      if (XS) {
-        const long blk = n * (K / 256) + (g >> 3);
-        const int j = g & 7;
-        const unsigned int ls = ((sc_l[4 * blk + (j >> 1)] >> (4 * (j & 1))) & 0xfu) | (((sc_h[blk] >> (2 * j)) & 3u) << 4);
-        dl[r] = __fmul_rn(mlxi_half_bits(d_bits[blk]), mlxi_code_float(ls, 8388640.0f));  // d * (ls - 32)
-        codes[r] = *reinterpret_cast<const uint4*>(qs + blk * 128 + 16 * j);
-      } else {
-        dl[r] = mlxi_half_bits(d_bits[n * (K / 32) + g]);
-        codes[r] = *reinterpret_cast<const uint4*>(qs + (n * (K / 32) + g) * 16);
-      }
-    }
-  }
-#pragma unroll
-  for (int t0 = 0; t0 < 32; t0 += 4) {
-    float xv[M][4];
-    mlxi_group_x4<M, STRIDE>(xs, lane, t0, xv);
-#pragma unroll
-    for (int r = 0; r < MLXI_MAX_R; ++r) {
-      if (r < rows) {
-        // bytes t0 % 16 .. + 3: one word of the four; the low nibbles for t < 16, the high ones after
-        const int b = t0 & 15;
-        const unsigned int word = b < 4 ? codes[r].x : b < 8 ? codes[r].y : b < 12 ? codes[r].z : codes[r].w;
-#pragma unroll
-        for (int tt = 0; tt < 4; ++tt) {
-          const unsigned int code = (word >> (8 * tt + 4 * (t0 >> 4))) & 0xfu;
-          const float wv = __fmul_rn(dl[r], table[code]);
-#pragma unroll
-          for (int m = 0; m < M; ++m) acc[r][m] = __fadd_rn(acc[r][m], __fmul_rn(xv[m][tt], wv));
-        }
-      }
-    }
-  }
-}
-#pragma unroll
-for (int r = 0; r < MLXI_MAX_R; ++r) {
-  if (r < rows) {
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const float s = mlxi_warp_total(acc[r][m]);
-      if (lane == 0) out[(long)m * N + n0 + r] = (T)s;
-    }
-  }
-}
+// ((sc_h >> 2 j) & 3) << 4 (IQ4_NL: unused). dims = [N, K, R]; out [M, N]. mlxi_iq4 says the values.
+mlxi_group_matvec<M, mlxi_iq4<XS>>(x, out, dims, {qs, d_bits, sc_h, sc_l});
+//@@BODY q3_k_matvec
+// Q3_K's fields (quants.split) per row and block of 256 values: hmask [N, K/256, 32], qs [N, K/256, 64],
+// sc3 [N, K/256, 12] uint8, d_bits [N, K/256] the fp16 d's bits; dims = [N, K, R]; out [M, N]. mlxi_q3k
+// says the values.
+mlxi_group_matvec<M, mlxi_q3k>(x, out, dims, {hmask, qs, sc3, d_bits});
+//@@BODY q2_k_matvec
+// Q2_K's fields per row and block: sc2 [N, K/256, 16] uint8, qs [N, K/256, 64], d_bits and dmin_bits
+// [N, K/256] fp16 bits; dims = [N, K, R]; out [M, N]. mlxi_q2k says the values.
+mlxi_group_matvec<M, mlxi_q2k>(x, out, dims, {sc2, qs, d_bits, dmin_bits});
+//@@BODY half_matvec
+// F16 (BF 0) or BF16 (BF 1) values v [N, K] as uint16 bits; dims = [N, K, R]; out [M, N].
+mlxi_group_matvec<M, mlxi_half_values<BF>>(x, out, dims, {v});

@@ -155,3 +155,89 @@ for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);
   if (lane == 0) out[(long)m * N + n] = T(s);
 }
+//@@BODY q3_k_matvec
+// As in blocks.cu (mlxi_q3k): hmask, qs, sc3, d_bits, dims = [N, K, 1]; group g = values 32 j .. 32 j + 31
+// of block g / 8; value t: low (qs[32 h + t] >> 2 s) & 3, high (hmask[t] >> j) & 1 (h = j / 4, s = j % 4),
+// q = low - 4 (1 - high), times d * (scale k - 32), k = 2 j + t / 16.
+const int N = dims[0], K = dims[1];
+const uint lane = thread_index_in_simdgroup;
+const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
+    * MLXI_WARPS + simdgroup_index_in_threadgroup;
+if (n >= N) return;
+float acc[M];
+for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+for (long g = lane; g < K / 32; g += 32) {
+  const long blk = n * (K / 256) + (g >> 3);
+  const int j = g & 7, h = j >> 2, s = j & 3;
+  const float d = mlxi_half_bits(d_bits[blk]);
+  for (int t = 0; t < 32; ++t) {
+    const int k = 2 * j + (t >> 4);
+    const uint lo = k < 8 ? uint(sc3[blk * 12 + k]) & 0xfu : uint(sc3[blk * 12 + k - 8]) >> 4;
+    const uint sc = lo | (((uint(sc3[blk * 12 + 8 + (k & 3)]) >> (2 * (k >> 2))) & 3u) << 4);
+    const float dl = d * float(int(sc) - 32);
+    const uint low = (uint(qs[blk * 64 + 32 * h + t]) >> (2 * s)) & 3u;
+    const uint high = (uint(hmask[blk * 32 + t]) >> j) & 1u;
+    const float w = dl * float(int(low) - 4 * int(1u - high));
+    for (int m = 0; m < M; ++m) {
+      const float prod = float(x[(long)m * K + g * 32 + t]) * w;
+      acc[m] = acc[m] + prod;
+    }
+  }
+}
+for (int m = 0; m < M; ++m) {
+  const float s = mlxi_warp_total(acc[m]);
+  if (lane == 0) out[(long)m * N + n] = T(s);
+}
+//@@BODY q2_k_matvec
+// As in blocks.cu (mlxi_q2k): sc2, qs, d_bits, dmin_bits, dims = [N, K, 1]; value t of group g (values
+// 32 j .. of block g / 8): q = (qs[32 h + t] >> 2 s) & 3, dl * q - ml with scale byte k = 2 j + t / 16.
+const int N = dims[0], K = dims[1];
+const uint lane = thread_index_in_simdgroup;
+const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
+    * MLXI_WARPS + simdgroup_index_in_threadgroup;
+if (n >= N) return;
+float acc[M];
+for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+for (long g = lane; g < K / 32; g += 32) {
+  const long blk = n * (K / 256) + (g >> 3);
+  const int j = g & 7, h = j >> 2, s = j & 3;
+  const float d = mlxi_half_bits(d_bits[blk]), dmin = mlxi_half_bits(dmin_bits[blk]);
+  for (int t = 0; t < 32; ++t) {
+    const uint c = uint(sc2[blk * 16 + 2 * j + (t >> 4)]);
+    const float dl = d * float(c & 0xfu), ml = dmin * float(c >> 4);
+    const uint q = (uint(qs[blk * 64 + 32 * h + t]) >> (2 * s)) & 3u;
+    const float dq = dl * float(q);
+    const float w = dq - ml;
+    for (int m = 0; m < M; ++m) {
+      const float prod = float(x[(long)m * K + g * 32 + t]) * w;
+      acc[m] = acc[m] + prod;
+    }
+  }
+}
+for (int m = 0; m < M; ++m) {
+  const float s = mlxi_warp_total(acc[m]);
+  if (lane == 0) out[(long)m * N + n] = T(s);
+}
+//@@BODY half_matvec
+// As in blocks.cu (mlxi_half_values): v [N, K] the F16 (BF 0) or BF16 (BF 1) values' bits, dims = [N, K, 1].
+const int N = dims[0], K = dims[1];
+const uint lane = thread_index_in_simdgroup;
+const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
+    * MLXI_WARPS + simdgroup_index_in_threadgroup;
+if (n >= N) return;
+float acc[M];
+for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+for (long g = lane; g < K / 32; g += 32) {
+  for (int t = 0; t < 32; ++t) {
+    const uint h = uint(v[n * K + g * 32 + t]);
+    const float w = BF ? as_type<float>(h << 16) : mlxi_half_bits(h);
+    for (int m = 0; m < M; ++m) {
+      const float prod = float(x[(long)m * K + g * 32 + t]) * w;
+      acc[m] = acc[m] + prod;
+    }
+  }
+}
+for (int m = 0; m < M; ++m) {
+  const float s = mlxi_warp_total(acc[m]);
+  if (lane == 0) out[(long)m * N + n] = T(s);
+}

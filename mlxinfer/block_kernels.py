@@ -5,8 +5,9 @@ at every product (`mlx_weights`' products, which stay the path for prefill chunk
 read once for many rows, and on the CPU).
 
 Types with a kernel: Q6_K (the output head and half of `attn_v`/`ffn_down` in the Q4_K_M and Q5_K_M
-files users download), IQ4_NL and IQ4_XS (their codebook in shared memory), and the affine types Q8_0,
-Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K in the compact form the backend keeps (MLX's packed codes, the file's fp16 scales and 6-bit sub-scales), so that a GPU
+files users download), IQ4_NL, IQ4_XS, Q3_K, Q2_K, F16 and BF16 (one frame, `mlxi_group_matvec`, and a
+reader of each type's fields), and the affine types Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K in the
+compact form the backend keeps (MLX's packed codes, the file's fp16 scales and 6-bit sub-scales), so that a GPU
 need not form float32 scales at load (1.17-1.33x the file's bytes) to decode fast. The summation order
 is published in blocks.cu's header and followed by `emulate` (numpy), which the GPU tests compare with
 bit for bit; it is the same for every row count, so a decode row's product does not depend on its
@@ -39,10 +40,17 @@ KERNELS = {
     Q.Q5_K: ("affine_matvec", (("BITS", 5), ("SCALES", 2), ("ZERO", 0))),
     Q.IQ4_NL: ("iq4_matvec", (("XS", 0),)),
     Q.IQ4_XS: ("iq4_matvec", (("XS", 1),)),
+    Q.Q3_K: ("q3_k_matvec", ()),
+    Q.Q2_K: ("q2_k_matvec", ()),
+    Q.F16: ("half_matvec", (("BF", 0),)),
+    Q.BF16: ("half_matvec", (("BF", 1),)),
 }
 INPUTS = {"q6_k_matvec": ["x", "ql", "qh", "scales", "d_bits", "dims"],
           "affine_matvec": ["x", "w", "s0", "s1", "dims"],
-          "iq4_matvec": ["x", "qs", "d_bits", "sc_h", "sc_l", "dims"]}
+          "iq4_matvec": ["x", "qs", "d_bits", "sc_h", "sc_l", "dims"],
+          "q3_k_matvec": ["x", "hmask", "qs", "sc3", "d_bits", "dims"],
+          "q2_k_matvec": ["x", "sc2", "qs", "d_bits", "dmin_bits", "dims"],
+          "half_matvec": ["x", "v", "dims"]}
 MAX_ROWS = 8  # rows of x a launch takes (each lane keeps one partial sum per row in registers)
 WARPS = 8  # warps per block of 256 threads
 MAX_ROWS_PER_WARP = 4  # blocks.cu's MLXI_MAX_R: output rows a warp may take
@@ -69,7 +77,7 @@ def types_of(kernel: str | None) -> list:
 
 def row_multiple(qtype) -> int:
     """The values a kernel's row length must be a multiple of: a K-quant's block, or a 32-value group."""
-    return 256 if qtype in (Q.Q6_K, Q.Q4_K, Q.Q5_K, Q.IQ4_XS) else 32
+    return 256 if qtype in (Q.Q6_K, Q.Q4_K, Q.Q5_K, Q.IQ4_XS, Q.Q3_K, Q.Q2_K) else 32
 
 
 def rows_per_warp(kind: str, n: int) -> int:
@@ -120,6 +128,14 @@ def product(kind: str, x, w, per_warp: int | None = None):
     elif w.qtype == Q.IQ4_NL:  # (sc_h, sc_l unused: IQ4_XS's)
         d, qs = w.parts
         fields = [qs, half(d), half(d), qs]
+    elif w.qtype == Q.Q3_K:
+        hmask, qs, scales, d = w.parts
+        fields = [hmask, qs, scales, half(d)]
+    elif w.qtype == Q.Q2_K:
+        scales, qs, d, dmin = w.parts
+        fields = [scales, qs, half(d), half(dmin)]
+    elif w.qtype in (Q.F16, Q.BF16):  # (BF16 kept as its bits)
+        fields = [half(w.parts[0]) if w.qtype == Q.F16 else w.parts[0]]
     elif w.qtype in (Q.Q4_K, Q.Q5_K):
         dd, sm = w.parts
         fields = [w.w, half(dd), sm]

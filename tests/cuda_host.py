@@ -23,7 +23,8 @@ from mlxinfer import block_kernels
 
 HEADER = Path(__file__).with_name("cuda_host.h")
 C_TYPES = {"ql": "uint8_t", "qh": "uint8_t", "scales": "int8_t", "d_bits": "uint16_t", "s0": "uint16_t",
-           "qs": "uint8_t", "sc_h": "uint16_t", "sc_l": "uint8_t", "w": "uint32_t", "dims": "int"}
+           "qs": "uint8_t", "sc_h": "uint16_t", "sc_l": "uint8_t", "hmask": "uint8_t",
+           "sc3": "uint8_t", "sc2": "uint8_t", "dmin_bits": "uint16_t", "v": "uint16_t", "w": "uint32_t", "dims": "int"}
 T_NAMES = {mx.float32: "float", mx.bfloat16: "__nv_bfloat16", mx.float16: "__half"}
 
 

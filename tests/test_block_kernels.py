@@ -96,7 +96,8 @@ struct __half { unsigned short x; __device__ __half(float f) : x(0) {} __device_
 
 
 INPUT_TYPES = {"ql": "uint8_t", "qh": "uint8_t", "scales": "int8_t", "d_bits": "uint16_t", "s0": "uint16_t",
-               "qs": "uint8_t", "sc_h": "uint16_t", "sc_l": "uint8_t", "w": "uint32_t", "dims": "int"}
+               "qs": "uint8_t", "sc_h": "uint16_t", "sc_l": "uint8_t", "hmask": "uint8_t",
+               "sc3": "uint8_t", "sc2": "uint8_t", "dmin_bits": "uint16_t", "v": "uint16_t", "w": "uint32_t", "dims": "int"}
 
 
 def _input_types(consts, x: str) -> dict:
@@ -229,7 +230,8 @@ def test_each_launch_is_what_mlx_custom_kernels_take(qtype, m, per_warp, monkeyp
     ins = kw["inputs"]
     assert len(ins) == len(block_kernels.INPUTS[name]) and ins[0] is x and ins[-1].tolist() == [rows, cols, per_warp]
     want = {"ql": mx.uint8, "qh": mx.uint8, "scales": mx.int8, "d_bits": mx.uint16, "s0": mx.uint16, "qs": mx.uint8,
-            "sc_h": mx.uint16, "sc_l": mx.uint8,
+            "sc_h": mx.uint16, "sc_l": mx.uint8, "hmask": mx.uint8, "sc3": mx.uint8, "sc2": mx.uint8,
+            "dmin_bits": mx.uint16, "v": mx.uint16,
             "w": mx.uint32, "s1": mx.uint8 if qtype in (Q.Q4_K, Q.Q5_K) else mx.uint16, "dims": mx.int32}
     for n, a in zip(block_kernels.INPUTS[name][1:], ins[1:]):
         assert a.dtype == want[n], (n, a.dtype)

@@ -10,7 +10,7 @@ takes which form and why each is exact):
     of Q6_K, Q3_K or Q2_K takes 2-3.5x an affine type's, F16/BF16 1.5-2.5x, IQ4_NL/IQ4_XS ~10x (MLX's
     gather for the codebook); figures in tests/test_quants.py's docstring, `bench/probes/weight_types.py`
     measures them. A product dequantizes a slice of rows at a time (`DENSE_SLICE_BYTES`), so the float32
-    matrix is never whole in memory. On a GPU decode rows of Q6_K, IQ4_NL and IQ4_XS go to a kernel
+    matrix is never whole in memory. On a GPU decode rows of every such type go to a kernel
     (`block_kernels`).
   - float32 arrays (F32 files), [in, out] for products.
   - `ExpertStack`: a mixture's [experts, out, in] stacks in one of the forms above, rows flattened.
