@@ -209,6 +209,46 @@ __device__ __forceinline__ unsigned int mlxi_byte32(const uint4& a, const uint4&
   return (word >> (8 * (t & 3))) & 0xffu;
 }
 
+// The affine types (affine_matvec says the fields): value t = scale * code t + bias, each step rounded;
+// scale * code is exact (an fp16 d, times a 6-bit sub-scale for the K-quants, times the code), so one fma
+// gives the same bits, and for SCALES 0 (bias -(d * ZERO), also exact) d * (code - ZERO).
+template <int BITS, int SCALES, int ZERO>
+struct mlxi_affine {
+  struct Fields {
+    const unsigned int* w;
+    const uint16_t* s0;
+    const void* s1;  // uint16_t (SCALES 1: m's bits) or uint8_t (SCALES 2: sub-scales and mins)
+  };
+  struct Row {
+    unsigned int words[BITS];
+    float scale, bias;
+  };
+  __device__ static void prepare() {}
+  __device__ static Row load(const Fields& f, long n, long g, long K) {
+    Row r;
+    const long at = n * (K / 32) + g, blk = n * (K / 256) + (g >> 3);
+    if (SCALES == 2) {
+      const uint8_t* s1 = static_cast<const uint8_t*>(f.s1);
+      const int j = g & 7;
+      r.scale = __fmul_rn(mlxi_half_bits(f.s0[2 * blk]), (float)s1[16 * blk + j]);
+      r.bias = -__fmul_rn(mlxi_half_bits(f.s0[2 * blk + 1]), (float)s1[16 * blk + 8 + j]);
+    } else if (SCALES == 1) {
+      r.scale = mlxi_half_bits(f.s0[at]);
+      r.bias = mlxi_half_bits(static_cast<const uint16_t*>(f.s1)[at]);
+    } else {
+      r.scale = mlxi_half_bits(f.s0[at]);  // (bias -(scale * ZERO): folded into value below)
+      r.bias = 0.0f;
+    }
+    mlxi_words<BITS>(f.w + at * BITS, r.words);
+    return r;
+  }
+  __device__ static float value(const Row& r, int t) {
+    const unsigned int q = mlxi_code<BITS>(r.words, t);
+    return SCALES == 0 ? __fmul_rn(r.scale, mlxi_code_float(q, 8388608.0f + ZERO))
+                       : __fmaf_rn(r.scale, mlxi_code_float(q, 8388608.0f), r.bias);
+  }
+};
+
 // IQ4_NL (XS 0) and IQ4_XS (XS 1): group g is IQ4_NL's block g, or IQ4_XS's sub-block j = g % 8 of block
 // g / 8; dl = d or d * (ls - 32), value t = dl * the codebook's entry for code t (byte t's low nibble for
 // t < 16, else byte t - 16's high one).
@@ -459,81 +499,8 @@ for (int r = 0; r < MLXI_MAX_R; ++r) {
 // uint8 sub-scales then mins, group g = 8b + j: scale d sc_j, bias -(dmin m_j) (quants: exact).
 // dims = [N, K, R]; out [M, N]. Lane l takes groups l, l + 32, ..., each t = 0..31: code t of the group
 // (MLX's packing: bits [BITS t, BITS (t + 1)) of the group's BITS words), w = scale * code + bias (each
-// step rounded), then the product with x and the sum. A tile of x (MLXI_TILE columns) holds the 32
-// groups the lanes take next, one a lane. scale * code is exact in float32 (an fp16 d, times a 6-bit
-// sub-scale for the K-quants, times the code: tests/test_quants.py's exactness test), so w is one fma of
-// the same bits, and for SCALES 0 (bias -(d * ZERO), also exact) d * (code - ZERO).
-constexpr int STRIDE = MLXI_TILE + 4 * (MLXI_TILE / 32);
-static_assert(MLXI_TILE == 32 * 32, "a tile holds one unit a lane");
-static_assert(M * STRIDE * 4 <= 48 * 1024, "static shared memory: at most 48 KB a block");
-__shared__ __align__(16) float xs[M * STRIDE];  // (float4 reads and writes)
-const int N = dims[0], K = dims[1], R = dims[2];
-const long warp0 = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS;
-if (warp0 * R >= N) return;  // (the whole block: no warp of it has a row)
-const int lane = threadIdx.x & 31;
-const long n0 = (warp0 + (threadIdx.x >> 5)) * R;
-const int rows = n0 >= N ? 0 : (N - n0 < R ? (int)(N - n0) : R);  // 0: the warp only helps stage x
-const bool vec = mlxi_aligned4(x);
-float acc[MLXI_MAX_R][M];
-#pragma unroll
-for (int r = 0; r < MLXI_MAX_R; ++r)
-#pragma unroll
-  for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
-for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
-  const int cols = mlxi_tile_cols(K, col0);
-  __syncthreads();
-  mlxi_stage_x<32, M, STRIDE>(x, K, col0, cols, vec, xs);
-  __syncthreads();
-  if (rows == 0 || 32 * lane >= cols) continue;
-  const long g = col0 / 32 + lane;
-  unsigned int words[MLXI_MAX_R][BITS];
-  float scale[MLXI_MAX_R], bias[MLXI_MAX_R];
-#pragma unroll
-  for (int r = 0; r < MLXI_MAX_R; ++r) {
-    if (r < rows) {
-      const long n = n0 + r, at = n * (K / 32) + g, blk = n * (K / 256) + (g >> 3);
-      if (SCALES == 2) {
-        const int j = g & 7;
-        scale[r] = __fmul_rn(mlxi_half_bits(s0[2 * blk]), (float)s1[16 * blk + j]);
-        bias[r] = -__fmul_rn(mlxi_half_bits(s0[2 * blk + 1]), (float)s1[16 * blk + 8 + j]);
-      } else if (SCALES == 1) {
-        scale[r] = mlxi_half_bits(s0[at]);
-        bias[r] = mlxi_half_bits(s1[at]);
-      } else {
-        scale[r] = mlxi_half_bits(s0[at]);  // (bias -(scale * ZERO): folded into the code below)
-      }
-      mlxi_words<BITS>(w + at * BITS, words[r]);
-    }
-  }
-#pragma unroll
-  for (int t0 = 0; t0 < 32; t0 += 4) {
-    float xv[M][4];
-    mlxi_group_x4<M, STRIDE>(xs, lane, t0, xv);
-#pragma unroll
-    for (int r = 0; r < MLXI_MAX_R; ++r) {
-      if (r < rows) {
-#pragma unroll
-        for (int tt = 0; tt < 4; ++tt) {
-          const unsigned int q = mlxi_code<BITS>(words[r], t0 + tt);
-          const float wv = SCALES == 0 ? __fmul_rn(scale[r], mlxi_code_float(q, 8388608.0f + ZERO))
-                                       : __fmaf_rn(scale[r], mlxi_code_float(q, 8388608.0f), bias[r]);
-#pragma unroll
-          for (int m = 0; m < M; ++m) acc[r][m] = __fadd_rn(acc[r][m], __fmul_rn(xv[m][tt], wv));
-        }
-      }
-    }
-  }
-}
-#pragma unroll
-for (int r = 0; r < MLXI_MAX_R; ++r) {
-  if (r < rows) {
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const float s = mlxi_warp_total(acc[r][m]);
-      if (lane == 0) out[(long)m * N + n0 + r] = (T)s;
-    }
-  }
-}
+// step rounded), then the product with x and the sum (mlxi_group_matvec, mlxi_affine).
+mlxi_group_matvec<M, mlxi_affine<BITS, SCALES, ZERO>>(x, out, dims, {w, s0, s1});
 //@@BODY iq4_matvec
 // IQ4_NL (XS 0) and IQ4_XS (XS 1) as the MLX backend keeps them (quants.split: the file's fields): qs the
 // 4-bit codes, 16 bytes per 32 values (IQ4_NL [N, K / 32, 16]; IQ4_XS [N, K / 256, 128], sub-block j at
