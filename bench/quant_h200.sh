@@ -4,13 +4,15 @@
 # Qwen3-8B shapes (synthetic random blocks; mlx-lm's: random weights of the same shapes, mx.quantize).
 # From the repo root, after `source .mlxcuda2/setup.sh` (MLX's CUDA build and mlx-lm):
 #
-#   OUT=DIR bash bench/quant_h200.sh [STEP...]     # steps: check tests types small prefill large
+#   OUT=DIR bash bench/quant_h200.sh [STEP...]     # steps: check tests products types small prefill large
 #                                                  # (default: tests types small)
 #
 # check  `mlxinfer inspect --kernels`: the GPU self-check (attention kernels, long prefill chunks on
 #        MLX's GEMMs, the block kernels), bit for bit
-# tests  tests/test_block_kernels.py (the kernel against its published order, bit for bit), and the
-#        quantized experts on the GPU (tests/test_quants.py -k experts)
+# tests  tests/test_block_kernels.py (every type's kernel against its published order, bit for bit, partial
+#        tiles of x included), and the quantized experts on the GPU (tests/test_quants.py -k experts)
+# products  bench/probes/block_products.py --types PTYPES (Q8_0,Q4_K,Q6_K,IQ4_XS,Q3_K,F16): one product
+#        per decode shape of the 0.6B and 8B models, the kernels against MLX's quantized_matmul -> $OUT/products.jsonl
 # types  bench/probes/decode_types.py --types TYPES (Q8_0,Q4_K,Q6_K) -> $OUT/types.jsonl
 # small  mlxinfer bench on qwen3-0.6b-q4km-synthetic with mlx-lm 4:32 and 4:64 in bfloat16, then on
 #        qwen3-0.6b-synthetic (Q8_0), prompts PROMPTS (17,511), 64 tokens, ROUNDS (2) rounds of RUNS (3)
@@ -36,9 +38,12 @@ for step in ${*:-tests types small}; do
   case $step in
     check) timeout 400 python3 -m mlxinfer inspect --kernels >"$OUT/check.log" 2>&1; tail -3 "$OUT/check.log"
            log "check" ;;
-    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_block_kernels.py \
+    tests) timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_block_kernels.py \
              tests/test_quants.py -k "not cpu and (experts or Q4_K or Q6_K or block or gpu)" >"$OUT/tests.log" 2>&1
            tail -5 "$OUT/tests.log"; log "tests" ;;
+    products) timeout 400 python3 bench/probes/block_products.py --types "${PTYPES:-Q8_0,Q4_K,Q6_K,IQ4_XS,Q3_K,F16}" \
+                --out "$OUT/products.jsonl" 2>&1 | tail -4
+              log "products" ;;
     types) timeout 300 python3 bench/probes/decode_types.py --types "$TYPES" --runs 3 --out "$OUT/types.jsonl" 2>&1 | tail -12
            log "types" ;;
     small) bench q4km-0.6b qwen3-0.6b-q4km-synthetic "$PROMPTS" 4:32,4:64
