@@ -83,8 +83,8 @@ def row_multiple(qtype) -> int:
 def rows_per_warp(kind: str, n: int) -> int:
     """Output rows a CUDA warp takes (blocks.cu: each x value a lane reads from shared memory serves that
     many rows): 4, the fastest of 1, 2, 4 at every wide decode product of the Qwen3-0.6B and 8B shapes on
-    an H200 and within a few percent at the narrow ones (`bench/probes/block_products.py`,
-    docs/performance.md). The Metal twin takes one row a simdgroup. The order, and so the bits, are the
+    an H200, and at most 22% slower than 1 or 2 at the narrow ones, whose times were mostly launch cost
+    (`bench/probes/block_products.py`, docs/performance.md). The Metal twin takes one row a simdgroup. The order, and so the bits, are the
     same for every choice."""
     return MAX_ROWS_PER_WARP if kind == "cuda" else 1
 
