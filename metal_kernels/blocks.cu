@@ -110,12 +110,12 @@ __device__ __forceinline__ int mlxi_tile_cols(long K, long col0) {
   return K - col0 < MLXI_TILE ? (int)(K - col0) : MLXI_TILE;
 }
 
-// Values t0 .. t0 + 3 of lane `lane`'s group of 32 in the tile (padding of 4 every 32), each of M rows.
-template <int M, int STRIDE>
-__device__ __forceinline__ void mlxi_group_x4(const float* xs, int lane, int t0, float (&xv)[M][4]) {
+// Tile columns c .. c + 3 (c a multiple of 4; padding of 4 every PAD), each of M rows.
+template <int M, int STRIDE, int PAD>
+__device__ __forceinline__ void mlxi_tile_x4(const float* xs, int c, float (&xv)[M][4]) {
 #pragma unroll
   for (int m = 0; m < M; ++m) {
-    const float4 f = *reinterpret_cast<const float4*>(xs + m * STRIDE + mlxi_xs_at<32>(32 * lane + t0));
+    const float4 f = *reinterpret_cast<const float4*>(xs + m * STRIDE + mlxi_xs_at<PAD>(c));
     xv[m][0] = f.x; xv[m][1] = f.y; xv[m][2] = f.z; xv[m][3] = f.w;
   }
 }
@@ -136,15 +136,18 @@ __device__ __forceinline__ void mlxi_words(const unsigned int* p, unsigned int* 
     for (int i = 0; i < BITS; ++i) words[i] = p[i];
   }
 }
-// The group kernels' frame (iq4, q3_k, q2_k, half): the affine kernel's order and layout (tiles of x in
-// shared memory, R rows a warp; lane l takes groups l, l + 32, ... of 32 consecutive values, t = 0..31,
-// each product with x rounded then added, the butterfly), with a type's reader G for the values:
+// Every block kernel's frame: the published order (lane l takes work units l, l + 32, ... of 32 values,
+// in each its values t = 0..31, each product with x rounded then added, then the butterfly) laid out in
+// tiles of x in shared memory and R rows a warp, with a type's reader G for the values:
 //   G::Fields  its pointers;  G::prepare()  once a block, before the first barrier;
-//   G::Row G::load(fields, n, g, K)  what row n's group g needs;  float G::value(row, t)  value t, exactly
+//   G::PAD, G::column(lane, t)  the tile's padding, and the tile column of value t of the lane's unit
+//     (t a multiple of 4; t .. t + 3 are consecutive columns): `mlxi_groups32` for units of 32
+//     consecutive values;
+//   G::Row G::load(fields, n, u, K)  what row n's unit u needs;  float G::value(row, t)  value t, exactly
 //   gguf-py's (t is a constant once the loops are unrolled).
 template <int M, typename G, typename X, typename Y>
-__device__ __forceinline__ void mlxi_group_matvec(const X* x, Y* out, const int* dims, const typename G::Fields& f) {
-  constexpr int STRIDE = MLXI_TILE + 4 * (MLXI_TILE / 32);
+__device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int* dims, const typename G::Fields& f) {
+  constexpr int STRIDE = MLXI_TILE + 4 * (MLXI_TILE / G::PAD);
   static_assert(MLXI_TILE == 32 * 32, "a tile holds one unit a lane");
   static_assert(M * STRIDE * 4 <= 48 * 1024 - 1024, "static shared memory: at most 48 KB a block");
   __shared__ __align__(16) float xs[M * STRIDE];  // (float4 reads and writes)
@@ -164,18 +167,18 @@ __device__ __forceinline__ void mlxi_group_matvec(const X* x, Y* out, const int*
   for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
     const int cols = mlxi_tile_cols(K, col0);
     __syncthreads();
-    mlxi_stage_x<32, M, STRIDE>(x, K, col0, cols, vec, xs);
+    mlxi_stage_x<G::PAD, M, STRIDE>(x, K, col0, cols, vec, xs);
     __syncthreads();
     if (rows == 0 || 32 * lane >= cols) continue;
-    const long g = col0 / 32 + lane;
+    const long u = col0 / 32 + lane;
     typename G::Row row[MLXI_MAX_R];
 #pragma unroll
     for (int r = 0; r < MLXI_MAX_R; ++r)
-      if (r < rows) row[r] = G::load(f, n0 + r, g, K);
+      if (r < rows) row[r] = G::load(f, n0 + r, u, K);
 #pragma unroll
     for (int t0 = 0; t0 < 32; t0 += 4) {
       float xv[M][4];
-      mlxi_group_x4<M, STRIDE>(xs, lane, t0, xv);
+      mlxi_tile_x4<M, STRIDE, G::PAD>(xs, G::column(lane, t0), xv);
 #pragma unroll
       for (int r = 0; r < MLXI_MAX_R; ++r) {
         if (r < rows) {
@@ -201,6 +204,56 @@ __device__ __forceinline__ void mlxi_group_matvec(const X* x, Y* out, const int*
   }
 }
 
+// Readers whose unit is a group of 32 consecutive values: lane l's unit at tile columns 32 l .. 32 l + 31.
+struct mlxi_groups32 {
+  static constexpr int PAD = 32;
+  __device__ static int column(int lane, int t) { return 32 * lane + t; }
+};
+
+// Q6_K (q6_k_matvec says the fields and the units): unit u = 8b + 4h + c of block b holds values
+// r = 8c + t + 32j of its half h (t, j: 0..7, 0..3), taken j = 0..3 then t = 0..7, so value k of the
+// unit is j = k / 8, t = k % 8: low four bits ql[64h + r % 64] >> 4 (r / 64), high two
+// qh[32h + r % 32] >> 2 (r / 32), q = low | high << 4, value (d * scales[8h + 2j + c / 2]) * (q - 32).
+// A tile (four blocks) holds lane l's unit at columns 256 (l / 8) + 128 h + 8 c + 32 j + t.
+struct mlxi_q6k {
+  static constexpr int PAD = 128;
+  __device__ static int column(int lane, int k) {
+    return 256 * (lane >> 3) + 128 * ((lane >> 2) & 1) + 8 * (lane & 3) + 32 * (k >> 3) + (k & 7);
+  }
+  struct Fields {
+    const uint8_t* ql;
+    const uint8_t* qh;
+    const int8_t* scales;
+    const uint16_t* d_bits;
+  };
+  struct Row {
+    uint2 lo0, lo1, hb;
+    float dl[4];
+  };
+  __device__ static void prepare() {}
+  __device__ static Row load(const Fields& f, long n, long u, long K) {
+    Row r;
+    const int h = (u >> 2) & 1, c = u & 3;
+    const long blk = n * (K / 256) + (u >> 3);
+    const float d = mlxi_half_bits(f.d_bits[blk]);
+    r.lo0 = *reinterpret_cast<const uint2*>(f.ql + blk * 128 + 64 * h + 8 * c);
+    r.lo1 = *reinterpret_cast<const uint2*>(f.ql + blk * 128 + 64 * h + 32 + 8 * c);
+    r.hb = *reinterpret_cast<const uint2*>(f.qh + blk * 64 + 32 * h + 8 * c);
+    const int8_t* sc = f.scales + blk * 16 + 8 * h + (c >> 1);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) r.dl[j] = __fmul_rn(d, (float)sc[2 * j]);
+    return r;
+  }
+  __device__ static float value(const Row& r, int k) {
+    const int j = k >> 3, t = k & 7;
+    const uint2 lo = (j & 1) ? r.lo1 : r.lo0;
+    const unsigned int lw = t < 4 ? lo.x : lo.y, hw = t < 4 ? r.hb.x : r.hb.y;
+    const unsigned int lb = (lw >> (8 * (t & 3))) & 0xffu, hbyte = (hw >> (8 * (t & 3))) & 0xffu;
+    const unsigned int q = ((lb >> (4 * (j >> 1))) & 0xfu) | (((hbyte >> (2 * j)) & 3u) << 4);
+    return __fmul_rn(r.dl[j], mlxi_code_float(q, 8388640.0f));  // q - 32
+  }
+};
+
 // Byte t (0..31) of 32 bytes held as two uint4.
 __device__ __forceinline__ unsigned int mlxi_byte32(const uint4& a, const uint4& b, int t) {
   const uint4& h = t < 16 ? a : b;
@@ -213,7 +266,7 @@ __device__ __forceinline__ unsigned int mlxi_byte32(const uint4& a, const uint4&
 // scale * code is exact (an fp16 d, times a 6-bit sub-scale for the K-quants, times the code), so one fma
 // gives the same bits, and for SCALES 0 (bias -(d * ZERO), also exact) d * (code - ZERO).
 template <int BITS, int SCALES, int ZERO>
-struct mlxi_affine {
+struct mlxi_affine : mlxi_groups32 {
   struct Fields {
     const unsigned int* w;
     const uint16_t* s0;
@@ -253,7 +306,7 @@ struct mlxi_affine {
 // g / 8; dl = d or d * (ls - 32), value t = dl * the codebook's entry for code t (byte t's low nibble for
 // t < 16, else byte t - 16's high one).
 template <int XS>
-struct mlxi_iq4 {
+struct mlxi_iq4 : mlxi_groups32 {
   struct Fields {
     const uint8_t* qs;
     const uint16_t* d_bits;
@@ -298,7 +351,7 @@ struct mlxi_iq4 {
 // low - 4 (1 - high); scale k = i / 16 (2 j for t < 16, else 2 j + 1), 6 bits: k < 8 the low nibble of
 // scales[k], else the high nibble of scales[k - 8], with (scales[8 + k % 4] >> 2 (k / 4)) & 3 above;
 // value = (d * (scale - 32)) * q.
-struct mlxi_q3k {
+struct mlxi_q3k : mlxi_groups32 {
   struct Fields {
     const uint8_t* hmask;
     const uint8_t* qs;
@@ -339,7 +392,7 @@ struct mlxi_q3k {
 // Q2_K: group g is values 32 j .. 32 j + 31 of block g / 8: value i = 128 h + 32 s + t has q =
 // (qs[32 h + t] >> 2 s) & 3; scale k = i / 16: dl = d * (scales[k] & 15), ml = dmin * (scales[k] >> 4);
 // value = dl * q - ml (dl * q exact: one fma).
-struct mlxi_q2k {
+struct mlxi_q2k : mlxi_groups32 {
   struct Fields {
     const uint8_t* sc;
     const uint8_t* qs;
@@ -375,7 +428,7 @@ struct mlxi_q2k {
 
 // F16 (BF 0) and BF16 (BF 1) values, kept as 16-bit: value t of group g is element 32 g + t of the row.
 template <int BF>
-struct mlxi_half_values {
+struct mlxi_half_values : mlxi_groups32 {
   struct Fields {
     const uint16_t* v;
   };
@@ -408,89 +461,8 @@ struct mlxi_half_values {
 // Work units: u = 8b + p, part p = 4h + c of block b holds r = 8c + t + 32j (t, j: 0..7, 0..3): eight
 // consecutive bytes of ql at 64h + 8c and at 64h + 32 + 8c, eight of qh at 32h + 8c, one scale per j.
 // Lane l takes the units u = l, l + 32, ... and in each adds j = 0..3, t = 0..7 in that order: the units
-// of a row are loaded in parallel by the lanes (a row of 1,024 values is one unit a lane). A tile of x
-// (MLXI_TILE columns: four blocks) holds the 32 units the lanes take next, one a lane.
-constexpr int STRIDE = MLXI_TILE + 4 * (MLXI_TILE / 128);
-static_assert(MLXI_TILE == 32 * 32, "a tile holds one unit a lane");
-static_assert(M * STRIDE * 4 <= 48 * 1024, "static shared memory: at most 48 KB a block");
-__shared__ __align__(16) float xs[M * STRIDE];  // (float4 reads and writes)
-const int N = dims[0], K = dims[1], R = dims[2];
-const long warp0 = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS;
-if (warp0 * R >= N) return;  // (the whole block: no warp of it has a row)
-const int lane = threadIdx.x & 31;
-const long n0 = (warp0 + (threadIdx.x >> 5)) * R;
-const int rows = n0 >= N ? 0 : (N - n0 < R ? (int)(N - n0) : R);  // 0: the warp only helps stage x
-const bool vec = mlxi_aligned4(x);
-float acc[MLXI_MAX_R][M];
-#pragma unroll
-for (int r = 0; r < MLXI_MAX_R; ++r)
-#pragma unroll
-  for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
-for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
-  const int cols = mlxi_tile_cols(K, col0);
-  __syncthreads();
-  mlxi_stage_x<128, M, STRIDE>(x, K, col0, cols, vec, xs);
-  __syncthreads();
-  if (rows == 0 || 32 * lane >= cols) continue;
-  const int u = (int)(col0 / 32) + lane;
-  const int b = u >> 3, h = (u >> 2) & 1, c = u & 3;
-  const int tc = 256 * (lane >> 3) + 128 * h + 8 * c;  // the unit's first column in the tile
-  float d[MLXI_MAX_R];
-  uint2 lo0[MLXI_MAX_R], lo1[MLXI_MAX_R], hb[MLXI_MAX_R];
-  const int8_t* sc[MLXI_MAX_R];
-#pragma unroll
-  for (int r = 0; r < MLXI_MAX_R; ++r) {
-    if (r < rows) {
-      const long blk = (n0 + r) * (K / 256) + b;
-      d[r] = mlxi_half_bits(d_bits[blk]);
-      lo0[r] = *reinterpret_cast<const uint2*>(ql + blk * 128 + 64 * h + 8 * c);
-      lo1[r] = *reinterpret_cast<const uint2*>(ql + blk * 128 + 64 * h + 32 + 8 * c);
-      hb[r] = *reinterpret_cast<const uint2*>(qh + blk * 64 + 32 * h + 8 * c);
-      sc[r] = scales + blk * 16 + 8 * h + (c >> 1);
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    float dl[MLXI_MAX_R];
-#pragma unroll
-    for (int r = 0; r < MLXI_MAX_R; ++r)
-      if (r < rows) dl[r] = __fmul_rn(d[r], (float)sc[r][2 * j]);
-#pragma unroll
-    for (int hv = 0; hv < 2; ++hv) {
-      float xv[M][4];
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const float4 f = *reinterpret_cast<const float4*>(xs + m * STRIDE + mlxi_xs_at<128>(tc + 32 * j + 4 * hv));
-        xv[m][0] = f.x; xv[m][1] = f.y; xv[m][2] = f.z; xv[m][3] = f.w;
-      }
-#pragma unroll
-      for (int r = 0; r < MLXI_MAX_R; ++r) {
-        if (r < rows) {
-          const uint2 lo = (j & 1) ? lo1[r] : lo0[r];
-          const unsigned int lw = hv ? lo.y : lo.x, hw = hv ? hb[r].y : hb[r].x;
-#pragma unroll
-          for (int tt = 0; tt < 4; ++tt) {
-            const unsigned int lb = (lw >> (8 * tt)) & 0xffu, hbyte = (hw >> (8 * tt)) & 0xffu;
-            const unsigned int q = ((lb >> (4 * (j >> 1))) & 0xfu) | (((hbyte >> (2 * j)) & 3u) << 4);
-            const float w = __fmul_rn(dl[r], mlxi_code_float(q, 8388640.0f));  // q - 32
-#pragma unroll
-            for (int m = 0; m < M; ++m) acc[r][m] = __fadd_rn(acc[r][m], __fmul_rn(xv[m][tt], w));
-          }
-        }
-      }
-    }
-  }
-}
-#pragma unroll
-for (int r = 0; r < MLXI_MAX_R; ++r) {
-  if (r < rows) {
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const float s = mlxi_warp_total(acc[r][m]);
-      if (lane == 0) out[(long)m * N + n0 + r] = (T)s;
-    }
-  }
-}
+// of a row are loaded in parallel by the lanes (mlxi_block_matvec, mlxi_q6k).
+mlxi_block_matvec<M, mlxi_q6k>(x, out, dims, {ql, qh, scales, d_bits});
 //@@BODY affine_matvec
 // The affine types as the MLX backend keeps them (quants.split): w [N, K BITS / 32] uint32 (MLX's packing),
 // then the file's scale fields, by SCALES: 0 (Q8_0, Q4_0, Q5_0) s0 [N, K / 32] the fp16 d's bits, scale d,
@@ -499,24 +471,24 @@ for (int r = 0; r < MLXI_MAX_R; ++r) {
 // uint8 sub-scales then mins, group g = 8b + j: scale d sc_j, bias -(dmin m_j) (quants: exact).
 // dims = [N, K, R]; out [M, N]. Lane l takes groups l, l + 32, ..., each t = 0..31: code t of the group
 // (MLX's packing: bits [BITS t, BITS (t + 1)) of the group's BITS words), w = scale * code + bias (each
-// step rounded), then the product with x and the sum (mlxi_group_matvec, mlxi_affine).
-mlxi_group_matvec<M, mlxi_affine<BITS, SCALES, ZERO>>(x, out, dims, {w, s0, s1});
+// step rounded), then the product with x and the sum (mlxi_block_matvec, mlxi_affine).
+mlxi_block_matvec<M, mlxi_affine<BITS, SCALES, ZERO>>(x, out, dims, {w, s0, s1});
 //@@BODY iq4_matvec
 // IQ4_NL (XS 0) and IQ4_XS (XS 1) as the MLX backend keeps them (quants.split: the file's fields): qs the
 // 4-bit codes, 16 bytes per 32 values (IQ4_NL [N, K / 32, 16]; IQ4_XS [N, K / 256, 128], sub-block j at
 // 16 j), d_bits the fp16 d's bits ([N, K / 32] or [N, K / 256]); IQ4_XS also sc_h [N, K / 256] uint16 and
 // sc_l [N, K / 256, 4] uint8, sub-block j's 6-bit scale ls = (sc_l[j / 2] >> 4 (j % 2)) & 15 |
 // ((sc_h >> 2 j) & 3) << 4 (IQ4_NL: unused). dims = [N, K, R]; out [M, N]. mlxi_iq4 says the values.
-mlxi_group_matvec<M, mlxi_iq4<XS>>(x, out, dims, {qs, d_bits, sc_h, sc_l});
+mlxi_block_matvec<M, mlxi_iq4<XS>>(x, out, dims, {qs, d_bits, sc_h, sc_l});
 //@@BODY q3_k_matvec
 // Q3_K's fields (quants.split) per row and block of 256 values: hmask [N, K/256, 32], qs [N, K/256, 64],
 // sc3 [N, K/256, 12] uint8, d_bits [N, K/256] the fp16 d's bits; dims = [N, K, R]; out [M, N]. mlxi_q3k
 // says the values.
-mlxi_group_matvec<M, mlxi_q3k>(x, out, dims, {hmask, qs, sc3, d_bits});
+mlxi_block_matvec<M, mlxi_q3k>(x, out, dims, {hmask, qs, sc3, d_bits});
 //@@BODY q2_k_matvec
 // Q2_K's fields per row and block: sc2 [N, K/256, 16] uint8, qs [N, K/256, 64], d_bits and dmin_bits
 // [N, K/256] fp16 bits; dims = [N, K, R]; out [M, N]. mlxi_q2k says the values.
-mlxi_group_matvec<M, mlxi_q2k>(x, out, dims, {sc2, qs, d_bits, dmin_bits});
+mlxi_block_matvec<M, mlxi_q2k>(x, out, dims, {sc2, qs, d_bits, dmin_bits});
 //@@BODY half_matvec
 // F16 (BF 0) or BF16 (BF 1) values v [N, K] as uint16 bits; dims = [N, K, R]; out [M, N].
-mlxi_group_matvec<M, mlxi_half_values<BF>>(x, out, dims, {v});
+mlxi_block_matvec<M, mlxi_half_values<BF>>(x, out, dims, {v});
