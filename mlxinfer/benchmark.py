@@ -8,8 +8,8 @@ size and prompt length, with mlx-lm and llama.cpp beside ours on the same weight
 
 Every row runs in a fresh child process (load, one warm-up run of the same prompts and length, --runs
 measured runs), so that its peak memory is its own, no row inherits another's heap and a crash costs one
-row. Batch 1 is `Engine.generate` on one
-prompt; batch B is one `Engine.generate_batch` call on B different prompts of the row's length. Per row:
+row. Batch 1 is `Engine.generate` on one prompt; batch B is one `Engine.generate_batch` call on B
+different prompts of the row's length. Per row:
 - TTFT: time to the first token (batch B: the mean over the sequences);
 - decode tok/s: per sequence, the tokens after the first over the time from the first to the last
   (batch B: the mean over the sequences, each of which gets one token per batched pass);

@@ -8,10 +8,10 @@ Types with a kernel (one frame, blocks.cu's `mlxi_block_matvec`, and a reader of
 Q6_K (the output head and half of `attn_v`/`ffn_down` in the Q4_K_M and Q5_K_M files users download),
 IQ4_NL, IQ4_XS, Q3_K, Q2_K, F16 and BF16, and the affine types Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K
 in the compact form the backend keeps (MLX's packed codes, the file's fp16 scales and 6-bit sub-scales),
-so that a GPU need not form float32 scales at load (1.17-1.33x the file's bytes) to decode fast. The summation order
-is published in blocks.cu's header and followed by `emulate` (numpy), which the GPU tests compare with
-bit for bit; it is the same for every row count, so a decode row's product does not depend on its
-batch.
+so that a GPU need not form float32 scales at load (1.17-1.33x the file's bytes) to decode fast. The
+summation order is published in blocks.cu's header and followed by `emulate` (numpy), which the GPU
+tests compare with bit for bit; it is the same for every row count, so a decode row's product does not
+depend on its batch.
 """
 
 from __future__ import annotations
@@ -80,12 +80,12 @@ def row_multiple(qtype) -> int:
     return 256 if qtype in (Q.Q6_K, Q.Q4_K, Q.Q5_K, Q.IQ4_XS, Q.Q3_K, Q.Q2_K) else 32
 
 
-def rows_per_warp(kind: str, n: int) -> int:
-    """Output rows a CUDA warp takes (blocks.cu: each x value a lane reads from shared memory serves that
-    many rows): 4, the fastest of 1, 2, 4 at every wide decode product of the Qwen3-0.6B and 8B shapes on
-    an H200, and at most 22% slower than 1 or 2 at the narrow ones, whose times were mostly launch cost
-    (`bench/probes/block_products.py`, docs/performance.md). The Metal twin takes one row a simdgroup. The order, and so the bits, are the
-    same for every choice."""
+def rows_per_warp(kind: str) -> int:
+    """Output rows a warp takes, the most its registers hold (blocks.cu: each x value a lane reads from
+    shared memory serves that many rows): 4 on CUDA, the fastest of 1, 2, 4 at every wide decode product
+    of the Qwen3-0.6B and 8B shapes on an H200, and at most 22% slower than 1 or 2 at the narrow ones,
+    whose times were mostly launch cost (`bench/probes/block_products.py`, docs/performance.md); the
+    Metal twin takes one row a simdgroup. The order, and so the bits, are the same for every choice."""
     return MAX_ROWS_PER_WARP if kind == "cuda" else 1
 
 
@@ -110,14 +110,15 @@ def _kernel(kind: str, name: str):
 
 def product(kind: str, x, w, per_warp: int | None = None):
     """x @ w.T [M, N] in x's dtype, by the kernel of w's type on `kind` ("cuda" or "metal"), each warp
-    taking `per_warp` output rows (default `rows_per_warp`; CUDA only, 1..MAX_ROWS_PER_WARP)."""
+    taking `per_warp` output rows (1..`rows_per_warp`, by default that many)."""
     import mlx.core as mx
 
     rows, k = x.shape
     n = w.shape[0]
-    per_warp = rows_per_warp(kind, n) if per_warp is None else per_warp
-    if not 1 <= per_warp <= (MAX_ROWS_PER_WARP if kind == "cuda" else 1):
-        raise ValueError(f"{per_warp} output rows a warp: the {kind} block kernels take 1..{rows_per_warp(kind, 1 << 30)}")
+    most = rows_per_warp(kind)
+    per_warp = most if per_warp is None else per_warp
+    if not 1 <= per_warp <= most:
+        raise ValueError(f"{per_warp} output rows a warp: the {kind} block kernels take 1..{most}")
     name, consts = KERNELS[w.qtype]
     half = lambda a: mx.view(a, mx.uint16)  # noqa: E731 (fp16 fields as their bits: read exactly in the kernel)
     if name == "q6_k_matvec":

@@ -338,7 +338,6 @@ class Builder:
             for n in range(workers):
                 procs.append(subprocess.Popen([sys.executable, "-I", __file__], stdin=subprocess.PIPE,
                                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL))
-                # (-I leaves out PYTHONPATH, where MLX may be: the worker is given this process's path)
                 procs[-1].stdin.write(json.dumps({"path": sys.path, "jobs": args[n::workers]}).encode())
                 procs[-1].stdin.close()
         except OSError as e:  # a worker that cannot start (no processes left, no memory): none are built

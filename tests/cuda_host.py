@@ -22,9 +22,10 @@ import numpy as np
 from mlxinfer import block_kernels
 
 HEADER = Path(__file__).with_name("cuda_host.h")
+# each block kernel input's C type (the arrays `block_kernels.product` hands MLX)
 C_TYPES = {"ql": "uint8_t", "qh": "uint8_t", "scales": "int8_t", "d_bits": "uint16_t", "s0": "uint16_t",
-           "qs": "uint8_t", "sc_h": "uint16_t", "sc_l": "uint8_t", "hmask": "uint8_t",
-           "sc3": "uint8_t", "sc2": "uint8_t", "dmin_bits": "uint16_t", "v": "uint16_t", "w": "uint32_t", "dims": "int"}
+           "qs": "uint8_t", "sc_h": "uint16_t", "sc_l": "uint8_t", "hmask": "uint8_t", "sc3": "uint8_t",
+           "sc2": "uint8_t", "dmin_bits": "uint16_t", "v": "uint16_t", "w": "uint32_t", "dims": "int"}
 T_NAMES = {mx.float32: "float", mx.bfloat16: "__nv_bfloat16", mx.float16: "__half"}
 
 
@@ -36,9 +37,9 @@ def _form_id(name, consts, t, m) -> str:
     return f"{name}_{'_'.join(str(v) for _, v in consts)}_{t.strip('_')}_{m}"
 
 
-def _types(name, consts, t) -> dict:
-    s1 = "uint8_t" if dict(consts).get("SCALES") == 2 else "uint16_t"
-    return dict(C_TYPES, x=t, s1=s1)
+def input_types(consts, x: str) -> dict:
+    """Each input's C type for a launch of x's C type: s1 is the K-quants' uint8 sub-scales, else fp16 bits."""
+    return dict(C_TYPES, x=x, s1="uint8_t" if dict(consts).get("SCALES") == 2 else "uint16_t")
 
 
 def source(forms) -> str:
@@ -48,7 +49,7 @@ def source(forms) -> str:
     parts = [f'#include "{HEADER}"\n', header]
     for name, consts, t, m in forms:
         fid = _form_id(name, consts, t, m)
-        types = _types(name, consts, t)
+        types = input_types(consts, t)
         ins = block_kernels.INPUTS[name]
         params = ", ".join(f"const {types[i]}* {i}" for i in ins) + f", {t}* out"
         extra = "".join(f"constexpr int {k} = {v};\n" for k, v in consts)

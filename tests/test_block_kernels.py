@@ -95,16 +95,6 @@ struct __half { unsigned short x; __device__ __half(float f) : x(0) {} __device_
 """
 
 
-INPUT_TYPES = {"ql": "uint8_t", "qh": "uint8_t", "scales": "int8_t", "d_bits": "uint16_t", "s0": "uint16_t",
-               "qs": "uint8_t", "sc_h": "uint16_t", "sc_l": "uint8_t", "hmask": "uint8_t",
-               "sc3": "uint8_t", "sc2": "uint8_t", "dmin_bits": "uint16_t", "v": "uint16_t", "w": "uint32_t", "dims": "int"}
-
-
-def _input_types(consts, x: str) -> dict:
-    """Each input's C type for a launch: s1 is the K-quants' uint8 sub-scales, else fp16 bits."""
-    return dict(INPUT_TYPES, x=x, s1="uint8_t" if dict(consts).get("SCALES") == 2 else "uint16_t")
-
-
 def _launches():
     """(kernel, template constants) of every type's launch."""
     return sorted({(name, consts) for name, consts in block_kernels.KERNELS.values()})
@@ -115,7 +105,7 @@ def _cuda_source(name: str, consts, dtype: str, m: int) -> str:
     (custom_kernel_, the name, each template argument, a hash: mlx/backend/cuda/custom_kernel.cpp), with
     each input typed by its array's dtype, the template constants, the body."""
     header, bodies = block_kernels.kernel_source("cuda")
-    types = _input_types(consts, dtype)
+    types = cuda_host.input_types(consts, dtype)
     params = ", ".join(f"const {types[i]}* {i}" for i in block_kernels.INPUTS[name]) + f", {dtype}* out"
     extra = "".join(f"  constexpr int {k} = {v};\n" for k, v in consts)
     fn = f"custom_kernel_mlxinfer_{name}_cuda_{ {'float': 'float', '__half': 'float16'}[dtype]}_{m}" + "".join(
@@ -149,7 +139,7 @@ struct half { half(float); operator float() const; };
 
 def _metal_source(name: str, consts, m: int) -> str:
     header, bodies = block_kernels.kernel_source("metal")
-    types = _input_types(consts, "float")
+    types = cuda_host.input_types(consts, "float")
     params = [f"  const {'constant' if n == 'dims' else 'device'} {types[n]}* {n} [[buffer({i})]]"
               for i, n in enumerate(block_kernels.INPUTS[name])]
     params += [f"  device float* out [[buffer({len(params)})]]"]
@@ -280,9 +270,8 @@ def test_the_cuda_kernels_run_on_the_host_give_their_published_order(host_kernel
 def test_rows_a_warp_takes():
     """CUDA warps take 4 output rows; Metal's simdgroups one; a count outside the kernel's registers is
     refused."""
-    assert block_kernels.rows_per_warp("cuda", 151936) == block_kernels.MAX_ROWS_PER_WARP
-    assert block_kernels.rows_per_warp("cuda", 1024) == block_kernels.MAX_ROWS_PER_WARP
-    assert [block_kernels.rows_per_warp("metal", n) for n in (8, 151936)] == [1, 1]
+    assert block_kernels.rows_per_warp("cuda") == block_kernels.MAX_ROWS_PER_WARP
+    assert block_kernels.rows_per_warp("metal") == 1
     x, w = mx.zeros((1, 256)), to_device(Q.Q8_0, quants.split(quants.random_blocks(np.random.default_rng(0), Q.Q8_0, 8, 256),
                                                               Q.Q8_0, 8, 256), (8, 256))
     for kind, r in (("cuda", block_kernels.MAX_ROWS_PER_WARP + 1), ("cuda", 0), ("metal", 2)):

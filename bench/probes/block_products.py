@@ -86,7 +86,7 @@ def main(argv=None):
                     for m in map(int, a.rows.split(",")):
                         x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dtype)
                         row = dict(probe="block_products", when=stamp, shape=shape, type=name, k=k, n=n, rows=m, dtype=dname,
-                                   default_per_warp=block_kernels.rows_per_warp(kind, n))
+                                   default_per_warp=block_kernels.rows_per_warp(kind))
                         outs = {}
                         for r in ((1, 2, 4) if kind == "cuda" else (1,)):
                             us = per_product_us(lambda r=r: block_kernels.product(kind, x, w, r), a.chain, a.reps)

@@ -391,7 +391,6 @@ class MLXBackend(Backend):
         self.block_types = frozenset(block_kernels.KERNELS)  # less those whose kernel failed its self-check
         self.fallback = None  # the self-check's failure, once one failed
         self.block_fallback = None  # the block kernels' self-check failures, once one failed
-        self.block_off = ""  # the types whose block kernel failed it
         self.checked = None  # the kernel the self-check ran on, once it ran
         self.checked_here = False  # whether it ran in this process (not a remembered verdict)
         self._cache: dict[str, object] = {}
@@ -430,7 +429,6 @@ class MLXBackend(Backend):
                 self.block_fallback = "; ".join(failed.values())
                 if not self.block_types:
                     self.block_kind = None
-                self.block_off = ", ".join(t.name for n in failed for t in block_kernels.types_of(n))
                 print(f"mlxinfer: warning: a block kernel failed its self-check ({self.block_fallback}); "
                       f"{self.block_off} products use MLX's own ops", file=sys.stderr)
         return problem
@@ -464,6 +462,11 @@ class MLXBackend(Backend):
                 self._attention_falls_back(f"{problem}, in the model's shape")
                 return self.fallback
         return None
+
+    @property
+    def block_off(self) -> str:
+        """The types whose block kernel failed its self-check (their products on MLX's own ops)."""
+        return ", ".join(t.name for t in block_kernels.KERNELS if t not in self.block_types)
 
     def kernel_report(self) -> tuple[str, bool]:
         """(one line, passed) on the GPU kernels of this device: the self-check's verdict over its

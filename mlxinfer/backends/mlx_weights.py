@@ -25,7 +25,7 @@ matrices (`WeightGroup`) are slices, gathers and concatenations of each array.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
@@ -194,7 +194,7 @@ class BlockWeight:
         for a in range(0, rows, step):
             part = self.row_slice(a, min(a + step, rows))
             if outs:
-                part = BlockWeight(tuple(mx.depends(list(part.parts), [outs[-1]])), part.qtype, part.shape, part.dtype)
+                part = replace(part, parts=tuple(mx.depends(list(part.parts), [outs[-1]])))
             outs.append(mx.matmul(x, mx.transpose(part.dense())))
         return mx.concatenate(outs, axis=-1)
 
