@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
-import time
 
 import mlx.core as mx
 import numpy as np
@@ -27,21 +25,12 @@ from mlxinfer.backends.mlx import gpu_kind
 from mlxinfer.backends.mlx_weights import to_device
 from mlxinfer.kernels import strip_comments
 
+from decode_attention import timed  # median us per call, `chain` calls a graph, after a warm-up
 from jsonl import emit
 
 # (in, out) of each product a decode token runs: the merged QKV, o, merged gate|up, down, the head
 SHAPES = {"0.6b": [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024), (1024, 151936)],
           "8b": [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (4096, 151936)]}
-
-
-def per_product_us(fn, chain: int, reps: int) -> float:
-    mx.eval(fn())
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval([fn() for _ in range(chain)])
-        times.append((time.perf_counter() - t) * 1e6 / chain)
-    return statistics.median(times)
 
 
 def baseline_kernels(path: str) -> dict:
@@ -89,7 +78,7 @@ def main(argv=None):
                                    default_per_warp=block_kernels.rows_per_warp(kind))
                         outs = {}
                         for r in ((1, 2, 4) if kind == "cuda" else (1,)):
-                            us = per_product_us(lambda r=r: block_kernels.product(kind, x, w, r), a.chain, a.reps)
+                            us = timed(lambda r=r: block_kernels.product(kind, x, w, r), a.reps, a.chain)
                             outs[r] = np.array(block_kernels.product(kind, x, w, r).astype(mx.float32))
                             row[f"kernel_{r}_us"] = round(us, 2)
                             row[f"kernel_{r}_gbs"] = round(file_bytes / us / 1e3, 1)
@@ -97,7 +86,7 @@ def main(argv=None):
                             ours = block_kernels._kernel
                             block_kernels._kernel = lambda kind, name: baseline[name]
                             try:
-                                us = per_product_us(lambda: block_kernels.product(kind, x, w, 1), a.chain, a.reps)
+                                us = timed(lambda: block_kernels.product(kind, x, w, 1), a.reps, a.chain)
                                 outs["baseline"] = np.array(block_kernels.product(kind, x, w, 1).astype(mx.float32))
                             finally:
                                 block_kernels._kernel = ours
@@ -105,7 +94,7 @@ def main(argv=None):
                             row["baseline_gbs"] = round(file_bytes / us / 1e3, 1)
                         row["same_bits"] = all(np.array_equal(o.view(np.uint32), outs[1].view(np.uint32)) for o in outs.values())
                         if formed is not None:
-                            us = per_product_us(lambda: formed.product(x), a.chain, a.reps)
+                            us = timed(lambda: formed.product(x), a.reps, a.chain)
                             row["quantized_matmul_us"] = round(us, 2)
                             row["quantized_matmul_gbs"] = round(file_bytes / us / 1e3, 1)
                             ref = np.array(formed.product(x).astype(mx.float32))
