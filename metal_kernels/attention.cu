@@ -298,6 +298,102 @@ __device__ __forceinline__ void mlxi_softmax(float* x, int n, int tid, float* re
   for (int j = tid; j < n; j += MLXI_THREADS) x[j] = __fdiv_rn(x[j], total);
   __syncthreads();
 }
+// ---- The tensor-core order: 16-bit attention (--dtype bfloat16 / float16) on prefill chunks --------
+// With 16-bit q, K and V (a cache in the activations' dtype), a sequence's chunk of PREFILL_ROWS rows
+// or more takes a second published order, one that NVIDIA's tensor cores follow (issue 30):
+//
+//   mma_dot: a product's 16-bit operands (an attention weight rounded to nearest even first; q, K and V
+//     are 16-bit values already) go to the m16n8k16 instruction (mma.sync, float32 accumulators) in
+//     k-steps of 16 from k = 0 in increasing order, the accumulator starting at +0; a k-step whose
+//     16 x 16 left operand (16 rows, aligned at multiples of 16 from the chunk's first row) is all
+//     zeros is skipped. How the instruction adds its 16 products is not published, but on an H200 its
+//     result for an element depends only on that element's products and accumulator, not on where in
+//     the tile the element sits nor on the tile's other values, nor even on the products' order in k
+//     (bench/probes/mma_order.py: 24,576 trials): so every kernel that presents the same k-steps gets
+//     the same bits. The instruction is not exactly rounded (mostly toward zero, within a few ulps of
+//     the sum's magnitude).
+//   mma_softmax: m = max(x) (exact); e_j = expf(x_j - m); four chains, chain c adding e_j for the j with
+//     (j mod 8) / 2 == c in increasing j; total = (c0 + c1) + (c2 + c3); y_j = e_j / total (__fdiv_rn).
+//     The four chains are the four threads of a quad that hold a row of an m16n8 tile.
+//
+// mma_attention runs a chunk's heads in one launch with these two orders: a warp per 16 query rows
+// of one head, its keys in steps of 16, three passes (the row maxima; the totals; the weights and the
+// context), recomputing the scores each time (the same instructions on the same operands: the same bits).
+
+// The m16n8k16 instruction, d += a * b (fragments as the PTX ISA lays them out: a0 rows g, k 2t..2t+1;
+// a1 rows g+8; a2, a3 the same at k + 8; b0 k 2t..2t+1 of column g, b1 at k + 8; d0, d1 row g, columns
+// 2t, 2t+1; d2, d3 row g+8; g = lane / 4, t = lane % 4). On the host (tests/cuda_host.h) a stand-in.
+template <bool BF>
+__device__ __forceinline__ void mlxi_mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#ifdef MLXH_HOST
+  mlxh_mma(d, a, b, BF);
+#else
+  if (BF) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#endif
+}
+
+// A float32 rounded to nearest even as the 16-bit type's bits.
+template <bool BF>
+__device__ __forceinline__ uint32_t mlxi_round16(float x) {
+  return BF ? (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(x)) : (uint32_t)__half_as_ushort(__float2half_rn(x));
+}
+
+// Two 16-bit values as one fragment register, the first in the low half.
+__device__ __forceinline__ uint32_t mlxi_pair(uint32_t lo, uint32_t hi) {
+  return lo | (hi << 16);
+}
+
+// Whether a warp's 16 x 16 left operand is all zeros (either sign): that k-step is skipped.
+__device__ __forceinline__ bool mlxi_zero_step(const uint32_t (&a)[4]) {
+  return __all_sync(0xffffffffu, ((a[0] | a[1] | a[2] | a[3]) & 0x7fff7fffu) == 0u);
+}
+
+// The row maximum and the softmax total of a quad's four chains (mma_softmax's order).
+__device__ __forceinline__ float mlxi_quad_max(float m) {
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+}
+__device__ __forceinline__ float mlxi_quad_total(float c) {
+  c = __fadd_rn(c, __shfl_xor_sync(0xffffffffu, c, 1));
+  return __fadd_rn(c, __shfl_xor_sync(0xffffffffu, c, 2));
+}
+
+// One head's scores for 16 query rows (the warp's; q fragments qa, zero k-steps in zmask) and the 16 keys
+// j0 .. j0+15 (two m16n8 tiles, s[n][e]: key j0 + 8n + 2t + (e & 1), row g or g+8 for e < 2 or not), as
+// the reference forms them: mma_dot over D, then the score (mlxi_score), hidden keys and keys past S at
+// -inf. k: the sequence's [S, kw] keys, this head's at column c0.
+template <bool BF, int D>
+__device__ __forceinline__ void mlxi_mma_scores(float (&s)[2][4], const uint32_t (&qa)[D / 16][4], unsigned zmask,
+                                                const uint16_t* k, long kw, long c0, long S, long j0, int g, int t,
+                                                int pl, int ph, int causal, int window, float sc, float cap, float inv) {
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    const long kj = j0 + 8 * n + g;
+    const uint16_t* kr = k + (kj < S ? kj : 0) * kw + c0 + 2 * t;
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      if ((zmask >> kk) & 1u) continue;
+      const uint32_t b[2] = {kj < S ? mlxi_pair(kr[16 * kk], kr[16 * kk + 1]) : 0u,
+                             kj < S ? mlxi_pair(kr[16 * kk + 8], kr[16 * kk + 9]) : 0u};
+      mlxi_mma<BF>(d, qa[kk], b);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const long j = j0 + 8 * n + 2 * t + (e & 1);
+      const int pos = e < 2 ? pl : ph;
+      s[n][e] = (j >= S || mlxi_hidden(j, pos, causal, window)) ? -INFINITY : mlxi_score(d[e], sc, cap, inv);
+    }
+  }
+}
 //@@BODY matmul
 // out[b, i, j] = dot(a[b, i, :], bt[b / G, j, :]); a [B, M, K], bt [B/G, N, K]; dims = [B, M, N, K, G].
 // One warp per output, 8 warps per block.
@@ -843,5 +939,166 @@ if (w < (long)row_pos_shape[0] * (H + KV)) {  // w is the warp's: all its lanes 
     const float x1 = v[i], x2 = v[i + HALF];
     y[d] = x1 * c - x2 * s;
     y[d + D / 2] = x1 * s + x2 * c;
+  }
+}
+//@@BODY mma_matmul
+// out[b, i, j] = mma_dot(a[b, i, :], bt[b / G, j, :]); a float32 [B, M, K] (rounded to the 16-bit type as it
+// is read: exact for values of that type), bt [B/G, N, K] 16-bit bits; dims = [B, M, N, K, G]. One warp
+// per 16 x 8 tile of the output.
+const long B = dims[0], M = dims[1], N = dims[2], K = dims[3], G = dims[4];
+const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+const long tm = (M + 15) / 16, tn = (N + 7) / 8;
+const long w = ((long)blockIdx.y * gridDim.x + blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+if (w < B * tm * tn) {
+  const long b = w / (tm * tn), i0 = (w / tn) % tm * 16, j0 = w % tn * 8;
+  const float* A = a + b * M * K;
+  const uint16_t* Bt = bt + (b / G) * N * K;
+  const long il = i0 + g, ih = il + 8, j = j0 + g;
+  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (long k0 = 0; k0 < K; k0 += 16) {
+    uint32_t fa[4], fb[2];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const long i = (q & 1) ? ih : il, k = k0 + 2 * t + 8 * (q >> 1);
+      fa[q] = mlxi_pair(i < M && k < K ? mlxi_round16<BF>(A[i * K + k]) : 0u,
+                        i < M && k + 1 < K ? mlxi_round16<BF>(A[i * K + k + 1]) : 0u);
+    }
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const long k = k0 + 2 * t + 8 * q;
+      fb[q] = mlxi_pair(j < N && k < K ? Bt[j * K + k] : 0u, j < N && k + 1 < K ? Bt[j * K + k + 1] : 0u);
+    }
+    if (mlxi_zero_step(fa)) continue;
+    mlxi_mma<BF>(d, fa, fb);
+  }
+  float* o = out + b * M * N;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const long i = e < 2 ? il : ih, jj = j0 + 2 * t + (e & 1);
+    if (i < M && jj < N) o[i * N + jj] = d[e];
+  }
+}
+//@@BODY mma_softmax
+// out[r, :] = softmax(x[r, :]) in mma_softmax's order; x [R, n]; dims = [R, n]. A quad of threads a row,
+// thread c the chain of the columns j with (j mod 8) / 2 == c.
+const long R = dims[0], n = dims[1];
+const long tid = ((long)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+const long r = tid >> 2;
+const int c = (int)(tid & 3);
+const bool live = r < R;  // (a quad past the last row still takes part in the shuffles)
+const float* xr = x + (live ? r : 0) * n;
+float m = -INFINITY;
+for (long j = 2 * c; j < n; j += 8) {
+  m = fmaxf(m, xr[j]);
+  if (j + 1 < n) m = fmaxf(m, xr[j + 1]);
+}
+m = mlxi_quad_max(m);
+float s = 0.0f;
+for (long j = 2 * c; j < n; j += 8) {
+  s = __fadd_rn(s, expf(__fsub_rn(xr[j], m)));
+  if (j + 1 < n) s = __fadd_rn(s, expf(__fsub_rn(xr[j + 1], m)));
+}
+const float total = mlxi_quad_total(s);
+if (live) {
+  for (long j = 2 * c; j < n; j += 8) {
+    out[r * n + j] = __fdiv_rn(expf(__fsub_rn(xr[j], m)), total);
+    if (j + 1 < n) out[r * n + j + 1] = __fdiv_rn(expf(__fsub_rn(xr[j + 1], m)), total);
+  }
+}
+//@@BODY mma_attention
+// One sequence's prefill chunk, every head, in the tensor-core order: q [T, H*D], k and v [S, KV*D] (the
+// sequence's cached rows, this chunk's included), 16-bit bits; pos [T] the rows' positions; scales =
+// [scale, cap, 1/cap]; dims = [T, S, H, KV, causal, window]; template BF (bfloat16, else float16), D.
+// Warp w takes head w / tiles and rows 16 (w % tiles) .. +15; the reference's steps 3-7 per head
+// (mma_matmul, scale, soft-cap, mask, mma_softmax, mma_matmul) in three passes over the keys the
+// warp's rows can see: the maxima, the totals, then the weights (rounded to 16 bits) times V.
+const long T = dims[0], S = dims[1];
+const int H = dims[2], KV = dims[3], causal = dims[4], window = dims[5];
+const float sc = scales[0], cap = scales[1], inv = scales[2];
+const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+const long w = ((long)blockIdx.y * gridDim.x + blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+const long tiles = (T + 15) / 16;
+if (w < tiles * H) {
+  const int h = (int)(w / tiles), kvh = h / (H / KV);
+  const long qw = (long)H * D, kw = (long)KV * D, rl = (w % tiles) * 16 + g, rh = rl + 8;
+  const bool vl = rl < T, vh = rh < T;
+  const int pl = vl ? pos[rl] : 0, ph = vh ? pos[rh] : 0;
+  // the keys any of the warp's rows sees: [lo, hi]
+  int most = vl ? (vh && ph > pl ? ph : pl) : -1, least = vl ? (vh && ph < pl ? ph : pl) : 0x7fffffff;
+  for (int off = 16; off > 0; off >>= 1) {
+    const int a = __shfl_xor_sync(0xffffffffu, most, off), b = __shfl_xor_sync(0xffffffffu, least, off);
+    most = a > most ? a : most;
+    least = b < least ? b : least;
+  }
+  const long hi = causal && most < S - 1 ? (long)most : S - 1;
+  const long lo = window > 0 && least - window + 1 > 0 ? (long)least - window + 1 : 0;
+  uint32_t qa[D / 16][4];
+  unsigned zmask = 0;
+  const uint16_t* ql = q + (vl ? rl : 0) * qw + (long)h * D + 2 * t;
+  const uint16_t* qh = q + (vh ? rh : 0) * qw + (long)h * D + 2 * t;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    qa[kk][0] = vl ? mlxi_pair(ql[16 * kk], ql[16 * kk + 1]) : 0u;
+    qa[kk][1] = vh ? mlxi_pair(qh[16 * kk], qh[16 * kk + 1]) : 0u;
+    qa[kk][2] = vl ? mlxi_pair(ql[16 * kk + 8], ql[16 * kk + 9]) : 0u;
+    qa[kk][3] = vh ? mlxi_pair(qh[16 * kk + 8], qh[16 * kk + 9]) : 0u;
+    if (mlxi_zero_step(qa[kk])) zmask |= 1u << kk;
+  }
+  const long c0 = (long)kvh * D;
+  float s[2][4];
+  float ml = -INFINITY, mh = -INFINITY;
+  for (long j0 = lo / 16 * 16; j0 <= hi; j0 += 16) {
+    mlxi_mma_scores<BF, D>(s, qa, zmask, k, kw, c0, S, j0, g, t, pl, ph, causal, window, sc, cap, inv);
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      ml = fmaxf(ml, fmaxf(s[n][0], s[n][1]));
+      mh = fmaxf(mh, fmaxf(s[n][2], s[n][3]));
+    }
+  }
+  ml = mlxi_quad_max(ml);
+  mh = mlxi_quad_max(mh);
+  float cl = 0.0f, ch = 0.0f;
+  for (long j0 = lo / 16 * 16; j0 <= hi; j0 += 16) {
+    mlxi_mma_scores<BF, D>(s, qa, zmask, k, kw, c0, S, j0, g, t, pl, ph, causal, window, sc, cap, inv);
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      if (vl) cl = __fadd_rn(__fadd_rn(cl, expf(__fsub_rn(s[n][0], ml))), expf(__fsub_rn(s[n][1], ml)));
+      if (vh) ch = __fadd_rn(__fadd_rn(ch, expf(__fsub_rn(s[n][2], mh))), expf(__fsub_rn(s[n][3], mh)));
+    }
+  }
+  const float tl = mlxi_quad_total(cl), th = mlxi_quad_total(ch);
+  float o[D / 8][4];
+#pragma unroll
+  for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
+  for (long j0 = lo / 16 * 16; j0 <= hi; j0 += 16) {
+    mlxi_mma_scores<BF, D>(s, qa, zmask, k, kw, c0, S, j0, g, t, pl, ph, causal, window, sc, cap, inv);
+    uint32_t p[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool live = e < 2 ? vl : vh;
+        p[n][e] = live ? mlxi_round16<BF>(__fdiv_rn(expf(__fsub_rn(s[n][e], e < 2 ? ml : mh)), e < 2 ? tl : th)) : 0u;
+      }
+    }
+    const uint32_t pa[4] = {mlxi_pair(p[0][0], p[0][1]), mlxi_pair(p[0][2], p[0][3]), mlxi_pair(p[1][0], p[1][1]),
+                            mlxi_pair(p[1][2], p[1][3])};
+    if (mlxi_zero_step(pa)) continue;
+    const long ja = j0 + 2 * t, jb = ja + 8;
+    const uint16_t* va = v + (ja < S ? ja : 0) * kw + c0 + g;
+    const uint16_t* vb = v + (jb < S ? jb : 0) * kw + c0 + g;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      const uint32_t b[2] = {mlxi_pair(ja < S ? va[8 * dn] : 0u, ja + 1 < S ? va[kw + 8 * dn] : 0u),
+                             mlxi_pair(jb < S ? vb[8 * dn] : 0u, jb + 1 < S ? vb[kw + 8 * dn] : 0u)};
+      mlxi_mma<BF>(o[dn], pa, b);
+    }
+  }
+  float* ol = out + rl * qw + (long)h * D + 2 * t;
+  float* oh = out + rh * qw + (long)h * D + 2 * t;
+#pragma unroll
+  for (int dn = 0; dn < D / 8; ++dn) {
+    if (vl) { ol[8 * dn] = o[dn][0]; ol[8 * dn + 1] = o[dn][1]; }
+    if (vh) { oh[8 * dn] = o[dn][2]; oh[8 * dn + 1] = o[dn][3]; }
   }
 }

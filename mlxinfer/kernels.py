@@ -77,7 +77,12 @@ _INPUTS = {
     "attn_context_rows": (["p", "v", "row_slot", "row_len"], ["out"]),
     "attn_scores_rows": (["q", "k", "row_slot", "row_pos", "row_len", "tiles"], ["p"]),
     "qk_norm_rope": (["q", "k", "wq", "wk", "row_pos"], ["qo", "ko"]),
+    "mma_matmul": (["a", "bt", "dims"], ["out"]),
+    "mma_softmax": (["x", "dims"], ["out"]),
+    "mma_attention": (["q", "k", "v", "pos", "scales", "dims"], ["out"]),
 }
+MMA_KINDS = ("cuda",)  # the tensor-core order's kernels exist in these sources
+MMA_WARPS = 4  # warps a block in the tensor-core kernels (each warp's work is its own)
 SPLIT_KINDS = ("cuda",)  # the split attention kernels exist in these sources (Metal: one launch only)
 SPLIT_MAX_ITEMS = 1024  # (row, head) work items up to which the split kernels run: their scratch is
 # 2 x items x capacity floats, the same bound as the one-launch kernel's MAX_BLOCKS x capacity ...
@@ -216,10 +221,69 @@ def softmax(kind: str, x):
     return out
 
 
-def _grid(blocks: int) -> tuple[int, int, int]:
-    """A launch of `blocks` blocks of THREADS threads as a 2-D grid (one dimension holds 65,535)."""
+def _grid(blocks: int, threads: int = THREADS) -> tuple[int, int, int]:
+    """A launch of `blocks` blocks of `threads` threads as a 2-D grid (one dimension holds 65,535)."""
     cols = min(blocks, 65535)
-    return (cols * THREADS, -(-blocks // cols), 1)
+    return (cols * threads, -(-blocks // cols), 1)
+
+
+# -- the tensor-core order (attention.cu, "The tensor-core order"): 16-bit dtypes, prefill chunks ----
+def _bits16(a):
+    """A bfloat16 / float16 array as its 16-bit patterns (what the tensor-core kernels read)."""
+    import mlx.core as mx
+
+    return mx.view(a, mx.uint16)
+
+
+def mma_matmul(kind: str, a, bt, group: int = 1):
+    """out[b, i, j] = mma_dot(a[b, i, :], bt[b // group, j, :]): a float32 [B, M, K] (each value rounded to
+    bt's 16-bit type as the kernel reads it), bt bfloat16 or float16 [B // group, N, K] -> [B, M, N]
+    float32, in k-steps of 16 on the tensor cores."""
+    import mlx.core as mx
+
+    nb, m, k = a.shape
+    n = bt.shape[1]
+    warps = nb * -(-m // 16) * -(-n // 8)
+    (out,) = _kernel(kind, "mma_matmul")(
+        inputs=[a.astype(mx.float32), _bits16(bt), _dims(nb, m, n, k, group)],
+        template=[("BF", bt.dtype == mx.bfloat16)], grid=_grid(-(-warps // MMA_WARPS), 32 * MMA_WARPS),
+        threadgroup=(32 * MMA_WARPS, 1, 1), output_shapes=[(nb, m, n)], output_dtypes=[mx.float32])
+    return out
+
+
+def mma_softmax(kind: str, x):
+    """Softmax of each row of float32 x [R, n] in the tensor-core path's order (four chains a row)."""
+    import mlx.core as mx
+
+    r, n = x.shape
+    (out,) = _kernel(kind, "mma_softmax")(
+        inputs=[x, _dims(r, n)], grid=_grid(-(-4 * r // THREADS)), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(r, n)], output_dtypes=[mx.float32])
+    return out
+
+
+def mma_fits(spec) -> bool:
+    """Whether `mma_attention` takes this head size (whole k-steps of 16, registers for up to 256)."""
+    return spec.head_dim % 16 == 0 and spec.head_dim <= MAX_HEAD_DIM
+
+
+def mma_attention(kind: str, q, keys, values, positions, spec):
+    """One sequence's prefill chunk, every head, in the tensor-core order: q [T, H*D] and the sequence's
+    keys, values [S, KV*D], all bfloat16 or all float16; positions int32 [T] -> float32 [T, H*D], the
+    bits of the per-head reference's steps 3-7 on the MLX backend for 16-bit chunks of PREFILL_ROWS rows
+    or more (mma_matmul, scale, soft-cap, mask, mma_softmax, mma_matmul)."""
+    import mlx.core as mx
+
+    t, s = q.shape[0], keys.shape[0]
+    warps = -(-t // 16) * spec.n_heads
+    dims = _dims(t, s, spec.n_heads, spec.n_kv_heads, int(spec.causal), int(spec.window or 0))
+    scales = mx.array([spec.scale, *softcap_values(spec)], dtype=mx.float32)
+    (out,) = _kernel(kind, "mma_attention")(
+        inputs=[_bits16(q), _bits16(keys), _bits16(values), positions, scales, dims],
+        template=[("BF", q.dtype == mx.bfloat16), ("D", spec.head_dim)],
+        grid=_grid(-(-warps // MMA_WARPS), 32 * MMA_WARPS), threadgroup=(32 * MMA_WARPS, 1, 1),
+        output_shapes=[(t, spec.n_heads * spec.head_dim)], output_dtypes=[mx.float32])
+    return out
 
 
 TWO_LAUNCH_ROWS = 1  # the split plan's two-launch form for up to this many rows, or ...

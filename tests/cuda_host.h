@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#define MLXH_HOST  // (attention.cu's tensor-core instruction takes its stand-in below)
 #define __device__
 #define __forceinline__ inline
 #define __align__(n) __attribute__((aligned(n)))
@@ -36,6 +37,7 @@ inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __uint_as_float(unsigned int u) {
   float f;
   std::memcpy(&f, &u, 4);
@@ -71,6 +73,11 @@ struct __nv_bfloat16 {
   operator float() const { return __uint_as_float((unsigned int)bits << 16); }
 };
 
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
+inline unsigned short __half_as_ushort(__half h) { return h.bits; }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16(f); }
+inline __half __float2half_rn(float f) { return __half(f); }
+
 // A block's barrier and each warp's exchange (every thread of a block, and of a warp, reaches each).
 std::barrier<>* mlxh_block_barrier = nullptr;
 std::barrier<>* mlxh_warp_barrier[32];
@@ -85,6 +92,59 @@ inline float __shfl_xor_sync(unsigned int, float v, int off) {
   const float r = mlxh_exchange[w][l ^ off];
   mlxh_warp_barrier[w]->arrive_and_wait();
   return r;
+}
+
+inline int __shfl_xor_sync(unsigned int, int v, int off) {
+  const unsigned int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  int r;
+  std::memcpy(&mlxh_exchange[w][l], &v, 4);
+  mlxh_warp_barrier[w]->arrive_and_wait();
+  std::memcpy(&r, &mlxh_exchange[w][l ^ off], 4);
+  mlxh_warp_barrier[w]->arrive_and_wait();
+  return r;
+}
+
+inline bool __all_sync(unsigned int, bool p) {
+  const unsigned int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  mlxh_exchange[w][l] = p ? 1.0f : 0.0f;
+  mlxh_warp_barrier[w]->arrive_and_wait();
+  bool all = true;
+  for (int i = 0; i < 32; ++i) all = all && mlxh_exchange[w][i] != 0.0f;
+  mlxh_warp_barrier[w]->arrive_and_wait();
+  return all;
+}
+
+// The m16n8k16 tensor-core instruction d += a * b across a warp, its fragments laid out as the PTX ISA
+// says (attention.cu, mlxi_mma): each lane's four results from the 16 products of its row and column,
+// gathered from the lanes that hold them, summed exactly (double: 16-bit products are exact, and so is
+// their sum for the values tests draw) and rounded once. The GPU's own rounding is not this (it is not
+// published; mostly toward zero): the host checks the kernels' layout and steps, and that two paths agree,
+// not the GPU's bits.
+uint32_t mlxh_frag[32][32][6];
+inline double mlxh_half_value(uint32_t bits, bool bf) {
+  if (bf) return (double)__uint_as_float(bits << 16);
+  __half h;
+  h.bits = (uint16_t)bits;
+  return (double)(float)h;
+}
+inline void mlxh_mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], bool bf) {
+  const unsigned int w = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, t = l & 3;
+  for (int i = 0; i < 4; ++i) mlxh_frag[w][l][i] = a[i];
+  mlxh_frag[w][l][4] = b[0];
+  mlxh_frag[w][l][5] = b[1];
+  mlxh_warp_barrier[w]->arrive_and_wait();
+  for (int e = 0; e < 4; ++e) {
+    const unsigned int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+    double sum = d[e];
+    for (unsigned int k = 0; k < 16; ++k) {
+      const unsigned int half = k & 1, reg = (row >= 8) + 2 * (k >= 8), lane_k = (k % 8) / 2;
+      const uint32_t av = mlxh_frag[w][(row % 8) * 4 + lane_k][reg] >> (16 * half);
+      const uint32_t bv = mlxh_frag[w][col * 4 + lane_k][4 + (k >= 8)] >> (16 * half);
+      sum += mlxh_half_value(av & 0xffffu, bf) * mlxh_half_value(bv & 0xffffu, bf);
+    }
+    d[e] = (float)sum;
+  }
+  mlxh_warp_barrier[w]->arrive_and_wait();
 }
 
 // Runs body(...) as gx x gy blocks of `threads` threads (a multiple of 32, at most 1,024), one block at

@@ -1,4 +1,4 @@
-"""metal_kernels/blocks.cu run on the host: each kernel body compiled by g++ against tests/cuda_host.h (the
+"""metal_kernels/blocks.cu (and attention.cu's tensor-core kernels: `HostKernel`) run on the host: each kernel body compiled by g++ against tests/cuda_host.h (the
 CUDA subset it uses) and launched with the arguments `block_kernels.product` hands MLX, one std::thread per
 CUDA thread, so that CI, which has no GPU, runs the kernels' own indexing, tiles of x, barriers and warp
 shuffles and compares their bits with the published order's numpy emulation. What it cannot show: the
@@ -110,3 +110,64 @@ class HostKernels:
         if dtype == mx.float32:
             return out
         return np.array(mx.view(mx.array(out), dtype).astype(mx.float32))
+
+
+def _compile(folder, text: str, stem: str):
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    folder = Path(folder)
+    lib = folder / f"{stem}_{digest}.so"
+    if not lib.exists():
+        src = folder / f"{stem}_{digest}.cpp"
+        src.write_text(text)
+        r = subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC",
+                            "-pthread", "-w", "-o", str(lib), str(src)], capture_output=True, text=True, timeout=600)
+        if r.returncode:
+            raise RuntimeError(f"g++ failed:\n{r.stderr[-3000:]}")
+    return ctypes.CDLL(str(lib))
+
+
+HOST_TYPES = {mx.float32: "float", mx.int32: "int", mx.uint16: "uint16_t", mx.bfloat16: "__nv_bfloat16",
+              mx.float16: "__half", mx.uint32: "uint32_t", mx.int8: "int8_t"}  # an MLX input's C type
+
+
+class HostKernel:
+    """One kernel of attention.cu (`kernels.kernel_parts("cuda", name)`: the body and the header units it
+    uses), compiled by g++ for the forms asked and launched as `kernels` launches it on MLX: the wrapper
+    (`kernels.mma_attention` & co.) runs with its `_kernel` replaced by this, so the inputs, template
+    arguments and grid are the wrapper's own."""
+
+    def __init__(self, folder, name: str):
+        self.folder, self.name = folder, name
+        self.libs: dict = {}
+
+    def _lib(self, inputs, template, out_dtypes):
+        from mlxinfer import kernels
+
+        key = (tuple((a.dtype, a.ndim) for a in inputs), tuple(template), tuple(out_dtypes))
+        if key not in self.libs:
+            header, body = kernels.kernel_parts("cuda", self.name)
+            names, outs = kernels._INPUTS[self.name]
+            params = [f"const {HOST_TYPES[a.dtype]}* {n}" for n, a in zip(names, inputs)]
+            params += [f"{HOST_TYPES[d]}* {o}" for o, d in zip(outs, out_dtypes)]
+            consts = "".join(f"using {k} = {HOST_TYPES[v]};\n" if isinstance(v, mx.Dtype) else
+                             f"constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};\n"
+                             for k, v in template)
+            n_args = len(inputs) + len(out_dtypes)
+            casts = ", ".join(f"({p.rsplit(' ', 1)[0]})a[{i}]" for i, p in enumerate(params))
+            text = (f'#include "{HEADER}"\n{header}\nnamespace form {{\n{consts}'
+                    f"void body({', '.join(params)}) {{\n{body}\n}}\n}}\n"
+                    f'extern "C" void run(void** a, unsigned gx, unsigned gy, unsigned threads) {{\n'
+                    f"  mlxh_launch(gx, gy, threads, [&] {{ form::body({casts}); }});\n}}\n")
+            assert n_args == len(params)
+            self.libs[key] = _compile(self.folder, text, f"{self.name}_host")
+        return self.libs[key]
+
+    def __call__(self, *, inputs, grid, threadgroup, output_shapes, output_dtypes, template=()):
+        lib = self._lib(inputs, template, output_dtypes)
+        arrays = [np.ascontiguousarray(np.array(mx.view(a, mx.uint16) if a.dtype in (mx.bfloat16, mx.float16) else a))
+                  for a in inputs]
+        outs = [np.zeros(s, np.float32 if d == mx.float32 else np.uint16) for s, d in zip(output_shapes, output_dtypes)]
+        ptrs = (ctypes.c_void_p * (len(arrays) + len(outs)))(*[a.ctypes.data for a in arrays + outs])
+        (gx, gy, _), (tx, _, _) = grid, threadgroup
+        lib.run(ptrs, ctypes.c_uint(gx // tx), ctypes.c_uint(gy), ctypes.c_uint(tx))
+        return [mx.array(o) for o in outs]

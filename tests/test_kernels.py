@@ -29,7 +29,8 @@ def test_kernel_sources_hold_every_kernel():
              "qk_norm_rope"}  # (qk_norm_rope: CUDA only, like the split kernels)
     for kind in ("cuda", "metal"):
         header, bodies = kernels.kernel_source(kind)
-        assert set(bodies) == {"matmul", "softmax", "fused_attention", "tanh"} | (split if kind in kernels.SPLIT_KINDS else set())
+        mma = {"mma_matmul", "mma_softmax", "mma_attention"} if kind in kernels.MMA_KINDS else set()
+        assert set(bodies) == {"matmul", "softmax", "fused_attention", "tanh"} | (split if kind in kernels.SPLIT_KINDS else set()) | mma
         assert "mlxi_dot" in header and "mlxi_softmax" in header
 
 
@@ -208,6 +209,8 @@ STUB = """
 struct Shape { int v[8]; __device__ long operator[](int i) const { return v[i]; } };
 #define INFINITY __int_as_float(0x7f800000)
 typedef signed char int8_t;  // (MLX's device/utils.cuh brings libcu++'s)
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
 """
 CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int8": "int8_t"}  # MLX's dtype_to_cuda_type
 ATTENTION_INPUTS = {"q": "QT", "k": "KVT", "v": "KVT"}  # read in the activations' / the KV cache's dtype
@@ -287,7 +290,9 @@ def test_cuda_sources_compile_with_nvrtc(monkeypatch):
     parts = {name: kernels.kernel_parts("cuda", name) for name in names}  # what MLX is handed: no comments, ...
     bodies = {name: body for name, (_, body) in parts.items()}  # ... each header cut to what its body reaches
     opts = [b"--gpu-architecture=compute_90", b"-default-device", b"--std=c++17", f"-I{include}".encode()]
-    builds = [(name, body, ()) for name, body in bodies.items() if name not in ("attn_softmax_context", "attn_context_rows", "qk_norm_rope")]
+    mma = {"mma_matmul", "mma_softmax", "mma_attention"}  # (built below, as the tensor-core GPU's code)
+    builds = [(name, body, ()) for name, body in bodies.items()
+              if name not in {"attn_softmax_context", "attn_context_rows", "qk_norm_rope"} | mma]
     forms = [(("NHB", nhb), ("UR", ur)) for nhb in (1, 2) for ur in (1, 2, 4, 8)]
     assert tuple(kernels.CONTEXT_ROWS_FORM) in forms
     builds += [("attn_context_rows", bodies["attn_context_rows"], f) for f in forms]
@@ -296,7 +301,7 @@ def test_cuda_sources_compile_with_nvrtc(monkeypatch):
     builds += [("attn_softmax_context", bodies["attn_softmax_context"], form) for form in kernels.ONE_ROW_FORMS]
     builds += [("qk_norm_rope", bodies["qk_norm_rope"], (("EPS_BITS", kernels._f32_bits(1e-6)), ("LOG2_BASE_BITS", bits)))
                for bits in (kernels._f32_bits(19.93), 1 << 30)]
-    assert {n for n, _, _ in builds} == set(bodies)
+    assert {n for n, _, _ in builds} | mma == set(bodies)
     for name, body, extra in builds:
         rc, log = _nvrtc_compile(lib, name, _cuda_kernel_source(name, body, parts[name][0], extra), opts)
         assert rc == 0, f"{name}: {log}"
@@ -304,7 +309,7 @@ def test_cuda_sources_compile_with_nvrtc(monkeypatch):
     # from a q8_0 cache's int8 rows: each kernel's form in use, with both 16-bit types, q in bfloat16 over
     # a float32 cache, and q in float32 and bfloat16 over a q8_0 cache
     forms = {"attn_context_rows": tuple(kernels.CONTEXT_ROWS_FORM), "attn_softmax_context": kernels.ONE_ROW_FORM}
-    for name in sorted(set(bodies) - {"matmul", "softmax", "attn_softmax", "qk_norm_rope"}):
+    for name in sorted(set(bodies) - {"matmul", "softmax", "attn_softmax", "qk_norm_rope"} - mma):
         for types in (("bfloat16", "bfloat16"), ("float16", "float16"), ("bfloat16", "float32"), ("float32", "int8"),
                       ("bfloat16", "int8")):
             src = _cuda_kernel_source(name, bodies[name], parts[name][0], tuple(forms.get(name, ())), types)
@@ -316,6 +321,33 @@ def test_cuda_sources_compile_with_nvrtc(monkeypatch):
     for name in ("attn_scores", "attn_scores_rows"):
         rc, log = _nvrtc_compile(lib, name, _cuda_kernel_source(name, bodies[name], parts[name][0]), opts)
         assert rc == 0, f"{name}, soft-capped: {log}"
+
+
+MMA_TYPES = {"a": "float", "bt": "uint16_t", "x": "float", "q": "uint16_t", "k": "uint16_t", "v": "uint16_t", "pos": "int",
+             "scales": "float", "dims": "int"}  # the tensor-core kernels' inputs (kernels.mma_*: 16-bit bits)
+
+
+def test_tensor_core_kernels_build_for_sm_90():
+    """The tensor-core kernels compiled by NVRTC to sm_90 machine code, not only to PTX, so that ptxas reads
+    their inline mma.sync instructions (a wrong operand count or type fails here), for both 16-bit types
+    and every head size the path takes up to 256 (each a register array of its own size)."""
+    lib = _nvrtc()
+    if lib is None:
+        pytest.skip("needs NVRTC (pip install 'nvidia-cuda-nvrtc>=13'; Linux x86-64)")
+    include = _cuda_include()
+    if include is None:
+        pytest.skip("needs cuda_bf16.h and cuda_fp16.h (pip install 'nvidia-cuda-runtime>=13', or a CUDA toolkit)")
+    opts = [b"--gpu-architecture=sm_90", b"-default-device", b"--std=c++17", f"-I{include}".encode()]
+    for name in ("mma_matmul", "mma_softmax", "mma_attention"):
+        header, body = kernels.kernel_parts("cuda", name)
+        inputs, outputs = kernels._INPUTS[name]
+        params = ", ".join([f"const {MMA_TYPES[i]}* {i}" for i in inputs] + [f"float* {o}" for o in outputs])
+        for bf in ("true", "false"):
+            for d in ((16, 64, 80, 128, 256) if name == "mma_attention" else (0,)):
+                consts = f"  constexpr bool BF = {bf};\n" + (f"  constexpr int D = {d};\n" if d else "")
+                src = f"{STUB}{header}\n__global__ void k_{name}({params}) {{\n{consts}{body}\n}}\n"
+                rc, log = _nvrtc_compile(lib, name, src, opts)
+                assert rc == 0, f"{name} BF={bf} D={d}: {log}"
 
 
 HOST_STUBS = {  # what the kernels' K/V reader and scores need of CUDA and of Metal, for this CPU's C++ compiler

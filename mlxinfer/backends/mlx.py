@@ -266,6 +266,30 @@ def verify_gpu_kernels(backend: "MLXBackend") -> str | None:
     return _first_problem(backend, cases)
 
 
+def mma_check_cases(head_dims=SELF_CHECK_HEAD_DIMS) -> list[CheckCase]:
+    """The tensor-core prefill path's cases at each head size: chunks of PREFILL_ROWS rows or more (row
+    counts that are not whole tiles of 16, over key counts that are not whole steps of 16), with GQA, a
+    window and a soft-cap, beside a decode row, in each cache kind."""
+    rows = PREFILL_ROWS + 2
+    cases = []
+    for d in head_dims:
+        gqa = AttentionSpec.standard(4, 2, d)
+        win = replace(AttentionSpec.standard(4, 2, d, window=40), softcap=50.0)
+        cases += [CheckCase(f"a {rows}-row chunk over {rows} keys", gqa, ((rows, rows),)),
+                  CheckCase(f"a {rows}-row chunk over 300 keys, window 40, soft-cap 50", win, ((300, rows),))]
+        cases += [CheckCase(f"a {rows}-row chunk over 300 keys beside a decode row over 70", gqa,
+                            ((300, rows), (70, 1)), kv) for kv in KV_CACHES]
+    return cases
+
+
+def verify_mma(backend: "MLXBackend") -> str | None:
+    """The tensor-core prefill kernels on the device (`mma_check_cases`): the fused override against the
+    per-head reference, bit for bit. None, or one line naming the first failure."""
+    cases = [case for case in mma_check_cases() if case_applies(backend, case)]
+    _prebuild(backend, [lambda c=c: _check_case(backend, c) for c in cases])
+    return _first_problem(backend, cases)
+
+
 def _first_problem(backend: "MLXBackend", cases) -> str | None:
     """The first of the cases' failures (`_check_case`), or None."""
     return next(filter(None, (_check_case(backend, case) for case in cases)), None)
@@ -389,6 +413,10 @@ class MLXBackend(Backend):
         # the quantized products' block kernels ("metal", "cuda" or None): checked apart from attention
         self.block_kind = self.gpu_kernels
         self.block_types = frozenset(block_kernels.KERNELS)  # less those whose kernel failed its self-check
+        # 16-bit prefill chunks in the tensor-core order (attention.cu; `matmul`, `softmax_rows`, `_mma_sequence`):
+        # CUDA, with q and the cache of one 16-bit type; off again if its own self-check fails
+        self.mma = bool(self.gpu_kernels in kernels.MMA_KINDS and dtype != "float32" and kv_dtype == dtype)
+        self.mma_fallback = None  # that check's failure, once one failed
         self.fallback = None  # the self-check's failure, once one failed
         self.block_fallback = None  # the block kernels' self-check failures, once one failed
         self.checked = None  # the kernel the self-check ran on, once it ran
@@ -410,6 +438,13 @@ class MLXBackend(Backend):
             return verify(self)
 
         kept = verify is verify_gpu_kernels and self.device == "gpu"  # (tests force kernels on the CPU: not kept)
+        if kept and self.mma:  # first, so that a failing tensor-core kernel turns off only itself
+            mma = kernel_checks.verdict(f"{self.kernel} tensor-core prefill", self.dtype_name, self.kv_dtype,
+                                        lambda: verify_mma(self), fresh=fresh)
+            if mma:
+                self.mma, self.mma_fallback = False, mma
+                print(f"mlxinfer: warning: the tensor-core prefill kernels failed their self-check ({mma}); "
+                      "16-bit prefill chunks use MLX's own products", file=sys.stderr)
         if kept:
             problem = kernel_checks.verdict(self.kernel, self.dtype_name, self.kv_dtype, run, fresh=fresh)
         else:
@@ -435,7 +470,7 @@ class MLXBackend(Backend):
 
     def _attention_falls_back(self, problem: str) -> None:
         self.fallback = problem
-        self.gpu_kernels, self.kernel = None, "graph"
+        self.gpu_kernels, self.kernel, self.mma = None, "graph", False
         print(f"mlxinfer: warning: the attention kernels failed their self-check ({problem}); using "
               "MLX's own ops and per-head attention (pass --kernel to force the kernels)", file=sys.stderr)
 
@@ -673,6 +708,11 @@ class MLXBackend(Backend):
         # rows, short chunks) are our kernel's (one published order, so the fused kernels can match them);
         # longer ones MLX's own (cuBLAS, Metal GEMM), which the fused override then runs the same way
         # (`fused_attention_override`).
+        # 16-bit chunks (`self.mma`) take the tensor-core order: b's values are the dtype's (keys, values),
+        # a's are rounded to it in the kernel (queries: exact; attention weights: to nearest even)
+        if self.mma and a.shape[0] >= PREFILL_ROWS:
+            bt = mx.contiguous(mx.transpose(b)).astype(self.dtype)
+            return kernels.mma_matmul(self.gpu_kernels, a.astype(mx.float32)[None], bt[None])[0]
         a, b = a.astype(mx.float32), b.astype(mx.float32)
         if self.gpu_kernels and a.shape[0] < PREFILL_ROWS:
             return kernels.matmul(self.gpu_kernels, a[None], mx.contiguous(mx.transpose(b))[None])[0]
@@ -683,6 +723,12 @@ class MLXBackend(Backend):
         return mx.transpose(x.astype(mx.float32))
 
     def softmax_rows(self, x):
+        # attention's: a 16-bit chunk's scores in the tensor-core path's order (`matmul`)
+        if self.mma and x.shape[0] >= PREFILL_ROWS:
+            return kernels.mma_softmax(self.gpu_kernels, x.astype(mx.float32))
+        return self._softmax(x)
+
+    def _softmax(self, x):
         x = x.astype(mx.float32)
         if self.gpu_kernels:
             return kernels.softmax(self.gpu_kernels, x)
@@ -739,7 +785,7 @@ class MLXBackend(Backend):
         return ExpertStack((e, out, n_in), dense=dense)
 
     def moe_mlp(self, x, logits, experts, k, groups=None):
-        probs = self.softmax_rows(logits)
+        probs = self._softmax(logits)  # (the router's: one order for any number of rows)
         ids = mx.argsort(-probs, axis=-1)[:, :k]
         w = mx.take_along_axis(probs, ids, axis=-1)
         w = w / mx.maximum(mx.sum(w, axis=-1, keepdims=True), MOE_MIN_WEIGHT_SUM)
@@ -871,7 +917,16 @@ class MLXBackend(Backend):
         # then put in their places.
         out = self.zeros(q.shape[0], spec.n_heads * spec.head_dim)
         for b in long:
-            out = self.per_head_sequence(q, kv, batch, spec, b, out)
+            if self.mma and kernels.mma_fits(spec):  # 16-bit: the reference's bits in one launch
+                r0, r1 = batch.rows[b]
+                k, v = kv.sequence(self, b)
+                ctx = kernels.mma_attention(self.gpu_kernels, q[r0:r1].astype(self.dtype), k, v,
+                                            batch.positions_of(self, b), spec)
+                if len(batch.rows) == 1:
+                    return ctx
+                out[r0:r1] = ctx
+            else:
+                out = self.per_head_sequence(q, kv, batch, spec, b, out)
         rest = [b for b in range(len(batch.rows)) if b not in long]
         if rest:
             at = mx.array(np.concatenate([np.arange(*batch.rows[b]) for b in rest]).astype(np.int32))
