@@ -920,8 +920,8 @@ class MLXBackend(Backend):
             if self.mma and kernels.mma_fits(spec):  # 16-bit: the reference's bits in one launch
                 r0, r1 = batch.rows[b]
                 k, v = kv.sequence(self, b)
-                ctx = kernels.mma_attention(self.gpu_kernels, q[r0:r1].astype(self.dtype), k, v,
-                                            batch.positions_of(self, b), spec)
+                ctx = kernels.mma_attention(self.gpu_kernels, q[r0:r1].astype(self.dtype), k.astype(self.dtype),
+                                            v.astype(self.dtype), batch.positions_of(self, b), spec)
                 if len(batch.rows) == 1:
                     return ctx
                 out[r0:r1] = ctx
