@@ -31,6 +31,7 @@
 #define MLXI_THREADS 256
 #define MLXI_WARPS 8
 #define MLXI_MAX_D 256  // largest head dimension of the fused kernel (shared memory: 32 KiB)
+#define MLXI_KPAD 8  // the tensor-core kernel's shared key and value rows: D + 8 16-bit values apart
 
 // A value as float32 (exact: bfloat16 and float16 are subsets of float32).
 __device__ __forceinline__ float mlxi_f(float x) {
@@ -369,21 +370,19 @@ __device__ __forceinline__ float mlxi_quad_total(float c) {
 // One head's scores for 16 query rows (the warp's; q fragments qa, zero k-steps in zmask) and the 16 keys
 // j0 .. j0+15 (two m16n8 tiles, s[n][e]: key j0 + 8n + 2t + (e & 1), row g or g+8 for e < 2 or not), as
 // the reference forms them: mma_dot over D, then the score (mlxi_score), hidden keys and keys past S at
-// -inf. k: the sequence's [S, kw] keys, this head's at column c0.
+// -inf. kt: those keys' rows in shared memory (row stride D + MLXI_KPAD; zeros past S).
 template <bool BF, int D>
 __device__ __forceinline__ void mlxi_mma_scores(float (&s)[2][4], const uint32_t (&qa)[D / 16][4], unsigned zmask,
-                                                const uint16_t* k, long kw, long c0, long S, long j0, int g, int t,
-                                                int pl, int ph, int causal, int window, float sc, float cap, float inv) {
+                                                const uint16_t* kt, long S, long j0, int g, int t, int pl, int ph,
+                                                int causal, int window, float sc, float cap, float inv) {
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
-    const long kj = j0 + 8 * n + g;
-    const uint16_t* kr = k + (kj < S ? kj : 0) * kw + c0 + 2 * t;
+    const uint32_t* kr = reinterpret_cast<const uint32_t*>(kt + (8 * n + g) * (D + MLXI_KPAD) + 2 * t);
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       if ((zmask >> kk) & 1u) continue;
-      const uint32_t b[2] = {kj < S ? mlxi_pair(kr[16 * kk], kr[16 * kk + 1]) : 0u,
-                             kj < S ? mlxi_pair(kr[16 * kk + 8], kr[16 * kk + 9]) : 0u};
+      const uint32_t b[2] = {kr[8 * kk], kr[8 * kk + 4]};
       mlxi_mma<BF>(d, qa[kk], b);
     }
 #pragma unroll
@@ -394,6 +393,22 @@ __device__ __forceinline__ void mlxi_mma_scores(float (&s)[2][4], const uint32_t
     }
   }
 }
+
+// A block's copy of keys (or values) j0 .. j0 + KT - 1 of a sequence's [S, kw] rows, columns c0 .. c0+D-1,
+// into shared memory (row stride D + MLXI_KPAD: the fragment reads then fall in distinct banks), 16 bytes
+// a load, all of a thread's loads in flight at once; rows past S are zeros.
+template <int D, int KT>
+__device__ __forceinline__ void mlxi_stage(uint16_t* dst, const uint16_t* src, long kw, long c0, long S, long j0, int tid,
+                                           int threads) {
+  constexpr int CHUNKS = D / 8;  // 16-byte pieces of a row
+  for (int i = tid; i < KT * CHUNKS; i += threads) {
+    const int r = i / CHUNKS, c = i % CHUNKS;
+    uint4 v = {0u, 0u, 0u, 0u};
+    if (j0 + r < S) v = *reinterpret_cast<const uint4*>(src + (j0 + r) * kw + c0 + 8 * c);
+    *reinterpret_cast<uint4*>(dst + r * (D + MLXI_KPAD) + 8 * c) = v;
+  }
+}
+
 //@@BODY matmul
 // out[b, i, j] = dot(a[b, i, :], bt[b / G, j, :]); a [B, M, K], bt [B/G, N, K]; dims = [B, M, N, K, G].
 // One warp per output, 8 warps per block.
@@ -1009,96 +1024,130 @@ if (live) {
 // One sequence's prefill chunk, every head, in the tensor-core order: q [T, H*D], k and v [S, KV*D] (the
 // sequence's cached rows, this chunk's included), 16-bit bits; pos [T] the rows' positions; scales =
 // [scale, cap, 1/cap]; dims = [T, S, H, KV, causal, window]; template BF (bfloat16, else float16), D.
-// Warp w takes head w / tiles and rows 16 (w % tiles) .. +15; the reference's steps 3-7 per head
-// (mma_matmul, scale, soft-cap, mask, mma_softmax, mma_matmul) in three passes over the keys the
-// warp's rows can see: the maxima, the totals, then the weights (rounded to 16 bits) times V.
+// A block of 4 warps takes one head and 64 rows, warp w rows 16 w .. 16 w + 15 of them: the reference's
+// steps 3-7 per head (mma_matmul, scale, soft-cap, mask, mma_softmax, mma_matmul) in three passes over
+// the keys the block's rows can see, KT keys at a time staged in shared memory by the whole block: the
+// row maxima; the totals; the weights (rounded to 16 bits) times V. A warp computes only the steps of 16
+// keys its own rows can see (the others are all -inf for its rows: no change to a maximum, a total or
+// an accumulator), in increasing order.
+constexpr int KT = D <= 128 ? 64 : 32;
+__shared__ __align__(16) uint16_t ks[KT * (D + MLXI_KPAD)];
+__shared__ __align__(16) uint16_t vs[KT * (D + MLXI_KPAD)];
+__shared__ int span[8];
 const long T = dims[0], S = dims[1];
 const int H = dims[2], KV = dims[3], causal = dims[4], window = dims[5];
 const float sc = scales[0], cap = scales[1], inv = scales[2];
-const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-const long w = ((long)blockIdx.y * gridDim.x + blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-const long tiles = (T + 15) / 16;
-if (w < tiles * H) {
-  const int h = (int)(w / tiles), kvh = h / (H / KV);
-  const long qw = (long)H * D, kw = (long)KV * D, rl = (w % tiles) * 16 + g, rh = rl + 8;
-  const bool vl = rl < T, vh = rh < T;
-  const int pl = vl ? pos[rl] : 0, ph = vh ? pos[rh] : 0;
-  // the keys any of the warp's rows sees: [lo, hi]
-  int most = vl ? (vh && ph > pl ? ph : pl) : -1, least = vl ? (vh && ph < pl ? ph : pl) : 0x7fffffff;
-  for (int off = 16; off > 0; off >>= 1) {
-    const int a = __shfl_xor_sync(0xffffffffu, most, off), b = __shfl_xor_sync(0xffffffffu, least, off);
-    most = a > most ? a : most;
-    least = b < least ? b : least;
+const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, g = lane >> 2, t = lane & 3;
+const long blocks_per_head = (T + 63) / 64;
+const long blk = (long)blockIdx.y * gridDim.x + blockIdx.x;
+const int h = (int)(blk / blocks_per_head), kvh = h / (H / KV);
+const long qw = (long)H * D, kw = (long)KV * D, rl = (blk % blocks_per_head) * 64 + 16 * wid + g, rh = rl + 8;
+const bool vl = rl < T, vh = rh < T;
+const int pl = vl ? pos[rl] : 0, ph = vh ? pos[rh] : 0;
+// the keys any of the warp's rows sees, [lo, hi] (none: hi < lo), then the block's
+int most = vl ? (vh && ph > pl ? ph : pl) : -1, least = vl ? (vh && ph < pl ? ph : pl) : 0x7fffffff;
+for (int off = 16; off > 0; off >>= 1) {
+  const int a = __shfl_xor_sync(0xffffffffu, most, off), b = __shfl_xor_sync(0xffffffffu, least, off);
+  most = a > most ? a : most;
+  least = b < least ? b : least;
+}
+const long hi = most < 0 ? -1 : (causal && most < S - 1 ? (long)most : S - 1);
+const long lo = most < 0 ? 0 : (window > 0 && least - window + 1 > 0 ? (long)least - window + 1 : 0);
+if (lane == 0) {
+  span[wid] = (int)hi;
+  span[4 + wid] = (int)lo;
+}
+__syncthreads();
+long bhi = -1, blo = S;
+for (int i = 0; i < 4; ++i) {
+  if (span[i] >= span[4 + i]) {
+    bhi = span[i] > bhi ? span[i] : bhi;
+    blo = span[4 + i] < blo ? span[4 + i] : blo;
   }
-  const long hi = causal && most < S - 1 ? (long)most : S - 1;
-  const long lo = window > 0 && least - window + 1 > 0 ? (long)least - window + 1 : 0;
-  uint32_t qa[D / 16][4];
-  unsigned zmask = 0;
-  const uint16_t* ql = q + (vl ? rl : 0) * qw + (long)h * D + 2 * t;
-  const uint16_t* qh = q + (vh ? rh : 0) * qw + (long)h * D + 2 * t;
+}
+blo = blo / KT * KT;
+uint32_t qa[D / 16][4];
+unsigned zmask = 0;
+const uint16_t* ql = q + (vl ? rl : 0) * qw + (long)h * D + 2 * t;
+const uint16_t* qh = q + (vh ? rh : 0) * qw + (long)h * D + 2 * t;
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    qa[kk][0] = vl ? mlxi_pair(ql[16 * kk], ql[16 * kk + 1]) : 0u;
-    qa[kk][1] = vh ? mlxi_pair(qh[16 * kk], qh[16 * kk + 1]) : 0u;
-    qa[kk][2] = vl ? mlxi_pair(ql[16 * kk + 8], ql[16 * kk + 9]) : 0u;
-    qa[kk][3] = vh ? mlxi_pair(qh[16 * kk + 8], qh[16 * kk + 9]) : 0u;
-    if (mlxi_zero_step(qa[kk])) zmask |= 1u << kk;
-  }
-  const long c0 = (long)kvh * D;
-  float s[2][4];
-  float ml = -INFINITY, mh = -INFINITY;
-  for (long j0 = lo / 16 * 16; j0 <= hi; j0 += 16) {
-    mlxi_mma_scores<BF, D>(s, qa, zmask, k, kw, c0, S, j0, g, t, pl, ph, causal, window, sc, cap, inv);
+for (int kk = 0; kk < D / 16; ++kk) {
+  qa[kk][0] = vl ? mlxi_pair(ql[16 * kk], ql[16 * kk + 1]) : 0u;
+  qa[kk][1] = vh ? mlxi_pair(qh[16 * kk], qh[16 * kk + 1]) : 0u;
+  qa[kk][2] = vl ? mlxi_pair(ql[16 * kk + 8], ql[16 * kk + 9]) : 0u;
+  qa[kk][3] = vh ? mlxi_pair(qh[16 * kk + 8], qh[16 * kk + 9]) : 0u;
+  if (mlxi_zero_step(qa[kk])) zmask |= 1u << kk;
+}
+const long c0 = (long)kvh * D, first = lo / 16 * 16;
+float s[2][4];
+float ml = -INFINITY, mh = -INFINITY, cl = 0.0f, ch = 0.0f, tl = 0.0f, th = 0.0f;
+float o[D / 8][4];
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      ml = fmaxf(ml, fmaxf(s[n][0], s[n][1]));
-      mh = fmaxf(mh, fmaxf(s[n][2], s[n][3]));
-    }
-  }
-  ml = mlxi_quad_max(ml);
-  mh = mlxi_quad_max(mh);
-  float cl = 0.0f, ch = 0.0f;
-  for (long j0 = lo / 16 * 16; j0 <= hi; j0 += 16) {
-    mlxi_mma_scores<BF, D>(s, qa, zmask, k, kw, c0, S, j0, g, t, pl, ph, causal, window, sc, cap, inv);
+for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
+for (int pass = 0; pass < 3; ++pass) {
+  for (long k0 = blo; k0 <= bhi; k0 += KT) {
+    __syncthreads();  // (the previous tile's readers are done)
+    mlxi_stage<D, KT>(ks, k, kw, c0, S, k0, tid, 128);
+    if (pass == 2) mlxi_stage<D, KT>(vs, v, kw, c0, S, k0, tid, 128);
+    __syncthreads();
+    for (int sub = 0; sub < KT / 16; ++sub) {
+      const long j0 = k0 + 16 * sub;
+      if (j0 < first || j0 > hi) continue;  // (warp-uniform: none of the warp's rows sees these keys)
+      mlxi_mma_scores<BF, D>(s, qa, zmask, ks + 16 * sub * (D + MLXI_KPAD), S, j0, g, t, pl, ph, causal, window,
+                             sc, cap, inv);
+      if (pass == 0) {
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      if (vl) cl = __fadd_rn(__fadd_rn(cl, expf(__fsub_rn(s[n][0], ml))), expf(__fsub_rn(s[n][1], ml)));
-      if (vh) ch = __fadd_rn(__fadd_rn(ch, expf(__fsub_rn(s[n][2], mh))), expf(__fsub_rn(s[n][3], mh)));
-    }
-  }
-  const float tl = mlxi_quad_total(cl), th = mlxi_quad_total(ch);
-  float o[D / 8][4];
+        for (int n = 0; n < 2; ++n) {
+          ml = fmaxf(ml, fmaxf(s[n][0], s[n][1]));
+          mh = fmaxf(mh, fmaxf(s[n][2], s[n][3]));
+        }
+      } else if (pass == 1) {
 #pragma unroll
-  for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
-  for (long j0 = lo / 16 * 16; j0 <= hi; j0 += 16) {
-    mlxi_mma_scores<BF, D>(s, qa, zmask, k, kw, c0, S, j0, g, t, pl, ph, causal, window, sc, cap, inv);
-    uint32_t p[2][4];
+        for (int n = 0; n < 2; ++n) {
+          if (vl) cl = __fadd_rn(__fadd_rn(cl, expf(__fsub_rn(s[n][0], ml))), expf(__fsub_rn(s[n][1], ml)));
+          if (vh) ch = __fadd_rn(__fadd_rn(ch, expf(__fsub_rn(s[n][2], mh))), expf(__fsub_rn(s[n][3], mh)));
+        }
+      } else {
+        uint32_t p[2][4];
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
+        for (int n = 0; n < 2; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool live = e < 2 ? vl : vh;
-        p[n][e] = live ? mlxi_round16<BF>(__fdiv_rn(expf(__fsub_rn(s[n][e], e < 2 ? ml : mh)), e < 2 ? tl : th)) : 0u;
+          for (int e = 0; e < 4; ++e) {
+            const bool live = e < 2 ? vl : vh;
+            p[n][e] = live ? mlxi_round16<BF>(__fdiv_rn(expf(__fsub_rn(s[n][e], e < 2 ? ml : mh)), e < 2 ? tl : th)) : 0u;
+          }
+        }
+        const uint32_t pa[4] = {mlxi_pair(p[0][0], p[0][1]), mlxi_pair(p[0][2], p[0][3]), mlxi_pair(p[1][0], p[1][1]),
+                                mlxi_pair(p[1][2], p[1][3])};
+        if (mlxi_zero_step(pa)) continue;
+        const uint16_t* va = vs + (16 * sub + 2 * t) * (D + MLXI_KPAD) + g;
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) {
+          const uint32_t b[2] = {mlxi_pair(va[8 * dn], va[(D + MLXI_KPAD) + 8 * dn]),
+                                 mlxi_pair(va[8 * (D + MLXI_KPAD) + 8 * dn], va[9 * (D + MLXI_KPAD) + 8 * dn])};
+          mlxi_mma<BF>(o[dn], pa, b);
+        }
       }
     }
-    const uint32_t pa[4] = {mlxi_pair(p[0][0], p[0][1]), mlxi_pair(p[0][2], p[0][3]), mlxi_pair(p[1][0], p[1][1]),
-                            mlxi_pair(p[1][2], p[1][3])};
-    if (mlxi_zero_step(pa)) continue;
-    const long ja = j0 + 2 * t, jb = ja + 8;
-    const uint16_t* va = v + (ja < S ? ja : 0) * kw + c0 + g;
-    const uint16_t* vb = v + (jb < S ? jb : 0) * kw + c0 + g;
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) {
-      const uint32_t b[2] = {mlxi_pair(ja < S ? va[8 * dn] : 0u, ja + 1 < S ? va[kw + 8 * dn] : 0u),
-                             mlxi_pair(jb < S ? vb[8 * dn] : 0u, jb + 1 < S ? vb[kw + 8 * dn] : 0u)};
-      mlxi_mma<BF>(o[dn], pa, b);
-    }
   }
-  float* ol = out + rl * qw + (long)h * D + 2 * t;
-  float* oh = out + rh * qw + (long)h * D + 2 * t;
+  if (pass == 0) {
+    ml = mlxi_quad_max(ml);
+    mh = mlxi_quad_max(mh);
+  } else if (pass == 1) {
+    tl = mlxi_quad_total(cl);
+    th = mlxi_quad_total(ch);
+  }
+}
+float* ol = out + rl * qw + (long)h * D + 2 * t;
+float* oh = out + rh * qw + (long)h * D + 2 * t;
 #pragma unroll
-  for (int dn = 0; dn < D / 8; ++dn) {
-    if (vl) { ol[8 * dn] = o[dn][0]; ol[8 * dn + 1] = o[dn][1]; }
-    if (vh) { oh[8 * dn] = o[dn][2]; oh[8 * dn + 1] = o[dn][3]; }
+for (int dn = 0; dn < D / 8; ++dn) {
+  if (vl) {
+    ol[8 * dn] = o[dn][0];
+    ol[8 * dn + 1] = o[dn][1];
+  }
+  if (vh) {
+    oh[8 * dn] = o[dn][2];
+    oh[8 * dn + 1] = o[dn][3];
   }
 }

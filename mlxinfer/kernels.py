@@ -82,7 +82,7 @@ _INPUTS = {
     "mma_attention": (["q", "k", "v", "pos", "scales", "dims"], ["out"]),
 }
 MMA_KINDS = ("cuda",)  # the tensor-core order's kernels exist in these sources
-MMA_WARPS = 4  # warps a block in the tensor-core kernels (each warp's work is its own)
+MMA_WARPS = 4  # warps a block in the tensor-core kernels (attention.cu's mma_attention is written for 4)
 SPLIT_KINDS = ("cuda",)  # the split attention kernels exist in these sources (Metal: one launch only)
 SPLIT_MAX_ITEMS = 1024  # (row, head) work items up to which the split kernels run: their scratch is
 # 2 x items x capacity floats, the same bound as the one-launch kernel's MAX_BLOCKS x capacity ...
@@ -275,13 +275,13 @@ def mma_attention(kind: str, q, keys, values, positions, spec):
     import mlx.core as mx
 
     t, s = q.shape[0], keys.shape[0]
-    warps = -(-t // 16) * spec.n_heads
+    blocks = -(-t // (16 * MMA_WARPS)) * spec.n_heads  # a block: one head, 64 rows
     dims = _dims(t, s, spec.n_heads, spec.n_kv_heads, int(spec.causal), int(spec.window or 0))
     scales = mx.array([spec.scale, *softcap_values(spec)], dtype=mx.float32)
     (out,) = _kernel(kind, "mma_attention")(
         inputs=[_bits16(q), _bits16(keys), _bits16(values), positions, scales, dims],
         template=[("BF", q.dtype == mx.bfloat16), ("D", spec.head_dim)],
-        grid=_grid(-(-warps // MMA_WARPS), 32 * MMA_WARPS), threadgroup=(32 * MMA_WARPS, 1, 1),
+        grid=_grid(blocks, 32 * MMA_WARPS), threadgroup=(32 * MMA_WARPS, 1, 1),
         output_shapes=[(t, spec.n_heads * spec.head_dim)], output_dtypes=[mx.float32])
     return out
 
