@@ -68,9 +68,10 @@ from .mlx_weights import GROUP, BlockWeight, ExpertStack, PackedWeight, Quantize
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}  # backend.DTYPES' MLX types
 KEPT = (*quants.AFFINE_BITS, *quants.BLOCK_TYPES, *quants.HALF_TYPES)  # every type but F32 stays as compact
 SPLIT_MIN_ROWS = 256  # quantized products are cut over the CPU threads in parts of at least this many rows
-# On a GPU, a sequence's attention products with at least this many query rows (prefill chunks) are MLX's
-# own GEMMs (tensor cores where the dtype has them) a head at a time, in the per-head reference and in
-# the fused override alike; fewer rows (decode, short prompts) take mlxinfer's published-order kernels.
+# On a GPU, a sequence's attention products with at least this many query rows (prefill chunks) are, in
+# 16-bit dtypes on CUDA, the tensor-core order's (`self.mma`: kernels.mma_*, one launch a chunk in the
+# fused override), else MLX's own GEMMs a head at a time, in the per-head reference and in the fused
+# override alike; fewer rows (decode, short prompts) take mlxinfer's published-order kernels.
 PREFILL_ROWS = 128
 _CPU_STREAMS: list = []  # shared by every MLX backend; thread-local: each thread that uses one gets its own
 
@@ -328,7 +329,8 @@ def _check_case(backend: "MLXBackend", case: CheckCase) -> str | None:
     except Exception as e:  # a kernel that fails to compile or launch
         return f"{_one_line(e)} ({case})"
     # the launch plans run every row through a kernel, but a sequence of PREFILL_ROWS rows or more is
-    # MLX's GEMMs in the reference and in the override (never a kernel): they answer for the others
+    # another path (MLX's GEMMs, or the tensor-core order) in the reference and in the override: the
+    # plans answer for the others
     kernel_rows = np.zeros(ref.shape[0], dtype=bool)
     for r0, r1 in batch.rows:
         kernel_rows[r0:r1] = r1 - r0 < PREFILL_ROWS
@@ -707,7 +709,7 @@ class MLXBackend(Backend):
         # widen what they read the same way). On a GPU, products of fewer than PREFILL_ROWS rows (decode
         # rows, short chunks) are our kernel's (one published order, so the fused kernels can match them);
         # longer ones MLX's own (cuBLAS, Metal GEMM), which the fused override then runs the same way
-        # (`fused_attention_override`).
+        # (`fused_attention_override`), or in 16-bit dtypes on CUDA the tensor-core order's.
         # 16-bit chunks (`self.mma`) take the tensor-core order: b's values are the dtype's (keys, values),
         # a's are rounded to it in the kernel (queries: exact; attention weights: to nearest even)
         if self.mma and a.shape[0] >= PREFILL_ROWS:
