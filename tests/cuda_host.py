@@ -66,18 +66,7 @@ class HostKernels:
     """The forms compiled into one shared library under `folder` (reused while its source is unchanged)."""
 
     def __init__(self, folder, forms):
-        text = source(forms)
-        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-        folder = Path(folder)
-        lib = folder / f"blocks_host_{digest}.so"
-        if not lib.exists():
-            src = folder / f"blocks_host_{digest}.cpp"
-            src.write_text(text)
-            r = subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC",
-                                "-pthread", "-w", "-o", str(lib), str(src)], capture_output=True, text=True, timeout=600)
-            if r.returncode:
-                raise RuntimeError(f"g++ failed:\n{r.stderr[-3000:]}")
-        self.lib = ctypes.CDLL(str(lib))
+        self.lib = _compile(folder, source(forms), "blocks_host")
 
     def product(self, x, w, per_warp=None):
         """x @ w.T by the host-compiled kernel, launched exactly as `block_kernels.product` launches it on
@@ -113,6 +102,7 @@ class HostKernels:
 
 
 def _compile(folder, text: str, stem: str):
+    """The shared library g++ builds from `text` under `folder` (reused while the text is unchanged)."""
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     folder = Path(folder)
     lib = folder / f"{stem}_{digest}.so"

@@ -262,6 +262,17 @@ def _cuda_kernel_source(name: str, body: str, header: str, extra: tuple = (), ty
     return f"{STUB}{header}\n__global__ void k_{name}({', '.join(params)}) {{\n{consts}{body}\n}}\n"
 
 
+def _nvrtc_and_headers():
+    """(libnvrtc, the include folder of cuda_bf16.h and cuda_fp16.h), or skip the test saying what is missing."""
+    lib = _nvrtc()
+    if lib is None:
+        pytest.skip("needs NVRTC (pip install 'nvidia-cuda-nvrtc>=13'; Linux x86-64)")
+    include = _cuda_include()
+    if include is None:
+        pytest.skip("needs cuda_bf16.h and cuda_fp16.h (pip install 'nvidia-cuda-runtime>=13', or a CUDA toolkit)")
+    return lib, include
+
+
 def _nvrtc_compile(lib, name: str, source: str, opts) -> tuple[int, str]:
     """Compile one kernel source with NVRTC: (its result code, its log)."""
     import ctypes
@@ -280,12 +291,7 @@ def _nvrtc_compile(lib, name: str, source: str, opts) -> tuple[int, str]:
 def test_cuda_sources_compile_with_nvrtc(monkeypatch):
     """Every CUDA kernel body compiles (NVRTC, sm_90, no GPU needed), as MLX's cuda_kernel would build it:
     a typo in metal_kernels/attention.cu fails here, on any Linux x86-64 machine, not first on a GPU."""
-    lib = _nvrtc()
-    if lib is None:
-        pytest.skip("needs NVRTC (pip install 'nvidia-cuda-nvrtc>=13'; Linux x86-64)")
-    include = _cuda_include()
-    if include is None:
-        pytest.skip("needs cuda_bf16.h and cuda_fp16.h (pip install 'nvidia-cuda-runtime>=13', or a CUDA toolkit)")
+    lib, include = _nvrtc_and_headers()
     _, names = kernels.kernel_source("cuda")
     parts = {name: kernels.kernel_parts("cuda", name) for name in names}  # what MLX is handed: no comments, ...
     bodies = {name: body for name, (_, body) in parts.items()}  # ... each header cut to what its body reaches
@@ -331,12 +337,7 @@ def test_tensor_core_kernels_build_for_sm_90():
     """The tensor-core kernels compiled by NVRTC to sm_90 machine code, not only to PTX, so that ptxas reads
     their inline mma.sync instructions (a wrong operand count or type fails here), for both 16-bit types
     and every head size the path takes up to 256 (each a register array of its own size)."""
-    lib = _nvrtc()
-    if lib is None:
-        pytest.skip("needs NVRTC (pip install 'nvidia-cuda-nvrtc>=13'; Linux x86-64)")
-    include = _cuda_include()
-    if include is None:
-        pytest.skip("needs cuda_bf16.h and cuda_fp16.h (pip install 'nvidia-cuda-runtime>=13', or a CUDA toolkit)")
+    lib, include = _nvrtc_and_headers()
     opts = [b"--gpu-architecture=sm_90", b"-default-device", b"--std=c++17", f"-I{include}".encode()]
     for name in ("mma_matmul", "mma_softmax", "mma_attention"):
         header, body = kernels.kernel_parts("cuda", name)
