@@ -92,6 +92,7 @@ QUANTS = "mlxinfer/quants.py"
 MLXW = "mlxinfer/backends/mlx_weights.py"
 T_QUANT = "tests/test_quants.py"
 T_BLK = "tests/test_block_kernels.py"
+T_TC = "tests/test_tensor_core_order.py"
 T_QBITS = "tests/test_quants.py::test_kept_weights_dequantize_to_gguf_py_bit_for_bit"
 T_QMEM = "tests/test_quants.py::test_memory_after_loading_is_within_1_15x_of_the_file"
 PPL = "mlxinfer/perplexity.py"
@@ -1725,6 +1726,35 @@ def usage_chunk""")],
        "            self._stop(self.header_timer)\n")],
      [T_LIM + "::test_a_connection_with_a_request_in_flight_is_never_closed_for_the_cap"],
      "connections: one whose request is in flight stays evictable: at the cap a newcomer cuts a running stream"),
+    ("tc-softmax-total-pairs", "tensor-core order", "metal_kernels/attention.cu",
+     [("  c = __fadd_rn(c, __shfl_xor_sync(0xffffffffu, c, 1));\n  return __fadd_rn(c, __shfl_xor_sync(0xffffffffu, c, 2));",
+       "  c = __fadd_rn(c, __shfl_xor_sync(0xffffffffu, c, 2));\n  return __fadd_rn(c, __shfl_xor_sync(0xffffffffu, c, 1));")],
+     [T_TC + "::test_mma_softmax_on_the_host_is_its_order_bit_for_bit"],
+     "tensor-core softmax: the four chains joined (c0 + c2) + (c1 + c3), in both paths alike (only the emulation sees it)"),
+    ("tc-score-column", "tensor-core order", "metal_kernels/attention.cu",
+     [("      const long j = j0 + 8 * n + 2 * t + (e & 1);", "      const long j = j0 + 8 * n + 2 * t + (e >> 1);")],
+     [T_TC + "::test_fused_mma_attention_is_the_per_head_reference_on_the_host"],
+     "mma_attention: a score's key read from the fragment's row bit instead of its column bit (masks the wrong keys)"),
+    ("tc-stage-padding", "tensor-core order", "metal_kernels/attention.cu",
+     [("    *reinterpret_cast<uint4*>(dst + r * (D + MLXI_KPAD) + 8 * c) = v;", "    *reinterpret_cast<uint4*>(dst + r * D + 8 * c) = v;")],
+     [T_TC + "::test_fused_mma_attention_is_the_per_head_reference_on_the_host"],
+     "mma_attention: K and V staged in shared memory without the padding the fragment reads assume"),
+    ("tc-gqa-head", "tensor-core order", "metal_kernels/attention.cu",
+     [("const int h = (int)(blk / blocks_per_head), kvh = h / (H / KV);", "const int h = (int)(blk / blocks_per_head), kvh = h % KV;")],
+     [T_TC + "::test_fused_mma_attention_is_the_per_head_reference_on_the_host"],
+     "mma_attention: query head h reads KV head h mod KV (the reference's h / group)"),
+    ("tc-zero-step-kept", "tensor-core order", "metal_kernels/attention.cu",
+     [("        if (mlxi_zero_step(pa)) continue;\n", "")],
+     [T_TC + "::test_both_paths_skip_the_same_all_zero_k_steps"],
+     "mma_attention: weights x V runs the k-steps whose weights are all zero, which the reference skips"),
+    ("tc-matmul-k-reversed", "tensor-core order", "metal_kernels/attention.cu",
+     [("  for (long k0 = 0; k0 < K; k0 += 16) {", "  for (long k0 = (K - 1) / 16 * 16; k0 >= 0; k0 -= 16) {")],
+     [T_TC + "::test_mma_matmul_on_the_host_is_mma_dot_bit_for_bit"],
+     "mma_matmul: k-steps of 16 in decreasing order"),
+    ("tc-softmax-not-routed", "tensor-core order", MLX,
+     [("            return kernels.mma_softmax(self.gpu_kernels, x.astype(mx.float32))\n", "            pass\n")],
+     [T_TC + "::test_fused_mma_attention_is_the_per_head_reference_on_the_host"],
+     "MLX backend: a 16-bit chunk's softmax in the scalar order while the fused kernel takes the four chains"),
 ]
 
 
