@@ -471,3 +471,17 @@ def test_products_and_softmax_take_the_order_from_prefill_rows(monkeypatch):
         calls.clear()
         mx.eval(b.fused_attention_override(q, view, batch, spec))
         assert (calls == ["mma_attention"]) if mma else ("mma_attention" not in calls and "mma_matmul" in calls), d
+
+
+def test_the_backend_line_names_the_tensor_core_path():
+    """The backend's one-line description (the metrics, the server's system_fingerprint, the prompt cache's
+    identity) says whether 16-bit chunks take the tensor-core order, or that its self-check failed: a
+    chunk's bits depend on it."""
+    b = MLXBackend(device="cpu", dtype="bfloat16")
+    b.device, b.gpu_kernels, b.kernel = "gpu", "cuda", "cuda"  # as on CUDA after the self-check
+    b.mma = True
+    assert "tensor-core prefill" in b.describe() and "failed" not in b.describe()
+    b.mma, b.mma_fallback = False, "fused attention kernel differs"
+    assert "tensor-core prefill failed its self-check" in b.describe()
+    b.mma_fallback = None
+    assert "tensor-core" not in b.describe()

@@ -520,11 +520,16 @@ class MLXBackend(Backend):
             blocks = f"; block kernels: self-check FAILED ({self.block_fallback}), {self.block_off} products on MLX's own ops"
         else:
             blocks = "; block kernels: self-check passed, bit for bit their published order"
+        if self.mma_fallback:
+            blocks += (f"; tensor-core prefill: self-check FAILED ({self.mma_fallback}), 16-bit chunks on MLX's "
+                       "own products")
+        elif self.mma:
+            blocks += "; tensor-core prefill: self-check passed, fused bit for bit the per-head reference"
         if self.fallback:
             return (f"kernels: {kind}: self-check FAILED ({self.fallback}); mlxinfer uses MLX's own ops and "
                     f"per-head attention ({what}){blocks}"), False
         return (f"kernels: {kind}: self-check passed, fused attention bit for bit the per-head reference ({what})"
-                f"{blocks}"), self.block_fallback is None
+                f"{blocks}"), self.block_fallback is None and self.mma_fallback is None
 
     @property
     def rows_independent(self) -> bool:
@@ -540,6 +545,10 @@ class MLXBackend(Backend):
             ops += f" ({self.block_off} products on MLX's: their block kernel failed its self-check)"
         elif self.block_kind and not self.gpu_kernels:
             ops += f" ({self.block_kind} block kernels)"
+        if self.mma:  # (a chunk's bits depend on it: the engine's identity names it)
+            ops += ", tensor-core prefill"
+        elif self.mma_fallback:
+            ops += " (tensor-core prefill failed its self-check)"
         rows = ", each sequence's rows multiplied alone" if self.per_sequence_linear else ""
         attention = "per-head (the kernels failed their self-check)" if self.fallback else self.kernel
         return f"mlx (gpu, {types}, {attention} attention, {ops}{rows})"
