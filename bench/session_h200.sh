@@ -1,3 +1,9 @@
+#!/bin/bash
+# One lent-H200 call of 2026-12-04 (issue 30), kept as run: the tensor-core prefill path's probe
+# (bench/probes/mma_check.py: self-check, fused = per-head, cost against sdpa), the bfloat16 first token
+# by op (bench/probes/prefill_profile.py, chunks of 512 and 2,048), then ours beside mlx-lm in bfloat16
+# at 511, 2,047 and 8,191 prompt tokens. From the repo root of the lent machine, after the MLX CUDA build
+# and the peers' wheels were copied there (.mlxcuda2/, .peerwheels/: bench/h200.sh says how); writes $OUT.
 source .mlxcuda2/setup.sh >/dev/null && SITE=/tmp/site bash .peerwheels/install.sh >/dev/null 2>&1
 source .mlxcuda2/mlx-lm-stubs.sh >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD MLXINFER_CACHE=/tmp/mc PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
