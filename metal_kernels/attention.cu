@@ -1040,9 +1040,10 @@ const float sc = scales[0], cap = scales[1], inv = scales[2];
 const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, g = lane >> 2, t = lane & 3;
 const long blocks_per_head = (T + 63) / 64;
 const long blk = (long)blockIdx.y * gridDim.x + blockIdx.x;
-const int h = (int)(blk / blocks_per_head), kvh = h / (H / KV);
+const bool in_grid = blk < blocks_per_head * H;  // (a 2-D grid rounds the block count up: the rest idle along)
+const int h = in_grid ? (int)(blk / blocks_per_head) : 0, kvh = h / (H / KV);
 const long qw = (long)H * D, kw = (long)KV * D, rl = (blk % blocks_per_head) * 64 + 16 * wid + g, rh = rl + 8;
-const bool vl = rl < T, vh = rh < T;
+const bool vl = in_grid && rl < T, vh = in_grid && rh < T;
 const int pl = vl ? pos[rl] : 0, ph = vh ? pos[rh] : 0;
 // the keys any of the warp's rows sees, [lo, hi] (none: hi < lo), then the block's
 int most = vl ? (vh && ph > pl ? ph : pl) : -1, least = vl ? (vh && ph < pl ? ph : pl) : 0x7fffffff;

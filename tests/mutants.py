@@ -1755,6 +1755,12 @@ def usage_chunk""")],
      [("            return kernels.mma_softmax(self.gpu_kernels, x.astype(mx.float32))\n", "            pass\n")],
      [T_TC + "::test_fused_mma_attention_is_the_per_head_reference_on_the_host"],
      "MLX backend: a 16-bit chunk's softmax in the scalar order while the fused kernel takes the four chains"),
+    ("tc-grid-rounding-unguarded", "tensor-core order", "metal_kernels/attention.cu",
+     [("const bool vl = in_grid && rl < T, vh = in_grid && rh < T;", "const bool vl = rl < T, vh = rh < T;"),
+      ("const int h = in_grid ? (int)(blk / blocks_per_head) : 0, kvh = h / (H / KV);",
+       "const int h = (int)(blk / blocks_per_head), kvh = h / (H / KV);")],
+     [T_TC + "::test_blocks_past_the_last_head_write_nothing"],
+     "mma_attention: the blocks a 2-D grid adds past the last head take a head past H and write other rows"),
 ]
 
 

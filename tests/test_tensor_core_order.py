@@ -485,3 +485,20 @@ def test_the_backend_line_names_the_tensor_core_path():
     assert "tensor-core prefill failed its self-check" in b.describe()
     b.mma_fallback = None
     assert "tensor-core" not in b.describe()
+
+
+def test_blocks_past_the_last_head_write_nothing(launched, monkeypatch):
+    """A 2-D grid holds at most 65,535 blocks a row, so a launch of more is rounded up to whole rows of
+    blocks (`kernels._grid`); the blocks past the last (head, 64 rows) must idle, not take a head past H
+    and write other rows. Here the row is capped at 5 blocks, so 12 blocks become 15."""
+    real = kernels._grid
+    monkeypatch.setattr(kernels, "_grid", lambda blocks, threads=kernels.THREADS: real(blocks, threads) if blocks != 12
+                        else (5 * threads, 3, 1))
+    b = MLXBackend(device="cpu", dtype="bfloat16")
+    b.gpu_kernels = b.kernel = "cuda"
+    b.mma = True
+    case = CheckCase("a 130-row chunk over 150 keys", AttentionSpec.standard(4, 2, 16), ((150, 130),))
+    q, view, batch = check_case_inputs(b, case)
+    fused = np.array(b.fused_attention_override(q, view, batch, case.spec))  # 3 row blocks x 4 heads = 12
+    ref = np.array(b.per_head_attention(q, view, batch, case.spec))
+    assert np.array_equal(fused.view(np.uint32), ref.view(np.uint32))
