@@ -262,6 +262,17 @@ def mma_softmax(kind: str, x):
     return out
 
 
+def mma_supported() -> bool:
+    """Whether this CUDA GPU has the m16n8k16 bfloat16 / float16 instruction (compute capability 8.0 or
+    more: Ampere, Ada, Hopper, Blackwell); False where MLX cannot say."""
+    import mlx.core as mx
+
+    try:
+        return int(mx.device_info(mx.gpu)["compute_capability_major"]) >= 8
+    except Exception:
+        return False
+
+
 def mma_fits(spec) -> bool:
     """Whether `mma_attention` takes this head size (whole k-steps of 16, registers for up to 256)."""
     return spec.head_dim % 16 == 0 and spec.head_dim <= MAX_HEAD_DIM

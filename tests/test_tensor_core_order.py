@@ -432,10 +432,15 @@ def test_mma_fits_whole_k_steps_up_to_256():
 
 @pytest.mark.parametrize("gpu,dtype,kv_dtype,mma", [
     ("cuda", "bfloat16", None, True), ("cuda", "float16", "float16", True), ("cuda", "float32", None, False),
-    ("cuda", "bfloat16", "float16", False), ("cuda", "bfloat16", "q8_0", False), ("metal", "bfloat16", None, False)])
+    ("cuda", "bfloat16", "float16", False), ("cuda", "bfloat16", "q8_0", False), ("metal", "bfloat16", None, False),
+    ("cuda-sm75", "bfloat16", None, False)])
 def test_the_construction_rule(monkeypatch, gpu, dtype, kv_dtype, mma):
     """`mma` at construction, with MLX made to report a GPU (`gpu_kind`; the device never activated, no
-    kernel run: --kernel given skips the self-check): on CUDA only, q and the cache of one 16-bit type."""
+    kernel run: --kernel given skips the self-check): on CUDA of compute capability 8.0 or more only (the
+    instruction's; "cuda-sm75": a Turing GPU), q and the cache of one 16-bit type."""
+    old_gpu = gpu == "cuda-sm75"
+    gpu = "cuda" if old_gpu else gpu
+    monkeypatch.setattr(mx, "device_info", lambda device=None: {"compute_capability_major": 7 if old_gpu else 9})
     monkeypatch.setattr(mlx_backend, "gpu_kind", lambda: gpu)
     monkeypatch.setattr(MLXBackend, "activate", lambda self: None)
     b = MLXBackend(device="gpu", kernel=gpu, dtype=dtype, kv_dtype=kv_dtype)

@@ -416,8 +416,10 @@ class MLXBackend(Backend):
         self.block_kind = self.gpu_kernels
         self.block_types = frozenset(block_kernels.KERNELS)  # less those whose kernel failed its self-check
         # 16-bit prefill chunks in the tensor-core order (attention.cu; `matmul`, `softmax_rows`, `_mma_sequence`):
-        # CUDA, with q and the cache of one 16-bit type; off again if its own self-check fails
-        self.mma = bool(self.gpu_kernels in kernels.MMA_KINDS and dtype != "float32" and kv_dtype == dtype)
+        # CUDA (compute capability 8.0+), with q and the cache of one 16-bit type; off again if its own
+        # self-check fails
+        self.mma = bool(self.gpu_kernels in kernels.MMA_KINDS and dtype != "float32" and kv_dtype == dtype
+                        and kernels.mma_supported())
         self.mma_fallback = None  # that check's failure, once one failed
         self.fallback = None  # the self-check's failure, once one failed
         self.block_fallback = None  # the block kernels' self-check failures, once one failed
