@@ -415,7 +415,8 @@ class MLXBackend(Backend):
         # the quantized products' block kernels ("metal", "cuda" or None): checked apart from attention
         self.block_kind = self.gpu_kernels
         self.block_types = frozenset(block_kernels.KERNELS)  # less those whose kernel failed its self-check
-        # 16-bit prefill chunks in the tensor-core order (attention.cu; `matmul`, `softmax_rows`, `_mma_sequence`):
+        # 16-bit prefill chunks in the tensor-core order (attention.cu; `matmul`, `softmax_rows`,
+        # `fused_attention_override`):
         # CUDA (compute capability 8.0+), with q and the cache of one 16-bit type; off again if its own
         # self-check fails
         self.mma = bool(self.gpu_kernels in kernels.MMA_KINDS and dtype != "float32" and kv_dtype == dtype
@@ -720,9 +721,9 @@ class MLXBackend(Backend):
         # widen what they read the same way). On a GPU, products of fewer than PREFILL_ROWS rows (decode
         # rows, short chunks) are our kernel's (one published order, so the fused kernels can match them);
         # longer ones MLX's own (cuBLAS, Metal GEMM), which the fused override then runs the same way
-        # (`fused_attention_override`), or in 16-bit dtypes on CUDA the tensor-core order's.
-        # 16-bit chunks (`self.mma`) take the tensor-core order: b's values are the dtype's (keys, values),
-        # a's are rounded to it in the kernel (queries: exact; attention weights: to nearest even)
+        # (`fused_attention_override`). 16-bit chunks (`self.mma`) take the tensor-core order instead: b's
+        # values are the dtype's (keys, values), a's are rounded to it in the kernel (queries: exact;
+        # attention weights: to nearest even)
         if self.mma and a.shape[0] >= PREFILL_ROWS:
             bt = mx.contiguous(mx.transpose(b)).astype(self.dtype)
             return kernels.mma_matmul(self.gpu_kernels, a.astype(mx.float32)[None], bt[None])[0]
