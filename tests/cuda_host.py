@@ -1,5 +1,5 @@
-"""metal_kernels/blocks.cu (and attention.cu's tensor-core kernels: `HostKernel`) run on the host: each kernel body compiled by g++ against tests/cuda_host.h (the
-CUDA subset it uses) and launched with the arguments `block_kernels.product` hands MLX, one std::thread per
+"""metal_kernels/blocks.cu (and attention.cu's tensor-core kernels: `HostKernel`) run on the host: each
+kernel body compiled by g++ against tests/cuda_host.h (the CUDA subset it uses) and launched with the arguments `block_kernels.product` hands MLX, one std::thread per
 CUDA thread, so that CI, which has no GPU, runs the kernels' own indexing, tiles of x, barriers and warp
 shuffles and compares their bits with the published order's numpy emulation. What it cannot show: the
 GPU's compiler and memory system (alignment faults, races the host's scheduling happens to hide).
@@ -88,8 +88,7 @@ class HostKernels:
         template = dict(seen["template"])
         t, m = T_NAMES[template.pop("T")], template.pop("M")
         consts = tuple(template.items())
-        arrays = [np.ascontiguousarray(np.array(mx.view(a, mx.uint16) if a.dtype in (mx.bfloat16, mx.float16) else a))
-                  for a in seen["inputs"]]
+        arrays = [_host_array(a) for a in seen["inputs"]]
         shape, dtype = seen["output_shapes"][0], seen["output_dtypes"][0]
         out = np.zeros(shape, np.float32 if dtype == mx.float32 else np.uint16)
         (gx, gy, _), (tx, _, _) = seen["grid"], seen["threadgroup"]
@@ -99,6 +98,11 @@ class HostKernels:
         if dtype == mx.float32:
             return out
         return np.array(mx.view(mx.array(out), dtype).astype(mx.float32))
+
+
+def _host_array(a) -> np.ndarray:
+    """An MLX input as the contiguous numpy array a host kernel reads (16-bit floats as their bits)."""
+    return np.ascontiguousarray(np.array(mx.view(a, mx.uint16) if a.dtype in (mx.bfloat16, mx.float16) else a))
 
 
 def _compile(folder, text: str, stem: str):
@@ -142,20 +146,17 @@ class HostKernel:
             consts = "".join(f"using {k} = {HOST_TYPES[v]};\n" if isinstance(v, mx.Dtype) else
                              f"constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};\n"
                              for k, v in template)
-            n_args = len(inputs) + len(out_dtypes)
             casts = ", ".join(f"({p.rsplit(' ', 1)[0]})a[{i}]" for i, p in enumerate(params))
             text = (f'#include "{HEADER}"\n{header}\nnamespace form {{\n{consts}'
                     f"void body({', '.join(params)}) {{\n{body}\n}}\n}}\n"
                     f'extern "C" void run(void** a, unsigned gx, unsigned gy, unsigned threads) {{\n'
                     f"  mlxh_launch(gx, gy, threads, [&] {{ form::body({casts}); }});\n}}\n")
-            assert n_args == len(params)
             self.libs[key] = _compile(self.folder, text, f"{self.name}_host")
         return self.libs[key]
 
     def __call__(self, *, inputs, grid, threadgroup, output_shapes, output_dtypes, template=()):
         lib = self._lib(inputs, template, output_dtypes)
-        arrays = [np.ascontiguousarray(np.array(mx.view(a, mx.uint16) if a.dtype in (mx.bfloat16, mx.float16) else a))
-                  for a in inputs]
+        arrays = [_host_array(a) for a in inputs]
         outs = [np.zeros(s, np.float32 if d == mx.float32 else np.uint16) for s, d in zip(output_shapes, output_dtypes)]
         ptrs = (ctypes.c_void_p * (len(arrays) + len(outs)))(*[a.ctypes.data for a in arrays + outs])
         (gx, gy, _), (tx, _, _) = grid, threadgroup
