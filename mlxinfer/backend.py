@@ -124,6 +124,7 @@ class Backend:
     dtype_name = "float32"  # the activations' dtype (MLX: --dtype)
     kv_dtype = "float32"  # what the KV cache stores (MLX: --kv-dtype)
     kv_value_bytes = 4.0  # bytes a KV cache value takes in the backend's stores
+    prefill_chunk = 512  # prompt tokens per prefill pass unless the engine is told (`load(prefill_chunk=)`)
 
     def __init__(self, attention: str = "fused"):
         if attention not in ATTENTION_PATHS:

@@ -24,6 +24,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from . import collectives
+from .backend import Backend
 from .backends import make_backend
 from .chat import render_chat
 from .decode_step import DecodeStep
@@ -40,7 +41,7 @@ from .sampling import SamplingParams, stop_strings
 from .tokenizer import GGUFTokenizer, token_ids
 
 DEFAULT_PROMPT_CACHE_BYTES = 4 << 30  # --prompt-cache-dir's bound unless --prompt-cache-size says otherwise
-DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_PREFILL_CHUNK = Backend.prefill_chunk  # a backend may prefer another (MLX 16-bit on CUDA: 2048)
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 TEMPLATE_VARIABLES = ("messages", "bos_token", "eos_token", "add_generation_prompt", "source")  # ours to set
 
@@ -54,8 +55,8 @@ class Engine:
         if kv not in KV_CACHES:
             raise RequestError(f"unknown KV cache {kv!r} (choose from {', '.join(KV_CACHES)})")
         rank, group = collectives.join(tp)  # before reading the file: a tp run that was not launched fails at once
-        chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        chunk = prefill_chunk
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise RequestError(f"prefill chunk must be a positive integer, got {prefill_chunk!r}")
         self.path = str(path)
         self.gguf = GGUFFile(path)
@@ -75,6 +76,8 @@ class Engine:
         self.kv_width = self.shard.n_kv_heads * self.args.head_dim  # this rank's KV heads
         self.model = arch.Model(backend, self.gguf, self.args, self.shard)
         backend.check_model(getattr(self.model, "specs", None) or [self.model.spec])  # its kernels, in its shape
+        if chunk is None:  # the backend's, once its self-check has said which paths it runs
+            self.prefill_chunk = backend.prefill_chunk
         self.decode_step = DecodeStep(self.model)
         self.prompt_cache = None  # prefix blocks on disk (prompt_cache.py), for the paged cache
         if prompt_cache_dir is not None:
@@ -358,7 +361,7 @@ def load(model: str | os.PathLike | None = None, backend: str = "auto", attentio
     attention: "fused" (the backend's override) or "per-head" (the protocol's reference loop).
     device: "cpu" or "gpu" for MLX (default: gpu where available). kernel: the MLX backend's fused
     attention, "graph", "metal" or "cuda" (default: by platform). kv: "prealloc", "paged" or "basic".
-    prefill_chunk: prompt tokens per prefill pass (default 512). threads: the cpu backend's BLAS
+    prefill_chunk: prompt tokens per prefill pass (default: the backend's, 512; 2,048 on CUDA in 16 bits). threads: the cpu backend's BLAS
     threads, or on MLX's CPU device the threads its large quantized weight products and its attention
     are cut over (default: the cores not already busy, at most cores // tp; None on a GPU). tp: ranks
     of a tensor-parallel run (mlxinfer.models.shard); the process must be one of `tp` started by

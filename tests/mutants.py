@@ -1761,6 +1761,14 @@ def usage_chunk""")],
        "const int h = (int)(blk / blocks_per_head), kvh = h / (H / KV);")],
      [T_TC + "::test_blocks_past_the_last_head_write_nothing"],
      "mma_attention: the blocks a 2-D grid adds past the last head take a head past H and write other rows"),
+    ("tc-prefill-chunk-not-taken", "tensor-core order", "mlxinfer/engine.py",
+     [("            self.prefill_chunk = backend.prefill_chunk\n", "            self.prefill_chunk = 512\n")],
+     [T_TC + "::test_the_engine_takes_the_backends_prefill_chunk"],
+     "the engine keeps 512 where the backend's tensor-core path prefers chunks of 2,048"),
+    ("tc-prefill-chunk-before-check", "tensor-core order", "mlxinfer/engine.py",
+     [("        chunk = prefill_chunk\n", "        chunk = prefill_chunk or backend.prefill_chunk\n")],
+     [T_TC + "::test_the_engine_takes_the_backends_prefill_chunk"],
+     "the default chunk read before the self-check: a failed tensor-core check keeps 2,048"),
 ]
 
 

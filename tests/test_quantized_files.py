@@ -15,14 +15,14 @@ import pytest
 from mlxinfer import load
 from mlxinfer.errors import UnsupportedError
 
-from .reference.quantize import PRESETS, make
+from .reference.quantize import PRESETS, QWEN3_STEM, make
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-PROMPTS = {"SmolLM2-135M-Instruct": "The capital of France is", "qwen3-4L-1024": list(range(100, 116))}
+PROMPTS = {"SmolLM2-135M-Instruct": "The capital of France is", QWEN3_STEM: list(range(100, 116))}
 # largest |ours - llama.cpp| of a logit, ~2x the largest measured over the 8 presets read (2026-12-01: 2.52
 # SmolLM2 Q4_K_M, 3.61 qwen3 Q2_K; on the F32 source: 0)
-LOGIT_BOUND = {"SmolLM2-135M-Instruct": 5.0, "qwen3-4L-1024": 7.0}
+LOGIT_BOUND = {"SmolLM2-135M-Instruct": 5.0, QWEN3_STEM: 7.0}
 
 
 @pytest.fixture(scope="module")

@@ -24,10 +24,11 @@ import numpy as np
 import pytest
 
 from mlxinfer import kernels
-from mlxinfer.backend import AttentionSpec
+from mlxinfer.backend import AttentionSpec, Backend
 from mlxinfer.backends import mlx as mlx_backend
-from mlxinfer.backends.mlx import PREFILL_ROWS, CheckCase, MLXBackend, check_case_inputs, mma_check_cases
+from mlxinfer.backends.mlx import MMA_PREFILL_CHUNK, PREFILL_ROWS, CheckCase, MLXBackend, check_case_inputs, mma_check_cases
 from mlxinfer.batch import Batch
+from mlxinfer.engine import Engine
 from mlxinfer.kv_cache import KV_CACHES
 
 from . import cuda_host
@@ -437,7 +438,8 @@ def test_mma_fits_whole_k_steps_up_to_256():
 def test_the_construction_rule(monkeypatch, gpu, dtype, kv_dtype, mma):
     """`mma` at construction, with MLX made to report a GPU (`gpu_kind`; the device never activated, no
     kernel run: --kernel given skips the self-check): on CUDA of compute capability 8.0 or more only (the
-    instruction's; "cuda-sm75": a Turing GPU), q and the cache of one 16-bit type."""
+    instruction's; "cuda-sm75": a Turing GPU), q and the cache of one 16-bit type; a prefill pass of
+    MMA_PREFILL_CHUNK (2,048) tokens there, the protocol's 512 elsewhere."""
     old_gpu = gpu == "cuda-sm75"
     gpu = "cuda" if old_gpu else gpu
     monkeypatch.setattr(mx, "device_info", lambda device=None: {"compute_capability_major": 7 if old_gpu else 9})
@@ -445,6 +447,18 @@ def test_the_construction_rule(monkeypatch, gpu, dtype, kv_dtype, mma):
     monkeypatch.setattr(MLXBackend, "activate", lambda self: None)
     b = MLXBackend(device="gpu", kernel=gpu, dtype=dtype, kv_dtype=kv_dtype)
     assert b.mma is mma
+    assert b.prefill_chunk == (2048 if mma else 512) and Backend.prefill_chunk == 512
+
+
+def test_the_engine_takes_the_backends_prefill_chunk(monkeypatch, synthetic):
+    """A load without prefill_chunk takes the backend's once its self-check has run (the tensor-core path's
+    2,048 while it is on, 512 when the check turned it off); a chunk given is kept."""
+    tiny_model, b = synthetic(), MLXBackend(device="cpu")
+    monkeypatch.setattr(b, "check_model", lambda specs: setattr(b, "mma", True))
+    assert Engine(tiny_model, b).prefill_chunk == MMA_PREFILL_CHUNK == 2048
+    assert Engine(tiny_model, b, prefill_chunk=64).prefill_chunk == 64
+    monkeypatch.setattr(b, "check_model", lambda specs: setattr(b, "mma", False))
+    assert Engine(tiny_model, b).prefill_chunk == 512
 
 
 def test_products_and_softmax_take_the_order_from_prefill_rows(monkeypatch):

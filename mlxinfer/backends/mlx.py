@@ -73,6 +73,10 @@ SPLIT_MIN_ROWS = 256  # quantized products are cut over the CPU threads in parts
 # fused override), else MLX's own GEMMs a head at a time, in the per-head reference and in the fused
 # override alike; fewer rows (decode, short prompts) take mlxinfer's published-order kernels.
 PREFILL_ROWS = 128
+# Prompt tokens per prefill pass where 16-bit chunks take the tensor-core order: a chunk's launch reads
+# every cached key once, so fewer, longer chunks read the prompt's keys fewer times (mlx-lm's prefill step
+# is 2,048 too); docs/performance.md has the figures that chose it. Elsewhere the protocol's 512.
+MMA_PREFILL_CHUNK = 2048
 _CPU_STREAMS: list = []  # shared by every MLX backend; thread-local: each thread that uses one gets its own
 
 
@@ -538,6 +542,12 @@ class MLXBackend(Backend):
     def rows_independent(self) -> bool:
         """On the CPU device (tests/test_prefix.py); a GPU's products are not measured: assumed not."""
         return self.device == "cpu"
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Prompt tokens per prefill pass unless told: MMA_PREFILL_CHUNK where 16-bit chunks take the
+        tensor-core order, else the protocol's."""
+        return MMA_PREFILL_CHUNK if self.mma else Backend.prefill_chunk
 
     def describe(self) -> str:
         types = self.dtype_name + ("" if self.kv_dtype == self.dtype_name else f", {self.kv_dtype} KV cache")

@@ -12,7 +12,13 @@ PRESETS; files already there are kept. The sources:
   values are the Q4_1 file's, which is what we have; the presets re-quantize them);
 - a synthetic Qwen3-shaped F16 file (random weights): Qwen3-0.6B's layer shape (hidden 1024, 16 query
   and 8 KV heads of 128, FFN 3072) but 4 layers and a vocabulary of 32,000 instead of 28 and 151,936, so
-  that the perplexity runs take minutes on a 2-core machine (0.6B's would take an hour per engine).
+  that the perplexity runs take minutes on a 2-core machine (0.6B's would take an hour per engine). Its
+  token embedding (also the output head: tied) is drawn with std 1024**-0.5, not 1: with std 1 the
+  logits had a std of 32.3 (sqrt(hidden)) and a mean nll of 527.3 nats on pep-0257-head.txt (PPL 1e229),
+  so llama.cpp's 1e-4 relative arithmetic differences came to 1.5-5.1% of PPL; with 1024**-0.5 the
+  logits' std is 1.00 and the mean nll 10.85 (log 32,000 + 1/2: random logits of std 1), a trained
+  model's scale (measured 2026-12-04 on the cpu backend, ctx 256). The stem says so (`-e32`: std 1/32),
+  so that a cache's files of the old source are not reused.
 Its manifest (`manifest.json`) says per file the tensor types llama.cpp chose: the mix a preset gives
 differs from its name where a tensor's rows are not a multiple of the type's block (SmolLM2's 576:
 256-value K-quant and IQ4_XS blocks do not fit, and llama.cpp falls back to another type).
@@ -50,7 +56,8 @@ from mlxinfer.synthetic import SyntheticSpec, write_f32_copy, write_synthetic_mo
 
 PRESETS = ["Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "Q4_0", "Q5_0", "Q8_0", "IQ4_XS"]
 QWEN3_SHAPE = SyntheticSpec("qwen3", n_layers=4, hidden=1024, ffn=3072, n_heads=16, n_kv_heads=8, head_dim=128,
-                            vocab_size=32000, context_length=4096, qtype="F16", seed=0)
+                            vocab_size=32000, context_length=4096, qtype="F16", seed=0, embedding_std=1024 ** -0.5)
+QWEN3_STEM = "qwen3-4L-1024-e32"  # embedding (= output head) std 1/32: logits of std ~1
 TEXT_PACKAGE, TEXT_MEMBER = "docutils==0.23", "docutils-0.23/docs/peps/pep-0257.rst"
 
 
@@ -65,11 +72,11 @@ def sources(root: Path) -> dict[str, Path]:
     if not smol.exists():
         write_f32_copy(default_model_path(quiet=True), str(smol) + ".part")
         os.replace(str(smol) + ".part", smol)
-    qwen = root / "qwen3-4L-1024.F16.gguf"
+    qwen = root / f"{QWEN3_STEM}.F16.gguf"
     if not qwen.exists():
         write_synthetic_model(str(qwen) + ".part", QWEN3_SHAPE)
         os.replace(str(qwen) + ".part", qwen)
-    return {"SmolLM2-135M-Instruct": smol, "qwen3-4L-1024": qwen}
+    return {"SmolLM2-135M-Instruct": smol, QWEN3_STEM: qwen}
 
 
 def quantize(src: Path, dst: Path, preset: str) -> None:
@@ -233,7 +240,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=["make", "ppl", "mixes"])
     p.add_argument("--presets", default=",".join(PRESETS))
-    p.add_argument("--sources", default="SmolLM2-135M-Instruct,qwen3-4L-1024")
+    p.add_argument("--sources", default=f"SmolLM2-135M-Instruct,{QWEN3_STEM}")
     p.add_argument("--ctx", type=int, default=256)
     p.add_argument("--text", default=None, help="default: PEP 257 from docutils' sdist (public domain)")
     p.add_argument("--backends", default="cpu,mlx")
