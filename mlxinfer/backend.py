@@ -319,6 +319,13 @@ class Backend:
         store[slots, positions] = x
         return store
 
+    def move_rows(self, store, slot: int, src: int, n: int):
+        """store[slot, :n] = store[slot, src:src + n], the stored values as they are (a windowed KV
+        store dropping its first src rows); returns the updated store."""
+        if n > 0:
+            store[slot, :n] = store[slot, src:src + n]
+        return store
+
     def read_rows(self, store, slot: int, length: int):
         """The first `length` rows of one slot of a [slots, capacity, width] store, [length, width]
         (a view where the backend has views)."""
@@ -385,7 +392,9 @@ class Backend:
 
     def fused_attention(self, q, kv, batch, spec: AttentionSpec):
         """Attention of the batch's query rows q [N, H*D] against each sequence's own cached keys and
-        values (`kv`, a cache layer view), -> [N, H*D]. Runs the path chosen at construction."""
+        values (`kv`, a cache layer view), -> [N, H*D]. Runs the path chosen at construction, on the
+        pass as the view's store addresses it (`kv.batch`: a windowed store's rows start at an origin)."""
+        batch = kv.batch
         if self.attention == "per-head":
             return self.per_head_attention(q, kv, batch, spec)
         return self.fused_attention_override(q, kv, batch, spec)

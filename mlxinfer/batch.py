@@ -95,6 +95,24 @@ class Batch:
         b.slots = b.starts = b.kv_lens = b._positions_host = None
         return b
 
+    def shifted(self, offsets):
+        """The same rows with sequence b's positions, start and length less offsets[b] (a windowed KV
+        store whose rows start at position offsets[b]: `kv_cache.PreallocKVCache`)."""
+        return Batch(self._ops, self.slots, [s - o for s, o in zip(self.starts, offsets)], self.lengths)
+
+    def shift_delta(self, ops, offsets):
+        """What `traced_shift` takes from a decode pass's packed index arrays for `shifted(offsets)`:
+        the offsets in the positions' and the lengths' sections, zeros elsewhere."""
+        if self.n_rows != len(self.lengths):
+            raise ValueError("shift_delta is for decode passes (one row a sequence)")
+        w, pad = self.index_width, [0] * (self.index_width - len(offsets))
+        return ops.index_array([*offsets, *pad, *[0] * w, *offsets, *pad, *[0] * w])
+
+    def traced_shift(self, ops, delta):
+        """`shifted` of a decode pass from its index arrays alone (a compiled step's), `delta` from
+        `shift_delta`."""
+        return Batch.traced_decode(ops, len(self.lengths), self.packed - delta)
+
     @property
     def max_kv_len(self) -> int | None:
         """The longest sequence after the pass, or None where the lengths live only in the index arrays

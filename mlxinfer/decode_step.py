@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .batch import Batch
 
-MAX_COMPILED_STEPS = 16  # compiled steps kept (one per cache class and batch size), most recent
+MAX_COMPILED_STEPS = 16  # compiled steps kept (one per cache class, its config and batch size), most recent
 
 
 class DecodeStep:
@@ -37,17 +37,17 @@ class DecodeStep:
         cache's stores are replaced by those the step wrote."""
         rows = tuple(zip(batch.slots, batch.starts))
         packed = self._carried[1] if self._carried is not None and self._carried[0] == rows else batch.packed
-        step = self._step(ops, type(cache), len(batch))
+        step = self._step(ops, type(cache), len(batch), cache.step_config)
         logits, keys, values, next_packed = step(ids, packed, cache.keys, cache.values, *cache.step_inputs(ops, batch))
         cache.set_stores(keys, values)
         self._carried = (tuple((slot, position + 1) for slot, position in rows), next_packed)
         return logits, next_packed
 
-    def _step(self, ops, kind: type, n: int):
-        """The compiled step of `n` sequences over a cache of class `kind`: (ids, packed index arrays
-        (`Batch.packed`), keys, values, the cache's step inputs) -> (logits, keys, values, the next
-        step's packed arrays), the per-layer stores in and out."""
-        key = (kind, n)
+    def _step(self, ops, kind: type, n: int, config=frozenset()):
+        """The compiled step of `n` sequences over a cache of class `kind` (and `step_config`): (ids,
+        packed index arrays (`Batch.packed`), keys, values, the cache's step inputs) -> (logits, keys,
+        values, the next step's packed arrays), the per-layer stores in and out."""
+        key = (kind, n, config)
         if key in self.steps:
             self.steps[key] = self.steps.pop(key)  # most recently used last
             return self.steps[key]
@@ -58,7 +58,7 @@ class DecodeStep:
 
         def forward(ids, packed, keys, values, *inputs):
             batch = Batch.traced_decode(ops, n, packed)
-            cache = kind.step_cache(keys, values, inputs)
+            cache = kind.step_cache(keys, values, inputs, config)
             logits = model(ops, ids, batch, cache)
             return logits, cache.keys, cache.values, packed + one_more
 

@@ -75,7 +75,8 @@ class Engine:
         self.shard = Shard.plan(self.gguf, self.args, rank, tp, group)
         self.kv_width = self.shard.n_kv_heads * self.args.head_dim  # this rank's KV heads
         self.model = arch.Model(backend, self.gguf, self.args, self.shard)
-        backend.check_model(getattr(self.model, "specs", None) or [self.model.spec])  # its kernels, in its shape
+        self.specs = getattr(self.model, "specs", None) or [self.model.spec] * self.args.n_layers  # each layer's attention
+        backend.check_model(self.specs)  # its kernels, in its shape
         if chunk is None:  # the backend's, once its self-check has said which paths it runs
             self.prefill_chunk = backend.prefill_chunk
         self.decode_step = DecodeStep(self.model)
@@ -106,6 +107,8 @@ class Engine:
         """A KV cache of this engine's kind for its model (options: the cache class's own)."""
         if self.prompt_cache is not None:
             options.setdefault("disk", self.prompt_cache)
+        if self.kv == "prealloc":  # (the paged and basic caches keep every position of every layer)
+            options.setdefault("windows", [spec.window for spec in self.specs])
         return KV_CACHES[self.kv](self.backend, self.args.n_layers, self.kv_width, **options)
 
     def new_loop(self, cache=None, on_forward: Callable[[str], None] | None = None) -> Loop:

@@ -2,14 +2,19 @@
 
 Models see one interface: `cache.update(ops, layer, k, v, batch)` writes the pass's rows and returns a
 layer view whose `sequence(ops, b)` gives sequence b's [S, KV*D] keys and values (the per-head
-reference reads them that way) and whose `store` is the cache's own tensor for kernels that address it
-directly (or None). Slots are the cache's unit of ownership: `alloc()` gives a free one to a new
+reference reads them that way), whose `store` is the cache's own tensor for kernels that address it
+directly (or None) and whose `batch` is the pass as that layer's rows are addressed: the pass itself,
+or for a windowed layer's store the pass with positions and lengths counted from each slot's origin
+(attention reads the view's batch: the mask compares differences of positions, which the shift keeps). Slots are the cache's unit of ownership: `alloc()` gives a free one to a new
 sequence, `release(slot, tokens)` returns it; `reserve(batch)` makes room before a pass.
 
 - `PreallocKVCache` (the default): per layer one [slots, capacity, KV*D] tensor for keys and one for
   values, written in place at (slot, position) by `scatter_rows`. Capacity grows in steps of `step`
   tokens (a prompt reserves its whole length at once) and shrinks again when the longest sequence is
   released, so memory follows the tokens held: slots x longest sequence, rounded up to a step.
+  Sliding-window layers (Gemma's; `windows`) keep only the positions a query can still see: each
+  slot's rows there start at an origin, a multiple of `step` that follows the window, and their
+  capacity is about window + pass rows, not the sequence (mlx-lm's RotatingKVCache, llama.cpp's SWA cache).
 - `PagedKVCache` (`--kv paged`, the server's default): a pool of fixed-size blocks per layer; which
   blocks a sequence holds, which are shared and which stay cached for prefix reuse is the
   `BlockManager`'s bookkeeping (`mlxinfer.block_manager`); this class owns the tensors and the index
@@ -47,6 +52,7 @@ class _Slots:
     """Slot bookkeeping shared by the caches: which slots are in use and how many tokens each holds."""
 
     compiles = False  # implements the compiled decode step's interface (see the module docstring)
+    step_config = frozenset()  # what the step's cache depends on besides its inputs (`step_cache`'s config)
     forks = False  # `fork` gives a slot another's positions without computing them again
 
     def __init__(self):
@@ -143,12 +149,20 @@ class PreallocLayer:
 
 class SlotStores:
     """Per layer a [slots, capacity, width] key and value store, written in place at each row's (slot,
-    position): the preallocated cache's storage, and what its compiled decode step writes."""
+    position): the preallocated cache's storage, and what its compiled decode step writes. The
+    `windowed` layers' stores hold each slot's positions from its origin: `shift(ops, batch)` gives the
+    pass as they address it (positions and lengths less the origins)."""
 
-    def __init__(self, keys: list, values: list):
+    def __init__(self, keys: list, values: list, windowed=frozenset(), shift=None):
         self.keys, self.values = keys, values
+        self.windowed, self.shift = windowed, shift
+        self._shifted = (None, None)  # (the pass, as the windowed stores address it)
 
     def update(self, ops, layer: int, k, v, batch) -> PreallocLayer:
+        if layer in self.windowed:
+            if self._shifted[0] is not batch:
+                self._shifted = (batch, self.shift(ops, batch))
+            batch = self._shifted[1]
         self.keys[layer] = ops.scatter_rows(self.keys[layer], batch.row_slots, batch.positions, k)
         self.values[layer] = ops.scatter_rows(self.values[layer], batch.row_slots, batch.positions, v)
         return PreallocLayer(self.keys[layer], self.values[layer], batch)
@@ -158,55 +172,123 @@ class PreallocKVCache(_Slots, SlotStores):
     name = "prealloc"
     compiles = True
 
-    def __init__(self, ops, n_layers: int, width: int, step: int = 256):
+    def __init__(self, ops, n_layers: int, width: int, step: int = 256, windows=None):
+        """windows: each layer's sliding window (None: the layer sees every position), as the model's
+        attention specs say; windowed layers keep only what their window can still show."""
         _Slots.__init__(self)
-        SlotStores.__init__(self, [None] * n_layers, [None] * n_layers)
+        windows = list(windows or [None] * n_layers)
+        if len(windows) != n_layers:
+            raise ValueError(f"{len(windows)} windows for {n_layers} layers")
+        windowed = frozenset(i for i, w in enumerate(windows) if w)
+        SlotStores.__init__(self, [None] * n_layers, [None] * n_layers, windowed,
+                            None if not windowed else self._origin_batch)
         self.ops, self.n_layers, self.width, self.step = ops, n_layers, width, step
+        self.window = max((w for w in windows if w), default=None)  # what the windowed layers keep
+        self.origin: dict[int, int] = {}  # slot -> the position its windowed rows start at (a multiple of step)
         self.n_slots = 0
-        self.capacity = 0
+        self.capacity = 0  # positions a slot holds in the other layers
+        self.window_capacity = 0  # positions a slot holds in the windowed layers
+        self.pass_rows = 1  # the most rows a sequence has given one pass
+        self._delta = (None, None)  # (slots and origins, their shift of a decode step's index arrays)
 
-    def _resize(self, n_slots: int, capacity: int) -> None:
-        if (n_slots, capacity) == (self.n_slots, self.capacity):
+    @property
+    def step_config(self):
+        """What the compiled decode step's cache depends on besides its inputs: the windowed layers."""
+        return self.windowed
+
+    def _origin_batch(self, ops, batch):
+        """The pass as the windowed stores address it: each sequence's positions less its slot's origin."""
+        origins = [self.origin.get(slot, 0) for slot in batch.slots]
+        return batch if not any(origins) else batch.shifted(origins)
+
+    def _resize(self, n_slots: int, capacity: int, window_capacity: int) -> None:
+        if (n_slots, capacity, window_capacity) == (self.n_slots, self.capacity, self.window_capacity):
             return
         if n_slots == 0:
             self.keys[:] = self.values[:] = [None] * self.n_layers
         else:
-            _resize_stores(self.ops, self.keys, self.values, n_slots, capacity, self.width)
-        self.n_slots, self.capacity = n_slots, capacity
+            for layers, c in (([i for i in range(self.n_layers) if i not in self.windowed], capacity),
+                              (sorted(self.windowed), window_capacity)):
+                keys, values = [self.keys[i] for i in layers], [self.values[i] for i in layers]
+                _resize_stores(self.ops, keys, values, n_slots, c, self.width)
+                for i, kx, vx in zip(layers, keys, values):
+                    self.keys[i], self.values[i] = kx, vx
+        self.n_slots, self.capacity, self.window_capacity = n_slots, capacity, window_capacity
         self.ops.sync(*[x for x in self.keys + self.values if x is not None])
 
     def _fit(self) -> None:
-        """Size the stores to the slots in use and the longest sequence, rounded up to a step."""
+        """Size the stores to the slots in use and the longest sequence, rounded up to a step (the
+        windowed layers: the longest run of positions a slot keeps there)."""
         if not self.held:
-            self._resize(0, 0)
+            self._resize(0, 0, 0)
             return
         n_slots = max(self.held) + 1
         longest = max(max(self.held.values()), max(self.expected.values(), default=0))
         capacity = self._capacity(longest)
+        window_capacity = 0
+        if self.windowed:  # a slot keeps at most window + step - 2 positions before a pass's rows
+            most = self.window + self.step - 2 + self.pass_rows
+            window_capacity = min(capacity, self._capacity(max(
+                min(max(n, self.expected.get(s, 0)) - self.origin.get(s, 0), most) for s, n in self.held.items())))
         if capacity > self.capacity or n_slots > self.n_slots or capacity + self.step <= self.capacity \
-                or n_slots < self.n_slots:
-            self._resize(n_slots, capacity)
+                or n_slots < self.n_slots or window_capacity > self.window_capacity \
+                or window_capacity + self.step <= self.window_capacity:
+            self._resize(n_slots, capacity, window_capacity)
 
     def release(self, slot: int, tokens=None) -> None:
         super().release(slot)
+        self.origin.pop(slot, None)
         self._fit()
 
     def reserve(self, batch) -> None:
-        """Room for the pass: every sequence's rows fit its slot (grows the stores if needed)."""
+        """Room for the pass: every sequence's rows fit its slot (grows the stores if needed); in the
+        windowed layers, the rows no row of this pass or a later one can see are dropped first."""
         self.check(batch)
-        for slot, n in zip(batch.slots, batch.kv_lens):
+        self.pass_rows = max(self.pass_rows, *batch.lengths)
+        for slot, start, n in zip(batch.slots, batch.starts, batch.kv_lens):
+            if self.windowed:
+                self._advance(slot, start)
             self.held[slot] = n
         self._fit()
+
+    def _advance(self, slot: int, start: int) -> None:
+        """Move a slot's windowed rows so that they start at the last multiple of `step` at or before the
+        first position the pass's first row (at `start`) sees, start - window + 1."""
+        old = self.origin.get(slot, 0)
+        new = max(0, start - self.window + 1) // self.step * self.step
+        if new <= old:
+            return
+        for i in self.windowed:
+            for stores in (self.keys, self.values):
+                stores[i] = self.ops.move_rows(stores[i], slot, new - old, start - new)
+        self.origin[slot] = new
+
+    def resume(self, slot: int, tokens, prompt) -> tuple[int, int]:
+        """As `_Slots.resume`; where the windowed layers dropped positions the continuation would see
+        (it starts before origin + window - 1), the slot starts over."""
+        slot, shared = super().resume(slot, tokens, prompt)
+        if self.windowed and shared and max(0, shared - self.window + 1) < self.origin.get(slot, 0):
+            self._truncate(slot, 0)
+            shared = 0
+        return slot, shared
+
+    def _truncate(self, slot: int, n: int) -> None:
+        super()._truncate(slot, n)
+        if n == 0:
+            self.origin.pop(slot, None)
 
     def _capacity(self, longest: int) -> int:
         """Positions per slot for a longest sequence of `longest` tokens: rounded up to the step."""
         return self.step * max(1, math.ceil(longest / self.step))
 
     def nbytes(self) -> int:
-        return self._bytes(self.n_slots * self.capacity)
+        windowed = len(self.windowed)
+        return self._bytes(self.n_slots * ((self.n_layers - windowed) * self.capacity
+                                           + windowed * self.window_capacity) / self.n_layers)
 
     def nbytes_for(self, lengths: dict[int, int]) -> int:
-        """Every slot up to the highest one in use, each as long as the longest sequence, rounded up."""
+        """Every slot up to the highest one in use, each as long as the longest sequence, rounded up (the
+        windowed layers counted as the others: an upper bound)."""
         return self._bytes((max(lengths) + 1) * self._capacity(max(lengths.values())))
 
     def arrays(self) -> list:
@@ -215,11 +297,22 @@ class PreallocKVCache(_Slots, SlotStores):
 
     # -- the compiled decode step's interface --------------------------------------------------
     def step_inputs(self, ops, batch) -> tuple:
-        return ()  # the batch's own slots and positions say where each row goes
+        """Nothing: the batch's own slots and positions say where each row goes; with windowed layers,
+        what to take from the step's index arrays for them (each slot's origin: `Batch.shift_delta`),
+        made again only when an origin moves."""
+        if not self.windowed:
+            return ()
+        key = tuple((slot, self.origin.get(slot, 0)) for slot in batch.slots)
+        if self._delta[0] != key:
+            self._delta = (key, batch.shift_delta(ops, [o for _, o in key]))
+        return (self._delta[1],)
 
     @staticmethod
-    def step_cache(keys, values, inputs) -> SlotStores:
-        return SlotStores(list(keys), list(values))
+    def step_cache(keys, values, inputs, config=frozenset()) -> SlotStores:
+        if not config:
+            return SlotStores(list(keys), list(values))
+        (delta,) = inputs
+        return SlotStores(list(keys), list(values), config, lambda ops, batch: batch.traced_shift(ops, delta))
 
 
 # -- basic (concatenation) ---------------------------------------------------------------------------
@@ -319,8 +412,8 @@ class PassRows:
 
 
 class PagedLayer:
-    def __init__(self, keys, values, rows: PassRows, width: int):
-        self.keys, self.values, self.rows, self.width = keys, values, rows, width
+    def __init__(self, keys, values, rows: PassRows, width: int, batch=None):
+        self.keys, self.values, self.rows, self.width, self.batch = keys, values, rows, width, batch
         self.store = None  # no tensor in [slot, position] layout: kernels gather (`batch_rows`)
 
     def batch_rows(self, ops):
@@ -345,7 +438,7 @@ class BlockStores:
         rows = self.rows
         self.keys[layer] = ops.scatter_rows(self.keys[layer], rows.blocks, rows.offsets, k)
         self.values[layer] = ops.scatter_rows(self.values[layer], rows.blocks, rows.offsets, v)
-        return PagedLayer(self.keys[layer], self.values[layer], rows, self.width)
+        return PagedLayer(self.keys[layer], self.values[layer], rows, self.width, batch)
 
 
 class PagedKVCache(_Slots):
@@ -534,7 +627,7 @@ class PagedKVCache(_Slots):
         return blocks, offsets, self._decode_rows[1], row_seq
 
     @staticmethod
-    def step_cache(keys, values, inputs) -> BlockStores:
+    def step_cache(keys, values, inputs, config=frozenset()) -> BlockStores:
         blocks, offsets, padded, row_seq = inputs  # one entry a sequence (a decode row each), but padded
         rows = PassRows(blocks, offsets, padded=(padded, row_seq, padded.shape[0] // blocks.shape[0]))
         return BlockStores(list(keys), list(values), rows, keys[0].shape[2])

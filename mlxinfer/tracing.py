@@ -89,7 +89,7 @@ class TracingBackend:
             fn = Backend.per_head_attention.__get__(self)
         else:
             fn = self.inner.fused_attention_override
-        return self._call("fused_attention", fn, (q, kv, batch, spec), {})
+        return self._call("fused_attention", fn, (q, kv, kv.batch, spec), {})
 
     # -- reporting ----------------------------------------------------------------------------
     def histogram(self, title, counts, times, total_time) -> str:

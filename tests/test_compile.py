@@ -73,10 +73,10 @@ def test_compiled_decode_equals_eager_across_cache_growth(model, kv):
     b = compiled.generate(prompt, max_tokens=20)
     assert b.token_ids == a.token_ids and b.logprobs == a.logprobs  # bitwise: the same floats
     steps = compiled.decode_step.steps
-    assert list(steps) == [(type(compiled.new_cache()), 1)]  # one step for batch size 1
-    step = steps[(type(compiled.new_cache()), 1)]
+    assert list(steps) == [(type(compiled.new_cache()), 1, frozenset())]  # one step for batch size 1
+    step = steps[(type(compiled.new_cache()), 1, frozenset())]
     c = compiled.generate(prompt, max_tokens=20)  # a new request, a new cache: the same compiled step
-    assert c.token_ids == a.token_ids and steps[(type(compiled.new_cache()), 1)] is step
+    assert c.token_ids == a.token_ids and steps[(type(compiled.new_cache()), 1, frozenset())] is step
 
 
 @pytest.mark.parametrize("kv", ["prealloc", "paged"])

@@ -30,10 +30,10 @@ def _recording(cache):
     """The (slots, capacity) of every resize the cache makes from now on."""
     sizes, resize = [], cache._resize
 
-    def record(n_slots, capacity):
+    def record(n_slots, capacity, window_capacity):
         if (n_slots, capacity) != (cache.n_slots, cache.capacity):
             sizes.append((n_slots, capacity))
-        resize(n_slots, capacity)
+        resize(n_slots, capacity, window_capacity)
 
     cache._resize = record
     return sizes
@@ -116,8 +116,8 @@ def test_the_server_budget_holds_the_cache_as_it_sizes_itself(tmp_path, kv):
     peak, done = [0], []
     resize = sched.cache._resize if kv == "prealloc" else None
     if kv == "prealloc":
-        def record(n_slots, capacity):
-            resize(n_slots, capacity)
+        def record(*size):
+            resize(*size)
             peak[0] = max(peak[0], sched.cache.nbytes())
         sched.cache._resize = record
     finished = threading.Semaphore(0)
