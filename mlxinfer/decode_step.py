@@ -22,15 +22,17 @@ MAX_COMPILED_STEPS = 16  # compiled steps kept (one per cache class, its config 
 
 
 class DecodeStep:
-    def __init__(self, model, max_steps: int = MAX_COMPILED_STEPS):
+    def __init__(self, model, specs, max_steps: int = MAX_COMPILED_STEPS):
+        """specs: the attention spec of each of the model's layers (`Engine.specs`)."""
         self.model, self.max_steps = model, max_steps
+        self.specs = list(dict.fromkeys(specs))  # the distinct ones
         self.steps = {}  # (cache class, batch size) -> the compiled function, least recently used first
         self._carried = None  # ((slot, position) of each row, the packed index arrays made for them)
 
     def covers(self, ops, batch, cache, decoding: bool) -> bool:
         """Whether this pass runs as the compiled step; `decoding`: every row is a sequence's decode row."""
         return (decoding and ops.compiles_decode and cache.compiles
-                and ops.compiles_pass(batch, self.model.spec))
+                and all(ops.compiles_pass(batch, spec) for spec in self.specs))
 
     def __call__(self, ops, ids, batch, cache):
         """The pass's logits and the arrays to start with them (the next step's index arrays); the

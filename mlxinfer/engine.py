@@ -79,7 +79,7 @@ class Engine:
         backend.check_model(self.specs)  # its kernels, in its shape
         if chunk is None:  # the backend's, once its self-check has said which paths it runs
             self.prefill_chunk = backend.prefill_chunk
-        self.decode_step = DecodeStep(self.model)
+        self.decode_step = DecodeStep(self.model, self.specs)
         self.prompt_cache = None  # prefix blocks on disk (prompt_cache.py), for the paged cache
         if prompt_cache_dir is not None:
             if kv != "paged":
@@ -364,9 +364,9 @@ def load(model: str | os.PathLike | None = None, backend: str = "auto", attentio
     attention: "fused" (the backend's override) or "per-head" (the protocol's reference loop).
     device: "cpu" or "gpu" for MLX (default: gpu where available). kernel: the MLX backend's fused
     attention, "graph", "metal" or "cuda" (default: by platform). kv: "prealloc", "paged" or "basic".
-    prefill_chunk: prompt tokens per prefill pass (default: the backend's, 512; 2,048 on CUDA in 16 bits). threads: the cpu backend's BLAS
-    threads, or on MLX's CPU device the threads its large quantized weight products and its attention
-    are cut over (default: the cores not already busy, at most cores // tp; None on a GPU). tp: ranks
+    prefill_chunk: prompt tokens per prefill pass (default: the backend's, 512; 2,048 on CUDA in 16
+    bits). threads: the cpu backend's BLAS threads, or on MLX's CPU device the threads its large
+    quantized weight products and its attention are cut over (default: the cores not already busy, at most cores // tp; None on a GPU). tp: ranks
     of a tensor-parallel run (mlxinfer.models.shard); the process must be one of `tp` started by
     mlx.launch. prompt_cache_dir: a directory where the paged cache (kv="paged") keeps full prompt
     blocks across runs, at most prompt_cache_size bytes (least recently used removed first). dtype: the

@@ -85,11 +85,19 @@ def attention_inputs(draw, max_seq: int = 4096, max_query_rows: int = 64, max_se
     return AttentionCase(np.concatenate(queries), keys, values, rows, spec)
 
 
+WINDOWED_STEP = 8  # kv="windowed": the preallocated cache keeping the case's window, origins in steps of 8
+
+
 def case_batch(backend: Backend, case: AttentionCase, kv: str = "prealloc"):
     """(q, cache layer view, batch) of a case on `backend`: each sequence's earlier rows written by a
-    first pass, this pass's rows by the pass itself, as the engine does."""
+    first pass, this pass's rows by the pass itself, as the engine does. kv: a KV_CACHES name, or
+    "windowed": the preallocated cache given the case's window (`PreallocKVCache(windows=)`), whose
+    rows then start at an origin before this pass; the batch is the pass as the view addresses it."""
     width = case.spec.n_kv_heads * case.spec.head_dim
-    cache = KV_CACHES[kv](backend, 1, width)
+    if kv == "windowed":
+        cache = KV_CACHES["prealloc"](backend, 1, width, step=WINDOWED_STEP, windows=[case.spec.window])
+    else:
+        cache = KV_CACHES[kv](backend, 1, width)
     slots = [cache.alloc() for _ in case.rows]
     starts = [k.shape[0] - t for k, t in zip(case.keys, case.rows)]
     early = [(slot, st_) for slot, st_ in zip(slots, starts) if st_ > 0]
@@ -103,7 +111,7 @@ def case_batch(backend: Backend, case: AttentionCase, kv: str = "prealloc"):
     k_new = np.concatenate([k[st_:] for k, st_ in zip(case.keys, starts)])
     v_new = np.concatenate([v[st_:] for v, st_ in zip(case.values, starts)])
     view = cache.update(backend, 0, backend.from_numpy(k_new), backend.from_numpy(v_new), batch)
-    return backend.activation(backend.from_numpy(case.q)), view, batch
+    return backend.activation(backend.from_numpy(case.q)), view, view.batch
 
 
 @contextlib.contextmanager

@@ -31,6 +31,33 @@ def test_cpu_fused_attention_on_the_paged_cache(case):
     assert_matches_default(CPUBackend(), case, kv="paged")
 
 
+@settings(max_examples=40, deadline=None)
+@given(attention_inputs(max_seq=600).filter(lambda case: case.spec.window))
+def test_cpu_fused_attention_on_the_windowed_cache(case):
+    """A windowed layer's store (`PreallocKVCache(windows=)`), its rows starting at an origin moved on
+    before the pass: both paths read the same rows at the same shifted positions."""
+    assert_matches_default(CPUBackend(), case, kv="windowed")
+
+
+@pytest.mark.parametrize("rows,window,softcap", [([(6, 400), (1, 300), (3, 150)], 7, None),
+                                                 ([(6, 400), (1, 300)], 40, 2.0), ([(1, 301), (2, 9)], 100, None),
+                                                 ([(9, 64)], 57, None)])
+def test_the_windowed_cache_is_attention(rows, window, softcap):
+    """With the windowed store's rows dropped before their origin, both paths are still causal
+    windowed attention (float64 textbook, the tolerance of the full cache's test); the origins did move
+    (but not for 64 keys behind a window of 57: origin 0)."""
+    from mlxinfer.testing import WINDOWED_STEP, case_batch
+
+    case = make_case(rows, 2, 2, 32, window, seed=window, softcap=softcap)
+    _, view, batch = case_batch(CPUBackend(), case, kv="windowed")
+    moved = [s - t - window + 1 >= WINDOWED_STEP for t, s in rows]
+    assert [k > 0 for k in (s - n for (_, s), n in zip(rows, batch.kv_lens))] == moved
+    fused, default = run_both(CPUBackend(), case, kv="windowed")
+    want = naive_attention(case)
+    np.testing.assert_allclose(default, want, atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(fused, want, atol=2e-5, rtol=1e-4)
+
+
 def naive_attention(case):
     """float64 textbook attention, causal with an optional window, sequence by sequence."""
     sp = case.spec

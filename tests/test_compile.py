@@ -43,6 +43,8 @@ class LengthMasked(MLXBackend):
         qh = mx.reshape(q, (n, spec.n_kv_heads, spec.group, spec.head_dim))
         scores = (qh @ mx.swapaxes(kh, -1, -2)) * spec.scale  # [N, KV, G, cap]
         hidden = mx.arange(cap)[None, :] >= batch.row_lens[:, None]
+        if spec.window:  # (positions as the store addresses them: a windowed store's less its origin)
+            hidden = hidden | (mx.arange(cap)[None, :] <= batch.positions[:, None] - spec.window)
         scores = mx.where(hidden[:, None, None, :], -np.inf, scores)
         ctx = mx.softmax(scores, axis=-1, precise=True) @ vh  # [N, KV, G, D]
         return mx.reshape(ctx, (n, spec.n_heads * spec.head_dim))
@@ -190,3 +192,24 @@ def test_a_pass_the_kernel_would_not_take_is_never_compiled(model):
     assert b.compiles_pass(t, spec)  # no host length to take the graph path on
     with pytest.raises(TypeError):
         max(t.kv_lens)
+
+
+def test_compiled_decode_over_windowed_layers(tmp_path):
+    """Gemma 3's windowed layers (window 24) in the preallocated cache: the compiled step addresses their
+    stores through its index arrays less each slot's origin (`Batch.traced_shift`; one step per batch
+    size and set of windowed layers). Two sequences decode together while one's origin moves on (at
+    position 279 = 256 + 24 - 1) and the other's stays 0: the tokens and log-probabilities of the eager
+    engine, whose passes shift on the host (`Batch.shifted`)."""
+    from mlxinfer.synthetic import write_synthetic_model
+
+    path = write_synthetic_model(tmp_path / "g3.gguf", arch="gemma3", n_layers=6, hidden=64, ffn=128, n_heads=4,
+                                 n_kv_heads=2, head_dim=16, vocab_size=320, sliding_window=24,
+                                 embedding_std=64 ** -0.5, seed=2)
+    eager, compiled = engines(path)
+    prompts = [list(np.random.default_rng(n).integers(3, 300, n)) for n in (230, 100)]
+    kw = dict(max_tokens=80, temperature=0.9, seed=3)
+    want, got = eager.generate_batch(prompts, **kw), compiled.generate_batch(prompts, **kw)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [g.logprobs for g in got] == [w.logprobs for w in want]
+    windowed = frozenset(i for i in range(6) if i % 6 != 5)
+    assert (type(compiled.new_cache()), 2, windowed) in compiled.decode_step.steps

@@ -201,6 +201,16 @@ def test_fused_attention_override_on_the_paged_cache(make, types, case):
     assert_matches_default(typed(make, types, case), case, kv="paged")
 
 
+@pytest.mark.parametrize("types", TYPES)
+@pytest.mark.parametrize("make", OVERRIDES)
+@settings(max_examples=max(5, EXAMPLES // 4), deadline=None)
+@given(case=attention_inputs(max_seq=600).filter(lambda case: case.spec.window))
+def test_fused_attention_override_on_the_windowed_cache(make, types, case):
+    """A windowed layer's store, its rows from an origin moved on before the pass (positions and lengths
+    shifted by it): the kernels read it in place as the reference does."""
+    assert_matches_default(typed(make, types, case), case, kv="windowed")
+
+
 needs_cuda = pytest.mark.skipif(gpu_kind() != "cuda", reason="the split kernels are CUDA's (needs an NVIDIA GPU)")
 
 

@@ -1,0 +1,133 @@
+"""Sliding-window layers in the preallocated KV cache (Gemma 2/3): they keep only the positions a query
+can still see, from an origin per slot that follows the window in steps of the cache's step, while the
+global layers keep every position. Attention reads a windowed store through the pass shifted by the
+origins (positions and lengths less them), so the mask is the same, and the keys it drops were all
+hidden: the logits are those of a cache that keeps everything, bit for bit on MLX's CPU device (its
+products do not depend on the number of keys masked out) and within OpenBLAS's reassociation on numpy
+(a row's product over fewer keys is another gemm shape). The paged cache (the server's) keeps every
+position.
+
+Error model for numpy: the windowed store makes each softmax x V product a sum over S - origin keys
+instead of S (the dropped ones have weight exactly 0), which OpenBLAS blocks differently; each such
+reassociation moves an output by a few ulps, carried through the layers to the logits, as in
+test_models' decode-vs-prefill bound (16 ulps of the largest logit). Measured here: 5 ulps."""
+
+import numpy as np
+import pytest
+
+import mlxinfer
+from mlxinfer.engine import _events
+from mlxinfer.kv_cache import PreallocKVCache
+from mlxinfer.sampling import SamplingParams
+
+WINDOW, CHUNK, STEP = 40, 64, 16
+SHAPES = {arch: dict(arch=arch, n_layers=len(pattern), hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16,
+                     vocab_size=320, sliding_window=WINDOW, embedding_std=64 ** -0.5, seed=1)
+          for arch, pattern in (("gemma3", "wwwwwg"), ("gemma2", "wgwg"))}
+BACKENDS = [("cpu", None), ("mlx", "cpu")]
+
+
+def _prompt(n, seed=0):
+    return [int(x) for x in np.random.default_rng(seed).integers(3, 300, n)]
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def model(request, tmp_path_factory):
+    from mlxinfer.synthetic import write_synthetic_model
+
+    return write_synthetic_model(tmp_path_factory.mktemp("swa") / f"{request.param}.gguf", **SHAPES[request.param])
+
+
+def _engine(model, backend, device, **kw):
+    return mlxinfer.load(model, backend=backend, device=device, prefill_chunk=CHUNK, **kw)
+
+
+def _score(engine, ids, step=STEP):
+    """Every position's logits through a fresh cache of the engine's kind with the given step."""
+    return engine.new_loop(engine.new_cache(step=step) if engine.kv == "prealloc" else None).score(ids)
+
+
+def _close(a, b, backend):
+    if backend == "mlx":
+        assert np.array_equal(a, b)
+    else:
+        np.testing.assert_allclose(a, b, rtol=0, atol=16 * np.spacing(np.abs(b).max()))
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("step", [1, STEP])
+def test_a_long_prompt_gives_the_full_caches_logits(model, backend, device, step):
+    """700 positions through windowed stores whose origins moved on (to a multiple of `step`; step 1:
+    the window's first position exactly, so a position too many dropped shows), against the paged
+    cache that keeps every position; fused and per-head bit for bit on the windowed stores."""
+    ids = _prompt(700)
+    full = _score(_engine(model, backend, device, kv="paged"), ids)
+    fused = _engine(model, backend, device)
+    cache = fused.new_cache(step=step)
+    got = fused.new_loop(cache).score(ids)
+    assert cache.window_capacity < cache.capacity or not cache.held
+    _close(got, full, backend)
+    per_head = _score(_engine(model, backend, device, attention="per-head"), ids, step)
+    assert np.array_equal(got, per_head)
+
+
+def test_the_windowed_layers_hold_their_window(model):
+    """After a 700-token prompt in chunks of 64, each windowed store holds at most window + step - 2 +
+    chunk positions a slot (rounded up to the step), the others the whole prompt; nbytes counts both."""
+    e = _engine(model, "cpu", None)
+    cache = e.new_cache(step=STEP)
+    loop = e.new_loop(cache)
+    seq = loop.admit(_prompt(700), SamplingParams(temperature=0.0), 1, keep=True)
+    list(_events(loop))
+    windowed = [i for i, spec in enumerate(e.specs) if spec.window]
+    assert 0 < len(windowed) < len(e.specs)
+    bound = STEP * -(-(WINDOW + STEP - 2 + CHUNK) // STEP)
+    assert cache.origin[seq.slot] > 0 and cache.held[seq.slot] == 700
+    for i in range(len(e.specs)):
+        assert cache.keys[i].shape[1] == (cache.window_capacity if i in windowed else cache.capacity)
+    assert cache.window_capacity <= bound < 700 <= cache.capacity
+    layers_bytes = (len(e.specs) - len(windowed)) * cache.capacity + len(windowed) * cache.window_capacity
+    assert cache.nbytes() == 2 * layers_bytes * cache.width * 4
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_batched_generation_gives_the_full_caches_tokens(model, backend, device):
+    """Three sequences of different lengths decoding together (MLX: the compiled, pipelined step, its
+    windowed stores addressed through the shift of its index arrays), their origins moving at different
+    steps: the tokens and log-probabilities of the paged cache that keeps everything."""
+    prompts = [_prompt(n, seed=n) for n in (90, 300, 170)]
+    runs = [_engine(model, backend, device, kv=kv).generate_batch(prompts, max_tokens=70) for kv in ("prealloc", "paged")]
+    for a, b in zip(*runs):
+        assert a.token_ids == b.token_ids
+        if backend == "mlx":
+            assert a.logprobs == b.logprobs
+        else:
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("diverge,kept", [(None, True), (5, False)])
+def test_a_chats_next_turn_keeps_or_starts_over(model, diverge, kept):
+    """A second turn continuing the first keeps its rows (prefills only what it adds); one whose prompt
+    leaves the first turn's before the windowed rows still held (position 5: long dropped) starts over.
+    Either way its tokens are a cold run's."""
+    e = _engine(model, "mlx", "cpu")
+    conv = e.conversation()
+    first = _prompt(300)
+    out = [ev for ev in conv.stream(first, max_tokens=8) if hasattr(ev, "token_id")]
+    second = first + [ev.token_id for ev in out] + _prompt(20, seed=9)
+    if diverge is not None:
+        second[diverge] = (second[diverge] + 1) % 300 + 3
+    got = [ev.token_id for ev in conv.stream(second, max_tokens=8) if hasattr(ev, "token_id")]
+    assert (conv.prefilled < len(second)) == kept
+    assert got == e.generate(second, max_tokens=8).token_ids
+
+
+def test_other_caches_and_models_have_no_windowed_layers(model, synthetic):
+    """Only the preallocated cache is given the windows; a model without windowed layers has none."""
+    assert _engine(model, "cpu", None, kv="paged").new_cache().step_config == frozenset()
+    assert _engine(model, "cpu", None, kv="basic").new_cache().step_config == frozenset()
+    e = mlxinfer.load(synthetic(arch="qwen3", n_layers=2), backend="cpu")
+    cache = e.new_cache()
+    assert cache.windowed == frozenset() and cache.window is None
+    with pytest.raises(ValueError, match="3 windows for 2 layers"):
+        PreallocKVCache(e.backend, 2, 8, windows=[None, 4, 4])
