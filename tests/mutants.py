@@ -93,6 +93,7 @@ MLXW = "mlxinfer/backends/mlx_weights.py"
 T_QUANT = "tests/test_quants.py"
 T_BLK = "tests/test_block_kernels.py"
 T_TC = "tests/test_tensor_core_order.py"
+T_WIN = "tests/test_window_cache.py"
 T_QBITS = "tests/test_quants.py::test_kept_weights_dequantize_to_gguf_py_bit_for_bit"
 T_QMEM = "tests/test_quants.py::test_memory_after_loading_is_within_1_15x_of_the_file"
 PPL = "mlxinfer/perplexity.py"
@@ -1769,6 +1770,43 @@ def usage_chunk""")],
      [("        chunk = prefill_chunk\n", "        chunk = prefill_chunk or backend.prefill_chunk\n")],
      [T_TC + "::test_the_engine_takes_the_backends_prefill_chunk"],
      "the default chunk read before the self-check: a failed tensor-core check keeps 2,048"),
+    ("win-origin-not-subtracted", "windowed cache", "mlxinfer/kv_cache.py",
+     [("        return batch if not any(origins) else batch.shifted(origins)\n", "        return batch\n")],
+     [T_WIN],
+     "a windowed store's rows start at its origin but the pass addresses them from position 0"),
+    ("win-one-position-too-many-dropped", "windowed cache", "mlxinfer/kv_cache.py",
+     [("new = max(0, start - self.window + 1) // self.step * self.step",
+       "new = max(0, start - self.window + 2) // self.step * self.step")],
+     [T_WIN + "::test_a_long_prompt_gives_the_full_caches_logits"],
+     "the origin one past the first position the pass's first row sees (shows with a step of 1)"),
+    ("win-capacity-one-short", "windowed cache", "mlxinfer/kv_cache.py",
+     [("most = self.window + self.step - 2 + self.pass_rows", "most = self.window + self.step - 3 + self.pass_rows")],
+     [T_WIN],
+     "the windowed stores one position shorter than a slot can hold before a pass's rows"),
+    ("win-move-one-row-short", "windowed cache", "mlxinfer/kv_cache.py",
+     [("stores[i] = self.ops.move_rows(stores[i], slot, new - old, start - new)",
+       "stores[i] = self.ops.move_rows(stores[i], slot, new - old, start - new - 1)")],
+     [T_WIN],
+     "moving a slot's windowed rows leaves the last one behind"),
+    ("win-resume-keeps-dropped", "windowed cache", "mlxinfer/kv_cache.py",
+     [("if self.windowed and shared and max(0, shared - self.window + 1) < self.origin.get(slot, 0):",
+       "if False:")],
+     [T_WIN + "::test_a_chats_next_turn_keeps_or_starts_over"],
+     "a chat turn continues from rows its windowed layers no longer hold"),
+    ("win-delta-lengths-unshifted", "windowed cache", "mlxinfer/batch.py",
+     [("return ops.index_array([*offsets, *pad, *[0] * w, *offsets, *pad, *[0] * w])",
+       "return ops.index_array([*offsets, *pad, *[0] * w, *[0] * w, *[0] * w])")],
+     [T_COMP + "::test_compiled_decode_over_windowed_layers"],
+     "the compiled step shifts the windowed stores' positions but not their lengths"),
+    ("win-attention-reads-the-pass", "windowed cache", "mlxinfer/backend.py",
+     [("        batch = kv.batch\n        if self.attention == \"per-head\":",
+       "        if self.attention == \"per-head\":")],
+     [T_WIN],
+     "attention reads the pass's own positions, not the windowed store's (kv.batch)"),
+    ("decode-step-spec-of-one-layer", "compiled decode", "mlxinfer/decode_step.py",
+     [("and all(ops.compiles_pass(batch, spec) for spec in self.specs))", "and ops.compiles_pass(batch, self.model.spec))")],
+     [T_COMP + "::test_compiled_decode_over_windowed_layers"],
+     "the compiled step asks only about a model's one spec (Gemma's models have one per layer)"),
 ]
 
 
