@@ -226,10 +226,11 @@ class PreallocKVCache(_Slots, SlotStores):
         longest = max(max(self.held.values()), max(self.expected.values(), default=0))
         capacity = self._capacity(longest)
         window_capacity = 0
-        if self.windowed:  # a slot keeps at most window + step - 2 positions before a pass's rows
+        if self.windowed:  # a slot keeps at most window + step - 2 positions before a pass's rows: once
+            # one holds a whole window that many (not fewer, then more again, as its origin moves on)
             most = self.window + self.step - 2 + self.pass_rows
-            window_capacity = min(capacity, self._capacity(max(
-                min(max(n, self.expected.get(s, 0)) - self.origin.get(s, 0), most) for s, n in self.held.items())))
+            kept = [max(n, self.expected.get(s, 0)) - self.origin.get(s, 0) for s, n in self.held.items()]
+            window_capacity = min(capacity, self._capacity(most if max(kept) >= self.window else max(kept)))
         if capacity > self.capacity or n_slots > self.n_slots or capacity + self.step <= self.capacity \
                 or n_slots < self.n_slots or window_capacity > self.window_capacity \
                 or window_capacity + self.step <= self.window_capacity:

@@ -72,20 +72,25 @@ def test_a_long_prompt_gives_the_full_caches_logits(model, backend, device, step
 
 
 def test_the_windowed_layers_hold_their_window(model):
-    """After a 700-token prompt in chunks of 64, each windowed store holds at most window + step - 2 +
-    chunk positions a slot (rounded up to the step), the others the whole prompt; nbytes counts both."""
+    """After a 700-token prompt in chunks of 64 and 60 tokens of decode, each windowed store holds
+    window + step - 2 + chunk positions a slot (rounded up to the step), the others the whole sequence;
+    once a slot holds a whole window that size stays (no resize up and down as its origin moves on);
+    nbytes counts both."""
     e = _engine(model, "cpu", None)
     cache = e.new_cache(step=STEP)
+    sizes, resize = [], cache._resize
+    cache._resize = lambda *size: sizes.append(size[2]) or resize(*size)
     loop = e.new_loop(cache)
-    seq = loop.admit(_prompt(700), SamplingParams(temperature=0.0), 1, keep=True)
+    seq = loop.admit(_prompt(700), SamplingParams(temperature=0.0), 61, keep=True)
     list(_events(loop))
     windowed = [i for i, spec in enumerate(e.specs) if spec.window]
     assert 0 < len(windowed) < len(e.specs)
     bound = STEP * -(-(WINDOW + STEP - 2 + CHUNK) // STEP)
-    assert cache.origin[seq.slot] > 0 and cache.held[seq.slot] == 700
+    assert sizes[-1] == bound and sizes.index(bound) <= 2 and len(set(sizes[sizes.index(bound):])) == 1
+    assert cache.origin[seq.slot] > 0 and cache.held[seq.slot] == 760
     for i in range(len(e.specs)):
         assert cache.keys[i].shape[1] == (cache.window_capacity if i in windowed else cache.capacity)
-    assert cache.window_capacity <= bound < 700 <= cache.capacity
+    assert cache.window_capacity == bound < 760 <= cache.capacity
     layers_bytes = (len(e.specs) - len(windowed)) * cache.capacity + len(windowed) * cache.window_capacity
     assert cache.nbytes() == 2 * layers_bytes * cache.width * 4
 
