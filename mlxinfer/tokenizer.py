@@ -407,6 +407,14 @@ class GGUFTokenizer:
             return self.spm.decode(ids, skip_special)
         return self.hf.decode(ids, skip_special_tokens=skip_special)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, as llama.cpp's token_to_piece gives it (the server's logprobs): a
+        SentencePiece token keeps its leading space, which `decode` takes off the text's first token."""
+        if self.spm is None:
+            return self.decode([token_id])
+        self.decode([token_id])  # (the id checked)
+        return self.spm.piece(token_id, True).decode("utf-8", errors="replace")
+
     def decode_stream(self) -> "TextStream":
         """An incremental detokenizer: feed generated ids one at a time, get text deltas back."""
         return TextStream(self)

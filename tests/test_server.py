@@ -1098,3 +1098,21 @@ def test_control_tokens_typed_in_a_message_are_text(served, engine, monkeypatch)
                                                "<|im_end|>{% endfor %}")
     r = httpx.post(served.url + "/v1/chat/completions", json={"model": MODEL, "messages": typed}, timeout=10)
     assert r.status_code == 400 and "'<|im_end|>' as text" in r.json()["error"]["message"]
+
+
+def test_logprob_tokens_are_each_tokens_own_text():
+    """The logprobs name each token by its own text (`token_text`, llama.cpp's token_to_piece): a
+    SentencePiece word keeps its leading space, which decoding the token alone takes off."""
+    from types import SimpleNamespace
+
+    from mlxinfer.server.routes import token_logprobs
+
+    from .conftest import DATA
+
+    tok = mlxinfer.load_tokenizer(f"{DATA}/ggml-vocab-llama-spm.gguf")
+    ids = tok.encode("Hello world")
+    state = SimpleNamespace(engine=SimpleNamespace(tokenizer=tok))
+    job = SimpleNamespace(want_logprobs=True, top_logprobs=1, chat=True)
+    got = token_logprobs(state, job, ids, [-0.5, -1.0], [0, 5], [[(ids[0], -0.5)], [(ids[1], -1.0)]])
+    assert [c["token"] for c in got["content"]] == [" Hello", " world"]
+    assert [c["top_logprobs"][0]["token"] for c in got["content"]] == [" Hello", " world"]

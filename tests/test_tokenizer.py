@@ -164,6 +164,21 @@ def spm():
     return {name: mlxinfer.load_tokenizer(os.path.join(DATA, f"ggml-vocab-{name}.gguf")) for name in SPM_VOCABS}
 
 
+def test_a_tokens_own_text_keeps_its_leading_space(spm, qwen2_tok):
+    """`token_text` (the server's logprobs) is llama.cpp's token_to_piece: " Hello" for SentencePiece's
+    "▁Hello", which `decode([id])` gives as "Hello" (the encoder's added space taken off); control
+    tokens by name; byte-level BPE as decode."""
+    tok = spm["llama-spm"]
+    (hello,) = tok.encode("Hello")
+    assert tok.decode([hello]) == "Hello" and tok.token_text(hello) == " Hello"
+    assert [tok.token_text(t) for t in tok.encode("Hello world")] == [" Hello", " world"]
+    assert tok.token_text(tok.bos_id) == "<s>"
+    (paris,) = qwen2_tok.encode(" Paris")
+    assert qwen2_tok.token_text(paris) == qwen2_tok.decode([paris]) == " Paris"
+    with pytest.raises(RequestError, match="token id 32000 is outside the vocabulary"):
+        tok.token_text(32000)
+
+
 @pytest.mark.parametrize("name", SPM_VOCABS)
 def test_sentencepiece_vocab_reproduces_llama_cpp_test_vectors(spm, name):
     texts, expected = read_llama_cpp_vectors(f"ggml-vocab-{name}.gguf")

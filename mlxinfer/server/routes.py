@@ -281,9 +281,9 @@ def token_logprobs(state: ServerState, job: Job, token_ids, logprobs, offsets, t
     token, its [(id, logprob)] alternatives."""
     if not job.want_logprobs:
         return None
-    decode = state.engine.tokenizer.decode
-    texts = [decode([t]) for t in token_ids]
-    top = [[(decode([a]), q) for a, q in alts] for alts in tops] if job.top_logprobs else None
+    text = state.engine.tokenizer.token_text
+    texts = [text(t) for t in token_ids]
+    top = [[(text(a), q) for a, q in alts] for alts in tops] if job.top_logprobs else None
     return logprobs_object(texts, logprobs, offsets, job.chat, top)
 
 
