@@ -5,7 +5,7 @@
 #
 #   OUT=DIR bash bench/h200.sh [STEP...]      # steps: tests bench report (default: all three, in order)
 #
-# tests   the four GPU test files (test_kernels, test_mlx_backend, test_compile, test_cuda_limits) with
+# tests   the five GPU test files (test_kernels, test_mlx_backend, test_compile, test_cuda_limits, test_window_cache) with
 #         EXAMPLES Hypothesis examples (5) -> $OUT/tests.log
 # bench   mlxinfer bench --backends mlx --devices gpu at the prompt lengths CASES (17,511,8191), batch
 #         sizes BATCH (1,8,32), ROUNDS rounds (3) of RUNS runs (3), mlx-lm in DTYPES (float32,bfloat16),
@@ -49,7 +49,7 @@ for step in ${*:-tests bench report}; do
     tests)
       MLXINFER_PROPERTY_EXAMPLES=${EXAMPLES:-5} timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -q -x \
         -p no:cacheprovider -rfEs -k "not smollm2 and not cpu_product_threads and not cpu_threads_work" \
-        tests/test_kernels.py tests/test_mlx_backend.py tests/test_compile.py tests/test_cuda_limits.py \
+        tests/test_kernels.py tests/test_mlx_backend.py tests/test_compile.py tests/test_cuda_limits.py tests/test_window_cache.py \
         >"$OUT/tests.log" 2>&1; rc=$?
       tail -5 "$OUT/tests.log"; log "tests rc=$rc"; [ $rc -eq 0 ] || exit 1 ;;
     bench)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import mlxinfer
+from mlxinfer.backends.mlx import gpu_kind
 from mlxinfer.engine import _events
 from mlxinfer.kv_cache import PreallocKVCache
 from mlxinfer.sampling import SamplingParams
@@ -24,7 +25,8 @@ WINDOW, CHUNK, STEP = 40, 64, 16
 SHAPES = {arch: dict(arch=arch, n_layers=len(pattern), hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16,
                      vocab_size=320, sliding_window=WINDOW, embedding_std=64 ** -0.5, seed=1)
           for arch, pattern in (("gemma3", "wwwwwg"), ("gemma2", "wgwg"))}
-BACKENDS = [("cpu", None), ("mlx", "cpu")]
+GPU = pytest.mark.skipif(gpu_kind() is None, reason="needs a GPU (MLX's Metal or CUDA)")
+BACKENDS = [("cpu", None), ("mlx", "cpu"), pytest.param("mlx", "gpu", marks=GPU)]
 
 
 def _prompt(n, seed=0):
@@ -47,11 +49,13 @@ def _score(engine, ids, step=STEP):
     return engine.new_loop(engine.new_cache(step=step) if engine.kv == "prealloc" else None).score(ids)
 
 
-def _close(a, b, backend):
-    if backend == "mlx":
+def _close(a, b, backend, device):
+    """Bit for bit on MLX's CPU; on numpy within 16 ulps of the largest logit (the module's error model);
+    on a GPU, whose kernels split a row's keys into parts by its length, within 64 (not measured yet)."""
+    if (backend, device) == ("mlx", "cpu"):
         assert np.array_equal(a, b)
     else:
-        np.testing.assert_allclose(a, b, rtol=0, atol=16 * np.spacing(np.abs(b).max()))
+        np.testing.assert_allclose(a, b, rtol=0, atol=(16 if backend == "cpu" else 64) * np.spacing(np.abs(b).max()))
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
@@ -66,7 +70,7 @@ def test_a_long_prompt_gives_the_full_caches_logits(model, backend, device, step
     cache = fused.new_cache(step=step)
     got = fused.new_loop(cache).score(ids)
     assert cache.window_capacity < cache.capacity or not cache.held
-    _close(got, full, backend)
+    _close(got, full, backend, device)
     per_head = _score(_engine(model, backend, device, attention="per-head"), ids, step)
     assert np.array_equal(got, per_head)
 
@@ -104,7 +108,7 @@ def test_batched_generation_gives_the_full_caches_tokens(model, backend, device)
     runs = [_engine(model, backend, device, kv=kv).generate_batch(prompts, max_tokens=70) for kv in ("prealloc", "paged")]
     for a, b in zip(*runs):
         assert a.token_ids == b.token_ids
-        if backend == "mlx":
+        if (backend, device) == ("mlx", "cpu"):
             assert a.logprobs == b.logprobs
         else:
             np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
