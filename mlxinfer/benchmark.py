@@ -83,7 +83,7 @@ def add_arguments(p) -> None:
                    help=f"the MLX backend's --dtype, one set of rows each ({', '.join(DTYPES)}; default: its default)")
     p.add_argument("--prefill-chunks", default=None, metavar="N,...",
                    help="prompt tokens per prefill pass, one set of rows each (default: the engine's, "
-                        f"{DEFAULT_PREFILL_CHUNK})")
+                        f"{DEFAULT_PREFILL_CHUNK}; 2048 in bfloat16/float16 on CUDA)")
     p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES,
                    help="the MLX backend's --kv-dtype (default: the dtype)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), metavar="N",

@@ -18,7 +18,7 @@ from . import __version__, benchmark
 from .backend import DTYPES, GPU_DEFAULT_DTYPE, KV_DTYPES
 from .backends.cpu import checked_threads, default_threads
 from .collectives import launched
-from .engine import load
+from .engine import DEFAULT_PREFILL_CHUNK, load
 from .errors import MlxinferError, RequestError
 from .inspect import describe, kernels_report
 from .launch import check_split, record_status, relaunch
@@ -78,8 +78,11 @@ def _load(args):
         print(f"mlxinfer: warning: --threads {args.threads} is more than the {free} cores free for it (of "
               f"{os.cpu_count()}, by the load average): threads that wait for busy cores can slow it many "
               "times over", file=sys.stderr)
+    chunk = args.prefill_chunk
+    if chunk is None and args.command == "serve":  # running streams wait for a pass at most 512 rows long, and
+        chunk = DEFAULT_PREFILL_CHUNK              # a GPU reuses a shared prefix in whole chunks (Loop._reusable)
     return load(args.model, backend=args.backend, attention=args.attention, device=args.device,
-                kernel=args.kernel, kv=args.kv, prefill_chunk=args.prefill_chunk, threads=args.threads,
+                kernel=args.kernel, kv=args.kv, prefill_chunk=chunk, threads=args.threads,
                 tp=getattr(args, "tp", 1), dtype=args.dtype, kv_dtype=args.kv_dtype, **prompt_cache_options(args))
 
 
@@ -457,7 +460,7 @@ def _model_options(p, sampling: bool = True) -> None:
                    help="KV cache: preallocated per sequence and written in place; paged (blocks, prefix reuse); "
                         "or grown by concatenation")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="prompt tokens per prefill pass (default: 512; 2048 in bfloat16/float16 on CUDA)")
+                   help="prompt tokens per prefill pass (default: 512; 2048 in bfloat16/float16 on CUDA, but for serve)")
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="MLX: the activations' and products' dtype (default: float32 on MLX's CPU, "
                         f"{GPU_DEFAULT_DTYPE} on a GPU; the cpu backend: float32 only)")

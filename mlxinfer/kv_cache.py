@@ -251,6 +251,8 @@ class PreallocKVCache(_Slots, SlotStores):
                 self._advance(slot, start)
             self.held[slot] = n
         self._fit()
+        if self.windowed and any(n - self.origin.get(s, 0) > self.window_capacity for s, n in self.held.items()):
+            raise RuntimeError("a windowed KV store is shorter than a slot's rows")  # (a scatter past it corrupts)
 
     def _advance(self, slot: int, start: int) -> None:
         """Move a slot's windowed rows so that they start at the last multiple of `step` at or before the

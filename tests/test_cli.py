@@ -587,3 +587,17 @@ def test_chat_commands_are_answered_here(tmp_path):
     assert writes[1].startswith("unknown command /save")
     assert sent == [["/etc/hosts"]]  # the one line the model saw
     assert next(lines) == "never read"  # /exit left
+
+
+def test_serve_keeps_prefill_chunks_of_512_unless_told(monkeypatch):
+    """`serve` asks for chunks of 512 where the backend would take 2,048 (16-bit on CUDA): running streams
+    wait for one pass of at most that many rows, and a GPU reuses shared prefixes in whole chunks; the
+    other commands leave it to the backend; --prefill-chunk decides everywhere."""
+    from mlxinfer import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "load", lambda *a, **k: seen.append(k["prefill_chunk"]))
+    for argv, want in ((["serve"], 512), (["generate", "hi"], None), (["chat"], None),
+                       (["serve", "--prefill-chunk", "2048"], 2048), (["generate", "--prefill-chunk", "64", "hi"], 64)):
+        cli._load(cli.build_parser().parse_args(argv + ["--backend", "cpu"]))
+        assert seen[-1] == want, argv

@@ -18,6 +18,7 @@ import pytest
 import mlxinfer
 from mlxinfer.backends.mlx import gpu_kind
 from mlxinfer.engine import _events
+from mlxinfer.batch import Batch
 from mlxinfer.kv_cache import PreallocKVCache
 from mlxinfer.sampling import SamplingParams
 
@@ -114,17 +115,21 @@ def test_batched_generation_gives_the_full_caches_tokens(model, backend, device)
             np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("diverge,kept", [(None, True), (5, False)])
+@pytest.mark.parametrize("diverge,kept", [(None, True), (5, False), (-2, False), (-1, True)])
 def test_a_chats_next_turn_keeps_or_starts_over(model, diverge, kept):
     """A second turn continuing the first keeps its rows (prefills only what it adds); one whose prompt
-    leaves the first turn's before the windowed rows still held (position 5: long dropped) starts over.
-    Either way its tokens are a cold run's."""
+    leaves the first turn's before the windowed rows still held starts over: at position 5 (long
+    dropped), and at origin + window - 2 (its first row would see origin - 1), not at origin + window - 1
+    (-2 and -1: relative to origin + window). Either way its tokens are a cold run's."""
     e = _engine(model, "mlx", "cpu")
     conv = e.conversation()
     first = _prompt(300)
     out = [ev for ev in conv.stream(first, max_tokens=8) if hasattr(ev, "token_id")]
     second = first + [ev.token_id for ev in out] + _prompt(20, seed=9)
     if diverge is not None:
+        origin = conv.loop.cache.origin[conv.last.slot]
+        assert origin > 0
+        diverge = diverge if diverge > 0 else origin + WINDOW + diverge
         second[diverge] = (second[diverge] + 1) % 300 + 3
     got = [ev.token_id for ev in conv.stream(second, max_tokens=8) if hasattr(ev, "token_id")]
     assert (conv.prefilled < len(second)) == kept
@@ -140,3 +145,49 @@ def test_other_caches_and_models_have_no_windowed_layers(model, synthetic):
     assert cache.windowed == frozenset() and cache.window is None
     with pytest.raises(ValueError, match="3 windows for 2 layers"):
         PreallocKVCache(e.backend, 2, 8, windows=[None, 4, 4])
+
+
+def _pass(cache, ops, slots_starts_lengths, layer=0):
+    """One pass's rows written to `layer` (values coding their positions); -> the layer's view."""
+    slots, starts, lengths = zip(*slots_starts_lengths)
+    batch = Batch(ops, slots, starts, lengths)
+    cache.reserve(batch)
+    k = np.concatenate([np.arange(s, s + n, dtype=np.float32) for s, n in zip(starts, lengths)])
+    x = ops.from_numpy(np.repeat(k[:, None], cache.width, axis=1))
+    return cache.update(ops, layer, x, x, batch), batch
+
+
+@pytest.mark.parametrize("backend", ["cpu", "mlx"])
+def test_each_slot_reads_its_rows_from_its_origin_and_a_reused_slot_from_0(backend):
+    """Cache alone, layer 0 windowed (window 20, step 8): after passes that move slot 0's origin and not
+    slot 1's, each sequence's rows are its positions origin .. n-1 (values coding them) and the view's
+    batch gives positions and lengths less the origin; the compiled step's shift of the index arrays
+    (step_inputs / step_cache) gives the same, and follows an origin that moves on; a slot released and
+    given again starts at origin 0."""
+    from mlxinfer.backends import make_backend
+
+    ops = make_backend(backend, device="cpu" if backend == "mlx" else None)
+    cache = PreallocKVCache(ops, 2, 4, step=8, windows=[20, None])
+    a, b = cache.alloc(), cache.alloc()
+    _pass(cache, ops, [(a, 0, 30), (b, 0, 5)])
+    view, batch = _pass(cache, ops, [(a, 30, 1), (b, 5, 1)])
+    assert cache.origin == {a: 8}  # the last multiple of 8 at or before 30 - 20 + 1
+    for i, (slot, n) in enumerate(((a, 31), (b, 6))):
+        keys, _ = view.sequence(ops, i)
+        first = cache.origin.get(slot, 0)
+        assert np.array_equal(ops.to_numpy(keys)[:, 0], np.arange(first, n, dtype=np.float32))
+    assert list(ops.to_numpy(view.batch.positions)) == [22, 5] and view.batch.kv_lens == (23, 6)
+    for _ in range(2):  # the compiled step's view of the same pass, and after slot a's origin moved on
+        stores = PreallocKVCache.step_cache(cache.keys, cache.values, cache.step_inputs(ops, batch), cache.step_config)
+        traced = stores.shift(ops, batch)
+        assert list(ops.to_numpy(traced.positions)) == list(ops.to_numpy(cache._origin_batch(ops, batch).positions))
+        assert list(ops.to_numpy(traced.row_lens)) == list(ops.to_numpy(cache._origin_batch(ops, batch).row_lens))
+        _pass(cache, ops, [(a, batch.kv_lens[0], 8), (b, batch.kv_lens[1], 1)])
+        batch = Batch(ops, [a, b], [cache.held[a], cache.held[b]], [1, 1])
+        cache.reserve(batch)
+    assert cache.origin[a] == 24
+    cache.release(a)
+    assert cache.alloc() == a
+    view, _ = _pass(cache, ops, [(a, 0, 3), (b, cache.held[b], 1)])
+    keys, _ = view.sequence(ops, 0)
+    assert np.array_equal(ops.to_numpy(keys)[:, 0], [0, 1, 2]) and view.batch.starts == (0, batch.kv_lens[1])
