@@ -3,10 +3,12 @@
 # synthetic Qwen3-0.6B shape. From the repo root, after `source .mlxcuda2/setup.sh` (MLX's CUDA build and
 # mlx-lm; the machine has no package registry, so wheels are carried):
 #
-#   OUT=DIR bash bench/h200.sh [STEP...]      # steps: tests bench report (default: all three, in order)
+#   OUT=DIR bash bench/h200.sh [STEP...]      # steps: tests archs bench report (default: all four, in order)
 #
-# tests   the five GPU test files (test_kernels, test_mlx_backend, test_compile, test_cuda_limits, test_window_cache) with
+# tests   the four GPU test files (test_kernels, test_mlx_backend, test_compile, test_cuda_limits) with
 #         EXAMPLES Hypothesis examples (5) -> $OUT/tests.log
+# archs   every architecture against llama.cpp's fixtures and the windowed cache, the "mlx" rows on the GPU
+#         (test_models, test_window_cache) -> $OUT/archs.log
 # bench   mlxinfer bench --backends mlx --devices gpu at the prompt lengths CASES (17,511,8191), batch
 #         sizes BATCH (1,8,32), ROUNDS rounds (3) of RUNS runs (3), mlx-lm in DTYPES (float32,bfloat16),
 #         ours in OURS (float32,bfloat16: --dtypes) with KV_DTYPE (empty: each dtype's own; q8_0 ...)
@@ -44,14 +46,18 @@ CASES=${CASES:-17,511,8191}; BATCH=${BATCH:-1,8,32}; ROUNDS=${ROUNDS:-3}; RUNS=$
 DTYPES=${DTYPES:-float32,bfloat16}; WARMUP=${WARMUP:-0}; OURS=${OURS:-float32,bfloat16}; KV_DTYPE=${KV_DTYPE:-}
 T0=$SECONDS
 log() { echo "[$((SECONDS - T0)) s] $*"; }
-for step in ${*:-tests bench report}; do
+for step in ${*:-tests archs bench report}; do
   case $step in
     tests)
       MLXINFER_PROPERTY_EXAMPLES=${EXAMPLES:-5} timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -q -x \
         -p no:cacheprovider -rfEs -k "not smollm2 and not cpu_product_threads and not cpu_threads_work" \
-        tests/test_kernels.py tests/test_mlx_backend.py tests/test_compile.py tests/test_cuda_limits.py tests/test_window_cache.py \
+        tests/test_kernels.py tests/test_mlx_backend.py tests/test_compile.py tests/test_cuda_limits.py \
         >"$OUT/tests.log" 2>&1; rc=$?
       tail -5 "$OUT/tests.log"; log "tests rc=$rc"; [ $rc -eq 0 ] || exit 1 ;;
+    archs)
+      timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -q -x -p no:cacheprovider -rfEs \
+        tests/test_models.py tests/test_window_cache.py >"$OUT/archs.log" 2>&1; rc=$?
+      tail -5 "$OUT/archs.log"; log "archs rc=$rc"; [ $rc -eq 0 ] || exit 1 ;;
     bench)
       d=$OUT/bench-${CASES//,/-}-b${BATCH//,/-}
       timeout "${BENCH_TIMEOUT:-570}" python3 -m mlxinfer bench -m qwen3-0.6b-synthetic --backends mlx \
