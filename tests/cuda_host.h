@@ -73,6 +73,23 @@ struct __nv_bfloat16 {
   operator float() const { return __uint_as_float((unsigned int)bits << 16); }
 };
 
+inline float __int_as_float(int i) {
+  float f;
+  std::memcpy(&f, &i, 4);
+  return f;
+}
+inline float __bfloat162float(__nv_bfloat16 h) { return (float)h; }
+inline float __half2float(__half h) { return (float)h; }
+inline __half __ushort_as_half(unsigned short u) {
+  __half h;
+  h.bits = u;
+  return h;
+}
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short u) {
+  __nv_bfloat16 h;
+  h.bits = u;
+  return h;
+}
 inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
 inline unsigned short __half_as_ushort(__half h) { return h.bits; }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16(f); }
@@ -103,6 +120,31 @@ inline int __shfl_xor_sync(unsigned int, int v, int off) {
   mlxh_warp_barrier[w]->arrive_and_wait();
   return r;
 }
+
+inline float __shfl_sync(unsigned int, float v, int src) {
+  const unsigned int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  mlxh_exchange[w][l] = v;
+  mlxh_warp_barrier[w]->arrive_and_wait();
+  const float r = mlxh_exchange[w][src & 31];
+  mlxh_warp_barrier[w]->arrive_and_wait();
+  return r;
+}
+
+inline int __shfl_sync(unsigned int, int v, int src) {
+  const unsigned int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  int r;
+  std::memcpy(&mlxh_exchange[w][l], &v, 4);
+  mlxh_warp_barrier[w]->arrive_and_wait();
+  std::memcpy(&r, &mlxh_exchange[w][src & 31], 4);
+  mlxh_warp_barrier[w]->arrive_and_wait();
+  return r;
+}
+
+// CUDA's integer min and max, for operands of mixed types (the common type's)
+template <typename A, typename B>
+inline std::common_type_t<A, B> min(A a, B b) { return a < b ? a : b; }
+template <typename A, typename B>
+inline std::common_type_t<A, B> max(A a, B b) { return a < b ? b : a; }
 
 inline bool __all_sync(unsigned int, bool p) {
   const unsigned int w = threadIdx.x >> 5, l = threadIdx.x & 31;

@@ -1,4 +1,5 @@
-"""metal_kernels/blocks.cu (and attention.cu's tensor-core kernels: `HostKernel`) run on the host: each
+"""metal_kernels/blocks.cu (and attention.cu's kernels, the tensor-core ones and the float32 attention
+kernels: `HostKernel`) run on the host: each
 kernel body compiled by g++ against tests/cuda_host.h (the CUDA subset it uses) and launched with the arguments `block_kernels.product` hands MLX, one std::thread per
 CUDA thread, so that CI, which has no GPU, runs the kernels' own indexing, tiles of x, barriers and warp
 shuffles and compares their bits with the published order's numpy emulation. What it cannot show: the
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -134,6 +136,13 @@ class HostKernel:
         self.folder, self.name = folder, name
         self.libs: dict = {}
 
+    def _shaped(self):
+        """The inputs whose shapes the kernel reads (`x_shape[i]`, as MLX's cuda_kernel provides them)."""
+        from mlxinfer import kernels
+
+        header, body = kernels.kernel_parts("cuda", self.name)
+        return [n for n in kernels._INPUTS[self.name][0] if re.search(rf"\b{n}_shape\b", header + body)]
+
     def _lib(self, inputs, template, out_dtypes):
         from mlxinfer import kernels
 
@@ -143,6 +152,7 @@ class HostKernel:
             names, outs = kernels._INPUTS[self.name]
             params = [f"const {HOST_TYPES[a.dtype]}* {n}" for n, a in zip(names, inputs)]
             params += [f"{HOST_TYPES[d]}* {o}" for o, d in zip(outs, out_dtypes)]
+            params += [f"const long* {n}_shape" for n in self._shaped()]
             consts = "".join(f"using {k} = {HOST_TYPES[v]};\n" if isinstance(v, mx.Dtype) else
                              f"constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};\n"
                              for k, v in template)
@@ -156,9 +166,14 @@ class HostKernel:
 
     def __call__(self, *, inputs, grid, threadgroup, output_shapes, output_dtypes, template=()):
         lib = self._lib(inputs, template, output_dtypes)
+        from mlxinfer import kernels
+
         arrays = [_host_array(a) for a in inputs]
         outs = [np.zeros(s, np.float32 if d == mx.float32 else np.uint16) for s, d in zip(output_shapes, output_dtypes)]
-        ptrs = (ctypes.c_void_p * (len(arrays) + len(outs)))(*[a.ctypes.data for a in arrays + outs])
+        names = kernels._INPUTS[self.name][0]
+        shapes = [np.array(inputs[names.index(n)].shape, np.int64) for n in self._shaped()]
+        ptrs = (ctypes.c_void_p * (len(arrays) + len(outs) + len(shapes)))(
+            *[a.ctypes.data for a in arrays + outs + shapes])
         (gx, gy, _), (tx, _, _) = grid, threadgroup
         lib.run(ptrs, ctypes.c_uint(gx // tx), ctypes.c_uint(gy), ctypes.c_uint(tx))
         return [mx.array(o) for o in outs]

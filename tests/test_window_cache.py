@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import mlxinfer
+from mlxinfer.backend import AttentionSpec
 from mlxinfer.backends.mlx import gpu_kind
 from mlxinfer.engine import _events
 from mlxinfer.batch import Batch
@@ -191,3 +192,38 @@ def test_each_slot_reads_its_rows_from_its_origin_and_a_reused_slot_from_0(backe
     view, _ = _pass(cache, ops, [(a, 0, 3), (b, cache.held[b], 1)])
     keys, _ = view.sequence(ops, 0)
     assert np.array_equal(ops.to_numpy(keys)[:, 0], [0, 1, 2]) and view.batch.starts == (0, batch.kv_lens[1])
+
+
+@pytest.mark.parametrize("plan", ["split", "one-launch"])
+def test_the_cuda_kernels_read_a_windowed_store_as_the_reference(plan, monkeypatch, tmp_path):
+    """attention.cu's kernels, run on the host (tests/cuda_host.py: g++, a thread per CUDA thread), read
+    a windowed store in place at the shifted positions: MLX's override on an MLX backend made to take
+    the CUDA path equals the per-head reference (whose products and softmax are the published-order
+    kernels, run on the host too), in the split plan and the one-launch kernel, for a decode row and a
+    3-row chunk whose slots' origins moved (64 and 32)."""
+    from mlxinfer import kernels
+    from mlxinfer.backends.mlx import MLXBackend
+    from mlxinfer.testing import AttentionCase, assert_matches_default
+
+    from . import cuda_host
+
+    if not cuda_host.available():
+        pytest.skip("needs g++ (C++20) to run the CUDA kernels on the host")
+    made, launched = {}, []
+
+    def kernel(kind, name):
+        made.setdefault(name, cuda_host.HostKernel(tmp_path, name))
+        return lambda **kw: launched.append(name) or made[name](**kw)
+
+    monkeypatch.setattr(kernels, "_kernel", kernel)
+    split = plan == "split"
+    monkeypatch.setattr(kernels, "SPLIT_MAX_ITEMS", 10**9 if split else 0)
+    monkeypatch.setattr(kernels, "SPLIT_MAX_SCRATCH", 10**18 if split else 0)
+    b = MLXBackend(device="cpu")
+    b.gpu_kernels = b.kernel = "cuda"
+    rng = np.random.default_rng(5)
+    spec = AttentionSpec.standard(2, 1, 16, window=20)
+    keys, values = ([rng.standard_normal((s, 16), dtype=np.float32) for s in (90, 60)] for _ in range(2))
+    case = AttentionCase(rng.standard_normal((4, 32), dtype=np.float32), keys, values, [1, 3], spec)
+    assert_matches_default(b, case, kv="windowed")
+    assert ("attn_scores" in launched) == split and launched, launched
