@@ -23,6 +23,7 @@ from .errors import MlxinferError, RequestError
 from .inspect import describe, kernels_report
 from .launch import check_split, record_status, relaunch
 from .loop import FinishEvent
+from .model_source import resolve_model
 from .perplexity import check_options as check_perplexity_options, perplexity
 from .sampling import SamplingParams, stop_strings
 from .scheduler import budget_blocks
@@ -420,9 +421,7 @@ def _inspect(args) -> int:
         line, passed = kernels_report()
         _out(line + "\n")
         return 0 if passed else 1
-    if args.file is None:
-        raise RequestError("inspect needs a GGUF FILE (or --kernels: the GPU kernels' self-check)")
-    _out(describe(args.file))
+    _out(describe(resolve_model(args.file)))  # (no FILE: the default model, as the other commands take it)
     return 0
 
 
@@ -460,7 +459,7 @@ def _model_options(p, sampling: bool = True) -> None:
                    help="KV cache: preallocated per sequence and written in place; paged (blocks, prefix reuse); "
                         "or grown by concatenation")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="prompt tokens per prefill pass (default: 512; 2048 in bfloat16/float16 on CUDA, but for serve)")
+                   help="prompt tokens per prefill pass (default: 512; 2048 in bfloat16/float16 on CUDA, except under serve)")
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="MLX: the activations' and products' dtype (default: float32 on MLX's CPU, "
                         f"{GPU_DEFAULT_DTYPE} on a GPU; the cpu backend: float32 only)")
@@ -494,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"mlxinfer {__version__}")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     fmt = _DefaultsFormatter
-    g = sub.add_parser("generate", help="generate a continuation of PROMPT", formatter_class=fmt)
+    g = sub.add_parser("generate", help="answer PROMPT in the model's chat template (--raw: continue it)", formatter_class=fmt)
     g.add_argument("prompt", metavar="PROMPT", nargs="?", help="the prompt; - reads it from stdin")
     g.add_argument("-p", "--prompt", dest="prompt_option", default=None, metavar="TEXT",
                    help="the prompt, as an option (as llama.cpp and mlx-lm take it)")
@@ -576,7 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--quiet", action="store_true", help="no progress bar")
     q.set_defaults(func=_perplexity)
     i = sub.add_parser("inspect", help="print a GGUF file's architecture, hyperparameters, tokenizer and tensors")
-    i.add_argument("file", nargs="?")
+    i.add_argument("file", nargs="?", help="a GGUF file (default: the default model)")
     i.add_argument("--kernels", action="store_true",
                    help="instead: run the GPU kernels' self-check on this machine and print its verdict in one line")
     i.set_defaults(func=_inspect)

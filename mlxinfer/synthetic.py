@@ -330,7 +330,8 @@ def write_f32_copy(src, dst) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Write a synthetic random-weight GGUF model.")
+    p = argparse.ArgumentParser(prog="python -m mlxinfer.synthetic", description="Write a synthetic random-weight GGUF "
+                                "model (a tied output head repeats its input's last token: --untied for varied text).")
     p.add_argument("path")
     p.add_argument("--arch", default="qwen3", choices=sorted(ARCHITECTURES))
     p.add_argument("--layers", type=int, default=2)
@@ -373,10 +374,23 @@ def main(argv=None):
     experts = dict(zip(("n_experts", "n_experts_used", "ffn_expert"), a.experts or (0, 0, 0)))
     base = a.rope_base or (500000.0 if a.llama3_rope else 1000000.0)
     factors = llama3_rope_factors(a.head_dim, base) if a.llama3_rope else None
-    write_synthetic_model(a.path, SyntheticSpec(a.arch, a.layers, a.hidden, a.ffn, a.heads, a.kv_heads,
-                                                a.head_dim, a.vocab, tied_output=not a.untied, qtype=a.type,
-                                                seed=a.seed, random_blocks=a.random_blocks, rope_base=base,
-                                                rope_freqs=factors, **gemma, **experts))
+    spec = SyntheticSpec(a.arch, a.layers, a.hidden, a.ffn, a.heads, a.kv_heads, a.head_dim, a.vocab,
+                         tied_output=not a.untied, qtype=a.type, seed=a.seed, random_blocks=a.random_blocks,
+                         rope_base=base, rope_freqs=factors, **gemma, **experts)
+    if a.type not in MIXES and a.type not in GGMLQuantizationType.__members__:
+        p.error(f"--type {a.type} is not a GGML type ({', '.join(GGMLQuantizationType.__members__)}) or a mix "
+                f"({', '.join(MIXES)})")
+    block = 256 if a.type in MIXES else GGML_QUANT_SIZES[GGMLQuantizationType[a.type]][0]
+    widths = sorted({shape[-1] for *_, shape in tensors(spec.args()) if len(shape) == 2 and shape[-1] % block})
+    if widths:
+        p.error(f"--type {a.type} stores rows in blocks of {block} values: rows of {', '.join(map(str, widths))} "
+                f"values (--hidden, --ffn, --heads x --head-dim) are not whole blocks")
+    if not a.random_blocks and a.type not in MIXES and a.type != "F32":
+        try:
+            quantize(np.zeros((1, block), np.float32), GGMLQuantizationType[a.type])
+        except NotImplementedError:
+            p.error(f"--type {a.type}: gguf-py does not quantize it; write its blocks with --random-blocks")
+    write_synthetic_model(a.path, spec)
     print(a.path)
 
 

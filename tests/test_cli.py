@@ -601,3 +601,31 @@ def test_serve_keeps_prefill_chunks_of_512_unless_told(monkeypatch):
                        (["serve", "--prefill-chunk", "2048"], 2048), (["generate", "--prefill-chunk", "64", "hi"], 64)):
         cli._load(cli.build_parser().parse_args(argv + ["--backend", "cpu"]))
         assert seen[-1] == want, argv
+
+
+def test_the_synthetic_writer_refuses_rows_its_type_cannot_hold(tmp_path, capsys):
+    """`python -m mlxinfer.synthetic`: a type whose blocks the rows do not fill (K-quants: 256 values), a
+    mix of them, or no such type is one error line naming it (argparse's exit 2), and nothing is written;
+    whole blocks write the file."""
+    from mlxinfer import synthetic
+
+    out = tmp_path / "m.gguf"
+    for argv, fragment in ((["--type", "Q4_K", "--hidden", "128"], "--type Q4_K stores rows in blocks of 256 values: "
+                                                                     "rows of 128 values"),
+                           (["--type", "Q4_K_M", "--random-blocks"], "--type Q4_K_M stores rows in blocks of 256"),
+                           (["--type", "Q9"], "--type Q9 is not a GGML type"),
+                           (["--type", "Q4_K", "--hidden", "256", "--ffn", "512", "--heads", "2", "--head-dim", "128"],
+                            "--type Q4_K: gguf-py does not quantize it; write its blocks with --random-blocks")):
+        with pytest.raises(SystemExit) as e:
+            synthetic.main([str(out), *argv])
+        assert e.value.code == 2 and fragment in capsys.readouterr().err and not out.exists(), argv
+    synthetic.main([str(out), "--type", "Q4_K", "--random-blocks", "--hidden", "256", "--ffn", "512", "--heads", "2", "--kv-heads", "1",
+                    "--head-dim", "128", "--vocab", "300"])
+    assert out.exists()
+
+
+def test_inspect_without_a_file_describes_the_default_model(smollm2_path, capsys):
+    from mlxinfer import cli
+
+    assert cli.main(["inspect"]) == 0
+    assert capsys.readouterr().out.startswith(f"file: {smollm2_path}\n")
