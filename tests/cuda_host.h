@@ -12,6 +12,7 @@
 
 #define MLXH_HOST  // (attention.cu's tensor-core instruction takes its stand-in below)
 #define __device__
+#define __host__
 #define __forceinline__ inline
 #define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static  // one block runs at a time: a static is the block's shared memory
