@@ -248,4 +248,4 @@ def test_the_engine_checks_its_models_attention_shapes(synthetic, monkeypatch):
     seen = []
     monkeypatch.setattr(MLXBackend, "check_model", lambda self, specs: seen.append(list(specs)))
     engine = mlxinfer.load(synthetic(), backend="mlx", device="cpu")
-    assert seen == [[engine.model.spec]]
+    assert seen == [engine.specs] and set(engine.specs) == {engine.model.spec}  # (a spec per layer)
