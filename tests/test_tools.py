@@ -198,6 +198,14 @@ def test_llama3_round_trip_with_the_openai_sdk(llama):
     r2 = llama.client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], temperature=0,
                                               max_tokens=20, extra_body={"grammar": lark_literal("It is cold.")})
     assert r2.choices[0].message.content == "It is cold." and r2.choices[0].finish_reason == "stop"
+    # The call went back as an object: Llama 3.1's template writes `arguments | tojson` with no string
+    # case (Qwen3's has one), so arguments kept as JSON text would be rendered quoted, a longer prompt.
+    as_object = [{"role": m["role"], "content": m.get("content") or "",
+                  **({"tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}}]}
+                     if m.get("tool_calls") else {})} for m in history]
+    rendered = engine.tokenizer.decode(engine.encode_prompt(as_object, template_kwargs={"tools": [WEATHER]}))
+    assert '"parameters": {"city": "Oslo", "days": 3}' in rendered
+    assert r2.usage.prompt_tokens == len(engine.encode_prompt(as_object, template_kwargs={"tools": [WEATHER]}))
     prose = llama.client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0,
                                                  max_tokens=20, extra_body={"grammar": lark_literal("No call.")})
     assert prose.choices[0].message.content == "No call." and prose.choices[0].finish_reason == "stop"
