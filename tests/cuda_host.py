@@ -1,6 +1,6 @@
 """metal_kernels/blocks.cu (and attention.cu's kernels, the tensor-core ones and the float32 attention
-kernels: `HostKernel`) run on the host: each
-kernel body compiled by g++ against tests/cuda_host.h (the CUDA subset it uses) and launched with the arguments `block_kernels.product` hands MLX, one std::thread per
+kernels: `HostKernel`) run on the host: each kernel body compiled by g++ against tests/cuda_host.h (the
+CUDA subset it uses) and launched with the arguments `block_kernels.product` hands MLX, one fiber per
 CUDA thread, so that CI, which has no GPU, runs the kernels' own indexing, tiles of x, barriers and warp
 shuffles and compares their bits with the published order's numpy emulation. What it cannot show: the
 GPU's compiler and memory system (alignment faults, races the host's scheduling happens to hide).
@@ -107,16 +107,17 @@ def _host_array(a) -> np.ndarray:
     return np.ascontiguousarray(np.array(mx.view(a, mx.uint16) if a.dtype in (mx.bfloat16, mx.float16) else a))
 
 
-def _compile(folder, text: str, stem: str):
-    """The shared library g++ builds from `text` under `folder` (reused while the text is unchanged)."""
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+def _compile(folder, text: str, stem: str, flags: tuple = ()):
+    """The shared library g++ builds from `text` under `folder` (reused while the text and flags are
+    unchanged); flags: more of g++'s (-DMLXH_UCONTEXT: cuda_host.h's portable fiber switch)."""
+    digest = hashlib.sha256((text + " ".join(flags)).encode()).hexdigest()[:16]
     folder = Path(folder)
     lib = folder / f"{stem}_{digest}.so"
     if not lib.exists():
         src = folder / f"{stem}_{digest}.cpp"
         src.write_text(text)
         r = subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC",
-                            "-pthread", "-w", "-o", str(lib), str(src)], capture_output=True, text=True, timeout=600)
+                            "-pthread", "-w", *flags, "-o", str(lib), str(src)], capture_output=True, text=True, timeout=600)
         if r.returncode:
             raise RuntimeError(f"g++ failed:\n{r.stderr[-3000:]}")
     return ctypes.CDLL(str(lib))

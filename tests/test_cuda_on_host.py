@@ -1,16 +1,16 @@
-"""attention.cu's attention kernels run on the host (tests/cuda_host.py: g++, a host thread per CUDA
-thread, one block at a time), so that their indexing and order are checked without a GPU: MLX's override
-on an MLX backend made to take the CUDA path, against the per-head reference (whose products and softmax
-are the published-order kernels, on the host too), bit for bit, in every launch plan (the split plan's
-two- and three-launch forms, the latter with the context by rows, and the one-launch kernel), float32 and
-bfloat16, over the preallocated, paged and windowed stores, with GQA, a soft-cap and a sliding window,
-for a decode row beside a 66-row chunk.
+"""attention.cu's kernels run on the host (tests/cuda_host.py: g++, a fiber per CUDA thread, one block
+at a time), so that their indexing and order are checked without a GPU:
+- every launch plan (the split plan's two- and three-launch forms, the latter with the context by rows,
+  and the one-launch kernel), float32 and bfloat16, over the preallocated, paged and windowed stores, with
+  GQA, a soft-cap and a sliding window, for a decode row beside a 66-row chunk: MLX's override on an MLX
+  backend made to take the CUDA path, against the per-head reference (whose products and softmax are the
+  published-order kernels, on the host too), bit for bit;
+- the qk_norm_rope kernel against mx.fast's RMSNorm and RoPE;
+- every architecture through the engine's CUDA path (the model's files as the GPU would run them, the
+  compiled step aside): logits against llama.cpp's, fused = per-head bit for bit, greedy tokens.
+What the host cannot show: the GPU's compiler and memory system, and CUDA's own sinf/cosf/expf (the
+host's are glibc's)."""
 
-Each case takes ~30 s on a 2-core machine (the host runs every CUDA thread), so the 24 run only when
-MLXINFER_HOST_PLANS=1; CI runs one plan's windowed case (`test_window_cache.py`). What the host cannot
-show: the GPU's compiler and memory system."""
-
-import os
 from dataclasses import replace
 
 import numpy as np
@@ -19,13 +19,12 @@ import pytest
 from mlxinfer import kernels
 from mlxinfer.backend import AttentionSpec
 from mlxinfer.backends.mlx import MLXBackend
+from mlxinfer.engine import Engine
 from mlxinfer.testing import AttentionCase, assert_matches_default
 
 from . import cuda_host
 
-pytestmark = [pytest.mark.skipif(not cuda_host.available(), reason="needs g++ (C++20) to run the kernels on the host"),
-              pytest.mark.skipif(os.environ.get("MLXINFER_HOST_PLANS") != "1",
-                                 reason="~30 s a case: MLXINFER_HOST_PLANS=1 runs them")]
+pytestmark = pytest.mark.skipif(not cuda_host.available(), reason="needs g++ (C++20) to run the kernels on the host")
 
 PLANS = {"split, two launches": dict(split=True, two=True, rows=False),
          "split, three launches": dict(split=True, two=False, rows=False),
@@ -42,29 +41,157 @@ def host_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cuda_host")
 
 
-@pytest.mark.parametrize("kv", ["prealloc", "paged", "windowed"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("plan", list(PLANS))
-def test_every_launch_plan_is_the_reference_on_the_host(plan, dtype, kv, host_dir, monkeypatch):
+def on_host(host_dir, monkeypatch) -> list:
+    """`kernels._kernel` replaced by attention.cu's kernels run on the host; returns the list of the
+    names launched (in order)."""
     made, launched = {}, []
 
     def kernel(kind, name):
         made.setdefault(name, cuda_host.HostKernel(host_dir, name))
         return lambda **kw: launched.append(name) or made[name](**kw)
 
-    p = PLANS[plan]
     monkeypatch.setattr(kernels, "_kernel", kernel)
+    return launched
+
+
+def cuda_path(dtype="float32", attention="fused") -> MLXBackend:
+    """An MLX CPU backend made to take the CUDA path (its kernels: `on_host`)."""
+    b = MLXBackend(attention=attention, device="cpu", dtype=dtype)
+    b.gpu_kernels = b.kernel = "cuda"
+    return b
+
+
+@pytest.mark.parametrize("kv", ["prealloc", "paged", "windowed"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_every_launch_plan_is_the_reference_on_the_host(plan, dtype, kv, host_dir, monkeypatch):
+    launched = on_host(host_dir, monkeypatch)
+    p = PLANS[plan]
     monkeypatch.setattr(kernels, "SPLIT_MAX_ITEMS", 10**9 if p["split"] else 0)
     monkeypatch.setattr(kernels, "SPLIT_MAX_SCRATCH", 10**18 if p["split"] else 0)
     monkeypatch.setattr(kernels, "TWO_LAUNCH_ROWS", 10**9 if p["two"] else 0)
     monkeypatch.setattr(kernels, "TWO_LAUNCH_MAX_KEYS", 10**18 if p["two"] else 0)
     monkeypatch.setattr(kernels, "ROWS_MIN", 1 if p["rows"] else 10**9)
     monkeypatch.setattr(kernels, "ROWS_MAX_KEYS_PER_ROW", 10**9)
-    b = MLXBackend(device="cpu", dtype=dtype)
-    b.gpu_kernels = b.kernel = "cuda"
+    b = cuda_path(dtype)
     rng = np.random.default_rng(5)
     spec = replace(AttentionSpec.standard(2, 1, 16, window=20), softcap=2.0)
     keys, values = ([rng.standard_normal((s, 16), dtype=np.float32) * 3 for s in (90, 70)] for _ in range(2))
     case = AttentionCase(rng.standard_normal((67, 32), dtype=np.float32), keys, values, [1, 66], spec)
     assert_matches_default(b, case, kv=kv)
     assert WANT[plan] <= set(launched), launched
+
+
+def kernel_angles(positions, head_dim: int, base: float) -> np.ndarray:
+    """The qk_norm_rope kernel's float32 angles, [rows, head_dim/2]: L * exp2f(-(d / (D/2)) * log2f(base)),
+    each operation in float32 as attention.cu writes it (exp2f taken correctly rounded: glibc's is within
+    0.502 ulp)."""
+    d = np.arange(head_dim // 2, dtype=np.float32)
+    arg = -(d / np.float32(head_dim // 2)) * np.float32(kernels._log2f(base))
+    inv_freq = np.exp2(arg.astype(np.float64)).astype(np.float32)
+    return np.asarray(positions, np.float32)[:, None] * inv_freq[None, :]
+
+
+def test_qk_norm_rope_kernel_on_the_host(host_dir, monkeypatch):
+    """kernels.qk_norm_rope (the queries' and keys' per-head RMSNorm and rotate-half RoPE in one launch)
+    against the same in float64 at the kernel's own float32 angles (`kernel_angles`): at position 40,000
+    an angle's last bit moves the output by ~4e-3, so the angles are the part emulated and the rest is
+    bounded. Error model: the float32 sum of squares, 1/sqrt, two products and the rotation's two
+    products and a sum, each within an ulp or two, and glibc's sinf/cosf within one: ~8 ulps of outputs
+    up to ~10; measured 6.2e-7 (this VM, 2026-12-05), bound 2.5e-6. Each row does not depend on the other rows of the pass; shapes
+    the kernel does not serve take mx.fast's path (no launch)."""
+    from .test_mlx_backend import _qk_norm_rope_cases
+
+    launched = on_host(host_dir, monkeypatch)
+    b = cuda_path()
+    for q, k, wq, wk, pos, heads, kv, dim, eps, base, traditional in _qk_norm_rope_cases(b, np.random.default_rng(2)):
+        del launched[:]
+        got = b.qk_norm_rope(q, k, wq, wk, pos, heads, kv, dim, eps, base, traditional)
+        if not kernels.qk_norm_rope_fits(dim, traditional):
+            assert launched == []
+            continue
+        assert launched == ["qk_norm_rope"]
+        theta = kernel_angles(np.array(pos), dim, base).astype(np.float64)[:, None, :]
+        c, sn = np.cos(theta), np.sin(theta)
+        for g, x, w, n in ((got[0], q, wq, heads), (got[1], k, wk, kv)):
+            xh = np.array(x).astype(np.float64).reshape(-1, n, dim)
+            v = xh / np.sqrt((xh * xh).mean(-1, keepdims=True) + eps) * np.array(w).astype(np.float64)
+            x1, x2 = v[..., :dim // 2], v[..., dim // 2:]
+            want = np.concatenate([x1 * c - x2 * sn, x1 * sn + x2 * c], -1).reshape(g.shape)
+            np.testing.assert_allclose(np.array(g), want, rtol=0, atol=2.5e-6)
+        last = q.shape[0] - 1
+        alone = b.qk_norm_rope(q[last:], k[last:], wq, wk, pos[last:], heads, kv, dim, eps, base, traditional)
+        for g, one in zip(got, alone):
+            np.testing.assert_array_equal(np.array(g)[last:], np.array(one))
+
+
+# -- every architecture through the engine's CUDA path ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def arch_files(tmp_path_factory):
+    from mlxinfer.synthetic import rewrite_gguf, write_synthetic_model
+
+    from .reference.specs import GEMMA3_EDITS, GEMMA3_SYNTHETIC, QWEN3_SYNTHETIC, synthetic_files
+
+    tmp = tmp_path_factory.mktemp("archs")
+    files = synthetic_files(str(tmp))
+    files["qwen3_synthetic"] = write_synthetic_model(tmp / "qwen3.gguf", QWEN3_SYNTHETIC)
+    # head_dim 64: the qk_norm_rope kernel's shapes (the fixtures' 48 take mx.fast's path)
+    files["qwen3_d64"] = write_synthetic_model(tmp / "qwen3_d64.gguf", replace(QWEN3_SYNTHETIC, head_dim=64))
+    g3 = write_synthetic_model(tmp / "gemma3_d64_plain.gguf", replace(GEMMA3_SYNTHETIC, head_dim=64))
+    files["gemma3_d64"] = rewrite_gguf(g3, tmp / "gemma3_d64.gguf", edits=GEMMA3_EDITS)
+    return files
+
+
+ARCHS = ["qwen3_synthetic", "llama3_synthetic", "llama3_linear_synthetic", "qwen2_synthetic", "gemma3_synthetic",
+         "gemma2_synthetic", "phi3_synthetic", "phi3_short_synthetic", "qwen3moe_synthetic", "mixtral_synthetic"]
+
+
+@pytest.mark.parametrize("name,kv", [(n, "prealloc") for n in ARCHS] + [("gemma2_synthetic", "paged")])
+def test_every_architecture_on_the_cuda_path_on_the_host(name, kv, arch_files, host_dir, monkeypatch):
+    """The engine on an MLX backend that takes the CUDA path (attention, its products and softmax, the
+    soft-cap's tanh on attention.cu's kernels, run on the host), eager: the prompt's logits within
+    test_models' bound of llama.cpp's, the per-head reference's bit for bit, and 8 greedy tokens of each
+    fixture prompt (three, or qwen3_synthetic's one), generated together as one batch, llama.cpp's."""
+    from .test_models import LOGIT_ATOL, load_fixture
+
+    launched = on_host(host_dir, monkeypatch)
+    ref = load_fixture(name)
+    keys = [k for k in ("", "_1", "_2") if f"prompt_ids{k}" in ref]  # (qwen3_synthetic has one prompt)
+    prompts = [ref[f"prompt_ids{k}"].tolist() for k in keys]
+    logits, tokens = {}, {}
+    for attention in ("fused", "per-head"):
+        del launched[:]
+        engine = Engine(arch_files[name], cuda_path(attention=attention), kv=kv, prefill_chunk=16)
+        engine.compile_decode = False  # (the host kernels run eagerly; test_compile checks the compiled step)
+        logits[attention] = engine.logits(prompts[0])
+        tokens[attention] = [g.token_ids for g in engine.generate_batch(prompts, max_tokens=8)]
+        kinds = {"fused": {"attn_scores", "attn_softmax_context"}, "per-head": {"matmul", "softmax"}}[attention]
+        assert kinds | ({"tanh"} if name == "gemma2_synthetic" else set()) <= set(launched), set(launched)
+    assert np.max(np.abs(logits["fused"] - ref["prompt_logits"])) < LOGIT_ATOL[name]
+    assert np.array_equal(logits["fused"], logits["per-head"])
+    want = [ref[f"greedy{k}"][:8].tolist() for k in keys]
+    assert tokens["fused"] == tokens["per-head"] == want
+
+
+@pytest.mark.parametrize("name", ["qwen3_d64", "gemma3_d64"])
+def test_qk_norm_rope_kernel_in_a_model_on_the_host(name, arch_files, host_dir, monkeypatch):
+    """Qwen3 and Gemma 3 with head_dim 64, where the CUDA path takes the qk_norm_rope kernel (Gemma 3's
+    windowed layers at their own RoPE base; its global layer, linearly scaled, takes mx.fast's path):
+    logits within 1e-5 of the cpu backend's (measured 3.1e-6 and 1.4e-6, logits up to 4.1, this VM,
+    2026-12-05; the kernel's sum of squares is in another order than mx.fast's) and the same 8 greedy
+    tokens."""
+    import mlxinfer
+
+    launched = on_host(host_dir, monkeypatch)
+    ids = [(7 * i + 3) % 380 for i in range(40)]
+    engine = Engine(arch_files[name], cuda_path(), prefill_chunk=16)
+    engine.compile_decode = False
+    got = engine.logits(ids)
+    a = engine.args
+    kernel_layers = sum(a.swa_layers) if a.arch == "gemma3" else a.n_layers
+    assert launched.count("qk_norm_rope") == -(-len(ids) // 16) * kernel_layers > 0  # a launch a layer a pass
+    cpu = mlxinfer.load(arch_files[name], backend="cpu")
+    want = cpu.logits(ids)
+    assert np.max(np.abs(got - want)) < 1e-5
+    assert engine.generate(ids, max_tokens=8).token_ids == cpu.generate(ids, max_tokens=8).token_ids

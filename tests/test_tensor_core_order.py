@@ -7,7 +7,7 @@ chains, chain c the keys j with (j mod 8) // 2 == c, total (c0 + c1) + (c2 + c3)
 per-head reference's steps (mma_matmul, scale, soft-cap, mask, mma_softmax, mma_matmul) in one launch.
 
 Here (no GPU): attention.cu's own bodies, compiled by g++ and run on the host (tests/cuda_host.py, a
-std::thread per CUDA thread), launched by the wrappers of mlxinfer/kernels.py themselves (their `_kernel`
+fiber per CUDA thread), launched by the wrappers of mlxinfer/kernels.py themselves (their `_kernel`
 replaced by `cuda_host.HostKernel`). The instruction is the host's stand-in (`mlxh_mma`: each step's
 accumulator plus its 16 exact products summed in double, rounded once to float32), which is not the
 GPU's rounding (unpublished, mostly toward zero): so these tests check the kernels' layouts, steps,

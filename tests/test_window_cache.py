@@ -196,7 +196,7 @@ def test_each_slot_reads_its_rows_from_its_origin_and_a_reused_slot_from_0(backe
 
 @pytest.mark.parametrize("plan", ["split", "one-launch"])
 def test_the_cuda_kernels_read_a_windowed_store_as_the_reference(plan, monkeypatch, tmp_path):
-    """attention.cu's kernels, run on the host (tests/cuda_host.py: g++, a thread per CUDA thread), read
+    """attention.cu's kernels, run on the host (tests/cuda_host.py: g++, a fiber per CUDA thread), read
     a windowed store in place at the shifted positions: MLX's override on an MLX backend made to take
     the CUDA path equals the per-head reference (whose products and softmax are the published-order
     kernels, run on the host too), in the split plan and the one-launch kernel, for a decode row and a
