@@ -13,6 +13,7 @@ host's are glibc's)."""
 
 from dataclasses import replace
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -152,7 +153,8 @@ def test_every_architecture_on_the_cuda_path_on_the_host(name, kv, arch_files, h
     """The engine on an MLX backend that takes the CUDA path (attention, its products and softmax, the
     soft-cap's tanh on attention.cu's kernels, run on the host), eager: the prompt's logits within
     test_models' bound of llama.cpp's, the per-head reference's bit for bit, and 8 greedy tokens of each
-    fixture prompt (three, or qwen3_synthetic's one), generated together as one batch, llama.cpp's."""
+    fixture prompt (three, or qwen3_synthetic's one), generated together as one batch, llama.cpp's, eagerly
+    and through the compiled decode step's code."""
     from .test_models import LOGIT_ATOL, load_fixture
 
     launched = on_host(host_dir, monkeypatch)
@@ -163,7 +165,7 @@ def test_every_architecture_on_the_cuda_path_on_the_host(name, kv, arch_files, h
     for attention in ("fused", "per-head"):
         del launched[:]
         engine = Engine(arch_files[name], cuda_path(attention=attention), kv=kv, prefill_chunk=16)
-        engine.compile_decode = False  # (the host kernels run eagerly; test_compile checks the compiled step)
+        engine.compile_decode = False  # (eager: the compiled step's code comes next)
         logits[attention] = engine.logits(prompts[0])
         tokens[attention] = [g.token_ids for g in engine.generate_batch(prompts, max_tokens=8)]
         kinds = {"fused": {"attn_scores", "attn_softmax_context"}, "per-head": {"matmul", "softmax"}}[attention]
@@ -172,6 +174,18 @@ def test_every_architecture_on_the_cuda_path_on_the_host(name, kv, arch_files, h
     assert np.array_equal(logits["fused"], logits["per-head"])
     want = [ref[f"greedy{k}"][:8].tolist() for k in keys]
     assert tokens["fused"] == tokens["per-head"] == want
+    # the compiled decode step's own code (Batch.traced_decode, the cache's step inputs, the next step's
+    # index arrays made on the device) with mx.compile off, so that the host kernels run inside it
+    engine = Engine(arch_files[name], cuda_path(), kv=kv, prefill_chunk=16)
+    steps = []
+    step = engine.decode_step._step
+    engine.decode_step._step = lambda *a: steps.append(a) or step(*a)
+    mx.disable_compile()
+    try:
+        assert [g.token_ids for g in engine.generate_batch(prompts, max_tokens=8)] == want
+    finally:
+        mx.enable_compile()
+    assert len(steps) == 7  # every decode pass but the prefill's token
 
 
 @pytest.mark.parametrize("name", ["qwen3_d64", "gemma3_d64"])
