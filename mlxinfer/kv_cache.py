@@ -79,7 +79,11 @@ class _Slots:
 
     def _bytes(self, positions: int) -> int:
         """Keys and values of every layer at `positions` cache positions, in the backend's stored type."""
-        return math.ceil(2 * self.n_layers * positions * self.width * self.ops.kv_value_bytes)
+        return self._layer_bytes(self.n_layers * positions)
+
+    def _layer_bytes(self, layer_positions: int) -> int:
+        """Keys and values of `layer_positions` positions summed over the layers, in the stored type."""
+        return math.ceil(2 * layer_positions * self.width * self.ops.kv_value_bytes)
 
     def release(self, slot: int, tokens=None) -> None:
         """Free a slot (`tokens`, what its rows hold, matters only to a cache that keeps prefixes)."""
@@ -286,8 +290,8 @@ class PreallocKVCache(_Slots, SlotStores):
 
     def nbytes(self) -> int:
         windowed = len(self.windowed)
-        return self._bytes(self.n_slots * ((self.n_layers - windowed) * self.capacity
-                                           + windowed * self.window_capacity) / self.n_layers)
+        return self._layer_bytes(self.n_slots * ((self.n_layers - windowed) * self.capacity
+                                                 + windowed * self.window_capacity))
 
     def nbytes_for(self, lengths: dict[int, int]) -> int:
         """Every slot up to the highest one in use, each as long as the longest sequence, rounded up (the
