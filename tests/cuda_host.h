@@ -148,6 +148,7 @@ inline void mlxh_swap(mlxh_context& from, mlxh_context& to) { mlxh_switch(&from.
 inline void mlxh_make(mlxh_context& c, char* stack, size_t size, void (*entry)()) {
   uintptr_t top = (uintptr_t)(stack + size) & ~(uintptr_t)15;
   void** slot = (void**)(top - 16);
+  slot[1] = nullptr;                    // (above it: no caller)
   *slot = (void*)entry;                 // the address `ret` jumps to
   for (int r = 1; r <= 6; ++r) slot[-r] = nullptr;  // rbp, rbx, r12-r15
   uint32_t* words = (uint32_t*)(slot - 7);  // mxcsr and the x87 control word: the caller's
@@ -203,10 +204,19 @@ uint32_t mlxh_exchange[32][32];
 
 inline void __syncthreads() { mlxh_block_barrier.arrive_and_wait(); }
 
+// The kernels' warp collectives take the whole warp (mask 0xffffffff); a partial mask is not modelled.
+inline void mlxh_full_warp(unsigned int mask) {
+  if (mask != 0xffffffffu) {
+    std::fprintf(stderr, "cuda_host: a warp collective with mask %#x (only whole warps are modelled)\n", mask);
+    std::abort();
+  }
+}
+
 // lane `src(l)` of the warp's value of `v`, for every lane l (the shuffles below)
 template <typename T>
-inline T mlxh_shuffle(T v, unsigned int src) {
+inline T mlxh_shuffle(unsigned int mask, T v, unsigned int src) {
   static_assert(sizeof(T) == 4);
+  mlxh_full_warp(mask);
   const unsigned int w = threadIdx.x >> 5, l = threadIdx.x & 31;
   T r;
   std::memcpy(&mlxh_exchange[w][l], &v, 4);
@@ -215,10 +225,10 @@ inline T mlxh_shuffle(T v, unsigned int src) {
   mlxh_warp_barrier[w].arrive_and_wait();
   return r;
 }
-inline float __shfl_xor_sync(unsigned int, float v, int off) { return mlxh_shuffle(v, (threadIdx.x & 31) ^ off); }
-inline int __shfl_xor_sync(unsigned int, int v, int off) { return mlxh_shuffle(v, (threadIdx.x & 31) ^ off); }
-inline float __shfl_sync(unsigned int, float v, int src) { return mlxh_shuffle(v, src); }
-inline int __shfl_sync(unsigned int, int v, int src) { return mlxh_shuffle(v, src); }
+inline float __shfl_xor_sync(unsigned int m, float v, int off) { return mlxh_shuffle(m, v, (threadIdx.x & 31) ^ off); }
+inline int __shfl_xor_sync(unsigned int m, int v, int off) { return mlxh_shuffle(m, v, (threadIdx.x & 31) ^ off); }
+inline float __shfl_sync(unsigned int m, float v, int src) { return mlxh_shuffle(m, v, src); }
+inline int __shfl_sync(unsigned int m, int v, int src) { return mlxh_shuffle(m, v, src); }
 
 // CUDA's integer min and max, for operands of mixed types (the common type's)
 template <typename A, typename B>
@@ -226,7 +236,8 @@ inline std::common_type_t<A, B> min(A a, B b) { return a < b ? a : b; }
 template <typename A, typename B>
 inline std::common_type_t<A, B> max(A a, B b) { return a < b ? b : a; }
 
-inline bool __all_sync(unsigned int, bool p) {
+inline bool __all_sync(unsigned int mask, bool p) {
+  mlxh_full_warp(mask);
   const unsigned int w = threadIdx.x >> 5, l = threadIdx.x & 31;
   mlxh_exchange[w][l] = p ? 1u : 0u;
   mlxh_warp_barrier[w].arrive_and_wait();
@@ -273,6 +284,8 @@ inline void mlxh_mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[
 // a time, like the launch MLX makes of a custom kernel with that grid: the block's fibers in turn, each
 // until it waits or ends, sweep after sweep; a sweep in which no thread arrived anywhere or ended is a
 // barrier that cannot open (some thread never reaches it): the launch stops the process with a message.
+// Blocks alternate the order their fibers run in (0 to n-1, then n-1 to 0), so that a read of another
+// thread's write with no barrier between them fails in one of the two (a GPU gives no order at all).
 constexpr size_t MLXH_STACK = 256 * 1024;  // a fiber's stack (the kernels' per-thread arrays live there)
 std::function<void()> mlxh_body;
 inline void mlxh_fiber_main() {
@@ -303,7 +316,9 @@ void mlxh_launch(unsigned int gx, unsigned int gy, unsigned int threads, F body)
       }
       for (unsigned int left = threads; left;) {
         mlxh_progress = false;
-        for (unsigned int t = 0; t < threads; ++t) {
+        const bool reversed = (bx + by * gx) & 1;
+        for (unsigned int i = 0; i < threads; ++i) {
+          const unsigned int t = reversed ? threads - 1 - i : i;
           if (mlxh_fibers[t].done) continue;
           mlxh_running = t;
           threadIdx = {t, 0, 0};

@@ -92,14 +92,32 @@ class HostKernels:
         consts = tuple(template.items())
         arrays = [_host_array(a) for a in seen["inputs"]]
         shape, dtype = seen["output_shapes"][0], seen["output_dtypes"][0]
-        out = np.zeros(shape, np.float32 if dtype == mx.float32 else np.uint16)
+        out = _guarded(shape, np.float32 if dtype == mx.float32 else np.uint16)
         (gx, gy, _), (tx, _, _) = seen["grid"], seen["threadgroup"]
         fn = getattr(self.lib, f"run_{_form_id(seen['name'], consts, t, m)}")
         fn(*[a.ctypes.data_as(ctypes.c_void_p) for a in arrays], out.ctypes.data_as(ctypes.c_void_p),
            ctypes.c_uint(gx // tx), ctypes.c_uint(gy), ctypes.c_uint(tx))
+        out = _unguarded(out, shape, seen["name"])
         if dtype == mx.float32:
             return out
         return np.array(mx.view(mx.array(out), dtype).astype(mx.float32))
+
+
+GUARD = 4096  # elements past each output a host kernel must leave as they were (a write past its end)
+
+
+def _guarded(shape, dtype) -> np.ndarray:
+    """A zeroed output of `shape` followed by GUARD elements of a pattern (0xA5 bytes), flat."""
+    buf = np.zeros(int(np.prod(shape)) + GUARD, dtype)
+    buf[-GUARD:].view(np.uint8)[:] = 0xA5
+    return buf
+
+
+def _unguarded(buf: np.ndarray, shape, name: str) -> np.ndarray:
+    """The output in `buf`, after checking that the kernel wrote nothing past its end."""
+    if not (buf[-GUARD:].view(np.uint8) == 0xA5).all():
+        raise AssertionError(f"host kernel {name} wrote past the end of its {tuple(shape)} output")
+    return buf[:-GUARD].reshape(shape)
 
 
 def _host_array(a) -> np.ndarray:
@@ -170,11 +188,11 @@ class HostKernel:
         from mlxinfer import kernels
 
         arrays = [_host_array(a) for a in inputs]
-        outs = [np.zeros(s, np.float32 if d == mx.float32 else np.uint16) for s, d in zip(output_shapes, output_dtypes)]
+        outs = [_guarded(s, np.float32 if d == mx.float32 else np.uint16) for s, d in zip(output_shapes, output_dtypes)]
         names = kernels._INPUTS[self.name][0]
         shapes = [np.array(inputs[names.index(n)].shape, np.int64) for n in self._shaped()]
         ptrs = (ctypes.c_void_p * (len(arrays) + len(outs) + len(shapes)))(
             *[a.ctypes.data for a in arrays + outs + shapes])
         (gx, gy, _), (tx, _, _) = grid, threadgroup
         lib.run(ptrs, ctypes.c_uint(gx // tx), ctypes.c_uint(gy), ctypes.c_uint(tx))
-        return [mx.array(o) for o in outs]
+        return [mx.array(_unguarded(o, s, self.name)) for o, s in zip(outs, output_shapes)]

@@ -99,8 +99,10 @@ def test_qk_norm_rope_kernel_on_the_host(host_dir, monkeypatch):
     an angle's last bit moves the output by ~4e-3, so the angles are the part emulated and the rest is
     bounded. Error model: the float32 sum of squares, 1/sqrt, two products and the rotation's two
     products and a sum, each within an ulp or two, and glibc's sinf/cosf within one: ~8 ulps of outputs
-    up to ~10; measured 6.2e-7 (this VM, 2026-12-05), bound 2.5e-6. Each row does not depend on the other rows of the pass; shapes
-    the kernel does not serve take mx.fast's path (no launch)."""
+    up to ~10; measured 6.2e-7 (this VM, 2026-12-05), bound 2.5e-6. The cases include a head whose
+    mean square epsilon dominates and an all-zero head. Each row does not depend on the other rows of
+    the pass; shapes the kernel does not serve, and bfloat16 activations (the kernel reads float32),
+    take mx.fast's path (no launch), the default's bits."""
     from .test_mlx_backend import _qk_norm_rope_cases
 
     launched = on_host(host_dir, monkeypatch)
@@ -124,6 +126,17 @@ def test_qk_norm_rope_kernel_on_the_host(host_dir, monkeypatch):
         alone = b.qk_norm_rope(q[last:], k[last:], wq, wk, pos[last:], heads, kv, dim, eps, base, traditional)
         for g, one in zip(got, alone):
             np.testing.assert_array_equal(np.array(g)[last:], np.array(one))
+    # bfloat16 activations: the kernel reads float32 only, so mx.fast's path, the default's bits
+    from mlxinfer.backend import Backend
+
+    b16 = cuda_path("bfloat16")
+    for args in _qk_norm_rope_cases(b16, np.random.default_rng(3)):
+        del launched[:]
+        args = tuple(a.astype(mx.bfloat16) for a in args[:4]) + args[4:]  # (q, k and the norms' weights)
+        got, want = b16.qk_norm_rope(*args), Backend.qk_norm_rope(b16, *args)
+        assert launched == []
+        for g, w in zip(got, want):
+            assert g.dtype == mx.bfloat16 and np.array_equal(np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32)))
 
 
 # -- every architecture through the engine's CUDA path ------------------------------------------------
@@ -209,3 +222,15 @@ def test_qk_norm_rope_kernel_in_a_model_on_the_host(name, arch_files, host_dir, 
     want = cpu.logits(ids)
     assert np.max(np.abs(got - want)) < 1e-5
     assert engine.generate(ids, max_tokens=8).token_ids == cpu.generate(ids, max_tokens=8).token_ids
+
+
+@pytest.mark.parametrize("form", kernels.ONE_ROW_FORMS, ids=lambda f: "".join(f"{k}{v}" for k, v in f))
+def test_every_one_row_form_on_the_host(form, host_dir, monkeypatch):
+    """The one-row decode forms over long caches (whole 32-key steps from 1,024 keys, prefetching above
+    4,096: the default decode of a long context), bit for bit the one-launch kernel on the host
+    (test_mlx_backend's `check_one_row_form`, which a GPU runs too)."""
+    from .test_mlx_backend import check_one_row_form
+
+    launched = on_host(host_dir, monkeypatch)
+    check_one_row_form(form)
+    assert {"attn_scores", "attn_softmax_context", "fused_attention"} <= set(launched)

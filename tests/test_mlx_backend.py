@@ -272,11 +272,21 @@ def test_split_and_one_launch_kernels_agree_on_long_caches(rows, s, window, head
 @pytest.mark.parametrize("form", kernels.ONE_ROW_FORMS, ids=lambda f: "".join(f"{k}{v}" for k, v in f))
 def test_every_one_row_form_gives_the_one_launch_bits(form):
     """attn_softmax_context's one-row forms (kernels.ONE_ROW_FORM: loads in flight, prefetching, whole
-    steps) change no operation: one row over caches whose lengths end a step exactly, fall one key
-    short of one or leave a partial last step, a sliding window, groups of 2 and 5 heads (a second pass
-    over the group) and head dimensions that are not a multiple of 8, bit for bit against the one-launch
-    kernel."""
-    from mlxinfer import kernels
+    steps) change no operation: `check_one_row_form` on the GPU (tests/test_cuda_on_host.py runs it on
+    the host)."""
+    check_one_row_form(form)
+
+
+ONE_ROW_CASES = [(1, None, (16, 8, 128)), (1023, None, (16, 8, 128)), (2048, None, (16, 8, 128)),
+                 (3001, None, (16, 8, 128)), (8191, 700, (16, 8, 128)), (2500, None, (10, 2, 12)),
+                 (1500, 50, (8, 1, 36))]
+
+
+def check_one_row_form(form, cases=ONE_ROW_CASES):
+    """One row over caches whose lengths end a step exactly, fall one key short of one or leave a
+    partial last step, a sliding window, groups of 2 and 5 heads (a second pass over the group) and head
+    dimensions that are not a multiple of 8 (`cases`: (keys, window, (heads, KV heads, head_dim))), in
+    the one-row `form` of attn_softmax_context, bit for bit against the one-launch kernel."""
     from mlxinfer.backend import AttentionSpec
 
     assert {tuple(kernels.ONE_ROW_FORM), tuple(kernels.ONE_ROW_LONG_FORM)} <= set(kernels.ONE_ROW_FORMS)
@@ -284,9 +294,7 @@ def test_every_one_row_form_gives_the_one_launch_bits(form):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "ONE_ROW_FORM", form)
         mp.setattr(kernels, "ONE_ROW_LONG_FORM", form)
-        for s, window, (h, kvh, d) in [(1, None, (16, 8, 128)), (1023, None, (16, 8, 128)), (2048, None, (16, 8, 128)),
-                                       (3001, None, (16, 8, 128)), (8191, 700, (16, 8, 128)), (2500, None, (10, 2, 12)),
-                                       (1500, 50, (8, 1, 36))]:
+        for s, window, (h, kvh, d) in cases:
             spec = AttentionSpec.standard(h, kvh, d, window=window)
             cap = s + 5
             keys = mx.array(rng.standard_normal((2, cap, kvh * d), dtype=np.float32) * 4)
@@ -564,10 +572,14 @@ def test_fused_rms_norm_matches_its_primitive_default(device):
 
 def _qk_norm_rope_cases(b, rng):
     """Arguments of qk_norm_rope: (rows, heads, KV heads, head_dim, layout) at distinct positions up to
-    40,000 (theta = 40,000 radians in the first pair)."""
+    40,000 (theta = 40,000 radians in the first pair); where there are 3 rows or more, a query head of
+    row 2 of mean square ~1e-7 (epsilon 1e-6 dominates it) and an all-zero key head in the last row."""
     for rows, heads, kv, dim, traditional in ((1, 16, 8, 128, False), (5, 8, 2, 128, False), (3, 9, 3, 64, False),
                                             (2, 4, 4, 64, True), (4, 6, 2, 256, False), (2, 4, 2, 96, False)):
         x = rng.standard_normal((rows, (heads + kv) * dim)).astype(np.float32) * 3
+        if rows >= 3:
+            x[2, 1 * dim:2 * dim] *= 1e-4
+            x[-1, heads * dim:(heads + 1) * dim] = 0.0
         q, k = (b.from_numpy(np.ascontiguousarray(a)) for a in (x[:, :heads * dim], x[:, heads * dim:]))
         wq, wk = (b.from_numpy((1 + 0.1 * rng.standard_normal(dim)).astype(np.float32)) for _ in range(2))
         pos = b.index_array(rng.choice(40000, rows, replace=False).tolist())
