@@ -1,5 +1,5 @@
 // The CUDA subset metal_kernels/blocks.cu and attention.cu use, on the host (tests/cuda_host.py): a kernel
-// body compiled by g++ runs as one fiber (ucontext) per CUDA thread, a block at a time in one OS thread,
+// body compiled by g++ runs as one fiber per CUDA thread (`mlxh_swap` below), a block at a time in one OS thread,
 // so that the kernels' indexing, tiles, barriers and warp shuffles run where no GPU is. A fiber runs until
 // it waits at a barrier, then the next one runs; a barrier some thread of the block never reaches (a
 // divergent __syncthreads, a shuffle in a branch) stops the launch with a message, where a GPU would hang

@@ -120,6 +120,32 @@ def _unguarded(buf: np.ndarray, shape, name: str) -> np.ndarray:
     return buf[:-GUARD].reshape(shape)
 
 
+def launch_on_host(folder, monkeypatch) -> list:
+    """`kernels._kernel` replaced (through pytest's `monkeypatch`) by attention.cu's kernels compiled
+    under `folder` and run on the host; returns the list of the names launched, in order (so that a
+    test can say which path ran)."""
+    from mlxinfer import kernels
+
+    made, launched = {}, []
+
+    def kernel(kind, name):
+        assert kind == "cuda"
+        made.setdefault(name, HostKernel(folder, name))
+        return lambda **kw: launched.append(name) or made[name](**kw)
+
+    monkeypatch.setattr(kernels, "_kernel", kernel)
+    return launched
+
+
+def cuda_path(dtype: str = "float32", attention: str = "fused"):
+    """An MLX backend on the CPU made to take the CUDA path (its kernels: `launch_on_host`)."""
+    from mlxinfer.backends.mlx import MLXBackend
+
+    b = MLXBackend(attention=attention, device="cpu", dtype=dtype)
+    b.gpu_kernels = b.kernel = "cuda"
+    return b
+
+
 def _host_array(a) -> np.ndarray:
     """An MLX input as the contiguous numpy array a host kernel reads (16-bit floats as their bits)."""
     return np.ascontiguousarray(np.array(mx.view(a, mx.uint16) if a.dtype in (mx.bfloat16, mx.float16) else a))

@@ -20,7 +20,6 @@ import pytest
 
 from mlxinfer import kernels
 from mlxinfer.backend import AttentionSpec
-from mlxinfer.backends.mlx import MLXBackend
 from mlxinfer.engine import Engine
 from mlxinfer.testing import AttentionCase, assert_matches_default
 
@@ -43,31 +42,11 @@ def host_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cuda_host")
 
 
-def on_host(host_dir, monkeypatch) -> list:
-    """`kernels._kernel` replaced by attention.cu's kernels run on the host; returns the list of the
-    names launched (in order)."""
-    made, launched = {}, []
-
-    def kernel(kind, name):
-        made.setdefault(name, cuda_host.HostKernel(host_dir, name))
-        return lambda **kw: launched.append(name) or made[name](**kw)
-
-    monkeypatch.setattr(kernels, "_kernel", kernel)
-    return launched
-
-
-def cuda_path(dtype="float32", attention="fused") -> MLXBackend:
-    """An MLX CPU backend made to take the CUDA path (its kernels: `on_host`)."""
-    b = MLXBackend(attention=attention, device="cpu", dtype=dtype)
-    b.gpu_kernels = b.kernel = "cuda"
-    return b
-
-
 @pytest.mark.parametrize("kv", ["prealloc", "paged", "windowed"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_every_launch_plan_is_the_reference_on_the_host(plan, dtype, kv, host_dir, monkeypatch):
-    launched = on_host(host_dir, monkeypatch)
+    launched = cuda_host.launch_on_host(host_dir, monkeypatch)
     p = PLANS[plan]
     monkeypatch.setattr(kernels, "SPLIT_MAX_ITEMS", 10**9 if p["split"] else 0)
     monkeypatch.setattr(kernels, "SPLIT_MAX_SCRATCH", 10**18 if p["split"] else 0)
@@ -75,7 +54,7 @@ def test_every_launch_plan_is_the_reference_on_the_host(plan, dtype, kv, host_di
     monkeypatch.setattr(kernels, "TWO_LAUNCH_MAX_KEYS", 10**18 if p["two"] else 0)
     monkeypatch.setattr(kernels, "ROWS_MIN", 1 if p["rows"] else 10**9)
     monkeypatch.setattr(kernels, "ROWS_MAX_KEYS_PER_ROW", 10**9)
-    b = cuda_path(dtype)
+    b = cuda_host.cuda_path(dtype)
     rng = np.random.default_rng(5)
     spec = replace(AttentionSpec.standard(2, 1, 16, window=20), softcap=2.0)
     keys, values = ([rng.standard_normal((s, 16), dtype=np.float32) * 3 for s in (90, 70)] for _ in range(2))
@@ -106,8 +85,8 @@ def test_qk_norm_rope_kernel_on_the_host(host_dir, monkeypatch):
     take mx.fast's path (no launch), the default's bits."""
     from .test_mlx_backend import _qk_norm_rope_cases
 
-    launched = on_host(host_dir, monkeypatch)
-    b = cuda_path()
+    launched = cuda_host.launch_on_host(host_dir, monkeypatch)
+    b = cuda_host.cuda_path()
     for q, k, wq, wk, pos, heads, kv, dim, eps, base, traditional in _qk_norm_rope_cases(b, np.random.default_rng(2)):
         del launched[:]
         got = b.qk_norm_rope(q, k, wq, wk, pos, heads, kv, dim, eps, base, traditional)
@@ -130,7 +109,7 @@ def test_qk_norm_rope_kernel_on_the_host(host_dir, monkeypatch):
     # bfloat16 activations: the kernel reads float32 only, so mx.fast's path, the default's bits
     from mlxinfer.backend import Backend
 
-    b16 = cuda_path("bfloat16")
+    b16 = cuda_host.cuda_path("bfloat16")
     for args in _qk_norm_rope_cases(b16, np.random.default_rng(3)):
         del launched[:]
         args = tuple(a.astype(mx.bfloat16) for a in args[:4]) + args[4:]  # (q, k and the norms' weights)
@@ -177,7 +156,7 @@ def test_every_architecture_on_the_cuda_path_on_the_host(name, kv, arch_files, h
     per-head engine and the fused one through the compiled decode step's code."""
     from .test_models import LOGIT_ATOL, load_fixture
 
-    launched = on_host(host_dir, monkeypatch)
+    launched = cuda_host.launch_on_host(host_dir, monkeypatch)
     ref = load_fixture(name)
     keys = [k for k in ("", "_1", "_2") if f"prompt_ids{k}" in ref]  # (qwen3_synthetic has one prompt)
     prompts = [ref[f"prompt_ids{k}"].tolist() for k in keys]
@@ -185,7 +164,7 @@ def test_every_architecture_on_the_cuda_path_on_the_host(name, kv, arch_files, h
     logits = {}
     for attention in ("fused", "per-head"):
         del launched[:]
-        engine = Engine(arch_files[name], cuda_path(attention=attention), kv=kv, prefill_chunk=16)
+        engine = Engine(arch_files[name], cuda_host.cuda_path(attention=attention), kv=kv, prefill_chunk=16)
         engine.compile_decode = False  # (eager: the compiled step's code comes next)
         logits[attention] = engine.logits(prompts[0])
         kinds = {"fused": {"attn_scores", "attn_softmax_context"}, "per-head": {"matmul", "softmax"}}[attention]
@@ -195,7 +174,7 @@ def test_every_architecture_on_the_cuda_path_on_the_host(name, kv, arch_files, h
     assert [g.token_ids for g in engine.generate_batch(prompts, max_tokens=8)] == want  # (per-head)
     # fused: the compiled decode step's own code (Batch.traced_decode, the cache's step inputs, the next
     # step's index arrays made on the device) with mx.compile off, so that the host kernels run inside it
-    engine = Engine(arch_files[name], cuda_path(), kv=kv, prefill_chunk=16)
+    engine = Engine(arch_files[name], cuda_host.cuda_path(), kv=kv, prefill_chunk=16)
     steps = []
     step = engine.decode_step._step
     engine.decode_step._step = lambda *a: steps.append(a) or step(*a)
@@ -216,9 +195,9 @@ def test_qk_norm_rope_kernel_in_a_model_on_the_host(name, arch_files, host_dir, 
     tokens."""
     import mlxinfer
 
-    launched = on_host(host_dir, monkeypatch)
+    launched = cuda_host.launch_on_host(host_dir, monkeypatch)
     ids = [(7 * i + 3) % 380 for i in range(40)]
-    engine = Engine(arch_files[name], cuda_path(), prefill_chunk=16)
+    engine = Engine(arch_files[name], cuda_host.cuda_path(), prefill_chunk=16)
     engine.compile_decode = False
     got = engine.logits(ids)
     a = engine.args
@@ -239,6 +218,6 @@ def test_every_one_row_form_on_the_host(form, host_dir, monkeypatch):
     (test_mlx_backend's `check_one_row_form`, which a GPU runs too); CI runs the two forms decode takes."""
     from .test_mlx_backend import check_one_row_form
 
-    launched = on_host(host_dir, monkeypatch)
+    launched = cuda_host.launch_on_host(host_dir, monkeypatch)
     check_one_row_form(form)
     assert {"attn_scores", "attn_softmax_context", "fused_attention"} <= set(launched)

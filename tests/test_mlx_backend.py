@@ -282,10 +282,10 @@ ONE_ROW_CASES = [(1, None, (16, 8, 128)), (1023, None, (16, 8, 128)), (2048, Non
                  (1500, 50, (8, 1, 36))]
 
 
-def check_one_row_form(form, cases=ONE_ROW_CASES):
+def check_one_row_form(form):
     """One row over caches whose lengths end a step exactly, fall one key short of one or leave a
     partial last step, a sliding window, groups of 2 and 5 heads (a second pass over the group) and head
-    dimensions that are not a multiple of 8 (`cases`: (keys, window, (heads, KV heads, head_dim))), in
+    dimensions that are not a multiple of 8 (ONE_ROW_CASES: (keys, window, (heads, KV heads, head_dim))), in
     the one-row `form` of attn_softmax_context, bit for bit against the one-launch kernel."""
     from mlxinfer.backend import AttentionSpec
 
@@ -294,7 +294,7 @@ def check_one_row_form(form, cases=ONE_ROW_CASES):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "ONE_ROW_FORM", form)
         mp.setattr(kernels, "ONE_ROW_LONG_FORM", form)
-        for s, window, (h, kvh, d) in cases:
+        for s, window, (h, kvh, d) in ONE_ROW_CASES:
             spec = AttentionSpec.standard(h, kvh, d, window=window)
             cap = s + 5
             keys = mx.array(rng.standard_normal((2, cap, kvh * d), dtype=np.float32) * 4)

@@ -52,20 +52,7 @@ def host_dir(tmp_path_factory):
 def launched(host_dir, monkeypatch):
     """`kernels._kernel` replaced by attention.cu's kernels run on the host; the names of the kernels
     launched, in order (so that a test can say which path ran)."""
-    names, made = [], {}
-
-    def kernel(kind, name):
-        assert kind == "cuda"
-        if name not in made:
-            made[name] = cuda_host.HostKernel(host_dir, name)
-
-        def launch(**kw):
-            names.append(name)
-            return made[name](**kw)
-        return launch
-
-    monkeypatch.setattr(kernels, "_kernel", kernel)
-    return names
+    return cuda_host.launch_on_host(host_dir, monkeypatch)
 
 
 def _mx16(x: np.ndarray, dtype: str):

@@ -202,25 +202,17 @@ def test_the_cuda_kernels_read_a_windowed_store_as_the_reference(plan, monkeypat
     kernels, run on the host too), in the split plan and the one-launch kernel, for a decode row and a
     3-row chunk whose slots' origins moved (64 and 32)."""
     from mlxinfer import kernels
-    from mlxinfer.backends.mlx import MLXBackend
     from mlxinfer.testing import AttentionCase, assert_matches_default
 
     from . import cuda_host
 
     if not cuda_host.available():
         pytest.skip("needs g++ (C++20) to run the CUDA kernels on the host")
-    made, launched = {}, []
-
-    def kernel(kind, name):
-        made.setdefault(name, cuda_host.HostKernel(tmp_path, name))
-        return lambda **kw: launched.append(name) or made[name](**kw)
-
-    monkeypatch.setattr(kernels, "_kernel", kernel)
+    launched = cuda_host.launch_on_host(tmp_path, monkeypatch)
     split = plan == "split"
     monkeypatch.setattr(kernels, "SPLIT_MAX_ITEMS", 10**9 if split else 0)
     monkeypatch.setattr(kernels, "SPLIT_MAX_SCRATCH", 10**18 if split else 0)
-    b = MLXBackend(device="cpu")
-    b.gpu_kernels = b.kernel = "cuda"
+    b = cuda_host.cuda_path()
     rng = np.random.default_rng(5)
     spec = AttentionSpec.standard(2, 1, 16, window=20)
     keys, values = ([rng.standard_normal((s, 16), dtype=np.float32) for s in (90, 60)] for _ in range(2))
