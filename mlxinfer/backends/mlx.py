@@ -77,6 +77,11 @@ PREFILL_ROWS = 128
 # every cached key once, so fewer, longer chunks read the prompt's keys fewer times (mlx-lm's prefill step
 # is 2,048 too); docs/performance.md has the figures that chose it. Elsewhere the protocol's 512.
 MMA_PREFILL_CHUNK = 2048
+# 16-bit prefill chunks on CUDA take MLX's own fused attention (`mx.fast.scaled_dot_product_attention`,
+# cuDNN's flash attention there) where it applies: head sizes that are multiples of 8 up to this (MLX's
+# CUDA rule for cuDNN), no soft-cap (it has none). A head at a time in the per-head reference, every head
+# in one call in the fused override: the same bits where the self-check (`verify_sdpa`) finds them so.
+SDPA_MAX_HEAD_DIM = 128
 _CPU_STREAMS: list = []  # shared by every MLX backend; thread-local: each thread that uses one gets its own
 
 
@@ -289,10 +294,39 @@ def mma_check_cases(head_dims=SELF_CHECK_HEAD_DIMS) -> list[CheckCase]:
 
 def verify_mma(backend: "MLXBackend") -> str | None:
     """The tensor-core prefill kernels on the device (`mma_check_cases`): the fused override against the
-    per-head reference, bit for bit. None, or one line naming the first failure."""
+    per-head reference, bit for bit. None, or one line naming the first failure. (MLX's fused attention
+    is off meanwhile, so that every case runs these kernels.)"""
     cases = [case for case in mma_check_cases() if case_applies(backend, case)]
-    _prebuild(backend, [lambda c=c: _check_case(backend, c) for c in cases])
-    return _first_problem(backend, cases)
+    sdpa, backend.sdpa = backend.sdpa, False
+    try:
+        _prebuild(backend, [lambda c=c: _check_case(backend, c) for c in cases])
+        return _first_problem(backend, cases)
+    finally:
+        backend.sdpa = sdpa
+
+
+def sdpa_check_cases(head_dims=(64, 80, 128)) -> list[CheckCase]:
+    """MLX's fused attention on 16-bit prefill chunks (`MLXBackend.sdpa`): chunks of PREFILL_ROWS rows or
+    more with GQA, from the cache's start ("causal") and from mid-cache, with a window (an additive mask),
+    beside a decode row, in each cache kind; head sizes it takes (a multiple of 8 up to 128, 80 not a
+    power of two)."""
+    rows = PREFILL_ROWS + 2
+    cases = []
+    for d in head_dims:
+        gqa = AttentionSpec.standard(4, 2, d)
+        cases += [CheckCase(f"a {rows}-row chunk over {rows} keys", gqa, ((rows, rows),)),
+                  CheckCase(f"a {rows}-row chunk over 300 keys, window 40", AttentionSpec.standard(4, 2, d, window=40),
+                            ((300, rows),))]
+        cases += [CheckCase(f"a {rows}-row chunk over 300 keys beside a decode row over 70", gqa,
+                            ((300, rows), (70, 1)), kv) for kv in KV_CACHES]
+    return cases
+
+
+def verify_sdpa(backend: "MLXBackend") -> str | None:
+    """MLX's fused attention on 16-bit prefill chunks, on the device (`sdpa_check_cases`): the fused
+    override's one call over every head against the per-head reference's call a head, bit for bit. None,
+    or one line naming the first failure (an exception too: a shape MLX's kernel refuses)."""
+    return _first_problem(backend, [case for case in sdpa_check_cases() if case_applies(backend, case)])
 
 
 def _first_problem(backend: "MLXBackend", cases) -> str | None:
@@ -426,6 +460,10 @@ class MLXBackend(Backend):
         self.mma = bool(self.gpu_kernels in kernels.MMA_KINDS and dtype != "float32" and kv_dtype == dtype
                         and kernels.mma_supported())
         self.mma_fallback = None  # that check's failure, once one failed
+        # ... unless MLX's own fused attention takes them (`_sdpa_takes`; SDPA_MAX_HEAD_DIM): on the same
+        # GPUs and dtypes; off again if its self-check (`verify_sdpa`) fails
+        self.sdpa = self.mma
+        self.sdpa_fallback = None
         self.fallback = None  # the self-check's failure, once one failed
         self.block_fallback = None  # the block kernels' self-check failures, once one failed
         self.checked = None  # the kernel the self-check ran on, once it ran
@@ -447,7 +485,14 @@ class MLXBackend(Backend):
             return verify(self)
 
         kept = verify is verify_gpu_kernels and self.device == "gpu"  # (tests force kernels on the CPU: not kept)
-        if kept and self.mma:  # first, so that a failing tensor-core kernel turns off only itself
+        if kept and self.sdpa:  # first, so that a failing 16-bit prefill path turns off only itself
+            problem = kernel_checks.verdict(f"{self.kernel} sdpa prefill", self.dtype_name, self.kv_dtype,
+                                            lambda: verify_sdpa(self), fresh=fresh)
+            if problem:
+                self.sdpa, self.sdpa_fallback = False, problem
+                print(f"mlxinfer: warning: MLX's fused attention failed its self-check on 16-bit prefill chunks "
+                      f"({problem}); they take the tensor-core kernels", file=sys.stderr)
+        if kept and self.mma:
             mma = kernel_checks.verdict(f"{self.kernel} tensor-core prefill", self.dtype_name, self.kv_dtype,
                                         lambda: verify_mma(self), fresh=fresh)
             if mma:
@@ -532,11 +577,16 @@ class MLXBackend(Backend):
                        "own products")
         elif self.mma:
             blocks += "; tensor-core prefill: self-check passed, fused bit for bit the per-head reference"
+        if self.sdpa_fallback:
+            blocks += f"; MLX's fused attention on 16-bit prefill chunks: self-check FAILED ({self.sdpa_fallback})"
+        elif self.sdpa:
+            blocks += ("; MLX's fused attention on 16-bit prefill chunks: self-check passed, one call over every "
+                       "head bit for bit a call a head")
         if self.fallback:
             return (f"kernels: {kind}: self-check FAILED ({self.fallback}); mlxinfer uses MLX's own ops and "
                     f"per-head attention ({what}){blocks}"), False
         return (f"kernels: {kind}: self-check passed, fused attention bit for bit the per-head reference ({what})"
-                f"{blocks}"), self.block_fallback is None and self.mma_fallback is None
+                f"{blocks}"), self.block_fallback is None and self.mma_fallback is None and self.sdpa_fallback is None
 
     @property
     def rows_independent(self) -> bool:
@@ -546,8 +596,8 @@ class MLXBackend(Backend):
     @property
     def prefill_chunk(self) -> int:
         """Prompt tokens per prefill pass unless told: MMA_PREFILL_CHUNK where 16-bit chunks take the
-        tensor-core order, else the protocol's."""
-        return MMA_PREFILL_CHUNK if self.mma else Backend.prefill_chunk
+        tensor-core order or MLX's fused attention, else the protocol's."""
+        return MMA_PREFILL_CHUNK if self.mma or self.sdpa else Backend.prefill_chunk
 
     def describe(self) -> str:
         types = self.dtype_name + ("" if self.kv_dtype == self.dtype_name else f", {self.kv_dtype} KV cache")
@@ -558,7 +608,11 @@ class MLXBackend(Backend):
             ops += f" ({self.block_off} products on MLX's: their block kernel failed its self-check)"
         elif self.block_kind and not self.gpu_kernels:
             ops += f" ({self.block_kind} block kernels)"
-        if self.mma:  # (a chunk's bits depend on it: the engine's identity names it)
+        if self.sdpa:  # (a chunk's bits depend on these: the engine's identity names them)
+            ops += ", MLX's fused attention on 16-bit prefill chunks"
+        elif self.sdpa_fallback:
+            ops += " (MLX's fused attention failed its self-check on prefill chunks)"
+        if self.mma:
             ops += ", tensor-core prefill"
         elif self.mma_fallback:
             ops += " (tensor-core prefill failed its self-check)"
@@ -936,26 +990,84 @@ class MLXBackend(Backend):
         long = [b for b, (r0, r1) in enumerate(batch.rows) if r1 - r0 >= PREFILL_ROWS] if self.gpu_kernels else []
         if not long:
             return self._fused(q, kv, batch, spec, range(len(batch.rows)))
-        # Chunks of PREFILL_ROWS rows or more: the reference's own steps (MLX's GEMMs a head at a time,
-        # the same calls as `per_head_attention`, so the same bits); the other sequences' rows as usual,
-        # then put in their places.
+        # Chunks of PREFILL_ROWS rows or more: in 16-bit dtypes on CUDA MLX's fused attention over every
+        # head, or the tensor-core kernel, each the reference's bits in one call; else the reference's
+        # own steps (MLX's GEMMs a head at a time, the same calls as `per_head_attention`, so the same
+        # bits). The other sequences' rows as usual, then put in their places.
         out = self.zeros(q.shape[0], spec.n_heads * spec.head_dim)
         for b in long:
-            if self.mma and kernels.mma_fits(spec):  # 16-bit: the reference's bits in one launch
-                r0, r1 = batch.rows[b]
+            r0, r1 = batch.rows[b]
+            if self._sdpa_takes(spec, r1 - r0):
+                k, v = kv.sequence(self, b)
+                heads = lambda x, n: mx.contiguous(mx.transpose(mx.reshape(x, (x.shape[0], n, -1)), (1, 0, 2)))[None]  # noqa: E731
+                ctx = self._sdpa(heads(q[r0:r1], spec.n_heads), heads(k, spec.n_kv_heads), heads(v, spec.n_kv_heads),
+                                 spec, self._sdpa_mask(batch, b, k.shape[0], spec))
+                ctx = mx.reshape(mx.transpose(ctx[0], (1, 0, 2)), (r1 - r0, -1)).astype(mx.float32)
+            elif self.mma and kernels.mma_fits(spec):
                 k, v = kv.sequence(self, b)
                 ctx = kernels.mma_attention(self.gpu_kernels, q[r0:r1].astype(self.dtype), k.astype(self.dtype),
                                             v.astype(self.dtype), batch.positions_of(self, b), spec)
-                if len(batch.rows) == 1:
-                    return ctx
-                out[r0:r1] = ctx
             else:
                 out = self.per_head_sequence(q, kv, batch, spec, b, out)
+                continue
+            if len(batch.rows) == 1:
+                return ctx
+            out[r0:r1] = ctx
         rest = [b for b in range(len(batch.rows)) if b not in long]
         if rest:
             at = mx.array(np.concatenate([np.arange(*batch.rows[b]) for b in rest]).astype(np.int32))
             out[at] = self._fused(q, kv, batch, spec, rest, at)
         return out
+
+    def per_head_sequence(self, q, kv, batch, spec, b, out):
+        # A 16-bit chunk that MLX's fused attention takes (`_sdpa_takes`): steps 3-7 of the reference are
+        # one call of it a head (q_h, k_h, v_h as the default copies them, each [1, 1, rows, D]); the
+        # fused override makes one call over every head. Other sequences: the default's steps.
+        r0, r1 = batch.rows[b]
+        if not self._sdpa_takes(spec, r1 - r0):
+            return super().per_head_sequence(q, kv, batch, spec, b, out)
+        d, t = spec.head_dim, r1 - r0
+        k_b, v_b = kv.sequence(self, b)
+        s = k_b.shape[0]
+        mask = self._sdpa_mask(batch, b, s, spec)
+        for h in range(spec.n_heads):
+            kv_h = h // spec.group
+            q_h = self.copy_2d_from(q, r0, t, h * d, d)
+            k_h = self.copy_2d_from(k_b, 0, s, kv_h * d, d)
+            v_h = self.copy_2d_from(v_b, 0, s, kv_h * d, d)
+            ctx = self._sdpa(q_h[None, None], k_h[None, None], v_h[None, None], spec, mask)
+            out = self.copy_2d_into(out, ctx[0, 0], r0, h * d)
+        return out
+
+    def _sdpa_takes(self, spec, rows: int) -> bool:
+        """Whether a sequence's chunk of `rows` query rows takes MLX's fused attention (16-bit prefill
+        chunks on CUDA: `self.sdpa`): PREFILL_ROWS rows or more, a head size cuDNN takes, no soft-cap."""
+        return (self.sdpa and rows >= PREFILL_ROWS and not spec.softcap and spec.head_dim % 8 == 0
+                and spec.head_dim <= SDPA_MAX_HEAD_DIM)
+
+    def _sdpa(self, q, k, v, spec, mask):
+        """`mx.fast.scaled_dot_product_attention` on [1, heads, rows, D] in the dtype; on a GPU only its
+        fused kernel (`force_fused`: a shape it does not take raises, never MLX's composed fallback, whose
+        products batch heads). MLX's CPU (tests) has only the fallback."""
+        dt = self.dtype
+        return mx.fast.scaled_dot_product_attention(q.astype(dt), k.astype(dt), v.astype(dt), scale=spec.scale,
+                                                    mask=mask, force_fused=self.device == "gpu")
+
+    def _sdpa_mask(self, batch, b: int, keys: int, spec):
+        """Sequence b's mask as `mask_scores` draws it (key j hidden from position p when j > p, causal, or
+        j <= p - window), for `_sdpa`: "causal" where that is MLX's bottom-right causal mask (no window,
+        the chunk's last row at the last key), else additive (0 or -inf in the dtype) [rows, keys], or
+        None."""
+        if not spec.window and (not spec.causal or keys == batch.kv_lens[b]):
+            return "causal" if spec.causal else None
+        pos = batch.positions_of(self, b)[:, None]
+        j = mx.arange(keys)[None, :]
+        hidden = mx.zeros((pos.shape[0], keys), dtype=mx.bool_)
+        if spec.causal:
+            hidden = mx.logical_or(hidden, j > pos)
+        if spec.window:
+            hidden = mx.logical_or(hidden, j <= pos - spec.window)
+        return mx.where(hidden, mx.array(-np.inf, dtype=self.dtype), mx.array(0, dtype=self.dtype))
 
     def _fused(self, q, kv, batch, spec, seqs, at=None):
         """The fused override for sequences `seqs` of the batch (all, or those whose rows `at` lists):

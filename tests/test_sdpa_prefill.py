@@ -1,0 +1,299 @@
+"""16-bit prefill chunks on MLX's own fused attention (issue 30): on CUDA, with q and the KV cache of one
+16-bit type, a sequence's chunk of PREFILL_ROWS rows or more whose head size cuDNN takes (a multiple of 8
+up to 128) and that has no soft-cap runs `mx.fast.scaled_dot_product_attention`: one call a head in the
+per-head reference (`MLXBackend.per_head_sequence`), one call over every head in the fused override. The
+contract holds where MLX's kernel gives a head the same bits in both calls; the self-check
+(`verify_sdpa`) asks the device before first use and turns the path off where it does not.
+
+Here (no GPU) MLX's CPU runs its composed fallback for that call, so these tests check the routing, the
+masks, the layouts and the call counts, and that fused = per-head bit for bit through that fallback; the
+GPU tests at the end (cuDNN's kernel: `bash bench/h200.sh tests`) check the bits and the error model
+where it matters."""
+
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxinfer.backend import AttentionSpec
+from mlxinfer.backends import mlx as mlx_backend
+from mlxinfer.backends.mlx import (PREFILL_ROWS, CheckCase, MLXBackend, _check_case, check_case_inputs, gpu_kind,
+                                   sdpa_check_cases, verify_mma, verify_sdpa)
+from mlxinfer.batch import Batch
+from mlxinfer.engine import Engine
+from mlxinfer.kv_cache import KV_CACHES
+
+from . import cuda_host
+
+DTYPES = ["bfloat16", "float16"]
+CUDA = gpu_kind() == "cuda"
+
+
+def _sdpa_backend(dtype: str, attention: str = "fused") -> MLXBackend:
+    """An MLX backend on the CPU made to take the CUDA path with MLX's fused attention on 16-bit chunks
+    (as on a GPU after the self-check): its other kernels run on the host (`cuda_host.launch_on_host`)."""
+    b = cuda_host.cuda_path(dtype, attention)
+    b.sdpa = True
+    return b
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The shapes of q in each `mx.fast.scaled_dot_product_attention` call, in order."""
+    seen = []
+    real = mx.fast.scaled_dot_product_attention
+
+    def sdpa(q, k, v, **kw):
+        seen.append((tuple(q.shape), tuple(k.shape), kw["mask"] if isinstance(kw["mask"], str) else "array"))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", sdpa)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def host_dir(tmp_path_factory):
+    if not cuda_host.available():
+        pytest.skip("needs g++ (C++20) to run the CUDA kernels on the host")
+    return tmp_path_factory.mktemp("sdpa_host")
+
+
+# -- 1. the rule ---------------------------------------------------------------------------------------
+def test_which_chunks_take_it():
+    """PREFILL_ROWS rows or more, head sizes of multiples of 8 up to 128, no soft-cap, and only with
+    `sdpa` on (never on MLX's CPU as constructed)."""
+    b = _sdpa_backend("bfloat16")
+    std = AttentionSpec.standard
+    assert b._sdpa_takes(std(4, 2, 128), PREFILL_ROWS) and b._sdpa_takes(std(4, 2, 80, window=40), 4096)
+    assert not b._sdpa_takes(std(4, 2, 128), PREFILL_ROWS - 1)
+    for d in (72 + 4, 136, 256):
+        assert not b._sdpa_takes(std(4, 2, d), 512), d
+    assert not b._sdpa_takes(replace(std(4, 2, 64), softcap=50.0), 512)
+    for dtype in ("float32", *DTYPES):
+        assert MLXBackend(device="cpu", dtype=dtype).sdpa is False
+
+
+@pytest.mark.parametrize("gpu,dtype,kv_dtype,on", [
+    ("cuda", "bfloat16", None, True), ("cuda", "float16", None, True), ("cuda", "float32", None, False),
+    ("cuda", "bfloat16", "q8_0", False), ("cuda", "bfloat16", "float16", False), ("metal", "bfloat16", None, False)])
+def test_the_construction_rule(monkeypatch, gpu, dtype, kv_dtype, on):
+    """On CUDA (compute capability 8.0+) with q and the cache of one 16-bit type; a prefill pass of 2,048
+    tokens there (mlx-lm's step too)."""
+    monkeypatch.setattr(mx, "device_info", lambda device=None: {"compute_capability_major": 9})
+    monkeypatch.setattr(mlx_backend, "gpu_kind", lambda: gpu)
+    monkeypatch.setattr(MLXBackend, "activate", lambda self: None)
+    b = MLXBackend(device="gpu", kernel=gpu, dtype=dtype, kv_dtype=kv_dtype)
+    assert b.sdpa is on
+    b.mma = False  # (the chunk follows either 16-bit path)
+    assert b.prefill_chunk == (2048 if on else 512)
+
+
+# -- 2. the masks ----------------------------------------------------------------------------------------
+def _drawn(mask, rows: int, keys: int) -> np.ndarray:
+    """A mask as the keys it hides, [rows, keys] bool ("causal": MLX's bottom-right rule)."""
+    if isinstance(mask, str):
+        assert mask == "causal"
+        return np.arange(keys)[None, :] > np.arange(keys - rows, keys)[:, None]
+    m = np.array(mask.astype(mx.float32))
+    assert set(np.unique(m)) <= {0.0, -np.inf}
+    return m == -np.inf
+
+
+@pytest.mark.parametrize("window", [None, 1, 40])
+@pytest.mark.parametrize("start,rows", [(0, 130), (81, 130), (300, 200)])
+def test_the_mask_hides_what_mask_scores_hides(window, start, rows):
+    """`_sdpa_mask` against the reference's `mask_scores` (which sets hidden scores to -inf): the same keys
+    hidden from every row, causal from the cache's start and from mid-cache, with windows of 1 and 40; the
+    string "causal" only without a window, and an array where the chunk's last row is not the last key
+    (a cache that holds more keys than the pass's sequence: the rows of a windowed store's view)."""
+    b = _sdpa_backend("bfloat16")
+    spec = AttentionSpec.standard(4, 2, 64, window=window)
+    batch = Batch(b, [0], [start], [rows])
+    keys = start + rows
+    want = np.isinf(np.array(b.mask_scores(mx.zeros((rows, keys)), batch.positions_of(b, 0), True, window)))
+    mask = b._sdpa_mask(batch, 0, keys, spec)
+    assert isinstance(mask, str) is (window is None)
+    assert np.array_equal(_drawn(mask, rows, keys), want)
+    more = b._sdpa_mask(batch, 0, keys + 5, spec)  # five keys past the last row's
+    assert not isinstance(more, str)
+    want = np.isinf(np.array(b.mask_scores(mx.zeros((rows, keys + 5)), batch.positions_of(b, 0), True, window)))
+    assert np.array_equal(_drawn(more, rows, keys + 5), want)
+
+
+# -- 3. fused = per-head ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", sdpa_check_cases(head_dims=(16, 48)), ids=str)
+def test_fused_is_the_per_head_reference_through_mlxs_fallback(dtype, case, calls, host_dir, monkeypatch):
+    """The self-check's own cases (`_check_case`: every launch plan of the other rows, fused against the
+    per-head reference, bit for bit) at head sizes 16 and 48, with MLX's CPU fallback for the call: the
+    long chunk's heads in one call in the fused override and one call each in the reference, the mask a
+    string from the cache's start and an array with a window."""
+    cuda_host.launch_on_host(host_dir, monkeypatch)
+    b = _sdpa_backend(dtype)
+    assert _check_case(b, case) is None
+    spec, (s, t) = case.spec, case.seqs[0]
+    whole = ((1, spec.n_heads, t, spec.head_dim), (1, spec.n_kv_heads, s, spec.head_dim))
+    one = ((1, 1, t, spec.head_dim), (1, 1, s, spec.head_dim))
+    mask = "array" if spec.window else "causal"
+    assert calls == [(*whole, mask)] + [(*one, mask)] * spec.n_heads
+
+
+def test_a_pass_of_long_and_short_sequences(calls, host_dir, monkeypatch):
+    """Two long chunks (from the cache's start and from mid-cache) beside a short chunk and a decode row, in
+    the paged cache: each long chunk one call in the fused override, the others on the kernels; bit for
+    bit the reference."""
+    cuda_host.launch_on_host(host_dir, monkeypatch)
+    b = _sdpa_backend("bfloat16")
+    case = CheckCase("two long chunks, a short one, a decode row", AttentionSpec.standard(4, 2, 32),
+                     ((130, 130), (400, 150), (60, 20), (90, 1)), "paged")
+    q, view, batch = check_case_inputs(b, case)
+    got = np.array(b.fused_attention_override(q, view, batch, case.spec))
+    assert [c[0][1] for c in calls] == [4, 4]
+    ref = np.array(b.per_head_attention(q, view, batch, case.spec))
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    assert [c[0][1] for c in calls[2:]] == [1] * 8
+
+
+# -- 4. the self-check and the other 16-bit path ----------------------------------------------------------
+def test_the_tensor_core_check_runs_its_own_kernels(host_dir, monkeypatch):
+    """`verify_mma` turns MLX's fused attention off while it runs, so that its cases reach the
+    tensor-core kernels (here those without a soft-cap, which MLX's would take), and back on after."""
+    launched = cuda_host.launch_on_host(host_dir, monkeypatch)
+    real = mlx_backend.mma_check_cases
+    monkeypatch.setattr(mlx_backend, "mma_check_cases", lambda: [c for c in real(head_dims=(16,)) if c.kv == "prealloc" and not c.spec.softcap])
+    b = _sdpa_backend("bfloat16")
+    b.mma = True
+    assert verify_mma(b) is None
+    assert "mma_attention" in launched and b.sdpa is True
+
+
+def test_a_failed_self_check_turns_it_off(monkeypatch, capsys):
+    """A failing `verify_sdpa` (a device whose kernel gives a head other bits when called on every head)
+    turns the path off with a one-line warning, and only it: the tensor-core path stays, and 16-bit
+    chunks keep 2,048 tokens a pass; the backend line and the kernel report name it."""
+    monkeypatch.setattr(mx, "device_info", lambda device=None: {"compute_capability_major": 9})
+    monkeypatch.setattr(mlx_backend, "gpu_kind", lambda: "cuda")
+    monkeypatch.setattr(MLXBackend, "activate", lambda self: None)
+    monkeypatch.setattr(mlx_backend, "verify_sdpa", lambda b: "fused attention kernel differs in 3 of 9 values")
+    for name in ("verify_mma", "verify_block_kernels"):
+        monkeypatch.setattr(mlx_backend, name, lambda b, kernel=None: None)
+    monkeypatch.setattr(mlx_backend, "verify_gpu_kernels", lambda b: None)
+    monkeypatch.setattr(mlx_backend.kernel_checks, "verdict", lambda kind, dt, kv, run, fresh=False: run())
+    b = MLXBackend(device="gpu", kernel="cuda", dtype="bfloat16")
+    b.check_kernels(verify=mlx_backend.verify_gpu_kernels)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert b.sdpa is False and b.sdpa_fallback == "fused attention kernel differs in 3 of 9 values"
+    assert b.mma is True and b.fallback is None and b.prefill_chunk == 2048
+    assert len(err) == 1 and "MLX's fused attention failed its self-check" in err[0]
+    assert "MLX's fused attention failed its self-check on prefill chunks" in b.describe()
+    b.device = "gpu"
+    line, ok = b.kernel_report()
+    assert not ok and "self-check FAILED (fused attention kernel differs in 3 of 9 values)" in line
+
+
+# -- 5. a model -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from mlxinfer.synthetic import rewrite_gguf, write_synthetic_model
+
+    from .reference.specs import GEMMA3_EDITS, GEMMA3_SYNTHETIC, QWEN3_SYNTHETIC
+
+    tmp = tmp_path_factory.mktemp("sdpa_models")
+    g3 = write_synthetic_model(tmp / "gemma3_plain.gguf", GEMMA3_SYNTHETIC)
+    return {"qwen3": write_synthetic_model(tmp / "qwen3.gguf", QWEN3_SYNTHETIC),
+            "gemma3": rewrite_gguf(g3, tmp / "gemma3.gguf", edits=GEMMA3_EDITS)}
+
+
+PROMPT = [(7 * i + 3) % 380 for i in range(300)]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_a_model_fused_is_per_head_on_the_host(name, models, calls, host_dir, monkeypatch):
+    """Qwen3 and Gemma 3 (windows of 8 on five layers of six) in bfloat16 through the CUDA path with MLX's
+    fused attention on: a 300-token prompt in chunks of 128 (two chunks take it, from the cache's start
+    and from mid-cache; the last 44 rows take the kernels), logits of every row bit for bit the per-head
+    engine's, and the same 8 greedy tokens."""
+    cuda_host.launch_on_host(host_dir, monkeypatch)
+    out = {}
+    for attention in ("fused", "per-head"):
+        engine = Engine(models[name], _sdpa_backend("bfloat16", attention), prefill_chunk=128)
+        engine.compile_decode = False
+        del calls[:]
+        out[attention] = engine.logits(PROMPT), engine.generate(PROMPT[:200], max_tokens=8).token_ids
+        n_layers, heads = engine.args.n_layers, engine.args.n_heads
+        assert len(calls) == 2 * n_layers * (1 if attention == "fused" else heads) + n_layers * (1 if attention == "fused" else heads)
+    assert np.array_equal(out["fused"][0], out["per-head"][0])
+    assert out["fused"][1] == out["per-head"][1]
+
+
+# -- 6. on a CUDA GPU: cuDNN's kernel ------------------------------------------------------------------
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA device (cuDNN's attention kernel)")
+
+
+def _gpu(dtype: str) -> MLXBackend:
+    """The GPU backend in that dtype with every kernel on, unchecked (the test checks)."""
+    return MLXBackend(device="gpu", dtype=dtype, verify=None)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_on_cuda_the_self_check_passes(dtype):
+    """`verify_sdpa` on the device: every case's one call over every head has the bits of a call a head."""
+    b = _gpu(dtype)
+    assert b.sdpa is True
+    assert verify_sdpa(b) is None
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,keys,window", [(512, 2048, None), (130, 600, 256), (2048, 2048, None)])
+def test_on_cuda_a_chunk_of_qwen3_shape_and_its_error_model(dtype, rows, keys, window, calls):
+    """A chunk of Qwen3-0.6B's shape (16 heads over 8, head size 128; q and K ~3, V ~3) from mid-cache,
+    also with a window of 256: fused bit for bit the per-head reference, and within the error model of
+    float64 attention of the same 16-bit values. The model (`test_tensor_core_order._attention_bound`,
+    the tensor-core order's, whose instruction cuDNN's kernel uses too: k-steps of 16, float32
+    accumulators) with the 16-bit rounding counted twice, for the weights (unnormalized here, then
+    divided by their float32 total: the same first-order bound) and for the output, which the kernel
+    rounds to the 16-bit type; plus the online softmax's float32 roundings (exp2 of a fused multiply-add,
+    at most S/64 rescalings of the running sums): (S/32 + 8 + max|s|) u max|v|. The u16 terms dominate:
+    the error must exceed the bound of float32 weights."""
+    from .test_tensor_core_order import ETA16, U16, U32, _attention_bound
+
+    b = _gpu(dtype)
+    spec = AttentionSpec.standard(16, 8, 128, window=window)
+    q, view, batch = check_case_inputs(b, CheckCase("a chunk", spec, ((keys, rows),)))
+    got = np.array(b.fused_attention_override(q, view, batch, spec))
+    assert len(calls) == 1 and calls[0][0] == (1, 16, rows, 128)
+    ref = np.array(b.per_head_attention(q, view, batch, spec))
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    k, v = view.sequence(b, 0)
+    qf, kf, vf = (np.array(x.astype(mx.float32)).astype(np.float64) for x in (q, k, v))
+    positions = np.arange(keys - rows, keys)
+    exact, bound = _attention_bound(qf, kf, vf, positions, spec, 2 * U16[dtype], ETA16[dtype])
+    scores = max(np.max(np.abs(qf[:, h * 128:(h + 1) * 128] @ kf[:, (h // 2) * 128:(h // 2 + 1) * 128].T))
+                 for h in range(16)) * spec.scale
+    bound = bound + (keys / 32 + 8 + scores) * U32 * np.max(np.abs(vf))
+    err = np.abs(got - exact)
+    assert np.all(err <= bound), f"worst {np.max(err / bound):.3g} of the bound"
+    _, float32_bound = _attention_bound(qf, kf, vf, positions, spec, 0.0, 0.0)
+    assert np.any(err > float32_bound)
+
+
+@needs_cuda
+def test_on_cuda_a_model_in_bfloat16(models):
+    """The synthetic Qwen3 in bfloat16 on the GPU, a 300-token prompt (one chunk on cuDNN's kernel): logits
+    of every row bit for bit the per-head engine's, within test_mlx_backend's bfloat16 bound of float32's
+    (5% of the largest logit), and 16 greedy tokens float32's."""
+    import mlxinfer
+
+    from .test_mlx_backend import LOW_PRECISION
+
+    f32 = mlxinfer.load(models["qwen3"], backend="mlx", dtype="float32")
+    fused, per_head = (mlxinfer.load(models["qwen3"], backend="mlx", dtype="bfloat16", attention=a)
+                       for a in ("fused", "per-head"))
+    assert fused.backend.sdpa
+    want, got = f32.logits(PROMPT), fused.logits(PROMPT)
+    assert np.array_equal(got, per_head.logits(PROMPT))
+    assert np.max(np.abs(got - want)) <= LOW_PRECISION[("bfloat16", None)] * np.max(np.abs(want))
+    assert fused.generate(PROMPT, max_tokens=16).token_ids == f32.generate(PROMPT, max_tokens=16).token_ids
