@@ -5,7 +5,7 @@
 #
 #   OUT=DIR bash bench/h200.sh [STEP...]      # steps: tests archs bench report (default: all four, in order)
 #
-# tests   the four GPU test files (test_kernels, test_mlx_backend, test_compile, test_cuda_limits) with
+# tests   the five GPU test files (test_kernels, test_mlx_backend, test_compile, test_cuda_limits, test_sdpa_prefill) with
 #         EXAMPLES Hypothesis examples (5) -> $OUT/tests.log
 # archs   every architecture against llama.cpp's fixtures and the windowed cache, the "mlx" rows on the GPU
 #         (test_models, test_window_cache) -> $OUT/archs.log
@@ -51,7 +51,7 @@ for step in ${*:-tests archs bench report}; do
     tests)
       MLXINFER_PROPERTY_EXAMPLES=${EXAMPLES:-5} timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -q -x \
         -p no:cacheprovider -rfEs -k "not smollm2 and not cpu_product_threads and not cpu_threads_work" \
-        tests/test_kernels.py tests/test_mlx_backend.py tests/test_compile.py tests/test_cuda_limits.py \
+        tests/test_kernels.py tests/test_mlx_backend.py tests/test_compile.py tests/test_cuda_limits.py tests/test_sdpa_prefill.py \
         >"$OUT/tests.log" 2>&1; rc=$?
       tail -5 "$OUT/tests.log"; log "tests rc=$rc"; [ $rc -eq 0 ] || exit 1 ;;
     archs)

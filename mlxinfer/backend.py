@@ -428,6 +428,9 @@ class Backend:
         order (all S keys of the row, masked ones included, in every reduction).
         Operands narrower than float32 (MLX's --dtype, --kv-dtype) are widened to float32 exactly first
         (a q8_0 cache: dequantized, d * q); steps 3-7 then run on the same float32 values in every path.
+        A backend may make steps 3-7 of some sequences one op a head whose bits it can vouch for in the
+        override too: MLX's 16-bit prefill chunks on CUDA are one call of its fused attention a head
+        (docs/attention-contract.md).
         """
         out = self.zeros(q.shape[0], spec.n_heads * spec.head_dim)
         for b in range(len(batch.rows)):

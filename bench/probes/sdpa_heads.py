@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import mlx.core as mx
 import numpy as np
 
 from jsonl import emit
+from mma_check import timed
 
 H, KV = 16, 8
 
@@ -72,16 +72,6 @@ def ways(q, k, v, d, scale, mask):
         return mx.concatenate(outs, axis=1)
 
     return {"all_heads": all_heads, "per_head": per_head, "per_group": per_group}
-
-
-def timed(fn, reps=10) -> float:
-    mx.eval(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        times.append((time.perf_counter() - t0) * 1000)
-    return float(np.median(times))
 
 
 def main() -> int:
