@@ -61,8 +61,8 @@ def host_dir(tmp_path_factory):
 
 # -- 1. the rule ---------------------------------------------------------------------------------------
 def test_which_chunks_take_it():
-    """PREFILL_ROWS rows or more, head sizes of multiples of 8 up to 128, no soft-cap, and only with
-    `sdpa` on (never on MLX's CPU as constructed)."""
+    """PREFILL_ROWS rows or more, head sizes of multiples of 8 up to 128 on CUDA (Metal's list there), no
+    soft-cap, and only with `sdpa` on (never on MLX's CPU as constructed)."""
     b = _sdpa_backend("bfloat16")
     std = AttentionSpec.standard
     assert b._sdpa_takes(std(4, 2, 128), PREFILL_ROWS) and b._sdpa_takes(std(4, 2, 80, window=40), 4096)
@@ -70,17 +70,25 @@ def test_which_chunks_take_it():
     for d in (72 + 4, 136, 256):
         assert not b._sdpa_takes(std(4, 2, d), 512), d
     assert not b._sdpa_takes(replace(std(4, 2, 64), softcap=50.0), 512)
+    b.gpu_kernels = "metal"  # MLX's Metal kernel: its own list of head sizes
+    assert b._sdpa_takes(std(4, 2, 256), 512) and b._sdpa_takes(std(4, 2, 96), 512)
+    assert not b._sdpa_takes(std(4, 2, 48), 512) and not b._sdpa_takes(std(4, 2, 136), 512)
+    b.gpu_kernels = None  # the kernels' self-check failed: the reference's own steps, MLX's GEMMs
+    assert not b._sdpa_takes(std(4, 2, 128), 512)
     for dtype in ("float32", *DTYPES):
         assert MLXBackend(device="cpu", dtype=dtype).sdpa is False
 
 
 @pytest.mark.parametrize("gpu,dtype,kv_dtype,on", [
     ("cuda", "bfloat16", None, True), ("cuda", "float16", None, True), ("cuda", "float32", None, False),
-    ("cuda", "bfloat16", "q8_0", False), ("cuda", "bfloat16", "float16", False), ("metal", "bfloat16", None, False)])
+    ("cuda", "bfloat16", "q8_0", False), ("cuda", "bfloat16", "float16", False), ("metal", "bfloat16", None, True),
+    ("metal", "float32", None, False), ("cuda-sm75", "bfloat16", None, False)])
 def test_the_construction_rule(monkeypatch, gpu, dtype, kv_dtype, on):
-    """On CUDA (compute capability 8.0+) with q and the cache of one 16-bit type; a prefill pass of 2,048
-    tokens there (mlx-lm's step too)."""
-    monkeypatch.setattr(mx, "device_info", lambda device=None: {"compute_capability_major": 9})
+    """On CUDA (compute capability 8.0+; "cuda-sm75": a Turing GPU) and Metal, with q and the cache of one
+    16-bit type; a prefill pass of 2,048 tokens there (mlx-lm's step too)."""
+    old_gpu = gpu == "cuda-sm75"
+    gpu = "cuda" if old_gpu else gpu
+    monkeypatch.setattr(mx, "device_info", lambda device=None: {"compute_capability_major": 7 if old_gpu else 9})
     monkeypatch.setattr(mlx_backend, "gpu_kind", lambda: gpu)
     monkeypatch.setattr(MLXBackend, "activate", lambda self: None)
     b = MLXBackend(device="gpu", kernel=gpu, dtype=dtype, kv_dtype=kv_dtype)

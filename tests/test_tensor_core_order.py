@@ -434,6 +434,7 @@ def test_the_construction_rule(monkeypatch, gpu, dtype, kv_dtype, mma):
     monkeypatch.setattr(MLXBackend, "activate", lambda self: None)
     b = MLXBackend(device="gpu", kernel=gpu, dtype=dtype, kv_dtype=kv_dtype)
     assert b.mma is mma
+    b.sdpa = False  # (MLX's fused attention takes 2,048 too: tests/test_sdpa_prefill.py)
     assert b.prefill_chunk == (2048 if mma else 512) and Backend.prefill_chunk == 512
 
 

@@ -77,11 +77,12 @@ PREFILL_ROWS = 128
 # every cached key once, so fewer, longer chunks read the prompt's keys fewer times (mlx-lm's prefill step
 # is 2,048 too); docs/performance.md has the figures that chose it. Elsewhere the protocol's 512.
 MMA_PREFILL_CHUNK = 2048
-# 16-bit prefill chunks on CUDA take MLX's own fused attention (`mx.fast.scaled_dot_product_attention`,
-# cuDNN's flash attention there) where it applies: head sizes that are multiples of 8 up to this (MLX's
-# CUDA rule for cuDNN), no soft-cap (it has none). A head at a time in the per-head reference, every head
-# in one call in the fused override: the same bits where the self-check (`verify_sdpa`) finds them so.
-SDPA_MAX_HEAD_DIM = 128
+# 16-bit prefill chunks on a GPU take MLX's own fused attention (`mx.fast.scaled_dot_product_attention`:
+# cuDNN's flash attention on CUDA, MLX's full-attention kernel on Metal) where it applies: the head sizes
+# its kernel takes there (MLX's rules: cuDNN multiples of 8 up to 128; Metal's list), no soft-cap (it has
+# none). A head at a time in the per-head reference, every head in one call in the fused override: the
+# same bits where the self-check (`verify_sdpa`) finds them so.
+SDPA_HEAD_DIMS = {"cuda": frozenset(range(8, 129, 8)), "metal": frozenset((64, 72, 80, 96, 128, 192, 256))}
 _CPU_STREAMS: list = []  # shared by every MLX backend; thread-local: each thread that uses one gets its own
 
 
@@ -309,7 +310,7 @@ def sdpa_check_cases(head_dims=(64, 80, 128)) -> list[CheckCase]:
     """MLX's fused attention on 16-bit prefill chunks (`MLXBackend.sdpa`): chunks of PREFILL_ROWS rows or
     more with GQA, from the cache's start ("causal") and from mid-cache, with a window (an additive mask),
     beside a decode row, in each cache kind; head sizes it takes (a multiple of 8 up to 128, 80 not a
-    power of two)."""
+    power of two; `verify_sdpa` adds 256 on Metal)."""
     rows = PREFILL_ROWS + 2
     cases = []
     for d in head_dims:
@@ -326,7 +327,8 @@ def verify_sdpa(backend: "MLXBackend") -> str | None:
     """MLX's fused attention on 16-bit prefill chunks, on the device (`sdpa_check_cases`): the fused
     override's one call over every head against the per-head reference's call a head, bit for bit. None,
     or one line naming the first failure (an exception too: a shape MLX's kernel refuses)."""
-    return _first_problem(backend, [case for case in sdpa_check_cases() if case_applies(backend, case)])
+    dims = [d for d in (64, 80, 128, 256) if d in SDPA_HEAD_DIMS.get(backend.gpu_kernels, ())]
+    return _first_problem(backend, [case for case in sdpa_check_cases(dims) if case_applies(backend, case)])
 
 
 def _first_problem(backend: "MLXBackend", cases) -> str | None:
@@ -460,9 +462,9 @@ class MLXBackend(Backend):
         self.mma = bool(self.gpu_kernels in kernels.MMA_KINDS and dtype != "float32" and kv_dtype == dtype
                         and kernels.mma_supported())
         self.mma_fallback = None  # that check's failure, once one failed
-        # ... unless MLX's own fused attention takes them (`_sdpa_takes`; SDPA_MAX_HEAD_DIM): on the same
-        # GPUs and dtypes; off again if its self-check (`verify_sdpa`) fails
-        self.sdpa = self.mma
+        # ... unless MLX's own fused attention takes them (`_sdpa_takes`, SDPA_HEAD_DIMS): on the same
+        # CUDA GPUs, and on Metal, in the same dtypes; off again if its self-check (`verify_sdpa`) fails
+        self.sdpa = self.mma or bool(self.gpu_kernels == "metal" and dtype != "float32" and kv_dtype == dtype)
         self.sdpa_fallback = None
         self.fallback = None  # the self-check's failure, once one failed
         self.block_fallback = None  # the block kernels' self-check failures, once one failed
@@ -1041,9 +1043,10 @@ class MLXBackend(Backend):
 
     def _sdpa_takes(self, spec, rows: int) -> bool:
         """Whether a sequence's chunk of `rows` query rows takes MLX's fused attention (16-bit prefill
-        chunks on CUDA: `self.sdpa`): PREFILL_ROWS rows or more, a head size cuDNN takes, no soft-cap."""
-        return (self.sdpa and rows >= PREFILL_ROWS and not spec.softcap and spec.head_dim % 8 == 0
-                and spec.head_dim <= SDPA_MAX_HEAD_DIM)
+        chunks on a GPU: `self.sdpa`): PREFILL_ROWS rows or more, a head size its kernel takes on this GPU,
+        no soft-cap."""
+        return (self.sdpa and rows >= PREFILL_ROWS and not spec.softcap
+                and spec.head_dim in SDPA_HEAD_DIMS.get(self.gpu_kernels, ()))
 
     def _sdpa(self, q, k, v, spec, mask):
         """`mx.fast.scaled_dot_product_attention` on [1, heads, rows, D] in the dtype; on a GPU only its
