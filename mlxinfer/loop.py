@@ -40,6 +40,11 @@ from .grammar import mask_words
 from .metrics import Metrics
 from .sampling import History, Sampler, SamplingParams
 
+# Positions a new sequence's KV cache room holds past its prompt, at most (its max_tokens where fewer):
+# a preallocated cache then grows mid-generation only past this many tokens (the paged cache allocates
+# blocks as it goes; the server's budget counts prompt + max_tokens whatever this is).
+RESERVE_AHEAD = 1024
+
 
 @dataclass
 class Generation:
@@ -155,7 +160,10 @@ class Loop:
             slot, held = self.cache.resume(after.slot, (after.prompt + after.out)[:after.cached], prompt)
         else:
             slot, held = self.cache.alloc(), None
-        self.cache.expect(slot, len(prompt) + 1)
+        # room for the prompt and what it may generate, up to RESERVE_AHEAD tokens, in one allocation: a
+        # store grown mid-generation holds its old and new copies at once (at 32k tokens of context that
+        # transient was the run's peak)
+        self.cache.expect(slot, len(prompt) + min(max(max_tokens, 1), RESERVE_AHEAD))
         seed = None if params.greedy else params.resolved_seed()
         if seed is not None and (params.seed is None or params.seed < 0):
             seed = self.agree(seed)  # a random seed: every rank of a TP run takes rank 0's

@@ -10,6 +10,7 @@ import pytest
 import mlxinfer
 from mlxinfer.batch import Batch
 from mlxinfer.kv_cache import PreallocKVCache
+from mlxinfer import loop as loop_module
 from mlxinfer.loop import FinishEvent
 from mlxinfer.sampling import SamplingParams
 
@@ -43,7 +44,8 @@ def _rounded(n):
     return STEP * -(-n // STEP)
 
 
-def test_an_announced_prompt_is_given_its_room_in_one_allocation(engine):
+def test_an_announced_prompt_is_given_its_room_in_one_allocation(engine, monkeypatch):
+    """A prompt and the tokens it may generate (up to RESERVE_AHEAD) get their room at admission."""
     cache = engine.new_cache(step=STEP)
     sizes = _recording(cache)
     loop = engine.new_loop(cache)
@@ -52,9 +54,27 @@ def test_an_announced_prompt_is_given_its_room_in_one_allocation(engine):
     while loop.busy:
         loop.step()
     assert len(seq.out) >= 1
-    # one allocation holds the prompt and its first token; the 6 generated positions fit in its rounding
-    assert sizes[0] == (1, _rounded(len(prompt) + 1)), sizes
+    # one allocation holds the prompt and the 6 tokens it may generate
+    assert sizes[0] == (1, _rounded(len(prompt) + 6)), sizes
     assert sizes[1:] == [(0, 0)], f"resized while prefilling or decoding: {sizes}"
+
+    no_eos = SamplingParams(temperature=0.0, logit_bias={t: -100.0 for t in engine.tokenizer.eog_ids})
+    # 40 tokens: past the prompt's rounding (112), so without the room ahead the stores would grow at
+    # 113 and 129 mid-generation (each growth holds the old and the new stores at once)
+    sizes.clear()
+    seq = loop.admit(prompt, no_eos, max_tokens=40)
+    while loop.busy:
+        loop.step()
+    assert len(seq.out) == 40
+    assert sizes == [(1, _rounded(len(prompt) + 40)), (0, 0)], sizes
+
+    # past RESERVE_AHEAD the room stops there: the cache grows as the tokens come
+    sizes.clear()
+    monkeypatch.setattr(loop_module, "RESERVE_AHEAD", 20)
+    seq = loop.admit(prompt, no_eos, max_tokens=40)
+    while loop.busy:
+        loop.step()
+    assert sizes[0] == (1, _rounded(len(prompt) + 20)) and len(sizes) > 2, sizes
 
     sizes.clear()
     engine.new_loop(cache).score(prompt)  # all-position scoring announces its prompt too
