@@ -18,11 +18,10 @@ import pytest
 
 from mlxinfer.backend import AttentionSpec
 from mlxinfer.backends import mlx as mlx_backend
-from mlxinfer.backends.mlx import (PREFILL_ROWS, CheckCase, MLXBackend, _check_case, check_case_inputs, gpu_kind,
-                                   sdpa_check_cases, verify_mma, verify_sdpa)
+from mlxinfer.backends.mlx import (PREFILL_ROWS, CheckCase, MLXBackend, check_case_inputs, gpu_kind, sdpa_check_cases,
+                                   verify_mma, verify_sdpa)
 from mlxinfer.batch import Batch
 from mlxinfer.engine import Engine
-from mlxinfer.kv_cache import KV_CACHES
 
 from . import cuda_host
 
@@ -133,13 +132,17 @@ def test_the_mask_hides_what_mask_scores_hides(window, start, rows):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", sdpa_check_cases(head_dims=(16, 48)), ids=str)
 def test_fused_is_the_per_head_reference_through_mlxs_fallback(dtype, case, calls, host_dir, monkeypatch):
-    """The self-check's own cases (`_check_case`: every launch plan of the other rows, fused against the
-    per-head reference, bit for bit) at head sizes 16 and 48, with MLX's CPU fallback for the call: the
-    long chunk's heads in one call in the fused override and one call each in the reference, the mask a
-    string from the cache's start and an array with a window."""
+    """The self-check's own cases at head sizes 16 and 48, with MLX's CPU fallback for the call: the fused
+    override bit for bit the per-head reference (the decode row beside on the host kernels; their other
+    launch plans are test_cuda_on_host's), the long chunk's heads in one call in the fused override and
+    one call each in the reference, the mask a string from the cache's start and an array with a
+    window."""
     cuda_host.launch_on_host(host_dir, monkeypatch)
     b = _sdpa_backend(dtype)
-    assert _check_case(b, case) is None
+    q, view, batch = check_case_inputs(b, case)
+    got = np.array(b.fused_attention_override(q, view, batch, case.spec))
+    ref = np.array(b.per_head_attention(q, view, batch, case.spec))
+    assert np.isfinite(ref).all() and np.array_equal(got.view(np.uint32), ref.view(np.uint32))
     spec, (s, t) = case.spec, case.seqs[0]
     whole = ((1, spec.n_heads, t, spec.head_dim), (1, spec.n_kv_heads, s, spec.head_dim))
     one = ((1, 1, t, spec.head_dim), (1, 1, s, spec.head_dim))
@@ -169,7 +172,7 @@ def test_the_tensor_core_check_runs_its_own_kernels(host_dir, monkeypatch):
     tensor-core kernels (here those without a soft-cap, which MLX's would take), and back on after."""
     launched = cuda_host.launch_on_host(host_dir, monkeypatch)
     real = mlx_backend.mma_check_cases
-    monkeypatch.setattr(mlx_backend, "mma_check_cases", lambda: [c for c in real(head_dims=(16,)) if c.kv == "prealloc" and not c.spec.softcap])
+    monkeypatch.setattr(mlx_backend, "mma_check_cases", lambda: [c for c in real(head_dims=(16,)) if len(c.seqs) == 1 and not c.spec.softcap])
     b = _sdpa_backend("bfloat16")
     b.mma = True
     assert verify_mma(b) is None
