@@ -146,6 +146,19 @@ def cuda_path(dtype: str = "float32", attention: str = "fused"):
     return b
 
 
+def pretend_gpu(monkeypatch, gpu: str) -> str:
+    """MLX made to report a GPU of kind `gpu` (`mlx.gpu_kind`; "cuda-sm75": a Turing GPU, compute
+    capability 7, else 9) whose device is never activated: a backend constructed with `kernel=` the
+    returned kind runs no kernel and no self-check. The kind ("cuda" for "cuda-sm75")."""
+    from mlxinfer.backends import mlx as mlx_backend
+
+    turing = gpu == "cuda-sm75"
+    monkeypatch.setattr(mx, "device_info", lambda device=None: {"compute_capability_major": 7 if turing else 9})
+    monkeypatch.setattr(mlx_backend, "gpu_kind", lambda: "cuda" if turing else gpu)
+    monkeypatch.setattr(mlx_backend.MLXBackend, "activate", lambda self: None)
+    return "cuda" if turing else gpu
+
+
 def _host_array(a) -> np.ndarray:
     """An MLX input as the contiguous numpy array a host kernel reads (16-bit floats as their bits)."""
     return np.ascontiguousarray(np.array(mx.view(a, mx.uint16) if a.dtype in (mx.bfloat16, mx.float16) else a))

@@ -85,12 +85,7 @@ def test_which_chunks_take_it():
 def test_the_construction_rule(monkeypatch, gpu, dtype, kv_dtype, on):
     """On CUDA (compute capability 8.0+; "cuda-sm75": a Turing GPU) and Metal, with q and the cache of one
     16-bit type; a prefill pass of 2,048 tokens there (mlx-lm's step too)."""
-    old_gpu = gpu == "cuda-sm75"
-    gpu = "cuda" if old_gpu else gpu
-    monkeypatch.setattr(mx, "device_info", lambda device=None: {"compute_capability_major": 7 if old_gpu else 9})
-    monkeypatch.setattr(mlx_backend, "gpu_kind", lambda: gpu)
-    monkeypatch.setattr(MLXBackend, "activate", lambda self: None)
-    b = MLXBackend(device="gpu", kernel=gpu, dtype=dtype, kv_dtype=kv_dtype)
+    b = MLXBackend(device="gpu", kernel=cuda_host.pretend_gpu(monkeypatch, gpu), dtype=dtype, kv_dtype=kv_dtype)
     assert b.sdpa is on
     b.mma = False  # (the chunk follows either 16-bit path)
     assert b.prefill_chunk == (2048 if on else 512)
@@ -183,9 +178,7 @@ def test_a_failed_self_check_turns_it_off(monkeypatch, capsys):
     """A failing `verify_sdpa` (a device whose kernel gives a head other bits when called on every head)
     turns the path off with a one-line warning, and only it: the tensor-core path stays, and 16-bit
     chunks keep 2,048 tokens a pass; the backend line and the kernel report name it."""
-    monkeypatch.setattr(mx, "device_info", lambda device=None: {"compute_capability_major": 9})
-    monkeypatch.setattr(mlx_backend, "gpu_kind", lambda: "cuda")
-    monkeypatch.setattr(MLXBackend, "activate", lambda self: None)
+    cuda_host.pretend_gpu(monkeypatch, "cuda")
     monkeypatch.setattr(mlx_backend, "verify_sdpa", lambda b: "fused attention kernel differs in 3 of 9 values")
     for name in ("verify_mma", "verify_block_kernels"):
         monkeypatch.setattr(mlx_backend, name, lambda b, kernel=None: None)

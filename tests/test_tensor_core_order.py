@@ -427,12 +427,7 @@ def test_the_construction_rule(monkeypatch, gpu, dtype, kv_dtype, mma):
     kernel run: --kernel given skips the self-check): on CUDA of compute capability 8.0 or more only (the
     instruction's; "cuda-sm75": a Turing GPU), q and the cache of one 16-bit type; a prefill pass of
     MMA_PREFILL_CHUNK (2,048) tokens there, the protocol's 512 elsewhere."""
-    old_gpu = gpu == "cuda-sm75"
-    gpu = "cuda" if old_gpu else gpu
-    monkeypatch.setattr(mx, "device_info", lambda device=None: {"compute_capability_major": 7 if old_gpu else 9})
-    monkeypatch.setattr(mlx_backend, "gpu_kind", lambda: gpu)
-    monkeypatch.setattr(MLXBackend, "activate", lambda self: None)
-    b = MLXBackend(device="gpu", kernel=gpu, dtype=dtype, kv_dtype=kv_dtype)
+    b = MLXBackend(device="gpu", kernel=cuda_host.pretend_gpu(monkeypatch, gpu), dtype=dtype, kv_dtype=kv_dtype)
     assert b.mma is mma
     b.sdpa = False  # (MLX's fused attention takes 2,048 too: tests/test_sdpa_prefill.py)
     assert b.prefill_chunk == (2048 if mma else 512) and Backend.prefill_chunk == 512
