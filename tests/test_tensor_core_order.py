@@ -25,7 +25,6 @@ import pytest
 
 from mlxinfer import kernels
 from mlxinfer.backend import AttentionSpec, Backend
-from mlxinfer.backends import mlx as mlx_backend
 from mlxinfer.backends.mlx import MMA_PREFILL_CHUNK, PREFILL_ROWS, CheckCase, MLXBackend, check_case_inputs, mma_check_cases
 from mlxinfer.batch import Batch
 from mlxinfer.engine import Engine
