@@ -79,9 +79,15 @@ class TracingBackend:
         # The default too: one counted `linear` per matrix of the group.
         return Backend.linear_group(self, x, ws, groups)
 
-    def per_head_sequence(self, *args):
-        # the per-head reference's steps on the tracer (counted), as `per_head_attention` calls them
-        return Backend.per_head_sequence(self, *args)
+    def per_head_sequence(self, q, kv, batch, spec, b, out):
+        # the per-head reference's steps on the tracer (counted), as `per_head_attention` calls them;
+        # where the inner backend makes steps 3-7 one op a head (MLX's fused attention on a 16-bit
+        # chunk: `_sdpa_takes`), its own steps, counted as one "sdpa" op, so the bits stay the reference's
+        r0, r1 = batch.rows[b]
+        takes = getattr(self.inner, "_sdpa_takes", None)
+        if takes is not None and takes(spec, r1 - r0):
+            return self._call("sdpa", self.inner.per_head_sequence, (q, kv, batch, spec, b, out), {})
+        return Backend.per_head_sequence(self, q, kv, batch, spec, b, out)
 
     def fused_attention(self, q, kv, batch, spec):
         # The per-head reference runs on the tracer, so the primitives it is built from are counted.

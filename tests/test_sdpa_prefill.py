@@ -161,6 +161,24 @@ def test_a_pass_of_long_and_short_sequences(calls, host_dir, monkeypatch):
     assert [c[0][1] for c in calls[2:]] == [1] * 8
 
 
+def test_the_tracer_keeps_the_reference_bits(calls, host_dir, monkeypatch):
+    """`--trace` on per-head attention: a chunk MLX's fused attention takes runs the inner backend's own
+    steps (a call a head, counted as one "sdpa" op), so the traced reference has the untraced one's bits;
+    a short chunk still runs the primitive steps on the tracer."""
+    from mlxinfer.tracing import TracingBackend
+
+    cuda_host.launch_on_host(host_dir, monkeypatch)
+    b = _sdpa_backend("bfloat16", "per-head")
+    case = CheckCase("a long chunk beside a short one", AttentionSpec.standard(4, 2, 32), ((200, 130), (60, 20)))
+    q, view, batch = check_case_inputs(b, case)
+    want = np.array(b.per_head_attention(q, view, batch, case.spec))
+    tracer = TracingBackend(b, stream=open("/dev/null", "w"))
+    del calls[:]
+    got = np.array(tracer.fused_attention(q, view, batch, case.spec))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert len(calls) == 4 and tracer.counts["sdpa"] == 1 and tracer.counts["softmax_rows"] == 4
+
+
 # -- 4. the self-check and the other 16-bit path ----------------------------------------------------------
 def test_the_tensor_core_check_runs_its_own_kernels(host_dir, monkeypatch):
     """`verify_mma` turns MLX's fused attention off while it runs, so that its cases reach the
