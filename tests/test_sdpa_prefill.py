@@ -128,21 +128,19 @@ def test_the_mask_hides_what_mask_scores_hides(window, start, rows):
 @pytest.mark.parametrize("case", sdpa_check_cases(head_dims=(16, 48)), ids=str)
 def test_fused_is_the_per_head_reference_through_mlxs_fallback(dtype, case, calls, host_dir, monkeypatch):
     """The self-check's own cases at head sizes 16 and 48, with MLX's CPU fallback for the call: the fused
-    override bit for bit the per-head reference (the decode row beside on the host kernels; their other
-    launch plans are test_cuda_on_host's), the long chunk's heads in one call in the fused override and
-    one call each in the reference, the mask a string from the cache's start and an array with a
-    window."""
+    override bit for bit the per-head reference, each long chunk's heads in one call in the fused
+    override and one call each in the reference (two chunks in one pass put in their places), the mask
+    a string where the chunk's last row is the last key and an array with a window."""
     cuda_host.launch_on_host(host_dir, monkeypatch)
     b = _sdpa_backend(dtype)
     q, view, batch = check_case_inputs(b, case)
     got = np.array(b.fused_attention_override(q, view, batch, case.spec))
     ref = np.array(b.per_head_attention(q, view, batch, case.spec))
     assert np.isfinite(ref).all() and np.array_equal(got.view(np.uint32), ref.view(np.uint32))
-    spec, (s, t) = case.spec, case.seqs[0]
-    whole = ((1, spec.n_heads, t, spec.head_dim), (1, spec.n_kv_heads, s, spec.head_dim))
-    one = ((1, 1, t, spec.head_dim), (1, 1, s, spec.head_dim))
-    mask = "array" if spec.window else "causal"
-    assert calls == [(*whole, mask)] + [(*one, mask)] * spec.n_heads
+    spec, d, mask = case.spec, case.spec.head_dim, "array" if case.spec.window else "causal"
+    fused = [((1, spec.n_heads, t, d), (1, spec.n_kv_heads, s, d), mask) for s, t in case.seqs]
+    per_head = [((1, 1, t, d), (1, 1, s, d), mask) for s, t in case.seqs for _ in range(spec.n_heads)]
+    assert calls == fused + per_head
 
 
 def test_a_pass_of_long_and_short_sequences(calls, host_dir, monkeypatch):
@@ -207,11 +205,52 @@ def test_a_failed_self_check_turns_it_off(monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert b.sdpa is False and b.sdpa_fallback == "fused attention kernel differs in 3 of 9 values"
     assert b.mma is True and b.fallback is None and b.prefill_chunk == 2048
-    assert len(err) == 1 and "MLX's fused attention failed its self-check" in err[0]
+    assert len(err) == 1 and "MLX's fused attention failed its self-check" in err[0] and "tensor-core" in err[0]
     assert "MLX's fused attention failed its self-check on prefill chunks" in b.describe()
     b.device = "gpu"
     line, ok = b.kernel_report()
     assert not ok and "self-check FAILED (fused attention kernel differs in 3 of 9 values)" in line
+
+
+def test_cudnn_switched_off_in_mlx_is_not_taken(monkeypatch):
+    """MLX_CUDA_USE_CUDNN_SDPA=0 (MLX's own switch): cuDNN's kernel would refuse every chunk (`force_fused`),
+    so the path is off from construction; the tensor-core path stays."""
+    monkeypatch.setenv("MLX_CUDA_USE_CUDNN_SDPA", "0")
+    b = MLXBackend(device="gpu", kernel=cuda_host.pretend_gpu(monkeypatch, "cuda"), dtype="bfloat16")
+    assert b.sdpa is False and b.mma is True
+
+
+def test_the_kernels_falling_back_take_it_off_too(monkeypatch):
+    """When the attention kernels fail their self-check (`_attention_falls_back`) the 16-bit paths go with
+    them: the backend line stops naming them and the prefill chunk is the protocol's again."""
+    b = MLXBackend(device="gpu", kernel=cuda_host.pretend_gpu(monkeypatch, "cuda"), dtype="bfloat16")
+    b._attention_falls_back("fused attention kernel differs")
+    assert b.sdpa is False and b.mma is False and b.prefill_chunk == 512
+    assert "MLX's fused attention" not in b.describe()
+
+
+@pytest.mark.parametrize("gpu,instead", [("cuda", "the tensor-core kernels"), ("metal", "MLX's products a head at a time")])
+def test_the_warning_names_what_takes_the_chunks(monkeypatch, capsys, gpu, instead):
+    b = MLXBackend(device="gpu", kernel=cuda_host.pretend_gpu(monkeypatch, gpu), dtype="bfloat16")
+    b._sdpa_off("differs")
+    assert instead in capsys.readouterr().err and b.sdpa is False
+
+
+@pytest.mark.parametrize("persists", [False, True])
+def test_a_models_shape_failing_on_it_turns_it_off_alone(monkeypatch, capsys, persists):
+    """`check_model` runs the model's shapes, whose chunk takes MLX's fused attention at the model's head
+    size (which `verify_sdpa` may not have asked): a failure there turns that path off and checks again
+    without it; only a failure that persists turns the kernels off."""
+    b = MLXBackend(device="gpu", kernel=cuda_host.pretend_gpu(monkeypatch, "cuda"), dtype="bfloat16")
+    b.device, b.checked = "cpu", "cuda"  # (as checked; verdicts not kept)
+    monkeypatch.setattr(mlx_backend, "model_check_cases", lambda spec: [])
+    monkeypatch.setattr(mlx_backend, "_prebuild", lambda backend, parts: None)
+    monkeypatch.setattr(mlx_backend, "_first_problem",
+                        lambda backend, cases: "differs in 3 values" if backend.sdpa or persists else None)
+    problem = b.check_model([AttentionSpec.standard(4, 2, 96)])
+    assert b.sdpa is False and b.sdpa_fallback == "differs in 3 values, in the model's shape"
+    assert (problem is not None, b.gpu_kernels is None) == (persists, persists)
+    assert "MLX's fused attention failed its self-check" in capsys.readouterr().err
 
 
 # -- 5. a model -------------------------------------------------------------------------------------------

@@ -309,7 +309,7 @@ def verify_mma(backend: "MLXBackend") -> str | None:
 def sdpa_check_cases(head_dims=(64, 80, 128)) -> list[CheckCase]:
     """MLX's fused attention on 16-bit prefill chunks (`MLXBackend.sdpa`): chunks of PREFILL_ROWS rows or
     more with GQA, from the cache's start ("causal") and from mid-cache, with a window (an additive mask),
-    beside a decode row, in each cache kind; head sizes it takes (a multiple of 8 up to 128, 80 not a
+    two in one pass (each put in its place), in each cache kind; head sizes it takes (a multiple of 8 up to 128, 80 not a
     power of two; `verify_sdpa` adds 256 on Metal)."""
     rows = PREFILL_ROWS + 2
     cases = []
@@ -318,9 +318,24 @@ def sdpa_check_cases(head_dims=(64, 80, 128)) -> list[CheckCase]:
         cases += [CheckCase(f"a {rows}-row chunk over {rows} keys", gqa, ((rows, rows),)),
                   CheckCase(f"a {rows}-row chunk over 300 keys, window 40", AttentionSpec.standard(4, 2, d, window=40),
                             ((300, rows),))]
-        cases += [CheckCase(f"a {rows}-row chunk over 300 keys beside a decode row over 70", gqa,
-                            ((300, rows), (70, 1)), kv) for kv in KV_CACHES]
+        cases += [CheckCase(f"a {rows}-row chunk over 300 keys beside a {rows + 10}-row chunk over 200", gqa,
+                            ((300, rows), (200, rows + 10)), kv) for kv in KV_CACHES]
     return cases
+
+
+def _check_long_case(backend: "MLXBackend", case: CheckCase) -> str | None:
+    """One case of chunks that all take MLX's fused attention: the override against the reference, bit
+    for bit (none of our kernels runs: a failure is that path's alone). None, or one line."""
+    try:
+        q, view, batch = check_case_inputs(backend, case)
+        got = np.array(backend.fused_attention_override(q, view, batch, case.spec))
+        ref = np.array(backend.per_head_attention(q, view, batch, case.spec))
+    except Exception as e:  # a shape MLX's kernel refuses (force_fused)
+        return f"{_one_line(e)} ({case})"
+    same = got.view(np.uint32) == ref.view(np.uint32)
+    if not same.all():
+        return f"one call over every head differs from a call a head in {int((~same).sum())} of {same.size} values ({case})"
+    return None
 
 
 def verify_sdpa(backend: "MLXBackend") -> str | None:
@@ -328,7 +343,8 @@ def verify_sdpa(backend: "MLXBackend") -> str | None:
     override's one call over every head against the per-head reference's call a head, bit for bit. None,
     or one line naming the first failure (an exception too: a shape MLX's kernel refuses)."""
     dims = [d for d in (64, 80, 128, 256) if d in SDPA_HEAD_DIMS.get(backend.gpu_kernels, ())]
-    return _first_problem(backend, [case for case in sdpa_check_cases(dims) if case_applies(backend, case)])
+    cases = [case for case in sdpa_check_cases(dims) if case_applies(backend, case)]
+    return next(filter(None, (_check_long_case(backend, case) for case in cases)), None)
 
 
 def _first_problem(backend: "MLXBackend", cases) -> str | None:
@@ -465,6 +481,8 @@ class MLXBackend(Backend):
         # ... unless MLX's own fused attention takes them (`_sdpa_takes`, SDPA_HEAD_DIMS): on the same
         # CUDA GPUs, and on Metal, in the same dtypes; off again if its self-check (`verify_sdpa`) fails
         self.sdpa = self.mma or bool(self.gpu_kernels == "metal" and dtype != "float32" and kv_dtype == dtype)
+        if self.gpu_kernels == "cuda" and os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1") == "0":
+            self.sdpa = False  # MLX told not to use cuDNN's attention: its kernel would refuse every chunk
         self.sdpa_fallback = None
         self.fallback = None  # the self-check's failure, once one failed
         self.block_fallback = None  # the block kernels' self-check failures, once one failed
@@ -491,9 +509,7 @@ class MLXBackend(Backend):
             problem = kernel_checks.verdict(f"{self.kernel} sdpa prefill", self.dtype_name, self.kv_dtype,
                                             lambda: verify_sdpa(self), fresh=fresh)
             if problem:
-                self.sdpa, self.sdpa_fallback = False, problem
-                print(f"mlxinfer: warning: MLX's fused attention failed its self-check on 16-bit prefill chunks "
-                      f"({problem}); they take the tensor-core kernels", file=sys.stderr)
+                self._sdpa_off(problem)
         if kept and self.mma:
             mma = kernel_checks.verdict(f"{self.kernel} tensor-core prefill", self.dtype_name, self.kv_dtype,
                                         lambda: verify_mma(self), fresh=fresh)
@@ -524,9 +540,15 @@ class MLXBackend(Backend):
                       f"{self.block_off} products use MLX's own ops", file=sys.stderr)
         return problem
 
+    def _sdpa_off(self, problem: str) -> None:
+        self.sdpa, self.sdpa_fallback = False, problem
+        instead = "the tensor-core kernels" if self.mma else "MLX's products a head at a time"
+        print(f"mlxinfer: warning: MLX's fused attention failed its self-check on 16-bit prefill chunks ({problem}); "
+              f"they take {instead}", file=sys.stderr)
+
     def _attention_falls_back(self, problem: str) -> None:
         self.fallback = problem
-        self.gpu_kernels, self.kernel, self.mma = None, "graph", False
+        self.gpu_kernels, self.kernel, self.mma, self.sdpa = None, "graph", False, False
         print(f"mlxinfer: warning: the attention kernels failed their self-check ({problem}); using "
               "MLX's own ops and per-head attention (pass --kernel to force the kernels)", file=sys.stderr)
 
@@ -545,10 +567,18 @@ class MLXBackend(Backend):
                 _prebuild(self, [lambda c=c: _check_case(self, c) for c in cases])
                 return _first_problem(self, cases)
 
-            shape = (f"{self.kernel} model {spec.n_heads}x{spec.n_kv_heads}x{spec.head_dim} scale {spec.scale!r} "
-                     f"window {spec.window} softcap {spec.softcap} causal {spec.causal}")
-            problem = (kernel_checks.verdict(shape, self.dtype_name, self.kv_dtype, run) if self.device == "gpu"
-                       else run())  # (tests force kernels on the CPU: not kept)
+            def verdict(run=run, spec=spec):
+                shape = (f"{self.kernel} model {spec.n_heads}x{spec.n_kv_heads}x{spec.head_dim} scale {spec.scale!r} "
+                         f"window {spec.window} softcap {spec.softcap} causal {spec.causal} sdpa {self.sdpa}")
+                return (kernel_checks.verdict(shape, self.dtype_name, self.kv_dtype, run) if self.device == "gpu"
+                        else run())  # (tests force kernels on the CPU: not kept)
+
+            problem = verdict()
+            if problem and self.sdpa and self._sdpa_takes(spec, PREFILL_ROWS):
+                # its chunk may be MLX's fused attention's, at a head size `verify_sdpa` did not ask:
+                # that path off alone, and the model's shape checked again without it
+                self._sdpa_off(f"{problem}, in the model's shape")
+                problem = verdict()
             if problem:
                 self._attention_falls_back(f"{problem}, in the model's shape")
                 return self.fallback
