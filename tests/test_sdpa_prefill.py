@@ -212,6 +212,26 @@ def test_a_failed_self_check_turns_it_off(monkeypatch, capsys):
     assert not ok and "self-check FAILED (fused attention kernel differs in 3 of 9 values)" in line
 
 
+def test_the_verdict_is_kept_per_cudnn_release(monkeypatch):
+    """The self-check's verdict on CUDA is kept under a key naming the cuDNN wheel's version (another
+    release is checked again); Metal's names none."""
+    from importlib import metadata
+
+    class Dist:
+        metadata, version = {"Name": "nvidia-cudnn-cu12"}, "9.8.0.87"
+
+    monkeypatch.setattr(metadata, "distributions", lambda: [Dist()])
+    assert mlx_backend.cudnn_version("cuda") == " cudnn 9.8.0.87" and mlx_backend.cudnn_version("metal") == ""
+    monkeypatch.setattr(metadata, "distributions", lambda: [])
+    assert mlx_backend.cudnn_version("cuda") == " cudnn ?"
+    kinds = []
+    monkeypatch.setattr(mlx_backend.kernel_checks, "verdict", lambda kind, dt, kv, run, fresh=False: kinds.append(kind))
+    monkeypatch.setattr(mlx_backend, "verify_gpu_kernels", lambda b: None)
+    b = MLXBackend(device="gpu", kernel=cuda_host.pretend_gpu(monkeypatch, "cuda"), dtype="bfloat16")
+    b.check_kernels(verify=mlx_backend.verify_gpu_kernels)
+    assert "cuda sdpa prefill cudnn ?" in kinds
+
+
 def test_cudnn_switched_off_in_mlx_is_not_taken(monkeypatch):
     """MLX_CUDA_USE_CUDNN_SDPA=0 (MLX's own switch): cuDNN's kernel would refuse every chunk (`force_fused`),
     so the path is off from construction; the tensor-core path stays."""
@@ -227,6 +247,17 @@ def test_the_kernels_falling_back_take_it_off_too(monkeypatch):
     b._attention_falls_back("fused attention kernel differs")
     assert b.sdpa is False and b.mma is False and b.prefill_chunk == 512
     assert "MLX's fused attention" not in b.describe()
+
+
+@pytest.mark.parametrize("gpu,softcap,chunk", [("metal", None, 2048), ("metal", 50.0, 512), ("cuda", 50.0, 2048)])
+def test_the_chunk_follows_the_models_attention(monkeypatch, gpu, softcap, chunk):
+    """2,048-token passes only where a 16-bit path takes the model's chunks: on Metal not a soft-capped
+    model's (MLX's fused attention has no soft-cap, and no tensor-core kernel there: 512-row passes keep
+    its per-head products' scores small); on CUDA the tensor-core kernel takes those."""
+    b = MLXBackend(device="gpu", kernel=cuda_host.pretend_gpu(monkeypatch, gpu), dtype="bfloat16")
+    assert b.prefill_chunk == 2048
+    b.check_model([replace(AttentionSpec.standard(4, 2, 128), softcap=softcap)])
+    assert b.prefill_chunk == chunk
 
 
 @pytest.mark.parametrize("gpu,instead", [("cuda", "the tensor-core kernels"), ("metal", "MLX's products a head at a time")])

@@ -338,6 +338,17 @@ def _check_long_case(backend: "MLXBackend", case: CheckCase) -> str | None:
     return None
 
 
+def cudnn_version(kind: str) -> str:
+    """On CUDA, " cudnn X" with the installed cuDNN wheel's version ("?" where none is found): MLX's
+    fused attention is cuDNN's kernel there, so its self-check's verdict is kept per cuDNN release."""
+    if kind != "cuda":
+        return ""
+    from importlib import metadata
+
+    found = [d.version for d in metadata.distributions() if (d.metadata["Name"] or "").lower().startswith("nvidia-cudnn")]
+    return f" cudnn {found[0] if found else '?'}"
+
+
 def verify_sdpa(backend: "MLXBackend") -> str | None:
     """MLX's fused attention on 16-bit prefill chunks, on the device (`sdpa_check_cases`): the fused
     override's one call over every head against the per-head reference's call a head, bit for bit. None,
@@ -484,6 +495,7 @@ class MLXBackend(Backend):
         if self.gpu_kernels == "cuda" and os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1") == "0":
             self.sdpa = False  # MLX told not to use cuDNN's attention: its kernel would refuse every chunk
         self.sdpa_fallback = None
+        self.model_long_chunks = None  # whether either takes the model's chunks (`check_model`)
         self.fallback = None  # the self-check's failure, once one failed
         self.block_fallback = None  # the block kernels' self-check failures, once one failed
         self.checked = None  # the kernel the self-check ran on, once it ran
@@ -506,8 +518,8 @@ class MLXBackend(Backend):
 
         kept = verify is verify_gpu_kernels and self.device == "gpu"  # (tests force kernels on the CPU: not kept)
         if kept and self.sdpa:  # first, so that a failing 16-bit prefill path turns off only itself
-            problem = kernel_checks.verdict(f"{self.kernel} sdpa prefill", self.dtype_name, self.kv_dtype,
-                                            lambda: verify_sdpa(self), fresh=fresh)
+            key = f"{self.kernel} sdpa prefill{cudnn_version(self.kernel)}"
+            problem = kernel_checks.verdict(key, self.dtype_name, self.kv_dtype, lambda: verify_sdpa(self), fresh=fresh)
             if problem:
                 self._sdpa_off(problem)
         if kept and self.mma:
@@ -558,9 +570,13 @@ class MLXBackend(Backend):
         first), before the model's first pass; the verdict remembered per spec as the self-check's is.
         A failure falls back as the self-check's does. Nothing to do without GPU kernels, or when they
         are forced (--kernel: unchecked, as asked)."""
+        specs = list(dict.fromkeys(specs))
+        # whether a 16-bit path takes this model's chunks at all (Metal: not a soft-capped model's)
+        self.model_long_chunks = any((self.mma and kernels.mma_fits(spec)) or self._sdpa_takes(spec, PREFILL_ROWS)
+                                     for spec in specs)
         if not self.gpu_kernels or self.checked is None:
             return None
-        for spec in dict.fromkeys(specs):
+        for spec in specs:
             cases = [c for c in model_check_cases(spec) if case_applies(self, c)]
 
             def run(cases=cases):
@@ -628,8 +644,10 @@ class MLXBackend(Backend):
     @property
     def prefill_chunk(self) -> int:
         """Prompt tokens per prefill pass unless told: MMA_PREFILL_CHUNK where 16-bit chunks take the
-        tensor-core order or MLX's fused attention, else the protocol's."""
-        return MMA_PREFILL_CHUNK if self.mma or self.sdpa else Backend.prefill_chunk
+        tensor-core order or MLX's fused attention (and the model's, once `check_model` saw it, do), else
+        the protocol's."""
+        long = (self.mma or self.sdpa) and self.model_long_chunks is not False
+        return MMA_PREFILL_CHUNK if long else Backend.prefill_chunk
 
     def describe(self) -> str:
         types = self.dtype_name + ("" if self.kv_dtype == self.dtype_name else f", {self.kv_dtype} KV cache")
