@@ -355,6 +355,9 @@ def verify_sdpa(backend: "MLXBackend") -> str | None:
     or one line naming the first failure (an exception too: a shape MLX's kernel refuses)."""
     dims = [d for d in (64, 80, 128, 256) if d in SDPA_HEAD_DIMS.get(backend.gpu_kernels, ())]
     cases = [case for case in sdpa_check_cases(dims) if case_applies(backend, case)]
+    # and one pass of real size (the kernel may pick its method by shape): Qwen3-0.6B's heads, a
+    # 2,048-row chunk over 4,096 keys
+    cases.append(CheckCase("a 2048-row chunk over 4096 keys", AttentionSpec.standard(16, 8, 128), ((4096, 2048),)))
     return next(filter(None, (_check_long_case(backend, case) for case in cases)), None)
 
 
