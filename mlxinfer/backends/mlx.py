@@ -998,13 +998,7 @@ class MLXBackend(Backend):
         return table[ids]
 
     def mask_scores(self, scores, positions, causal, window):
-        keys = mx.arange(scores.shape[-1])[None, :]
-        pos = positions[:, None]
-        hidden = mx.zeros(scores.shape[-2:], dtype=mx.bool_)
-        if causal:
-            hidden = mx.logical_or(hidden, keys > pos)
-        if window:
-            hidden = mx.logical_or(hidden, keys <= pos - window)
+        hidden = _hidden_keys(positions, scores.shape[-1], causal, window)
         return mx.where(hidden, mx.array(-np.inf, dtype=mx.float32), scores)
 
     def sample_tokens(self, logits, sampler):
@@ -1052,9 +1046,8 @@ class MLXBackend(Backend):
             r0, r1 = batch.rows[b]
             if self._sdpa_takes(spec, r1 - r0):
                 k, v = kv.sequence(self, b)
-                heads = lambda x, n: mx.contiguous(mx.transpose(mx.reshape(x, (x.shape[0], n, -1)), (1, 0, 2)))[None]  # noqa: E731
-                ctx = self._sdpa(heads(q[r0:r1], spec.n_heads), heads(k, spec.n_kv_heads), heads(v, spec.n_kv_heads),
-                                 spec, self._sdpa_mask(batch, b, k.shape[0], spec))
+                ctx = self._sdpa(_head_major(q[r0:r1], spec.n_heads), _head_major(k, spec.n_kv_heads),
+                                 _head_major(v, spec.n_kv_heads), spec, self._sdpa_mask(batch, b, k.shape[0], spec))
                 ctx = mx.reshape(mx.transpose(ctx[0], (1, 0, 2)), (r1 - r0, -1)).astype(mx.float32)
             elif self.mma and kernels.mma_fits(spec):
                 k, v = kv.sequence(self, b)
@@ -1114,13 +1107,7 @@ class MLXBackend(Backend):
         None."""
         if not spec.window and (not spec.causal or keys == batch.kv_lens[b]):
             return "causal" if spec.causal else None
-        pos = batch.positions_of(self, b)[:, None]
-        j = mx.arange(keys)[None, :]
-        hidden = mx.zeros((pos.shape[0], keys), dtype=mx.bool_)
-        if spec.causal:
-            hidden = mx.logical_or(hidden, j > pos)
-        if spec.window:
-            hidden = mx.logical_or(hidden, j <= pos - spec.window)
+        hidden = _hidden_keys(batch.positions_of(self, b), keys, spec.causal, spec.window)
         return mx.where(hidden, mx.array(-np.inf, dtype=self.dtype), mx.array(0, dtype=self.dtype))
 
     def _fused(self, q, kv, batch, spec, seqs, at=None):
@@ -1221,6 +1208,23 @@ class MLXBackend(Backend):
                 ctx = parts[0] if len(parts) == 1 else mx.concatenate(parts)
             outs.append(mx.reshape(mx.transpose(ctx, (2, 0, 1, 3)), (t, spec.n_heads * d)))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
+
+
+def _hidden_keys(positions, keys: int, causal: bool, window):
+    """[rows, keys] bool: key j hidden from the row at positions[i] (j > p when causal, j <= p - window
+    with a window), the rule of `mask_scores`."""
+    j, pos = mx.arange(keys)[None, :], positions[:, None]
+    hidden = mx.zeros((positions.shape[0], keys), dtype=mx.bool_)
+    if causal:
+        hidden = mx.logical_or(hidden, j > pos)
+    if window:
+        hidden = mx.logical_or(hidden, j <= pos - window)
+    return hidden
+
+
+def _head_major(x, n: int):
+    """[rows, n*D] -> [1, n, rows, D], contiguous (`mx.fast.scaled_dot_product_attention`'s layout)."""
+    return mx.contiguous(mx.transpose(mx.reshape(x, (x.shape[0], n, -1)), (1, 0, 2)))[None]
 
 
 @functools.lru_cache(maxsize=None)
