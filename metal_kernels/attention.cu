@@ -44,6 +44,27 @@ __device__ __forceinline__ float mlxi_f(__half x) {
   return __half2float(x);
 }
 
+// v rounded to nearest even in the type a pointer p points to, read back as float32 (float: v itself),
+// and the store of v in that type: what MLX's own kernels do with their T-typed intermediates and outputs.
+__device__ __forceinline__ float mlxi_in(const float*, float v) {
+  return v;
+}
+__device__ __forceinline__ float mlxi_in(const __nv_bfloat16*, float v) {
+  return __bfloat162float(__float2bfloat16_rn(v));
+}
+__device__ __forceinline__ float mlxi_in(const __half*, float v) {
+  return __half2float(__float2half_rn(v));
+}
+__device__ __forceinline__ void mlxi_put(float* p, float v) {
+  *p = v;
+}
+__device__ __forceinline__ void mlxi_put(__nv_bfloat16* p, float v) {
+  *p = __float2bfloat16_rn(v);
+}
+__device__ __forceinline__ void mlxi_put(__half* p, float v) {
+  *p = __float2half_rn(v);
+}
+
 // Value c of row r of a K/V store s whose rows hold w values, as float32. A float store (float,
 // __nv_bfloat16, __half) holds a row as its w values; a q8_0 store (int8_t: --kv-dtype q8_0,
 // mlxinfer/backends/mlx_kv.py) as w + w/16 bytes, llama.cpp's block_q8_0 laid out per row: the w values
@@ -917,12 +938,14 @@ if (i < dims[0]) out[i] = mlxi_tanh(x[i]);
 // Not attention's arithmetic but its inputs: Qwen3's q_norm / k_norm then RoPE (rotate-half) of a pass's
 // queries q [N, H*D] and keys k [N, KV*D] in one launch (the MLX backend's qk_norm_rope on CUDA; a decode
 // step's graph has one node here instead of eight a layer), with weights wq, wk [D] and each row's position
-// row_pos [N] -> qo, ko. One warp per (row, head), the queries' heads first; lane l holds d = l + 32i, so
-// with D a multiple of 64 each rotated pair (d, d + D/2) sits in one lane. The same operations as
-// mx.fast.rms_norm then mx.fast.rope (MLX 0.32's CUDA kernels: x * rsqrt(sum(x^2) / D + eps), then
-// times the weight; theta = pos * exp2(-(d / (D/2)) * log2(base)), x1 cos - x2 sin, x1 sin + x2 cos),
-// except the order of the sum of squares: each lane's terms in increasing i, rounded products, then the
-// butterfly (mlxi_warp_total). Compile-time H, KV, D; EPS_BITS and LOG2_BASE_BITS: float32 bits.
+// row_pos [N] -> qo, ko. q, k, the weights and the outputs are of one type T (float, __nv_bfloat16 or
+// __half: the activations'). One warp per (row, head), the queries' heads first; lane l holds d = l + 32i,
+// so with D a multiple of 64 each rotated pair (d, d + D/2) sits in one lane. The same operations as
+// mx.fast.rms_norm then mx.fast.rope (MLX 0.32's CUDA kernels: x * rsqrt(sum(x^2) / D + eps) in float32
+// rounded to T, times the weight rounded to T; theta = pos * exp2(-(d / (D/2)) * log2(base)),
+// x1 cos - x2 sin, x1 sin + x2 cos in float32 from those T values, rounded to T), except the order of the
+// sum of squares: each lane's terms in increasing i, rounded products, then the butterfly
+// (mlxi_warp_total). Compile-time H, KV, D; EPS_BITS and LOG2_BASE_BITS: float32 bits.
 constexpr int E = D / 32, HALF = E / 2;
 const float eps = __int_as_float(EPS_BITS), log2_base = __int_as_float(LOG2_BASE_BITS);
 const int lane = threadIdx.x & 31;
@@ -932,19 +955,19 @@ if (w < (long)row_pos_shape[0] * (H + KV)) {  // w is the warp's: all its lanes 
   const int h = w % (H + KV);
   const bool is_q = h < H;
   const long at = is_q ? (r * H + h) * D : (r * KV + h - H) * D;
-  const float* x = (is_q ? q : k) + at;
-  const float* wt = is_q ? wq : wk;
-  float* y = (is_q ? qo : ko) + at;
+  const auto* x = (is_q ? q : k) + at;
+  const auto* wt = is_q ? wq : wk;
+  auto* y = (is_q ? qo : ko) + at;
   float v[E];
   float ss = 0.0f;
 #pragma unroll
   for (int i = 0; i < E; ++i) {
-    v[i] = x[lane + 32 * i];
+    v[i] = mlxi_f(x[lane + 32 * i]);
     ss = __fadd_rn(ss, __fmul_rn(v[i], v[i]));
   }
   const float inv = rsqrtf(__fadd_rn(__fdiv_rn(mlxi_warp_total(ss), (float)D), eps));
 #pragma unroll
-  for (int i = 0; i < E; ++i) v[i] = __fmul_rn(wt[lane + 32 * i], __fmul_rn(v[i], inv));
+  for (int i = 0; i < E; ++i) v[i] = mlxi_in(y, __fmul_rn(mlxi_f(wt[lane + 32 * i]), mlxi_in(y, __fmul_rn(v[i], inv))));
   const float L = (float)row_pos[r];
 #pragma unroll
   for (int i = 0; i < HALF; ++i) {
@@ -952,8 +975,8 @@ if (w < (long)row_pos_shape[0] * (H + KV)) {  // w is the warp's: all its lanes 
     const float theta = L * exp2f(-((float)d / (float)(D / 2)) * log2_base);
     const float c = cosf(theta), s = sinf(theta);
     const float x1 = v[i], x2 = v[i + HALF];
-    y[d] = x1 * c - x2 * s;
-    y[d + D / 2] = x1 * s + x2 * c;
+    mlxi_put(y + d, x1 * c - x2 * s);
+    mlxi_put(y + d + D / 2, x1 * s + x2 * c);
   }
 }
 //@@BODY mma_matmul

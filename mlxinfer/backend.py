@@ -437,10 +437,18 @@ class Backend:
             out = self.per_head_sequence(q, kv, batch, spec, b, out)
         return out
 
+    def sequence_op(self, spec: AttentionSpec, rows: int) -> str | None:
+        """The one op this backend's `per_head_sequence` makes of each head's steps 3-7 for a sequence's
+        chunk of `rows` query rows, or None where it runs the steps as written (the protocol's). A
+        wrapper that counts ops (the tracer) hands such chunks to the backend whole, counted as that op,
+        so that the bits stay the backend's reference."""
+        return None
+
     def per_head_sequence(self, q, kv, batch, spec: AttentionSpec, b: int, out):
         """Steps 1-8 of `per_head_attention` for sequence b alone: its rows of `out` written, returned.
         (An override may run some sequences through this and others its own way, as MLX's GPU override
-        does with prefill chunks.)"""
+        does with prefill chunks; a backend whose own `per_head_sequence` makes a head's steps one op
+        for some chunks names it in `sequence_op`.)"""
         h_all, d = spec.n_heads, spec.head_dim
         r0, r1 = batch.rows[b]
         t = r1 - r0

@@ -573,18 +573,22 @@ def qk_norm_rope(kind: str, q, k, wq, wk, row_pos, n_heads: int, n_kv_heads: int
                  base: float):
     """(q, k) after each head's RMSNorm (weights wq, wk [head_dim]) and rotate-half RoPE at each row's
     position, in one launch: q [N, n_heads*head_dim], k [N, n_kv_heads*head_dim] (a decode row's slices of
-    the Q/K/V product are contiguous; other slices are copied by MLX first). mx.fast.rms_norm and
-    mx.fast.rope's operations but for the sum of squares' order (metal_kernels/attention.cu), so not their
-    bits: tests/test_mlx_backend.py bounds the difference."""
+    the Q/K/V product are contiguous; other slices are copied by MLX first), q, k and the weights of one
+    type (float32, bfloat16 or float16: the activations'), the outputs of that type too. mx.fast.rms_norm
+    and mx.fast.rope's operations and roundings but for the sum of squares' order
+    (metal_kernels/attention.cu), so not their bits: tests/test_mlx_backend.py bounds the difference."""
     import mlx.core as mx
 
     if not qk_norm_rope_fits(head_dim, False):
         raise ValueError(f"qk_norm_rope: head_dim {head_dim} is not a multiple of 64 up to {MAX_HEAD_DIM}")
+    if len({q.dtype, k.dtype, wq.dtype, wk.dtype}) != 1 or q.dtype not in (mx.float32, mx.bfloat16, mx.float16):
+        raise ValueError(f"qk_norm_rope: q, k and their weights must be of one float type, not "
+                         f"{q.dtype}, {k.dtype}, {wq.dtype}, {wk.dtype}")
     n = q.shape[0]
     log2_base = _log2f(base)
     template = [("H", n_heads), ("KV", n_kv_heads), ("D", head_dim), ("EPS_BITS", _f32_bits(eps)),
                 ("LOG2_BASE_BITS", _f32_bits(log2_base))]
     qo, ko = _kernel(kind, "qk_norm_rope")(
         inputs=[q, k, wq, wk, row_pos], template=template, grid=_grid(-(-n * (n_heads + n_kv_heads) // 8)),
-        threadgroup=(THREADS, 1, 1), output_shapes=[q.shape, k.shape], output_dtypes=[mx.float32, mx.float32])
+        threadgroup=(THREADS, 1, 1), output_shapes=[q.shape, k.shape], output_dtypes=[q.dtype, k.dtype])
     return qo, ko

@@ -81,12 +81,12 @@ class TracingBackend:
 
     def per_head_sequence(self, q, kv, batch, spec, b, out):
         # the per-head reference's steps on the tracer (counted), as `per_head_attention` calls them;
-        # where the inner backend makes steps 3-7 one op a head (MLX's fused attention on a 16-bit
-        # chunk: `_sdpa_takes`), its own steps, counted as one "sdpa" op, so the bits stay the reference's
+        # where the inner backend makes steps 3-7 one op a head (`sequence_op`: MLX's fused attention on
+        # a 16-bit chunk), its own steps, counted as that op, so the bits stay the reference's
         r0, r1 = batch.rows[b]
-        takes = getattr(self.inner, "_sdpa_takes", None)
-        if takes is not None and takes(spec, r1 - r0):
-            return self._call("sdpa", self.inner.per_head_sequence, (q, kv, batch, spec, b, out), {})
+        op = self.inner.sequence_op(spec, r1 - r0)
+        if op is not None:
+            return self._call(op, self.inner.per_head_sequence, (q, kv, batch, spec, b, out), {})
         return Backend.per_head_sequence(self, q, kv, batch, spec, b, out)
 
     def fused_attention(self, q, kv, batch, spec):

@@ -234,4 +234,5 @@ class HostKernel:
             *[a.ctypes.data for a in arrays + outs + shapes])
         (gx, gy, _), (tx, _, _) = grid, threadgroup
         lib.run(ptrs, ctypes.c_uint(gx // tx), ctypes.c_uint(gy), ctypes.c_uint(tx))
-        return [mx.array(_unguarded(o, s, self.name)) for o, s in zip(outs, output_shapes)]
+        # (a 16-bit output's bits as its type: a bfloat16 or float16 output is that type, as on MLX)
+        return [mx.view(mx.array(_unguarded(o, s, self.name)), d) for o, s, d in zip(outs, output_shapes, output_dtypes)]

@@ -81,8 +81,8 @@ def test_qk_norm_rope_kernel_on_the_host(host_dir, monkeypatch):
     products and a sum, each within an ulp or two, and glibc's sinf/cosf within one: ~8 ulps of outputs
     up to ~10; measured 6.2e-7 (this VM, 2026-12-05), bound 2.5e-6. The cases include a head whose
     mean square epsilon dominates and an all-zero head. Each row does not depend on the other rows of
-    the pass; shapes the kernel does not serve, and bfloat16 activations (the kernel reads float32),
-    take mx.fast's path (no launch), the default's bits."""
+    the pass; shapes the kernel does not serve take mx.fast's path (no launch). 16-bit activations: the
+    next test."""
     from .test_mlx_backend import _qk_norm_rope_cases
 
     launched = cuda_host.launch_on_host(host_dir, monkeypatch)
@@ -106,17 +106,72 @@ def test_qk_norm_rope_kernel_on_the_host(host_dir, monkeypatch):
         alone = b.qk_norm_rope(q[last:], k[last:], wq, wk, pos[last:], heads, kv, dim, eps, base, traditional)
         for g, one in zip(got, alone):
             np.testing.assert_array_equal(np.array(g)[last:], np.array(one))
-    # bfloat16 activations: the kernel reads float32 only, so mx.fast's path, the default's bits
+
+
+def _round16(x: np.ndarray, dtype) -> np.ndarray:
+    """float64 values rounded to a 16-bit type (to nearest even) and back, as float64."""
+    return np.array(mx.array(x.astype(np.float32)).astype(dtype).astype(mx.float32)).astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_qk_norm_rope_kernel_in_16_bits_on_the_host(dtype, host_dir, monkeypatch):
+    """The qk_norm_rope kernel on 16-bit q, k and weights (the activations' type): one launch, outputs of
+    that type, mx.fast's three roundings to it (the normalized value, its product by the weight, the
+    rotated value). Against the same in float64 at the kernel's angles with those roundings emulated:
+    the float32 parts (sum of squares, 1/sqrt, sinf/cosf: ~2.5e-6 of outputs up to ~10) can move an
+    intermediate across a rounding boundary, one unit in the last place of the type (u = 2^-8 bfloat16,
+    2^-11 float16, relative) at each of the two roundings before the rotation, so the bound is
+    2u (|x1| + |x2|) + u |out| a value; nearly all values come out the emulation's bits (at least 99%;
+    measured 19,968 of 19,968 bfloat16, 19,967 float16, this VM, 2026-12-05). (Not against mx.fast on this CPU: MLX's CPU rope in 16 bits
+    rounds cos and sin to the type and multiplies in it; its CUDA kernel, which this one follows, computes
+    in float32 and rounds once. On a GPU, tests/test_mlx_backend.py compares the two.) Each row does not
+    depend on the others; q and k with weights of another type take mx.fast's path."""
+    from .test_mlx_backend import _qk_norm_rope_cases, rope16_bound
+
+    mdt = getattr(mx, dtype)
+    u = 2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -11
+    launched = cuda_host.launch_on_host(host_dir, monkeypatch)
+    b = cuda_host.cuda_path(dtype)
+    same = total = 0
+    for args in _qk_norm_rope_cases(b, np.random.default_rng(3)):
+        q, k, wq, wk = (a.astype(mdt) for a in args[:4])
+        pos, heads, kv, dim, eps, base, traditional = args[4:]
+        del launched[:]
+        got = b.qk_norm_rope(q, k, wq, wk, pos, heads, kv, dim, eps, base, traditional)
+        if not kernels.qk_norm_rope_fits(dim, traditional):
+            assert launched == []
+            continue
+        assert launched == ["qk_norm_rope"]
+        theta = kernel_angles(np.array(pos), dim, base).astype(np.float64)[:, None, :]
+        c, sn = np.cos(theta), np.sin(theta)
+        for g, x, w, n in ((got[0], q, wq, heads), (got[1], k, wk, kv)):
+            assert g.dtype == mdt and g.shape == x.shape
+            xh = np.array(x.astype(mx.float32)).astype(np.float64).reshape(-1, n, dim)
+            normed = _round16(xh / np.sqrt((xh * xh).mean(-1, keepdims=True) + eps), mdt)
+            v = _round16(normed * np.array(w.astype(mx.float32)).astype(np.float64), mdt)
+            x1, x2 = v[..., :dim // 2], v[..., dim // 2:]
+            exact = np.concatenate([x1 * c - x2 * sn, x1 * sn + x2 * c], -1)
+            want = _round16(exact, mdt)
+            g = np.array(g.astype(mx.float32)).astype(np.float64)
+            assert np.all(np.abs(g - want.reshape(g.shape)) <= rope16_bound(exact.reshape(g.shape), dim, u))
+            same += int((g == want.reshape(g.shape)).sum())
+            total += g.size
+        last = q.shape[0] - 1
+        alone = b.qk_norm_rope(q[last:], k[last:], wq, wk, pos[last:], heads, kv, dim, eps, base, traditional)
+        for g, one in zip(got, alone):
+            np.testing.assert_array_equal(np.array(g.astype(mx.float32))[last:], np.array(one.astype(mx.float32)))
+    assert same >= 0.99 * total, f"{same} of {total} values are the emulation's bits"
+    # q and k of the type with float32 weights (types the kernel does not mix): mx.fast's path, its bits
     from mlxinfer.backend import Backend
 
-    b16 = cuda_host.cuda_path("bfloat16")
-    for args in _qk_norm_rope_cases(b16, np.random.default_rng(3)):
-        del launched[:]
-        args = tuple(a.astype(mx.bfloat16) for a in args[:4]) + args[4:]  # (q, k and the norms' weights)
-        got, want = b16.qk_norm_rope(*args), Backend.qk_norm_rope(b16, *args)
-        assert launched == []
-        for g, w in zip(got, want):
-            assert g.dtype == mx.bfloat16 and np.array_equal(np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32)))
+    args = next(_qk_norm_rope_cases(b, np.random.default_rng(4)))
+    args = (args[0].astype(mdt), args[1].astype(mdt)) + args[2:]
+    del launched[:]
+    got, want = b.qk_norm_rope(*args), Backend.qk_norm_rope(b, *args)
+    assert launched == []
+    for g, w in zip(got, want):
+        assert np.array_equal(np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32)))
+    print(f"{dtype}: {same} of {total} values the emulation's bits ({100 * same / total:.1f}%)")
 
 
 # -- every architecture through the engine's CUDA path ------------------------------------------------

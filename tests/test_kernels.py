@@ -44,8 +44,8 @@ def test_cuda_kernels_go_to_mlx_without_comments_and_with_only_the_header_they_u
         assert "//" not in header + body and "\n\n" not in header + body
         assert header.startswith("#define MLXI_THREADS 256\n#define MLXI_WARPS 8\n")
         assert kernels.strip_comments(bodies[name]) == body
-    header, _ = kernels.kernel_parts("cuda", "qk_norm_rope")  # uses mlxi_warp_total alone
-    assert re.findall(r"mlxi_\w+(?=\()", header) == ["mlxi_warp_total"]
+    header, _ = kernels.kernel_parts("cuda", "qk_norm_rope")  # the conversions and mlxi_warp_total alone
+    assert set(re.findall(r"mlxi_\w+(?=\()", header)) == {"mlxi_f", "mlxi_in", "mlxi_put", "mlxi_warp_total"}
     header, _ = kernels.kernel_parts("cuda", "attn_softmax_context")  # a chain: mlxi_block_total -> warp_total
     used = set(re.findall(r"mlxi_\w+(?=\()", header))
     assert {"mlxi_block_total", "mlxi_warp_total", "mlxi_block_max"} <= used and "mlxi_context_tile" not in used
@@ -249,12 +249,14 @@ def _cuda_kernel_source(name: str, body: str, header: str, extra: tuple = (), ty
     params = []
     for i in inputs:
         kind = "int" if i in INT_INPUTS else "float"
-        if i in ATTENTION_INPUTS and name != "qk_norm_rope":  # (qk_norm_rope reads float32 q and k)
+        if name == "qk_norm_rope" and i not in INT_INPUTS:  # (q, k, their weights and outputs: one type)
+            kind = ctypes_["QT"]
+        elif i in ATTENTION_INPUTS:
             kind = ctypes_[ATTENTION_INPUTS[i]]
         params.append(f"const {kind}* {i}")
         if f"{i}_shape" in body:
             params.append(f"const __grid_constant__ Shape {i}_shape")
-    params += [f"float* {o}" for o in outputs]
+    params += [f"{ctypes_['QT'] if name == 'qk_norm_rope' else 'float'}* {o}" for o in outputs]
     consts = "".join(f"  constexpr {'bool' if v == 'true' else 'int'} {k} = {v};\n" for k, v in SPLIT_TEMPLATE.items()
                      if name in TEMPLATED) + "".join(f"  constexpr int {k} = {v};\n" for k, v in extra)
     if {"q", "k", "v"} & set(inputs) and name != "qk_norm_rope":
@@ -311,6 +313,10 @@ def test_cuda_sources_compile_with_nvrtc(monkeypatch):
     for name, body, extra in builds:
         rc, log = _nvrtc_compile(lib, name, _cuda_kernel_source(name, body, parts[name][0], extra), opts)
         assert rc == 0, f"{name}: {log}"
+    for t in ("bfloat16", "float16"):  # qk_norm_rope in each --dtype: q, k, weights and outputs of that type
+        src = _cuda_kernel_source("qk_norm_rope", bodies["qk_norm_rope"], parts["qk_norm_rope"][0], builds[-1][2], (t, t))
+        rc, log = _nvrtc_compile(lib, "qk_norm_rope", src, opts)
+        assert rc == 0, f"qk_norm_rope {t}: {log}"
     # the attention kernels read q, K and V in bfloat16 and float16 too (--dtype, --kv-dtype), and K and V
     # from a q8_0 cache's int8 rows: each kernel's form in use, with both 16-bit types, q in bfloat16 over
     # a float32 cache, and q in float32 and bfloat16 over a q8_0 cache

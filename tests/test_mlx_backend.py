@@ -586,6 +586,20 @@ def _qk_norm_rope_cases(b, rng):
         yield (q, k, wq, wk, pos, heads, kv, dim, 1e-6, 1e6, traditional)
 
 
+def rope16_bound(out: np.ndarray, head_dim: int, u: float) -> np.ndarray:
+    """How far a 16-bit qk_norm_rope output may be from another computation of it with the same roundings
+    (mx.fast's: the normalized value and its product by the weight rounded to the type, the rotation in
+    float32 rounded once), [rows, heads*head_dim] like `out`: the float32 parts (sum of squares, 1/sqrt,
+    sin/cos: ~2.5e-6 of outputs up to ~10) can move either rounding before the rotation by one unit in the
+    type's last place (u relative: 2^-8 bfloat16, 2^-11 float16) in each of the pair (x1, x2) it rotates,
+    and the output's rounding one more: 2u (|x1| + |x2|) + u |out|, with |x1| + |x2| <= sqrt(2) times the
+    rotated pair's length."""
+    pairs = out.reshape(out.shape[0], -1, 2, head_dim // 2)
+    length = np.sqrt((pairs.astype(np.float64) ** 2).sum(axis=2, keepdims=True))
+    pair = np.broadcast_to(length, pairs.shape).reshape(out.shape)
+    return 2 * u * np.sqrt(2) * pair + u * np.abs(out) + 2.5e-6
+
+
 @pytest.mark.parametrize("device", ["cpu", "gpu"])
 def test_qk_norm_rope_override_matches_its_default_bitwise(device):
     """The MLX override of `qk_norm_rope` without the CUDA kernel (mx.fast's kernels on [N, heads, 1,
@@ -606,32 +620,41 @@ def test_qk_norm_rope_override_matches_its_default_bitwise(device):
 
 
 @pytest.mark.skipif(gpu_kind() != "cuda", reason="needs MLX's CUDA backend")
-def test_qk_norm_rope_cuda_kernel_matches_mx_fast_and_is_row_invariant():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_qk_norm_rope_cuda_kernel_matches_mx_fast_and_is_row_invariant(dtype):
     """kernels.qk_norm_rope (one launch for the queries' and keys' per-head RMSNorm and RoPE) against the
     protocol's default on the same GPU (mx.fast.rms_norm and mx.fast.rope): mx.fast's operations but the
-    sum of squares in another order, so within a few float32 ulps, not bit for bit; each row's output
-    does not depend on the other rows of the pass (a row alone gives the same bits), and a second launch
-    the same bits. Shapes the kernel does not serve (interleaved RoPE) take mx.fast's path: bit for bit."""
+    sum of squares in another order, so within a few float32 ulps in float32, not bit for bit, and in 16
+    bits within `rope16_bound` (its roundings are mx.fast's: one unit in the type's last place where the
+    float32 parts move one); each row's output does not depend on the other rows of the pass (a row alone
+    gives the same bits), and a second launch the same bits. Shapes the kernel does not serve (interleaved
+    RoPE) take mx.fast's path: bit for bit."""
     from mlxinfer.backend import Backend
 
-    b = MLXBackend(device="gpu")
+    b = MLXBackend(device="gpu", dtype=dtype)
     assert b.gpu_kernels == "cuda"
+    mdt = getattr(mx, dtype)
+    u = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}.get(dtype)
     for args in _qk_norm_rope_cases(b, np.random.default_rng(2)):
+        args = tuple(a.astype(mdt) for a in args[:4]) + args[4:]
         got, want = b.qk_norm_rope(*args), Backend.qk_norm_rope(b, *args)
         fits = kernels.qk_norm_rope_fits(args[7], args[10])
         for g, w in zip(got, want):
-            g, w = np.array(g), np.array(w)
-            if fits:
+            assert g.dtype == w.dtype == mdt
+            g, w = np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32))
+            if not fits:
+                np.testing.assert_array_equal(g, w)
+            elif u is None:
                 np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)
             else:
-                np.testing.assert_array_equal(g, w)
+                assert np.all(np.abs(g - w) <= rope16_bound(w, args[7], u))
         if fits:
             again = b.qk_norm_rope(*args)
             last = args[0].shape[0] - 1
             alone = b.qk_norm_rope(args[0][last:], args[1][last:], *args[2:4], args[4][last:], *args[5:])
             for g, a, one in zip(got, again, alone):
-                np.testing.assert_array_equal(np.array(g), np.array(a))
-                np.testing.assert_array_equal(np.array(g)[last:], np.array(one))
+                np.testing.assert_array_equal(np.array(g.astype(mx.float32)), np.array(a.astype(mx.float32)))
+                np.testing.assert_array_equal(np.array(g.astype(mx.float32))[last:], np.array(one.astype(mx.float32)))
 
 
 def test_q8_0_rows_are_llama_cpp_blocks():

@@ -218,12 +218,18 @@ def test_the_verdict_is_kept_per_cudnn_release(monkeypatch):
     release is checked again); Metal's names none."""
     from importlib import metadata
 
-    class Dist:
-        metadata, version = {"Name": "nvidia-cudnn-cu12"}, "9.8.0.87"
+    def installed(*wheels):
+        def version(name):
+            if name not in wheels:
+                raise metadata.PackageNotFoundError(name)
+            return "9.8.0.87"
+        return version
 
-    monkeypatch.setattr(metadata, "distributions", lambda: [Dist()])
+    monkeypatch.setattr(metadata, "version", installed("nvidia-cudnn-cu13"))  # (mlx-cuda-13's requirement)
     assert mlx_backend.cudnn_version("cuda") == " cudnn 9.8.0.87" and mlx_backend.cudnn_version("metal") == ""
-    monkeypatch.setattr(metadata, "distributions", lambda: [])
+    monkeypatch.setattr(metadata, "version", installed("nvidia-cudnn-cu12"))
+    assert mlx_backend.cudnn_version("cuda") == " cudnn 9.8.0.87"
+    monkeypatch.setattr(metadata, "version", installed())
     assert mlx_backend.cudnn_version("cuda") == " cudnn ?"
     kinds = []
     monkeypatch.setattr(mlx_backend.kernel_checks, "verdict", lambda kind, dt, kv, run, fresh=False: kinds.append(kind))

@@ -338,15 +338,23 @@ def _check_long_case(backend: "MLXBackend", case: CheckCase) -> str | None:
     return None
 
 
+CUDNN_WHEELS = ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12", "nvidia-cudnn")  # the names MLX's CUDA build installs it by
+
+
 def cudnn_version(kind: str) -> str:
     """On CUDA, " cudnn X" with the installed cuDNN wheel's version ("?" where none is found): MLX's
-    fused attention is cuDNN's kernel there, so its self-check's verdict is kept per cuDNN release."""
+    fused attention is cuDNN's kernel there, so its self-check's verdict is kept per cuDNN release.
+    Looked up by name (CUDNN_WHEELS), not by listing every installed distribution."""
     if kind != "cuda":
         return ""
     from importlib import metadata
 
-    found = [d.version for d in metadata.distributions() if (d.metadata["Name"] or "").lower().startswith("nvidia-cudnn")]
-    return f" cudnn {found[0] if found else '?'}"
+    for name in CUDNN_WHEELS:
+        try:
+            return f" cudnn {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return " cudnn ?"
 
 
 def verify_sdpa(backend: "MLXBackend") -> str | None:
@@ -937,9 +945,9 @@ class MLXBackend(Backend):
     def qk_norm_rope(self, q, k, q_weight, k_weight, positions, n_heads, n_kv_heads, head_dim, eps, base,
                      traditional, factors=None):
         if self.gpu_kernels == "cuda" and factors is None and kernels.qk_norm_rope_fits(head_dim, traditional) \
-                and self.dtype == mx.float32:  # (the kernel reads and writes float32)
+                and len({q.dtype, k.dtype, q_weight.dtype, k_weight.dtype}) == 1:
             # one launch for both, reading the heads in place: the step's 4 launches and 4 views a layer
-            # become 1 (not bit for bit mx.fast's: see kernels.qk_norm_rope)
+            # become 1 (not bit for bit mx.fast's: see kernels.qk_norm_rope), in every --dtype
             return kernels.qk_norm_rope("cuda", q, k, q_weight, k_weight, positions, n_heads, n_kv_heads, head_dim,
                                         eps, base)
         return (self._norm_rope(q, q_weight, positions, n_heads, head_dim, eps, base, traditional, factors),
@@ -1084,6 +1092,9 @@ class MLXBackend(Backend):
             ctx = self._sdpa(q_h[None, None], k_h[None, None], v_h[None, None], spec, mask)
             out = self.copy_2d_into(out, ctx[0, 0], r0, h * d)
         return out
+
+    def sequence_op(self, spec, rows: int) -> str | None:
+        return "sdpa" if self._sdpa_takes(spec, rows) else None
 
     def _sdpa_takes(self, spec, rows: int) -> bool:
         """Whether a sequence's chunk of `rows` query rows takes MLX's fused attention (16-bit prefill
