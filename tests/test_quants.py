@@ -32,7 +32,7 @@ from gguf.quants import dequantize
 import mlxinfer
 from mlxinfer import quants
 from mlxinfer.backends.mlx import MLXBackend, gpu_kind
-from mlxinfer.backends.mlx_weights import BlockWeight, ExpertStack, QuantizedWeight, to_device
+from mlxinfer.backends.mlx_weights import BlockWeight, ExpertStack, QuantizedWeight, affine_scales, to_device
 from mlxinfer.gguf_file import GGUFFile
 from mlxinfer.synthetic import SyntheticSpec, write_synthetic_model
 
@@ -372,6 +372,25 @@ def test_float_scales_give_the_same_bits_in_more_memory(model_dir, qtype):
     a = np.concatenate([fast.logits(IDS), decode_logits(fast, IDS, 2)])
     b = np.concatenate([compact.logits(IDS), decode_logits(compact, IDS, 2)])
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("qtype", list(quants.AFFINE_BITS), ids=lambda q: q.name)
+def test_scales_formed_by_one_compiled_kernel_are_float32_ones_rounded_once(qtype, dtype):
+    """An affine weight's scales and biases in the products' dtype come from one compiled function
+    (`formed_scales`: a fused kernel a product on a GPU), a gathered row's from the same function
+    uncompiled (`affine_scales`): both the float32 values (as gguf-py's arithmetic forms them) rounded
+    once to the dtype, bit for bit, edge values included (fp16 subnormals, +-65504, zeros, negatives:
+    an offset type's bias is the rounded scale times a power of two)."""
+    mdt = getattr(mx, dtype)
+    raw = quants.random_blocks(np.random.default_rng(int(qtype) + 7), qtype, ROWS, COLS, edges=True)
+    w = to_device(qtype, quants.split(raw, qtype, ROWS, COLS), (ROWS, COLS), dtype=mdt)
+    f32 = affine_scales(qtype, w.parts)  # float32
+    bits = mx.uint32 if dtype == "float32" else mx.uint16
+    for name, formed in (("compiled", w.affine()), ("uncompiled", affine_scales(qtype, w.parts, mdt))):
+        for got, want in zip(formed, f32):
+            assert got.dtype == mdt
+            assert np.array_equal(np.array(mx.view(got, bits)), np.array(mx.view(want.astype(mdt), bits))), name
 
 
 def test_scales_are_formed_at_each_use_unless_asked():

@@ -2,8 +2,8 @@
 takes which form and why each is exact):
 
   - `QuantizedWeight`: MLX affine group-32 quants (bits 4, 5, 8) and the file's own scale fields;
-    float32 scales and biases are formed in the graph at each use (`affine_scales`), then
-    `mx.quantized_matmul`.
+    scales and biases are formed at each use (`affine_scales`: in float32, rounded once to the products'
+    dtype; one compiled kernel a product, `formed_scales`), then `mx.quantized_matmul`.
   - `BlockWeight`: the file's block fields (Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS) or 16-bit values (F16,
     BF16), dequantized to float32 in the graph at each use (`dequantize`: MLX bit operations doing
     gguf-py's arithmetic), then a float32 product. This costs time, not memory: on MLX's CPU a product
@@ -26,6 +26,7 @@ matrices (`WeightGroup`) are slices, gathers and concatenations of each array.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -37,21 +38,32 @@ _OFFSET = {Q.Q8_0: -128.0, Q.Q4_0: -8.0, Q.Q5_0: -16.0}  # bias = offset·d; the
 DENSE_SLICE_BYTES = 128 << 20  # the most of a BlockWeight a product dequantizes at once (float32 bytes)
 
 
-def affine_scales(qtype, parts) -> tuple[mx.array, mx.array]:
-    """float32 (scales, biases) [rows, in/32] from the kept scale fields: d (and m) for the 32-value
-    types; d, dmin [rows, blocks, 2] and sub-scales, mins [rows, blocks, 2, 8] for Q4_K/Q5_K
-    (scale d·sc, bias -dmin·m; exact products: quants' doc)."""
+def affine_scales(qtype, parts, dtype=mx.float32) -> tuple[mx.array, mx.array]:
+    """(scales, biases) [rows, in/32] in `dtype` from the kept scale fields: d (and m) for the 32-value
+    types; d, dmin [rows, blocks, 2] and sub-scales, mins [rows, blocks, 2, 8] for Q4_K/Q5_K (scale
+    d·sc, bias -dmin·m; exact products: quants' doc), formed in float32 and rounded once to `dtype`.
+    Each output is its own chain of elementwise operations from the fields (no float32 array shared by
+    the two), so that MLX's compiler fuses each into one kernel (`formed_scales`): the offset types'
+    bias is the rounded scale times the offset (a power of two: the same value as the float32 scale's
+    product rounded), the K-quants' fields are cast a part at a time."""
     if qtype in (Q.Q4_K, Q.Q5_K):
         dd, sm = parts
-        f, s = dd.astype(mx.float32), sm.astype(mx.float32)
         rows = dd.shape[0]
-        scales = mx.reshape(f[..., 0:1] * s[..., 0, :], (rows, -1))
-        biases = mx.reshape(-(f[..., 1:2] * s[..., 1, :]), (rows, -1))
-        return scales, biases
-    scales = parts[0].astype(mx.float32)
+        scales = dd[..., 0:1].astype(mx.float32) * sm[..., 0, :].astype(mx.float32)
+        biases = -(dd[..., 1:2].astype(mx.float32) * sm[..., 1, :].astype(mx.float32))
+        return mx.reshape(scales.astype(dtype), (rows, -1)), mx.reshape(biases.astype(dtype), (rows, -1))
+    scales = parts[0].astype(mx.float32).astype(dtype)
     if qtype in _OFFSET:
-        return scales, scales * _OFFSET[qtype]
-    return scales, parts[1].astype(mx.float32)
+        return scales, scales * mx.array(_OFFSET[qtype], dtype)
+    return scales, parts[1].astype(mx.float32).astype(dtype)
+
+
+@lru_cache(maxsize=None)
+def formed_scales(qtype, dtype):
+    """`affine_scales` in `dtype` as one compiled function: MLX fuses each output's chain into one
+    kernel, where the graph launches four (the 32-value types) to seven (Q4_K, Q5_K) a product on a GPU
+    (bench/probes/step_graph.py counts them). The same operations: the same bits (tested)."""
+    return mx.compile(lambda *parts: affine_scales(qtype, parts, dtype))
 
 
 def _shifts(*values, dtype=mx.uint8) -> mx.array:
@@ -138,11 +150,14 @@ class QuantizedWeight:
         return AFFINE_BITS[self.qtype]
 
     def affine(self, parts=None) -> tuple[mx.array, mx.array]:
-        parts = self.parts if parts is None else parts
+        """(scales, biases) in the products' dtype: the weight's own fields formed by one compiled
+        kernel (`formed_scales`; its shapes are fixed, so it is traced once), or gathered rows' fields
+        (`parts`: their count changes from pass to pass) formed in the graph."""
         if self.float_scales:
-            return parts
-        scales, biases = affine_scales(self.qtype, parts)
-        return scales.astype(self.dtype), biases.astype(self.dtype)
+            return self.parts if parts is None else parts
+        if parts is None:
+            return formed_scales(self.qtype, self.dtype)(*self.parts)
+        return affine_scales(self.qtype, parts, self.dtype)
 
     @property
     def scales(self) -> mx.array:
@@ -286,7 +301,7 @@ def to_device(qtype, arrays, shape, float_scales: bool = False, dtype=mx.float32
         return arrays[0]
     if qtype in AFFINE_BITS:
         if float_scales:
-            affine = tuple(a.astype(dtype) for a in affine_scales(qtype, arrays[1:]))
+            affine = affine_scales(qtype, arrays[1:], dtype)
             mx.eval(*affine)
             return QuantizedWeight(arrays[0], affine, qtype, shape, True, dtype)
         return QuantizedWeight(arrays[0], arrays[1:], qtype, shape, dtype=dtype)
