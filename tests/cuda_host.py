@@ -227,6 +227,8 @@ class HostKernel:
         from mlxinfer import kernels
 
         arrays = [_host_array(a) for a in inputs]
+        if not set(output_dtypes) <= {mx.float32, mx.bfloat16, mx.float16, mx.uint16}:
+            raise NotImplementedError(f"host kernel {self.name}: outputs of {output_dtypes} (float32 or 16 bits only)")
         outs = [_guarded(s, np.float32 if d == mx.float32 else np.uint16) for s, d in zip(output_shapes, output_dtypes)]
         names = kernels._INPUTS[self.name][0]
         shapes = [np.array(inputs[names.index(n)].shape, np.int64) for n in self._shaped()]

@@ -118,10 +118,9 @@ def test_qk_norm_rope_kernel_in_16_bits_on_the_host(dtype, host_dir, monkeypatch
     """The qk_norm_rope kernel on 16-bit q, k and weights (the activations' type): one launch, outputs of
     that type, mx.fast's three roundings to it (the normalized value, its product by the weight, the
     rotated value). Against the same in float64 at the kernel's angles with those roundings emulated:
-    the float32 parts (sum of squares, 1/sqrt, sinf/cosf: ~2.5e-6 of outputs up to ~10) can move an
-    intermediate across a rounding boundary, one unit in the last place of the type (u = 2^-8 bfloat16,
-    2^-11 float16, relative) at each of the two roundings before the rotation, so the bound is
-    2u (|x1| + |x2|) + u |out| a value; nearly all values come out the emulation's bits (at least 99%;
+    the float32 parts (sum of squares, 1/sqrt, sinf/cosf) can move a value across a rounding boundary
+    (`rope16_bound`: 4u (|x1| + |x2|) + 2u |out|, u = 2^-8 bfloat16, 2^-11 float16); nearly all values
+    come out the emulation's bits (at least 99%;
     measured 19,968 of 19,968 bfloat16, 19,967 float16, this VM, 2026-12-05). (Not against mx.fast on this CPU: MLX's CPU rope in 16 bits
     rounds cos and sin to the type and multiplies in it; its CUDA kernel, which this one follows, computes
     in float32 and rounds once. On a GPU, tests/test_mlx_backend.py compares the two.) Each row does not

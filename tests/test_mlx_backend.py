@@ -589,15 +589,17 @@ def _qk_norm_rope_cases(b, rng):
 def rope16_bound(out: np.ndarray, head_dim: int, u: float) -> np.ndarray:
     """How far a 16-bit qk_norm_rope output may be from another computation of it with the same roundings
     (mx.fast's: the normalized value and its product by the weight rounded to the type, the rotation in
-    float32 rounded once), [rows, heads*head_dim] like `out`: the float32 parts (sum of squares, 1/sqrt,
-    sin/cos: ~2.5e-6 of outputs up to ~10) can move either rounding before the rotation by one unit in the
-    type's last place (u relative: 2^-8 bfloat16, 2^-11 float16) in each of the pair (x1, x2) it rotates,
-    and the output's rounding one more: 2u (|x1| + |x2|) + u |out|, with |x1| + |x2| <= sqrt(2) times the
-    rotated pair's length."""
+    float32 rounded once), [rows, heads*head_dim] like `out`. The float32 parts (sum of squares, 1/sqrt,
+    sin/cos: ~2.5e-6 of outputs up to ~10) can move a value across a rounding boundary: one unit in the
+    type's last place, at most 2u of the value (u = 2^-8 bfloat16, 2^-11 float16), at the normalized
+    value (then times the weight, ~1 here) and again at its product by the weight: 4u of each of the
+    pair (x1, x2) the rotation takes, so 4u (|x1| + |x2|) of the output, and 2u |out| at its own
+    rounding; |x1| + |x2| <= sqrt(2) times the rotated pair's length. Where x1 cos - x2 sin nearly
+    cancels, that is many units of the output's last place."""
     pairs = out.reshape(out.shape[0], -1, 2, head_dim // 2)
     length = np.sqrt((pairs.astype(np.float64) ** 2).sum(axis=2, keepdims=True))
     pair = np.broadcast_to(length, pairs.shape).reshape(out.shape)
-    return 2 * u * np.sqrt(2) * pair + u * np.abs(out) + 2.5e-6
+    return 4 * u * np.sqrt(2) * pair + 2 * u * np.abs(out) + 2.5e-6
 
 
 @pytest.mark.parametrize("device", ["cpu", "gpu"])

@@ -378,19 +378,23 @@ def test_float_scales_give_the_same_bits_in_more_memory(model_dir, qtype):
 @pytest.mark.parametrize("qtype", list(quants.AFFINE_BITS), ids=lambda q: q.name)
 def test_scales_formed_by_one_compiled_kernel_are_float32_ones_rounded_once(qtype, dtype):
     """An affine weight's scales and biases in the products' dtype come from one compiled function
-    (`formed_scales`: a fused kernel a product on a GPU), a gathered row's from the same function
-    uncompiled (`affine_scales`): both the float32 values (as gguf-py's arithmetic forms them) rounded
-    once to the dtype, bit for bit, edge values included (fp16 subnormals, +-65504, zeros, negatives:
-    an offset type's bias is the rounded scale times a power of two)."""
+    on a GPU (`formed_scales`: a fused kernel a product; a row slice's too), elsewhere and for gathered
+    rows from the same function uncompiled (`affine_scales`): both the float32 values (as gguf-py's
+    arithmetic forms them) rounded once to the dtype, bit for bit, edge values included (fp16
+    subnormals, +-65504, zeros, negatives: an offset type's bias is the rounded scale times a power of
+    two). (That the float32 values are gguf-py's: test_kept_weights_dequantize_to_gguf_py_bit_for_bit.)"""
     mdt = getattr(mx, dtype)
     raw = quants.random_blocks(np.random.default_rng(int(qtype) + 7), qtype, ROWS, COLS, edges=True)
-    w = to_device(qtype, quants.split(raw, qtype, ROWS, COLS), (ROWS, COLS), dtype=mdt)
+    w = to_device(qtype, quants.split(raw, qtype, ROWS, COLS), (ROWS, COLS), dtype=mdt, compiled=True)
     f32 = affine_scales(qtype, w.parts)  # float32
     bits = mx.uint32 if dtype == "float32" else mx.uint16
-    for name, formed in (("compiled", w.affine()), ("uncompiled", affine_scales(qtype, w.parts, mdt))):
-        for got, want in zip(formed, f32):
+    part = w.row_slice(3, 9)  # (a weight group's view: strided fields, another shape to trace)
+    for name, formed, want_all in (("compiled", w.affine(), f32), ("uncompiled", affine_scales(qtype, w.parts, mdt), f32),
+                                   ("compiled row slice", part.affine(), tuple(a[3:9] for a in f32))):
+        for got, want in zip(formed, want_all):
             assert got.dtype == mdt
             assert np.array_equal(np.array(mx.view(got, bits)), np.array(mx.view(want.astype(mdt), bits))), name
+    assert part.compiled and not to_device(qtype, quants.split(raw, qtype, ROWS, COLS), (ROWS, COLS)).compiled
 
 
 def test_scales_are_formed_at_each_use_unless_asked():

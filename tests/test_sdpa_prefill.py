@@ -218,16 +218,21 @@ def test_the_verdict_is_kept_per_cudnn_release(monkeypatch):
     release is checked again); Metal's names none."""
     from importlib import metadata
 
-    def installed(*wheels):
+    def installed(**wheels):
         def version(name):
-            if name not in wheels:
+            if name.replace("-", "_") not in wheels:
                 raise metadata.PackageNotFoundError(name)
-            return "9.8.0.87"
+            return wheels[name.replace("-", "_")]
         return version
 
-    monkeypatch.setattr(metadata, "version", installed("nvidia-cudnn-cu13"))  # (mlx-cuda-13's requirement)
+    monkeypatch.setattr(metadata, "version", installed(nvidia_cudnn_cu13="9.8.0.87"))  # (mlx-cuda-13's requirement)
     assert mlx_backend.cudnn_version("cuda") == " cudnn 9.8.0.87" and mlx_backend.cudnn_version("metal") == ""
-    monkeypatch.setattr(metadata, "version", installed("nvidia-cudnn-cu12"))
+    monkeypatch.setattr(metadata, "version", installed(nvidia_cudnn_cu12="9.1.0"))
+    assert mlx_backend.cudnn_version("cuda") == " cudnn 9.1.0"
+    both = dict(nvidia_cudnn_cu13="9.8.0.87", nvidia_cudnn_cu12="9.1.0")  # the one MLX's build requires
+    monkeypatch.setattr(metadata, "version", installed(mlx_cuda_12="0.32.4", **both))
+    assert mlx_backend.cudnn_version("cuda") == " cudnn 9.1.0"
+    monkeypatch.setattr(metadata, "version", installed(mlx_cuda_13="0.32.4", **both))
     assert mlx_backend.cudnn_version("cuda") == " cudnn 9.8.0.87"
     monkeypatch.setattr(metadata, "version", installed())
     assert mlx_backend.cudnn_version("cuda") == " cudnn ?"

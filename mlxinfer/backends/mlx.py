@@ -338,22 +338,29 @@ def _check_long_case(backend: "MLXBackend", case: CheckCase) -> str | None:
     return None
 
 
-CUDNN_WHEELS = ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12", "nvidia-cudnn")  # the names MLX's CUDA build installs it by
+CUDNN_WHEELS = (("mlx-cuda-13", "nvidia-cudnn-cu13"), ("mlx-cuda-12", "nvidia-cudnn-cu12"))  # MLX's CUDA build, its cuDNN
 
 
 def cudnn_version(kind: str) -> str:
-    """On CUDA, " cudnn X" with the installed cuDNN wheel's version ("?" where none is found): MLX's
-    fused attention is cuDNN's kernel there, so its self-check's verdict is kept per cuDNN release.
-    Looked up by name (CUDNN_WHEELS), not by listing every installed distribution."""
+    """On CUDA, " cudnn X" with the version of the cuDNN wheel MLX's CUDA build requires ("?" where none
+    is found; where MLX's build is not found either, the first cuDNN wheel of CUDNN_WHEELS installed):
+    MLX's fused attention is cuDNN's kernel there, so its self-check's verdict is kept per cuDNN release.
+    Looked up by name, not by listing every installed distribution."""
     if kind != "cuda":
         return ""
     from importlib import metadata
 
-    for name in CUDNN_WHEELS:
+    def version(name):
         try:
-            return f" cudnn {metadata.version(name)}"
+            return metadata.version(name)
         except metadata.PackageNotFoundError:
-            continue
+            return None
+
+    builds = [cudnn for mlx_build, cudnn in CUDNN_WHEELS if version(mlx_build)]
+    for name in builds or [cudnn for _, cudnn in CUDNN_WHEELS]:
+        found = version(name)
+        if found:
+            return f" cudnn {found}"
     return " cudnn ?"
 
 
@@ -722,6 +729,11 @@ class MLXBackend(Backend):
     def peak_memory_mb(self) -> float:
         return mx.get_peak_memory() / (1024 * 1024)
 
+    def _to_device(self, qtype, arrays, shape):
+        """A weight on this backend (`mlx_weights.to_device`): in the products' dtype, its affine scales
+        formed once at load (`float_scales`) or at each use, by one compiled kernel on a GPU."""
+        return to_device(qtype, arrays, shape, self.float_scales, self.weight_dtype, compiled=self.device == "gpu")
+
     @staticmethod
     def _read(g, name, transposed: bool):
         """A 2-D weight in host memory: (type, arrays, (out, in)), the arrays `quants.split` makes
@@ -742,7 +754,7 @@ class MLXBackend(Backend):
         for matmuls, since `x @ W` is ~2.5x faster than `x @ W.T` on MLX's CPU. Cached per layout."""
         key = (name, transposed and g.tensor(name).ggml_type not in KEPT)
         if key not in self._cache:
-            self._cache[key] = to_device(*self._read(g, name, transposed), self.float_scales, self.weight_dtype)
+            self._cache[key] = self._to_device(*self._read(g, name, transposed))
         return self._cache[key]
 
     def load_weight(self, g, name):
@@ -756,12 +768,12 @@ class MLXBackend(Backend):
         the parts never reach the device."""
         parts = [self._read(g, n, transposed=True) for n in names]
         if len({qtype for qtype, _, _ in parts}) != 1:
-            return tuple(to_device(*p, self.float_scales, self.weight_dtype) for p in parts)
+            return tuple(self._to_device(*p) for p in parts)
         qtype = parts[0][0]
         axis = 1 if qtype is None else 0  # float [in, out] side by side; packed [out, ...] rows stacked
         sizes = tuple(shape[0] for _, _, shape in parts)
         stacked = [np.concatenate([arrays[i] for _, arrays, _ in parts], axis=axis) for i in range(len(parts[0][1]))]
-        merged = to_device(qtype, stacked, (sum(sizes), parts[0][2][1]), self.float_scales, self.weight_dtype)
+        merged = self._to_device(qtype, stacked, (sum(sizes), parts[0][2][1]))
         return WeightGroup(merged, sizes)
 
     def load_embedding(self, g, name):
@@ -917,8 +929,7 @@ class MLXBackend(Backend):
         e, out, n_in = t.shape
         if t.ggml_type in KEPT:
             arrays = quants.split(gguf.raw(name), t.ggml_type, e * out, n_in)
-            return ExpertStack((e, out, n_in), weight=to_device(t.ggml_type, arrays, (e * out, n_in), self.float_scales,
-                                                                  self.weight_dtype))
+            return ExpertStack((e, out, n_in), weight=self._to_device(t.ggml_type, arrays, (e * out, n_in)))
         dense = mx.array(np.ascontiguousarray(np.swapaxes(gguf.dequantize(name), 1, 2), dtype=np.float32))
         dense = dense.astype(self.weight_dtype)
         return ExpertStack((e, out, n_in), dense=dense)

@@ -144,20 +144,23 @@ class QuantizedWeight:
     shape: tuple[int, int]  # (out, in)
     float_scales: bool = False  # parts are the (scales, biases) in `dtype`, formed once at load
     dtype: mx.Dtype = mx.float32  # the products' dtype: scales and biases are cast to it
+    compiled: bool = False  # its scales formed by `formed_scales` (on a GPU: one launch, not four)
 
     @property
     def bits(self) -> int:
         return AFFINE_BITS[self.qtype]
 
     def affine(self, parts=None) -> tuple[mx.array, mx.array]:
-        """(scales, biases) in the products' dtype: the weight's own fields formed by one compiled
-        kernel (`formed_scales`; its shapes are fixed, so it is traced once), or gathered rows' fields
-        (`parts`: their count changes from pass to pass) formed in the graph."""
+        """(scales, biases) in the products' dtype: where `compiled`, the weight's own fields by one
+        compiled kernel (`formed_scales`: traced once for each shape, a weight's and its row slices'),
+        else, and for gathered rows' fields (`parts`: their count changes from pass to pass), in the
+        graph. (MLX's CPU device compiles with a C++ compiler at first use, for a launch that costs it
+        nothing: so on a GPU only.)"""
         if self.float_scales:
             return self.parts if parts is None else parts
-        if parts is None:
+        if parts is None and self.compiled:
             return formed_scales(self.qtype, self.dtype)(*self.parts)
-        return affine_scales(self.qtype, parts, self.dtype)
+        return affine_scales(self.qtype, self.parts if parts is None else parts, self.dtype)
 
     @property
     def scales(self) -> mx.array:
@@ -169,7 +172,7 @@ class QuantizedWeight:
 
     def row_slice(self, a: int, b: int) -> "QuantizedWeight":
         return QuantizedWeight(self.w[a:b], tuple(p[a:b] for p in self.parts), self.qtype, (b - a, self.shape[1]),
-                               self.float_scales, self.dtype)
+                               self.float_scales, self.dtype, self.compiled)
 
     def product(self, x) -> mx.array:
         """x @ self.T."""
@@ -288,11 +291,12 @@ class WeightGroup:
             start += n
 
 
-def to_device(qtype, arrays, shape, float_scales: bool = False, dtype=mx.float32) -> object:
+def to_device(qtype, arrays, shape, float_scales: bool = False, dtype=mx.float32, compiled: bool = False) -> object:
     """The weight from `quants.split`'s host arrays (or a float32 matrix when qtype is None, cast to
     `dtype`). With `float_scales` an affine type's scales and biases are formed once here instead of at
     each use: the same bits (the same operations), one elementwise pass less a product, 1.17x (Q8_0,
-    Q5_1) to 1.33x (Q4_0, Q4_K) the file's bytes instead of 1.0-1.03x in float32."""
+    Q5_1) to 1.33x (Q4_0, Q4_K) the file's bytes instead of 1.0-1.03x in float32. `compiled`: the affine
+    scales formed at each use by one compiled kernel (`QuantizedWeight.affine`)."""
     arrays = tuple(mx.array(a) for a in arrays)
     if qtype is None:
         arrays = (arrays[0].astype(dtype),)
@@ -304,5 +308,5 @@ def to_device(qtype, arrays, shape, float_scales: bool = False, dtype=mx.float32
             affine = affine_scales(qtype, arrays[1:], dtype)
             mx.eval(*affine)
             return QuantizedWeight(arrays[0], affine, qtype, shape, True, dtype)
-        return QuantizedWeight(arrays[0], arrays[1:], qtype, shape, dtype=dtype)
+        return QuantizedWeight(arrays[0], arrays[1:], qtype, shape, dtype=dtype, compiled=compiled)
     return BlockWeight(arrays, qtype, shape, dtype)
