@@ -73,6 +73,27 @@ def kernel_angles(positions, head_dim: int, base: float) -> np.ndarray:
     return np.asarray(positions, np.float32)[:, None] * inv_freq[None, :]
 
 
+def _kernel_cases(b, launched, seed: int, dtype=None):
+    """test_mlx_backend's qk_norm_rope cases (q, k and their weights cast to `dtype` where given) through
+    the backend `b` on the host: for each shape the kernel serves (one launch),
+    (args, (q out, k out), cos, sin at the kernel's angles [rows, 1, head_dim/2]); the others must take
+    mx.fast's path (no launch) and are not yielded."""
+    from .test_mlx_backend import _qk_norm_rope_cases
+
+    for args in _qk_norm_rope_cases(b, np.random.default_rng(seed)):
+        if dtype is not None:
+            args = tuple(a.astype(dtype) for a in args[:4]) + args[4:]
+        del launched[:]
+        got = b.qk_norm_rope(*args)
+        pos, dim, base, traditional = args[4], args[7], args[9], args[10]
+        if not kernels.qk_norm_rope_fits(dim, traditional):
+            assert launched == []
+            continue
+        assert launched == ["qk_norm_rope"]
+        theta = kernel_angles(np.array(pos), dim, base).astype(np.float64)[:, None, :]
+        yield args, got, np.cos(theta), np.sin(theta)
+
+
 def test_qk_norm_rope_kernel_on_the_host(host_dir, monkeypatch):
     """kernels.qk_norm_rope (the queries' and keys' per-head RMSNorm and rotate-half RoPE in one launch)
     against the same in float64 at the kernel's own float32 angles (`kernel_angles`): at position 40,000
@@ -83,19 +104,10 @@ def test_qk_norm_rope_kernel_on_the_host(host_dir, monkeypatch):
     mean square epsilon dominates and an all-zero head. Each row does not depend on the other rows of
     the pass; shapes the kernel does not serve take mx.fast's path (no launch). 16-bit activations: the
     next test."""
-    from .test_mlx_backend import _qk_norm_rope_cases
-
     launched = cuda_host.launch_on_host(host_dir, monkeypatch)
     b = cuda_host.cuda_path()
-    for q, k, wq, wk, pos, heads, kv, dim, eps, base, traditional in _qk_norm_rope_cases(b, np.random.default_rng(2)):
-        del launched[:]
-        got = b.qk_norm_rope(q, k, wq, wk, pos, heads, kv, dim, eps, base, traditional)
-        if not kernels.qk_norm_rope_fits(dim, traditional):
-            assert launched == []
-            continue
-        assert launched == ["qk_norm_rope"]
-        theta = kernel_angles(np.array(pos), dim, base).astype(np.float64)[:, None, :]
-        c, sn = np.cos(theta), np.sin(theta)
+    for args, got, c, sn in _kernel_cases(b, launched, 2):
+        q, k, wq, wk, pos, heads, kv, dim, eps, base, traditional = args
         for g, x, w, n in ((got[0], q, wq, heads), (got[1], k, wk, kv)):
             xh = np.array(x).astype(np.float64).reshape(-1, n, dim)
             v = xh / np.sqrt((xh * xh).mean(-1, keepdims=True) + eps) * np.array(w).astype(np.float64)
@@ -120,9 +132,9 @@ def test_qk_norm_rope_kernel_in_16_bits_on_the_host(dtype, host_dir, monkeypatch
     rotated value). Against the same in float64 at the kernel's angles with those roundings emulated:
     the float32 parts (sum of squares, 1/sqrt, sinf/cosf) can move a value across a rounding boundary
     (`rope16_bound`: 4u (|x1| + |x2|) + 2u |out|, u = 2^-8 bfloat16, 2^-11 float16); nearly all values
-    come out the emulation's bits (at least 99%;
-    measured 19,968 of 19,968 bfloat16, 19,967 float16, this VM, 2026-12-05). (Not against mx.fast on this CPU: MLX's CPU rope in 16 bits
-    rounds cos and sin to the type and multiplies in it; its CUDA kernel, which this one follows, computes
+    come out the emulation's bits (at least 99%; measured 19,968 of 19,968 bfloat16, 19,967 float16,
+    this VM, 2026-12-05). (Not against mx.fast on this CPU: MLX's CPU rope in 16 bits rounds cos and
+    sin to the type and multiplies in it; its CUDA kernel, which this one follows, computes
     in float32 and rounds once. On a GPU, tests/test_mlx_backend.py compares the two.) Each row does not
     depend on the others; q and k with weights of another type take mx.fast's path."""
     from .test_mlx_backend import _qk_norm_rope_cases, rope16_bound
@@ -132,17 +144,8 @@ def test_qk_norm_rope_kernel_in_16_bits_on_the_host(dtype, host_dir, monkeypatch
     launched = cuda_host.launch_on_host(host_dir, monkeypatch)
     b = cuda_host.cuda_path(dtype)
     same = total = 0
-    for args in _qk_norm_rope_cases(b, np.random.default_rng(3)):
-        q, k, wq, wk = (a.astype(mdt) for a in args[:4])
-        pos, heads, kv, dim, eps, base, traditional = args[4:]
-        del launched[:]
-        got = b.qk_norm_rope(q, k, wq, wk, pos, heads, kv, dim, eps, base, traditional)
-        if not kernels.qk_norm_rope_fits(dim, traditional):
-            assert launched == []
-            continue
-        assert launched == ["qk_norm_rope"]
-        theta = kernel_angles(np.array(pos), dim, base).astype(np.float64)[:, None, :]
-        c, sn = np.cos(theta), np.sin(theta)
+    for args, got, c, sn in _kernel_cases(b, launched, 3, mdt):
+        q, k, wq, wk, pos, heads, kv, dim, eps, base, traditional = args
         for g, x, w, n in ((got[0], q, wq, heads), (got[1], k, wk, kv)):
             assert g.dtype == mdt and g.shape == x.shape
             xh = np.array(x.astype(mx.float32)).astype(np.float64).reshape(-1, n, dim)
