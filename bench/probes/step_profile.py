@@ -10,7 +10,12 @@ times the three host parts of every decode token, per engine, at each prompt len
   model call inside `generate_step`);
 - `encode_ms`: `mx.async_eval` (the C++ eval of every primitive: kernel launches into CUDA graphs);
 - `wait_ms`: blocked reading the previous token (ours: `to_numpy`; mlx-lm: the rest of the interval);
-- `interval_ms`: the median time between decode tokens (`decode_tok_s`: 1000 / their mean).
+- `interval_ms`: the median time between decode tokens (`decode_tok_s`: 1000 / their mean);
+- `first_token`: the first token's time (`ttft_ms`, median of the runs) and its host parts. Ours:
+  `prompt_build_ms` / `prompt_encode_ms` (the prompt's pass), `next_build_ms` / `next_encode_ms` (the
+  first decode pass, launched before the first token is read), `wait_ms` (reading it). mlx-lm:
+  `build_ms` (its model calls: the prompt less one token, the last token, the next token), `encode_ms`
+  (its `mx.async_eval`s) and `rest_ms` (the rest: waiting, its `mx.eval` of the prompt's cache).
 
 Ours' build is all of `Loop._launch` but the encoding: the batch's arrays, the compiled step's call
 and the sampling graph; mlx-lm's is its model call only (its sampling graph lands in `wait`).
@@ -25,6 +30,9 @@ rest of the step's cost). Run each MLX_MAX_OPS_PER_BUFFER setting in its own pro
 once). Writes JSON lines. Made for an MLX GPU (`--device cpu` only tries the script).
 
     python3 bench/probes/step_profile.py --cases 17,511 --gen 64 --out profile.jsonl
+    python3 bench/probes/step_profile.py --cases 511,2047 --dtypes float32,bfloat16 --out profile.jsonl
+
+`--dtypes`: ours' --dtype and mlx-lm's weights and activations, each dtype a row of each engine.
 """
 
 from __future__ import annotations
@@ -94,13 +102,13 @@ def _median(rows, key):
     return round(statistics.median(r.get(key, 0.0) for r in rows) * 1000, 3)
 
 
-def profile_ours(path, cases, gen, variant, device, gpu_clock=False):
+def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="float32"):
     from mlxinfer.backends.mlx import MLXBackend
 
     from ablations import NoAttention, SeparateWeights
 
     backend = {"separate": SeparateWeights, "no-attention": NoAttention}.get(variant, MLXBackend)
-    engine = mlxinfer.Engine(path, backend(device=device))
+    engine = mlxinfer.Engine(path, backend(device=device, dtype=dtype))
     engine.tokenizer = dataclasses.replace(engine.tokenizer, eog_ids=frozenset())  # always `gen` tokens
     ops = engine.backend
     limits = kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH
@@ -138,17 +146,24 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False):
         for n in cases:
             ids = prompt_ids(n, engine.args.vocab_size)
             engine.generate(ids, max_tokens=8)  # warm-up: kernels compiled, the step traced
-            times, rows = [], []
+            times, rows, firsts = [], [], []
             clock.stamps.clear()  # ours: decode passes only (the prompt's pass is not the compiled step)
             for _ in range(2):
                 clock.per_token.clear()
                 g = engine.generate(ids, max_tokens=gen)
                 times.append(g.metrics.token_intervals_ms)
                 rows += clock.per_token[1:]  # decode passes (the first is the prompt's)
+                # (a pass's read is timed into the next launch's row: the prompt's into the third)
+                prompt, nxt, third = (clock.per_token + [{}, {}, {}])[:3]
+                firsts.append(dict(ttft=g.metrics.time_to_first_token_ms / 1000, prompt_encode=prompt.get("encode", 0.0),
+                                   prompt_build=prompt.get("launch", 0.0) - prompt.get("encode", 0.0),
+                                   next_encode=nxt.get("encode", 0.0),
+                                   next_build=nxt.get("launch", 0.0) - nxt.get("encode", 0.0), wait=third.get("wait", 0.0)))
             for r in rows:
                 r["build"] = r.get("launch", 0.0) - r.get("encode", 0.0)
             intervals = [x for t in times for x in t]
-            out.append(dict(engine=f"mlxinfer ({variant})", prompt=n, gen=gen, tokens=len(rows),
+            first = {f"{k}_ms": _median(firsts, k) for k in firsts[0]}
+            out.append(dict(engine=f"mlxinfer ({variant})", dtype=dtype, prompt=n, gen=gen, tokens=len(rows), first_token=first,
                             interval_ms=round(statistics.median(intervals), 3), build_ms=_median(rows, "build"),
                             encode_ms=_median(rows, "encode"), wait_ms=_median(rows, "wait"), gpu_ms=clock.gpu_ms(),
                             decode_tok_s=round(1000 / statistics.fmean(intervals), 1)))
@@ -158,13 +173,13 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False):
     return out
 
 
-def profile_mlx_lm(path, cases, gen, gpu_clock=False):
+def profile_mlx_lm(path, cases, gen, gpu_clock=False, dtype="float32"):
     import mlx_lm
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model, _ = load_model(__import__("pathlib").Path(write_mlx_lm_model(path, tmp)))
+        model, _ = load_model(__import__("pathlib").Path(write_mlx_lm_model(path, tmp, dtype=dtype)))
     clock = Clock(gpu_clock)
 
     class Timed:
@@ -193,7 +208,7 @@ def profile_mlx_lm(path, cases, gen, gpu_clock=False):
             pass
         mx.async_eval = timed_async_eval
         try:
-            intervals, rows, stamps = [], [], []
+            intervals, rows, stamps, firsts = [], [], [], []
             for _ in range(2):
                 clock.per_token.clear()
                 clock.stamps.clear()
@@ -207,12 +222,17 @@ def profile_mlx_lm(path, cases, gen, gpu_clock=False):
                         intervals.append(clock.per_token[-1]["interval"] * 1000)
                 rows += clock.per_token[1:]
                 stamps += clock.stamps[1:]  # its first model call is the prompt's
+                f = clock.per_token[0]
+                firsts.append(dict(ttft=f["interval"], build=f.get("build", 0.0), encode=f.get("encode", 0.0),
+                                   rest=f["interval"] - f.get("build", 0.0) - f.get("encode", 0.0)))
         finally:
             mx.async_eval = async_eval
         clock.stamps = stamps
         for r in rows:
             r["wait"] = max(0.0, r["interval"] - r.get("build", 0.0) - r.get("encode", 0.0))
-        out.append(dict(engine=f"mlx-lm {mlx_lm.__version__}", prompt=n, gen=gen, tokens=len(rows),
+        first = {f"{k}_ms": _median(firsts, k) for k in firsts[0]}
+        out.append(dict(engine=f"mlx-lm {mlx_lm.__version__}", dtype=dtype, prompt=n, gen=gen, tokens=len(rows),
+                        first_token=first,
                         interval_ms=round(statistics.median(intervals), 3), build_ms=_median(rows, "build"),
                         encode_ms=_median(rows, "encode"), wait_ms=_median(rows, "wait"), gpu_ms=clock.gpu_ms(),
                         decode_tok_s=round(1000 / statistics.fmean(intervals), 1)))
@@ -228,6 +248,7 @@ def main(argv=None):
     p.add_argument("--model", default="qwen3-0.6b-synthetic", help="as mlxinfer bench's --model")
     p.add_argument("--device", default="gpu", help="gpu, or cpu to try the script without one")
     p.add_argument("--gpu-clock", action="store_true", help="add gpu_ms (CUDA; one CUDA graph per evaluation)")
+    p.add_argument("--dtypes", default="float32", help="ours' --dtype and mlx-lm's, a row each")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.device == "gpu" and not (mx.cuda.is_available() or mx.metal.is_available()):
@@ -238,13 +259,14 @@ def main(argv=None):
     path = model_path(a.model)
     env = {k: os.environ.get(k) for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_USE_CUDA_GRAPHS")}
     cases = [int(x) for x in a.cases.split(",")]
-    for engine in a.engines.split(","):
-        for v in (a.variants.split(",") if engine == "ours" else [None]):
-            rows = (profile_ours(path, cases, a.gen, v, a.device, a.gpu_clock) if engine == "ours"
-                    else profile_mlx_lm(path, cases, a.gen, a.gpu_clock))
-            for row in rows:
-                row.update({k: v for k, v in env.items() if v is not None})
-                emit(row, a.out)
+    for dtype in a.dtypes.split(","):
+        for engine in a.engines.split(","):
+            for v in (a.variants.split(",") if engine == "ours" else [None]):
+                rows = (profile_ours(path, cases, a.gen, v, a.device, a.gpu_clock, dtype) if engine == "ours"
+                        else profile_mlx_lm(path, cases, a.gen, a.gpu_clock, dtype))
+                for row in rows:
+                    row.update({k: v for k, v in env.items() if v is not None})
+                    emit(row, a.out)
 
 if __name__ == "__main__":
     main()
