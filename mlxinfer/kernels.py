@@ -549,6 +549,14 @@ def qk_norm_rope_fits(head_dim: int, traditional: bool) -> bool:
     return not traditional and head_dim % 64 == 0 and head_dim <= MAX_HEAD_DIM
 
 
+def qk_norm_rope_types_fit(q, k, wq, wk) -> bool:
+    """Whether the qk_norm_rope kernel takes these arrays' types: q, k and their weights of one float
+    type (the kernel reads and writes that type)."""
+    import mlx.core as mx
+
+    return len({q.dtype, k.dtype, wq.dtype, wk.dtype}) == 1 and q.dtype in (mx.float32, mx.bfloat16, mx.float16)
+
+
 def _f32_bits(x: float) -> int:
     return int(np.array(x, dtype=np.float32).view(np.int32))
 
@@ -581,7 +589,7 @@ def qk_norm_rope(kind: str, q, k, wq, wk, row_pos, n_heads: int, n_kv_heads: int
 
     if not qk_norm_rope_fits(head_dim, False):
         raise ValueError(f"qk_norm_rope: head_dim {head_dim} is not a multiple of 64 up to {MAX_HEAD_DIM}")
-    if len({q.dtype, k.dtype, wq.dtype, wk.dtype}) != 1 or q.dtype not in (mx.float32, mx.bfloat16, mx.float16):
+    if not qk_norm_rope_types_fit(q, k, wq, wk):
         raise ValueError(f"qk_norm_rope: q, k and their weights must be of one float type, not "
                          f"{q.dtype}, {k.dtype}, {wq.dtype}, {wk.dtype}")
     n = q.shape[0]

@@ -120,11 +120,6 @@ def test_qk_norm_rope_kernel_on_the_host(host_dir, monkeypatch):
             np.testing.assert_array_equal(np.array(g)[last:], np.array(one))
 
 
-def _round16(x: np.ndarray, dtype) -> np.ndarray:
-    """float64 values rounded to a 16-bit type (to nearest even) and back, as float64."""
-    return np.array(mx.array(x.astype(np.float32)).astype(dtype).astype(mx.float32)).astype(np.float64)
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_qk_norm_rope_kernel_in_16_bits_on_the_host(dtype, host_dir, monkeypatch):
     """The qk_norm_rope kernel on 16-bit q, k and weights (the activations' type): one launch, outputs of
@@ -138,6 +133,7 @@ def test_qk_norm_rope_kernel_in_16_bits_on_the_host(dtype, host_dir, monkeypatch
     in float32 and rounds once. On a GPU, tests/test_mlx_backend.py compares the two.) Each row does not
     depend on the others; q and k with weights of another type take mx.fast's path."""
     from .test_mlx_backend import _qk_norm_rope_cases, rope16_bound
+    from .test_tensor_core_order import round16
 
     mdt = getattr(mx, dtype)
     u = 2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -11
@@ -149,11 +145,11 @@ def test_qk_norm_rope_kernel_in_16_bits_on_the_host(dtype, host_dir, monkeypatch
         for g, x, w, n in ((got[0], q, wq, heads), (got[1], k, wk, kv)):
             assert g.dtype == mdt and g.shape == x.shape
             xh = np.array(x.astype(mx.float32)).astype(np.float64).reshape(-1, n, dim)
-            normed = _round16(xh / np.sqrt((xh * xh).mean(-1, keepdims=True) + eps), mdt)
-            v = _round16(normed * np.array(w.astype(mx.float32)).astype(np.float64), mdt)
+            normed = round16(xh / np.sqrt((xh * xh).mean(-1, keepdims=True) + eps), dtype)
+            v = round16(normed * np.array(w.astype(mx.float32)).astype(np.float64), dtype)
             x1, x2 = v[..., :dim // 2], v[..., dim // 2:]
             exact = np.concatenate([x1 * c - x2 * sn, x1 * sn + x2 * c], -1)
-            want = _round16(exact, mdt)
+            want = round16(exact, dtype)
             g = np.array(g.astype(mx.float32)).astype(np.float64)
             assert np.all(np.abs(g - want.reshape(g.shape)) <= rope16_bound(exact.reshape(g.shape), dim, u))
             same += int((g == want.reshape(g.shape)).sum())

@@ -956,7 +956,7 @@ class MLXBackend(Backend):
     def qk_norm_rope(self, q, k, q_weight, k_weight, positions, n_heads, n_kv_heads, head_dim, eps, base,
                      traditional, factors=None):
         if self.gpu_kernels == "cuda" and factors is None and kernels.qk_norm_rope_fits(head_dim, traditional) \
-                and len({q.dtype, k.dtype, q_weight.dtype, k_weight.dtype}) == 1:
+                and kernels.qk_norm_rope_types_fit(q, k, q_weight, k_weight):
             # one launch for both, reading the heads in place: the step's 4 launches and 4 views a layer
             # become 1 (not bit for bit mx.fast's: see kernels.qk_norm_rope), in every --dtype
             return kernels.qk_norm_rope("cuda", q, k, q_weight, k_weight, positions, n_heads, n_kv_heads, head_dim,
