@@ -22,7 +22,9 @@
 // cache's packed rows) and widen every value to float32 as they load it (mlxi_f, mlxi_kv: exact for
 // all), before any arithmetic; the order above is then the same for every input type, and so are the
 // bits (the per-head reference widens its operands in the graph first, dequantize_q8_0 for q8_0).
-// Scores, attention weights and outputs are float32.
+// Scores and attention weights are float32; an attention's result is written in q's type (mlxi_put:
+// rounded to nearest even once, as MLX's astype), where the per-head reference rounds its float32
+// context too (the matmul, softmax and tanh kernels' outputs are float32).
 //
 // mlxinfer.kernels.published_dot / published_softmax_sum emulate this order in numpy float32 (the sums
 // exactly; expf differs from numpy's exp in the last bit), and tests/test_kernels.py checks the kernels
@@ -228,8 +230,8 @@ __device__ __forceinline__ float mlxi_tree_join(float (&lvl)[5], float x, int k)
 // published order, the thread walking all 32 chains (keys i = l, l+32, ... in increasing i) in
 // mlxi_chain_at's order and joining their totals as above. v: the store, v0: the slot's first row, c0:
 // the KV head's first column; p [N, H, cap].
-template <int R, int NH, int D, int UR, typename V>
-__device__ __forceinline__ void mlxi_context_tile(const float* p, const V* v, long v0, long c0, long kvw, float* out,
+template <int R, int NH, int D, int UR, typename V, typename O>
+__device__ __forceinline__ void mlxi_context_tile(const float* p, const V* v, long v0, long c0, long kvw, O* out,
                                                   long cap, long r0, int hb, int H, int d0, int S) {
   const float* pr[R][NH];
 #pragma unroll
@@ -269,7 +271,7 @@ __device__ __forceinline__ void mlxi_context_tile(const float* p, const V* v, lo
 #pragma unroll
         for (int dd = 0; dd < 4; ++dd) {
           const float x = mlxi_tree_join(lvl[r][e][dd], a[r][e][dd], k);
-          if (k == 31 && d0 + dd < D) out[(r0 + r) * H * D + (long)(hb + e) * D + d0 + dd] = x;
+          if (k == 31 && d0 + dd < D) mlxi_put(out + (r0 + r) * H * D + (long)(hb + e) * D + d0 + dd, x);
         }
       }
     }
@@ -497,7 +499,7 @@ for (long item = blockIdx.x; item < items; item += gridDim.x) {
     for (int idx = tid; idx < off * D; idx += MLXI_THREADS) part[idx] = __fadd_rn(part[idx], part[idx + off * D]);
   }
   __syncthreads();
-  for (int d = tid; d < D; d += MLXI_THREADS) out[r * H * D + h * D + d] = part[d];
+  for (int d = tid; d < D; d += MLXI_THREADS) mlxi_put(out + r * H * D + h * D + d, part[d]);
   __syncthreads();
 }
 //@@BODY attn_scores
@@ -702,7 +704,7 @@ if (r < n) {  // the same for the whole block
     for (int e = 0; e < nh; ++e) {
       part[tid] = acc[e];
       mlxi_chain_tree(part, tid);
-      if (l == 0 && d < D) out[r * H * D + (g * G + h0 + e) * D + d] = part[tid];
+      if (l == 0 && d < D) mlxi_put(out + r * H * D + (g * G + h0 + e) * D + d, part[tid]);
       __syncthreads();
     }
   }
@@ -783,7 +785,7 @@ if (r < n) {
     for (int e = 0; e < nh; ++e) {
       part[tid] = acc[e];
       mlxi_chain_tree(part, tid);
-      if (l == 0 && d < D) out[r * H * D + (g * G + h0 + e) * D + d] = part[tid];
+      if (l == 0 && d < D) mlxi_put(out + r * H * D + (g * G + h0 + e) * D + d, part[tid]);
       __syncthreads();
     }
   }
@@ -1162,16 +1164,16 @@ for (int pass = 0; pass < 3; ++pass) {
     th = mlxi_quad_total(ch);
   }
 }
-float* ol = out + rl * qw + (long)h * D + 2 * t;
-float* oh = out + rh * qw + (long)h * D + 2 * t;
+auto* ol = out + rl * qw + (long)h * D + 2 * t;
+auto* oh = out + rh * qw + (long)h * D + 2 * t;
 #pragma unroll
 for (int dn = 0; dn < D / 8; ++dn) {
   if (vl) {
-    ol[8 * dn] = o[dn][0];
-    ol[8 * dn + 1] = o[dn][1];
+    mlxi_put(ol + 8 * dn, o[dn][0]);
+    mlxi_put(ol + 8 * dn + 1, o[dn][1]);
   }
   if (vh) {
-    oh[8 * dn] = o[dn][2];
-    oh[8 * dn + 1] = o[dn][3];
+    mlxi_put(oh + 8 * dn, o[dn][2]);
+    mlxi_put(oh + 8 * dn + 1, o[dn][3]);
   }
 }

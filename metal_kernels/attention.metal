@@ -22,7 +22,8 @@
 // bfloat16_t or float16_t: --dtype, --kv-dtype; k and v also int8_t, a q8_0 cache's packed rows: mlxi_kv)
 // and widens every value to float before any arithmetic (exact for all), so the order above, and the
 // bits, are those of float32 inputs; the matmul and softmax kernels take float (the backend widens their
-// operands first).
+// operands first). fused_attention writes its result in q's type (mlxi_put: rounded to nearest even
+// once, as MLX's astype), where the per-head reference rounds its float context too.
 //
 // MLX's own Metal matmul and softmax (gemv.h, softmax.h) use other orders; that does not matter here,
 // because on a GPU both attention paths call these kernels, never MLX's.
@@ -34,6 +35,12 @@
 #define MLXI_WARPS 8
 #define MLXI_MAX_D 256
 #define MLXI_PART_D 128  // fused_attention's context: head dimensions a pass (threadgroup memory 32 x this)
+
+// v stored in the type p points to (float, bfloat16_t, float16_t), rounded to nearest even: MLX's astype.
+template <typename T>
+inline void mlxi_put(device T* p, float v) {
+  *p = static_cast<T>(v);
+}
 
 // Value c of row r of a K/V store s whose rows hold w values, as float, as in attention.cu: a float
 // store (float, bfloat16_t, float16_t; `device` or `constant`) holds a row as its w values; a q8_0 store
@@ -184,7 +191,7 @@ for (long item = threadgroup_position_in_grid.x; item < items; item += threadgro
       for (int idx = tid; idx < off * dn; idx += MLXI_THREADS) part[idx] = part[idx] + part[idx + off * dn];
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (int d = tid; d < dn; d += MLXI_THREADS) out[r * H * D + h * D + d0 + d] = part[d];
+    for (int d = tid; d < dn; d += MLXI_THREADS) mlxi_put(out + r * H * D + h * D + d0 + d, part[d]);
     threadgroup_barrier(mem_flags::mem_threadgroup);  // part is rewritten by the next pass
   }
   threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);

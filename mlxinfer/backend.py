@@ -304,6 +304,7 @@ class Backend:
         raise NotImplementedError
 
     def zeros(self, rows: int, cols: int):
+        """A [rows, cols] tensor of zeros in the activations' dtype."""
         raise NotImplementedError
 
     def concat_dim0(self, a, b):
@@ -422,12 +423,14 @@ class Backend:
                  scores = mask_scores(scores, p, ...)        unless a window hides some)
           6. attn = softmax_rows(scores)                    max, exp(x - max), sum, divide
           7. ctx = matmul(attn, v_h)                        [T, D], one dot product over S per value
-          8. out = copy_2d_into(out, ctx, r0, h*D)
+          8. out = copy_2d_into(out, ctx, r0, h*D)       out: `zeros`, in the activations' dtype, so a
+                                                            narrower one rounds ctx to nearest even here
         An override may batch heads and sequences, skip copies and fuse steps, but every float it
         produces must be computed by the same operations on the same operands in the same summation
         order (all S keys of the row, masked ones included, in every reduction).
         Operands narrower than float32 (MLX's --dtype, --kv-dtype) are widened to float32 exactly first
-        (a q8_0 cache: dequantized, d * q); steps 3-7 then run on the same float32 values in every path.
+        (a q8_0 cache: dequantized, d * q); steps 3-7 then run on the same float32 values in every path,
+        and the result is in the activations' dtype (step 8's rounding, once, in every path).
         A backend may make steps 3-7 of some sequences one op a head whose bits it can vouch for in the
         override too: MLX's 16-bit prefill chunks on CUDA are one call of its fused attention a head
         (docs/attention-contract.md).

@@ -22,8 +22,12 @@ The attention kernels read q, K and V in the types they are handed (float32, bfl
 MLX backend's --dtype and --kv-dtype; K and V also as a q8_0 cache's packed int8 rows, each value d * q
 formed in float32) and widen each value exactly before any arithmetic; the matmul
 and softmax kernels take float32 (the backend widens their operands in the graph), so both paths
-compute on the same float32 values. On CUDA the input types are template arguments (`input_types`):
-MLX names a CUDA kernel by its template arguments only, so each type gets its own compiled kernel.
+compute on the same float32 values. An attention's result is written in q's type (the activations'),
+rounded to nearest even once, as MLX's astype rounds: the reference rounds its float32 context there
+too (`Backend.per_head_attention`, step 8), so a 16-bit pass needs no conversion of its own before the
+output projection. On CUDA the input types are template arguments (`input_types`): MLX names a CUDA
+kernel by its template arguments only, so each type gets its own compiled kernel (and its output type,
+q's, with it).
 Soft-capping (Gemma 2) is in the kernels' scores (`mlxi_score`: the reference's scale, then scale,
 tanh, scale), its tanh `mlxi_tanh`, which the `tanh` kernel also gives the MLX backend's tanh primitive
 on a GPU, so the reference caps its scores with the same function.
@@ -173,20 +177,24 @@ METAL_ATTRIBUTES = {  # the thread attributes MLX 0.32's metal_kernel declares w
 _METAL_TYPES = {"float32": "float", "int32": "int", "bfloat16": "bfloat16_t", "float16": "float16_t", "int8": "int8_t"}
 
 
-def metal_kernel_source(name: str, inputs) -> str:
+def metal_kernel_source(name: str, inputs, outputs=None) -> str:
     """The source MLX 0.32's `mx.fast.metal_kernel` compiles for kernel `name` launched on `inputs`
-    ([(dtype name, size)], one per input; outputs are float32), after MLX's own header: our header, then
+    ([(dtype name, size)], one per input) with outputs of dtypes `outputs` (dtype names; default all
+    float32), after MLX's own header: our header, then
     the [[kernel]] signature its `write_signature` (mlx/backend/common/metal_kernel.cpp) generates, each
     input `constant` below METAL_CONSTANT_BELOW elements and `device` otherwise, then the body. What the
     checks here compile and measure (tests/test_metal_*.py), since no Metal compiler runs here."""
     header, body = kernel_parts("metal", name)
-    names, outputs = _INPUTS[name]
+    names, out_names = _INPUTS[name]
+    outputs = list(outputs or ["float32"] * len(out_names))
     params = [f"  const {'constant' if size < METAL_CONSTANT_BELOW else 'device'} {_METAL_TYPES[dtype]}* {n} "
               f"[[buffer({i})]]" for i, (n, (dtype, size)) in enumerate(zip(names, inputs, strict=True))]
-    params += [f"  device float* {o} [[buffer({len(names) + i})]]" for i, o in enumerate(outputs)]
+    params += [f"  device {_METAL_TYPES[d]}* {o} [[buffer({len(names) + i})]]"
+               for i, (o, d) in enumerate(zip(out_names, outputs, strict=True))]
     params += [f"  {t} {a} [[{a}]]" for a, t in METAL_ATTRIBUTES.items() if a in body]
     suffix = "".join(f"_{_METAL_TYPES[d]}{'c' if size < METAL_CONSTANT_BELOW else ''}" for d, size in inputs)
-    return (f"{header}[[kernel]] void custom_kernel_mlxinfer_{name}_metal{suffix}_float{'_float' * (len(outputs) - 1)}(\n"
+    suffix += "".join(f"_{_METAL_TYPES[d]}" for d in outputs)
+    return (f"{header}[[kernel]] void custom_kernel_mlxinfer_{name}_metal{suffix}(\n"
             + ",\n".join(params) + ") {\n" + body + "\n}\n")
 
 
@@ -280,7 +288,7 @@ def mma_fits(spec) -> bool:
 
 def mma_attention(kind: str, q, keys, values, positions, spec):
     """One sequence's prefill chunk, every head, in the tensor-core order: q [T, H*D] and the sequence's
-    keys, values [S, KV*D], all bfloat16 or all float16; positions int32 [T] -> float32 [T, H*D], the
+    keys, values [S, KV*D], all bfloat16 or all float16; positions int32 [T] -> [T, H*D] in q's dtype, the
     bits of the per-head reference's steps 3-7 on the MLX backend for 16-bit chunks of PREFILL_ROWS rows
     or more (mma_matmul, scale, soft-cap, mask, mma_softmax, mma_matmul)."""
     import mlx.core as mx
@@ -293,7 +301,7 @@ def mma_attention(kind: str, q, keys, values, positions, spec):
         inputs=[_bits16(q), _bits16(keys), _bits16(values), positions, scales, dims],
         template=[("BF", q.dtype == mx.bfloat16), ("D", spec.head_dim)],
         grid=_grid(blocks, 32 * MMA_WARPS), threadgroup=(32 * MMA_WARPS, 1, 1),
-        output_shapes=[(t, spec.n_heads * spec.head_dim)], output_dtypes=[mx.float32])
+        output_shapes=[(t, spec.n_heads * spec.head_dim)], output_dtypes=[q.dtype])
     return out
 
 
@@ -414,7 +422,7 @@ def tanh(kind: str, x):
 def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec, split: bool | None = None,
                     seq_rows=None):
     """A batch's attention: q [N, H*D]; keys and values [slots, capacity, KV*D]; per row its cache slot,
-    position and its sequence's length (int32 arrays). -> [N, H*D].
+    position and its sequence's length (int32 arrays). -> [N, H*D] in q's dtype.
 
     Two launch plans compute the same bits. Few rows (decode) and short prefill chunks (`uses_split`, or
     split=True) take the split kernels: scores with one warp per key, then the softmax and the context
@@ -438,7 +446,7 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
     out, _ = _kernel(kind, "fused_attention")(
         inputs=[q, keys, values, row_slot, row_pos, row_len, scales, dims],
         grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1), **({"template": types} if types else {}),
-        output_shapes=[(n, spec.n_heads * spec.head_dim), (blocks, cap)], output_dtypes=[mx.float32, mx.float32])
+        output_shapes=[(n, spec.n_heads * spec.head_dim), (blocks, cap)], output_dtypes=[q.dtype, mx.float32])
     return out
 
 
@@ -447,7 +455,7 @@ def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, ste
     """The split plan: scores, then softmax and context in one launch (`two_launches`, by default
     `uses_two_launches`) or two. `steps=1` stops after the scores and returns them, `steps=2` after the
     three-launch form's softmax (bench/probes/decode_attention.py and prefill_attention.py time the steps),
-    `steps=3` runs the whole plan. `seq_rows` as fused_attention's; `by_rows` forces the kernels by rows
+    both float32, `steps=3` runs the whole plan (its result in q's dtype). `seq_rows` as fused_attention's; `by_rows` forces the kernels by rows
     (True) or the others (False). The attention's shape is compiled into the kernels."""
     import mlx.core as mx
 
@@ -479,7 +487,7 @@ def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, ste
     if steps == 1:
         return out
     context = dict(grid=_grid(n * spec.n_kv_heads * -(-spec.head_dim // 8)), threadgroup=(THREADS, 1, 1),
-                   output_shapes=[(n, spec.n_heads * spec.head_dim)], output_dtypes=[mx.float32])
+                   output_shapes=[(n, spec.n_heads * spec.head_dim)], output_dtypes=[q.dtype])
     if two_launches and steps == 3:
         (out,) = _kernel(kind, "attn_softmax_context")(inputs=[out, values, row_slot, row_len],
                                                        template=template + split_unroll(n, cap), **context)

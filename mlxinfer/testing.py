@@ -131,12 +131,14 @@ def forbid_reference():
 
 
 def run_both(backend: Backend, case: AttentionCase, kv: str = "prealloc") -> tuple[np.ndarray, np.ndarray]:
-    """(override, reference) outputs as numpy, computed on `backend` from the same inputs."""
+    """(override, reference) outputs as numpy, computed on `backend` from the same inputs (both in one
+    dtype, the activations')."""
     q, view, batch = case_batch(backend, case, kv)
     with forbid_reference():
-        fused = backend.to_numpy(backend.fused_attention_override(q, view, batch, case.spec))
-    reference = backend.to_numpy(Backend.per_head_attention(backend, q, view, batch, case.spec))
-    return fused, reference
+        fused = backend.fused_attention_override(q, view, batch, case.spec)
+    reference = Backend.per_head_attention(backend, q, view, batch, case.spec)
+    assert fused.dtype == reference.dtype, f"the override's result is {fused.dtype}, the reference's {reference.dtype}"
+    return backend.to_numpy(fused), backend.to_numpy(reference)
 
 
 def assert_matches_default(backend: Backend, case: AttentionCase, kv: str = "prealloc") -> None:

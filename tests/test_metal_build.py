@@ -23,6 +23,7 @@ needs_clang = pytest.mark.skipif(not metal_clang.available(), reason="needs libc
 class Launch:
     name: str
     inputs: tuple  # (dtype name, elements) of each input
+    outputs: tuple  # dtype name of each output
     grid: tuple
     threadgroup: tuple
 
@@ -39,7 +40,8 @@ def record_launches(monkeypatch, cases, types=(("float32", None),)) -> set[Launc
         def launch(inputs, grid, threadgroup, output_shapes, output_dtypes, template=None):
             assert template is None, f"{name}: the Metal kernels take no template arguments"
             ins = tuple((str(x.dtype).rsplit(".", 1)[-1], x.size) for x in inputs)
-            launches.add(Launch(name, ins, tuple(grid), tuple(threadgroup)))
+            outs = tuple(str(d).rsplit(".", 1)[-1] for d in output_dtypes)
+            launches.add(Launch(name, ins, outs, tuple(grid), tuple(threadgroup)))
             return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
 
         return launch
@@ -59,12 +61,12 @@ def _variants(launches) -> dict[tuple, str]:
     pattern), and for each kernel its all-`device` and all-`constant` forms too."""
     out = {}
     for la in launches:
-        out[(la.name, la.inputs)] = kernels.metal_kernel_source(la.name, la.inputs)
+        out[(la.name, la.inputs, la.outputs)] = kernels.metal_kernel_source(la.name, la.inputs, la.outputs)
     for name in kernels.kernel_source("metal")[1]:
         inputs, _ = kernels._INPUTS[name]
         for size in (1, 1 << 20):
             ins = tuple(("int32" if n in ("dims", "row_slot", "row_pos", "row_len") else "float32", size) for n in inputs)
-            out[(name, ins)] = kernels.metal_kernel_source(name, ins)
+            out[(name, ins, None)] = kernels.metal_kernel_source(name, ins)
     return out
 
 
@@ -96,6 +98,9 @@ def test_every_metal_kernel_is_launched_by_the_self_check_plans(launches):
     assert {la.inputs[0][0] for la in launches if la.name == "fused_attention"} == {"float32", "bfloat16", "float16"}
     assert {la.inputs[1][0] for la in launches if la.name == "fused_attention"} == {"float32", "bfloat16", "float16", "int8"}
     assert {d for la in launches if la.name in ("matmul", "softmax") for d, _ in la.inputs[:2]} <= {"float32", "int32"}
+    # the fused kernel writes its result in q's dtype (the activations'), its scores' scratch in float32
+    assert all(la.outputs == (la.inputs[0][0], "float32") for la in launches if la.name == "fused_attention")
+    assert {la.outputs[0] for la in launches if la.name == "fused_attention"} == {"float32", "bfloat16", "float16"}
 
 
 def test_metal_launches_fit_apples_threads(launches):
@@ -118,7 +123,7 @@ def test_metal_kernels_compile_with_clang_and_fit_apples_threadgroup_memory(laun
     import clang.cindex as ci
 
     memory = {}
-    for (name, inputs), source in _variants(launches).items():
+    for (name, inputs, _), source in _variants(launches).items():
         tu = metal_clang.parse(source)
         errs = metal_clang.errors(tu)
         assert not errs, f"{name} {inputs}:\n" + "\n".join(errs[:5])

@@ -259,10 +259,10 @@ def test_split_and_one_launch_kernels_agree_on_long_caches(rows, s, window, head
     lens = mx.array(np.linspace(s // 3, s, rows).astype(np.int32))
     slots = mx.arange(rows, dtype=mx.int32)
     got = {two: np.array(kernels.split_attention("cuda", q, keys, values, slots, lens - 1, lens, spec,
-                                                   two_launches=two)) for two in (True, False)}
+                                                   two_launches=two).astype(mx.float32)) for two in (True, False)}
     got["rows"] = np.array(kernels.split_attention("cuda", q, keys, values, slots, lens - 1, lens, spec,
-                                                    two_launches=False, by_rows=True))
-    got["one"] = np.array(kernels.fused_attention("cuda", q, keys, values, slots, lens - 1, lens, spec, split=False))
+                                                    two_launches=False, by_rows=True).astype(mx.float32))
+    got["one"] = np.array(kernels.fused_attention("cuda", q, keys, values, slots, lens - 1, lens, spec, split=False).astype(mx.float32))
     assert np.isfinite(got[True]).all()
     for plan in (True, False, "rows"):
         assert np.array_equal(got[plan].view(np.uint32), got["one"].view(np.uint32)), plan
@@ -301,8 +301,8 @@ def check_one_row_form(form):
             values = mx.array(rng.standard_normal((2, cap, kvh * d), dtype=np.float32))
             q = mx.array(rng.standard_normal((1, h * d), dtype=np.float32) * 4)
             slot, pos, lens = (mx.array(np.array([v, 0, 0, 0], dtype=np.int32))[:1] for v in (1, s - 1, s))
-            got = np.array(kernels.split_attention("cuda", q, keys, values, slot, pos, lens, spec, two_launches=True))
-            want = np.array(kernels.fused_attention("cuda", q, keys, values, slot, pos, lens, spec, split=False))
+            got = np.array(kernels.split_attention("cuda", q, keys, values, slot, pos, lens, spec, two_launches=True).astype(mx.float32))
+            want = np.array(kernels.fused_attention("cuda", q, keys, values, slot, pos, lens, spec, split=False).astype(mx.float32))
             assert np.isfinite(got).all()
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (s, window, h, kvh, d)
 
@@ -334,12 +334,12 @@ def test_prefill_chunks_agree_across_plans(chunks, window, heads):
     lens = np.concatenate([np.full(rows, length) for _, rows, length in chunks]).astype(np.int32)
     q = mx.array(rng.standard_normal((len(slots), h * d), dtype=np.float32) * 4)
     args = (q, keys, values, mx.array(slots), mx.array(pos), mx.array(lens), spec)
-    one = np.array(kernels.fused_attention("cuda", *args, split=False))
+    one = np.array(kernels.fused_attention("cuda", *args, split=False).astype(mx.float32))
     assert np.isfinite(one).all()
     ends = np.cumsum([rows for _, rows, _ in chunks]).tolist()
     seq_rows = list(zip([0] + ends[:-1], ends))
     for two, rows in ((True, False), (False, False), (False, True)):
-        out = np.array(kernels.split_attention("cuda", *args, two_launches=two, seq_rows=seq_rows, by_rows=rows))
+        out = np.array(kernels.split_attention("cuda", *args, two_launches=two, seq_rows=seq_rows, by_rows=rows).astype(mx.float32))
         assert np.array_equal(out.view(np.uint32), one.view(np.uint32)), f"two launches: {two}, by rows: {rows}"
 
 

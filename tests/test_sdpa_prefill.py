@@ -130,13 +130,15 @@ def test_the_mask_hides_what_mask_scores_hides(window, start, rows):
 def test_fused_is_the_per_head_reference_through_mlxs_fallback(dtype, case, calls, host_dir, monkeypatch):
     """The self-check's own cases at head sizes 16 and 48, with MLX's CPU fallback for the call: the fused
     override bit for bit the per-head reference, each long chunk's heads in one call in the fused
-    override and one call each in the reference (two chunks in one pass put in their places), the mask
-    a string where the chunk's last row is the last key and an array with a window."""
+    override and one call each in the reference (two chunks in one pass put in their places), both in
+    the activations' dtype, the mask a string where the chunk's last row is the last key and an array
+    with a window."""
     cuda_host.launch_on_host(host_dir, monkeypatch)
     b = _sdpa_backend(dtype)
     q, view, batch = check_case_inputs(b, case)
-    got = np.array(b.fused_attention_override(q, view, batch, case.spec))
-    ref = np.array(b.per_head_attention(q, view, batch, case.spec))
+    got, ref = b.fused_attention_override(q, view, batch, case.spec), b.per_head_attention(q, view, batch, case.spec)
+    assert got.dtype == ref.dtype == b.dtype  # the activations' dtype: MLX's result handed on as it is
+    got, ref = b.to_numpy(got), b.to_numpy(ref)
     assert np.isfinite(ref).all() and np.array_equal(got.view(np.uint32), ref.view(np.uint32))
     spec, d, mask = case.spec, case.spec.head_dim, "array" if case.spec.window else "causal"
     fused = [((1, spec.n_heads, t, d), (1, spec.n_kv_heads, s, d), mask) for s, t in case.seqs]
@@ -153,9 +155,9 @@ def test_a_pass_of_long_and_short_sequences(calls, host_dir, monkeypatch):
     case = CheckCase("two long chunks, a short one, a decode row", AttentionSpec.standard(4, 2, 32),
                      ((130, 130), (400, 150), (60, 20), (90, 1)), "paged")
     q, view, batch = check_case_inputs(b, case)
-    got = np.array(b.fused_attention_override(q, view, batch, case.spec))
+    got = b.to_numpy(b.fused_attention_override(q, view, batch, case.spec))
     assert [c[0][1] for c in calls] == [4, 4]
-    ref = np.array(b.per_head_attention(q, view, batch, case.spec))
+    ref = b.to_numpy(b.per_head_attention(q, view, batch, case.spec))
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
     assert [c[0][1] for c in calls[2:]] == [1] * 8
 
@@ -170,10 +172,10 @@ def test_the_tracer_keeps_the_reference_bits(calls, host_dir, monkeypatch):
     b = _sdpa_backend("bfloat16", "per-head")
     case = CheckCase("a long chunk beside a short one", AttentionSpec.standard(4, 2, 32), ((200, 130), (60, 20)))
     q, view, batch = check_case_inputs(b, case)
-    want = np.array(b.per_head_attention(q, view, batch, case.spec))
+    want = b.to_numpy(b.per_head_attention(q, view, batch, case.spec))
     tracer = TracingBackend(b, stream=io.StringIO())
     del calls[:]
-    got = np.array(tracer.fused_attention(q, view, batch, case.spec))
+    got = np.array(tracer.fused_attention(q, view, batch, case.spec).astype(mx.float32))
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert len(calls) == 4 and tracer.counts["sdpa"] == 1 and tracer.counts["softmax_rows"] == 4
 
@@ -367,9 +369,9 @@ def test_on_cuda_a_chunk_of_qwen3_shape_and_its_error_model(dtype, rows, keys, w
     b = _gpu(dtype)
     spec = AttentionSpec.standard(16, 8, 128, window=window)
     q, view, batch = check_case_inputs(b, CheckCase("a chunk", spec, ((keys, rows),)))
-    got = np.array(b.fused_attention_override(q, view, batch, spec))
+    got = b.to_numpy(b.fused_attention_override(q, view, batch, spec))
     assert len(calls) == 1 and calls[0][0] == (1, 16, rows, 128)
-    ref = np.array(b.per_head_attention(q, view, batch, spec))
+    ref = b.to_numpy(b.per_head_attention(q, view, batch, spec))
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
     k, v = view.sequence(b, 0)
     qf, kf, vf = (np.array(x.astype(mx.float32)).astype(np.float64) for x in (q, k, v))

@@ -50,7 +50,7 @@ def main() -> int:
         case = CheckCase(f"{args.rows} rows over {s} keys", spec, ((s, args.rows),))
         q, view, batch = check_case_inputs(b, case)
         fused = lambda: b.fused_attention_override(q, view, batch, spec)  # noqa: E731
-        ref = np.array(b.per_head_attention(q, view, batch, spec))
+        ref = b.to_numpy(b.per_head_attention(q, view, batch, spec))
         got = np.array(fused())
         same = float(np.mean(got.view(np.uint32) == ref.view(np.uint32)))
         q32, view32, batch32 = check_case_inputs(f32, case)  # the same draws, in float32

@@ -328,8 +328,8 @@ def _check_long_case(backend: "MLXBackend", case: CheckCase) -> str | None:
     for bit (none of our kernels runs: a failure is that path's alone). None, or one line."""
     try:
         q, view, batch = check_case_inputs(backend, case)
-        got = np.array(backend.fused_attention_override(q, view, batch, case.spec))
-        ref = np.array(backend.per_head_attention(q, view, batch, case.spec))
+        got = backend.to_numpy(backend.fused_attention_override(q, view, batch, case.spec))
+        ref = backend.to_numpy(backend.per_head_attention(q, view, batch, case.spec))
     except Exception as e:  # a shape MLX's kernel refuses (force_fused)
         return f"{_one_line(e)} ({case})"
     same = got.view(np.uint32) == ref.view(np.uint32)
@@ -399,18 +399,19 @@ def _check_case(backend: "MLXBackend", case: CheckCase) -> str | None:
     try:
         q, view, batch = check_case_inputs(backend, case)
         spec = case.spec
-        plans = {"": np.array(backend.fused_attention_override(q, view, batch, spec))}
+        bits = backend.to_numpy  # (16-bit results widened to float32: exact, so equal bits stay equal)
+        plans = {"": bits(backend.fused_attention_override(q, view, batch, spec))}
         if backend.kernel in kernels.SPLIT_KINDS and view.store is not None:  # every launch plan
             args = (backend.kernel, q, *view.store, batch.row_slots, batch.positions, batch.row_lens, spec)
-            plans[" (one launch)"] = np.array(kernels.fused_attention(*args, split=False))
+            plans[" (one launch)"] = bits(kernels.fused_attention(*args, split=False))
             for two, form in ((True, "two"), (False, "three")):
-                plans[f" (split, {form} launches)"] = np.array(kernels.split_attention(*args, two_launches=two))
-            plans[" (split, three launches, context by rows)"] = np.array(kernels.split_attention(
+                plans[f" (split, {form} launches)"] = bits(kernels.split_attention(*args, two_launches=two))
+            plans[" (split, three launches, context by rows)"] = bits(kernels.split_attention(
                 *args, two_launches=False, seq_rows=batch.rows, by_rows=True))
         if all(t == 1 for _, t in case.seqs):  # decode rows, as the compiled decode step launches them
             compiled = mx.compile(lambda x: backend.fused_attention_override(x, view, batch, spec))
-            plans[" (compiled)"] = np.array(compiled(q))
-        ref = np.array(backend.per_head_attention(q, view, batch, spec))
+            plans[" (compiled)"] = bits(compiled(q))
+        ref = bits(backend.per_head_attention(q, view, batch, spec))
     except Exception as e:  # a kernel that fails to compile or launch
         return f"{_one_line(e)} ({case})"
     # the launch plans run every row through a kernel, but a sequence of PREFILL_ROWS rows or more is
@@ -808,7 +809,7 @@ class MLXBackend(Backend):
 
     # -- primitives ---------------------------------------------------------------------------
     def linear(self, x, w, groups=None):
-        # in the activations' dtype (attention's float32 output narrowed here), the product in
+        # in the activations' dtype (a no-op for attention's output, already in it), the product in
         # `weight_dtype` (float32 on MLX's CPU: see the module docstring), its output in the dtype
         return self._linear(x.astype(self.dtype).astype(self.weight_dtype), w, groups).astype(self.dtype)
 
@@ -1003,7 +1004,7 @@ class MLXBackend(Backend):
         return dst
 
     def zeros(self, rows, cols):
-        return mx.zeros((rows, cols), dtype=mx.float32)
+        return mx.zeros((rows, cols), dtype=self.dtype)
 
     def concat_dim0(self, a, b):
         return mx.concatenate([a, b], axis=0)
@@ -1067,7 +1068,7 @@ class MLXBackend(Backend):
                 k, v = kv.sequence(self, b)
                 ctx = self._sdpa(_head_major(q[r0:r1], spec.n_heads), _head_major(k, spec.n_kv_heads),
                                  _head_major(v, spec.n_kv_heads), spec, self._sdpa_mask(batch, b, k.shape[0], spec))
-                ctx = mx.reshape(mx.transpose(ctx[0], (1, 0, 2)), (r1 - r0, -1)).astype(mx.float32)
+                ctx = mx.reshape(mx.transpose(ctx[0], (1, 0, 2)), (r1 - r0, -1))
             elif self.mma and kernels.mma_fits(spec):
                 k, v = kv.sequence(self, b)
                 ctx = kernels.mma_attention(self.gpu_kernels, q[r0:r1].astype(self.dtype), k.astype(self.dtype),
@@ -1228,7 +1229,7 @@ class MLXBackend(Backend):
                             scores = self.mask_scores(scores, batch.positions_of(self, b), spec.causal, spec.window)
                         parts.append(mx.matmul(self.softmax_rows(scores), vh[h0:h1]))  # [KV, G, T, D]
                 ctx = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-            outs.append(mx.reshape(mx.transpose(ctx, (2, 0, 1, 3)), (t, spec.n_heads * d)))
+            outs.append(mx.reshape(mx.transpose(ctx, (2, 0, 1, 3)), (t, spec.n_heads * d)).astype(self.dtype))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
 
 
