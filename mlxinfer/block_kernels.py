@@ -108,6 +108,38 @@ def _kernel(kind: str, name: str):
                                 source=bodies[name], header=header, ensure_row_contiguous=True)
 
 
+def kernel_fields(w) -> tuple:
+    """The inputs a block kernel reads of weight w (a QuantizedWeight or BlockWeight of a type in
+    KERNELS): its fields in the kernel's order, fp16 fields as their bits (uint16 views: read exactly in
+    the kernel). The backend makes them once at load (`kernel_fields` of the weight), so that a product
+    in a compiled step has no view of its own to replay."""
+    import mlx.core as mx
+
+    half = lambda a: mx.view(a, mx.uint16)  # noqa: E731
+    if KERNELS[w.qtype][0] == "q6_k_matvec":
+        ql, qh, scales, d = w.parts
+        return ql, qh, scales, half(d)
+    if w.qtype == Q.IQ4_XS:
+        d, scales_h, scales_l, qs = w.parts
+        return qs, half(d), scales_h, scales_l
+    if w.qtype == Q.IQ4_NL:  # (sc_h, sc_l unused: IQ4_XS's)
+        d, qs = w.parts
+        return qs, half(d), half(d), qs
+    if w.qtype == Q.Q3_K:
+        hmask, qs, scales, d = w.parts
+        return hmask, qs, scales, half(d)
+    if w.qtype == Q.Q2_K:
+        scales, qs, d, dmin = w.parts
+        return scales, qs, half(d), half(dmin)
+    if w.qtype in (Q.F16, Q.BF16):  # (BF16 kept as its bits)
+        return (half(w.parts[0]) if w.qtype == Q.F16 else w.parts[0],)
+    if w.qtype in (Q.Q4_K, Q.Q5_K):
+        dd, sm = w.parts
+        return w.w, half(dd), sm
+    d, *rest = w.parts  # (d,) or (d, m); s1 unused without m
+    return w.w, half(d), half(rest[0] if rest else d)
+
+
 def product(kind: str, x, w, per_warp: int | None = None):
     """x @ w.T [M, N] in x's dtype, by the kernel of w's type on `kind` ("cuda" or "metal"), each warp
     taking `per_warp` output rows (1..`rows_per_warp`, by default that many)."""
@@ -120,30 +152,7 @@ def product(kind: str, x, w, per_warp: int | None = None):
     if not 1 <= per_warp <= most:
         raise ValueError(f"{per_warp} output rows a warp: the {kind} block kernels take 1..{most}")
     name, consts = KERNELS[w.qtype]
-    half = lambda a: mx.view(a, mx.uint16)  # noqa: E731 (fp16 fields as their bits: read exactly in the kernel)
-    if name == "q6_k_matvec":
-        ql, qh, scales, d = w.parts
-        fields = [ql, qh, scales, half(d)]
-    elif w.qtype == Q.IQ4_XS:
-        d, scales_h, scales_l, qs = w.parts
-        fields = [qs, half(d), scales_h, scales_l]
-    elif w.qtype == Q.IQ4_NL:  # (sc_h, sc_l unused: IQ4_XS's)
-        d, qs = w.parts
-        fields = [qs, half(d), half(d), qs]
-    elif w.qtype == Q.Q3_K:
-        hmask, qs, scales, d = w.parts
-        fields = [hmask, qs, scales, half(d)]
-    elif w.qtype == Q.Q2_K:
-        scales, qs, d, dmin = w.parts
-        fields = [scales, qs, half(d), half(dmin)]
-    elif w.qtype in (Q.F16, Q.BF16):  # (BF16 kept as its bits)
-        fields = [half(w.parts[0]) if w.qtype == Q.F16 else w.parts[0]]
-    elif w.qtype in (Q.Q4_K, Q.Q5_K):
-        dd, sm = w.parts
-        fields = [w.w, half(dd), sm]
-    else:  # (d,) or (d, m); s1 unused without m
-        d, *rest = w.parts
-        fields = [w.w, half(d), half(rest[0] if rest else d)]
+    fields = getattr(w, "kernel_fields", ()) or kernel_fields(w)
     warps = -(-n // per_warp)
     blocks = -(-warps // WARPS)
     cols = min(blocks, 65535)

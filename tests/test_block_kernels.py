@@ -233,6 +233,39 @@ def test_each_launch_is_what_mlx_custom_kernels_take(qtype, m, per_warp, monkeyp
     assert kw["output_shapes"] == [(m, rows)]
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_kernels_inputs_are_made_once_at_load(qtype, monkeypatch):
+    """Where the backend runs the block kernels, a weight it loads carries the kernel's inputs
+    (`kernel_fields`: views of its fields, fp16 ones as uint16 bits) made and evaluated at load, and a
+    product hands MLX those very arrays, so a compiled decode step replays no view of its own; a row
+    slice's are the slices of them, bit for bit what it would make itself. Elsewhere (no block kernels)
+    a weight carries none."""
+    import mlx.core as mx
+
+    inputs = []
+
+    def launch(**kw):
+        inputs.append(kw["inputs"])
+        return [mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]
+
+    monkeypatch.setattr(block_kernels, "_kernel", lambda kind, name: launch)
+    rows, cols = 33, 512
+    _, parts = _fields(np.random.default_rng(1), rows, cols, True, qtype)
+    assert MLXBackend(device="cpu")._to_device(qtype, parts, (rows, cols)).kernel_fields == ()
+    be = MLXBackend(device="cpu")
+    be.block_kind = "cuda"  # (as on a GPU whose block kernels passed their self-check)
+    w = be._to_device(qtype, parts, (rows, cols))
+    fresh = block_kernels.kernel_fields(w)
+    assert len(w.kernel_fields) == len(fresh) == len(block_kernels.INPUTS[block_kernels.KERNELS[qtype][0]]) - 2
+    for a, b in zip(w.kernel_fields, fresh, strict=True):
+        assert a.dtype == b.dtype and np.array_equal(np.array(a), np.array(b))
+    block_kernels.product("cuda", mx.zeros((1, cols)), w)
+    assert all(a is b for a, b in zip(inputs[-1][1:-1], w.kernel_fields, strict=True))
+    part = w.row_slice(5, 21)
+    for a, b in zip(part.kernel_fields, block_kernels.kernel_fields(part), strict=True):
+        assert a.shape[0] == 16 and np.array_equal(np.array(a), np.array(b))
+
+
 @pytest.fixture(scope="module")
 def host_kernels(tmp_path_factory):
     """blocks.cu's kernels compiled for the host (tests/cuda_host.py): every type's form, x float32 and

@@ -732,8 +732,14 @@ class MLXBackend(Backend):
 
     def _to_device(self, qtype, arrays, shape):
         """A weight on this backend (`mlx_weights.to_device`): in the products' dtype, its affine scales
-        formed once at load (`float_scales`) or at each use, by one compiled kernel on a GPU."""
-        return to_device(qtype, arrays, shape, self.float_scales, self.weight_dtype, compiled=self.device == "gpu")
+        formed once at load (`float_scales`) or at each use, by one compiled kernel on a GPU. Where the
+        block kernels may multiply it, their inputs are made here too (views of its fields, no copy), so
+        a decode step replays no view of them (four a layer)."""
+        w = to_device(qtype, arrays, shape, self.float_scales, self.weight_dtype, compiled=self.device == "gpu")
+        if self.block_kind and qtype in block_kernels.KERNELS and not getattr(w, "float_scales", False):
+            w.kernel_fields = block_kernels.kernel_fields(w)
+            mx.eval(*w.kernel_fields)
+        return w
 
     @staticmethod
     def _read(g, name, transposed: bool):

@@ -145,6 +145,7 @@ class QuantizedWeight:
     float_scales: bool = False  # parts are the (scales, biases) in `dtype`, formed once at load
     dtype: mx.Dtype = mx.float32  # the products' dtype: scales and biases are cast to it
     compiled: bool = False  # its scales formed by `formed_scales` (on a GPU: one launch, not four)
+    kernel_fields: tuple = ()  # the block kernels' inputs, made once at load (`block_kernels.kernel_fields`)
 
     @property
     def bits(self) -> int:
@@ -172,7 +173,7 @@ class QuantizedWeight:
 
     def row_slice(self, a: int, b: int) -> "QuantizedWeight":
         return QuantizedWeight(self.w[a:b], tuple(p[a:b] for p in self.parts), self.qtype, (b - a, self.shape[1]),
-                               self.float_scales, self.dtype, self.compiled)
+                               self.float_scales, self.dtype, self.compiled, tuple(f[a:b] for f in self.kernel_fields))
 
     def product(self, x) -> mx.array:
         """x @ self.T."""
@@ -192,9 +193,11 @@ class BlockWeight:
     qtype: Q
     shape: tuple[int, int]  # (out, in)
     dtype: mx.Dtype = mx.float32  # the products' dtype: the dequantized values are cast to it
+    kernel_fields: tuple = ()  # the block kernels' inputs, made once at load (`block_kernels.kernel_fields`)
 
     def row_slice(self, a: int, b: int) -> "BlockWeight":
-        return BlockWeight(tuple(p[a:b] for p in self.parts), self.qtype, (b - a, self.shape[1]), self.dtype)
+        return BlockWeight(tuple(p[a:b] for p in self.parts), self.qtype, (b - a, self.shape[1]), self.dtype,
+                           tuple(f[a:b] for f in self.kernel_fields))
 
     def dense(self) -> mx.array:
         return dequantize(self.qtype, self.parts, *self.shape).astype(self.dtype)
