@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 from . import __version__, benchmark
-from .backend import DTYPES, GPU_DEFAULT_DTYPE, KV_DTYPES
+from .backend import DTYPES, GPU_DEFAULT_DTYPES, KV_DTYPES
 from .backends.cpu import checked_threads, default_threads
 from .collectives import launched
 from .engine import DEFAULT_PREFILL_CHUNK, load
@@ -462,7 +462,8 @@ def _model_options(p, sampling: bool = True) -> None:
                    help="prompt tokens per prefill pass (default: 512; 2048 in bfloat16/float16 on CUDA, except under serve)")
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="MLX: the activations' and products' dtype (default: float32 on MLX's CPU, "
-                        f"{GPU_DEFAULT_DTYPE} on a GPU; the cpu backend: float32 only)")
+                        f"{GPU_DEFAULT_DTYPES['cuda']} on CUDA, {GPU_DEFAULT_DTYPES['metal']} on Metal; "
+                        "the cpu backend: float32 only)")
     p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES,
                    help="MLX: what the KV cache stores (default: --dtype); q8_0: int8 in blocks of 32 with a "
                         "float16 scale each, as llama.cpp's -ctk q8_0")

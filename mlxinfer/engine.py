@@ -371,7 +371,8 @@ def load(model: str | os.PathLike | None = None, backend: str = "auto", attentio
     mlx.launch. prompt_cache_dir: a directory where the paged cache (kv="paged") keeps full prompt
     blocks across runs, at most prompt_cache_size bytes (least recently used removed first). dtype: the
     MLX backend's activations, "float32", "bfloat16" or "float16" (default: float32 on MLX's CPU,
-    `backend.GPU_DEFAULT_DTYPE` on a GPU; the cpu backend: float32 only); kv_dtype: what its KV
+    `backend.GPU_DEFAULT_DTYPES` on a GPU: bfloat16 on CUDA, float32 on Metal; the cpu backend: float32
+    only); kv_dtype: what its KV
     cache stores, one of those or "q8_0" (default: dtype)."""
     collectives.join(tp)  # a tp run that was not launched fails before anything is loaded
     ops = make_backend(backend, attention, device, kernel, threads, ranks=tp, dtype=dtype,

@@ -44,3 +44,13 @@ def synthetic(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _float32_on_every_gpu(monkeypatch):
+    """The tests compare with float32 references (llama.cpp's logits, the cpu backend's) and name any
+    other dtype they run: on a GPU they run float32 unless they name one. The shipped defaults (bfloat16
+    on CUDA) are test_mlx_backend.py::test_the_default_dtype_by_device's."""
+    from mlxinfer import backend
+
+    monkeypatch.setitem(backend.GPU_DEFAULT_DTYPES, "cuda", "float32")

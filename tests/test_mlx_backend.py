@@ -659,6 +659,24 @@ def test_qk_norm_rope_cuda_kernel_matches_mx_fast_and_is_row_invariant(dtype):
                 np.testing.assert_array_equal(np.array(g.astype(mx.float32))[last:], np.array(one.astype(mx.float32)))
 
 
+def test_the_default_dtype_by_device(monkeypatch):
+    """Without --dtype: float32 on MLX's CPU; on a GPU `GPU_DEFAULT_DTYPES`: bfloat16 on CUDA (measured
+    against float32 on an H100: docs/performance.md), float32 on Metal (nothing measured there); the KV
+    cache in the same type; a named dtype wins everywhere."""
+    from mlxinfer.backend import GPU_DEFAULT_DTYPES
+
+    from . import cuda_host
+
+    monkeypatch.undo()  # (the suite's float32 pin: conftest.py)
+    assert GPU_DEFAULT_DTYPES == {"cuda": "bfloat16", "metal": "float32"}
+    assert MLXBackend(device="cpu").dtype_name == "float32"
+    for gpu, want in GPU_DEFAULT_DTYPES.items():
+        with pytest.MonkeyPatch.context() as mp:
+            b = MLXBackend(device="gpu", kernel=cuda_host.pretend_gpu(mp, gpu))
+            assert (b.dtype_name, b.kv_dtype, b.dtype) == (want, want, getattr(mx, want))
+            assert MLXBackend(device="gpu", kernel=gpu, dtype="float16").dtype_name == "float16"
+
+
 def test_q8_0_rows_are_llama_cpp_blocks():
     """--kv-dtype q8_0: each 32 values of a row as llama.cpp's block_q8_0 (d = max|x| / 127 kept as float16,
     q = round(x / d) in int8; an all-zero block d = 0, q = 0); read back as float32 d * q, exact; and a row

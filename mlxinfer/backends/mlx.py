@@ -21,11 +21,11 @@ the dtype (`weight_dtype`): MLX's CPU quantized_matmul accumulates in its input 
 product of 1,536 terms there came out ~8% off its largest output (summed in float32 from the same
 bfloat16 inputs: ~0.4%), and ~10x slower. Attention reads q, K and V in their dtypes and computes in
 float32 (each value widened exactly: the same products and sums as in float32), on the CPU through the
-widened operands, on a GPU in the kernels themselves (templated on the input type); its output is
-float32 and the next product narrows it. Softmax is always float32; logits leave the backend as float32
+widened operands, on a GPU in the kernels themselves (templated on the input type); its result is
+rounded to the dtype once, where the per-head reference rounds it. Softmax is always float32; logits leave the backend as float32
 (`to_numpy`, `sample_tokens`). The KV cache stores `kv_dtype` (default: the dtype; q8_0 in
 `backends/mlx_kv.py`). Default dtype: float32 on the CPU (no faster in 16 bits there),
-`backend.GPU_DEFAULT_DTYPE` on a GPU.
+`backend.GPU_DEFAULT_DTYPES` on a GPU (bfloat16 on CUDA, float32 on Metal).
 
 Fused attention, chosen by platform (overridable with `kernel=`):
   - "graph": each sequence's heads in one batched graph (the CPU's override);
@@ -55,7 +55,7 @@ import numpy as np  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
 from .. import block_kernels, collectives, cuda_jit, kernels, quants  # noqa: E402
-from ..backend import GELU_COEF_A, GPU_DEFAULT_DTYPE, KV_DTYPES, MOE_MIN_WEIGHT_SUM, SQRT_2_OVER_PI, AttentionSpec, Backend, softcap_inverse  # noqa: E402
+from ..backend import GELU_COEF_A, GPU_DEFAULT_DTYPES, KV_DTYPES, MOE_MIN_WEIGHT_SUM, SQRT_2_OVER_PI, AttentionSpec, Backend, softcap_inverse  # noqa: E402
 from ..batch import Batch  # noqa: E402
 from ..errors import GGUFError, RequestError  # noqa: E402
 from ..kv_cache import KV_CACHES, PagedLayer  # noqa: E402
@@ -470,7 +470,7 @@ class MLXBackend(Backend):
         if threads is not None and device == "gpu":
             raise RequestError("--threads sets the threads of the CPU's weight products; on a GPU MLX schedules its own")
         self.device = device
-        dtype = dtype or (GPU_DEFAULT_DTYPE if device == "gpu" else "float32")
+        dtype = dtype or (GPU_DEFAULT_DTYPES[gpu] if device == "gpu" else "float32")
         if dtype not in DTYPES:
             raise RequestError(f"unknown dtype {dtype!r} (choose {', '.join(DTYPES)})")
         kv_dtype = kv_dtype or dtype
