@@ -204,14 +204,17 @@ def measure_row(job: dict) -> dict:
     # step) the warm-up did not: GPU kernels compiled inside a measured run are not its speed.
     one_run(engine, on_mlx, [p[:w] for p in prompts], gen if w == n else min(4, gen))
     row = summarize([one_run(engine, on_mlx, prompts, gen) for _ in range(job["runs"])])
-    row.update(engine=engine_name(job), device=job["device"], attention=job["attention"],
+    # an MLX row is named by the dtype it ran, the default's too (it differs by device: bfloat16 on CUDA)
+    ran = dict(job, dtype=job.get("dtype") or (on_mlx and getattr(getattr(engine, "backend", None), "dtype_name", None)) or None)
+    row.update(engine=engine_name(ran), device=job["device"], attention=job["attention"],
                prompt_tokens=n, max_tokens=gen, warmup_prompt_tokens=w, load_s=load_s,
                threads=job["threads"] if on_cpu else None)
     return row
 
 
 def engine_name(job: dict) -> str:
-    """A row's engine: the backend, and the MLX dtype (and KV cache type) where the row asked for one."""
+    """A row's engine: the backend, and the MLX dtype (and KV cache type, prefill chunk) where the job
+    names one (`measure_row` names the dtype an MLX row ran)."""
     types = [t for t in (job.get("dtype"), job.get("kv_dtype") and f"kv {job['kv_dtype']}",
                          job.get("prefill_chunk") and f"chunk {job['prefill_chunk']}") if t]
     return " ".join([f"mlxinfer {job['backend']}", *types])

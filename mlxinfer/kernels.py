@@ -286,9 +286,10 @@ def mma_fits(spec) -> bool:
     return spec.head_dim % 16 == 0 and spec.head_dim <= MAX_HEAD_DIM
 
 
-def mma_attention(kind: str, q, keys, values, positions, spec):
+def mma_attention(kind: str, q, keys, values, positions, spec, out_dtype=None):
     """One sequence's prefill chunk, every head, in the tensor-core order: q [T, H*D] and the sequence's
-    keys, values [S, KV*D], all bfloat16 or all float16; positions int32 [T] -> [T, H*D] in q's dtype, the
+    keys, values [S, KV*D], all bfloat16 or all float16; positions int32 [T] -> [T, H*D] in `out_dtype`
+    (default q's dtype), the
     bits of the per-head reference's steps 3-7 on the MLX backend for 16-bit chunks of PREFILL_ROWS rows
     or more (mma_matmul, scale, soft-cap, mask, mma_softmax, mma_matmul)."""
     import mlx.core as mx
@@ -299,9 +300,9 @@ def mma_attention(kind: str, q, keys, values, positions, spec):
     scales = mx.array([spec.scale, *softcap_values(spec)], dtype=mx.float32)
     (out,) = _kernel(kind, "mma_attention")(
         inputs=[_bits16(q), _bits16(keys), _bits16(values), positions, scales, dims],
-        template=[("BF", q.dtype == mx.bfloat16), ("D", spec.head_dim)],
+        template=[("BF", q.dtype == mx.bfloat16), ("D", spec.head_dim), ("OT", out_dtype or q.dtype)],
         grid=_grid(blocks, 32 * MMA_WARPS), threadgroup=(32 * MMA_WARPS, 1, 1),
-        output_shapes=[(t, spec.n_heads * spec.head_dim)], output_dtypes=[q.dtype])
+        output_shapes=[(t, spec.n_heads * spec.head_dim)], output_dtypes=[out_dtype or q.dtype])
     return out
 
 
@@ -395,11 +396,11 @@ def _score_tiles(seq_rows: tuple):
     return mx.array(np.array(tiles, dtype=np.int32).reshape(-1))
 
 
-def input_types(kind: str, q, keys) -> list:
-    """The template arguments that name a CUDA attention kernel's input types (MLX's CUDA kernel cache
-    is keyed by name and template arguments, not by the inputs' dtypes; KVT int8: a q8_0 cache's packed
-    rows); Metal's names carry them."""
-    return [("QT", q.dtype), ("KVT", keys.dtype)] if kind == "cuda" else []
+def input_types(kind: str, q, keys, out_dtype) -> list:
+    """The template arguments that name a CUDA attention kernel's input and result types (MLX's CUDA
+    kernel cache is keyed by name and template arguments, not by the arrays' dtypes; KVT int8: a q8_0
+    cache's packed rows); Metal's names carry them."""
+    return [("QT", q.dtype), ("KVT", keys.dtype), ("OT", out_dtype)] if kind == "cuda" else []
 
 
 def softcap_values(spec) -> tuple[float, float]:
@@ -420,9 +421,10 @@ def tanh(kind: str, x):
 
 
 def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec, split: bool | None = None,
-                    seq_rows=None):
+                    seq_rows=None, out_dtype=None):
     """A batch's attention: q [N, H*D]; keys and values [slots, capacity, KV*D]; per row its cache slot,
-    position and its sequence's length (int32 arrays). -> [N, H*D] in q's dtype.
+    position and its sequence's length (int32 arrays). -> [N, H*D] in `out_dtype` (default: q's dtype;
+    float32 keeps every bit of the published order's result, what the checks compare).
 
     Two launch plans compute the same bits. Few rows (decode) and short prefill chunks (`uses_split`, or
     split=True) take the split kernels: scores with one warp per key, then the softmax and the context
@@ -436,36 +438,39 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
     import mlx.core as mx
 
     if split if split is not None else uses_split(kind, q.shape[0], spec, keys.shape[1]):
-        return split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, seq_rows=seq_rows)
+        return split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, seq_rows=seq_rows,
+                               out_dtype=out_dtype)
+    out_dtype = out_dtype or q.dtype
     n = q.shape[0]
     cap = keys.shape[1]
     dims = _dims(cap, spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.causal), int(spec.window or 0), n)
     blocks = min(n * spec.n_heads, MAX_BLOCKS)
-    types = input_types(kind, q, keys)
+    types = input_types(kind, q, keys, out_dtype)
     scales = mx.array([spec.scale, *softcap_values(spec)], dtype=mx.float32)
     out, _ = _kernel(kind, "fused_attention")(
         inputs=[q, keys, values, row_slot, row_pos, row_len, scales, dims],
         grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1), **({"template": types} if types else {}),
-        output_shapes=[(n, spec.n_heads * spec.head_dim), (blocks, cap)], output_dtypes=[q.dtype, mx.float32])
+        output_shapes=[(n, spec.n_heads * spec.head_dim), (blocks, cap)], output_dtypes=[out_dtype, mx.float32])
     return out
 
 
 def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, steps: int = 3,
-                     two_launches: bool | None = None, seq_rows=None, by_rows: bool | None = None):
+                     two_launches: bool | None = None, seq_rows=None, by_rows: bool | None = None, out_dtype=None):
     """The split plan: scores, then softmax and context in one launch (`two_launches`, by default
     `uses_two_launches`) or two. `steps=1` stops after the scores and returns them, `steps=2` after the
     three-launch form's softmax (bench/probes/decode_attention.py and prefill_attention.py time the steps),
-    both float32, `steps=3` runs the whole plan (its result in q's dtype). `seq_rows` as fused_attention's; `by_rows` forces the kernels by rows
+    both float32, `steps=3` runs the whole plan (its result in `out_dtype`, default q's dtype). `seq_rows` as fused_attention's; `by_rows` forces the kernels by rows
     (True) or the others (False). The attention's shape is compiled into the kernels."""
     import mlx.core as mx
 
     if steps not in (1, 2, 3):
         raise ValueError(f"steps must be 1 (scores), 2 (and softmax) or 3 (the whole plan), got {steps}")
     n, cap = q.shape[0], keys.shape[1]
+    out_dtype = out_dtype or q.dtype
     softcap, softcap_inv = softcap_values(spec)
     template = [("H", spec.n_heads), ("KV", spec.n_kv_heads), ("D", spec.head_dim), ("CAUSAL", bool(spec.causal)),
                 ("WINDOW", int(spec.window or 0)), ("SCALE_BITS", _f32_bits(spec.scale)), ("SOFTCAP_BITS", _f32_bits(softcap)),
-                ("SOFTCAP_INV_BITS", _f32_bits(softcap_inv)), *input_types(kind, q, keys)]
+                ("SOFTCAP_INV_BITS", _f32_bits(softcap_inv)), *input_types(kind, q, keys, out_dtype)]
     shape = [(n, spec.n_heads, cap)]
     if two_launches is None:
         two_launches = uses_two_launches(n, cap)
@@ -487,7 +492,7 @@ def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, ste
     if steps == 1:
         return out
     context = dict(grid=_grid(n * spec.n_kv_heads * -(-spec.head_dim // 8)), threadgroup=(THREADS, 1, 1),
-                   output_shapes=[(n, spec.n_heads * spec.head_dim)], output_dtypes=[q.dtype])
+                   output_shapes=[(n, spec.n_heads * spec.head_dim)], output_dtypes=[out_dtype])
     if two_launches and steps == 3:
         (out,) = _kernel(kind, "attn_softmax_context")(inputs=[out, values, row_slot, row_len],
                                                        template=template + split_unroll(n, cap), **context)

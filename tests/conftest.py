@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from mlxinfer import backend as _backend
 from mlxinfer.model_source import default_model_path
 from mlxinfer.synthetic import SyntheticSpec, write_synthetic_model
 
@@ -46,11 +47,18 @@ def synthetic(tmp_path_factory):
     return make
 
 
-@pytest.fixture(autouse=True)
-def _float32_on_every_gpu(monkeypatch):
-    """The tests compare with float32 references (llama.cpp's logits, the cpu backend's) and name any
-    other dtype they run: on a GPU they run float32 unless they name one. The shipped defaults (bfloat16
-    on CUDA) are test_mlx_backend.py::test_the_default_dtype_by_device's."""
-    from mlxinfer import backend
+# The tests compare with float32 references (llama.cpp's logits, the cpu backend's) and name any other
+# dtype they run: on a GPU they run float32 unless they name one, for the whole session (module-scoped
+# fixtures included). Processes the tests start name their dtype themselves (tests/tp_worker.py's cases).
+# The shipped defaults (bfloat16 on CUDA) are test_mlx_backend.py::test_the_default_dtype_by_device's,
+# through `shipped_gpu_defaults`.
+SHIPPED_GPU_DEFAULT_DTYPES = dict(_backend.GPU_DEFAULT_DTYPES)
+_backend.GPU_DEFAULT_DTYPES["cuda"] = "float32"
 
-    monkeypatch.setitem(backend.GPU_DEFAULT_DTYPES, "cuda", "float32")
+
+@pytest.fixture
+def shipped_gpu_defaults(monkeypatch):
+    """The GPU default dtypes as shipped, for the one test that checks them."""
+    for kind, dtype in SHIPPED_GPU_DEFAULT_DTYPES.items():
+        monkeypatch.setitem(_backend.GPU_DEFAULT_DTYPES, kind, dtype)
+    return dict(SHIPPED_GPU_DEFAULT_DTYPES)

@@ -133,6 +133,17 @@ def test_mlx_rows_in_each_dtype(synthetic, tmp_path):
                                                                   ["bfloat16", "q8_0 KV cache"]]
 
 
+def test_an_mlx_row_without_dtypes_is_named_by_the_dtype_it_ran(synthetic, tmp_path):
+    """Without --dtypes an MLX row runs the device's default dtype (float32 on MLX's CPU, bfloat16 on
+    CUDA) and is named by it, so rows of different defaults never share a name."""
+    argv = ["bench", "-m", synthetic(), "--backends", "mlx", "--devices", "cpu", "-p", "8", "-n", "2", "--runs", "1",
+            "--out", str(tmp_path)]
+    r = subprocess.run([sys.executable, "-m", "mlxinfer", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    _, row = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert row["engine"] == "mlxinfer mlx float32" and row["backend"].split(", ")[1] == "float32"
+
+
 def test_rows_for_each_prefill_chunk(synthetic, tmp_path):
     """--prefill-chunks: one set of rows per chunk size, each named by it and run with it (the metrics'
     prefill_chunk), so a run compares chunk sizes side by side."""

@@ -659,7 +659,7 @@ def test_qk_norm_rope_cuda_kernel_matches_mx_fast_and_is_row_invariant(dtype):
                 np.testing.assert_array_equal(np.array(g.astype(mx.float32))[last:], np.array(one.astype(mx.float32)))
 
 
-def test_the_default_dtype_by_device(monkeypatch):
+def test_the_default_dtype_by_device(shipped_gpu_defaults):
     """Without --dtype: float32 on MLX's CPU; on a GPU `GPU_DEFAULT_DTYPES`: bfloat16 on CUDA (measured
     against float32 on an H100: docs/performance.md), float32 on Metal (nothing measured there); the KV
     cache in the same type; a named dtype wins everywhere."""
@@ -667,8 +667,7 @@ def test_the_default_dtype_by_device(monkeypatch):
 
     from . import cuda_host
 
-    monkeypatch.undo()  # (the suite's float32 pin: conftest.py)
-    assert GPU_DEFAULT_DTYPES == {"cuda": "bfloat16", "metal": "float32"}
+    assert GPU_DEFAULT_DTYPES == shipped_gpu_defaults == {"cuda": "bfloat16", "metal": "float32"}
     assert MLXBackend(device="cpu").dtype_name == "float32"
     for gpu, want in GPU_DEFAULT_DTYPES.items():
         with pytest.MonkeyPatch.context() as mp:

@@ -249,10 +249,13 @@ def _fused_cases():
 
 def _mma_backend(dtype: str) -> MLXBackend:
     """An MLX backend on the CPU made to take CUDA's tensor-core path (as on a GPU with that dtype): its
-    products and softmax of PREFILL_ROWS rows or more go to `kernels.mma_*`, i.e. to the host kernels."""
+    products and softmax of PREFILL_ROWS rows or more go to `kernels.mma_*`, i.e. to the host kernels.
+    Attention's results in float32 (`attention_dtype`, as the self-check compares them): every bit of the
+    order, not only what survives its rounding to the dtype (that rounding: the error-model test's)."""
     b = MLXBackend(device="cpu", dtype=dtype)
     b.gpu_kernels = b.kernel = "cuda"
     b.mma = True
+    b.attention_dtype = mx.float32
     return b
 
 

@@ -141,12 +141,12 @@ def tp_runs(tmp_path_factory, smollm2_path, synthetic):
     cases = [
         dict(model=smol_f32, backend="cpu", prompt=prompt, n=16, prefill_chunk=5),
         dict(model=qwen, backend="cpu", prompt=list(range(3, 40)), n=12, prefill_chunk=16),
-        dict(model=qwen, backend="mlx", prompt=list(range(3, 40)), n=12, prefill_chunk=16),
+        dict(model=qwen, backend="mlx", prompt=list(range(3, 40)), n=12, prefill_chunk=16, dtype="float32"),
         dict(model=qwen_q8, backend="cpu", prompt=list(range(3, 40)), n=12, temperature=1.5, seed=-1),
         dict(model=qwen2, backend="cpu", prompt=list(range(3, 40)), n=12, prefill_chunk=16),
-        dict(model=llama3, backend="mlx", prompt=list(range(3, 40)), n=12),
+        dict(model=llama3, backend="mlx", prompt=list(range(3, 40)), n=12, dtype="float32"),
         dict(model=gemma2, backend="cpu", prompt=list(range(3, 40)), n=12, prefill_chunk=16),
-        dict(model=gemma3, backend="mlx", prompt=list(range(3, 40)), n=12),
+        dict(model=gemma3, backend="mlx", prompt=list(range(3, 40)), n=12, dtype="float32"),
     ]
     with open(root / "cases.json", "w") as f:
         json.dump(cases, f)
@@ -162,7 +162,8 @@ def tp_runs(tmp_path_factory, smollm2_path, synthetic):
 def test_tp2_logits_and_greedy_text_match_one_process(tp_runs, i):
     cases, runs = tp_runs
     case = cases[i]
-    one = mlxinfer.load(case["model"], backend=case["backend"], prefill_chunk=case.get("prefill_chunk"))
+    one = mlxinfer.load(case["model"], backend=case["backend"], prefill_chunk=case.get("prefill_chunk"),
+                        dtype=case.get("dtype"))
     want = one.logits(case["prompt"])
     want_tokens = one.generate(case["prompt"], max_tokens=case["n"]).token_ids
     for rank in runs[i]:

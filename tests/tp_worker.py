@@ -24,7 +24,7 @@ def main(cases_path, out_dir):
         out = {}
         for attention in ("fused", "per-head"):
             engine = mlxinfer.load(case["model"], backend=case["backend"], attention=attention, tp=tp,
-                                   prefill_chunk=case.get("prefill_chunk"))
+                                   prefill_chunk=case.get("prefill_chunk"), dtype=case.get("dtype"))
             key = attention.replace("-", "_")
             out[f"logits_{key}"] = engine.logits(case["prompt"])
             gen = engine.generate(case["prompt"], max_tokens=case["n"], temperature=case.get("temperature", 0.0),

@@ -394,24 +394,42 @@ def _prebuild(backend: "MLXBackend", parts) -> None:
     cuda_jit.build(jobs)
 
 
+@contextlib.contextmanager
+def float32_attention(backend: "MLXBackend"):
+    """Attention's results in float32 meanwhile (`attention_dtype`), in the fused paths and the per-head
+    reference alike: what the checks compare, every bit of the published order's result, not only what
+    survives its rounding to a 16-bit dtype."""
+    dtype, backend.attention_dtype = backend.attention_dtype, mx.float32
+    try:
+        yield
+    finally:
+        backend.attention_dtype = dtype
+
+
 def _check_case(backend: "MLXBackend", case: CheckCase) -> str | None:
-    """One self-check case: None, or one line naming how the kernels differ from the reference."""
+    """One self-check case: None, or one line naming how the kernels differ from the reference. Every
+    launch plan with attention's result in float32 (`float32_attention`), then the override once more as
+    a model runs it, its result in the dtype."""
     try:
         q, view, batch = check_case_inputs(backend, case)
         spec = case.spec
         bits = backend.to_numpy  # (16-bit results widened to float32: exact, so equal bits stay equal)
-        plans = {"": bits(backend.fused_attention_override(q, view, batch, spec))}
-        if backend.kernel in kernels.SPLIT_KINDS and view.store is not None:  # every launch plan
-            args = (backend.kernel, q, *view.store, batch.row_slots, batch.positions, batch.row_lens, spec)
-            plans[" (one launch)"] = bits(kernels.fused_attention(*args, split=False))
-            for two, form in ((True, "two"), (False, "three")):
-                plans[f" (split, {form} launches)"] = bits(kernels.split_attention(*args, two_launches=two))
-            plans[" (split, three launches, context by rows)"] = bits(kernels.split_attention(
-                *args, two_launches=False, seq_rows=batch.rows, by_rows=True))
-        if all(t == 1 for _, t in case.seqs):  # decode rows, as the compiled decode step launches them
-            compiled = mx.compile(lambda x: backend.fused_attention_override(x, view, batch, spec))
-            plans[" (compiled)"] = bits(compiled(q))
-        ref = bits(backend.per_head_attention(q, view, batch, spec))
+        with float32_attention(backend):
+            plans = {"": bits(backend.fused_attention_override(q, view, batch, spec))}
+            if backend.kernel in kernels.SPLIT_KINDS and view.store is not None:  # every launch plan
+                args = (backend.kernel, q, *view.store, batch.row_slots, batch.positions, batch.row_lens, spec)
+                f32 = dict(out_dtype=mx.float32)
+                plans[" (one launch)"] = bits(kernels.fused_attention(*args, split=False, **f32))
+                for two, form in ((True, "two"), (False, "three")):
+                    plans[f" (split, {form} launches)"] = bits(kernels.split_attention(*args, two_launches=two, **f32))
+                plans[" (split, three launches, context by rows)"] = bits(kernels.split_attention(
+                    *args, two_launches=False, seq_rows=batch.rows, by_rows=True, **f32))
+            if all(t == 1 for _, t in case.seqs):  # decode rows, as the compiled decode step launches them
+                compiled = mx.compile(lambda x: backend.fused_attention_override(x, view, batch, spec))
+                plans[" (compiled)"] = bits(compiled(q))
+            ref = bits(backend.per_head_attention(q, view, batch, spec))
+        rounded = (bits(backend.fused_attention_override(q, view, batch, spec)),
+                   bits(backend.per_head_attention(q, view, batch, spec)))
     except Exception as e:  # a kernel that fails to compile or launch
         return f"{_one_line(e)} ({case})"
     # the launch plans run every row through a kernel, but a sequence of PREFILL_ROWS rows or more is
@@ -420,9 +438,9 @@ def _check_case(backend: "MLXBackend", case: CheckCase) -> str | None:
     kernel_rows = np.zeros(ref.shape[0], dtype=bool)
     for r0, r1 in batch.rows:
         kernel_rows[r0:r1] = r1 - r0 < PREFILL_ROWS
-    for plan, got in plans.items():
-        rows = slice(None) if plan in ("", " (compiled)") else kernel_rows
-        same = got[rows].view(np.uint32) == ref[rows].view(np.uint32)
+    for plan, (got, want) in [*((p, (g, ref)) for p, g in plans.items()), (f" (in {backend.dtype_name})", rounded)]:
+        rows = kernel_rows if plan.startswith(" (one launch)") or plan.startswith(" (split") else slice(None)
+        same = got[rows].view(np.uint32) == want[rows].view(np.uint32)
         if not same.all():
             return (f"fused attention kernel{plan} differs from the per-head reference in {int((~same).sum())} "
                     f"of {same.size} values ({case})")
@@ -477,6 +495,9 @@ class MLXBackend(Backend):
         if kv_dtype not in KV_DTYPES:
             raise RequestError(f"unknown KV cache dtype {kv_dtype!r} (choose {', '.join(KV_DTYPES)})")
         self.dtype_name, self.dtype, self.kv_dtype = dtype, DTYPES[dtype], kv_dtype
+        # attention's result: the dtype, rounded once where the reference rounds it (`zeros`); float32
+        # while the checks compare the paths (`float32_attention`), so that they see every bit of the order
+        self.attention_dtype = self.dtype
         self.weight_dtype = self.dtype if device == "gpu" else mx.float32  # the weight products' (docstring)
         self.kv_value_bytes = value_bytes(kv_dtype)
         self.float_scales = float_scales
@@ -1010,7 +1031,7 @@ class MLXBackend(Backend):
         return dst
 
     def zeros(self, rows, cols):
-        return mx.zeros((rows, cols), dtype=self.dtype)
+        return mx.zeros((rows, cols), dtype=self.attention_dtype)
 
     def concat_dim0(self, a, b):
         return mx.concatenate([a, b], axis=0)
@@ -1074,11 +1095,12 @@ class MLXBackend(Backend):
                 k, v = kv.sequence(self, b)
                 ctx = self._sdpa(_head_major(q[r0:r1], spec.n_heads), _head_major(k, spec.n_kv_heads),
                                  _head_major(v, spec.n_kv_heads), spec, self._sdpa_mask(batch, b, k.shape[0], spec))
-                ctx = mx.reshape(mx.transpose(ctx[0], (1, 0, 2)), (r1 - r0, -1))
+                ctx = mx.reshape(mx.transpose(ctx[0], (1, 0, 2)), (r1 - r0, -1)).astype(self.attention_dtype)
             elif self.mma and kernels.mma_fits(spec):
                 k, v = kv.sequence(self, b)
                 ctx = kernels.mma_attention(self.gpu_kernels, q[r0:r1].astype(self.dtype), k.astype(self.dtype),
-                                            v.astype(self.dtype), batch.positions_of(self, b), spec)
+                                            v.astype(self.dtype), batch.positions_of(self, b), spec,
+                                            out_dtype=self.attention_dtype)
             else:
                 out = self.per_head_sequence(q, kv, batch, spec, b, out)
                 continue
@@ -1153,15 +1175,15 @@ class MLXBackend(Backend):
         pick = (lambda a: a[at]) if at is not None else (lambda a: a)
         if kv.store is not None:  # the whole batch in one launch, reading the cache in place
             keys, values = kv.store
-            return kernels.fused_attention(self.kernel, q, keys, values, pick(batch.row_slots),
-                                           pick(batch.positions), pick(batch.row_lens), spec, seq_rows=sub)
+            return kernels.fused_attention(self.kernel, q, keys, values, pick(batch.row_slots), pick(batch.positions),
+                                           pick(batch.row_lens), spec, seq_rows=sub, out_dtype=self.attention_dtype)
         if isinstance(kv, PagedLayer):  # the batch's rows gathered from the blocks, one launch
             rows, row_seq, s_max = kv.batch_rows(self)
             n, w = kv.keys.shape[0] * kv.keys.shape[1], kv.keys.shape[2]
             keys = kv.keys.reshape(n, w)[rows].reshape(len(batch), s_max, w)
             values = kv.values.reshape(n, w)[rows].reshape(len(batch), s_max, w)
             return kernels.fused_attention(self.kernel, q, keys, values, pick(row_seq), pick(batch.positions),
-                                           pick(batch.row_lens), spec, seq_rows=sub)
+                                           pick(batch.row_lens), spec, seq_rows=sub, out_dtype=self.attention_dtype)
         outs = []  # a cache with no single store (basic): one launch per sequence, its K/V as slot 0
         for b in seqs:
             r0, r1 = batch.rows[b]
@@ -1170,7 +1192,7 @@ class MLXBackend(Backend):
             row_len = mx.full((r1 - r0,), k.shape[0], dtype=mx.int32)
             outs.append(kernels.fused_attention(self.kernel, q_all[r0:r1], k[None], v[None], zeros,
                                                 batch.positions_of(self, b), row_len, spec,
-                                                seq_rows=[(0, r1 - r0)]))
+                                                seq_rows=[(0, r1 - r0)], out_dtype=self.attention_dtype))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
 
     def _softcap(self, scores, cap):
@@ -1235,7 +1257,7 @@ class MLXBackend(Backend):
                             scores = self.mask_scores(scores, batch.positions_of(self, b), spec.causal, spec.window)
                         parts.append(mx.matmul(self.softmax_rows(scores), vh[h0:h1]))  # [KV, G, T, D]
                 ctx = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-            outs.append(mx.reshape(mx.transpose(ctx, (2, 0, 1, 3)), (t, spec.n_heads * d)).astype(self.dtype))
+            outs.append(mx.reshape(mx.transpose(ctx, (2, 0, 1, 3)), (t, spec.n_heads * d)).astype(self.attention_dtype))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
 
 
