@@ -224,7 +224,8 @@ def test_a_models_check_builds_and_launches_its_own_shapes(monkeypatch):
     """`check_model` with Qwen3-0.6B's spec (16 and 8 heads of 128) collects and launches that shape's
     forms, not the self-check's 4 and 2 heads: the scores kernel, the kernels by rows, and the one-row
     softmax-context in its short- and long-context forms and its several-rows form, as the dispatch
-    picks them; every form launched was collected first."""
+    picks them, with the result in the model's dtype (OT: what the model launches; the check runs each in
+    float32 too); every form launched was collected first."""
     from mlxinfer.backend import AttentionSpec
 
     b, rec = _forced_cuda(monkeypatch)
@@ -243,7 +244,7 @@ def test_a_models_check_builds_and_launches_its_own_shapes(monkeypatch):
     assert collected and set(rec.asked) <= set(collected)
     shape = cuda_jit.template_suffix([("H", 16), ("KV", 8), ("D", 128), ("CAUSAL", True), ("WINDOW", 0),
                                       ("SCALE_BITS", kernels._f32_bits(spec.scale)), ("SOFTCAP_BITS", 0),
-                                      ("SOFTCAP_INV_BITS", 0), ("QT", mx.bfloat16), ("KVT", mx.bfloat16)])
+                                      ("SOFTCAP_INV_BITS", 0), ("QT", mx.bfloat16), ("KVT", mx.bfloat16), ("OT", mx.bfloat16)])
     for name, form in [("attn_scores", []), ("attn_scores_rows", []), ("attn_context_rows", kernels.CONTEXT_ROWS_FORM),
                        ("attn_softmax_context", kernels.ONE_ROW_FORM), ("attn_softmax_context", kernels.ONE_ROW_LONG_FORM),
                        ("attn_softmax_context", kernels.split_unroll(8, 300))]:

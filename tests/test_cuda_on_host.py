@@ -20,7 +20,7 @@ import pytest
 
 from mlxinfer import kernels
 from mlxinfer.backend import AttentionSpec
-from mlxinfer.backends.mlx import float32_attention
+from mlxinfer.backends.mlx import attention_results
 from mlxinfer.engine import Engine
 from mlxinfer.testing import AttentionCase, assert_matches_default, case_batch
 
@@ -61,7 +61,7 @@ def test_every_launch_plan_is_the_reference_on_the_host(plan, dtype, kv, host_di
     keys, values = ([rng.standard_normal((s, 16), dtype=np.float32) * 3 for s in (90, 70)] for _ in range(2))
     case = AttentionCase(rng.standard_normal((67, 32), dtype=np.float32), keys, values, [1, 66], spec)
     assert_matches_default(b, case, kv=kv)  # the result in the dtype, as a model runs it
-    with float32_attention(b):  # and every bit of the order, not only what survives the dtype's rounding
+    with attention_results(b, mx.float32):  # and every bit of the order, not only what survives the dtype's rounding
         assert_matches_default(b, case, kv=kv)
         q, view, batch = case_batch(b, case, kv)
         assert b.fused_attention_override(q, view, batch, spec).dtype == mx.float32

@@ -395,41 +395,42 @@ def _prebuild(backend: "MLXBackend", parts) -> None:
 
 
 @contextlib.contextmanager
-def float32_attention(backend: "MLXBackend"):
-    """Attention's results in float32 meanwhile (`attention_dtype`), in the fused paths and the per-head
-    reference alike: what the checks compare, every bit of the published order's result, not only what
-    survives its rounding to a 16-bit dtype."""
-    dtype, backend.attention_dtype = backend.attention_dtype, mx.float32
+def attention_results(backend: "MLXBackend", dtype):
+    """Attention's results in `dtype` meanwhile (`attention_dtype`), in the fused paths and the per-head
+    reference alike. The checks compare them in float32 (every bit of the published order's result, not
+    only what survives its rounding to a 16-bit dtype) and in the dtype a model runs."""
+    was, backend.attention_dtype = backend.attention_dtype, dtype
     try:
         yield
     finally:
-        backend.attention_dtype = dtype
+        backend.attention_dtype = was
 
 
 def _check_case(backend: "MLXBackend", case: CheckCase) -> str | None:
     """One self-check case: None, or one line naming how the kernels differ from the reference. Every
-    launch plan with attention's result in float32 (`float32_attention`), then the override once more as
-    a model runs it, its result in the dtype."""
+    launch plan with attention's result in float32, then in the dtype (`attention_results`; on CUDA
+    every form a model launches is then compiled too)."""
     try:
         q, view, batch = check_case_inputs(backend, case)
         spec = case.spec
         bits = backend.to_numpy  # (16-bit results widened to float32: exact, so equal bits stay equal)
-        with float32_attention(backend):
-            plans = {"": bits(backend.fused_attention_override(q, view, batch, spec))}
-            if backend.kernel in kernels.SPLIT_KINDS and view.store is not None:  # every launch plan
-                args = (backend.kernel, q, *view.store, batch.row_slots, batch.positions, batch.row_lens, spec)
-                f32 = dict(out_dtype=mx.float32)
-                plans[" (one launch)"] = bits(kernels.fused_attention(*args, split=False, **f32))
-                for two, form in ((True, "two"), (False, "three")):
-                    plans[f" (split, {form} launches)"] = bits(kernels.split_attention(*args, two_launches=two, **f32))
-                plans[" (split, three launches, context by rows)"] = bits(kernels.split_attention(
-                    *args, two_launches=False, seq_rows=batch.rows, by_rows=True, **f32))
-            if all(t == 1 for _, t in case.seqs):  # decode rows, as the compiled decode step launches them
-                compiled = mx.compile(lambda x: backend.fused_attention_override(x, view, batch, spec))
-                plans[" (compiled)"] = bits(compiled(q))
-            ref = bits(backend.per_head_attention(q, view, batch, spec))
-        rounded = (bits(backend.fused_attention_override(q, view, batch, spec)),
-                   bits(backend.per_head_attention(q, view, batch, spec)))
+        runs = []
+        for result in dict.fromkeys([mx.float32, backend.dtype]):
+            with attention_results(backend, result):
+                plans = {"": bits(backend.fused_attention_override(q, view, batch, spec))}
+                if backend.kernel in kernels.SPLIT_KINDS and view.store is not None:  # every launch plan
+                    args = (backend.kernel, q, *view.store, batch.row_slots, batch.positions, batch.row_lens, spec)
+                    plans[" (one launch)"] = bits(kernels.fused_attention(*args, split=False, out_dtype=result))
+                    for two, form in ((True, "two"), (False, "three")):
+                        plans[f" (split, {form} launches)"] = bits(kernels.split_attention(
+                            *args, two_launches=two, out_dtype=result))
+                    plans[" (split, three launches, context by rows)"] = bits(kernels.split_attention(
+                        *args, two_launches=False, seq_rows=batch.rows, by_rows=True, out_dtype=result))
+                if all(t == 1 for _, t in case.seqs):  # decode rows, as the compiled decode step launches them
+                    compiled = mx.compile(lambda x: backend.fused_attention_override(x, view, batch, spec))
+                    plans[" (compiled)"] = bits(compiled(q))
+                ref = bits(backend.per_head_attention(q, view, batch, spec))
+            runs.append(("" if result == mx.float32 else f" in {backend.dtype_name}", plans, ref))
     except Exception as e:  # a kernel that fails to compile or launch
         return f"{_one_line(e)} ({case})"
     # the launch plans run every row through a kernel, but a sequence of PREFILL_ROWS rows or more is
@@ -438,12 +439,13 @@ def _check_case(backend: "MLXBackend", case: CheckCase) -> str | None:
     kernel_rows = np.zeros(ref.shape[0], dtype=bool)
     for r0, r1 in batch.rows:
         kernel_rows[r0:r1] = r1 - r0 < PREFILL_ROWS
-    for plan, (got, want) in [*((p, (g, ref)) for p, g in plans.items()), (f" (in {backend.dtype_name})", rounded)]:
-        rows = kernel_rows if plan.startswith(" (one launch)") or plan.startswith(" (split") else slice(None)
-        same = got[rows].view(np.uint32) == want[rows].view(np.uint32)
-        if not same.all():
-            return (f"fused attention kernel{plan} differs from the per-head reference in {int((~same).sum())} "
-                    f"of {same.size} values ({case})")
+    for result, plans, ref in runs:
+        for plan, got in plans.items():
+            rows = slice(None) if plan in ("", " (compiled)") else kernel_rows
+            same = got[rows].view(np.uint32) == ref[rows].view(np.uint32)
+            if not same.all():
+                return (f"fused attention kernel{plan}{result} differs from the per-head reference in "
+                        f"{int((~same).sum())} of {same.size} values ({case})")
     return None
 
 
@@ -496,7 +498,7 @@ class MLXBackend(Backend):
             raise RequestError(f"unknown KV cache dtype {kv_dtype!r} (choose {', '.join(KV_DTYPES)})")
         self.dtype_name, self.dtype, self.kv_dtype = dtype, DTYPES[dtype], kv_dtype
         # attention's result: the dtype, rounded once where the reference rounds it (`zeros`); float32
-        # while the checks compare the paths (`float32_attention`), so that they see every bit of the order
+        # while the checks compare the paths (`attention_results`), so that they see every bit of the order
         self.attention_dtype = self.dtype
         self.weight_dtype = self.dtype if device == "gpu" else mx.float32  # the weight products' (docstring)
         self.kv_value_bytes = value_bytes(kv_dtype)
