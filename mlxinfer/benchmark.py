@@ -205,7 +205,7 @@ def measure_row(job: dict) -> dict:
     one_run(engine, on_mlx, [p[:w] for p in prompts], gen if w == n else min(4, gen))
     row = summarize([one_run(engine, on_mlx, prompts, gen) for _ in range(job["runs"])])
     # an MLX row is named by the dtype it ran, the default's too (it differs by device: bfloat16 on CUDA)
-    ran = dict(job, dtype=job.get("dtype") or (on_mlx and getattr(getattr(engine, "backend", None), "dtype_name", None)) or None)
+    ran = dict(job, dtype=job.get("dtype") or (engine.backend.dtype_name if on_mlx else None))
     row.update(engine=engine_name(ran), device=job["device"], attention=job["attention"],
                prompt_tokens=n, max_tokens=gen, warmup_prompt_tokens=w, load_s=load_s,
                threads=job["threads"] if on_cpu else None)

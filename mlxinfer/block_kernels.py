@@ -152,7 +152,7 @@ def product(kind: str, x, w, per_warp: int | None = None):
     if not 1 <= per_warp <= most:
         raise ValueError(f"{per_warp} output rows a warp: the {kind} block kernels take 1..{most}")
     name, consts = KERNELS[w.qtype]
-    fields = getattr(w, "kernel_fields", ()) or kernel_fields(w)
+    fields = w.kernel_fields or kernel_fields(w)
     warps = -(-n // per_warp)
     blocks = -(-warps // WARPS)
     cols = min(blocks, 65535)

@@ -25,9 +25,10 @@ and softmax kernels take float32 (the backend widens their operands in the graph
 compute on the same float32 values. An attention's result is written in q's type (the activations'),
 rounded to nearest even once, as MLX's astype rounds: the reference rounds its float32 context there
 too (`Backend.per_head_attention`, step 8), so a 16-bit pass needs no conversion of its own before the
-output projection. On CUDA the input types are template arguments (`input_types`): MLX names a CUDA
-kernel by its template arguments only, so each type gets its own compiled kernel (and its output type,
-q's, with it).
+output projection. On CUDA the input types and the result's are template arguments (`input_types`,
+`result_type`): MLX names a CUDA kernel by its template arguments only, so each type gets its own
+compiled kernel (the scores and softmax kernels, whose outputs are float32, one whatever the result's
+type).
 Soft-capping (Gemma 2) is in the kernels' scores (`mlxi_score`: the reference's scale, then scale,
 tanh, scale), its tanh `mlxi_tanh`, which the `tanh` kernel also gives the MLX backend's tanh primitive
 on a GPU, so the reference caps its scores with the same function.
@@ -294,15 +295,16 @@ def mma_attention(kind: str, q, keys, values, positions, spec, out_dtype=None):
     or more (mma_matmul, scale, soft-cap, mask, mma_softmax, mma_matmul)."""
     import mlx.core as mx
 
+    out_dtype = out_dtype or q.dtype
     t, s = q.shape[0], keys.shape[0]
     blocks = -(-t // (16 * MMA_WARPS)) * spec.n_heads  # a block: one head, 64 rows
     dims = _dims(t, s, spec.n_heads, spec.n_kv_heads, int(spec.causal), int(spec.window or 0))
     scales = mx.array([spec.scale, *softcap_values(spec)], dtype=mx.float32)
     (out,) = _kernel(kind, "mma_attention")(
         inputs=[_bits16(q), _bits16(keys), _bits16(values), positions, scales, dims],
-        template=[("BF", q.dtype == mx.bfloat16), ("D", spec.head_dim), ("OT", out_dtype or q.dtype)],
+        template=[("BF", q.dtype == mx.bfloat16), ("D", spec.head_dim), *result_type(kind, out_dtype)],
         grid=_grid(blocks, 32 * MMA_WARPS), threadgroup=(32 * MMA_WARPS, 1, 1),
-        output_shapes=[(t, spec.n_heads * spec.head_dim)], output_dtypes=[out_dtype or q.dtype])
+        output_shapes=[(t, spec.n_heads * spec.head_dim)], output_dtypes=[out_dtype])
     return out
 
 
@@ -396,11 +398,17 @@ def _score_tiles(seq_rows: tuple):
     return mx.array(np.array(tiles, dtype=np.int32).reshape(-1))
 
 
-def input_types(kind: str, q, keys, out_dtype) -> list:
-    """The template arguments that name a CUDA attention kernel's input and result types (MLX's CUDA
-    kernel cache is keyed by name and template arguments, not by the arrays' dtypes; KVT int8: a q8_0
-    cache's packed rows); Metal's names carry them."""
-    return [("QT", q.dtype), ("KVT", keys.dtype), ("OT", out_dtype)] if kind == "cuda" else []
+def input_types(kind: str, q, keys) -> list:
+    """The template arguments that name a CUDA attention kernel's input types (MLX's CUDA kernel cache
+    is keyed by name and template arguments, not by the inputs' dtypes; KVT int8: a q8_0 cache's packed
+    rows); Metal's names carry them."""
+    return [("QT", q.dtype), ("KVT", keys.dtype)] if kind == "cuda" else []
+
+
+def result_type(kind: str, out_dtype) -> list:
+    """The template argument that names the type a CUDA kernel writes an attention's result in (OT), for
+    the kernels that write it; Metal's names carry it."""
+    return [("OT", out_dtype)] if kind == "cuda" else []
 
 
 def softcap_values(spec) -> tuple[float, float]:
@@ -445,7 +453,7 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
     cap = keys.shape[1]
     dims = _dims(cap, spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.causal), int(spec.window or 0), n)
     blocks = min(n * spec.n_heads, MAX_BLOCKS)
-    types = input_types(kind, q, keys, out_dtype)
+    types = input_types(kind, q, keys) + result_type(kind, out_dtype)
     scales = mx.array([spec.scale, *softcap_values(spec)], dtype=mx.float32)
     out, _ = _kernel(kind, "fused_attention")(
         inputs=[q, keys, values, row_slot, row_pos, row_len, scales, dims],
@@ -470,7 +478,8 @@ def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, ste
     softcap, softcap_inv = softcap_values(spec)
     template = [("H", spec.n_heads), ("KV", spec.n_kv_heads), ("D", spec.head_dim), ("CAUSAL", bool(spec.causal)),
                 ("WINDOW", int(spec.window or 0)), ("SCALE_BITS", _f32_bits(spec.scale)), ("SOFTCAP_BITS", _f32_bits(softcap)),
-                ("SOFTCAP_INV_BITS", _f32_bits(softcap_inv)), *input_types(kind, q, keys, out_dtype)]
+                ("SOFTCAP_INV_BITS", _f32_bits(softcap_inv)), *input_types(kind, q, keys)]
+    result = result_type(kind, out_dtype)  # (the context kernels': the scores and softmax are float32)
     shape = [(n, spec.n_heads, cap)]
     if two_launches is None:
         two_launches = uses_two_launches(n, cap)
@@ -495,7 +504,7 @@ def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, ste
                    output_shapes=[(n, spec.n_heads * spec.head_dim)], output_dtypes=[out_dtype])
     if two_launches and steps == 3:
         (out,) = _kernel(kind, "attn_softmax_context")(inputs=[out, values, row_slot, row_len],
-                                                       template=template + split_unroll(n, cap), **context)
+                                                       template=template + split_unroll(n, cap) + result, **context)
         return out
     (out,) = _kernel(kind, "attn_softmax")(  # one block per (row, head)
         inputs=[out, row_len], grid=(n * spec.n_heads * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
@@ -506,9 +515,10 @@ def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, ste
         warps = -(-n // 2) * spec.n_kv_heads * -(-spec.head_dim // 128)
         context["grid"] = _grid(-(-warps // (THREADS // 32)))
         (out,) = _kernel(kind, "attn_context_rows")(inputs=[out, values, row_slot, row_len],
-                                                    template=template + CONTEXT_ROWS_FORM, **context)
+                                                    template=template + CONTEXT_ROWS_FORM + result, **context)
         return out
-    (out,) = _kernel(kind, "attn_context")(inputs=[out, values, row_slot, row_len], template=template, **context)
+    (out,) = _kernel(kind, "attn_context")(inputs=[out, values, row_slot, row_len], template=template + result,
+                                           **context)
     return out
 
 

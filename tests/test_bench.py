@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -202,7 +203,7 @@ def test_the_warm_up_runs_the_rows_own_shapes(monkeypatch, warmup_tokens, want):
     class Vocab:
         vocab_size = 1000
 
-    monkeypatch.setattr(benchmark, "load", lambda *a, **k: object())
+    monkeypatch.setattr(benchmark, "load", lambda *a, **k: SimpleNamespace(backend=SimpleNamespace(dtype_name="float32")))
     monkeypatch.setattr(benchmark, "load_tokenizer", lambda *a, **k: Vocab())
     monkeypatch.setattr(benchmark, "one_run", lambda engine, on_mlx, prompts, n_gen: calls.append(
         (len(prompts[0]), n_gen)) or dict(decode_tokens_per_second=1.0))

@@ -244,10 +244,12 @@ def test_a_models_check_builds_and_launches_its_own_shapes(monkeypatch):
     assert collected and set(rec.asked) <= set(collected)
     shape = cuda_jit.template_suffix([("H", 16), ("KV", 8), ("D", 128), ("CAUSAL", True), ("WINDOW", 0),
                                       ("SCALE_BITS", kernels._f32_bits(spec.scale)), ("SOFTCAP_BITS", 0),
-                                      ("SOFTCAP_INV_BITS", 0), ("QT", mx.bfloat16), ("KVT", mx.bfloat16), ("OT", mx.bfloat16)])
-    for name, form in [("attn_scores", []), ("attn_scores_rows", []), ("attn_context_rows", kernels.CONTEXT_ROWS_FORM),
-                       ("attn_softmax_context", kernels.ONE_ROW_FORM), ("attn_softmax_context", kernels.ONE_ROW_LONG_FORM),
-                       ("attn_softmax_context", kernels.split_unroll(8, 300))]:
+                                      ("SOFTCAP_INV_BITS", 0), ("QT", mx.bfloat16), ("KVT", mx.bfloat16)])
+    result = [("OT", mx.bfloat16)]
+    for name, form in [("attn_scores", []), ("attn_scores_rows", []), ("attn_context_rows", [*kernels.CONTEXT_ROWS_FORM, *result]),
+                       ("attn_softmax_context", [*kernels.ONE_ROW_FORM, *result]),
+                       ("attn_softmax_context", [*kernels.ONE_ROW_LONG_FORM, *result]),
+                       ("attn_softmax_context", [*kernels.split_unroll(8, 300), *result])]:
         kernel = f"custom_kernel_mlxinfer_{name}_cuda{shape}{cuda_jit.template_suffix(form)}_"
         assert any(m.startswith(kernel) for m in collected), kernel
     assert not any("_cuda_4_2_" in m for m in collected)

@@ -557,7 +557,9 @@ def test_soft_capped_passes_reach_the_kernels_with_their_cap(monkeypatch):
 def test_cuda_attention_kernels_are_named_by_their_input_types(monkeypatch, dtype, kv_dtype):
     """MLX's CUDA custom kernel names (and caches) a compiled kernel by its name and template arguments, not
     by its inputs' dtypes: every attention launch on CUDA carries q's and K/V's dtypes as template arguments
-    (QT, KVT), so a bfloat16 pass never runs the float32 build. Every launch plan, recorded (nothing runs)."""
+    (QT, KVT), so a bfloat16 pass never runs the float32 build; the kernels that write the result carry its
+    type too (OT, q's by default), the scores and softmax kernels (float32 outputs) none, so one build of
+    them serves every result type. Every launch plan, recorded (nothing runs)."""
     import mlx.core as mx
 
     seen = _recorded_launches(monkeypatch)
@@ -574,3 +576,5 @@ def test_cuda_attention_kernels_are_named_by_their_input_types(monkeypatch, dtyp
     for name, _, template in seen:
         if name in reading:
             assert (template["QT"], template["KVT"]) == (getattr(mx, dtype), getattr(mx, kv_dtype)), name
+        writing = name in ("fused_attention", "attn_softmax_context", "attn_context", "attn_context_rows")
+        assert template.get("OT") == (getattr(mx, dtype) if writing else None), name
