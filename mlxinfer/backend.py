@@ -204,6 +204,11 @@ class Backend:
     def sync(self, *xs) -> None:
         """Token boundary: make sure `xs` are computed (lazy backends evaluate here)."""
 
+    def done_marker(self, *xs):
+        """What waiting for `xs` can wait on instead of them: computed once they are, and holding none of
+        them once computed (a lazy backend's arrays; eager ones computed them already: None)."""
+        return None
+
     def new_random(self, seed: int):
         """A sequence's random state for `sample_tokens`, seeded."""
         return NumpyRandom(seed)

@@ -17,7 +17,8 @@ for each sequence whose last row was in the pass. Decode rows always go; prefill
 the pass (one chunk's worth of rows), so a long prompt delays running sequences by at most one chunk's
 pass. On a lazy backend (MLX) the next pass is built and queued before the previous pass's tokens are
 read, so building the graph overlaps the device's work; a sequence that stops on an end-of-generation
-token or a stop string has then one wasted row. Decode passes run as the compiled step where they can
+token or a stop string has then one wasted row. Around a prompt's passes only the building overlaps: such
+a pass is started once the pass before it is done, and so is the pass after it (`_launch` says why). Decode passes run as the compiled step where they can
 (`mlxinfer.decode_step`). A sequence under a grammar (`SamplingParams.constraint`) has its pass queued as
 the others', but the pass's sampling is built only once the pass before is read: its token mask needs
 the token that pass holds (`mlxinfer.grammar`); a grammar that is complete finishes the sequence.
@@ -111,8 +112,18 @@ class Pass:
     tokens: object = None
     logprobs: object = None
     top: tuple | None = None  # (ids, logprobs) [rows, k] where a sequence asked for top_logprobs
-    outputs: tuple = ()  # what reading the pass waits for (its tokens, or the cache it wrote)
+    outputs: tuple = ()  # what reading the pass waits for (its tokens, or a marker of the cache it wrote)
     logits: object = None  # the sampled rows' logits, while their sampling waits for a grammar's masks
+    start: tuple = ()  # what starting it computes (its outputs, or its logits while a grammar waits)
+    prompt_rows: bool = False  # whether it advances a prompt (a prefill chunk)
+
+
+# A decode pass queued while the pass before is in flight copies every KV store it writes to: the device
+# still holds the stores for the pass before, so MLX cannot write them in place (it donates only a buffer
+# nothing else holds), and the cache's memory doubles. From this cache size a pass waits for the one before
+# instead: memory first where the copy is large; below it the copy costs less than the lost overlap
+# (measured: docs/performance.md, "Peak memory at long context").
+WAIT_STORE_BYTES = 2 << 30
 
 
 class Loop:
@@ -138,6 +149,7 @@ class Loop:
         self.admitted = 0  # sequences admitted so far
         self._pending: Pass | None = None
         self.passes = 0
+        self.wait_store_bytes = WAIT_STORE_BYTES  # from this cache size every pass waits for the one before
 
     # -- admit / step / release -----------------------------------------------------------------
     def admit(self, prompt: list[int], params: SamplingParams, max_tokens: int, stop=(), t0: float | None = None,
@@ -219,6 +231,10 @@ class Loop:
             self.passes += 1
             name = self._pass_name(plan) if self.on_forward else None
             launched = self._launch(plan)
+            if self._pending is not None and (launched.prompt_rows or self._pending.prompt_rows
+                                               or self.cache.nbytes() >= self.wait_store_bytes):
+                self.ops.sync(*self._pending.outputs)  # see `_launch`: the two passes' buffers apart
+            self.ops.start(*launched.start)
             if self.on_forward:
                 self.on_forward(name)
         events = []
@@ -291,7 +307,15 @@ class Loop:
 
     # -- run ------------------------------------------------------------------------------------
     def _launch(self, plan) -> Pass:
-        """Build (and on a lazy backend, start) one forward pass and the sampling of its logit rows."""
+        """Build one forward pass and the sampling of its logit rows (`step` starts it on a lazy backend).
+
+        A pass that advances a prompt is started only once the pass before it is done, and one after it
+        only once it is done (and every pass, from a cache of WAIT_STORE_BYTES): on a GPU every buffer a pass allocates lives until the device has run the
+        pass (all its layers' activations: ~2.6 GiB for a 2,048-row chunk of Qwen3-0.6B), so two passes
+        in flight hold two such sets. The next pass is still built while the device runs this one; only
+        its start waits. A pass of mid-prompt chunks keeps a marker of the stores it wrote
+        (`ops.done_marker`), not the stores: the next pass then writes them in place (a store another
+        array still holds is copied whole by the scatter)."""
         ops, cache = self.ops, self.cache
         pieces = []
         for s, n in plan:
@@ -321,15 +345,15 @@ class Loop:
                 s.forks = []
             logits = ops.gather_rows(logits, ops.index_array(list(range(len(sampled))) + [row for _, row in forks]))
             sampled = sampled + [f for f, _ in forks]
-        step = Pass(sampled, logits=logits)
+        step = Pass(sampled, logits=logits, prompt_rows=not decoding)
         if not sampled:  # a pass of mid-prompt chunks: its product is the cache
-            step.outputs, step.logits = tuple(cache.arrays()), None
-            ops.start(*step.outputs, *started)
+            step.outputs, step.logits = (ops.done_marker(*cache.arrays()),), None
+            step.start = (*step.outputs, *started)
         elif any(s.matcher is not None for s in sampled):  # sampled once the pass before is read (`step`):
-            ops.start(logits, *started)  # a grammar's mask needs the token that pass holds
+            step.start = (logits, *started)  # a grammar's mask needs the token that pass holds
         else:
             self._sample(step)
-            ops.start(*step.outputs, *started)
+            step.start = (*step.outputs, *started)
         live = len(self.seqs)
         for s, n in plan:
             prefilled = s.prefilling

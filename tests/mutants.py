@@ -481,6 +481,27 @@ M = [
      [("                pieces.append(tokens[row:row + 1])",
        "                pieces.append(ops.index_array(s.out[-1:]) if s.out else tokens[row:row + 1])")],
      [T_MLX, T_MOD], "engine: next decode input from the tokens read so far (two passes old when pipelined)"),
+    ("pipe-prompt-pass-started-first", "tracing", LOOP,
+     [("            if self._pending is not None and (launched.prompt_rows or self._pending.prompt_rows\n"
+       "                                               or self.cache.nbytes() >= self.wait_store_bytes):\n"
+       "                self.ops.sync(*self._pending.outputs)  # see `_launch`: the two passes' buffers apart\n"
+       "            self.ops.start(*launched.start)\n",
+       "            self.ops.start(*launched.start)\n"
+       "            if self._pending is not None and (launched.prompt_rows or self._pending.prompt_rows\n"
+       "                                               or self.cache.nbytes() >= self.wait_store_bytes):\n"
+       "                self.ops.sync(*self._pending.outputs)  # see `_launch`: the two passes' buffers apart\n")],
+     [T_MLX], "loop: a prefill chunk started before the pass in flight is done (two passes' buffers at once)"),
+    ("pipe-chunk-keeps-stores", "tracing", LOOP,
+     [("step.outputs, step.logits = (ops.done_marker(*cache.arrays()),), None",
+       "step.outputs, step.logits = tuple(cache.arrays()), None")],
+     [T_MLX], "loop: a mid-prompt pass keeps the KV stores (the next pass's scatter copies them whole)"),
+    ("pipe-large-cache-pipelined", "tracing", LOOP,
+     [("or self.cache.nbytes() >= self.wait_store_bytes):", "or False):")],
+     [T_MLX], "loop: decode passes over a large cache still queued while one is in flight (its stores copied)"),
+    ("pipe-decode-waits", "tracing", LOOP,
+     [("            if self._pending is not None and (launched.prompt_rows or self._pending.prompt_rows\n",
+       "            if self._pending is not None and (True or self._pending.prompt_rows\n")],
+     [T_MLX], "loop: every decode pass waits for the one before (pipelining lost)"),
     # -- the server and its scheduler ---------------------------------------------------------------
     ("srv-failed-pass-stops-worker", "server", SCHED,
      [("except Exception as e:  # noqa: BLE001 - one failed pass must not stop the server",

@@ -479,6 +479,61 @@ def test_pipelined_generation_equals_synchronous(qwen3_path, monkeypatch):
     assert stopped.token_ids == sync.token_ids[: sync.token_ids.index(stopper)]
 
 
+@pytest.mark.parametrize("large_cache", [False, True])
+def test_prompt_passes_start_once_the_pass_before_is_done(qwen3_path, monkeypatch, large_cache):
+    """On a lazy backend a pass that advances a prompt, and the pass after it, start only once the pass
+    before is done (on a GPU each pass's buffers live until the device ran it: two such passes in flight
+    hold two sets); each is built before that wait (the host's work still overlaps the device's). A pass of
+    mid-prompt chunks keeps a marker, not the KV stores, which the next pass then writes in place. Decode
+    passes stay pipelined, the next one started before the one before is read, unless the cache is of
+    WAIT_STORE_BYTES or more (a queued pass would copy the stores the pass in flight holds): then every
+    pass waits."""
+    from mlxinfer import loop
+    from mlxinfer.loop import Loop
+
+    if large_cache:
+        monkeypatch.setattr(loop, "WAIT_STORE_BYTES", 1)
+    engine = mlxinfer.load(qwen3_path, backend="mlx", prefill_chunk=3)
+    caches, log, passes = [], [], []
+    new_cache = engine.new_cache
+    monkeypatch.setattr(engine, "new_cache", lambda: caches.append(new_cache()) or caches[-1])
+    ops = engine.backend
+    start, sync = ops.start, ops.sync
+    monkeypatch.setattr(ops, "start", lambda *xs: log.append(("start", xs)) or start(*xs))
+    monkeypatch.setattr(ops, "sync", lambda *xs: log.append(("sync", xs)) or sync(*xs))
+    launch, read = Loop._launch, Loop._read
+
+    def launched(self, plan):
+        p = launch(self, plan)
+        passes.append(p)
+        log.append(("built", p))
+        if not p.seqs:  # mid-prompt chunks: no store of the cache among what it keeps
+            assert not any(o is a for o in p.outputs for a in caches[-1].arrays())
+        return p
+
+    monkeypatch.setattr(Loop, "_launch", launched)
+    monkeypatch.setattr(Loop, "_read", lambda self, p: log.append(("read", p)) or read(self, p))
+    gen = engine.generate(list(range(1, 9)), max_tokens=5)  # chunks of 3, 3, 2, then 4 decode passes
+    assert len(gen.token_ids) == 5 and len(passes) == 7
+
+    def at(kind, p):  # index of the event of pass p: its build, its start, a wait on it, its read
+        for i, (k, x) in enumerate(log):
+            if k != kind:
+                continue
+            if x is p if kind in ("built", "read") else bool(x) and x[0] is (p.start if kind == "start" else p.outputs)[0]:
+                return i
+        return None
+
+    for before, p in zip(passes, passes[1:]):
+        if p.prompt_rows or before.prompt_rows or large_cache:
+            assert at("built", p) < at("sync", before) < at("start", p), "a prompt pass started before the one before was done"
+        else:
+            waited = at("sync", before)
+            assert at("start", p) < at("read", before) and (waited is None or waited > at("start", p)), \
+                "a decode pass not queued before the one before is done"
+    assert [p.prompt_rows for p in passes] == [True, True, True, False, False, False, False]
+
+
 @pytest.mark.parametrize("per_sequence_linear", [False, True])
 def test_batched_mlx_generation_equals_each_prompt_alone(qwen3_path, per_sequence_linear):
     """Batch invariance of the MLX backend: on the CPU always (its products compute each row on its own);

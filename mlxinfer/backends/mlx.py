@@ -747,6 +747,11 @@ class MLXBackend(Backend):
     def sync(self, *xs):
         mx.eval(*xs)
 
+    def done_marker(self, *xs):
+        # one element that depends on xs (no kernel: it shares its own buffer), detached from them once
+        # evaluated, so that it keeps no store from being written in place
+        return mx.depends(mx.zeros((1,), dtype=mx.int32), list(xs))
+
     def new_random(self, seed: int):
         return MLXRandom(seed)
 
@@ -1276,8 +1281,10 @@ def _hidden_keys(positions, keys: int, causal: bool, window):
 
 
 def _head_major(x, n: int):
-    """[rows, n*D] -> [1, n, rows, D], contiguous (`mx.fast.scaled_dot_product_attention`'s layout)."""
-    return mx.contiguous(mx.transpose(mx.reshape(x, (x.shape[0], n, -1)), (1, 0, 2)))[None]
+    """[rows, n*D] -> [1, n, rows, D] (`mx.fast.scaled_dot_product_attention`'s layout) as a view, no copy:
+    its kernels read strided heads (MLX copies where one needs contiguous rows), so a chunk's keys and
+    values are not copied out of the KV store, 128 MiB a layer at 32k tokens of Qwen3-0.6B in bfloat16."""
+    return mx.transpose(mx.reshape(x, (x.shape[0], n, -1)), (1, 0, 2))[None]
 
 
 @functools.lru_cache(maxsize=None)
