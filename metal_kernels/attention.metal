@@ -42,6 +42,20 @@ inline void mlxi_put(device T* p, float v) {
   *p = static_cast<T>(v);
 }
 
+// v rounded to nearest even in the type p points to, read back as float (float: v itself), as
+// attention.cu's mlxi_in: what MLX's own kernels do with their T-typed intermediates.
+template <typename T>
+inline float mlxi_in(device T*, float v) {
+  return float(static_cast<T>(v));
+}
+
+// The simdgroup's total of its lanes' partial sums: the butterfly s += simd_shuffle_xor(s, off), off = 16,
+// 8, 4, 2, 1 (attention.cu's mlxi_warp_total).
+inline float mlxi_simd_total(float s) {
+  for (ushort off = 16; off > 0; off >>= 1) s = s + simd_shuffle_xor(s, off);
+  return s;
+}
+
 // Value c of row r of a K/V store s whose rows hold w values, as float, as in attention.cu: a float
 // store (float, bfloat16_t, float16_t; `device` or `constant`) holds a row as its w values; a q8_0 store
 // (int8_t, always `device`: a row is 34 bytes or more) as w + w/16 bytes, the w values q as int8, then
@@ -199,3 +213,47 @@ for (long item = threadgroup_position_in_grid.x; item < items; item += threadgro
 // out[i] = tanh(x[i]) (i < dims[0]): the MLX backend's tanh primitive on a GPU, mlxi_tanh.
 const long i = (long)thread_position_in_grid.y * threads_per_grid.x + thread_position_in_grid.x;
 if (i < dims[0]) out[i] = mlxi_tanh(x[i]);
+//@@BODY qk_norm_rope
+// attention.cu's qk_norm_rope for Metal: Qwen3's q_norm / k_norm then rotate-half RoPE of a pass's queries
+// q [N, H*D] and keys k [N, KV*D] in one launch, with weights wq, wk [D] and each row's position row_pos
+// [N] -> qo, ko, all of one type T (float, bfloat16_t or float16_t: the activations'). One simdgroup per
+// (row, head), the queries' heads first; lane l holds d = l + 32i, so with D a multiple of 64 each
+// rotated pair (d, d + D/2) sits in one lane. The same operations, roundings and order as the CUDA
+// kernel: each lane's squares in increasing i, each product rounded then added, the butterfly
+// (mlxi_simd_total); x * rsqrt(sum / D + eps) rounded to T, times the weight rounded to T; theta = pos *
+// exp2(-(d / (D/2)) * log2(base)); x1 cos - x2 sin, x1 sin + x2 cos in float from those T values, rounded
+// to T. Metal's precise:: functions where CUDA calls rsqrtf, exp2f, cosf and sinf (neither side's are
+// correctly rounded, so the two devices' bits may differ: each is checked against mx.fast's kernels at
+// first use, `verify_qk_norm_rope`). Template arguments H, KV, D; EPS_BITS and LOG2_BASE_BITS: float bits.
+constexpr int E = D / 32, HALF = E / 2, HALF_D = D / 2;
+const float eps = as_type<float>(EPS_BITS), log2_base = as_type<float>(LOG2_BASE_BITS);
+const uint lane = thread_index_in_simdgroup;
+const long w = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
+    * MLXI_WARPS + simdgroup_index_in_threadgroup;
+if (w < (long)row_pos_shape[0] * (H + KV)) {  // w is the simdgroup's: all its lanes take the shuffles below
+  const long r = w / (H + KV);
+  const int h = w % (H + KV);
+  const bool is_q = h < H;
+  const long at = is_q ? (r * H + h) * D : (r * KV + h - H) * D;
+  const auto x = (is_q ? q : k) + at;
+  const auto wt = is_q ? wq : wk;
+  const auto y = (is_q ? qo : ko) + at;
+  float v[E];
+  float ss = 0.0f;
+  for (int i = 0; i < E; ++i) {
+    v[i] = float(x[lane + 32 * i]);
+    const float sq = v[i] * v[i];
+    ss = ss + sq;
+  }
+  const float inv = metal::precise::rsqrt(metal::precise::divide(mlxi_simd_total(ss), float(D)) + eps);
+  for (int i = 0; i < E; ++i) v[i] = mlxi_in(y, float(wt[lane + 32 * i]) * mlxi_in(y, v[i] * inv));
+  const float L = float(row_pos[r]);
+  for (int i = 0; i < HALF; ++i) {
+    const int d = lane + 32 * i;
+    const float theta = L * metal::precise::exp2(-metal::precise::divide(float(d), float(HALF_D)) * log2_base);
+    const float c = metal::precise::cos(theta), s = metal::precise::sin(theta);
+    const float x1 = v[i], x2 = v[i + HALF];
+    mlxi_put(y + d, x1 * c - x2 * s);
+    mlxi_put(y + d + HALF_D, x1 * s + x2 * c);
+  }
+}

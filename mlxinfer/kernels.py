@@ -1,6 +1,6 @@
 """mlxinfer's own GPU kernels for the MLX backend, from `metal_kernels/attention.cu` (CUDA, through
 `mx.fast.cuda_kernel`) and `metal_kernels/attention.metal` (Metal, through `mx.fast.metal_kernel`).
-Besides attention's, CUDA has `qk_norm_rope` (Qwen3's per-head norms and RoPE of queries and keys, one
+Besides attention's, both have `qk_norm_rope` (Qwen3's per-head norms and RoPE of queries and keys, one
 launch; at the end of this file). Each CUDA kernel goes to MLX as `kernel_parts` cuts it.
 
 Three kernels share one published summation order (written out at the top of each source file):
@@ -178,25 +178,39 @@ METAL_ATTRIBUTES = {  # the thread attributes MLX 0.32's metal_kernel declares w
 _METAL_TYPES = {"float32": "float", "int32": "int", "bfloat16": "bfloat16_t", "float16": "float16_t", "int8": "int8_t"}
 
 
-def metal_kernel_source(name: str, inputs, outputs=None) -> str:
+def metal_kernel_source(name: str, inputs, outputs=None, template=None) -> str:
     """The source MLX 0.32's `mx.fast.metal_kernel` compiles for kernel `name` launched on `inputs`
     ([(dtype name, size)], one per input) with outputs of dtypes `outputs` (dtype names; default all
-    float32), after MLX's own header: our header, then
-    the [[kernel]] signature its `write_signature` (mlx/backend/common/metal_kernel.cpp) generates, each
-    input `constant` below METAL_CONSTANT_BELOW elements and `device` otherwise, then the body. What the
-    checks here compile and measure (tests/test_metal_*.py), since no Metal compiler runs here."""
+    float32) and int template arguments `template` ([(name, value)]), after MLX's own header: our header,
+    then the [[kernel]] signature its `write_signature` (mlx/backend/common/metal_kernel.cpp) generates,
+    each input `constant` below METAL_CONSTANT_BELOW elements and `device` otherwise, followed by its
+    shape, strides and ndim where the body names them, then the body, and for a template its explicit
+    instantiation. What the checks here compile and measure (tests/test_metal_*.py), since no Metal
+    compiler runs here."""
     header, body = kernel_parts("metal", name)
     names, out_names = _INPUTS[name]
     outputs = list(outputs or ["float32"] * len(out_names))
-    params = [f"  const {'constant' if size < METAL_CONSTANT_BELOW else 'device'} {_METAL_TYPES[dtype]}* {n} "
-              f"[[buffer({i})]]" for i, (n, (dtype, size)) in enumerate(zip(names, inputs, strict=True))]
-    params += [f"  device {_METAL_TYPES[d]}* {o} [[buffer({len(names) + i})]]"
+    params = []
+    for n, (dtype, size) in zip(names, inputs, strict=True):
+        params.append(f"  const {'constant' if size < METAL_CONSTANT_BELOW else 'device'} {_METAL_TYPES[dtype]}* {n} "
+                      f"[[buffer({len(params)})]]")
+        for info, ctype in (("shape", "int*"), ("strides", "int64_t*"), ("ndim", "int&")):
+            if f"{n}_{info}" in body:
+                params.append(f"  const constant {ctype} {n}_{info} [[buffer({len(params)})]]")
+    params += [f"  device {_METAL_TYPES[d]}* {o} [[buffer({len(params) + i})]]"
                for i, (o, d) in enumerate(zip(out_names, outputs, strict=True))]
     params += [f"  {t} {a} [[{a}]]" for a, t in METAL_ATTRIBUTES.items() if a in body]
-    suffix = "".join(f"_{_METAL_TYPES[d]}{'c' if size < METAL_CONSTANT_BELOW else ''}" for d, size in inputs)
-    suffix += "".join(f"_{_METAL_TYPES[d]}" for d in outputs)
-    return (f"{header}[[kernel]] void custom_kernel_mlxinfer_{name}_metal{suffix}(\n"
-            + ",\n".join(params) + ") {\n" + body + "\n}\n")
+    args = "<" + ", ".join(str(int(v)) for _, v in template) + ">" if template else ""
+    kernel = f"custom_kernel_mlxinfer_{name}_metal"
+    if template:
+        kernel += "_" + args.replace("<", "_").replace(">", "_").replace(", ", "_")[:-1]
+    kernel += "".join(f"_{_METAL_TYPES[d]}{'c' if size < METAL_CONSTANT_BELOW else ''}" for d, size in inputs)
+    kernel += "".join(f"_{_METAL_TYPES[d]}" for d in outputs)
+    declared = "template <" + ", ".join(f"int {n}" for n, _ in template) + ">\n" if template else ""
+    instance = (f'\ntemplate [[host_name("{kernel}")]] [[kernel]] decltype({kernel}{args}) {kernel}{args};\n'
+                if template else "")
+    return (f"{header}{declared}[[kernel]] void {kernel}(\n" + ",\n".join(params) + ") {\n" + body + "\n}\n"
+            + instance)
 
 
 def _dims(*values):
@@ -565,7 +579,29 @@ def published_softmax_total(e: np.ndarray) -> np.float32:
     return _butterfly(warp_totals[None, :], WARP_TOTALS_BUTTERFLY)[0]
 
 
-# -- Qwen3's per-head RMSNorm and RoPE of queries and keys, one launch (CUDA) ----------------------------
+# -- Qwen3's per-head RMSNorm and RoPE of queries and keys, one launch -----------------------------------
+QK_NORM_ROPE_KINDS = ("cuda", "metal")  # the sources that have it (Metal's checked at first use: backends.mlx)
+
+
+def rope16_bound(out: np.ndarray, head_dim: int, u: float) -> np.ndarray:
+    """How far a 16-bit qk_norm_rope output may be from another computation of it with the same roundings
+    (mx.fast's: the normalized value and its product by the weight rounded to the type, the rotation in
+    float32 rounded once), [rows, heads*head_dim] like `out`. The float32 parts (sum of squares, 1/sqrt,
+    sin/cos: ~2.5e-6 of outputs up to ~10) can move a value across a rounding boundary: one unit in the
+    type's last place, at most 2u of the value (u = 2^-8 bfloat16, 2^-11 float16), at the normalized
+    value (then times the weight, ~1 here) and again at its product by the weight: 4u of each of the
+    pair (x1, x2) the rotation takes, so 4u (|x1| + |x2|) of the output, and 2u |out| at its own
+    rounding; |x1| + |x2| <= sqrt(2) times the rotated pair's length. Where x1 cos - x2 sin nearly
+    cancels, that is many units of the output's last place."""
+    pairs = out.reshape(out.shape[0], -1, 2, head_dim // 2)
+    length = np.sqrt((pairs.astype(np.float64) ** 2).sum(axis=2, keepdims=True))
+    pair = np.broadcast_to(length, pairs.shape).reshape(out.shape)
+    return 4 * u * np.sqrt(2) * pair + 2 * u * np.abs(out) + 2.5e-6
+
+
+QK_NORM_ROPE_UNIT = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}  # u of `rope16_bound`; float32: 2e-6 rel + abs
+
+
 def qk_norm_rope_fits(head_dim: int, traditional: bool) -> bool:
     """Whether the qk_norm_rope kernel serves this shape: rotate-half RoPE, head_dim a multiple of 64 (each
     rotated pair in one lane) up to MAX_HEAD_DIM."""
@@ -603,7 +639,7 @@ def _log2f(x: float) -> float:
 def qk_norm_rope(kind: str, q, k, wq, wk, row_pos, n_heads: int, n_kv_heads: int, head_dim: int, eps: float,
                  base: float):
     """(q, k) after each head's RMSNorm (weights wq, wk [head_dim]) and rotate-half RoPE at each row's
-    position, in one launch: q [N, n_heads*head_dim], k [N, n_kv_heads*head_dim] (a decode row's slices of
+    position, in one launch of `kind`'s kernel (QK_NORM_ROPE_KINDS): q [N, n_heads*head_dim], k [N, n_kv_heads*head_dim] (a decode row's slices of
     the Q/K/V product are contiguous; other slices are copied by MLX first), q, k and the weights of one
     type (float32, bfloat16 or float16: the activations'), the outputs of that type too. mx.fast.rms_norm
     and mx.fast.rope's operations and roundings but for the sum of squares' order

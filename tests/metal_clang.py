@@ -2,9 +2,11 @@
 generated kernel, the whole source MLX would compile (`kernels.metal_kernel_source`), parsed against
 tests/metal_stub.h, which stands in for Metal's types, address spaces and built-ins. Two departures from
 Metal's language, both in how the text is read, not in what it says: clang's C++14 is the dialect (Metal's
-is C++14 with extensions), and a `threadgroup` array declared in a kernel body is read as `static`
+is C++14 with extensions), a `threadgroup` array declared in a kernel body is read as `static`
 (clang refuses an address space on an automatic variable; Metal's threadgroup arrays live as long as the
-threadgroup, which is what `static` says). Not collected by pytest (not a test_*.py file)."""
+threadgroup, which is what `static` says), and a template kernel's explicit instantiation (MLX's
+`template [[host_name("...")]] [[kernel]] decltype(f<...>) f<...>;`) is read without its two attribute
+lists (C++ allows none there; what is instantiated, and with which arguments, is unchanged). Not collected by pytest (not a test_*.py file)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ def parse(source: str, name: str = "kernel.metal"):
     import clang.cindex as ci
 
     text = re.sub(r"(?m)^(\s*)threadgroup\b", r"\1static threadgroup", source)
+    text = re.sub(r'(?m)^template \[\[host_name\("\w+"\)\]\] \[\[kernel\]\] ', "template ", text)
     args = ["-x", "c++", "-std=c++14", "-fsyntax-only", "-include", str(STUB), "-I", "/mlxinfer-metal-stub"]
     return ci.Index.create().parse(name, args=args, unsaved_files=[
         (name, text), ("/mlxinfer-metal-stub/metal_simdgroup", "#pragma once\n")])

@@ -31,6 +31,10 @@ namespace precise {
 float exp(float x);
 float divide(float a, float b);
 float tanh(float x);
+float rsqrt(float x);
+float exp2(float x);
+float cos(float x);
+float sin(float x);
 }  // namespace precise
 namespace fast {
 float exp(float x);

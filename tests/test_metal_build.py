@@ -26,6 +26,7 @@ class Launch:
     outputs: tuple  # dtype name of each output
     grid: tuple
     threadgroup: tuple
+    template: tuple = ()  # int template arguments (qk_norm_rope's)
 
 
 def record_launches(monkeypatch, cases, types=(("float32", None),)) -> set[Launch]:
@@ -38,10 +39,10 @@ def record_launches(monkeypatch, cases, types=(("float32", None),)) -> set[Launc
         assert kind == "metal"
 
         def launch(inputs, grid, threadgroup, output_shapes, output_dtypes, template=None):
-            assert template is None, f"{name}: the Metal kernels take no template arguments"
+            assert template is None or all(isinstance(v, int) for _, v in template), template  # MLX's int arguments
             ins = tuple((str(x.dtype).rsplit(".", 1)[-1], x.size) for x in inputs)
             outs = tuple(str(d).rsplit(".", 1)[-1] for d in output_dtypes)
-            launches.add(Launch(name, ins, outs, tuple(grid), tuple(threadgroup)))
+            launches.add(Launch(name, ins, outs, tuple(grid), tuple(threadgroup), tuple(template or ())))
             return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
 
         return launch
@@ -53,6 +54,11 @@ def record_launches(monkeypatch, cases, types=(("float32", None),)) -> set[Launc
         for case in filter(lambda c: case_applies(b, c), cases):
             q, view, batch = check_case_inputs(b, case)
             mx.eval(b.fused_attention_override(q, view, batch, case.spec), b.per_head_attention(q, view, batch, case.spec))
+        if kv_dtype is None:  # Qwen3's norms and RoPE: a decode row (positions `constant`) and a prefill chunk
+            for rows, heads, kv, dim in ((1, 16, 8, 128), (9, 8, 2, 64), (2, 4, 2, 256)):
+                q, k = mx.zeros((rows, heads * dim), dtype=b.dtype), mx.zeros((rows, kv * dim), dtype=b.dtype)
+                w = mx.ones((dim,), dtype=b.dtype)
+                mx.eval(*b.qk_norm_rope(q, k, w, w, mx.arange(rows), heads, kv, dim, 1e-6, 1e6, False))
     return launches
 
 
@@ -60,13 +66,16 @@ def _variants(launches) -> dict[tuple, str]:
     """{(name, inputs): source} of each distinct generated kernel (MLX compiles one per address-space
     pattern), and for each kernel its all-`device` and all-`constant` forms too."""
     out = {}
+    templates = {}
     for la in launches:
-        out[(la.name, la.inputs, la.outputs)] = kernels.metal_kernel_source(la.name, la.inputs, la.outputs)
+        out[(la.name, la.inputs, la.outputs)] = kernels.metal_kernel_source(la.name, la.inputs, la.outputs,
+                                                                            la.template)
+        templates[la.name] = la.template
     for name in kernels.kernel_source("metal")[1]:
         inputs, _ = kernels._INPUTS[name]
         for size in (1, 1 << 20):
             ins = tuple(("int32" if n in ("dims", "row_slot", "row_pos", "row_len") else "float32", size) for n in inputs)
-            out[(name, ins, None)] = kernels.metal_kernel_source(name, ins)
+            out[(name, ins, None)] = kernels.metal_kernel_source(name, ins, template=templates.get(name))
     return out
 
 
@@ -101,6 +110,13 @@ def test_every_metal_kernel_is_launched_by_the_self_check_plans(launches):
     # the fused kernel writes its result in q's dtype (the activations'), its scores' scratch in float32
     assert all(la.outputs == (la.inputs[0][0], "float32") for la in launches if la.name == "fused_attention")
     assert {la.outputs[0] for la in launches if la.name == "fused_attention"} == {"float32", "bfloat16", "float16"}
+    # qk_norm_rope reads and writes the activations' type (q, k and their weights), its positions
+    # `constant` for a decode row and `device` for a chunk, its shape as template arguments
+    qk = [la for la in launches if la.name == "qk_norm_rope"]
+    assert {la.inputs[0][0] for la in qk} == {"float32", "bfloat16", "float16"}
+    assert all(len({d for d, _ in la.inputs[:4]} | set(la.outputs)) == 1 for la in qk)
+    assert min(la.inputs[4][1] for la in qk) < kernels.METAL_CONSTANT_BELOW <= max(la.inputs[4][1] for la in qk)
+    assert {dict(la.template)["D"] for la in qk} == {64, 128, 256}
 
 
 def test_metal_launches_fit_apples_threads(launches):
@@ -135,7 +151,7 @@ def test_metal_kernels_compile_with_clang_and_fit_apples_threadgroup_memory(laun
                 toks = [t.spelling for t in c.get_tokens()]
                 if "/" in toks and c.type.spelling.endswith("float"):
                     pytest.fail(f"{name}: a float divided by '/' at line {c.location.line}: {' '.join(toks)}")
-    assert memory == {"matmul": 0, "softmax": 32, "fused_attention": 32 + 4 * 32 * 128, "tanh": 0}, memory
+    assert memory == {"matmul": 0, "softmax": 32, "fused_attention": 32 + 4 * 32 * 128, "tanh": 0, "qk_norm_rope": 0}, memory
 
 
 @needs_clang

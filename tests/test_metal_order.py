@@ -77,7 +77,23 @@ def test_every_shuffle_of_the_metal_source_is_a_butterfly_this_test_reads():
     text = header + "".join(bodies.values())
     read = sum(len(_butterflies(text, acc)) for acc in ("s", "total")) + len(
         _loops(text, "m = metal::max(m, simd_shuffle_xor(m, off))"))
-    assert text.count("simd_shuffle_xor(") == read == 4
+    assert text.count("simd_shuffle_xor(") == read == 5
+
+
+def test_metal_qk_norm_rope_order_is_cudas():
+    """qk_norm_rope's sum of squares (Metal's twin of attention.cu's): lane l squares its values d = l +
+    LANES i in increasing i, each product rounded then added, then the butterfly DOT_BUTTERFLY
+    (mlxi_simd_total, as CUDA's mlxi_warp_total); the normalized value and its product by the weight each
+    rounded to the type (mlxi_in), as in attention.cu."""
+    header, bodies = _source()
+    assert _butterflies(_function(header, "mlxi_simd_total"), "s") == [kernels.DOT_BUTTERFLY]
+    body = bodies["qk_norm_rope"]
+    assert re.search(r"for \(int i = 0; i < E; \+\+i\) \{\s*v\[i\] = float\(x\[lane \+ (\d+) \* i\]\);\s*"
+                     r"const float sq = v\[i\] \* v\[i\];\s*ss = ss \+ sq;", body).group(1) == str(kernels.LANES)
+    assert "mlxi_simd_total(ss)" in body
+    assert "v[i] = mlxi_in(y, float(wt[lane + 32 * i]) * mlxi_in(y, v[i] * inv));" in body
+    cuda = kernels.kernel_source("cuda")[1]["qk_norm_rope"]
+    assert "mlxi_warp_total(ss)" in cuda and "ss = __fadd_rn(ss, __fmul_rn(v[i], v[i]));" in cuda
 
 
 def test_metal_dot_product_order_is_the_emulations():
@@ -121,9 +137,11 @@ def test_metal_math_is_the_exact_math_the_contract_names():
     """Every exp and division of a float in the Metal source is the correctly rounded one the contract
     publishes (precise::, not fast:: or the default, whose ulps Metal leaves open), and fp contraction
     (fma) and reassociation are off for the whole file. (That no float is divided by '/':
-    tests/test_metal_build.py, on clang's reading.)"""
+    tests/test_metal_build.py, on clang's reading.) qk_norm_rope is not attention's arithmetic: its exp2
+    is precise:: too, checked against mx.fast's within a bound at first use, not for its bits."""
     header, bodies = _source()
-    text = header + "".join(bodies.values())
+    text = header + "".join(b for n, b in bodies.items() if n != "qk_norm_rope")
+    assert "metal::precise::exp2(" in bodies["qk_norm_rope"] and "fast::" not in bodies["qk_norm_rope"]
     calls = re.findall(r"[\w:]*\b(?:exp|exp2|divide|log|recip|tanh)\(", text)
     assert calls and set(calls) <= {f"{f}(" for f in kernels.EXACT_MATH}, calls
     assert "#pragma clang fp contract(off)" in header and "#pragma clang fp reassociate(off)" in header

@@ -72,6 +72,32 @@ def test_a_kernel_that_raises_fails_the_self_check_in_one_line_naming_it(capsys)
     assert not passed and line.startswith(f"kernels: metal: self-check FAILED ({problem}); mlxinfer uses MLX's own ops")
 
 
+def test_a_qk_norm_rope_kernel_that_cannot_be_built_sends_qwen3s_norms_to_mx_fast(monkeypatch, tmp_path, capsys):
+    """On a Metal GPU the qk_norm_rope kernel (never run where it was written) is checked at first use,
+    its verdict kept as the self-check's; one that cannot be built (here MLX's own 'No Metal back-end')
+    fails the check in one line, and Qwen3's norms and RoPE then take mx.fast's kernels: the same values
+    as the protocol's default, no launch of the kernel. The attention kernels' verdict is their own."""
+    from mlxinfer.backend import Backend
+
+    monkeypatch.setenv("MLXINFER_CACHE", str(tmp_path))
+    b = _forced_metal()
+    b.device = "gpu"  # (as on a Mac: the checks run and their verdicts are kept)
+    b.check_kernels()
+    assert b.qk_fallback == "RuntimeError: [metal_kernel] No Metal back-end. (the qk_norm_rope kernel)"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"mlxinfer: warning: the qk_norm_rope kernel failed its check ({b.qk_fallback}); Qwen3's norms and " \
+           "RoPE use mx.fast's kernels" in err
+    assert "metal qk_norm_rope" in (tmp_path / "kernel-checks.json").read_text()
+    line, passed = b.kernel_report()
+    assert not passed and f"qk_norm_rope: check FAILED ({b.qk_fallback}), mx.fast's kernels" in line
+    b.gpu_kernels = "metal"  # (the attention kernels failed too; the switch is qk_norm_rope's own)
+    x = mx.array(np.random.default_rng(0).standard_normal((3, 4 * 64)).astype(np.float32))
+    w = mx.ones((64,))
+    args = (x, x[:, :128], w, w, mx.array([0, 5, 9]), 4, 2, 64, 1e-6, 1e6, False)
+    for got, want in zip(b.qk_norm_rope(*args), Backend.qk_norm_rope(b, *args)):
+        np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
 def test_a_fused_kernel_that_raises_is_named_with_its_case(monkeypatch, capsys):
     """Products and softmax fine, the fused kernel failing to build (MLX's message for the 32,800-byte
     threadgroup the kernel once declared): the line names the error and the first case it met."""

@@ -12,6 +12,7 @@ from hypothesis import assume, given, settings
 import mlx.core as mx
 import mlxinfer
 from mlxinfer import kernels
+from mlxinfer.kernels import rope16_bound
 from mlxinfer.backends.mlx import MLXBackend, gpu_kind, verify_gpu_kernels
 from mlxinfer.batch import Batch
 from mlxinfer.errors import RequestError
@@ -641,22 +642,6 @@ def _qk_norm_rope_cases(b, rng):
         yield (q, k, wq, wk, pos, heads, kv, dim, 1e-6, 1e6, traditional)
 
 
-def rope16_bound(out: np.ndarray, head_dim: int, u: float) -> np.ndarray:
-    """How far a 16-bit qk_norm_rope output may be from another computation of it with the same roundings
-    (mx.fast's: the normalized value and its product by the weight rounded to the type, the rotation in
-    float32 rounded once), [rows, heads*head_dim] like `out`. The float32 parts (sum of squares, 1/sqrt,
-    sin/cos: ~2.5e-6 of outputs up to ~10) can move a value across a rounding boundary: one unit in the
-    type's last place, at most 2u of the value (u = 2^-8 bfloat16, 2^-11 float16), at the normalized
-    value (then times the weight, ~1 here) and again at its product by the weight: 4u of each of the
-    pair (x1, x2) the rotation takes, so 4u (|x1| + |x2|) of the output, and 2u |out| at its own
-    rounding; |x1| + |x2| <= sqrt(2) times the rotated pair's length. Where x1 cos - x2 sin nearly
-    cancels, that is many units of the output's last place."""
-    pairs = out.reshape(out.shape[0], -1, 2, head_dim // 2)
-    length = np.sqrt((pairs.astype(np.float64) ** 2).sum(axis=2, keepdims=True))
-    pair = np.broadcast_to(length, pairs.shape).reshape(out.shape)
-    return 4 * u * np.sqrt(2) * pair + 2 * u * np.abs(out) + 2.5e-6
-
-
 @pytest.mark.parametrize("device", ["cpu", "gpu"])
 def test_qk_norm_rope_override_matches_its_default_bitwise(device):
     """The MLX override of `qk_norm_rope` without the CUDA kernel (mx.fast's kernels on [N, heads, 1,
@@ -674,6 +659,49 @@ def test_qk_norm_rope_override_matches_its_default_bitwise(device):
         for g, w, x in zip(got, want, args[:2]):
             np.testing.assert_array_equal(np.array(g), np.array(w))
             assert g.shape == x.shape and not np.array_equal(np.array(g)[0], np.array(x)[0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_qk_norm_rope_check_passes_mx_fast_and_catches_a_broken_kernel(dtype, monkeypatch):
+    """`verify_qk_norm_rope` (Metal's kernel at first use: never run on hardware where it was written)
+    passes a kernel that computes what mx.fast computes, and names the problem of one that drops epsilon
+    (an all-zero head: NaN), takes the keys' weights for the queries, or whose rows depend on the rest of
+    the pass by a few float32 ulps (within the bound, caught by the row launched alone); a failed check
+    sends Qwen3's norms and RoPE to mx.fast's kernels."""
+    from mlxinfer.backends.mlx import verify_qk_norm_rope
+
+    b = MLXBackend(device="cpu", dtype=dtype)
+    b.gpu_kernels = "metal"
+
+    def kernel(broken=None):
+        def run(kind, q, k, wq, wk, pos, heads, kv, dim, eps, base):
+            assert kind == "metal"
+            eps = 0.0 if broken == "eps" else eps
+            wq = wk if broken == "weights" else wq
+            out = (b._norm_rope(q, wq, pos, heads, dim, eps, base, False, None),
+                   b._norm_rope(k, wk, pos, kv, dim, eps, base, False, None))
+            if broken == "rows":
+                out = tuple((o.astype(mx.float32) * (1 + 2e-7 * q.shape[0])).astype(o.dtype) for o in out)
+            return out
+        return run
+
+    monkeypatch.setattr(kernels, "qk_norm_rope", kernel())
+    assert verify_qk_norm_rope(b) is None
+    for broken, says in (("eps", "from mx.fast's"), ("weights", "queries of"), ("rows", "alone gives other values")):
+        if broken == "rows" and dtype != "float32":
+            continue  # (2e-7 is below a 16-bit value's last place)
+        monkeypatch.setattr(kernels, "qk_norm_rope", kernel(broken))
+        problem = verify_qk_norm_rope(b)
+        assert problem and says in problem, (broken, problem)
+    calls = []
+    monkeypatch.setattr(kernels, "qk_norm_rope", lambda *a: calls.append(a[0]) or kernel()(*a))
+    args = next(_qk_norm_rope_cases(b, np.random.default_rng(3)))
+    args = tuple(a.astype(b.dtype) for a in args[:4]) + args[4:]
+    b.qk_norm_rope(*args)
+    assert calls == ["metal"]
+    b.qk_fallback = "its check failed"
+    b.qk_norm_rope(*args)
+    assert calls == ["metal"]
 
 
 @pytest.mark.skipif(gpu_kind() != "cuda", reason="needs MLX's CUDA backend")

@@ -306,6 +306,48 @@ def verify_mma(backend: "MLXBackend") -> str | None:
         backend.sdpa = sdpa
 
 
+QK_CHECK_SHAPES = ((1, 16, 8, 128), (5, 8, 2, 128), (3, 9, 3, 64), (4, 6, 2, 256))  # rows, heads, KV heads, head_dim
+
+
+def verify_qk_norm_rope(backend: "MLXBackend", shapes=QK_CHECK_SHAPES) -> str | None:
+    """The qk_norm_rope kernel on the device (Metal's: written for it, never run where it was written)
+    against mx.fast's kernels on the same inputs (`_norm_rope`), in the backend's dtype: rows at
+    positions up to 40,000, a head whose mean square epsilon dominates and an all-zero head; within
+    a few float32 ulps in float32 and `kernels.rope16_bound` in 16 bits (the kernel's sum of squares is
+    in another order than mx.fast's, so not bit for bit: tests/test_mlx_backend.py measures it), and each
+    row's values the same when it is launched alone. None, or the first problem in one line (a kernel
+    that fails to build or launch too)."""
+    try:
+        return _qk_norm_rope_problem(backend, shapes)
+    except Exception as e:  # a kernel that fails to compile or launch
+        return f"{_one_line(e)} (the qk_norm_rope kernel)"
+
+
+def _qk_norm_rope_problem(backend: "MLXBackend", shapes) -> str | None:
+    rng = np.random.default_rng(11)
+    dt, u = backend.dtype, kernels.QK_NORM_ROPE_UNIT.get(backend.dtype_name)
+    for rows, heads, kv, dim in shapes:
+        x = rng.standard_normal((rows, (heads + kv) * dim)).astype(np.float32) * 3
+        if rows >= 3:
+            x[2, dim:2 * dim] *= 1e-4
+            x[-1, heads * dim:(heads + 1) * dim] = 0.0
+        q, k = (mx.array(np.ascontiguousarray(a)).astype(dt) for a in (x[:, :heads * dim], x[:, heads * dim:]))
+        wq, wk = (mx.array((1 + 0.1 * rng.standard_normal(dim)).astype(np.float32)).astype(dt) for _ in range(2))
+        pos = mx.array(rng.choice(40000, rows, replace=False).astype(np.int32))
+        got = kernels.qk_norm_rope(backend.gpu_kernels, q, k, wq, wk, pos, heads, kv, dim, 1e-6, 1e6)
+        alone = kernels.qk_norm_rope(backend.gpu_kernels, q[-1:], k[-1:], wq, wk, pos[-1:], heads, kv, dim, 1e-6, 1e6)
+        for name, g, one, a, w, n in (("queries", got[0], alone[0], q, wq, heads), ("keys", got[1], alone[1], k, wk, kv)):
+            want = np.array(backend._norm_rope(a, w, pos, n, dim, 1e-6, 1e6, False, None).astype(mx.float32))
+            g = np.array(g.astype(mx.float32))
+            bound = 2e-6 + 2e-6 * np.abs(want) if u is None else kernels.rope16_bound(want, dim, u)
+            if not np.all(np.abs(g - want) <= bound):  # (NaN fails too)
+                worst = "NaN" if np.isnan(g).any() else f"up to {np.max(np.abs(g - want)):.3g}"
+                return f"{name} of {rows} rows x {n} heads of {dim}: {worst} from mx.fast's (bound {bound.max():.3g})"
+            if not np.array_equal(g[-1:], np.array(one.astype(mx.float32))):
+                return f"{name} of {rows} rows x {n} heads of {dim}: the last row alone gives other values"
+    return None
+
+
 def sdpa_check_cases(head_dims=(64, 80, 128)) -> list[CheckCase]:
     """MLX's fused attention on 16-bit prefill chunks (`MLXBackend.sdpa`): chunks of PREFILL_ROWS rows or
     more with GQA, from the cache's start ("causal") and from mid-cache, with a window (an additive mask),
@@ -537,6 +579,7 @@ class MLXBackend(Backend):
         if self.gpu_kernels == "cuda" and os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1") == "0":
             self.sdpa = False  # MLX told not to use cuDNN's attention: its kernel would refuse every chunk
         self.sdpa_fallback = None
+        self.qk_fallback = None  # the qk_norm_rope kernel's check failure, once one failed (`verify_qk_norm_rope`)
         self.model_long_chunks = None  # whether either takes the model's chunks (`check_model`)
         self.fallback = None  # the self-check's failure, once one failed
         self.block_fallback = None  # the block kernels' self-check failures, once one failed
@@ -571,6 +614,13 @@ class MLXBackend(Backend):
                 self.mma, self.mma_fallback = False, mma
                 print(f"mlxinfer: warning: the tensor-core prefill kernels failed their self-check ({mma}); "
                       "16-bit prefill chunks use MLX's own products", file=sys.stderr)
+        if kept and self.gpu_kernels == "metal":  # never run on hardware where it was written: checked here
+            qk = kernel_checks.verdict("metal qk_norm_rope", self.dtype_name, "-", lambda: verify_qk_norm_rope(self),
+                                       fresh=fresh)
+            if qk:
+                self.qk_fallback = qk
+                print(f"mlxinfer: warning: the qk_norm_rope kernel failed its check ({qk}); Qwen3's norms and RoPE "
+                      "use mx.fast's kernels", file=sys.stderr)
         if kept:
             problem = kernel_checks.verdict(self.kernel, self.dtype_name, self.kv_dtype, run, fresh=fresh)
         else:
@@ -672,11 +722,16 @@ class MLXBackend(Backend):
         elif self.sdpa:
             blocks += ("; MLX's fused attention on 16-bit prefill chunks: self-check passed, one call over every "
                        "head bit for bit a call a head")
+        if self.qk_fallback:
+            blocks += f"; qk_norm_rope: check FAILED ({self.qk_fallback}), mx.fast's kernels"
+        elif self.gpu_kernels == "metal":
+            blocks += "; qk_norm_rope: check passed, within its bound of mx.fast's kernels"
         if self.fallback:
             return (f"kernels: {kind}: self-check FAILED ({self.fallback}); mlxinfer uses MLX's own ops and "
                     f"per-head attention ({what}){blocks}"), False
         return (f"kernels: {kind}: self-check passed, fused attention bit for bit the per-head reference ({what})"
-                f"{blocks}"), self.block_fallback is None and self.mma_fallback is None and self.sdpa_fallback is None
+                f"{blocks}"), (self.block_fallback is None and self.mma_fallback is None and self.sdpa_fallback is None
+                               and self.qk_fallback is None)
 
     @property
     def rows_independent(self) -> bool:
@@ -990,12 +1045,12 @@ class MLXBackend(Backend):
 
     def qk_norm_rope(self, q, k, q_weight, k_weight, positions, n_heads, n_kv_heads, head_dim, eps, base,
                      traditional, factors=None):
-        if self.gpu_kernels == "cuda" and factors is None and kernels.qk_norm_rope_fits(head_dim, traditional) \
-                and kernels.qk_norm_rope_types_fit(q, k, q_weight, k_weight):
+        if self.gpu_kernels in kernels.QK_NORM_ROPE_KINDS and self.qk_fallback is None and factors is None \
+                and kernels.qk_norm_rope_fits(head_dim, traditional) and kernels.qk_norm_rope_types_fit(q, k, q_weight, k_weight):
             # one launch for both, reading the heads in place: the step's 4 launches and 4 views a layer
             # become 1 (not bit for bit mx.fast's: see kernels.qk_norm_rope), in every --dtype
-            return kernels.qk_norm_rope("cuda", q, k, q_weight, k_weight, positions, n_heads, n_kv_heads, head_dim,
-                                        eps, base)
+            return kernels.qk_norm_rope(self.gpu_kernels, q, k, q_weight, k_weight, positions, n_heads, n_kv_heads,
+                                        head_dim, eps, base)
         return (self._norm_rope(q, q_weight, positions, n_heads, head_dim, eps, base, traditional, factors),
                 self._norm_rope(k, k_weight, positions, n_kv_heads, head_dim, eps, base, traditional, factors))
 
