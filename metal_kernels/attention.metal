@@ -222,9 +222,12 @@ if (i < dims[0]) out[i] = mlxi_tanh(x[i]);
 // kernel: each lane's squares in increasing i, each product rounded then added, the butterfly
 // (mlxi_simd_total); x * rsqrt(sum / D + eps) rounded to T, times the weight rounded to T; theta = pos *
 // exp2(-(d / (D/2)) * log2(base)); x1 cos - x2 sin, x1 sin + x2 cos in float from those T values, rounded
-// to T. Metal's precise:: functions where CUDA calls rsqrtf, exp2f, cosf and sinf (neither side's are
-// correctly rounded, so the two devices' bits may differ: each is checked against mx.fast's kernels at
-// first use, `verify_qk_norm_rope`). Template arguments H, KV, D; EPS_BITS and LOG2_BASE_BITS: float bits.
+// to T. Each device's functions are MLX's own kernels' on it: here (MLX's Metal rms_norm and rope, built
+// without fast math, as MLX builds a custom kernel) precise::rsqrt, exp2, a correctly rounded division and
+// metal::fast::cos and sin, where CUDA calls rsqrtf, exp2f, cosf and sinf; so the two devices' bits may
+// differ, and on each the kernel's differ from mx.fast's only by the sum of squares' order: checked against
+// them at first use (`verify_qk_norm_rope`). Template arguments H, KV, D; EPS_BITS and LOG2_BASE_BITS:
+// float bits.
 constexpr int E = D / 32, HALF = E / 2, HALF_D = D / 2;
 const float eps = as_type<float>(EPS_BITS), log2_base = as_type<float>(LOG2_BASE_BITS);
 const uint lane = thread_index_in_simdgroup;
@@ -251,7 +254,7 @@ if (w < (long)row_pos_shape[0] * (H + KV)) {  // w is the simdgroup's: all its l
   for (int i = 0; i < HALF; ++i) {
     const int d = lane + 32 * i;
     const float theta = L * metal::precise::exp2(-metal::precise::divide(float(d), float(HALF_D)) * log2_base);
-    const float c = metal::precise::cos(theta), s = metal::precise::sin(theta);
+    const float c = metal::fast::cos(theta), s = metal::fast::sin(theta);  // (MLX's Metal rope's)
     const float x1 = v[i], x2 = v[i + HALF];
     mlxi_put(y + d, x1 * c - x2 * s);
     mlxi_put(y + d + HALF_D, x1 * s + x2 * c);

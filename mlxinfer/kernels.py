@@ -175,7 +175,7 @@ METAL_ATTRIBUTES = {  # the thread attributes MLX 0.32's metal_kernel declares w
     "thread_position_in_threadgroup": "uint3", "threadgroup_position_in_grid": "uint3",
     "threadgroups_per_grid": "uint3", "threads_per_grid": "uint3", "threads_per_simdgroup": "uint",
     "threads_per_threadgroup": "uint3"}
-_METAL_TYPES = {"float32": "float", "int32": "int", "bfloat16": "bfloat16_t", "float16": "float16_t", "int8": "int8_t"}
+_METAL_TYPES = {"float32": "float", "int32": "int32_t", "bfloat16": "bfloat16_t", "float16": "float16_t", "int8": "int8_t"}
 
 
 def metal_kernel_source(name: str, inputs, outputs=None, template=None) -> str:
@@ -641,9 +641,10 @@ def qk_norm_rope(kind: str, q, k, wq, wk, row_pos, n_heads: int, n_kv_heads: int
     """(q, k) after each head's RMSNorm (weights wq, wk [head_dim]) and rotate-half RoPE at each row's
     position, in one launch of `kind`'s kernel (QK_NORM_ROPE_KINDS): q [N, n_heads*head_dim], k [N, n_kv_heads*head_dim] (a decode row's slices of
     the Q/K/V product are contiguous; other slices are copied by MLX first), q, k and the weights of one
-    type (float32, bfloat16 or float16: the activations'), the outputs of that type too. mx.fast.rms_norm
-    and mx.fast.rope's operations and roundings but for the sum of squares' order
-    (metal_kernels/attention.cu), so not their bits: tests/test_mlx_backend.py bounds the difference."""
+    type (float32, bfloat16 or float16: the activations'), the outputs of that type too. On each device
+    the operations and roundings of MLX's own rms_norm and rope kernels there but for the sum of squares'
+    order (metal_kernels/attention.cu, attention.metal), so not their bits: tests/test_mlx_backend.py
+    bounds the difference on CUDA, `backends.mlx.verify_qk_norm_rope` at first use on Metal."""
     import mlx.core as mx
 
     if not qk_norm_rope_fits(head_dim, False):

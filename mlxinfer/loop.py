@@ -18,7 +18,8 @@ the pass (one chunk's worth of rows), so a long prompt delays running sequences 
 pass. On a lazy backend (MLX) the next pass is built and queued before the previous pass's tokens are
 read, so building the graph overlaps the device's work; a sequence that stops on an end-of-generation
 token or a stop string has then one wasted row. Around a prompt's passes only the building overlaps: such
-a pass is started once the pass before it is done, and so is the pass after it (`_launch` says why). Decode passes run as the compiled step where they can
+a pass is started once the pass before it is done, and so is the pass after it, and so is every pass from
+a cache of WAIT_STORE_BYTES (`_launch` and WAIT_STORE_BYTES say why). Decode passes run as the compiled step where they can
 (`mlxinfer.decode_step`). A sequence under a grammar (`SamplingParams.constraint`) has its pass queued as
 the others', but the pass's sampling is built only once the pass before is read: its token mask needs
 the token that pass holds (`mlxinfer.grammar`); a grammar that is complete finishes the sequence.

@@ -15,6 +15,7 @@ typedef unsigned int uint3 __attribute__((ext_vector_type(3)));
 typedef _Float16 float16_t;  // MLX's names for Metal's half and bfloat (its get_type_string)
 typedef __bf16 bfloat16_t;
 typedef signed char int8_t;
+typedef int int32_t;
 
 namespace metal {
 template <typename T, typename U> T as_type(U x);  // a reinterpretation of x's bits (types of one size)
@@ -33,12 +34,12 @@ float divide(float a, float b);
 float tanh(float x);
 float rsqrt(float x);
 float exp2(float x);
-float cos(float x);
-float sin(float x);
 }  // namespace precise
 namespace fast {
 float exp(float x);
 float divide(float a, float b);
+float cos(float x);
+float sin(float x);
 }  // namespace fast
 }  // namespace metal
 using namespace metal;

@@ -137,11 +137,15 @@ def test_metal_math_is_the_exact_math_the_contract_names():
     """Every exp and division of a float in the Metal source is the correctly rounded one the contract
     publishes (precise::, not fast:: or the default, whose ulps Metal leaves open), and fp contraction
     (fma) and reassociation are off for the whole file. (That no float is divided by '/':
-    tests/test_metal_build.py, on clang's reading.) qk_norm_rope is not attention's arithmetic: its exp2
-    is precise:: too, checked against mx.fast's within a bound at first use, not for its bits."""
+    tests/test_metal_build.py, on clang's reading.) qk_norm_rope is not attention's arithmetic: it takes
+    the functions of MLX's own Metal rms_norm and rope (precise::rsqrt and exp2, fast::cos and sin), and is
+    checked against them within a bound at first use, not for its bits."""
     header, bodies = _source()
     text = header + "".join(b for n, b in bodies.items() if n != "qk_norm_rope")
-    assert "metal::precise::exp2(" in bodies["qk_norm_rope"] and "fast::" not in bodies["qk_norm_rope"]
+    qk = bodies["qk_norm_rope"]
+    assert re.findall(r"metal::(?:precise|fast)::\w+\(", qk) == [
+        "metal::precise::rsqrt(", "metal::precise::divide(", "metal::precise::exp2(", "metal::precise::divide(",
+        "metal::fast::cos(", "metal::fast::sin("]
     calls = re.findall(r"[\w:]*\b(?:exp|exp2|divide|log|recip|tanh)\(", text)
     assert calls and set(calls) <= {f"{f}(" for f in kernels.EXACT_MATH}, calls
     assert "#pragma clang fp contract(off)" in header and "#pragma clang fp reassociate(off)" in header

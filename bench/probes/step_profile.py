@@ -6,10 +6,12 @@ eval_gpu, CUDA graph building and launch), and then waiting for the GPU. With on
 (both engines pipeline) a token's interval is max(host, GPU) plus what does not overlap. This script
 times the three host parts of every decode token, per engine, at each prompt length:
 
-- `build_ms`: building the step's graph (ours: `Loop._launch` minus its `async_eval`; mlx-lm: the
-  model call inside `generate_step`);
+- `build_ms`: building the step's graph (ours: `Loop._launch`, which builds the pass; `Loop.step` starts
+  it; mlx-lm: the model call inside `generate_step`);
 - `encode_ms`: `mx.async_eval` (the C++ eval of every primitive: kernel launches into CUDA graphs);
-- `wait_ms`: blocked reading the previous token (ours: `to_numpy`; mlx-lm: the rest of the interval);
+- `wait_ms`: blocked reading the previous token (ours: `to_numpy`, and `sync` where a pass waits for the
+  one before it before it starts: a prompt's passes, a cache of `loop.WAIT_STORE_BYTES`; mlx-lm: the rest
+  of the interval);
 - `interval_ms`: the median time between decode tokens (`decode_tok_s`: 1000 / their mean);
 - `first_token`: the first token's time (`ttft_ms`, median of the runs) and its host parts. Ours:
   `prompt_build_ms` / `prompt_encode_ms` (the prompt's pass), `next_build_ms` / `next_encode_ms` (the
@@ -17,8 +19,8 @@ times the three host parts of every decode token, per engine, at each prompt len
   `build_ms` (its model calls: the prompt less one token, the last token, the next token), `encode_ms`
   (its `mx.async_eval`s) and `rest_ms` (the rest: waiting, its `mx.eval` of the prompt's cache).
 
-Ours' build is all of `Loop._launch` but the encoding: the batch's arrays, the compiled step's call
-and the sampling graph; mlx-lm's is its model call only (its sampling graph lands in `wait`).
+Ours' build is all of `Loop._launch`: the batch's arrays, the compiled step's call and the sampling
+graph; mlx-lm's is its model call only (its sampling graph lands in `wait`).
 
 `--gpu-clock` (CUDA) adds `gpu_ms`: the device time of the forward pass alone (ours: the compiled
 step; mlx-lm: its model call), between two GPU clock stamps (bench/probes/gpu_clock.py) evaluated with the
@@ -115,7 +117,8 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="floa
     if variant == "one-launch":
         kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = 0, 0
     clock = Clock(gpu_clock)
-    start, to_numpy, launch, decode_step = ops.start, ops.to_numpy, Loop._launch, engine.decode_step._step
+    start, to_numpy, sync, launch, step = ops.start, ops.to_numpy, ops.sync, Loop._launch, Loop.step
+    decode_step = engine.decode_step._step
 
     def timed_start(*xs):
         t = time.perf_counter()
@@ -132,14 +135,24 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="floa
         clock.add("wait", time.perf_counter() - t)
         return out
 
+    def timed_sync(*xs):
+        t = time.perf_counter()
+        sync(*xs)
+        clock.add("wait", time.perf_counter() - t)
+
     def timed_launch(loop, plan):
         t = time.perf_counter()
         out = launch(loop, plan)
-        clock.add("launch", time.perf_counter() - t)
+        clock.add("build", time.perf_counter() - t)
+        return out
+
+    def timed_step(loop):  # a row: this pass's build and encode, and the wait for the pass before
+        out = step(loop)
         clock.token()
         return out
 
-    ops.start, ops.to_numpy, Loop._launch = timed_start, timed_to_numpy, timed_launch
+    ops.start, ops.to_numpy, ops.sync = timed_start, timed_to_numpy, timed_sync
+    Loop._launch, Loop.step = timed_launch, timed_step
     engine.decode_step._step = stamped_decode_step
     out = []
     try:
@@ -153,14 +166,11 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="floa
                 g = engine.generate(ids, max_tokens=gen)
                 times.append(g.metrics.token_intervals_ms)
                 rows += clock.per_token[1:]  # decode passes (the first is the prompt's)
-                # (a pass's read is timed into the next launch's row: the prompt's into the third)
-                prompt, nxt, third = (clock.per_token + [{}, {}, {}])[:3]
+                # (a pass's read is timed into the next pass's row: the prompt's into the second)
+                prompt, nxt = (clock.per_token + [{}, {}])[:2]
                 firsts.append(dict(ttft=g.metrics.time_to_first_token_ms / 1000, prompt_encode=prompt.get("encode", 0.0),
-                                   prompt_build=prompt.get("launch", 0.0) - prompt.get("encode", 0.0),
-                                   next_encode=nxt.get("encode", 0.0),
-                                   next_build=nxt.get("launch", 0.0) - nxt.get("encode", 0.0), wait=third.get("wait", 0.0)))
-            for r in rows:
-                r["build"] = r.get("launch", 0.0) - r.get("encode", 0.0)
+                                   prompt_build=prompt.get("build", 0.0), next_encode=nxt.get("encode", 0.0),
+                                   next_build=nxt.get("build", 0.0), wait=nxt.get("wait", 0.0)))
             intervals = [x for t in times for x in t]
             first = {f"{k}_ms": _median(firsts, k) for k in firsts[0]}
             out.append(dict(engine=f"mlxinfer ({variant})", dtype=dtype, prompt=n, gen=gen, tokens=len(rows), first_token=first,
@@ -169,7 +179,8 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="floa
                             decode_tok_s=round(1000 / statistics.fmean(intervals), 1)))
     finally:
         kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = limits
-        Loop._launch = launch
+        Loop._launch, Loop.step = launch, step
+        ops.start, ops.to_numpy, ops.sync = start, to_numpy, sync
     return out
 
 

@@ -617,8 +617,8 @@ class MLXBackend(Backend):
         if kept and self.gpu_kernels == "metal":  # never run on hardware where it was written: checked here
             qk = kernel_checks.verdict("metal qk_norm_rope", self.dtype_name, "-", lambda: verify_qk_norm_rope(self),
                                        fresh=fresh)
+            self.qk_fallback = qk  # (a fresh check that passes clears an earlier failure)
             if qk:
-                self.qk_fallback = qk
                 print(f"mlxinfer: warning: the qk_norm_rope kernel failed its check ({qk}); Qwen3's norms and RoPE "
                       "use mx.fast's kernels", file=sys.stderr)
         if kept:
@@ -803,9 +803,10 @@ class MLXBackend(Backend):
         mx.eval(*xs)
 
     def done_marker(self, *xs):
-        # one element that depends on xs (no kernel: it shares its own buffer), detached from them once
-        # evaluated, so that it keeps no store from being written in place
-        return mx.depends(mx.zeros((1,), dtype=mx.int32), list(xs))
+        # one element made on the host that depends on xs (Depends launches nothing: it shares that
+        # element's buffer), detached from them once evaluated, so that it keeps no store from being
+        # written in place
+        return mx.depends(mx.array([0], dtype=mx.int32), list(xs))
 
     def new_random(self, seed: int):
         return MLXRandom(seed)
