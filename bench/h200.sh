@@ -28,6 +28,10 @@
 # ROUNDS=1, WARMUP=512 for a short warm-up prompt) and say so beside their figures. BENCH_TIMEOUT (570)
 # bounds each bench step; rows are written as measured, so a step it stops keeps what it measured.
 #
+# The compiled kernels: every step restores a carried .ptxcache/ptx.tar.xz into MLX_PTX_CACHE_DIR and
+# saves the cache to $OUT/ptx.tar.xz at the end (bench/ptx_cache.sh), so that the next machine does not
+# compile them again.
+#
 # .peerwheels/ (git-ignored; `bash bench/peerwheels/make.sh` makes it) is unpacked into SITE (/tmp/site)
 # when carried: mlx-lm's own imports. A lent machine's copy of the tree carries stale git metadata: pass
 # MLXINFER_COMMIT=<this checkout's HEAD> so the JSON header names the code (it also holds a digest of
@@ -42,6 +46,8 @@ if [ -f .peerwheels/install.sh ]; then
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+source bench/ptx_cache.sh restore  # the kernel cache a call carried (.ptxcache/), saved to $OUT at the end
+trap 'bash bench/ptx_cache.sh save' EXIT
 CASES=${CASES:-17,511,8191}; BATCH=${BATCH:-1,8,32}; ROUNDS=${ROUNDS:-3}; RUNS=${RUNS:-3}
 DTYPES=${DTYPES:-float32,bfloat16}; WARMUP=${WARMUP:-0}; OURS=${OURS:-float32,bfloat16}; KV_DTYPE=${KV_DTYPE:-}
 T0=$SECONDS
