@@ -119,11 +119,13 @@ class Pass:
     prompt_rows: bool = False  # whether it advances a prompt (a prefill chunk)
 
 
-# A decode pass queued while the pass before is in flight copies every KV store it writes to: the device
-# still holds the stores for the pass before, so MLX cannot write them in place (it donates only a buffer
-# nothing else holds), and the cache's memory doubles. From this cache size a pass waits for the one before
-# instead: memory first where the copy is large; below it the copy costs less than the lost overlap
-# (measured: docs/performance.md, "Peak memory at long context").
+# A decode pass queued while the pass before is still running on the device copies every KV store it
+# writes to: the device still holds the stores for the pass before, so MLX cannot write them in place (it
+# donates only a buffer nothing else holds), and the cache's memory doubles. Where the device keeps up with
+# the host (short caches) the pass before is done by the time the writes are encoded and nothing is copied;
+# with a long cache it is not. From this cache size a pass waits for the one before instead: memory first
+# where the copy is large; below it waiting only costs the overlap (measured: docs/performance.md, "Peak
+# memory at long context").
 WAIT_STORE_BYTES = 2 << 30
 
 
