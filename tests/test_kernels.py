@@ -25,12 +25,13 @@ needs_gpu = pytest.mark.skipif(GPU is None, reason="needs an MLX GPU (Metal or C
 
 
 def test_kernel_sources_hold_every_kernel():
-    split = {"attn_scores", "attn_softmax_context", "attn_softmax", "attn_context", "attn_context_rows", "attn_scores_rows",
-             "qk_norm_rope"}  # (qk_norm_rope: CUDA only, like the split kernels)
+    split = {"attn_scores", "attn_softmax_context", "attn_softmax", "attn_context", "attn_context_rows", "attn_scores_rows"}
+    assert set(kernels.QK_NORM_ROPE_KINDS) == {"cuda", "metal"}
     for kind in ("cuda", "metal"):
         header, bodies = kernels.kernel_source(kind)
         mma = {"mma_matmul", "mma_softmax", "mma_attention"} if kind in kernels.MMA_KINDS else set()
-        assert set(bodies) == {"matmul", "softmax", "fused_attention", "tanh"} | (split if kind in kernels.SPLIT_KINDS else set()) | mma
+        assert set(bodies) == ({"matmul", "softmax", "fused_attention", "tanh", "qk_norm_rope"}
+                               | (split if kind in kernels.SPLIT_KINDS else set()) | mma)
         assert "mlxi_dot" in header and "mlxi_softmax" in header
 
 
