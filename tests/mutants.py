@@ -500,6 +500,10 @@ M = [
      [("            if not np.array_equal(g[-1:], np.array(one.astype(mx.float32))):",
        "            if False:")],
      [T_MLX], "the qk_norm_rope check does not launch a row alone (a pass-dependent row passes)"),
+    ("sdpa-heads-copied", "MLX backend", MLX,
+     [("    return mx.transpose(mx.reshape(x, (x.shape[0], n, -1)), (1, 0, 2))[None]",
+       "    return mx.contiguous(mx.transpose(mx.reshape(x, (x.shape[0], n, -1)), (1, 0, 2)))[None]")],
+     [T_SDPA], "MLX's fused attention handed contiguous copies of the chunk's heads (128 MiB a layer at 32k)"),
     ("pipe-prompt-pass-started-first", "tracing", LOOP,
      [("            if self._pending is not None and (launched.prompt_rows or self._pending.prompt_rows\n"
        "                                               or self.cache.nbytes() >= self.wait_store_bytes):\n"

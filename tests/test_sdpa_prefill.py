@@ -162,6 +162,30 @@ def test_a_pass_of_long_and_short_sequences(calls, host_dir, monkeypatch):
     assert [c[0][1] for c in calls[2:]] == [1] * 8
 
 
+def test_the_fused_call_reads_the_heads_in_place(monkeypatch):
+    """The fused override hands MLX's fused attention q, K and V as views: the chunk's rows and the KV
+    store's rows seen head-major, no contiguous copy in their graphs (MLX's kernels read strided heads; a
+    copy of a 32k-token chunk's keys and values is 128 MiB a layer of Qwen3-0.6B in bfloat16, and on a GPU
+    every layer's copy lives until the pass is done)."""
+    import re
+    import tempfile
+
+    seen = []
+    real = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", lambda q, k, v, **kw: seen.append((q, k, v)) or real(q, k, v, **kw))
+    b = _sdpa_backend("bfloat16")
+    case = CheckCase("a long chunk", AttentionSpec.standard(4, 2, 32), ((PREFILL_ROWS + 3, PREFILL_ROWS + 3),))
+    q, view, batch = check_case_inputs(b, case)
+    out = b.fused_attention_override(q, view, batch, case.spec)  # (read before it is evaluated: a graph)
+    assert len(seen) == 1
+    for x in seen[0]:
+        with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+            mx.export_to_dot(f.name, x)
+            names = set(re.findall(r'label ="(\w+)', f.read()))
+        assert "Transpose" in names and not names & {"Contiguous", "Copy"}, names
+    mx.eval(out)
+
+
 def test_the_tracer_keeps_the_reference_bits(calls, host_dir, monkeypatch):
     """`--trace` on per-head attention: a chunk MLX's fused attention takes runs the inner backend's own
     steps (a call a head, counted as one "sdpa" op), so the traced reference has the untraced one's bits;
