@@ -18,8 +18,8 @@ the pass (one chunk's worth of rows), so a long prompt delays running sequences 
 pass. On a lazy backend (MLX) the next pass is built and queued before the previous pass's tokens are
 read, so building the graph overlaps the device's work; a sequence that stops on an end-of-generation
 token or a stop string has then one wasted row. Around a prompt's passes only the building overlaps: such
-a pass is started once the pass before it is done, and so is the pass after it, and so is every pass from
-a cache of WAIT_STORE_BYTES (`_launch` and WAIT_STORE_BYTES say why). Decode passes run as the compiled step where they can
+a pass is started once the pass before it is done, and so is the pass after it, and so is a pass of one
+sequence over a cache of WAIT_STORE_BYTES (`_launch` and WAIT_STORE_BYTES say why). Decode passes run as the compiled step where they can
 (`mlxinfer.decode_step`). A sequence under a grammar (`SamplingParams.constraint`) has its pass queued as
 the others', but the pass's sampling is built only once the pass before is read: its token mask needs
 the token that pass holds (`mlxinfer.grammar`); a grammar that is complete finishes the sequence.
@@ -123,9 +123,10 @@ class Pass:
 # writes to: the device still holds the stores for the pass before, so MLX cannot write them in place (it
 # donates only a buffer nothing else holds), and the cache's memory doubles. Where the device keeps up with
 # the host (short caches) the pass before is done by the time the writes are encoded and nothing is copied;
-# with a long cache it is not. From this cache size a pass waits for the one before instead: memory first
-# where the copy is large; below it waiting only costs the overlap (measured: docs/performance.md, "Peak
-# memory at long context").
+# with a long cache it is not. From this cache size a pass of one sequence waits for the one before
+# instead: memory first where the copy is large; below it waiting only costs the overlap (measured:
+# docs/performance.md, "Peak memory at long context"). Passes of several sequences stay queued: how a
+# batch's passes fare either way is not measured.
 WAIT_STORE_BYTES = 2 << 30
 
 
@@ -234,8 +235,8 @@ class Loop:
             self.passes += 1
             name = self._pass_name(plan) if self.on_forward else None
             launched = self._launch(plan)
-            if self._pending is not None and (launched.prompt_rows or self._pending.prompt_rows
-                                               or self.cache.nbytes() >= self.wait_store_bytes):
+            if self._pending is not None and (launched.prompt_rows or self._pending.prompt_rows or (
+                    len(plan) == 1 and self.cache.nbytes() >= self.wait_store_bytes)):
                 self.ops.sync(*self._pending.outputs)  # see `_launch`: the two passes' buffers apart
             self.ops.start(*launched.start)
             if self.on_forward:
@@ -313,7 +314,7 @@ class Loop:
         """Build one forward pass and the sampling of its logit rows (`step` starts it on a lazy backend).
 
         A pass that advances a prompt is started only once the pass before it is done, and one after it
-        only once it is done (and every pass, from a cache of WAIT_STORE_BYTES): on a GPU every buffer a pass allocates lives until the device has run the
+        only once it is done (and a pass of one sequence, from a cache of WAIT_STORE_BYTES): on a GPU every buffer a pass allocates lives until the device has run the
         pass (all its layers' activations: ~2.6 GiB for a 2,048-row chunk of Qwen3-0.6B), so two passes
         in flight hold two such sets. The next pass is still built while the device runs this one; only
         its start waits. A pass of mid-prompt chunks keeps a marker of the stores it wrote

@@ -505,13 +505,13 @@ M = [
        "    return mx.contiguous(mx.transpose(mx.reshape(x, (x.shape[0], n, -1)), (1, 0, 2)))[None]")],
      [T_SDPA], "MLX's fused attention handed contiguous copies of the chunk's heads (128 MiB a layer at 32k)"),
     ("pipe-prompt-pass-started-first", "tracing", LOOP,
-     [("            if self._pending is not None and (launched.prompt_rows or self._pending.prompt_rows\n"
-       "                                               or self.cache.nbytes() >= self.wait_store_bytes):\n"
+     [("            if self._pending is not None and (launched.prompt_rows or self._pending.prompt_rows or (\n"
+       "                    len(plan) == 1 and self.cache.nbytes() >= self.wait_store_bytes)):\n"
        "                self.ops.sync(*self._pending.outputs)  # see `_launch`: the two passes' buffers apart\n"
        "            self.ops.start(*launched.start)\n",
        "            self.ops.start(*launched.start)\n"
-       "            if self._pending is not None and (launched.prompt_rows or self._pending.prompt_rows\n"
-       "                                               or self.cache.nbytes() >= self.wait_store_bytes):\n"
+       "            if self._pending is not None and (launched.prompt_rows or self._pending.prompt_rows or (\n"
+       "                    len(plan) == 1 and self.cache.nbytes() >= self.wait_store_bytes)):\n"
        "                self.ops.sync(*self._pending.outputs)  # see `_launch`: the two passes' buffers apart\n")],
      [T_MLX], "loop: a prefill chunk started before the pass in flight is done (two passes' buffers at once)"),
     ("pipe-chunk-keeps-stores", "tracing", LOOP,
@@ -519,11 +519,14 @@ M = [
        "step.outputs, step.logits = tuple(cache.arrays()), None")],
      [T_MLX], "loop: a mid-prompt pass keeps the KV stores (the next pass's scatter copies them whole)"),
     ("pipe-large-cache-pipelined", "tracing", LOOP,
-     [("or self.cache.nbytes() >= self.wait_store_bytes):", "or False):")],
+     [("len(plan) == 1 and self.cache.nbytes() >= self.wait_store_bytes)):", "False)):")],
      [T_MLX], "loop: decode passes over a large cache still queued while one is in flight (its stores copied)"),
+    ("pipe-large-cache-batch-waits", "tracing", LOOP,
+     [("len(plan) == 1 and self.cache.nbytes() >= self.wait_store_bytes)):", "self.cache.nbytes() >= self.wait_store_bytes)):")],
+     [T_MLX], "loop: a batch's decode passes over a large cache wait for the one before (unmeasured for batches)"),
     ("pipe-decode-waits", "tracing", LOOP,
-     [("            if self._pending is not None and (launched.prompt_rows or self._pending.prompt_rows\n",
-       "            if self._pending is not None and (True or self._pending.prompt_rows\n")],
+     [("            if self._pending is not None and (launched.prompt_rows or self._pending.prompt_rows or (\n",
+       "            if self._pending is not None and (True or self._pending.prompt_rows or (\n")],
      [T_MLX], "loop: every decode pass waits for the one before (pipelining lost)"),
     # -- the server and its scheduler ---------------------------------------------------------------
     ("srv-failed-pass-stops-worker", "server", SCHED,

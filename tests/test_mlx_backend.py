@@ -487,8 +487,8 @@ def test_prompt_passes_start_once_the_pass_before_is_done(qwen3_path, monkeypatc
     hold two sets); each is built before that wait (the host's work still overlaps the device's). A pass of
     mid-prompt chunks keeps a marker, not the KV stores, which the next pass then writes in place. Decode
     passes stay pipelined, the next one started before the one before is read, unless the cache is of
-    WAIT_STORE_BYTES or more (a queued pass would copy the stores the pass in flight holds): then every
-    pass waits."""
+    WAIT_STORE_BYTES or more (a queued pass would copy the stores the pass in flight holds): then a pass
+    of one sequence waits; a batch's decode passes stay queued."""
     from mlxinfer import loop
     from mlxinfer.loop import Loop
 
@@ -533,6 +533,15 @@ def test_prompt_passes_start_once_the_pass_before_is_done(qwen3_path, monkeypatc
             assert at("start", p) < at("read", before) and (waited is None or waited > at("start", p)), \
                 "a decode pass not queued before the one before is done"
     assert [p.prompt_rows for p in passes] == [True, True, True, False, False, False, False]
+    log.clear(), passes.clear()
+    gens = engine.generate_batch([[1, 2], [3, 4]], max_tokens=6)
+    assert [len(g.token_ids) for g in gens] == [6, 6]
+    pairs = [(before, p) for before, p in zip(passes, passes[1:])
+             if not (before.prompt_rows or p.prompt_rows) and len(before.seqs) == len(p.seqs) == 2]
+    assert len(pairs) >= 3
+    for before, p in pairs:  # decode passes of two sequences: queued whatever the cache
+        waited = at("sync", before)
+        assert at("start", p) < at("read", before) and (waited is None or waited > at("start", p))
 
 
 @pytest.mark.parametrize("per_sequence_linear", [False, True])
