@@ -153,7 +153,7 @@ class Loop:
         self.admitted = 0  # sequences admitted so far
         self._pending: Pass | None = None
         self.passes = 0
-        self.wait_store_bytes = WAIT_STORE_BYTES  # from this cache size every pass waits for the one before
+        self.wait_store_bytes = WAIT_STORE_BYTES  # from this cache size a pass of one sequence waits
 
     # -- admit / step / release -----------------------------------------------------------------
     def admit(self, prompt: list[int], params: SamplingParams, max_tokens: int, stop=(), t0: float | None = None,
