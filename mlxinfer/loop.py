@@ -19,10 +19,11 @@ pass. On a lazy backend (MLX) the next pass is built and queued before the previ
 read, so building the graph overlaps the device's work; a sequence that stops on an end-of-generation
 token or a stop string has then one wasted row. Around a prompt's passes only the building overlaps: such
 a pass is started once the pass before it is done, and so is the pass after it, and so is a pass of one
-sequence over a cache of WAIT_STORE_BYTES (`_launch` and WAIT_STORE_BYTES say why). Decode passes run as the compiled step where they can
-(`mlxinfer.decode_step`). A sequence under a grammar (`SamplingParams.constraint`) has its pass queued as
-the others', but the pass's sampling is built only once the pass before is read: its token mask needs
-the token that pass holds (`mlxinfer.grammar`); a grammar that is complete finishes the sequence.
+sequence over a cache of WAIT_STORE_BYTES (`_launch` and WAIT_STORE_BYTES say why). Decode passes run as
+the compiled step where they can (`mlxinfer.decode_step`). A sequence under a grammar
+(`SamplingParams.constraint`) has its pass queued as the others', but the pass's sampling is built only
+once the pass before is read: its token mask needs the token that pass holds (`mlxinfer.grammar`); a
+grammar that is complete finishes the sequence.
 
 `Engine.stream/generate/generate_batch/logits` and the server's scheduler are thin users of this loop:
 they admit sequences, call `step()` and hand the events on.
@@ -314,12 +315,13 @@ class Loop:
         """Build one forward pass and the sampling of its logit rows (`step` starts it on a lazy backend).
 
         A pass that advances a prompt is started only once the pass before it is done, and one after it
-        only once it is done (and a pass of one sequence, from a cache of WAIT_STORE_BYTES): on a GPU every buffer a pass allocates lives until the device has run the
-        pass (all its layers' activations: ~2.6 GiB for a 2,048-row chunk of Qwen3-0.6B), so two passes
-        in flight hold two such sets. The next pass is still built while the device runs this one; only
-        its start waits. A pass of mid-prompt chunks keeps a marker of the stores it wrote
-        (`ops.done_marker`), not the stores: the next pass then writes them in place (a store another
-        array still holds is copied whole by the scatter)."""
+        only once it is done (and a pass of one sequence, from a cache of WAIT_STORE_BYTES): on a GPU every
+        buffer a pass allocates lives until the device has run the pass (all its layers' activations:
+        ~2.6 GiB for a 2,048-row chunk of Qwen3-0.6B), so two passes in flight hold two such sets. The
+        next pass is still built while the device runs this one; only its start waits. A pass of
+        mid-prompt chunks keeps a marker of the stores it wrote (`ops.done_marker`), not the stores: the
+        next pass then writes them in place (a store another array still holds is copied whole by the
+        scatter)."""
         ops, cache = self.ops, self.cache
         pieces = []
         for s, n in plan:

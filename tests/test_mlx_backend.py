@@ -636,19 +636,15 @@ def test_fused_rms_norm_matches_its_primitive_default(device):
 
 
 def _qk_norm_rope_cases(b, rng):
-    """Arguments of qk_norm_rope: (rows, heads, KV heads, head_dim, layout) at distinct positions up to
-    40,000 (theta = 40,000 radians in the first pair); where there are 3 rows or more, a query head of
-    row 2 of mean square ~1e-7 (epsilon 1e-6 dominates it) and an all-zero key head in the last row."""
+    """Arguments of qk_norm_rope: (rows, heads, KV heads, head_dim, layout), inputs as the backend's
+    check makes them (`qk_check_inputs`: positions up to 40,000, a head epsilon dominates, a zero head)."""
+    from mlxinfer.backends.mlx import qk_check_inputs
+
     for rows, heads, kv, dim, traditional in ((1, 16, 8, 128, False), (5, 8, 2, 128, False), (3, 9, 3, 64, False),
                                             (2, 4, 4, 64, True), (4, 6, 2, 256, False), (2, 4, 2, 96, False)):
-        x = rng.standard_normal((rows, (heads + kv) * dim)).astype(np.float32) * 3
-        if rows >= 3:
-            x[2, 1 * dim:2 * dim] *= 1e-4
-            x[-1, heads * dim:(heads + 1) * dim] = 0.0
-        q, k = (b.from_numpy(np.ascontiguousarray(a)) for a in (x[:, :heads * dim], x[:, heads * dim:]))
-        wq, wk = (b.from_numpy((1 + 0.1 * rng.standard_normal(dim)).astype(np.float32)) for _ in range(2))
-        pos = b.index_array(rng.choice(40000, rows, replace=False).tolist())
-        yield (q, k, wq, wk, pos, heads, kv, dim, 1e-6, 1e6, traditional)
+        q, k, wq, wk, pos = qk_check_inputs(rng, rows, heads, kv, dim)
+        yield (b.from_numpy(q), b.from_numpy(k), b.from_numpy(wq), b.from_numpy(wk), b.index_array(pos.tolist()),
+               heads, kv, dim, 1e-6, 1e6, traditional)
 
 
 @pytest.mark.parametrize("device", ["cpu", "gpu"])

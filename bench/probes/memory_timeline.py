@@ -33,12 +33,13 @@ def main() -> int:
     ap.add_argument("-n", "--gen-tokens", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=None)
     ap.add_argument("--device", default="gpu")
-    ap.add_argument("--wait", default="inf", help="MiB of KV cache from which a decode pass waits for the one "
-                                                 "before it (Loop.wait_store_bytes), one pipelined run set each")
+    ap.add_argument("--wait", default="default", help="MiB of KV cache from which a pass of one sequence waits "
+                                                     "for the one before it (Loop.wait_store_bytes; inf: never), "
+                                                     "one pipelined run set each; default: the engine's")
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--out")
     args = ap.parse_args()
-    args.wait = [float(w) for w in args.wait.split(",")]
+    args.wait = [None if w == "default" else float(w) for w in args.wait.split(",")]
     path = model_path(args.model)
     for dtype in args.dtypes.split(","):
         engine = mlxinfer.load(path, backend="mlx", device=args.device, dtype=dtype, prefill_chunk=args.chunk)
@@ -69,12 +70,13 @@ def main() -> int:
 
             engine.generate(ids, max_tokens=args.gen_tokens, on_forward=on_forward)
             runs = {}
-            for wait in args.wait:  # pipelined as the engine runs, decode passes waiting from `wait` MiB of cache
+            for wait in args.wait:  # pipelined as the engine runs, one-sequence passes waiting from `wait` MiB
                 new_loop = engine.new_loop
 
                 def waiting_loop(*a, **k):
                     loop = new_loop(*a, **k)
-                    loop.wait_store_bytes = wait * MIB
+                    if wait is not None:
+                        loop.wait_store_bytes = wait * MIB
                     return loop
 
                 engine.new_loop = waiting_loop

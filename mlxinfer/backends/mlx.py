@@ -323,17 +323,27 @@ def verify_qk_norm_rope(backend: "MLXBackend", shapes=QK_CHECK_SHAPES) -> str | 
         return f"{_one_line(e)} (the qk_norm_rope kernel)"
 
 
+def qk_check_inputs(rng, rows: int, heads: int, kv: int, dim: int) -> tuple:
+    """float32 q [rows, heads*dim], k [rows, kv*dim], weights wq, wk [dim] and int32 positions [rows] for
+    checking qk_norm_rope: values ~3, weights ~1, distinct positions up to 40,000 (theta = 40,000 radians
+    in the first pair); where there are 3 rows or more, a query head of row 2 of mean square ~1e-7
+    (epsilon 1e-6 dominates it) and an all-zero key head in the last row. (numpy arrays.)"""
+    x = rng.standard_normal((rows, (heads + kv) * dim)).astype(np.float32) * 3
+    if rows >= 3:
+        x[2, dim:2 * dim] *= 1e-4
+        x[-1, heads * dim:(heads + 1) * dim] = 0.0
+    wq, wk = ((1 + 0.1 * rng.standard_normal(dim)).astype(np.float32) for _ in range(2))
+    pos = rng.choice(40000, rows, replace=False).astype(np.int32)
+    return np.ascontiguousarray(x[:, :heads * dim]), np.ascontiguousarray(x[:, heads * dim:]), wq, wk, pos
+
+
 def _qk_norm_rope_problem(backend: "MLXBackend", shapes) -> str | None:
     rng = np.random.default_rng(11)
     dt, u = backend.dtype, kernels.QK_NORM_ROPE_UNIT.get(backend.dtype_name)
     for rows, heads, kv, dim in shapes:
-        x = rng.standard_normal((rows, (heads + kv) * dim)).astype(np.float32) * 3
-        if rows >= 3:
-            x[2, dim:2 * dim] *= 1e-4
-            x[-1, heads * dim:(heads + 1) * dim] = 0.0
-        q, k = (mx.array(np.ascontiguousarray(a)).astype(dt) for a in (x[:, :heads * dim], x[:, heads * dim:]))
-        wq, wk = (mx.array((1 + 0.1 * rng.standard_normal(dim)).astype(np.float32)).astype(dt) for _ in range(2))
-        pos = mx.array(rng.choice(40000, rows, replace=False).astype(np.int32))
+        q, k, wq, wk, pos = qk_check_inputs(rng, rows, heads, kv, dim)
+        q, k, wq, wk, pos = (mx.array(a) for a in (q, k, wq, wk, pos))
+        q, k, wq, wk = (a.astype(dt) for a in (q, k, wq, wk))
         got = kernels.qk_norm_rope(backend.gpu_kernels, q, k, wq, wk, pos, heads, kv, dim, 1e-6, 1e6)
         alone = kernels.qk_norm_rope(backend.gpu_kernels, q[-1:], k[-1:], wq, wk, pos[-1:], heads, kv, dim, 1e-6, 1e6)
         for name, g, one, a, w, n in (("queries", got[0], alone[0], q, wq, heads), ("keys", got[1], alone[1], k, wk, kv)):
