@@ -31,6 +31,10 @@ median of `--reps`/5 graphs; the plans run in a fixed order, and single calls of
 to 1.4x between measurements of one run on the H200.
 
     python3 bench/probes/decode_attention.py --contexts 512,2048,8192,32768 --batch 1,8 --out results.jsonl
+
+`--dtype bfloat16` (or float16) gives q, the cached keys and values and sdpa's operands that type (a
+16-bit `--kv-dtype`'s cache: the kernels read two bytes a value); the agreement with sdpa is then checked
+to 2e-2 (the output's rounding to the type, up to 2^-8 of values up to ~3, and sdpa's own roundings).
 """
 
 from __future__ import annotations
@@ -82,6 +86,11 @@ def gpu_time(fn, x0, reps, chain=20):
     return statistics.median(times)
 
 
+def bits(a) -> np.ndarray:
+    """An output's bits (numpy has no bfloat16)."""
+    return np.array(mx.view(a, mx.uint32 if a.dtype == mx.float32 else mx.uint16))
+
+
 def glue(x, out):
     """The next query of a chain that times a step alone: x + 0 * one value of the step's output (two
     small kernels, timed on their own as `glue_gpu_us`)."""
@@ -128,16 +137,16 @@ def gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, re
         small = [x[:b] + 0 for x in (slots, pos, lens)]
         mx.eval(*small)
         fs = lambda x: kernels.fused_attention(kind, x, keys, values, *small, spec)  # noqa: E731
-        if not np.array_equal(np.array(fs(q)).view(np.uint32), np.array(fused(q)).view(np.uint32)):
+        if not np.array_equal(bits(fs(q)), bits(fused(q))):
             sys.exit("decode_attention: row arrays of b entries give other bits")
         row["fused_rows_small_gpu_us"] = round(gpu_time(fs, q, reps), 1)
     if forms and b == 1:  # one row's other attn_softmax_context forms, each bit for bit first
-        want = np.array(fused(q)).view(np.uint32)
+        want = bits(fused(q))
         default = kernels.ONE_ROW_FORM, kernels.ONE_ROW_LONG_FORM
         for form in forms:
             kernels.ONE_ROW_FORM = kernels.ONE_ROW_LONG_FORM = form
             try:
-                if not np.array_equal(np.array(fused(q)).view(np.uint32), want):
+                if not np.array_equal(bits(fused(q)), want):
                     sys.exit(f"decode_attention: form {form_name(form)} differs from the default")
                 row[f"fused_{form_name(form)}_gpu_us"] = round(gpu_time(fused, q, reps), 1)
             finally:
@@ -153,6 +162,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--out", default=None)
     p.add_argument("--gpu-clock", action="store_true", help="device time per call only (CUDA)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="q's, the keys' and the values' type")
     p.add_argument("--one-row-forms", default="",
                    help="with --gpu-clock: also time one row with these attn_softmax_context forms, "
                         "SU:KU:PF:WS,... (kernels.ONE_ROW_FORM and ONE_ROW_LONG_FORM; fused_SU8_KU32_PF1_WS1_gpu_us, ...)")
@@ -162,12 +173,13 @@ def main(argv=None):
     if kind is None:
         sys.exit("decode_attention: needs an MLX GPU (CUDA or Metal)")
     spec = AttentionSpec.standard(16, 8, 128)
+    dtype, tol = getattr(mx, a.dtype), (1e-4 if a.dtype == "float32" else 2e-2)
     rng = np.random.default_rng(0)
     for b in (int(x) for x in a.batch.split(",")):
         for s in (int(x) for x in a.contexts.split(",")):
-            q = mx.array(rng.standard_normal((b, 16 * 128), dtype=np.float32))
-            keys = mx.array(rng.standard_normal((b, s, 8 * 128), dtype=np.float32))
-            values = mx.array(rng.standard_normal((b, s, 8 * 128), dtype=np.float32))
+            q = mx.array(rng.standard_normal((b, 16 * 128), dtype=np.float32)).astype(dtype)
+            keys = mx.array(rng.standard_normal((b, s, 8 * 128), dtype=np.float32)).astype(dtype)
+            values = mx.array(rng.standard_normal((b, s, 8 * 128), dtype=np.float32)).astype(dtype)
             width = max(b, MIN_INDEX_ENTRIES)  # as the engine passes them (Batch.packed): never <= 8 bytes
             slots = mx.arange(width, dtype=mx.int32)[:b]
             pos = mx.full((width,), s - 1, dtype=mx.int32)[:b]
@@ -180,16 +192,16 @@ def main(argv=None):
                    "one_launch": lambda: kernels.fused_attention(kind, q, keys, values, slots, pos, lens, spec,
                                                                  split=False),
                    "sdpa": lambda: mx.fast.scaled_dot_product_attention(qh, kh, vh, scale=spec.scale)}
-            out = {name: np.array(op()).reshape(b, -1) for name, op in ops.items()}
+            out = {name: np.array(op().astype(mx.float32)).reshape(b, -1) for name, op in ops.items()}
             same = np.array_equal(out["fused"].view(np.uint32), out["one_launch"].view(np.uint32))
             err = float(np.max(np.abs(out["fused"] - out["sdpa"])))
-            if not same or err > 1e-4:
+            if not same or err > tol:
                 sys.exit(f"decode_attention: plans differ (bitwise equal: {same}) or far from sdpa ({err:.3g})")
             if a.gpu_clock:
-                emit(gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, max(5, a.reps // 5),
-                              forms=forms), a.out)
+                emit(dict(gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, max(5, a.reps // 5),
+                                   forms=forms), dtype=a.dtype), a.out)
                 continue
-            row = dict(batch=b, context=s, split=kernels.uses_split(kind, b, spec), kernel=kind)
+            row = dict(batch=b, context=s, split=kernels.uses_split(kind, b, spec), kernel=kind, dtype=a.dtype)
             for name, op in ops.items():
                 row[f"{name}_us"] = round(timed(op, a.reps), 1)
                 row[f"{name}_us_in20"] = round(timed(op, max(5, a.reps // 5), chain=20), 1)
