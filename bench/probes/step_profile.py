@@ -125,8 +125,8 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="floa
         start(*xs, *clock.take_pending())
         clock.add("encode", time.perf_counter() - t)
 
-    def stamped_decode_step(ops_, kind, batch_size):
-        step = decode_step(ops_, kind, batch_size)
+    def stamped_decode_step(ops_, kind, batch_size, *config):  # (DecodeStep._step's arguments)
+        step = decode_step(ops_, kind, batch_size, *config)
         return lambda ids, *rest: clock.around(ids, lambda: step(ids, *rest))
 
     def timed_to_numpy(x):
