@@ -5,8 +5,11 @@
 #
 #   OUT=DIR bash bench/h200.sh [STEP...]      # steps: tests archs bench report (default: all four, in order)
 #
-# tests   the five GPU test files (test_kernels, test_mlx_backend, test_compile, test_cuda_limits, test_sdpa_prefill) with
-#         EXAMPLES Hypothesis examples (5) -> $OUT/tests.log
+# tests   the five GPU test files (test_kernels, test_mlx_backend, test_compile, test_cuda_limits, test_sdpa_prefill;
+#         or TEST_FILES) with EXAMPLES Hypothesis examples (5) -> $OUT/tests.log; in WORKERS (4) processes
+#         where pytest-xdist is importable or carried in .testwheels/ (bench/peerwheels/make.sh makes it).
+#         On one process they outgrew a call: 42% in 540 s on a fresh H100 with the kernel cache carried
+#         (2026-12-06), so carry .testwheels, or split them with TEST_FILES over calls
 # archs   every architecture against llama.cpp's fixtures and the windowed cache, the "mlx" rows on the GPU
 #         (test_models, test_window_cache) -> $OUT/archs.log
 # bench   mlxinfer bench --backends mlx --devices gpu at the prompt lengths CASES (17,511,8191), batch
@@ -20,7 +23,7 @@
 # All steps in one go suit a machine without a time limit. A device call holds at most 600 s and a fresh
 # machine compiles the self-check's kernels first (into MLX's cache, on every core: ~70 s in float32 and
 # ~46 s more for bfloat16 on an H200, 2026-12-03; seconds in later processes), so there: one call a step, and the bench step split by CASES and
-# BATCH. The tests take 300-440 s (TESTS_TIMEOUT 560). Estimates from runs with one mlx-lm dtype: CASES=17
+# BATCH. The tests took 300-440 s in one process until 2026-12-03 (TESTS_TIMEOUT 560; more since, above). Estimates from runs with one mlx-lm dtype: CASES=17
 # or CASES=511 with the default batches and rounds ~5 min each, CASES=8191 BATCH=1 ~3 min. At 8,191
 # tokens batch B's prefill is B times batch 1's (ours takes 5.3 s a sequence), so CASES=8191 BATCH=8
 # (~40 s a run, ~10 min in three rounds) and BATCH=32 (~170 s a run; its KV cache ~60 GB in float32) do
@@ -55,9 +58,15 @@ log() { echo "[$((SECONDS - T0)) s] $*"; }
 for step in ${*:-tests archs bench report}; do
   case $step in
     tests)
-      MLXINFER_PROPERTY_EXAMPLES=${EXAMPLES:-5} timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -q -x \
+      xdist=()
+      if [ -d .testwheels ]; then  # pytest-xdist carried (bench/peerwheels/make.sh): WORKERS processes share the GPU
+        python3 -c "import glob, sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in glob.glob('.testwheels/*.whl')]" "$SITE"
+        export PYTHONPATH=$SITE:$PYTHONPATH
+      fi
+      python3 -c "import xdist" 2>/dev/null && [ "${WORKERS:-4}" -gt 1 ] && xdist=(-n "${WORKERS:-4}")
+      MLXINFER_PROPERTY_EXAMPLES=${EXAMPLES:-5} timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -q -x "${xdist[@]}" \
         -p no:cacheprovider -rfEs -k "not smollm2 and not cpu_product_threads and not cpu_threads_work" \
-        tests/test_kernels.py tests/test_mlx_backend.py tests/test_compile.py tests/test_cuda_limits.py tests/test_sdpa_prefill.py \
+        ${TEST_FILES:-tests/test_kernels.py tests/test_mlx_backend.py tests/test_compile.py tests/test_cuda_limits.py tests/test_sdpa_prefill.py} \
         >"$OUT/tests.log" 2>&1; rc=$?
       tail -5 "$OUT/tests.log"; log "tests rc=$rc"; [ $rc -eq 0 ] || exit 1 ;;
     archs)

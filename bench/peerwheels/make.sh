@@ -1,5 +1,5 @@
 #!/bin/bash
-# Makes the git-ignored carry folder .peerwheels/ that bench/serve_h200.sh installs on the lent GPU machine
+# Makes the git-ignored carry folders .peerwheels/ (and .testwheels/, below) that bench/serve_h200.sh installs on the lent GPU machine
 # (no package registry there): the exact wheels of MANIFEST (our server's and mlx_lm.server's runtime
 # dependencies beyond what the machine's image and .mlxcuda2 hold), for CPython 3.12 manylinux x86_64,
 # unzipped into one tree and packed as site.tar.xz (12 MB instead of 28 MB of wheels, so that it fits one
@@ -23,3 +23,7 @@ mkdir -p "$out"
 tar cf - -C "$tmp/site" . | xz -9 > "$out/site.tar.xz"
 cp bench/peerwheels/MANIFEST bench/peerwheels/install.sh "$out/"
 du -sh "$out"
+# .testwheels/: pytest-xdist and execnet alone (~0.1 MB), for a GPU test call that carries the kernel cache
+# instead of .peerwheels (bench/h200.sh's tests step unzips them and runs WORKERS processes)
+mkdir -p .testwheels && rm -f .testwheels/*.whl && cp "$tmp"/wheels/pytest_xdist-*.whl "$tmp"/wheels/execnet-*.whl .testwheels/
+du -sh .testwheels
