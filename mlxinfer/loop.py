@@ -118,6 +118,7 @@ class Pass:
     logits: object = None  # the sampled rows' logits, while their sampling waits for a grammar's masks
     start: tuple = ()  # what starting it computes (its outputs, or its logits while a grammar waits)
     prompt_rows: bool = False  # whether it advances a prompt (a prefill chunk)
+    part: tuple = ()  # what the next decode pass waits for instead of `outputs` (`Loop.wait_fraction`)
 
 
 # A decode pass queued while the pass before is still running on the device copies every KV store it
@@ -129,6 +130,13 @@ class Pass:
 # docs/performance.md, "Peak memory at long context"). Passes of several sequences stay queued: how a
 # batch's passes fare either way is not measured.
 WAIT_STORE_BYTES = 2 << 30
+# Or it waits only until the pass before has written the keys of this fraction of its layers (None: the
+# whole pass). Each such pass is then started in two parts (two evaluations: MLX signals the end of each
+# on its own), so that the device runs the rest of the pass before while the next one is encoded: that
+# pass's first layers find their stores free (MLX keeps a store a pass reads until the command that read
+# it completes), its last ones maybe not. Not measured yet, hence None (bench/probes/memory_timeline.py
+# --fractions tries values).
+WAIT_FRACTION: float | None = None
 
 
 class Loop:
@@ -155,6 +163,7 @@ class Loop:
         self._pending: Pass | None = None
         self.passes = 0
         self.wait_store_bytes = WAIT_STORE_BYTES  # from this cache size a pass of one sequence waits
+        self.wait_fraction = WAIT_FRACTION  # ... for the pass before, or for its first part
 
     # -- admit / step / release -----------------------------------------------------------------
     def admit(self, prompt: list[int], params: SamplingParams, max_tokens: int, stop=(), t0: float | None = None,
@@ -238,7 +247,11 @@ class Loop:
             launched = self._launch(plan)
             if self._pending is not None and (launched.prompt_rows or self._pending.prompt_rows or (
                     len(plan) == 1 and self.cache.nbytes() >= self.wait_store_bytes)):
-                self.ops.sync(*self._pending.outputs)  # see `_launch`: the two passes' buffers apart
+                # see `_launch`: the two passes' buffers apart (or a decode pass's first part: `part`)
+                part = self._pending.part if not launched.prompt_rows else ()
+                self.ops.sync(*(part or self._pending.outputs))
+            if launched.part:
+                self.ops.start(*launched.part)
             self.ops.start(*launched.start)
             if self.on_forward:
                 self.on_forward(name)
@@ -352,6 +365,12 @@ class Loop:
             logits = ops.gather_rows(logits, ops.index_array(list(range(len(sampled))) + [row for _, row in forks]))
             sampled = sampled + [f for f, _ in forks]
         step = Pass(sampled, logits=logits, prompt_rows=not decoding)
+        stores = getattr(cache, "keys", None)
+        if (self.wait_fraction is not None and decoding and len(plan) == 1 and stores
+                and cache.nbytes() >= self.wait_store_bytes):
+            store = stores[min(len(stores) - 1, int(self.wait_fraction * len(stores)))]
+            marker = None if store is None else ops.done_marker(store)  # (None: an eager backend's)
+            step.part = () if marker is None else (marker,)
         if not sampled:  # a pass of mid-prompt chunks: its product is the cache
             step.outputs, step.logits = (ops.done_marker(*cache.arrays()),), None
             step.start = (*step.outputs, *started)

@@ -544,6 +544,46 @@ def test_prompt_passes_start_once_the_pass_before_is_done(qwen3_path, monkeypatc
         assert at("start", p) < at("read", before) and (waited is None or waited > at("start", p))
 
 
+def test_a_decode_pass_can_wait_for_part_of_the_one_before(qwen3_path, monkeypatch):
+    """`loop.WAIT_FRACTION`: over a large cache a decode pass of one sequence waits only for a marker of
+    the pass before's keys at that fraction of its layers, which starts first, alone, before the rest of
+    that pass; a pass after a prompt's pass still waits for all of it; the tokens are the default's."""
+    from mlxinfer import loop
+    from mlxinfer.loop import Loop
+
+    engine = mlxinfer.load(qwen3_path, backend="mlx", prefill_chunk=3)
+    ids = list(range(1, 9))
+    want = engine.generate(ids, max_tokens=6)
+    monkeypatch.setattr(loop, "WAIT_STORE_BYTES", 1)
+    monkeypatch.setattr(loop, "WAIT_FRACTION", 0.5)
+    ops, log, passes = engine.backend, [], []
+    start, sync = ops.start, ops.sync
+    monkeypatch.setattr(ops, "start", lambda *xs: log.append(("start", xs)) or start(*xs))
+    monkeypatch.setattr(ops, "sync", lambda *xs: log.append(("sync", xs)) or sync(*xs))
+    launch = Loop._launch
+    monkeypatch.setattr(Loop, "_launch", lambda self, plan: passes.append(launch(self, plan)) or
+                        log.append(("built", passes[-1])) or passes[-1])
+    got = engine.generate(ids, max_tokens=6)
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+
+    def same(x, xs):  # the same arrays (by identity: == on MLX arrays compares elements)
+        return len(x) == len(xs) and all(a is b for a, b in zip(x, xs))
+
+    def at(kind, xs):
+        return next(i for i, (k, x) in enumerate(log) if k == kind and (x is xs if kind == "built" else same(x, xs)))
+
+    decode = [p for p in passes if not p.prompt_rows]
+    assert len(decode) == 5 and all(len(p.part) == 1 and p.part[0].size == 1 for p in decode)
+    assert not any(p.part for p in passes if p.prompt_rows)
+    for p in decode:  # its first part starts alone, then the rest
+        assert at("start", p.part) < at("start", p.start)
+    after_prompt = passes[passes.index(decode[0]) - 1]
+    assert at("built", decode[0]) < at("sync", after_prompt.outputs) < at("start", decode[0].part)
+    for before, p in zip(decode, decode[1:]):
+        assert at("built", p) < at("sync", before.part) < at("start", p.part)
+        assert not any(k == "sync" and same(x, before.outputs) for k, x in log)
+
+
 @pytest.mark.parametrize("per_sequence_linear", [False, True])
 def test_batched_mlx_generation_equals_each_prompt_alone(qwen3_path, per_sequence_linear):
     """Batch invariance of the MLX backend: on the CPU always (its products compute each row on its own);

@@ -3,6 +3,9 @@ MLX's active and peak memory pass by pass, each pass waited for before the next 
 the KV store's capacity; then the whole run pipelined as `mlxinfer bench` runs it (its peak only).
 
     python3 bench/probes/memory_timeline.py --cases 8191,32767 --dtypes bfloat16 [-n 8] [--out F]
+    python3 bench/probes/memory_timeline.py --cases 32767 -n 64 --wait inf,default --fractions none,0.5,0.7
+
+`pipelined` holds each `wait/fraction` setting's runs (`--wait` MiB, `--fractions`: loop.WAIT_FRACTION).
 
 A row per pass: its name, wall ms (launch to done), active MiB after it, peak MiB during it (the counter
 reset before each pass), MLX's buffer cache after it, and the cache's capacity in positions.
@@ -36,10 +39,14 @@ def main() -> int:
     ap.add_argument("--wait", default="default", help="MiB of KV cache from which a pass of one sequence waits "
                                                      "for the one before it (Loop.wait_store_bytes; inf: never), "
                                                      "one pipelined run set each; default: the engine's")
+    ap.add_argument("--fractions", default="default",
+                    help="with each --wait: loop.WAIT_FRACTION (a waiting pass waits for that fraction of the layers "
+                         "of the one before; none: the whole pass), one pipelined run set each; default: the engine's")
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--out")
     args = ap.parse_args()
     args.wait = [None if w == "default" else float(w) for w in args.wait.split(",")]
+    args.fractions = [f if f in ("default", "none") else float(f) for f in args.fractions.split(",")]
     path = model_path(args.model)
     for dtype in args.dtypes.split(","):
         engine = mlxinfer.load(path, backend="mlx", device=args.device, dtype=dtype, prefill_chunk=args.chunk)
@@ -70,13 +77,16 @@ def main() -> int:
 
             engine.generate(ids, max_tokens=args.gen_tokens, on_forward=on_forward)
             runs = {}
-            for wait in args.wait:  # pipelined as the engine runs, one-sequence passes waiting from `wait` MiB
+            for wait, fraction in ((w, f) for w in args.wait for f in args.fractions):
+                # pipelined as the engine runs, one-sequence passes waiting from `wait` MiB (for `fraction`)
                 new_loop = engine.new_loop
 
                 def waiting_loop(*a, **k):
                     loop = new_loop(*a, **k)
                     if wait is not None:
                         loop.wait_store_bytes = wait * MIB
+                    if fraction != "default":
+                        loop.wait_fraction = None if fraction == "none" else fraction
                     return loop
 
                 engine.new_loop = waiting_loop
@@ -87,15 +97,15 @@ def main() -> int:
                     t0 = time.perf_counter()
                     g = engine.generate(ids, max_tokens=args.gen_tokens)
                     iv = sorted(g.metrics.token_intervals_ms)
-                    runs.setdefault(str(wait), []).append(
+                    runs.setdefault(f"{wait}/{fraction}", []).append(
                         {"peak_mib": round(mx.get_peak_memory() / MIB, 1),
                          "ms": round((time.perf_counter() - t0) * 1000, 1),
                          "ttft_ms": round(g.metrics.time_to_first_token_ms, 1),
                          "decode_tok_s": round(1000 * len(iv) / sum(iv), 1) if iv else None})
                 engine.new_loop = new_loop
-                print(f"#   wait from {wait} MiB: " + "; ".join(
+                print(f"#   wait from {wait} MiB, for {fraction} of the pass: " + "; ".join(
                     f"peak {r['peak_mib']:.0f} MiB, TTFT {r['ttft_ms']:.1f} ms, decode {r['decode_tok_s']} tok/s"
-                    for r in runs[str(wait)]), file=sys.stderr)
+                    for r in runs[f"{wait}/{fraction}"]), file=sys.stderr)
             emit({"model": args.model, "dtype": dtype, "prompt": n, "chunk": engine.prefill_chunk,
                   "backend": engine.backend.describe(), "loaded_mib": round(loaded, 1),
                   "pipelined": runs, "passes": rows}, args.out)
