@@ -507,12 +507,19 @@ M = [
     ("pipe-prompt-pass-started-first", "tracing", LOOP,
      [("            if self._pending is not None and (launched.prompt_rows or self._pending.prompt_rows or (\n"
        "                    len(plan) == 1 and self.cache.nbytes() >= self.wait_store_bytes)):\n"
-       "                self.ops.sync(*self._pending.outputs)  # see `_launch`: the two passes' buffers apart\n"
+       "                # see `_launch`: the two passes' buffers apart (or a decode pass's first part: `part`)\n"
+       "                part = self._pending.part if not launched.prompt_rows else ()\n"
+       "                self.ops.sync(*(part or self._pending.outputs))\n"
+       "            if launched.part:\n"
+       "                self.ops.start(*launched.part)\n"
        "            self.ops.start(*launched.start)\n",
+       "            if launched.part:\n"
+       "                self.ops.start(*launched.part)\n"
        "            self.ops.start(*launched.start)\n"
        "            if self._pending is not None and (launched.prompt_rows or self._pending.prompt_rows or (\n"
        "                    len(plan) == 1 and self.cache.nbytes() >= self.wait_store_bytes)):\n"
-       "                self.ops.sync(*self._pending.outputs)  # see `_launch`: the two passes' buffers apart\n")],
+       "                part = self._pending.part if not launched.prompt_rows else ()\n"
+       "                self.ops.sync(*(part or self._pending.outputs))\n")],
      [T_MLX], "loop: a prefill chunk started before the pass in flight is done (two passes' buffers at once)"),
     ("pipe-chunk-keeps-stores", "tracing", LOOP,
      [("step.outputs, step.logits = (ops.done_marker(*cache.arrays()),), None",
@@ -524,6 +531,21 @@ M = [
     ("pipe-large-cache-batch-waits", "tracing", LOOP,
      [("len(plan) == 1 and self.cache.nbytes() >= self.wait_store_bytes)):", "self.cache.nbytes() >= self.wait_store_bytes)):")],
      [T_MLX], "loop: a batch's decode passes over a large cache wait for the one before (unmeasured for batches)"),
+    ("pipe-part-not-started-alone", "tracing", LOOP,
+     [("            if launched.part:\n                self.ops.start(*launched.part)\n", "")],
+     [T_MLX], "loop: a decode pass's first part not started on its own (waiting for it waits for the whole pass)"),
+    ("pipe-part-waits-whole", "tracing", LOOP,
+     [("                part = self._pending.part if not launched.prompt_rows else ()\n",
+       "                part = ()\n")],
+     [T_MLX], "loop: a decode pass over a large cache waits for all of the pass before (loop.WAIT_FRACTION ignored)"),
+    ("pipe-part-before-prompt", "tracing", LOOP,
+     [("                part = self._pending.part if not launched.prompt_rows else ()\n",
+       "                part = self._pending.part\n")],
+     [T_MLX], "loop: a prompt's pass waits only for part of the decode pass before (two passes' buffers at once)"),
+    ("pipe-part-of-batch", "tracing", LOOP,
+     [("        if (self.wait_fraction is not None and decoding and len(plan) == 1 and stores\n",
+       "        if (self.wait_fraction is not None and decoding and stores\n")],
+     [T_MLX], "loop: a batch's decode pass gets a first part (batches stay queued: unmeasured)"),
     ("pipe-decode-waits", "tracing", LOOP,
      [("            if self._pending is not None and (launched.prompt_rows or self._pending.prompt_rows or (\n",
        "            if self._pending is not None and (True or self._pending.prompt_rows or (\n")],

@@ -488,7 +488,8 @@ def test_prompt_passes_start_once_the_pass_before_is_done(qwen3_path, monkeypatc
     mid-prompt chunks keeps a marker, not the KV stores, which the next pass then writes in place. Decode
     passes stay pipelined, the next one started before the one before is read, unless the cache is of
     WAIT_STORE_BYTES or more (a queued pass would copy the stores the pass in flight holds): then a pass
-    of one sequence waits; a batch's decode passes stay queued."""
+    of one sequence waits (for the pass before's first part, `loop.WAIT_FRACTION`, where that is a decode
+    pass); a batch's decode passes stay queued."""
     from mlxinfer import loop
     from mlxinfer.loop import Loop
 
@@ -521,7 +522,8 @@ def test_prompt_passes_start_once_the_pass_before_is_done(qwen3_path, monkeypatc
         for i, (k, x) in enumerate(log):
             if k != kind:
                 continue
-            if x is p if kind in ("built", "read") else bool(x) and x[0] is (p.start if kind == "start" else p.outputs)[0]:
+            if x is p if kind in ("built", "read") else bool(x) and (x[0] is p.start[0] if kind == "start" else
+                                                                       any(x[0] is w[0] for w in (p.outputs, p.part) if w)):
                 return i
         return None
 
@@ -582,6 +584,24 @@ def test_a_decode_pass_can_wait_for_part_of_the_one_before(qwen3_path, monkeypat
     for before, p in zip(decode, decode[1:]):
         assert at("built", p) < at("sync", before.part) < at("start", p.part)
         assert not any(k == "sync" and same(x, before.outputs) for k, x in log)
+    # a prompt joining a decoding sequence: its pass waits for all of the decode pass before
+    from mlxinfer.sampling import SamplingParams
+
+    lp = engine.new_loop()
+    lp.admit(ids, SamplingParams(), 8)
+    for _ in range(5):  # the prompt's 3 passes, then decode passes of one sequence
+        lp.step()
+    before = passes[-1]
+    assert not before.prompt_rows and before.part
+    lp.admit([5, 6, 7], SamplingParams(), 2)
+    lp.step()
+    assert passes[-1].prompt_rows and at("built", passes[-1]) < at("sync", before.outputs)
+    while lp.busy:
+        lp.step()
+    del passes[:]  # a batch's decode passes stay queued: no part of theirs to wait for
+    engine.generate_batch([[1, 2], [3, 4]], max_tokens=4)
+    pairs = [p for p in passes if len(p.seqs) == 2 and not p.prompt_rows]
+    assert len(pairs) >= 2 and not any(p.part for p in pairs)
 
 
 @pytest.mark.parametrize("per_sequence_linear", [False, True])
