@@ -162,6 +162,7 @@ class Loop:
         self.kept: set[int] = set()  # slots finished sequences admitted with keep=True still hold
         self.admitted = 0  # sequences admitted so far
         self._pending: Pass | None = None
+        self._unstarted: Pass | None = None  # built, started by the next step (`step`: a prompt's first tokens)
         self.passes = 0
         self.wait_store_bytes = WAIT_STORE_BYTES  # from this cache size a pass of one sequence waits
         self.wait_fraction = WAIT_FRACTION  # ... for the pass before, or for its first part
@@ -235,13 +236,23 @@ class Loop:
     @property
     def busy(self) -> bool:
         """Whether a step would do anything: a sequence is active, or a pass is still to be read."""
-        return bool(self.seqs) or self._pending is not None
+        return bool(self.seqs) or self._pending is not None or self._unstarted is not None
 
     def step(self) -> list[tuple[Sequence, object]]:
         """Plan and launch the next pass, read the one before it (pipelined) or this one (not), and
-        return the (sequence, event) pairs the read produced."""
+        return the (sequence, event) pairs the read produced.
+
+        A prompt's last pass is waited for before the pass after it starts (`_launch`); its tokens are
+        then read and returned first, and that pass, already built, is started by the next step: encoding
+        it (~2.6 ms after 511 tokens on an H100) no longer delays the first token."""
+        if self._unstarted is not None:
+            launched, self._unstarted = self._unstarted, None
+            self._start(launched)
+            self._pending = launched
+            return []
         plan = self._plan()
         launched = None
+        first_tokens = False
         if plan:
             self.passes += 1
             name = self._pass_name(plan) if self.on_forward else None
@@ -251,14 +262,19 @@ class Loop:
                 # see `_launch`: the two passes' buffers apart (or a decode pass's first part: `part`)
                 part = self._pending.part if not launched.prompt_rows else ()
                 self.ops.sync(*(part or self._pending.outputs))
-            if launched.part:
-                self.ops.start(*launched.part)
-            self.ops.start(*launched.start)
+                first_tokens = self._pending.prompt_rows and bool(self._pending.seqs)
+            if first_tokens:
+                self._unstarted = launched
+            else:
+                self._start(launched, sample=False)
             if self.on_forward:
                 self.on_forward(name)
         events = []
         if self._pending is not None:
             events += self._read(self._pending)
+        if first_tokens:
+            self._pending = None
+            return events
         if launched is not None and launched.logits is not None:  # the grammars now hold every token read
             self._sample(launched)
             self.ops.start(*launched.outputs)
@@ -267,6 +283,16 @@ class Loop:
             events += self._read(self._pending)
             self._pending = None
         return events
+
+    def _start(self, launched: Pass, sample: bool = True) -> None:
+        """Start a built pass: its first part alone (`Pass.part`), then the rest; `sample`: and, where
+        its sampling waited for the pass before's tokens (a grammar's mask), build and start that too."""
+        if launched.part:
+            self.ops.start(*launched.part)
+        self.ops.start(*launched.start)
+        if sample and launched.logits is not None:
+            self._sample(launched)
+            self.ops.start(*launched.outputs)
 
     def score(self, prompt: list[int]) -> np.ndarray:
         """float32 [len(prompt), vocab]: the logits of every prompt position, prefilled chunk by chunk

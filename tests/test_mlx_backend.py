@@ -484,7 +484,8 @@ def test_pipelined_generation_equals_synchronous(qwen3_path, monkeypatch):
 def test_prompt_passes_start_once_the_pass_before_is_done(qwen3_path, monkeypatch, large_cache):
     """On a lazy backend a pass that advances a prompt, and the pass after it, start only once the pass
     before is done (on a GPU each pass's buffers live until the device ran it: two such passes in flight
-    hold two sets); each is built before that wait (the host's work still overlaps the device's). A pass of
+    hold two sets); each is built before that wait (the host's work still overlaps the device's), and a
+    prompt's first token is read before the pass after it starts (its encoding does not delay it). A pass of
     mid-prompt chunks keeps a marker, not the KV stores, which the next pass then writes in place. Decode
     passes stay pipelined, the next one started before the one before is read, unless the cache is of
     WAIT_STORE_BYTES or more (a queued pass would copy the stores the pass in flight holds): then a pass
@@ -530,6 +531,8 @@ def test_prompt_passes_start_once_the_pass_before_is_done(qwen3_path, monkeypatc
     for before, p in zip(passes, passes[1:]):
         if p.prompt_rows or before.prompt_rows or large_cache:
             assert at("built", p) < at("sync", before) < at("start", p), "a prompt pass started before the one before was done"
+            if before.prompt_rows and before.seqs:  # a prompt's first token is read before the next pass starts
+                assert at("read", before) < at("start", p), "the first token read after the next pass started"
         else:
             waited = at("sync", before)
             assert at("start", p) < at("read", before) and (waited is None or waited > at("start", p)), \
