@@ -119,6 +119,7 @@ class Pass:
     start: tuple = ()  # what starting it computes (its outputs, or its logits while a grammar waits)
     prompt_rows: bool = False  # whether it advances a prompt (a prefill chunk)
     part: tuple = ()  # what the next decode pass waits for instead of `outputs` (`Loop.wait_fraction`)
+    first_tokens: bool = False  # whether it samples a sequence's first token (the end of its prompt)
 
 
 # A decode pass queued while the pass before is still running on the device copies every KV store it
@@ -244,7 +245,8 @@ class Loop:
 
         A prompt's last pass is waited for before the pass after it starts (`_launch`); its tokens are
         then read and returned first, and that pass, already built, is started by the next step: encoding
-        it (~2.6 ms after 511 tokens on an H100) no longer delays the first token."""
+        it (~2.6 ms after 511 tokens on an H100) no longer delays the first token (`Pass.first_tokens`;
+        a pass of mid-prompt chunks beside decode rows is not held back)."""
         if self._unstarted is not None:
             launched, self._unstarted = self._unstarted, None
             self._start(launched)
@@ -262,7 +264,7 @@ class Loop:
                 # see `_launch`: the two passes' buffers apart (or a decode pass's first part: `part`)
                 part = self._pending.part if not launched.prompt_rows else ()
                 self.ops.sync(*(part or self._pending.outputs))
-                first_tokens = self._pending.prompt_rows and bool(self._pending.seqs)
+                first_tokens = self._pending.first_tokens
             if first_tokens:
                 self._unstarted = launched
             else:
@@ -391,7 +393,8 @@ class Loop:
                 s.forks = []
             logits = ops.gather_rows(logits, ops.index_array(list(range(len(sampled))) + [row for _, row in forks]))
             sampled = sampled + [f for f, _ in forks]
-        step = Pass(sampled, logits=logits, prompt_rows=not decoding)
+        step = Pass(sampled, logits=logits, prompt_rows=not decoding,
+                    first_tokens=any(s.prefilling and s.cached + n >= len(s.prompt) for s, n in plan))
         stores = getattr(cache, "keys", None)
         if (self.wait_fraction is not None and decoding and len(plan) == 1 and stores
                 and cache.nbytes() >= self.wait_store_bytes):

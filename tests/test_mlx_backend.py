@@ -523,15 +523,16 @@ def test_prompt_passes_start_once_the_pass_before_is_done(qwen3_path, monkeypatc
         for i, (k, x) in enumerate(log):
             if k != kind:
                 continue
-            if x is p if kind in ("built", "read") else bool(x) and (x[0] is p.start[0] if kind == "start" else
-                                                                       any(x[0] is w[0] for w in (p.outputs, p.part) if w)):
+            if x is p if kind in ("built", "read") else bool(x) and any(  # (its first part counts as its start)
+                    x[0] is w[0] for w in ((p.start, p.part) if kind == "start" else (p.outputs, p.part)) if w):
                 return i
         return None
 
     for before, p in zip(passes, passes[1:]):
+        assert before.first_tokens == (before is passes[2])  # (the prompt's last chunk)
         if p.prompt_rows or before.prompt_rows or large_cache:
             assert at("built", p) < at("sync", before) < at("start", p), "a prompt pass started before the one before was done"
-            if before.prompt_rows and before.seqs:  # a prompt's first token is read before the next pass starts
+            if before.first_tokens:  # a prompt's first token is read before the next pass starts
                 assert at("read", before) < at("start", p), "the first token read after the next pass started"
         else:
             waited = at("sync", before)
@@ -565,9 +566,10 @@ def test_a_decode_pass_can_wait_for_part_of_the_one_before(qwen3_path, monkeypat
     start, sync = ops.start, ops.sync
     monkeypatch.setattr(ops, "start", lambda *xs: log.append(("start", xs)) or start(*xs))
     monkeypatch.setattr(ops, "sync", lambda *xs: log.append(("sync", xs)) or sync(*xs))
-    launch = Loop._launch
+    launch, read = Loop._launch, Loop._read
     monkeypatch.setattr(Loop, "_launch", lambda self, plan: passes.append(launch(self, plan)) or
                         log.append(("built", passes[-1])) or passes[-1])
+    monkeypatch.setattr(Loop, "_read", lambda self, p: log.append(("read", p)) or read(self, p))
     got = engine.generate(ids, max_tokens=6)
     assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
 
@@ -575,7 +577,7 @@ def test_a_decode_pass_can_wait_for_part_of_the_one_before(qwen3_path, monkeypat
         return len(x) == len(xs) and all(a is b for a, b in zip(x, xs))
 
     def at(kind, xs):
-        return next(i for i, (k, x) in enumerate(log) if k == kind and (x is xs if kind == "built" else same(x, xs)))
+        return next(i for i, (k, x) in enumerate(log) if k == kind and (x is xs if kind in ("built", "read") else same(x, xs)))
 
     decode = [p for p in passes if not p.prompt_rows]
     assert len(decode) == 5 and all(len(p.part) == 1 and p.part[0].size == 1 for p in decode)
@@ -583,7 +585,7 @@ def test_a_decode_pass_can_wait_for_part_of_the_one_before(qwen3_path, monkeypat
     for p in decode:  # its first part starts alone, then the rest
         assert at("start", p.part) < at("start", p.start)
     after_prompt = passes[passes.index(decode[0]) - 1]
-    assert at("built", decode[0]) < at("sync", after_prompt.outputs) < at("start", decode[0].part)
+    assert at("built", decode[0]) < at("sync", after_prompt.outputs) < at("read", after_prompt) < at("start", decode[0].part)
     for before, p in zip(decode, decode[1:]):
         assert at("built", p) < at("sync", before.part) < at("start", p.part)
         assert not any(k == "sync" and same(x, before.outputs) for k, x in log)
@@ -596,9 +598,12 @@ def test_a_decode_pass_can_wait_for_part_of_the_one_before(qwen3_path, monkeypat
         lp.step()
     before = passes[-1]
     assert not before.prompt_rows and before.part
-    lp.admit([5, 6, 7], SamplingParams(), 2)
+    lp.admit([5, 6, 7, 8, 9, 10, 11], SamplingParams(), 2)
     lp.step()
-    assert passes[-1].prompt_rows and at("built", passes[-1]) < at("sync", before.outputs)
+    joined = passes[-1]
+    assert joined.prompt_rows and at("built", joined) < at("sync", before.outputs)
+    lp.step()  # its pass (the other's decode row beside its first chunk) is not held back like a first token's
+    assert len(joined.seqs) == 1 and not joined.first_tokens and at("start", passes[-1].start) < at("read", joined)
     while lp.busy:
         lp.step()
     del passes[:]  # a batch's decode passes stay queued: no part of theirs to wait for

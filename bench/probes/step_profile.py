@@ -15,7 +15,9 @@ times the three host parts of every decode token, per engine, at each prompt len
 - `interval_ms`: the median time between decode tokens (`decode_tok_s`: 1000 / their mean);
 - `first_token`: the first token's time (`ttft_ms`, median of the runs) and its host parts. Ours:
   `prompt_build_ms` / `prompt_encode_ms` (the prompt's pass), `next_build_ms` / `next_encode_ms` (the
-  first decode pass, launched before the first token is read), `wait_ms` (reading it). mlx-lm:
+  first decode pass's build, before the first token is read, and its encoding where that came before
+  the read too: 0 since d495d61, which starts it at the next step, counted in the next row), `wait_ms`
+  (reading it). mlx-lm:
   `build_ms` (its model calls: the prompt less one token, the last token, the next token), `encode_ms`
   (its `mx.async_eval`s) and `rest_ms` (the rest: waiting, its `mx.eval` of the prompt's cache).
 
@@ -148,7 +150,8 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="floa
 
     def timed_step(loop):  # a row: this pass's build and encode, and the wait for the pass before
         out = step(loop)
-        clock.token()
+        if out or "build" in clock.now:  # (a step that only started the pass built before the first
+            clock.token()                # token was read: its encoding joins the next row)
         return out
 
     ops.start, ops.to_numpy, ops.sync = timed_start, timed_to_numpy, timed_sync
