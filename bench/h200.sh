@@ -8,8 +8,8 @@
 # tests   the five GPU test files (test_kernels, test_mlx_backend, test_compile, test_cuda_limits, test_sdpa_prefill;
 #         or TEST_FILES) with EXAMPLES Hypothesis examples (5) -> $OUT/tests.log; in WORKERS (4) processes
 #         where pytest-xdist is importable or carried in .testwheels/ (bench/peerwheels/make.sh makes it).
-#         On one process they outgrew a call: 42% in 540 s on a fresh H100 with the kernel cache carried
-#         (2026-12-06), so carry .testwheels, or split them with TEST_FILES over calls
+#         In one process they outgrew a call (docs/performance.md), so carry .testwheels, or split
+#         them with TEST_FILES over calls
 # archs   every architecture against llama.cpp's fixtures and the windowed cache, the "mlx" rows on the GPU
 #         (test_models, test_window_cache) -> $OUT/archs.log
 # bench   mlxinfer bench --backends mlx --devices gpu at the prompt lengths CASES (17,511,8191), batch

@@ -135,9 +135,9 @@ WAIT_STORE_BYTES = 2 << 30
 # whole pass). Each such pass is started in two parts (two evaluations: MLX signals the end of each on its
 # own), so that the device runs the rest of the pass before while the next one is encoded: that pass's
 # first layers find their stores free (MLX keeps a store a pass reads until the command that read it
-# completes), and its last ones too where the device finishes them first. Measured at 32,767 tokens
-# (bench/probes/memory_timeline.py --fractions, docs/performance.md): 0.7 and 0.85 decode 1.2x faster
-# than waiting for the whole pass, 0.5 1.07x, with the same peak memory.
+# completes), and its last ones too where the device finishes them first. The fraction was chosen by
+# measurement (bench/probes/memory_timeline.py --fractions; docs/performance.md, "Decode after 32,767
+# tokens"): the same peak memory as waiting for the whole pass, and faster decode.
 WAIT_FRACTION: float | None = 0.7
 
 
@@ -245,7 +245,7 @@ class Loop:
 
         A prompt's last pass is waited for before the pass after it starts (`_launch`); its tokens are
         then read and returned first, and that pass, already built, is started by the next step: encoding
-        it (~2.6 ms after 511 tokens on an H100) no longer delays the first token (`Pass.first_tokens`;
+        it (a few ms: docs/performance.md) no longer delays the first token (`Pass.first_tokens`;
         a pass of mid-prompt chunks beside decode rows is not held back)."""
         if self._unstarted is not None:
             launched, self._unstarted = self._unstarted, None

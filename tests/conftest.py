@@ -19,8 +19,8 @@ QWEN2_VOCAB = os.path.join(DATA, "ggml-vocab-qwen2.gguf")
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (the README's test command): a worker per core this process may run on, at most 4. Each
     worker holds its own models and MLX's and numpy's thread pools, so more than that adds memory and
-    contention faster than it shortens the run (2 workers: 564 s against ~1,000 s serially, this 2-core
-    VM, 2026-12-06). PYTEST_XDIST_AUTO_NUM_WORKERS, where set, is xdist's to read."""
+    contention faster than it shortens the run. PYTEST_XDIST_AUTO_NUM_WORKERS, where set, is xdist's to
+    read."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
