@@ -120,6 +120,7 @@ class Pass:
     prompt_rows: bool = False  # whether it advances a prompt (a prefill chunk)
     part: tuple = ()  # what the next decode pass waits for instead of `outputs` (`Loop.wait_fraction`)
     first_tokens: bool = False  # whether it samples a sequence's first token (the end of its prompt)
+    waits: bool = False  # whether it waits for the pass before: one sequence over a cache of WAIT_STORE_BYTES
 
 
 # A decode pass queued while the pass before is still running on the device copies every KV store it
@@ -250,6 +251,7 @@ class Loop:
         if self._unstarted is not None:
             launched, self._unstarted = self._unstarted, None
             self._start(launched)
+            self._sample_after_read(launched)
             self._pending = launched
             return []
         plan = self._plan()
@@ -259,8 +261,7 @@ class Loop:
             self.passes += 1
             name = self._pass_name(plan) if self.on_forward else None
             launched = self._launch(plan)
-            if self._pending is not None and (launched.prompt_rows or self._pending.prompt_rows or (
-                    len(plan) == 1 and self.cache.nbytes() >= self.wait_store_bytes)):
+            if self._pending is not None and (launched.prompt_rows or self._pending.prompt_rows or launched.waits):
                 # see `_launch`: the two passes' buffers apart (or a decode pass's first part: `part`)
                 part = self._pending.part if not launched.prompt_rows else ()
                 self.ops.sync(*(part or self._pending.outputs))
@@ -268,7 +269,7 @@ class Loop:
             if first_tokens:
                 self._unstarted = launched
             else:
-                self._start(launched, sample=False)
+                self._start(launched)
             if self.on_forward:
                 self.on_forward(name)
         events = []
@@ -277,22 +278,24 @@ class Loop:
         if first_tokens:
             self._pending = None
             return events
-        if launched is not None and launched.logits is not None:  # the grammars now hold every token read
-            self._sample(launched)
-            self.ops.start(*launched.outputs)
+        if launched is not None:
+            self._sample_after_read(launched)
         self._pending = launched
         if not self.pipelined and self._pending is not None:
             events += self._read(self._pending)
             self._pending = None
         return events
 
-    def _start(self, launched: Pass, sample: bool = True) -> None:
-        """Start a built pass: its first part alone (`Pass.part`), then the rest; `sample`: and, where
-        its sampling waited for the pass before's tokens (a grammar's mask), build and start that too."""
+    def _start(self, launched: Pass) -> None:
+        """Start a built pass: its first part alone (`Pass.part`), then the rest."""
         if launched.part:
             self.ops.start(*launched.part)
         self.ops.start(*launched.start)
-        if sample and launched.logits is not None:
+
+    def _sample_after_read(self, launched: Pass) -> None:
+        """Where a pass's sampling waited for the pass before's tokens (a grammar's mask), build and start
+        it: the grammars now hold every token read."""
+        if launched.logits is not None:
             self._sample(launched)
             self.ops.start(*launched.outputs)
 
@@ -394,10 +397,10 @@ class Loop:
             logits = ops.gather_rows(logits, ops.index_array(list(range(len(sampled))) + [row for _, row in forks]))
             sampled = sampled + [f for f, _ in forks]
         step = Pass(sampled, logits=logits, prompt_rows=not decoding,
-                    first_tokens=any(s.prefilling and s.cached + n >= len(s.prompt) for s, n in plan))
+                    first_tokens=any(s.prefilling and s.cached + n >= len(s.prompt) for s, n in plan),
+                    waits=len(plan) == 1 and cache.nbytes() >= self.wait_store_bytes)
         stores = getattr(cache, "keys", None)
-        if (self.wait_fraction is not None and decoding and len(plan) == 1 and stores
-                and cache.nbytes() >= self.wait_store_bytes):
+        if self.wait_fraction is not None and decoding and step.waits and stores:
             store = stores[min(len(stores) - 1, int(self.wait_fraction * len(stores)))]
             marker = None if store is None else ops.done_marker(store)  # (None: an eager backend's)
             step.part = () if marker is None else (marker,)
