@@ -8,6 +8,12 @@
 //   fixed sequence; each product x*w is rounded, then added
 //   to the lane's partial sum (__fmul_rn / __fadd_rn: no contraction into fma); then the butterfly
 //   s += shfl_xor(s, off) for off = 16, 8, 4, 2, 1. block_kernels.emulate follows it in numpy.
+//   With ADD = 1 a kernel writes res[m, n] + that sum ([M, N] of x's type: the residual stream), as
+//   the graph's Add of the product would (mlxi_residual_sum), so a layer's output projection and its
+//   residual are one launch; with ADD = 0 res is not read (the launch passes x there). With NORM = 1
+//   the product is of x's rows RMS-normed with weight nw ([K], x's type) and eps (dims[3], its float32
+//   bits), each normed value exactly what the `rms_norm` kernel writes (mlxi_rms_inv), so a layer's
+//   norm and the product after it are one launch; with NORM = 0 nw is not read.
 //
 // How the work is laid out does not change that order. A block's 8 warps first copy x, MLXI_TILE columns
 // at a time, into shared memory (coalesced; padded so that the lanes' reads of their own units do not
@@ -92,15 +98,47 @@ __device__ __forceinline__ int mlxi_xs_at(int c) {
   return c + 4 * (c / PAD);
 }
 
+// RMSNorm (the `rms_norm` kernel, and NORM's prologue: a product of the normed rows of x in one launch).
+// The published order: row m's scale inv = 1 / sqrt(mean(x^2) + eps), its sum of squares in the dot
+// products' order (one warp: lane l adds x_i * x_i for i = l, l + 32, ... in increasing i, each square
+// rounded, then the butterfly 16, 8, 4, 2, 1), times the float32 1/K, plus eps, the square root and the
+// division each rounded once (correctly rounded: __fsqrt_rn, __fdiv_rn); value c is then
+// (x_c * inv) * w_c, each product rounded, and rounded once more to x's type X (what the norm writes).
+// block_kernels.emulate_rms_norm follows it in numpy.
+template <typename X>
+__device__ __forceinline__ float mlxi_rms_inv(const X* row, int K, float eps, int lane) {
+  float s = 0.0f;
+  for (int i = lane; i < K; i += 32) {
+    const float v = (float)row[i];
+    s = __fadd_rn(s, __fmul_rn(v, v));
+  }
+  s = mlxi_warp_total(s);
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fmul_rn(s, __fdiv_rn(1.0f, (float)K)), eps)));
+}
+
+template <typename X>
+__device__ __forceinline__ float mlxi_norm_value(float v, float inv, float w) {
+  return (float)(X)__fmul_rn(__fmul_rn(v, inv), w);
+}
+
 // Columns col0 .. col0 + cols - 1 of x's M rows, as float, into shared memory xs (row stride STRIDE, column c
-// at mlxi_xs_at<PAD>(c)), four at a time by the block's threads in turn. cols is a multiple of 32.
+// at mlxi_xs_at<PAD>(c)), four at a time by the block's threads in turn. cols is a multiple of 32. With a
+// norm weight nw (NORM), each value is row m's normed value (inv[m]: its scale, mlxi_rms_inv).
 template <int PAD, int M, int STRIDE, typename X>
-__device__ __forceinline__ void mlxi_stage_x(const X* x, long K, long col0, int cols, bool vec, float* xs) {
+__device__ __forceinline__ void mlxi_stage_x(const X* x, long K, long col0, int cols, bool vec, float* xs,
+                                             const X* nw, const float* inv) {
   const int quads = cols / 4;
+  const bool nvec = nw != nullptr && mlxi_aligned4(nw);
   for (int i = threadIdx.x; i < M * quads; i += MLXI_THREADS) {
     const int m = i / quads, c = 4 * (i - m * quads);
     float v[4];
     mlxi_load4(x + (long)m * K + col0 + c, vec, v);
+    if (nw) {
+      float w[4];
+      mlxi_load4(nw + col0 + c, nvec, w);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] = mlxi_norm_value<X>(v[j], inv[m], w[j]);
+    }
     *reinterpret_cast<float4*>(xs + m * STRIDE + mlxi_xs_at<PAD>(c)) = make_float4(v[0], v[1], v[2], v[3]);
   }
 }
@@ -136,6 +174,13 @@ __device__ __forceinline__ void mlxi_words(const unsigned int* p, unsigned int* 
     for (int i = 0; i < BITS; ++i) words[i] = p[i];
   }
 }
+// ADD's epilogue: the residual r plus the product's sum s, as the graph adds them: s rounded to the
+// output's type first (what the product alone writes), then r + that in float32 and rounded once more
+// (MLX's Add of two values of that type; for float32 both roundings are none).
+template <typename Y>
+__device__ __forceinline__ Y mlxi_residual_sum(Y r, float s) {
+  return (Y)__fadd_rn((float)r, (float)(Y)s);
+}
 // Every block kernel's frame: the published order (lane l takes work units l, l + 32, ... of 32 values,
 // in each its values t = 0..31, each product with x rounded then added, then the butterfly) laid out in
 // tiles of x in shared memory and R rows a warp, with a type's reader G for the values:
@@ -146,16 +191,21 @@ __device__ __forceinline__ void mlxi_words(const unsigned int* p, unsigned int* 
 //   G::Row G::load(fields, n, u, K)  what row n's unit u needs;  float G::value(row, t)  value t, exactly
 //   gguf-py's (t is a constant once the loops are unrolled).
 template <int M, typename G, typename X, typename Y>
-__device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int* dims, const typename G::Fields& f) {
+__device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int* dims, const typename G::Fields& f,
+                                                  const Y* res, bool add, const X* nw, bool norm) {
   constexpr int STRIDE = MLXI_TILE + 4 * (MLXI_TILE / G::PAD);
   static_assert(MLXI_TILE == 32 * 32, "a tile holds one unit a lane");
   static_assert(M * STRIDE * 4 <= 48 * 1024 - 1024, "static shared memory: at most 48 KB a block");
+  static_assert(M <= MLXI_WARPS, "NORM: a warp a row's scale");
   __shared__ __align__(16) float xs[M * STRIDE];  // (float4 reads and writes)
+  __shared__ float inv[MLXI_WARPS];
   const int N = dims[0], K = dims[1], R = dims[2];
   const long warp0 = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS;
   if (warp0 * R >= N) return;  // (the whole block: no warp of it has a row)
   G::prepare();
   const int lane = threadIdx.x & 31;
+  if (norm && (threadIdx.x >> 5) < M)  // NORM: warp m takes row m's scale (dims[3]: eps's float32 bits)
+    inv[threadIdx.x >> 5] = mlxi_rms_inv(x + (long)(threadIdx.x >> 5) * K, K, __int_as_float(dims[3]), lane);
   const long n0 = (warp0 + (threadIdx.x >> 5)) * R;
   const int rows = n0 >= N ? 0 : (N - n0 < R ? (int)(N - n0) : R);  // 0: the warp only helps stage x
   const bool vec = mlxi_aligned4(x);
@@ -167,7 +217,7 @@ __device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int*
   for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
     const int cols = mlxi_tile_cols(K, col0);
     __syncthreads();
-    mlxi_stage_x<G::PAD, M, STRIDE>(x, K, col0, cols, vec, xs);
+    mlxi_stage_x<G::PAD, M, STRIDE>(x, K, col0, cols, vec, xs, norm ? nw : nullptr, inv);
     __syncthreads();
     if (rows == 0 || 32 * lane >= cols) continue;
     const long u = col0 / 32 + lane;
@@ -198,7 +248,8 @@ __device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int*
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         const float s = mlxi_warp_total(acc[r][m]);
-        if (lane == 0) out[(long)m * N + n0 + r] = (Y)s;
+        const long at = (long)m * N + n0 + r;
+        if (lane == 0) out[at] = add ? mlxi_residual_sum(res[at], s) : (Y)s;
       }
     }
   }
@@ -462,7 +513,7 @@ struct mlxi_half_values : mlxi_groups32 {
 // consecutive bytes of ql at 64h + 8c and at 64h + 32 + 8c, eight of qh at 32h + 8c, one scale per j.
 // Lane l takes the units u = l, l + 32, ... and in each adds j = 0..3, t = 0..7 in that order: the units
 // of a row are loaded in parallel by the lanes (mlxi_block_matvec, mlxi_q6k).
-mlxi_block_matvec<M, mlxi_q6k>(x, out, dims, {ql, qh, scales, d_bits});
+mlxi_block_matvec<M, mlxi_q6k>(x, out, dims, {ql, qh, scales, d_bits}, res, ADD, nw, NORM);
 //@@BODY affine_matvec
 // The affine types as the MLX backend keeps them (quants.split): w [N, K BITS / 32] uint32 (MLX's packing),
 // then the file's scale fields, by SCALES: 0 (Q8_0, Q4_0, Q5_0) s0 [N, K / 32] the fp16 d's bits, scale d,
@@ -472,23 +523,34 @@ mlxi_block_matvec<M, mlxi_q6k>(x, out, dims, {ql, qh, scales, d_bits});
 // dims = [N, K, R]; out [M, N]. Lane l takes groups l, l + 32, ..., each t = 0..31: code t of the group
 // (MLX's packing: bits [BITS t, BITS (t + 1)) of the group's BITS words), w = scale * code + bias (each
 // step rounded), then the product with x and the sum (mlxi_block_matvec, mlxi_affine).
-mlxi_block_matvec<M, mlxi_affine<BITS, SCALES, ZERO>>(x, out, dims, {w, s0, s1});
+mlxi_block_matvec<M, mlxi_affine<BITS, SCALES, ZERO>>(x, out, dims, {w, s0, s1}, res, ADD, nw, NORM);
 //@@BODY iq4_matvec
 // IQ4_NL (XS 0) and IQ4_XS (XS 1) as the MLX backend keeps them (quants.split: the file's fields): qs the
 // 4-bit codes, 16 bytes per 32 values (IQ4_NL [N, K / 32, 16]; IQ4_XS [N, K / 256, 128], sub-block j at
 // 16 j), d_bits the fp16 d's bits ([N, K / 32] or [N, K / 256]); IQ4_XS also sc_h [N, K / 256] uint16 and
 // sc_l [N, K / 256, 4] uint8, sub-block j's 6-bit scale ls = (sc_l[j / 2] >> 4 (j % 2)) & 15 |
 // ((sc_h >> 2 j) & 3) << 4 (IQ4_NL: unused). dims = [N, K, R]; out [M, N]. mlxi_iq4 says the values.
-mlxi_block_matvec<M, mlxi_iq4<XS>>(x, out, dims, {qs, d_bits, sc_h, sc_l});
+mlxi_block_matvec<M, mlxi_iq4<XS>>(x, out, dims, {qs, d_bits, sc_h, sc_l}, res, ADD, nw, NORM);
 //@@BODY q3_k_matvec
 // Q3_K's fields (quants.split) per row and block of 256 values: hmask [N, K/256, 32], qs [N, K/256, 64],
 // sc3 [N, K/256, 12] uint8, d_bits [N, K/256] the fp16 d's bits; dims = [N, K, R]; out [M, N]. mlxi_q3k
 // says the values.
-mlxi_block_matvec<M, mlxi_q3k>(x, out, dims, {hmask, qs, sc3, d_bits});
+mlxi_block_matvec<M, mlxi_q3k>(x, out, dims, {hmask, qs, sc3, d_bits}, res, ADD, nw, NORM);
 //@@BODY q2_k_matvec
 // Q2_K's fields per row and block: sc2 [N, K/256, 16] uint8, qs [N, K/256, 64], d_bits and dmin_bits
 // [N, K/256] fp16 bits; dims = [N, K, R]; out [M, N]. mlxi_q2k says the values.
-mlxi_block_matvec<M, mlxi_q2k>(x, out, dims, {sc2, qs, d_bits, dmin_bits});
+mlxi_block_matvec<M, mlxi_q2k>(x, out, dims, {sc2, qs, d_bits, dmin_bits}, res, ADD, nw, NORM);
 //@@BODY half_matvec
 // F16 (BF 0) or BF16 (BF 1) values v [N, K] as uint16 bits; dims = [N, K, R]; out [M, N].
-mlxi_block_matvec<M, mlxi_half_values<BF>>(x, out, dims, {v});
+mlxi_block_matvec<M, mlxi_half_values<BF>>(x, out, dims, {v}, res, ADD, nw, NORM);
+//@@BODY rms_norm
+// RMSNorm of x [M, K] (T) with weight nw [K] (T): out [M, K] (T), a warp a row (mlxi_rms_inv: the order);
+// dims = [M, K, eps's float32 bits].
+const long rows = dims[0];
+const int K = dims[1], lane = threadIdx.x & 31;
+const long row = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS + (threadIdx.x >> 5);
+if (row < rows) {
+  const T* xr = x + row * K;
+  const float inv = mlxi_rms_inv(xr, K, __int_as_float(dims[2]), lane);
+  for (int c = lane; c < K; c += 32) out[row * K + c] = (T)mlxi_norm_value<T>((float)xr[c], inv, (float)nw[c]);
+}

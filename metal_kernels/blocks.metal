@@ -22,6 +22,13 @@ inline float mlxi_warp_total(float s) {
   return s;
 }
 
+// ADD's epilogue (blocks.cu's mlxi_residual_sum): the residual r plus the sum s rounded to T first, added
+// in float32 and rounded once more, as the graph's Add of the product; res is not read when ADD is 0.
+template <typename T>
+inline T mlxi_residual_sum(T r, float s) {
+  return T(float(r) + float(T(s)));
+}
+
 // Entry c of IQ4_NL's and IQ4_XS's codebook (blocks.cu's mlxi_iq4_value).
 inline float mlxi_iq4_value(uint c) {
   const char v[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -37,16 +44,44 @@ inline uint mlxi_code(thread const uint* words, int t) {
   return v & ((1u << BITS) - 1u);
 }
 
+// RMSNorm (blocks.cu's mlxi_rms_inv and mlxi_norm_value, the same order): row's scale, one simdgroup
+// (lane l adds x_i * x_i for i = l, l + 32, ..., each rounded; the butterfly), times the float32 1/K,
+// plus eps, the square root and the division each correctly rounded; a value (x * inv) * w, each
+// product rounded, and rounded to T.
+template <typename XP>
+inline float mlxi_rms_inv(XP row, int K, float eps, uint lane) {
+  float s = 0.0f;
+  for (int i = lane; i < K; i += 32) {
+    const float v = float(row[i]);
+    s = s + v * v;
+  }
+  s = mlxi_warp_total(s);
+  return metal::precise::divide(1.0f, metal::precise::sqrt(s * metal::precise::divide(1.0f, float(K)) + eps));
+}
+
+template <typename T>
+inline float mlxi_norm_value(float v, float inv, float w) {
+  return float(T((v * inv) * w));
+}
+
+// Value c of x's row m as the product reads it: with NORM, normed (inv[m]: the row's scale).
+template <typename T, typename XP, typename NP>
+inline float mlxi_x(XP x, NP nw, thread const float* inv, bool norm, int m, long K, long c) {
+  const float v = float(x[(long)m * K + c]);
+  return norm ? mlxi_norm_value<T>(v, inv[m], float(nw[c])) : v;
+}
+
 // One affine group of 32 values into the row sums (blocks.cu's mlxi_affine_group, the same order).
-template <int BITS, int M, typename XP, typename WP>
-inline void mlxi_affine_group(XP x, long K, long col, WP w_row, long g, float scale, float bias, thread float* acc) {
+template <int BITS, int M, typename T, typename XP, typename WP, typename NP>
+inline void mlxi_affine_group(XP x, long K, long col, WP w_row, long g, float scale, float bias, thread float* acc,
+                              NP nw, thread const float* inv, bool norm) {
   uint words[BITS];
   for (int i = 0; i < BITS; ++i) words[i] = w_row[g * BITS + i];
   for (int t = 0; t < 32; ++t) {
     const float sq = scale * float(mlxi_code<BITS>(words, t));
     const float w = sq + bias;
     for (int m = 0; m < M; ++m) {
-      const float prod = float(x[(long)m * K + col + t]) * w;
+      const float prod = mlxi_x<T>(x, nw, inv, norm, m, K, col + t) * w;
       acc[m] = acc[m] + prod;
     }
   }
@@ -61,6 +96,8 @@ const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_WARPS + simdgroup_index_in_threadgroup;
 if (n >= N) return;
+float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
+for (int m = 0; m < M; ++m) inv[m] = NORM ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
 for (int m = 0; m < M; ++m) acc[m] = 0.0f;
 for (int u = lane; u < units; u += 32) {
@@ -76,7 +113,7 @@ for (int u = lane; u < units; u += 32) {
       const uint q = ((lb >> (4 * (j >> 1))) & 0xfu) | (((hbyte >> (2 * j)) & 3u) << 4);
       const float w = dl * float(int(q) - 32);
       for (int m = 0; m < M; ++m) {
-        const float prod = float(x[(long)m * K + col + 32 * j + t]) * w;
+        const float prod = mlxi_x<T>(x, nw, inv, NORM, m, K, col + 32 * j + t) * w;
         acc[m] = acc[m] + prod;
       }
     }
@@ -84,7 +121,7 @@ for (int u = lane; u < units; u += 32) {
 }
 for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);
-  if (lane == 0) out[(long)m * N + n] = T(s);
+  if (lane == 0) out[(long)m * N + n] = ADD ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
 }
 //@@BODY affine_matvec
 // As in blocks.cu: the affine types, their scale fields by SCALES (0: d and ZERO; 1: d, m; 2: K-quants).
@@ -93,6 +130,8 @@ const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_WARPS + simdgroup_index_in_threadgroup;
 if (n >= N) return;
+float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
+for (int m = 0; m < M; ++m) inv[m] = NORM ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
 for (int m = 0; m < M; ++m) acc[m] = 0.0f;
 const auto w_row = w + n * (K / 32) * BITS;
@@ -111,11 +150,11 @@ for (long g = lane; g < K / 32; g += 32) {
     scale = mlxi_half_bits(s0[at]);
     bias = -(scale * float(ZERO));
   }
-  mlxi_affine_group<BITS, M>(x, K, g * 32, w_row, g, scale, bias, acc);
+  mlxi_affine_group<BITS, M, T>(x, K, g * 32, w_row, g, scale, bias, acc, nw, inv, NORM);
 }
 for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);
-  if (lane == 0) out[(long)m * N + n] = T(s);
+  if (lane == 0) out[(long)m * N + n] = ADD ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
 }
 //@@BODY iq4_matvec
 // As in blocks.cu: IQ4_NL (XS 0) and IQ4_XS (XS 1), qs, d_bits, sc_h, sc_l (IQ4_XS's scales; unused for
@@ -127,6 +166,8 @@ const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_WARPS + simdgroup_index_in_threadgroup;
 if (n >= N) return;
+float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
+for (int m = 0; m < M; ++m) inv[m] = NORM ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
 for (int m = 0; m < M; ++m) acc[m] = 0.0f;
 for (long g = lane; g < K / 32; g += 32) {
@@ -146,14 +187,14 @@ for (long g = lane; g < K / 32; g += 32) {
     const uint code = (uint(qs[at + (t & 15)]) >> (4 * (t >> 4))) & 0xfu;
     const float w = dl * mlxi_iq4_value(code);
     for (int m = 0; m < M; ++m) {
-      const float prod = float(x[(long)m * K + g * 32 + t]) * w;
+      const float prod = mlxi_x<T>(x, nw, inv, NORM, m, K, g * 32 + t) * w;
       acc[m] = acc[m] + prod;
     }
   }
 }
 for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);
-  if (lane == 0) out[(long)m * N + n] = T(s);
+  if (lane == 0) out[(long)m * N + n] = ADD ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
 }
 //@@BODY q3_k_matvec
 // As in blocks.cu (mlxi_q3k): hmask, qs, sc3, d_bits, dims = [N, K, 1]; group g = values 32 j .. 32 j + 31
@@ -164,6 +205,8 @@ const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_WARPS + simdgroup_index_in_threadgroup;
 if (n >= N) return;
+float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
+for (int m = 0; m < M; ++m) inv[m] = NORM ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
 for (int m = 0; m < M; ++m) acc[m] = 0.0f;
 for (long g = lane; g < K / 32; g += 32) {
@@ -179,14 +222,14 @@ for (long g = lane; g < K / 32; g += 32) {
     const uint high = (uint(hmask[blk * 32 + t]) >> j) & 1u;
     const float w = dl * float(int(low) - 4 * int(1u - high));
     for (int m = 0; m < M; ++m) {
-      const float prod = float(x[(long)m * K + g * 32 + t]) * w;
+      const float prod = mlxi_x<T>(x, nw, inv, NORM, m, K, g * 32 + t) * w;
       acc[m] = acc[m] + prod;
     }
   }
 }
 for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);
-  if (lane == 0) out[(long)m * N + n] = T(s);
+  if (lane == 0) out[(long)m * N + n] = ADD ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
 }
 //@@BODY q2_k_matvec
 // As in blocks.cu (mlxi_q2k): sc2, qs, d_bits, dmin_bits, dims = [N, K, 1]; value t of group g (values
@@ -196,6 +239,8 @@ const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_WARPS + simdgroup_index_in_threadgroup;
 if (n >= N) return;
+float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
+for (int m = 0; m < M; ++m) inv[m] = NORM ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
 for (int m = 0; m < M; ++m) acc[m] = 0.0f;
 for (long g = lane; g < K / 32; g += 32) {
@@ -209,14 +254,14 @@ for (long g = lane; g < K / 32; g += 32) {
     const float dq = dl * float(q);
     const float w = dq - ml;
     for (int m = 0; m < M; ++m) {
-      const float prod = float(x[(long)m * K + g * 32 + t]) * w;
+      const float prod = mlxi_x<T>(x, nw, inv, NORM, m, K, g * 32 + t) * w;
       acc[m] = acc[m] + prod;
     }
   }
 }
 for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);
-  if (lane == 0) out[(long)m * N + n] = T(s);
+  if (lane == 0) out[(long)m * N + n] = ADD ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
 }
 //@@BODY half_matvec
 // As in blocks.cu (mlxi_half_values): v [N, K] the F16 (BF 0) or BF16 (BF 1) values' bits, dims = [N, K, 1].
@@ -225,6 +270,8 @@ const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_WARPS + simdgroup_index_in_threadgroup;
 if (n >= N) return;
+float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
+for (int m = 0; m < M; ++m) inv[m] = NORM ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
 for (int m = 0; m < M; ++m) acc[m] = 0.0f;
 for (long g = lane; g < K / 32; g += 32) {
@@ -232,12 +279,23 @@ for (long g = lane; g < K / 32; g += 32) {
     const uint h = uint(v[n * K + g * 32 + t]);
     const float w = BF ? as_type<float>(h << 16) : mlxi_half_bits(h);
     for (int m = 0; m < M; ++m) {
-      const float prod = float(x[(long)m * K + g * 32 + t]) * w;
+      const float prod = mlxi_x<T>(x, nw, inv, NORM, m, K, g * 32 + t) * w;
       acc[m] = acc[m] + prod;
     }
   }
 }
 for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);
-  if (lane == 0) out[(long)m * N + n] = T(s);
+  if (lane == 0) out[(long)m * N + n] = ADD ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
+}
+//@@BODY rms_norm
+// As in blocks.cu: RMSNorm of x [M, K] with weight nw [K], a simdgroup a row; dims = [M, K, eps's bits].
+const long rows = dims[0];
+const int K = dims[1];
+const uint lane = thread_index_in_simdgroup;
+const long row = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
+    * MLXI_WARPS + simdgroup_index_in_threadgroup;
+if (row < rows) {
+  const float inv = mlxi_rms_inv(x + row * K, K, as_type<float>(dims[2]), lane);
+  for (int c = lane; c < K; c += 32) out[row * K + c] = T(mlxi_norm_value<T>(float(x[row * K + c]), inv, float(nw[c])));
 }

@@ -12,7 +12,7 @@ backend as integer arrays made by `index_array`. Weight matrices are opaque hand
 
 `fused_attention` is the composite op with a contract: `per_head_attention` below is its definition, built
 from the primitives; its op order is what every override must reproduce bit for bit. The other composite
-ops (`rms_norm`, `qk_norm_rope`, `linear_group`) have defaults built from the primitives too, which the
+ops (`rms_norm`, `qk_norm_rope`, `linear_group`, `linear_add`, `rms_norm_linear_group`) have defaults built from the primitives too, which the
 tracing backend runs; a backend's overrides of them fuse kernels or drop reshapes.
 """
 
@@ -373,6 +373,18 @@ class Backend:
             y = self.reshape(self.rms_norm(self.reshape(x, n * heads, head_dim), weight, eps), n, heads * head_dim)
             out.append(self.rope(y, positions, heads, head_dim, base, traditional, factors))
         return tuple(out)
+
+    def rms_norm_linear_group(self, x, weight, eps: float, ws, groups=None):
+        """`linear_group` of `rms_norm(x, weight, eps)`: a pre-norm block's norm and the products after it.
+        Default: the two ops; a backend may do both in one launch where it keeps the bits (MLX on a GPU:
+        the block kernels' NORM form multiplies the values its `rms_norm` kernel writes)."""
+        return self.linear_group(self.rms_norm(x, weight, eps), ws, groups)
+
+    def linear_add(self, x, w, residual, groups=None):
+        """residual + x @ w: a layer's output projection and its residual connection. Default: `linear`,
+        then `add`; a backend may do both in one launch where it keeps the bits (MLX on a GPU: the
+        block kernels' ADD form, which rounds the product and then the sum as these two ops do)."""
+        return self.add(residual, self.linear(x, w, groups))
 
     def linear_group(self, x, ws, groups=None):
         """x times each matrix of a `load_weight_group` handle: a tuple of products, one per matrix.

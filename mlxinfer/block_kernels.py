@@ -12,6 +12,13 @@ so that a GPU need not form float32 scales at load (1.17-1.33x the file's bytes)
 summation order is published in blocks.cu's header and followed by `emulate` (numpy), which the GPU
 tests compare with bit for bit; it is the same for every row count, so a decode row's product does not
 depend on its batch.
+
+Two forms of every kernel take the launches around a decode product into it (issue 30: decode is bound
+by the host's launches): ADD, the residual plus the product (`product(..., residual=)`, the bits of the
+graph's Add after it: `with_residual`), and NORM, the product of x's rows RMS-normed (`product(...,
+norm=)`), each normed value the bits this module's `rms_norm` kernel writes (`emulate_rms_norm`), which
+the MLX backend runs as its RMSNorm wherever the block kernels run. A pre-norm layer's two norms and two
+residual adds then cost no launch of their own.
 """
 
 from __future__ import annotations
@@ -45,12 +52,14 @@ KERNELS = {
     Q.F16: ("half_matvec", (("BF", 0),)),
     Q.BF16: ("half_matvec", (("BF", 1),)),
 }
-INPUTS = {"q6_k_matvec": ["x", "ql", "qh", "scales", "d_bits", "dims"],
-          "affine_matvec": ["x", "w", "s0", "s1", "dims"],
-          "iq4_matvec": ["x", "qs", "d_bits", "sc_h", "sc_l", "dims"],
-          "q3_k_matvec": ["x", "hmask", "qs", "sc3", "d_bits", "dims"],
-          "q2_k_matvec": ["x", "sc2", "qs", "d_bits", "dmin_bits", "dims"],
-          "half_matvec": ["x", "v", "dims"]}
+INPUTS = {"q6_k_matvec": ["x", "res", "nw", "ql", "qh", "scales", "d_bits", "dims"],  # res: the residual
+          "affine_matvec": ["x", "res", "nw", "w", "s0", "s1", "dims"],  # (ADD), nw: the norm's weight (NORM)
+          "iq4_matvec": ["x", "res", "nw", "qs", "d_bits", "sc_h", "sc_l", "dims"],
+          "q3_k_matvec": ["x", "res", "nw", "hmask", "qs", "sc3", "d_bits", "dims"],
+          "q2_k_matvec": ["x", "res", "nw", "sc2", "qs", "d_bits", "dmin_bits", "dims"],
+          "half_matvec": ["x", "res", "nw", "v", "dims"],
+          "rms_norm": ["x", "nw", "dims"]}
+FIELDS_AT = 3  # a matvec's weight fields start at this input
 MAX_ROWS = 8  # rows of x a launch takes (each lane keeps one partial sum per row in registers)
 WARPS = 8  # warps per block of 256 threads
 MAX_ROWS_PER_WARP = 4  # blocks.cu's MLXI_MAX_R: output rows a warp may take
@@ -140,9 +149,13 @@ def kernel_fields(w) -> tuple:
     return w.w, half(d), half(rest[0] if rest else d)
 
 
-def product(kind: str, x, w, per_warp: int | None = None):
+def product(kind: str, x, w, per_warp: int | None = None, residual=None, norm=None):
     """x @ w.T [M, N] in x's dtype, by the kernel of w's type on `kind` ("cuda" or "metal"), each warp
-    taking `per_warp` output rows (1..`rows_per_warp`, by default that many)."""
+    taking `per_warp` output rows (1..`rows_per_warp`, by default that many). With `residual` ([M, N],
+    x's dtype): residual + x @ w.T in the same launch, the bits of the graph's `residual + product`
+    (the kernels' ADD form: `with_residual` says the roundings). With `norm` = (weight [K] of x's
+    dtype, eps): the product of x's rows RMS-normed, each normed value the bits `rms_norm` writes (the
+    NORM form)."""
     import mlx.core as mx
 
     rows, k = x.shape
@@ -151,16 +164,58 @@ def product(kind: str, x, w, per_warp: int | None = None):
     per_warp = most if per_warp is None else per_warp
     if not 1 <= per_warp <= most:
         raise ValueError(f"{per_warp} output rows a warp: the {kind} block kernels take 1..{most}")
+    if residual is not None and (residual.shape != (rows, n) or residual.dtype != x.dtype):
+        raise ValueError(f"the residual must be [{rows}, {n}] of x's dtype {x.dtype}, got "
+                         f"{list(residual.shape)} of {residual.dtype}")
+    nw, eps_bits = (x, 0) if norm is None else (norm[0], _f32_bits(norm[1]))
+    if norm is not None and (nw.shape != (k,) or nw.dtype != x.dtype):
+        raise ValueError(f"the norm's weight must be [{k}] of x's dtype {x.dtype}, got {list(nw.shape)} of {nw.dtype}")
     name, consts = KERNELS[w.qtype]
     fields = w.kernel_fields or kernel_fields(w)
     warps = -(-n // per_warp)
     blocks = -(-warps // WARPS)
     cols = min(blocks, 65535)
     (out,) = _kernel(kind, name)(
-        inputs=[x, *fields, mx.array([n, k, per_warp], dtype=mx.int32)],
-        template=[("T", x.dtype), ("M", rows), *consts], grid=(cols * 32 * WARPS, -(-blocks // cols), 1),
+        inputs=[x, x if residual is None else residual, nw, *fields, mx.array([n, k, per_warp, eps_bits], dtype=mx.int32)],
+        template=[("T", x.dtype), ("M", rows), *consts, ("ADD", int(residual is not None)), ("NORM", int(norm is not None))], grid=(cols * 32 * WARPS, -(-blocks // cols), 1),
         threadgroup=(32 * WARPS, 1, 1), output_shapes=[(rows, n)], output_dtypes=[x.dtype])
     return out
+
+
+def rms_norm(kind: str, x, weight, eps: float):
+    """RMSNorm of x [M, K] with weight [K] (both of one dtype) on `kind`, a warp a row, in blocks.cu's
+    published order (`emulate_rms_norm`): the values the NORM form of `product` multiplies."""
+    import mlx.core as mx
+
+    rows, k = x.shape
+    if weight.shape != (k,) or weight.dtype != x.dtype:
+        raise ValueError(f"the norm's weight must be [{k}] of x's dtype {x.dtype}, got {list(weight.shape)} of {weight.dtype}")
+    blocks = -(-rows // WARPS)
+    cols = min(blocks, 65535)
+    (out,) = _kernel(kind, "rms_norm")(
+        inputs=[x, weight, mx.array([rows, k, _f32_bits(eps)], dtype=mx.int32)], template=[("T", x.dtype)],
+        grid=(cols * 32 * WARPS, -(-blocks // cols), 1), threadgroup=(32 * WARPS, 1, 1),
+        output_shapes=[(rows, k)], output_dtypes=[x.dtype])
+    return out
+
+
+def _f32_bits(v: float) -> int:
+    """The bits of float32(v) as a signed int32 (what a kernel's int input carries)."""
+    return int(np.array(v, dtype=np.float32).view(np.int32))
+
+
+def emulate_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, narrow) -> np.ndarray:
+    """blocks.cu's RMSNorm in numpy, bit for bit: each row's sum of squares in the dot products' order
+    (`kernels.published_dot` of the row with itself), times float32 1/K, plus eps, 1 / sqrt (each
+    correctly rounded), then (x * inv) * w, each product rounded, and `narrow`ed to the dtype."""
+    from .kernels import published_dot
+
+    x, weight = np.asarray(x, np.float32), np.asarray(weight, np.float32)
+    k = x.shape[1]
+    ss = np.array([published_dot(row[None], row[None])[0, 0] for row in x], dtype=np.float32)
+    mean = (ss * (np.float32(1.0) / np.float32(k))).astype(np.float32)
+    inv = (np.float32(1.0) / np.sqrt((mean + np.float32(eps)).astype(np.float32))).astype(np.float32)
+    return narrow(((x * inv[:, None]).astype(np.float32) * weight[None, :]).astype(np.float32))
 
 
 def q6_k_values(ql, qh, scales, d) -> np.ndarray:
@@ -209,3 +264,10 @@ def emulate(x: np.ndarray, values: np.ndarray, qtype) -> np.ndarray:
     for off in (16, 8, 4, 2, 1):
         acc = acc + acc[..., lanes ^ off]
     return acc[..., 0]
+
+
+def with_residual(sums: np.ndarray, residual: np.ndarray, narrow) -> np.ndarray:
+    """What the ADD form writes, in numpy: the residual plus the product's float32 sums (`emulate`)
+    rounded to the output's type first (`narrow`, float32 -> that type's values as float32), added in
+    float32 and rounded once more: the graph's Add of the product, two values of that type."""
+    return narrow(np.asarray(residual, np.float32) + narrow(sums))

@@ -79,6 +79,14 @@ class TracingBackend:
         # The default too: one counted `linear` per matrix of the group.
         return Backend.linear_group(self, x, ws, groups)
 
+    def rms_norm_linear_group(self, x, weight, eps, ws, groups=None):
+        # The default too: the counted rms_norm's primitives, then the group's counted `linear`s.
+        return Backend.rms_norm_linear_group(self, x, weight, eps, ws, groups)
+
+    def linear_add(self, x, w, residual, groups=None):
+        # The default too: a counted `linear`, then a counted `add`.
+        return Backend.linear_add(self, x, w, residual, groups)
+
     def per_head_sequence(self, q, kv, batch, spec, b, out):
         # the per-head reference's steps on the tracer (counted), as `per_head_attention` calls them;
         # where the inner backend makes steps 3-7 one op a head (`sequence_op`: MLX's fused attention on

@@ -46,6 +46,7 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 // CUDA's rsqrtf is within 2 ulp of 1/sqrt(x), not published bit for bit: the host's is the rounded 1/sqrt(x)
 // (as its expf, sinf, cosf are glibc's): kernels using these are bounded against the host, not matched.
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }

@@ -7,6 +7,8 @@ GPU's compiler and memory system (alignment faults, races the host's scheduling 
 
     lib = HostKernels(tmp_dir, forms)    # forms: [(kernel, constants, "float" | "__nv_bfloat16", M)]
     out = lib.product(x, w, per_warp)    # as block_kernels.product("cuda", x, w, per_warp)
+    out = lib.product(x, w, per_warp, residual)  # the ADD form (constants end with ("ADD", 1), ("NORM", 0))
+    out = lib.rms_norm(x, weight, eps)   # forms: ("rms_norm", (), t, 1)
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ def _form_id(name, consts, t, m) -> str:
 
 
 def input_types(consts, x: str) -> dict:
-    """Each input's C type for a launch of x's C type: s1 is the K-quants' uint8 sub-scales, else fp16 bits."""
-    return dict(C_TYPES, x=x, s1="uint8_t" if dict(consts).get("SCALES") == 2 else "uint16_t")
+    """Each input's C type for a launch of x's C type (res, the residual, and nw, the norm's weight, are
+    of x's type too): s1 is the K-quants' uint8 sub-scales, else fp16 bits."""
+    return dict(C_TYPES, x=x, res=x, nw=x, s1="uint8_t" if dict(consts).get("SCALES") == 2 else "uint16_t")
 
 
 def source(forms) -> str:
@@ -70,9 +73,17 @@ class HostKernels:
     def __init__(self, folder, forms):
         self.lib = _compile(folder, source(forms), "blocks_host")
 
-    def product(self, x, w, per_warp=None):
-        """x @ w.T by the host-compiled kernel, launched exactly as `block_kernels.product` launches it on
-        CUDA (its inputs, template and grid recorded from a stand-in for MLX's kernel)."""
+    def product(self, x, w, per_warp=None, residual=None, norm=None):
+        """x @ w.T (plus `residual`: the ADD form; of x normed: the NORM form) by the host-compiled
+        kernel, launched exactly as `block_kernels.product` launches it on CUDA (its inputs, template and
+        grid recorded from a stand-in for MLX's kernel)."""
+        return self._launch(lambda: block_kernels.product("cuda", x, w, per_warp, residual, norm))
+
+    def rms_norm(self, x, weight, eps):
+        """`block_kernels.rms_norm` by the host-compiled kernel (as `product`)."""
+        return self._launch(lambda: block_kernels.rms_norm("cuda", x, weight, eps))
+
+    def _launch(self, call):
         seen = {}
 
         def record(kind, name):
@@ -84,11 +95,11 @@ class HostKernels:
         real = block_kernels._kernel
         block_kernels._kernel = record
         try:
-            block_kernels.product("cuda", x, w, per_warp)
+            call()
         finally:
             block_kernels._kernel = real
         template = dict(seen["template"])
-        t, m = T_NAMES[template.pop("T")], template.pop("M")
+        t, m = T_NAMES[template.pop("T")], template.pop("M", 1)  # (rms_norm: no M)
         consts = tuple(template.items())
         arrays = [_host_array(a) for a in seen["inputs"]]
         shape, dtype = seen["output_shapes"][0], seen["output_dtypes"][0]

@@ -33,6 +33,7 @@ float exp(float x);
 float divide(float a, float b);
 float tanh(float x);
 float rsqrt(float x);
+float sqrt(float x);
 float exp2(float x);
 }  // namespace precise
 namespace fast {

@@ -95,9 +95,14 @@ struct __half { unsigned short x; __device__ __half(float f) : x(0) {} __device_
 """
 
 
-def _launches():
-    """(kernel, template constants) of every type's launch."""
-    return sorted({(name, consts) for name, consts in block_kernels.KERNELS.values()})
+FORMS = ((0, 0), (1, 0), (0, 1))  # (ADD, NORM): the product alone, with its residual added, of x normed
+
+
+def _launches(forms=FORMS):
+    """(kernel, template constants) of every type's launch, its constants ending with ADD and NORM for
+    each of `forms`; and the norm's own kernel (`rms_norm`, no constants)."""
+    return sorted({(name, (*consts, ("ADD", a), ("NORM", nm))) for name, consts in block_kernels.KERNELS.values()
+                   for a, nm in forms}) + [("rms_norm", ())]
 
 
 def _cuda_source(name: str, consts, dtype: str, m: int) -> str:
@@ -123,7 +128,8 @@ def test_cuda_source_compiles_with_nvrtc_for_every_row_count(dtype):
     opts = [b"--gpu-architecture=compute_90", b"-default-device", b"--std=c++17"]
     assert {name for name, _ in _launches()} == set(block_kernels.kernel_source("cuda")[1])
     for name, consts in _launches():
-        for m in range(1, block_kernels.MAX_ROWS + 1):
+        plain = dict(consts).get("ADD", 0) == dict(consts).get("NORM", 0) == 0
+        for m in ((1,) if name == "rms_norm" else range(1, block_kernels.MAX_ROWS + 1) if plain else (1, block_kernels.MAX_ROWS)):
             rc, log = _nvrtc_compile(lib, name, _cuda_source(name, consts, dtype, m), opts)
             assert rc == 0, f"{name} {consts} M={m} {dtype}: {log}"
 
@@ -196,9 +202,10 @@ def test_the_backend_sends_decode_rows_to_the_kernel_only_on_a_gpu(monkeypatch):
 @pytest.mark.parametrize("per_warp", [1, 3, block_kernels.MAX_ROWS_PER_WARP])
 def test_each_launch_is_what_mlx_custom_kernels_take(qtype, m, per_warp, monkeypatch):
     """The arguments `product` hands MLX's kernel (run here against a recorder, as no GPU is): the kernel's
-    inputs in its order with the dtypes its source reads (fp16 fields as uint16 bits), template values
-    that are a dtype or an int (M the row count), dims [N, K, rows a warp], a grid with a warp for every
-    `per_warp` output rows, an [M, N] output in x's dtype."""
+    inputs in its order with the dtypes its source reads (fp16 fields as uint16 bits; res: x itself,
+    unread, and ADD 0, or with a residual that residual and ADD 1), template values that are a dtype
+    or an int (M the row count), dims [N, K, rows a warp], a grid with a warp for every `per_warp`
+    output rows, an [M, N] output in x's dtype."""
     import mlx.core as mx
 
     calls = []
@@ -215,13 +222,21 @@ def test_each_launch_is_what_mlx_custom_kernels_take(qtype, m, per_warp, monkeyp
     w = to_device(qtype, parts, (rows, cols))
     x = mx.zeros((m, cols), dtype=mx.bfloat16)
     out = block_kernels.product("cuda", x, w, per_warp)
-    (name, kw), = calls
+    res = mx.ones((m, rows), dtype=mx.bfloat16)
+    block_kernels.product("cuda", x, w, per_warp, residual=res)
+    (name, kw), (_, kw_add) = calls
+    assert kw_add["inputs"][1] is res and dict(kw_add["template"])["ADD"] == 1 and dict(kw["template"])["ADD"] == 0
+    assert kw_add["inputs"][0] is x and all(
+        np.array_equal(np.array(a), np.array(b)) for a, b in zip(kw_add["inputs"][block_kernels.FIELDS_AT:], kw["inputs"][block_kernels.FIELDS_AT:], strict=True))
+    with pytest.raises(ValueError, match="residual must be"):
+        block_kernels.product("cuda", x, w, per_warp, residual=res.astype(mx.float32))
     assert out.shape == (m, rows) and out.dtype == mx.bfloat16 and name == block_kernels.KERNELS[qtype][0]
     ins = kw["inputs"]
-    assert len(ins) == len(block_kernels.INPUTS[name]) and ins[0] is x and ins[-1].tolist() == [rows, cols, per_warp]
+    assert len(ins) == len(block_kernels.INPUTS[name]) and ins[0] is x and ins[1] is x and ins[2] is x
+    assert ins[-1].tolist() == [rows, cols, per_warp, 0]  # (no norm: eps 0)
     want = {"ql": mx.uint8, "qh": mx.uint8, "scales": mx.int8, "d_bits": mx.uint16, "s0": mx.uint16, "qs": mx.uint8,
             "sc_h": mx.uint16, "sc_l": mx.uint8, "hmask": mx.uint8, "sc3": mx.uint8, "sc2": mx.uint8,
-            "dmin_bits": mx.uint16, "v": mx.uint16,
+            "dmin_bits": mx.uint16, "v": mx.uint16, "res": mx.bfloat16, "nw": mx.bfloat16,
             "w": mx.uint32, "s1": mx.uint8 if qtype in (Q.Q4_K, Q.Q5_K) else mx.uint16, "dims": mx.int32}
     for n, a in zip(block_kernels.INPUTS[name][1:], ins[1:]):
         assert a.dtype == want[n], (n, a.dtype)
@@ -256,11 +271,11 @@ def test_the_kernels_inputs_are_made_once_at_load(qtype, monkeypatch):
     be.block_kind = "cuda"  # (as on a GPU whose block kernels passed their self-check)
     w = be._to_device(qtype, parts, (rows, cols))
     fresh = block_kernels.kernel_fields(w)
-    assert len(w.kernel_fields) == len(fresh) == len(block_kernels.INPUTS[block_kernels.KERNELS[qtype][0]]) - 2
+    assert len(w.kernel_fields) == len(fresh) == len(block_kernels.INPUTS[block_kernels.KERNELS[qtype][0]]) - block_kernels.FIELDS_AT - 1
     for a, b in zip(w.kernel_fields, fresh, strict=True):
         assert a.dtype == b.dtype and np.array_equal(np.array(a), np.array(b))
     block_kernels.product("cuda", mx.zeros((1, cols)), w)
-    assert all(a is b for a, b in zip(inputs[-1][1:-1], w.kernel_fields, strict=True))
+    assert all(a is b for a, b in zip(inputs[-1][block_kernels.FIELDS_AT:-1], w.kernel_fields, strict=True))
     part = w.row_slice(5, 21)
     for a, b in zip(part.kernel_fields, block_kernels.kernel_fields(part), strict=True):
         assert a.shape[0] == 16 and np.array_equal(np.array(a), np.array(b))
@@ -272,7 +287,8 @@ def host_kernels(tmp_path_factory):
     bfloat16, 1 and 5 rows."""
     if not cuda_host.available():
         pytest.skip("needs g++ (C++20) to run the CUDA kernels on the host")
-    forms = [(name, consts, t, m) for name, consts in _launches() for t in ("float", "__nv_bfloat16") for m in (1, 5)]
+    forms = [(name, consts, t, m) for name, consts in _launches() for t in ("float", "__nv_bfloat16")
+             for m in ((1,) if name == "rms_norm" else (1, 5))]
     return cuda_host.HostKernels(tmp_path_factory.mktemp("cuda_host"), forms)
 
 
@@ -294,10 +310,25 @@ def test_the_cuda_kernels_run_on_the_host_give_their_published_order(host_kernel
     for m, per_warp, dtype in ((1, 1, mx.float32), (5, 4, mx.float32), (5, 3, mx.bfloat16)):
         xd = mx.array(rng.standard_normal((m, cols), dtype=np.float32)).astype(dtype)
         x = np.array(xd.astype(mx.float32))
+        narrow = lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))  # noqa: E731
+        sums = block_kernels.emulate(x, values, qtype)
         got = host_kernels.product(xd, w, per_warp)
-        want = np.array(mx.array(block_kernels.emulate(x, values, qtype)).astype(dtype).astype(mx.float32))
+        want = narrow(sums)
         same = got.view(np.uint32) == want.view(np.uint32)
         assert same.all(), f"{int((~same).sum())} of {same.size} differ ({m} rows, {per_warp} a warp, {dtype})"
+        # the ADD form: a residual of the sums' size (so that its additions round) plus the product
+        res = mx.array(rng.standard_normal((m, rows), dtype=np.float32) * np.abs(want) + want).astype(dtype)
+        got = host_kernels.product(xd, w, per_warp, residual=res)
+        want = block_kernels.with_residual(sums, np.array(res.astype(mx.float32)), narrow)
+        same = got.view(np.uint32) == want.view(np.uint32)
+        assert same.all(), f"ADD: {int((~same).sum())} of {same.size} differ ({m} rows, {per_warp} a warp, {dtype})"
+        # the NORM form: the product of x's rows normed as the rms_norm kernel norms them
+        nw = mx.array(rng.uniform(0.5, 2.0, cols).astype(np.float32)).astype(dtype)
+        normed = block_kernels.emulate_rms_norm(x, np.array(nw.astype(mx.float32)), 1e-5, narrow)
+        got = host_kernels.product(xd, w, per_warp, norm=(nw, 1e-5))
+        want = narrow(block_kernels.emulate(normed, values, qtype))
+        same = got.view(np.uint32) == want.view(np.uint32)
+        assert same.all(), f"NORM: {int((~same).sum())} of {same.size} differ ({m} rows, {per_warp} a warp, {dtype})"
 
 
 def test_rows_a_warp_takes():
@@ -371,8 +402,8 @@ def test_gpu_self_check_of_the_block_kernels_passes(dtype):
 def test_the_block_self_check_compares_in_the_products_dtype(monkeypatch, dtype):
     """The block kernels' self-check launches them with x in the products' dtype (a 16-bit x widened
     exactly, the float32 sum rounded once to it, `(T)s`), for each number of rows a CUDA warp takes, and
-    expects exactly that: a stand-in kernel that
-    is the emulation so rounded passes; one whose largest value is one unit in the last place off fails, naming the type, rows and dtype. (Stand-in kernel on MLX's CPU.)"""
+    expects exactly that (the ADD form: with the residual added as `with_residual` says; the NORM form:
+    of the rows `emulate_rms_norm` norms): a stand-in kernel that is the emulation so rounded passes; one whose largest value is one unit in the last place off fails, naming the type, rows and dtype. (Stand-in kernel on MLX's CPU.)"""
     from mlxinfer.backends import mlx as mlx_mod
 
     seen = {}
@@ -387,14 +418,18 @@ def test_the_block_self_check_compares_in_the_products_dtype(monkeypatch, dtype)
     b.weight_dtype, b.block_kind = b.dtype, "cuda"  # (as on a GPU: products in the dtype)
     off = {"by": 0}
 
-    per_warp_seen = set()
+    per_warp_seen, added = set(), []
+    narrow = lambda a: np.array(mx.array(a).astype(b.dtype).astype(mx.float32))  # noqa: E731
 
-    def kernel(kind, x, w, per_warp=None):
+    def kernel(kind, x, w, per_warp=None, residual=None, norm=None):
         per_warp_seen.add(per_warp)
+        added.append("add" if residual is not None else "norm" if norm is not None else "")
         xs = np.array(x.astype(mx.float32))
         assert x.dtype == b.dtype and np.array_equal(np.array(mx.array(xs).astype(x.dtype).astype(mx.float32)), xs)
+        if norm is not None:
+            xs = block_kernels.emulate_rms_norm(xs, np.array(norm[0].astype(mx.float32)), norm[1], narrow)
         s = block_kernels.emulate(xs, seen["v"].reshape(w.shape), w.qtype)
-        out = np.array(mx.array(s).astype(x.dtype).astype(mx.float32))
+        out = narrow(s) if residual is None else block_kernels.with_residual(s, np.array(residual.astype(mx.float32)), narrow)
         big = np.unravel_index(np.argmax(np.abs(out)), out.shape)  # (a normal number in every dtype)
         out.view(np.uint32)[big] += off["by"] << (16 if dtype == "bfloat16" else 13 if dtype == "float16" else 0)
         return mx.array(out).astype(x.dtype)
@@ -402,7 +437,119 @@ def test_the_block_self_check_compares_in_the_products_dtype(monkeypatch, dtype)
     monkeypatch.setattr(block_kernels, "product", kernel)
     assert _check_block_products(b) is None
     assert per_warp_seen == {1, 2, block_kernels.MAX_ROWS_PER_WARP}  # every layout a CUDA warp may take
+    assert set(added) == {"", "add", "norm"}  # the product alone, the ADD and the NORM forms
     off["by"] = 1
     first = next(iter(block_kernels.KERNELS)).name
     assert _check_block_products(b) == (f"the {first} block kernel differs from its published order in 1 of 42 "
                                         f"values (1 rows, 1 a warp, {dtype})")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+def test_norms_and_residuals_join_the_products_bit_for_bit(synthetic, monkeypatch, dtype, arch):
+    """Where the block kernels multiply a pass's rows (here a 4-token prompt's), each layer's attention
+    and FFN norms are one launch with the products after them (`rms_norm_linear_group`: the kernels'
+    NORM form) and its attention output and FFN down products take their residual in the same launch
+    (`linear_add`: the ADD form), and the logits are the bits of the ops apart (`Backend`'s defaults:
+    the norm kernel, the products, the graph's Add). Stand-in kernels on MLX's CPU: the norm as
+    `emulate_rms_norm`, a product as the weight's own graph product rounded to the dtype (the ADD form:
+    `with_residual`), so what is compared is the backend's wiring and MLX's Add against the kernels'
+    rounding rule."""
+    import mlxinfer
+    from mlxinfer.backend import Backend
+    from mlxinfer.backends.mlx import MLXBackend as MB
+
+    calls = []
+
+    def narrow_to(dtype):
+        return lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))
+
+    def norm(kind, x, weight, eps):
+        calls.append("norm")
+        f32 = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
+        return mx.array(block_kernels.emulate_rms_norm(f32(x), f32(weight), eps, narrow_to(x.dtype))).astype(x.dtype)
+
+    def kernel(kind, x, w, per_warp=None, residual=None, norm=None):
+        calls.append("add" if residual is not None else "norm+product" if norm is not None else "product")
+        narrow = narrow_to(x.dtype)
+        xs = np.array(x.astype(mx.float32))
+        if norm is not None:
+            xs = block_kernels.emulate_rms_norm(xs, np.array(norm[0].astype(mx.float32)), norm[1], narrow)
+        s = np.array(w.product(mx.array(xs)).astype(mx.float32))
+        out = narrow(s) if residual is None else block_kernels.with_residual(s, np.array(residual.astype(mx.float32)), narrow)
+        return mx.array(out).astype(x.dtype)
+
+    monkeypatch.setattr(block_kernels, "product", kernel)
+    monkeypatch.setattr(block_kernels, "rms_norm", norm)
+    path = synthetic(arch=arch, n_layers=2, qtype="Q8_0")
+
+    def logits(fused: bool):
+        if not fused:
+            monkeypatch.setattr(MB, "linear_add", Backend.linear_add)
+            monkeypatch.setattr(MB, "rms_norm_linear_group", Backend.rms_norm_linear_group)
+        eng = mlxinfer.load(path, backend="mlx", device="cpu", dtype=dtype)
+        b = eng.backend
+        b.weight_dtype, b.block_kind, b.norm_kind = b.dtype, "cuda", "cuda"  # (as on a GPU)
+        calls.clear()
+        return eng.logits([1, 5, 9, 2]), list(calls)
+
+    fused, fused_calls = logits(True)
+    plain, plain_calls = logits(False)
+    layers = 2
+    assert fused_calls.count("add") == fused_calls.count("norm+product") == 2 * layers
+    assert fused_calls.count("norm") == 1  # the output norm, before the head's product
+    assert plain_calls.count("add") == plain_calls.count("norm+product") == 0
+    assert plain_calls.count("norm") == 2 * layers + 1
+    assert len(plain_calls) - len(fused_calls) == 2 * layers  # one launch fewer for each norm
+    assert np.array_equal(np.asarray(fused).view(np.uint32), np.asarray(plain).view(np.uint32))
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(1, 1024), (9, 1312), (3, 4096), (2, 40)])
+def test_the_norm_kernel_run_on_the_host_gives_its_published_order(host_kernels, rows, cols, dtype):
+    """blocks.cu's `rms_norm` (a warp a row; its values are what the NORM form multiplies) run on the host
+    as `block_kernels.rms_norm` launches it: bit for bit `emulate_rms_norm` (the sum of squares in the dot
+    order, 1/sqrt correctly rounded, (x * inv) * w), over rows of any length and rows past a block's 8,
+    and within float32's rounding of the textbook formula."""
+    rng = np.random.default_rng(rows + cols)
+    narrow = lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))  # noqa: E731
+    xd = mx.array(rng.standard_normal((rows, cols), dtype=np.float32) * 3).astype(dtype)
+    nw = mx.array(rng.uniform(0.5, 2.0, cols).astype(np.float32)).astype(dtype)
+    x, w = np.array(xd.astype(mx.float32)), np.array(nw.astype(mx.float32))
+    got = host_kernels.rms_norm(xd, nw, 1e-6)
+    want = block_kernels.emulate_rms_norm(x, w, 1e-6, narrow)
+    same = got.view(np.uint32) == want.view(np.uint32)
+    assert same.all(), f"{int((~same).sum())} of {same.size} differ"
+    exact = x / np.sqrt((x.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-6) * w
+    unit = 2.0 ** -23 if dtype == mx.float32 else 2.0 ** -8
+    assert np.all(np.abs(got - exact) <= (8 * 2.0 ** -23 * np.sqrt(cols) + unit) * np.abs(exact) + 1e-30)
+
+
+@pytest.mark.parametrize("failing", [False, True])
+def test_a_failing_norm_kernel_turns_the_norm_forms_off(monkeypatch, tmp_path, capsys, failing):
+    """The rms_norm kernel has a self-check verdict of its own (`verify_rms_norm`): failing, it turns off
+    the norm kernel and with it the products' NORM form (norms back on mx.fast.rms_norm, each apart from
+    its product), says so in one line on stderr, and leaves the block kernels' products on; passing, both
+    stay. (Stand-in verdicts on MLX's CPU: the backend told it is on a GPU.)"""
+    from mlxinfer.backends import kernel_checks
+    from mlxinfer.backends import mlx as mlx_mod
+
+    monkeypatch.setenv("MLXINFER_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernel_checks, "_VERDICTS", {})
+    monkeypatch.setattr(mlx_mod, "self_check_cases", lambda: [])
+    monkeypatch.setattr(mlx_mod, "_check_products", lambda b: None)
+    monkeypatch.setattr(mlx_mod, "_check_block_products", lambda b, kernel=None: None)
+    problem = "the rms_norm kernel differs from its published order in 2 of 1024 values (1 rows of 1024, float32)"
+    runs = []
+    monkeypatch.setattr(mlx_mod, "verify_rms_norm", lambda b: runs.append(b.norm_kind) or (problem if failing else None))
+    b = MLXBackend(device="cpu")
+    b.device, b.block_kind, b.norm_kind = "gpu", "cuda", "cuda"
+    assert b.check_kernels() is None and runs == ["cuda"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert b.block_kind == "cuda" and b.norm_kind == (None if failing else "cuda")
+    assert err == ([f"mlxinfer: warning: the rms_norm kernel failed its self-check ({problem}); norms use "
+                    "mx.fast.rms_norm, each apart from the product after it"] if failing else [])
+    launched = []
+    monkeypatch.setattr(block_kernels, "rms_norm", lambda *a: launched.append(a) or a[1])
+    x = mx.ones((1, 64))
+    b.rms_norm(x, mx.ones((64,)), 1e-6)
+    assert len(launched) == (0 if failing else 1)

@@ -20,6 +20,23 @@ class NoAttention(MLXBackend):
         return super().describe() + ", attention ablated"
 
 
+class Unfused(MLXBackend):
+    """Each pre-norm block's norm apart from the products after it (mx.fast.rms_norm, then the products)
+    and its output product apart from the residual's add: the step before the block kernels' NORM and
+    ADD forms (two launches a layer each, and the same text)."""
+
+    rms_norm_linear_group = Backend.rms_norm_linear_group
+    linear_add = Backend.linear_add
+
+    def rms_norm(self, x, weight, eps):
+        import mlx.core as mx
+
+        return mx.fast.rms_norm(x, weight, eps)
+
+    def describe(self) -> str:
+        return super().describe() + ", norms and residuals apart from the products"
+
+
 class SeparateWeights(MLXBackend):
     """Q, K, V (and gate, up) loaded and multiplied as separate products, as before weight groups."""
 

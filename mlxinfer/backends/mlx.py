@@ -229,7 +229,8 @@ def _check_block_products(backend: "MLXBackend", kernel: str | None = None) -> s
     takes (42 rows: a last warp of 4 with 2 left), rows of 1,280 values (1,312 for the 32-value types:
     a full tile of x, then a partial one), with x in the products' dtype (`weight_dtype`: a 16-bit x
     is widened exactly, the float32 sum rounded once to that dtype at the end; none on the CPU: nothing
-    to check). `kernel`: only the types of that kernel (`block_kernels.KERNELS`), else every type."""
+    to check), and with the most rows a warp the ADD form (a residual plus the product:
+    `block_kernels.with_residual`) and the NORM form (the product of the rows `emulate_rms_norm` norms). `kernel`: only the types of that kernel (`block_kernels.KERNELS`), else every type."""
     if backend.block_kind is None:
         return None
     rng = np.random.default_rng(7)
@@ -243,14 +244,26 @@ def _check_block_products(backend: "MLXBackend", kernel: str | None = None) -> s
         values = dequantize(raw, qtype).reshape(42, k)
         for m in (1, block_kernels.MAX_ROWS):
             x = narrow(rng.standard_normal((m, k), dtype=np.float32))
-            want = narrow(block_kernels.emulate(x, values, qtype))
-            for r in per_warp:
-                out = block_kernels.product(backend.block_kind, mx.array(x).astype(dtype), w, r)
+            sums = block_kernels.emulate(x, values, qtype)
+            want = narrow(sums)
+            # a residual of the sums' size, so that the additions round, and finite in every dtype
+            res = narrow(rng.standard_normal(want.shape, dtype=np.float32) * np.minimum(np.abs(want), 1000.0))
+            nw = narrow(rng.uniform(0.25, 4.0, k).astype(np.float32))
+            for r, form in [(r, "") for r in per_warp] + [(per_warp[-1], "add"), (per_warp[-1], "norm")]:
+                out = block_kernels.product(backend.block_kind, mx.array(x).astype(dtype), w, r,
+                                            mx.array(res).astype(dtype) if form == "add" else None,
+                                            (mx.array(nw).astype(dtype), 1e-5) if form == "norm" else None)
                 got = np.array(out.astype(mx.float32))
-                same = got.view(np.uint32) == want.view(np.uint32)
+                if form == "norm":
+                    expected = narrow(block_kernels.emulate(block_kernels.emulate_rms_norm(x, nw, 1e-5, narrow),
+                                                            values, qtype))
+                else:
+                    expected = block_kernels.with_residual(sums, res, narrow) if form == "add" else want
+                same = got.view(np.uint32) == expected.view(np.uint32)
                 if not same.all():
-                    return (f"the {qtype.name} block kernel differs from its published order in {int((~same).sum())} "
-                            f"of {same.size} values ({m} rows, {r} a warp, {backend.dtype_name})")
+                    what = {"": "", "add": " (adding a residual)", "norm": " (of normed rows)"}[form]
+                    return (f"the {qtype.name} block kernel{what} differs from its published order in "
+                            f"{int((~same).sum())} of {same.size} values ({m} rows, {r} a warp, {backend.dtype_name})")
     return None
 
 
@@ -508,12 +521,38 @@ def verify_block_kernels(backend: "MLXBackend", kernel: str | None = None) -> st
         rng = np.random.default_rng(7)
         weights = [to_device(t, quants.split(quants.random_blocks(rng, t, 8, 256), t, 8, 256), (8, 256))
                    for t in block_kernels.types_of(kernel)]
-        _prebuild(backend, [lambda w=w, m=m: block_kernels.product("cuda", mx.zeros((m, 256), backend.weight_dtype), w)
-                            for w in weights for m in range(1, block_kernels.MAX_ROWS + 1)])
+        zeros = lambda *shape: mx.zeros(shape, backend.weight_dtype)  # noqa: E731
+        forms = (None, "add", "norm")  # the product alone, with its residual, of normed rows
+        _prebuild(backend, [lambda w=w, m=m, f=f: block_kernels.product(
+            "cuda", zeros(m, 256), w, None, zeros(m, 8) if f == "add" else None, (zeros(256), 1e-6) if f == "norm" else None)
+                            for w in weights for m in range(1, block_kernels.MAX_ROWS + 1) for f in forms]
+                  + [lambda: block_kernels.rms_norm("cuda", zeros(2, 256), zeros(256), 1e-6)])
     try:
         return _check_block_products(backend, kernel)
     except Exception as e:  # a kernel that fails to compile or launch
         return f"{_one_line(e)} (the block kernels)"
+
+
+def verify_rms_norm(backend: "MLXBackend") -> str | None:
+    """blocks.cu's `rms_norm` kernel against `block_kernels.emulate_rms_norm`, bit for bit, in the
+    backend's dtype: rows of 1,024 and 1,312 values, 1 and 9 rows (a block's 8, then one more), large
+    and small values. None, or one line naming the failure."""
+    rng = np.random.default_rng(11)
+    narrow = lambda a: np.array(mx.array(a).astype(backend.dtype).astype(mx.float32))  # noqa: E731
+    try:
+        for rows, k, scale in ((1, 1024, 1.0), (9, 1312, 300.0)):
+            x = narrow(rng.standard_normal((rows, k), dtype=np.float32) * scale)
+            w = narrow(rng.uniform(0.25, 4.0, k).astype(np.float32))
+            got = np.array(block_kernels.rms_norm(backend.norm_kind, mx.array(x).astype(backend.dtype),
+                                                  mx.array(w).astype(backend.dtype), 1e-6).astype(mx.float32))
+            want = block_kernels.emulate_rms_norm(x, w, 1e-6, narrow)
+            same = got.view(np.uint32) == want.view(np.uint32)
+            if not same.all():
+                return (f"the rms_norm kernel differs from its published order in {int((~same).sum())} of {same.size} "
+                        f"values ({rows} rows of {k}, {backend.dtype_name})")
+    except Exception as e:  # a kernel that fails to compile or launch
+        return f"{_one_line(e)} (the rms_norm kernel)"
+    return None
 
 
 class MLXBackend(Backend):
@@ -576,6 +615,10 @@ class MLXBackend(Backend):
         # the quantized products' block kernels ("metal", "cuda" or None): checked apart from attention
         self.block_kind = self.gpu_kernels
         self.block_types = frozenset(block_kernels.KERNELS)  # less those whose kernel failed its self-check
+        # RMSNorm by blocks.cu's kernel where the block kernels run (`rms_norm`), whose values the NORM
+        # form of a product multiplies (`rms_norm_linear_group`: a norm and the products after it, one
+        # launch); None (mx.fast.rms_norm) elsewhere, or once its own self-check failed
+        self.norm_kind = self.block_kind
         # 16-bit prefill chunks in the tensor-core order (attention.cu; `matmul`, `softmax_rows`,
         # `fused_attention_override`):
         # CUDA (compute capability 8.0+), with q and the cache of one 16-bit type; off again if its own
@@ -649,9 +692,15 @@ class MLXBackend(Backend):
                 self.block_types = self.block_types - {t for n in failed for t in block_kernels.types_of(n)}
                 self.block_fallback = "; ".join(failed.values())
                 if not self.block_types:
-                    self.block_kind = None
+                    self.block_kind = self.norm_kind = None
                 print(f"mlxinfer: warning: a block kernel failed its self-check ({self.block_fallback}); "
                       f"{self.block_off} products use MLX's own ops", file=sys.stderr)
+            norm = self.norm_kind and kernel_checks.verdict(f"{self.norm_kind} blocks rms_norm", self.dtype_name, "-",
+                                                            lambda: verify_rms_norm(self), fresh=fresh)
+            if norm:
+                self.norm_kind = None
+                print(f"mlxinfer: warning: the rms_norm kernel failed its self-check ({norm}); norms use "
+                      "mx.fast.rms_norm, each apart from the product after it", file=sys.stderr)
         return problem
 
     def _sdpa_off(self, problem: str) -> None:
@@ -913,12 +962,25 @@ class MLXBackend(Backend):
         # `weight_dtype` (float32 on MLX's CPU: see the module docstring), its output in the dtype
         return self._linear(x.astype(self.dtype).astype(self.weight_dtype), w, groups).astype(self.dtype)
 
+    def linear_add(self, x, w, residual, groups=None):
+        # decode rows of a block type on a GPU: the product and the residual in one launch (the kernels'
+        # ADD form rounds the product to the dtype, then the sum, as `linear` then `add` do: the same
+        # bits, one launch a layer fewer for each of the attention's and the FFN's output products)
+        if self.weight_dtype == self.dtype and residual.dtype == self.dtype and self._block_product(x, w, groups):
+            return block_kernels.product(self.block_kind, x.astype(self.dtype), w, residual=residual)
+        return super().linear_add(x, w, residual, groups)
+
+    def _block_product(self, x, w, groups=None) -> bool:
+        """Whether `_linear` multiplies x by w in a block kernel (`block_kernels`)."""
+        return (not (self.per_sequence_linear and groups is not None and len(groups) > 1) and bool(self.block_kind)
+                and isinstance(w, PackedWeight) and w.qtype in self.block_types and block_kernels.applies(w, x))
+
     def _linear(self, x, w, groups=None):
         # MLX's CPU products compute each row on its own (batch-invariant as they are); on a GPU they
         # do not (README: batch invariance), unless `per_sequence_linear`.
         if self.per_sequence_linear and groups is not None and len(groups) > 1:
             return mx.concatenate([self._linear(x[r0:r1], w) for r0, r1 in groups])
-        if self.block_kind and isinstance(w, PackedWeight) and w.qtype in self.block_types and block_kernels.applies(w, x):
+        if self._block_product(x, w):
             return block_kernels.product(self.block_kind, x, w)  # decode rows: the fields read in registers
         if isinstance(w, PackedWeight):
             if self._streams and w.shape[0] >= 2 * SPLIT_MIN_ROWS:
@@ -947,9 +1009,14 @@ class MLXBackend(Backend):
     def linear_group(self, x, ws, groups=None):
         if not isinstance(ws, WeightGroup):
             return super().linear_group(x, ws, groups)
-        y = self.linear(x, ws.merged, groups)
+        return self._group_columns(self.linear(x, ws.merged, groups), ws)
+
+    @staticmethod
+    def _group_columns(y, ws):
+        """Each matrix's columns of a product by a group's merged matrix (views: one decode row's slice
+        is contiguous)."""
         out, start = [], 0
-        for n in ws.sizes:  # column slices: views (one decode row's slice is contiguous)
+        for n in ws.sizes:
             out.append(y[:, start:start + n])
             start += n
         return tuple(out)
@@ -1050,9 +1117,23 @@ class MLXBackend(Backend):
         return out.astype(self.dtype)  # (the router's weights are float32)
 
     def rms_norm(self, x, weight, eps):
-        # One fused kernel for the six primitives (on this CPU bitwise equal to them; tested); the
-        # weight is 1-D already (`load_vector`): a reshape here was a graph node a call
+        # Where the block kernels run, blocks.cu's (`norm_kind`): the values its products' NORM form
+        # multiplies, so `rms_norm_linear_group` fused or not gives the same bits. Else one fused kernel
+        # for the six primitives (on this CPU bitwise equal to them; tested); the weight is 1-D already
+        # (`load_vector`): a reshape here was a graph node a call
+        if self.norm_kind and x.ndim == 2 and x.dtype == weight.dtype:
+            return block_kernels.rms_norm(self.norm_kind, x, weight, eps)
         return mx.fast.rms_norm(x, weight, eps)
+
+    def rms_norm_linear_group(self, x, weight, eps, ws, groups=None):
+        # decode rows of a block type on a GPU: the norm and the products in one launch (the kernels'
+        # NORM form multiplies the very values `rms_norm` writes), one launch a layer fewer for each of
+        # the attention's and the FFN's norms
+        w = ws.merged if isinstance(ws, WeightGroup) else None
+        if (w is not None and self.norm_kind and x.dtype == weight.dtype == self.dtype == self.weight_dtype
+                and self._block_product(x, w, groups)):
+            return self._group_columns(block_kernels.product(self.block_kind, x, w, norm=(weight, eps)), ws)
+        return super().rms_norm_linear_group(x, weight, eps, ws, groups)
 
     def qk_norm_rope(self, q, k, q_weight, k_weight, positions, n_heads, n_kv_heads, head_dim, eps, base,
                      traditional, factors=None):

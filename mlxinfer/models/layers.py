@@ -12,6 +12,12 @@ rsqrt, mul_rows, hadamard with the weight row (`Backend.rms_norm`); MLX fuses it
 Under tensor parallelism (`mlxinfer.models.shard`) each rank holds a slice of every product; `all_sum`
 joins the partial sums of a row-parallel product and `output_logits` gathers the vocabulary shards.
 With one rank (`shard.size == 1`) neither adds an op.
+
+A pre-norm block begins and ends with a composite op: its norm and the products after it,
+`rms_norm_linear_group`, and its output product and the residual connection, `linear_add`
+(`output_product` with a residual). By default each is its two ops; on a GPU each is one launch for
+decode rows (MLX's block kernels multiply the normed rows their norm kernel writes, and write the
+residual plus the product: the same bits).
 """
 
 from __future__ import annotations
@@ -30,10 +36,20 @@ def all_sum(ops, x, shard):
     return x if shard.size == 1 else ops.all_sum(x, shard.group)
 
 
-def swiglu_mlp(ops, x, w, groups, shard):
-    """down(silu(gate(x)) * up(x)), summed over the ranks' shares of the FFN width."""
-    gate, up = ops.linear_group(x, w.ffn_gate_up, groups)
-    return all_sum(ops, ops.linear(ops.hadamard(ops.silu(gate), up), w.ffn_down, groups), shard)
+def output_product(ops, x, w, groups, shard, residual):
+    """residual + x @ w summed over the ranks (a row-parallel product: attention's output, the FFN's
+    down): on one rank one `linear_add`, which a backend may do in one launch; across ranks the sum
+    over them first, then the residual."""
+    if shard.size == 1:
+        return ops.linear_add(x, w, residual, groups)
+    return ops.add(residual, all_sum(ops, ops.linear(x, w, groups), shard))
+
+
+def swiglu_block(ops, x, w, eps: float, groups, shard):
+    """x + down(silu(gate(h)) * up(h)) for h = rms_norm(x) (`ffn_norm`), the FFN summed over the ranks'
+    shares of its width: the residual stream after a pre-norm SwiGLU block."""
+    gate, up = ops.rms_norm_linear_group(x, w.ffn_norm, eps, w.ffn_gate_up, groups)
+    return output_product(ops, ops.hadamard(ops.silu(gate), up), w.ffn_down, groups, shard, residual=x)
 
 
 def gelu_mlp(ops, x, w, groups, shard):

@@ -13,7 +13,7 @@ expert `feed_forward_length` wide.
 """
 
 from ..backend import AttentionSpec
-from .layers import all_sum, moe_mlp, output_logits, rms_norm, swiglu_mlp
+from .layers import moe_mlp, output_logits, output_product, rms_norm, swiglu_block
 from .shard import Shard
 from .spec import ModelArgs, load_weights
 
@@ -27,26 +27,28 @@ class Model:
         self.spec = AttentionSpec.standard(self.shard.n_heads, self.shard.n_kv_heads, args.head_dim)
 
     def attention(self, ops, x, w, batch, cache, layer: int):
+        """x + attention(rms_norm(x)): the residual stream after the layer's attention block."""
         a, sp, groups = self.args, self.spec, batch.rows
-        q, k, v = ops.linear_group(x, w.attn_qkv, groups)
+        q, k, v = ops.rms_norm_linear_group(x, w.attn_norm, a.rms_eps, w.attn_qkv, groups)
         q = ops.rope(q, batch.positions, sp.n_heads, a.head_dim, a.rope_base, traditional=True,
                      factors=a.rope_factors)
         k = ops.rope(k, batch.positions, sp.n_kv_heads, a.head_dim, a.rope_base, traditional=True,
                      factors=a.rope_factors)
         kv = cache.update(ops, layer, k, v, batch)
-        out = ops.linear(ops.fused_attention(q, kv, batch, sp), w.attn_output, groups)
-        return all_sum(ops, out, self.shard)
+        return output_product(ops, ops.fused_attention(q, kv, batch, sp), w.attn_output, groups, self.shard, residual=x)
 
     def ffn(self, ops, x, w, groups):
-        if self.args.n_experts:  # Mixtral
-            return moe_mlp(ops, x, w, groups, self.args.n_experts_used)
-        return swiglu_mlp(ops, x, w, groups, self.shard)
+        """x + the FFN of rms_norm(x): the residual stream after the layer's FFN block."""
+        a = self.args
+        if a.n_experts:  # Mixtral
+            return ops.add(x, moe_mlp(ops, rms_norm(ops, x, w.ffn_norm, a.rms_eps), w, groups, a.n_experts_used))
+        return swiglu_block(ops, x, w, a.rms_eps, groups, self.shard)
 
     def __call__(self, ops, ids, batch, cache):
         """Logits of the batch's logit rows, [R, vocab]; writes the pass's keys and values to `cache`."""
         a = self.args
         x = ops.gather_rows(self.w.token_embd, ids)
         for i, w in enumerate(self.w.layers):
-            x = ops.add(x, self.attention(ops, rms_norm(ops, x, w.attn_norm, a.rms_eps), w, batch, cache, i))
-            x = ops.add(x, self.ffn(ops, rms_norm(ops, x, w.ffn_norm, a.rms_eps), w, batch.rows))
+            x = self.attention(ops, x, w, batch, cache, i)
+            x = self.ffn(ops, x, w, batch.rows)
         return output_logits(ops, x, self.w, batch, a.rms_eps, self.shard, a.vocab_size)

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..backend import AttentionSpec
 from . import llama
-from .layers import all_sum
+from .layers import output_product
 from .spec import ModelArgs
 
 TRAITS = dict(rope_traditional=False, qk_norm=False, fused=True,
@@ -36,10 +36,10 @@ class Model(llama.Model):
         return x if a.rope_attn_factor == 1.0 else ops.scale(x, a.rope_attn_factor)
 
     def attention(self, ops, x, w, batch, cache, layer: int):
+        """x + attention(rms_norm(x)) (llama.Model.attention's contract)."""
         sp, groups = self.spec, batch.rows
-        q, k, v = ops.linear_group(x, w.attn_qkv, groups)
+        q, k, v = ops.rms_norm_linear_group(x, w.attn_norm, self.args.rms_eps, w.attn_qkv, groups)
         q = ops.scale(self.rope(ops, q, sp.n_heads, batch), self.q_scale)
         k = self.rope(ops, k, sp.n_kv_heads, batch)
         kv = cache.update(ops, layer, k, v, batch)
-        out = ops.linear(ops.fused_attention(q, kv, batch, sp), w.attn_output, groups)
-        return all_sum(ops, out, self.shard)
+        return output_product(ops, ops.fused_attention(q, kv, batch, sp), w.attn_output, groups, self.shard, residual=x)

@@ -8,7 +8,7 @@ present (Qwen2.5-0.5B ties it, 7B does not).
 """
 
 from ..backend import AttentionSpec
-from .layers import all_sum, output_logits, rms_norm, swiglu_mlp
+from .layers import output_logits, output_product, swiglu_block
 from .shard import Shard
 from .spec import ModelArgs, load_weights
 
@@ -22,22 +22,22 @@ class Model:
         self.spec = AttentionSpec.standard(self.shard.n_heads, self.shard.n_kv_heads, args.head_dim)
 
     def attention(self, ops, x, w, batch, cache, layer: int):
+        """x + attention(rms_norm(x)): the residual stream after the layer's attention block."""
         a, sp, groups = self.args, self.spec, batch.rows
-        q, k, v = ops.linear_group(x, w.attn_qkv, groups)
+        q, k, v = ops.rms_norm_linear_group(x, w.attn_norm, a.rms_eps, w.attn_qkv, groups)
         q, k, v = ops.add(q, w.attn_q_bias), ops.add(k, w.attn_k_bias), ops.add(v, w.attn_v_bias)
         q = ops.rope(q, batch.positions, sp.n_heads, a.head_dim, a.rope_base, traditional=False,
                      factors=a.rope_factors)
         k = ops.rope(k, batch.positions, sp.n_kv_heads, a.head_dim, a.rope_base, traditional=False,
                      factors=a.rope_factors)
         kv = cache.update(ops, layer, k, v, batch)
-        out = ops.linear(ops.fused_attention(q, kv, batch, sp), w.attn_output, groups)
-        return all_sum(ops, out, self.shard)
+        return output_product(ops, ops.fused_attention(q, kv, batch, sp), w.attn_output, groups, self.shard, residual=x)
 
     def __call__(self, ops, ids, batch, cache):
         """Logits of the batch's logit rows, [R, vocab]; writes the pass's keys and values to `cache`."""
         a = self.args
         x = ops.gather_rows(self.w.token_embd, ids)
         for i, w in enumerate(self.w.layers):
-            x = ops.add(x, self.attention(ops, rms_norm(ops, x, w.attn_norm, a.rms_eps), w, batch, cache, i))
-            x = ops.add(x, swiglu_mlp(ops, rms_norm(ops, x, w.ffn_norm, a.rms_eps), w, batch.rows, self.shard))
+            x = self.attention(ops, x, w, batch, cache, i)
+            x = swiglu_block(ops, x, w, a.rms_eps, batch.rows, self.shard)
         return output_logits(ops, x, self.w, batch, a.rms_eps, self.shard, a.vocab_size)

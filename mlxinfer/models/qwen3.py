@@ -7,7 +7,7 @@ output head tied to the embedding unless `output.weight` is present.
 """
 
 from ..backend import AttentionSpec
-from .layers import all_sum, output_logits, rms_norm, swiglu_mlp
+from .layers import output_logits, output_product, swiglu_block
 from .shard import Shard
 from .spec import ModelArgs, load_weights
 
@@ -21,19 +21,19 @@ class Model:
         self.spec = AttentionSpec.standard(self.shard.n_heads, self.shard.n_kv_heads, args.head_dim)
 
     def attention(self, ops, x, w, batch, cache, layer: int):
+        """x + attention(rms_norm(x)): the residual stream after the layer's attention block."""
         a, sp, groups = self.args, self.spec, batch.rows
-        q, k, v = ops.linear_group(x, w.attn_qkv, groups)
+        q, k, v = ops.rms_norm_linear_group(x, w.attn_norm, a.rms_eps, w.attn_qkv, groups)
         q, k = ops.qk_norm_rope(q, k, w.attn_q_norm, w.attn_k_norm, batch.positions, sp.n_heads, sp.n_kv_heads,
                                 a.head_dim, a.rms_eps, a.rope_base, traditional=False, factors=a.rope_factors)
         kv = cache.update(ops, layer, k, v, batch)
-        out = ops.linear(ops.fused_attention(q, kv, batch, sp), w.attn_output, groups)
-        return all_sum(ops, out, self.shard)
+        return output_product(ops, ops.fused_attention(q, kv, batch, sp), w.attn_output, groups, self.shard, residual=x)
 
     def __call__(self, ops, ids, batch, cache):
         """Logits of the batch's logit rows, [R, vocab]; writes the pass's keys and values to `cache`."""
         a = self.args
         x = ops.gather_rows(self.w.token_embd, ids)
         for i, w in enumerate(self.w.layers):
-            x = ops.add(x, self.attention(ops, rms_norm(ops, x, w.attn_norm, a.rms_eps), w, batch, cache, i))
-            x = ops.add(x, swiglu_mlp(ops, rms_norm(ops, x, w.ffn_norm, a.rms_eps), w, batch.rows, self.shard))
+            x = self.attention(ops, x, w, batch, cache, i)
+            x = swiglu_block(ops, x, w, a.rms_eps, batch.rows, self.shard)
         return output_logits(ops, x, self.w, batch, a.rms_eps, self.shard, a.vocab_size)

@@ -20,6 +20,6 @@ class Model(Qwen3):
         a = self.args
         x = ops.gather_rows(self.w.token_embd, ids)
         for i, w in enumerate(self.w.layers):
-            x = ops.add(x, self.attention(ops, rms_norm(ops, x, w.attn_norm, a.rms_eps), w, batch, cache, i))
+            x = self.attention(ops, x, w, batch, cache, i)
             x = ops.add(x, moe_mlp(ops, rms_norm(ops, x, w.ffn_norm, a.rms_eps), w, batch.rows, a.n_experts_used))
         return output_logits(ops, x, self.w, batch, a.rms_eps, self.shard, a.vocab_size)
