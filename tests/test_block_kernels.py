@@ -395,7 +395,19 @@ def test_gpu_kernel_partial_tiles_equal_the_published_order(rows, cols, m, qtype
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_gpu_self_check_of_the_block_kernels_passes(dtype):
+    """Every type's kernel, and its ADD and NORM forms, bit for bit their published order on the GPU."""
     assert _check_block_products(MLXBackend(device="gpu", dtype=dtype)) is None
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_gpu_norm_kernel_passes_its_self_check(dtype):
+    """blocks.cu's rms_norm on the GPU, bit for bit `emulate_rms_norm` (`verify_rms_norm`)."""
+    from mlxinfer.backends.mlx import verify_rms_norm
+
+    b = MLXBackend(device="gpu", dtype=dtype)
+    b.norm_kind = b.norm_kind or b.gpu_kernels
+    assert verify_rms_norm(b) is None
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -553,3 +565,29 @@ def test_a_failing_norm_kernel_turns_the_norm_forms_off(monkeypatch, tmp_path, c
     x = mx.ones((1, 64))
     b.rms_norm(x, mx.ones((64,)), 1e-6)
     assert len(launched) == (0 if failing else 1)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_norms_and_residuals_join_the_products_bit_for_bit(synthetic, monkeypatch, dtype):
+    """On the GPU's own kernels: a Q8_0 Qwen3's logits for a 4-token prompt (block kernel rows) and a
+    decode step with the norms and residual adds inside the products' launches equal, bit for bit, those
+    with each op apart (`Backend`'s defaults: the rms_norm kernel, the products, MLX's Add)."""
+    import mlxinfer
+    from mlxinfer.backend import Backend
+    from mlxinfer.backends.mlx import MLXBackend as MB
+
+    path = synthetic(arch="qwen3", n_layers=2, qtype="Q8_0", hidden=256, ffn=512, n_heads=4, n_kv_heads=2,
+                     head_dim=64)
+
+    def run():
+        eng = mlxinfer.load(path, backend="mlx", device="gpu", dtype=dtype)
+        assert eng.backend.norm_kind and eng.backend.block_kind
+        return eng.logits([1, 5, 9, 2]), eng.generate([1, 5, 9, 2], max_tokens=4).token_ids
+
+    fused = run()
+    monkeypatch.setattr(MB, "linear_add", Backend.linear_add)
+    monkeypatch.setattr(MB, "rms_norm_linear_group", Backend.rms_norm_linear_group)
+    apart = run()
+    assert np.array_equal(np.asarray(fused[0]).view(np.uint32), np.asarray(apart[0]).view(np.uint32))
+    assert fused[1] == apart[1]
