@@ -29,7 +29,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from . import cuda_jit
-from .kernels import source_parts, strip_comments
+from .kernels import published_dot, source_parts, strip_comments
 
 SOURCES = {"cuda": "blocks.cu", "metal": "blocks.metal"}
 # type -> (kernel, template constants besides T and M): the block type read from its own fields, and the
@@ -208,8 +208,6 @@ def emulate_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, narrow) -> n
     """blocks.cu's RMSNorm in numpy, bit for bit: each row's sum of squares in the dot products' order
     (`kernels.published_dot` of the row with itself), times float32 1/K, plus eps, 1 / sqrt (each
     correctly rounded), then (x * inv) * w, each product rounded, and `narrow`ed to the dtype."""
-    from .kernels import published_dot
-
     x, weight = np.asarray(x, np.float32), np.asarray(weight, np.float32)
     k = x.shape[1]
     ss = np.array([published_dot(row[None], row[None])[0, 0] for row in x], dtype=np.float32)
