@@ -396,7 +396,8 @@ def test_gpu_kernel_partial_tiles_equal_the_published_order(rows, cols, m, qtype
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_gpu_self_check_of_the_block_kernels_passes(dtype):
     """Every type's kernel, and its ADD and NORM forms, bit for bit their published order on the GPU."""
-    assert _check_block_products(MLXBackend(device="gpu", dtype=dtype)) is None
+    b = MLXBackend(device="gpu", dtype=dtype)
+    assert _check_block_products(b) is None and _check_block_products(b, fused=True) is None
 
 
 @needs_gpu
@@ -447,7 +448,7 @@ def test_the_block_self_check_compares_in_the_products_dtype(monkeypatch, dtype)
         return mx.array(out).astype(x.dtype)
 
     monkeypatch.setattr(block_kernels, "product", kernel)
-    assert _check_block_products(b) is None
+    assert _check_block_products(b) is None and _check_block_products(b, fused=True) is None
     assert per_warp_seen == {1, 2, block_kernels.MAX_ROWS_PER_WARP}  # every layout a CUDA warp may take
     assert set(added) == {"", "add", "norm"}  # the product alone, the ADD and the NORM forms
     off["by"] = 1
@@ -501,7 +502,7 @@ def test_norms_and_residuals_join_the_products_bit_for_bit(synthetic, monkeypatc
             monkeypatch.setattr(MB, "rms_norm_linear_group", Backend.rms_norm_linear_group)
         eng = mlxinfer.load(path, backend="mlx", device="cpu", dtype=dtype)
         b = eng.backend
-        b.weight_dtype, b.block_kind, b.norm_kind = b.dtype, "cuda", "cuda"  # (as on a GPU)
+        b.weight_dtype, b.block_kind, b.norm_kind, b.fused_forms = b.dtype, "cuda", "cuda", True  # (as on a GPU)
         calls.clear()
         return eng.logits([1, 5, 9, 2]), list(calls)
 
@@ -536,12 +537,15 @@ def test_the_norm_kernel_run_on_the_host_gives_its_published_order(host_kernels,
     assert np.all(np.abs(got - exact) <= (8 * 2.0 ** -23 * np.sqrt(cols) + unit) * np.abs(exact) + 1e-30)
 
 
-@pytest.mark.parametrize("failing", [False, True])
-def test_a_failing_norm_kernel_turns_the_norm_forms_off(monkeypatch, tmp_path, capsys, failing):
-    """The rms_norm kernel has a self-check verdict of its own (`verify_rms_norm`): failing, it turns off
-    the norm kernel and with it the products' NORM form (norms back on mx.fast.rms_norm, each apart from
-    its product), says so in one line on stderr, and leaves the block kernels' products on; passing, both
-    stay. (Stand-in verdicts on MLX's CPU: the backend told it is on a GPU.)"""
+@pytest.mark.parametrize("failing", [None, "norm", "fused"])
+def test_a_failing_norm_kernel_or_fused_form_turns_only_itself_off(monkeypatch, tmp_path, capsys, failing):
+    """The rms_norm kernel and the block kernels' fused forms (ADD, NORM) each have a self-check verdict
+    of their own (`verify_rms_norm`, `verify_fused_forms`). The norm kernel failing turns it off and with
+    it the NORM form's use (norms back on mx.fast.rms_norm, each apart from its product); the fused forms
+    failing turn them off (each norm and residual add its own launch, the norm kernel kept); each says so
+    in one line on stderr and leaves the block kernels' products on; passing, everything stays. (Stand-in
+    verdicts on MLX's CPU: the backend told it is on a GPU.)"""
+    from mlxinfer.backend import Backend
     from mlxinfer.backends import kernel_checks
     from mlxinfer.backends import mlx as mlx_mod
 
@@ -549,23 +553,39 @@ def test_a_failing_norm_kernel_turns_the_norm_forms_off(monkeypatch, tmp_path, c
     monkeypatch.setattr(kernel_checks, "_VERDICTS", {})
     monkeypatch.setattr(mlx_mod, "self_check_cases", lambda: [])
     monkeypatch.setattr(mlx_mod, "_check_products", lambda b: None)
-    monkeypatch.setattr(mlx_mod, "_check_block_products", lambda b, kernel=None: None)
-    problem = "the rms_norm kernel differs from its published order in 2 of 1024 values (1 rows of 1024, float32)"
+    monkeypatch.setattr(mlx_mod, "_check_block_products", lambda b, kernel=None, fused=False: None)
+    problems = {"norm": "the rms_norm kernel differs from its published order in 2 of 1024 values (1 rows of 1024, float32)",
+                "fused": "the Q8_0 block kernel (of normed rows) differs from its published order in 1 of 42 values"}
     runs = []
-    monkeypatch.setattr(mlx_mod, "verify_rms_norm", lambda b: runs.append(b.norm_kind) or (problem if failing else None))
+    monkeypatch.setattr(mlx_mod, "verify_rms_norm", lambda b: runs.append("norm") or (problems["norm"] if failing == "norm" else None))
+    monkeypatch.setattr(mlx_mod, "verify_fused_forms",
+                        lambda b: runs.append("fused") or (problems["fused"] if failing == "fused" else None))
     b = MLXBackend(device="cpu")
-    b.device, b.block_kind, b.norm_kind = "gpu", "cuda", "cuda"
-    assert b.check_kernels() is None and runs == ["cuda"]
+    b.device, b.block_kind, b.norm_kind, b.fused_forms = "gpu", "cuda", "cuda", True
+    assert b.check_kernels() is None and runs == ["fused", "norm"]
     err = capsys.readouterr().err.strip().splitlines()
-    assert b.block_kind == "cuda" and b.norm_kind == (None if failing else "cuda")
-    assert err == ([f"mlxinfer: warning: the rms_norm kernel failed its self-check ({problem}); norms use "
-                    "mx.fast.rms_norm, each apart from the product after it"] if failing else [])
-    launched = []
+    assert b.block_kind == "cuda" and b.norm_kind == (None if failing == "norm" else "cuda")
+    assert b.fused_forms == (failing != "fused")
+    want = {None: [], "norm": [f"mlxinfer: warning: the rms_norm kernel failed its self-check ({problems['norm']}); norms use "
+                               "mx.fast.rms_norm, each apart from the product after it"],
+            "fused": [f"mlxinfer: warning: the block kernels' fused forms failed their self-check ({problems['fused']}); "
+                      "each norm and residual add is a launch of its own"]}[failing]
+    assert err == want
+    launched, used = [], []
     monkeypatch.setattr(block_kernels, "rms_norm", lambda *a: launched.append(a) or a[1])
-    x = mx.ones((1, 64))
-    b.rms_norm(x, mx.ones((64,)), 1e-6)
-    assert len(launched) == (0 if failing else 1)
+    b.rms_norm(mx.ones((1, 64)), mx.ones((64,)), 1e-6)
+    assert len(launched) == (0 if failing == "norm" else 1)
+    monkeypatch.setattr(Backend, "linear_add", lambda *a: used.append("add"))
+    monkeypatch.setattr(Backend, "rms_norm_linear_group", lambda *a: used.append("norm"))
+    monkeypatch.setattr(MLXBackend, "_block_product", lambda self, x, w, groups=None: True)
+    monkeypatch.setattr(block_kernels, "product", lambda *a, **kw: used.append("kernel") or mx.zeros((1, 8)))
+    from mlxinfer.backends.mlx_weights import WeightGroup
 
+    group = WeightGroup(object(), (8,))
+    b.linear_add(mx.ones((1, 64)), object(), mx.ones((1, 8)))
+    b.rms_norm_linear_group(mx.ones((1, 64)), mx.ones((64,)), 1e-6, group)
+    assert used[0] == ("add" if failing == "fused" else "kernel")
+    assert used[1] == ("kernel" if failing is None else "norm")
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -582,7 +602,7 @@ def test_gpu_norms_and_residuals_join_the_products_bit_for_bit(synthetic, monkey
 
     def run():
         eng = mlxinfer.load(path, backend="mlx", device="gpu", dtype=dtype)
-        assert eng.backend.norm_kind and eng.backend.block_kind
+        assert eng.backend.norm_kind and eng.backend.block_kind and eng.backend.fused_forms
         return eng.logits([1, 5, 9, 2]), eng.generate([1, 5, 9, 2], max_tokens=4).token_ids
 
     fused = run()

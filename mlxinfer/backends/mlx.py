@@ -223,21 +223,26 @@ def _check_products(backend: "MLXBackend") -> str | None:
     return None
 
 
-def _check_block_products(backend: "MLXBackend", kernel: str | None = None) -> str | None:
+def _check_block_products(backend: "MLXBackend", kernel: str | None = None, fused: bool = False) -> str | None:
     """The block kernels (`block_kernels`) against their numpy emulation, bit for bit, on random blocks
     with edge values of every type they take, for 1 and MAX_ROWS rows, each output row count a warp
     takes (42 rows: a last warp of 4 with 2 left), rows of 1,280 values (1,312 for the 32-value types:
     a full tile of x, then a partial one), with x in the products' dtype (`weight_dtype`: a 16-bit x
     is widened exactly, the float32 sum rounded once to that dtype at the end; none on the CPU: nothing
-    to check), and with the most rows a warp the ADD form (a residual plus the product:
-    `block_kernels.with_residual`) and the NORM form (the product of the rows `emulate_rms_norm` norms). `kernel`: only the types of that kernel (`block_kernels.KERNELS`), else every type."""
+    to check). `kernel`: only the types of that kernel (`block_kernels.KERNELS`), else every type.
+    `fused`: instead, with the most rows a warp, the ADD form (a residual plus the product:
+    `block_kernels.with_residual`) and the NORM form (the product of the rows `emulate_rms_norm` norms)
+    of each type the backend keeps on its kernel (`block_types`)."""
     if backend.block_kind is None:
         return None
     rng = np.random.default_rng(7)
     dtype = backend.weight_dtype
     narrow = lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))  # noqa: E731 (MLX's rounding)
     per_warp = (1, 2, 4) if backend.block_kind == "cuda" else (1,)
+    forms = [(per_warp[-1], "add"), (per_warp[-1], "norm")] if fused else [(r, "") for r in per_warp]
     for qtype in block_kernels.types_of(kernel):
+        if fused and qtype not in backend.block_types:
+            continue
         k = 1280 if block_kernels.row_multiple(qtype) == 256 else 1312
         raw = quants.random_blocks(rng, qtype, 42, k, edges=True)
         w = to_device(qtype, quants.split(raw, qtype, 42, k), (42, k))
@@ -249,7 +254,7 @@ def _check_block_products(backend: "MLXBackend", kernel: str | None = None) -> s
             # a residual of the sums' size, so that the additions round, and finite in every dtype
             res = narrow(rng.standard_normal(want.shape, dtype=np.float32) * np.minimum(np.abs(want), 1000.0))
             nw = narrow(rng.uniform(0.25, 4.0, k).astype(np.float32))
-            for r, form in [(r, "") for r in per_warp] + [(per_warp[-1], "add"), (per_warp[-1], "norm")]:
+            for r, form in forms:
                 out = block_kernels.product(backend.block_kind, mx.array(x).astype(dtype), w, r,
                                             mx.array(res).astype(dtype) if form == "add" else None,
                                             (mx.array(nw).astype(dtype), 1e-5) if form == "norm" else None)
@@ -533,6 +538,15 @@ def verify_block_kernels(backend: "MLXBackend", kernel: str | None = None) -> st
         return f"{_one_line(e)} (the block kernels)"
 
 
+def verify_fused_forms(backend: "MLXBackend") -> str | None:
+    """The block kernels' ADD and NORM forms (`_check_block_products(fused=True)`), a verdict apart from
+    each kernel's own: failing, only they are turned off. None, or one line naming the failure."""
+    try:
+        return _check_block_products(backend, fused=True)
+    except Exception as e:  # a form that fails to compile or launch
+        return f"{_one_line(e)} (the block kernels' fused forms)"
+
+
 def verify_rms_norm(backend: "MLXBackend") -> str | None:
     """blocks.cu's `rms_norm` kernel against `block_kernels.emulate_rms_norm`, bit for bit, in the
     backend's dtype: rows of 1,024 and 1,312 values, 1 and 9 rows (a block's 8, then one more), large
@@ -619,6 +633,9 @@ class MLXBackend(Backend):
         # form of a product multiplies (`rms_norm_linear_group`: a norm and the products after it, one
         # launch); None (mx.fast.rms_norm) elsewhere, or once its own self-check failed
         self.norm_kind = self.block_kind
+        # the block kernels' ADD and NORM forms (`linear_add`, `rms_norm_linear_group`): a verdict of their
+        # own, so that a failure turns off only them (each norm and residual add its own launch again)
+        self.fused_forms = bool(self.block_kind)
         # 16-bit prefill chunks in the tensor-core order (attention.cu; `matmul`, `softmax_rows`,
         # `fused_attention_override`):
         # CUDA (compute capability 8.0+), with q and the cache of one 16-bit type; off again if its own
@@ -695,6 +712,12 @@ class MLXBackend(Backend):
                     self.block_kind = self.norm_kind = None
                 print(f"mlxinfer: warning: a block kernel failed its self-check ({self.block_fallback}); "
                       f"{self.block_off} products use MLX's own ops", file=sys.stderr)
+            fused = self.fused_forms and self.block_kind and kernel_checks.verdict(
+                f"{self.block_kind} blocks fused forms", self.dtype_name, "-", lambda: verify_fused_forms(self), fresh=fresh)
+            if fused:
+                self.fused_forms = False
+                print(f"mlxinfer: warning: the block kernels' fused forms failed their self-check ({fused}); each "
+                      "norm and residual add is a launch of its own", file=sys.stderr)
             norm = self.norm_kind and kernel_checks.verdict(f"{self.norm_kind} blocks rms_norm", self.dtype_name, "-",
                                                             lambda: verify_rms_norm(self), fresh=fresh)
             if norm:
@@ -966,7 +989,8 @@ class MLXBackend(Backend):
         # decode rows of a block type on a GPU: the product and the residual in one launch (the kernels'
         # ADD form rounds the product to the dtype, then the sum, as `linear` then `add` do: the same
         # bits, one launch a layer fewer for each of the attention's and the FFN's output products)
-        if self.weight_dtype == self.dtype and residual.dtype == self.dtype and self._block_product(x, w, groups):
+        if (self.fused_forms and self.weight_dtype == self.dtype and residual.dtype == self.dtype
+                and self._block_product(x, w, groups)):
             return block_kernels.product(self.block_kind, x.astype(self.dtype), w, residual=residual)
         return super().linear_add(x, w, residual, groups)
 
@@ -1130,7 +1154,7 @@ class MLXBackend(Backend):
         # NORM form multiplies the very values `rms_norm` writes), one launch a layer fewer for each of
         # the attention's and the FFN's norms
         w = ws.merged if isinstance(ws, WeightGroup) else None
-        if (w is not None and self.norm_kind and x.dtype == weight.dtype == self.dtype == self.weight_dtype
+        if (w is not None and self.fused_forms and self.norm_kind and x.dtype == weight.dtype == self.dtype == self.weight_dtype
                 and self._block_product(x, w, groups)):
             return self._group_columns(block_kernels.product(self.block_kind, x, w, norm=(weight, eps)), ws)
         return super().rms_norm_linear_group(x, weight, eps, ws, groups)
