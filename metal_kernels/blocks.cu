@@ -8,12 +8,13 @@
 //   fixed sequence; each product x*w is rounded, then added
 //   to the lane's partial sum (__fmul_rn / __fadd_rn: no contraction into fma); then the butterfly
 //   s += shfl_xor(s, off) for off = 16, 8, 4, 2, 1. block_kernels.emulate follows it in numpy.
-//   With ADD = 1 a kernel writes res[m, n] + that sum ([M, N] of x's type: the residual stream), as
-//   the graph's Add of the product would (mlxi_residual_sum), so a layer's output projection and its
-//   residual are one launch; with ADD = 0 res is not read (the launch passes x there). With NORM = 1
-//   the product is of x's rows RMS-normed with weight nw ([K], x's type) and eps (dims[3], its float32
-//   bits), each normed value exactly what the `rms_norm` kernel writes (mlxi_rms_inv), so a layer's
-//   norm and the product after it are one launch; with NORM = 0 nw is not read.
+//   Two forms, chosen at launch by dims[4]'s bits (one compiled kernel serves all three): ADD (bit 0)
+//   writes res[m, n] + that sum ([M, N] of x's type: the residual stream), as the graph's Add of the
+//   product would (mlxi_residual_sum), so a layer's output projection and its residual are one launch;
+//   NORM (bit 1) multiplies x's rows RMS-normed with weight nw ([K], x's type) and eps (dims[3], its
+//   float32 bits), each normed value exactly what the `rms_norm` kernel writes (mlxi_rms_inv), so a
+//   layer's norm and the product after it are one launch. Without its bit, res or nw is not read (the
+//   launch passes x there).
 //
 // How the work is laid out does not change that order. A block's 8 warps first copy x, MLXI_TILE columns
 // at a time, into shared memory (coalesced; padded so that the lanes' reads of their own units do not
@@ -192,7 +193,7 @@ __device__ __forceinline__ Y mlxi_residual_sum(Y r, float s) {
 //   gguf-py's (t is a constant once the loops are unrolled).
 template <int M, typename G, typename X, typename Y>
 __device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int* dims, const typename G::Fields& f,
-                                                  const Y* res, bool add, const X* nw, bool norm) {
+                                                  const Y* res, const X* nw) {
   constexpr int STRIDE = MLXI_TILE + 4 * (MLXI_TILE / G::PAD);
   static_assert(MLXI_TILE == 32 * 32, "a tile holds one unit a lane");
   static_assert(M * STRIDE * 4 <= 48 * 1024 - 1024, "static shared memory: at most 48 KB a block");
@@ -200,6 +201,7 @@ __device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int*
   __shared__ __align__(16) float xs[M * STRIDE];  // (float4 reads and writes)
   __shared__ float inv[MLXI_WARPS];
   const int N = dims[0], K = dims[1], R = dims[2];
+  const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // the ADD and NORM forms
   const long warp0 = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS;
   if (warp0 * R >= N) return;  // (the whole block: no warp of it has a row)
   G::prepare();
@@ -505,7 +507,7 @@ struct mlxi_half_values : mlxi_groups32 {
 //@@BODY q6_k_matvec
 // x [M, K] (T: float, __half or __nv_bfloat16); the Q6_K fields of w [N, K] as quants.split keeps them,
 // per row and block of 256 values: ql [N, K/256, 128] uint8, qh [N, K/256, 64] uint8, scales
-// [N, K/256, 16] int8, d [N, K/256] the fp16 scale's bits (uint16); dims = [N, K, R]; out [M, N] (T).
+// [N, K/256, 16] int8, d [N, K/256] the fp16 scale's bits (uint16); dims = [N, K, R, eps bits, forms]; out [M, N] (T).
 // Value i of a block (gguf-py's order): h = i / 128, r = i % 128; low four bits from
 // ql[64h + r % 64] >> (4 * (r / 64)), high two from qh[32h + r % 32] >> (2 * (r / 32)); q = low | high << 4;
 // w = (d * scales[i / 16]) * (q - 32).
@@ -513,36 +515,36 @@ struct mlxi_half_values : mlxi_groups32 {
 // consecutive bytes of ql at 64h + 8c and at 64h + 32 + 8c, eight of qh at 32h + 8c, one scale per j.
 // Lane l takes the units u = l, l + 32, ... and in each adds j = 0..3, t = 0..7 in that order: the units
 // of a row are loaded in parallel by the lanes (mlxi_block_matvec, mlxi_q6k).
-mlxi_block_matvec<M, mlxi_q6k>(x, out, dims, {ql, qh, scales, d_bits}, res, ADD, nw, NORM);
+mlxi_block_matvec<M, mlxi_q6k>(x, out, dims, {ql, qh, scales, d_bits}, res, nw);
 //@@BODY affine_matvec
 // The affine types as the MLX backend keeps them (quants.split): w [N, K BITS / 32] uint32 (MLX's packing),
 // then the file's scale fields, by SCALES: 0 (Q8_0, Q4_0, Q5_0) s0 [N, K / 32] the fp16 d's bits, scale d,
 // bias -(d * ZERO) (ZERO 128, 8, 16: exact), s1 unused; 1 (Q4_1, Q5_1) s0 d and s1 m [N, K / 32] (fp16 bits),
 // scale d, bias m; 2 (Q4_K, Q5_K) s0 [N, K / 256, 2] the fp16 d and dmin's bits, s1 [N, K / 256, 2, 8]
 // uint8 sub-scales then mins, group g = 8b + j: scale d sc_j, bias -(dmin m_j) (quants: exact).
-// dims = [N, K, R]; out [M, N]. Lane l takes groups l, l + 32, ..., each t = 0..31: code t of the group
+// dims = [N, K, R, eps bits, forms]; out [M, N]. Lane l takes groups l, l + 32, ..., each t = 0..31: code t of the group
 // (MLX's packing: bits [BITS t, BITS (t + 1)) of the group's BITS words), w = scale * code + bias (each
 // step rounded), then the product with x and the sum (mlxi_block_matvec, mlxi_affine).
-mlxi_block_matvec<M, mlxi_affine<BITS, SCALES, ZERO>>(x, out, dims, {w, s0, s1}, res, ADD, nw, NORM);
+mlxi_block_matvec<M, mlxi_affine<BITS, SCALES, ZERO>>(x, out, dims, {w, s0, s1}, res, nw);
 //@@BODY iq4_matvec
 // IQ4_NL (XS 0) and IQ4_XS (XS 1) as the MLX backend keeps them (quants.split: the file's fields): qs the
 // 4-bit codes, 16 bytes per 32 values (IQ4_NL [N, K / 32, 16]; IQ4_XS [N, K / 256, 128], sub-block j at
 // 16 j), d_bits the fp16 d's bits ([N, K / 32] or [N, K / 256]); IQ4_XS also sc_h [N, K / 256] uint16 and
 // sc_l [N, K / 256, 4] uint8, sub-block j's 6-bit scale ls = (sc_l[j / 2] >> 4 (j % 2)) & 15 |
-// ((sc_h >> 2 j) & 3) << 4 (IQ4_NL: unused). dims = [N, K, R]; out [M, N]. mlxi_iq4 says the values.
-mlxi_block_matvec<M, mlxi_iq4<XS>>(x, out, dims, {qs, d_bits, sc_h, sc_l}, res, ADD, nw, NORM);
+// ((sc_h >> 2 j) & 3) << 4 (IQ4_NL: unused). dims = [N, K, R, eps bits, forms]; out [M, N]. mlxi_iq4 says the values.
+mlxi_block_matvec<M, mlxi_iq4<XS>>(x, out, dims, {qs, d_bits, sc_h, sc_l}, res, nw);
 //@@BODY q3_k_matvec
 // Q3_K's fields (quants.split) per row and block of 256 values: hmask [N, K/256, 32], qs [N, K/256, 64],
-// sc3 [N, K/256, 12] uint8, d_bits [N, K/256] the fp16 d's bits; dims = [N, K, R]; out [M, N]. mlxi_q3k
+// sc3 [N, K/256, 12] uint8, d_bits [N, K/256] the fp16 d's bits; dims = [N, K, R, eps bits, forms]; out [M, N]. mlxi_q3k
 // says the values.
-mlxi_block_matvec<M, mlxi_q3k>(x, out, dims, {hmask, qs, sc3, d_bits}, res, ADD, nw, NORM);
+mlxi_block_matvec<M, mlxi_q3k>(x, out, dims, {hmask, qs, sc3, d_bits}, res, nw);
 //@@BODY q2_k_matvec
 // Q2_K's fields per row and block: sc2 [N, K/256, 16] uint8, qs [N, K/256, 64], d_bits and dmin_bits
-// [N, K/256] fp16 bits; dims = [N, K, R]; out [M, N]. mlxi_q2k says the values.
-mlxi_block_matvec<M, mlxi_q2k>(x, out, dims, {sc2, qs, d_bits, dmin_bits}, res, ADD, nw, NORM);
+// [N, K/256] fp16 bits; dims = [N, K, R, eps bits, forms]; out [M, N]. mlxi_q2k says the values.
+mlxi_block_matvec<M, mlxi_q2k>(x, out, dims, {sc2, qs, d_bits, dmin_bits}, res, nw);
 //@@BODY half_matvec
-// F16 (BF 0) or BF16 (BF 1) values v [N, K] as uint16 bits; dims = [N, K, R]; out [M, N].
-mlxi_block_matvec<M, mlxi_half_values<BF>>(x, out, dims, {v}, res, ADD, nw, NORM);
+// F16 (BF 0) or BF16 (BF 1) values v [N, K] as uint16 bits; dims = [N, K, R, eps bits, forms]; out [M, N].
+mlxi_block_matvec<M, mlxi_half_values<BF>>(x, out, dims, {v}, res, nw);
 //@@BODY rms_norm
 // RMSNorm of x [M, K] (T) with weight nw [K] (T): out [M, K] (T), a warp a row (mlxi_rms_inv: the order);
 // dims = [M, K, eps's float32 bits].

@@ -23,7 +23,7 @@ inline float mlxi_warp_total(float s) {
 }
 
 // ADD's epilogue (blocks.cu's mlxi_residual_sum): the residual r plus the sum s rounded to T first, added
-// in float32 and rounded once more, as the graph's Add of the product; res is not read when ADD is 0.
+// in float32 and rounded once more, as the graph's Add of the product; res is not read without ADD.
 template <typename T>
 inline T mlxi_residual_sum(T r, float s) {
   return T(float(r) + float(T(s)));
@@ -47,7 +47,9 @@ inline uint mlxi_code(thread const uint* words, int t) {
 // RMSNorm (blocks.cu's mlxi_rms_inv and mlxi_norm_value, the same order): row's scale, one simdgroup
 // (lane l adds x_i * x_i for i = l, l + 32, ..., each rounded; the butterfly), times the float32 1/K,
 // plus eps, the square root and the division each correctly rounded; a value (x * inv) * w, each
-// product rounded, and rounded to T.
+// product rounded, and rounded to T. (MSL's tables give precise divide as correctly rounded; precise sqrt's
+// rounding is not confirmed here: on a Mac `verify_rms_norm` compares this kernel with the numpy order
+// bit for bit before any norm uses it.)
 template <typename XP>
 inline float mlxi_rms_inv(XP row, int K, float eps, uint lane) {
   float s = 0.0f;
@@ -87,7 +89,7 @@ inline void mlxi_affine_group(XP x, long K, long col, WP w_row, long g, float sc
   }
 }
 //@@BODY q6_k_matvec
-// As in blocks.cu: x [M, K], ql, qh, scales, d_bits (Q6_K fields), dims = [N, K, 1], out [M, N]; work units
+// As in blocks.cu: x [M, K], ql, qh, scales, d_bits (Q6_K fields), dims = [N, K, 1, eps bits, forms], out [M, N]; work units
 // of 32 values (u = 8b + 4h + c: r = 8c + t + 32j), lane l taking units l, l + 32, ..., each in the order
 // j = 0..3, t = 0..7.
 const int N = dims[0], K = dims[1];
@@ -96,8 +98,9 @@ const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_WARPS + simdgroup_index_in_threadgroup;
 if (n >= N) return;
+const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // the ADD and NORM forms (blocks.cu's dims[4])
 float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
-for (int m = 0; m < M; ++m) inv[m] = NORM ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
+for (int m = 0; m < M; ++m) inv[m] = norm ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
 for (int m = 0; m < M; ++m) acc[m] = 0.0f;
 for (int u = lane; u < units; u += 32) {
@@ -113,7 +116,7 @@ for (int u = lane; u < units; u += 32) {
       const uint q = ((lb >> (4 * (j >> 1))) & 0xfu) | (((hbyte >> (2 * j)) & 3u) << 4);
       const float w = dl * float(int(q) - 32);
       for (int m = 0; m < M; ++m) {
-        const float prod = mlxi_x<T>(x, nw, inv, NORM, m, K, col + 32 * j + t) * w;
+        const float prod = mlxi_x<T>(x, nw, inv, norm, m, K, col + 32 * j + t) * w;
         acc[m] = acc[m] + prod;
       }
     }
@@ -121,7 +124,7 @@ for (int u = lane; u < units; u += 32) {
 }
 for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);
-  if (lane == 0) out[(long)m * N + n] = ADD ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
+  if (lane == 0) out[(long)m * N + n] = add ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
 }
 //@@BODY affine_matvec
 // As in blocks.cu: the affine types, their scale fields by SCALES (0: d and ZERO; 1: d, m; 2: K-quants).
@@ -130,8 +133,9 @@ const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_WARPS + simdgroup_index_in_threadgroup;
 if (n >= N) return;
+const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // the ADD and NORM forms (blocks.cu's dims[4])
 float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
-for (int m = 0; m < M; ++m) inv[m] = NORM ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
+for (int m = 0; m < M; ++m) inv[m] = norm ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
 for (int m = 0; m < M; ++m) acc[m] = 0.0f;
 const auto w_row = w + n * (K / 32) * BITS;
@@ -150,15 +154,15 @@ for (long g = lane; g < K / 32; g += 32) {
     scale = mlxi_half_bits(s0[at]);
     bias = -(scale * float(ZERO));
   }
-  mlxi_affine_group<BITS, M, T>(x, K, g * 32, w_row, g, scale, bias, acc, nw, inv, NORM);
+  mlxi_affine_group<BITS, M, T>(x, K, g * 32, w_row, g, scale, bias, acc, nw, inv, norm);
 }
 for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);
-  if (lane == 0) out[(long)m * N + n] = ADD ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
+  if (lane == 0) out[(long)m * N + n] = add ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
 }
 //@@BODY iq4_matvec
 // As in blocks.cu: IQ4_NL (XS 0) and IQ4_XS (XS 1), qs, d_bits, sc_h, sc_l (IQ4_XS's scales; unused for
-// IQ4_NL), dims = [N, K, 1]; group g of 32 values, dl = d or d * (ls - 32), value t = dl * the codebook's
+// IQ4_NL), dims = [N, K, 1, eps bits, forms]; group g of 32 values, dl = d or d * (ls - 32), value t = dl * the codebook's
 // entry for code t (byte t's low nibble for t < 16, else byte t - 16's high one); lane l takes groups
 // l, l + 32, ..., each t = 0..31.
 const int N = dims[0], K = dims[1];
@@ -166,8 +170,9 @@ const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_WARPS + simdgroup_index_in_threadgroup;
 if (n >= N) return;
+const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // the ADD and NORM forms (blocks.cu's dims[4])
 float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
-for (int m = 0; m < M; ++m) inv[m] = NORM ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
+for (int m = 0; m < M; ++m) inv[m] = norm ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
 for (int m = 0; m < M; ++m) acc[m] = 0.0f;
 for (long g = lane; g < K / 32; g += 32) {
@@ -187,17 +192,17 @@ for (long g = lane; g < K / 32; g += 32) {
     const uint code = (uint(qs[at + (t & 15)]) >> (4 * (t >> 4))) & 0xfu;
     const float w = dl * mlxi_iq4_value(code);
     for (int m = 0; m < M; ++m) {
-      const float prod = mlxi_x<T>(x, nw, inv, NORM, m, K, g * 32 + t) * w;
+      const float prod = mlxi_x<T>(x, nw, inv, norm, m, K, g * 32 + t) * w;
       acc[m] = acc[m] + prod;
     }
   }
 }
 for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);
-  if (lane == 0) out[(long)m * N + n] = ADD ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
+  if (lane == 0) out[(long)m * N + n] = add ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
 }
 //@@BODY q3_k_matvec
-// As in blocks.cu (mlxi_q3k): hmask, qs, sc3, d_bits, dims = [N, K, 1]; group g = values 32 j .. 32 j + 31
+// As in blocks.cu (mlxi_q3k): hmask, qs, sc3, d_bits, dims = [N, K, 1, eps bits, forms]; group g = values 32 j .. 32 j + 31
 // of block g / 8; value t: low (qs[32 h + t] >> 2 s) & 3, high (hmask[t] >> j) & 1 (h = j / 4, s = j % 4),
 // q = low - 4 (1 - high), times d * (scale k - 32), k = 2 j + t / 16.
 const int N = dims[0], K = dims[1];
@@ -205,8 +210,9 @@ const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_WARPS + simdgroup_index_in_threadgroup;
 if (n >= N) return;
+const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // the ADD and NORM forms (blocks.cu's dims[4])
 float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
-for (int m = 0; m < M; ++m) inv[m] = NORM ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
+for (int m = 0; m < M; ++m) inv[m] = norm ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
 for (int m = 0; m < M; ++m) acc[m] = 0.0f;
 for (long g = lane; g < K / 32; g += 32) {
@@ -222,25 +228,26 @@ for (long g = lane; g < K / 32; g += 32) {
     const uint high = (uint(hmask[blk * 32 + t]) >> j) & 1u;
     const float w = dl * float(int(low) - 4 * int(1u - high));
     for (int m = 0; m < M; ++m) {
-      const float prod = mlxi_x<T>(x, nw, inv, NORM, m, K, g * 32 + t) * w;
+      const float prod = mlxi_x<T>(x, nw, inv, norm, m, K, g * 32 + t) * w;
       acc[m] = acc[m] + prod;
     }
   }
 }
 for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);
-  if (lane == 0) out[(long)m * N + n] = ADD ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
+  if (lane == 0) out[(long)m * N + n] = add ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
 }
 //@@BODY q2_k_matvec
-// As in blocks.cu (mlxi_q2k): sc2, qs, d_bits, dmin_bits, dims = [N, K, 1]; value t of group g (values
+// As in blocks.cu (mlxi_q2k): sc2, qs, d_bits, dmin_bits, dims = [N, K, 1, eps bits, forms]; value t of group g (values
 // 32 j .. of block g / 8): q = (qs[32 h + t] >> 2 s) & 3, dl * q - ml with scale byte k = 2 j + t / 16.
 const int N = dims[0], K = dims[1];
 const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_WARPS + simdgroup_index_in_threadgroup;
 if (n >= N) return;
+const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // the ADD and NORM forms (blocks.cu's dims[4])
 float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
-for (int m = 0; m < M; ++m) inv[m] = NORM ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
+for (int m = 0; m < M; ++m) inv[m] = norm ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
 for (int m = 0; m < M; ++m) acc[m] = 0.0f;
 for (long g = lane; g < K / 32; g += 32) {
@@ -254,24 +261,25 @@ for (long g = lane; g < K / 32; g += 32) {
     const float dq = dl * float(q);
     const float w = dq - ml;
     for (int m = 0; m < M; ++m) {
-      const float prod = mlxi_x<T>(x, nw, inv, NORM, m, K, g * 32 + t) * w;
+      const float prod = mlxi_x<T>(x, nw, inv, norm, m, K, g * 32 + t) * w;
       acc[m] = acc[m] + prod;
     }
   }
 }
 for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);
-  if (lane == 0) out[(long)m * N + n] = ADD ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
+  if (lane == 0) out[(long)m * N + n] = add ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
 }
 //@@BODY half_matvec
-// As in blocks.cu (mlxi_half_values): v [N, K] the F16 (BF 0) or BF16 (BF 1) values' bits, dims = [N, K, 1].
+// As in blocks.cu (mlxi_half_values): v [N, K] the F16 (BF 0) or BF16 (BF 1) values' bits, dims = [N, K, 1, eps bits, forms].
 const int N = dims[0], K = dims[1];
 const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_WARPS + simdgroup_index_in_threadgroup;
 if (n >= N) return;
+const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // the ADD and NORM forms (blocks.cu's dims[4])
 float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
-for (int m = 0; m < M; ++m) inv[m] = NORM ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
+for (int m = 0; m < M; ++m) inv[m] = norm ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
 for (int m = 0; m < M; ++m) acc[m] = 0.0f;
 for (long g = lane; g < K / 32; g += 32) {
@@ -279,14 +287,14 @@ for (long g = lane; g < K / 32; g += 32) {
     const uint h = uint(v[n * K + g * 32 + t]);
     const float w = BF ? as_type<float>(h << 16) : mlxi_half_bits(h);
     for (int m = 0; m < M; ++m) {
-      const float prod = mlxi_x<T>(x, nw, inv, NORM, m, K, g * 32 + t) * w;
+      const float prod = mlxi_x<T>(x, nw, inv, norm, m, K, g * 32 + t) * w;
       acc[m] = acc[m] + prod;
     }
   }
 }
 for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);
-  if (lane == 0) out[(long)m * N + n] = ADD ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
+  if (lane == 0) out[(long)m * N + n] = add ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
 }
 //@@BODY rms_norm
 // As in blocks.cu: RMSNorm of x [M, K] with weight nw [K], a simdgroup a row; dims = [M, K, eps's bits].

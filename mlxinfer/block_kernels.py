@@ -155,7 +155,8 @@ def product(kind: str, x, w, per_warp: int | None = None, residual=None, norm=No
     x's dtype): residual + x @ w.T in the same launch, the bits of the graph's `residual + product`
     (the kernels' ADD form: `with_residual` says the roundings). With `norm` = (weight [K] of x's
     dtype, eps): the product of x's rows RMS-normed, each normed value the bits `rms_norm` writes (the
-    NORM form)."""
+    NORM form). Both forms are chosen at launch (dims[4]): the kernel compiled for a type and row count
+    serves all three."""
     import mlx.core as mx
 
     rows, k = x.shape
@@ -164,10 +165,13 @@ def product(kind: str, x, w, per_warp: int | None = None, residual=None, norm=No
     per_warp = most if per_warp is None else per_warp
     if not 1 <= per_warp <= most:
         raise ValueError(f"{per_warp} output rows a warp: the {kind} block kernels take 1..{most}")
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"the block kernels take 1..{MAX_ROWS} rows of x, got {rows}")
     if residual is not None and (residual.shape != (rows, n) or residual.dtype != x.dtype):
         raise ValueError(f"the residual must be [{rows}, {n}] of x's dtype {x.dtype}, got "
                          f"{list(residual.shape)} of {residual.dtype}")
     nw, eps_bits = (x, 0) if norm is None else (norm[0], _f32_bits(norm[1]))
+    forms = int(residual is not None) | int(norm is not None) << 1  # dims[4]: ADD, NORM (one compiled form)
     if norm is not None and (nw.shape != (k,) or nw.dtype != x.dtype):
         raise ValueError(f"the norm's weight must be [{k}] of x's dtype {x.dtype}, got {list(nw.shape)} of {nw.dtype}")
     name, consts = KERNELS[w.qtype]
@@ -176,8 +180,9 @@ def product(kind: str, x, w, per_warp: int | None = None, residual=None, norm=No
     blocks = -(-warps // WARPS)
     cols = min(blocks, 65535)
     (out,) = _kernel(kind, name)(
-        inputs=[x, x if residual is None else residual, nw, *fields, mx.array([n, k, per_warp, eps_bits], dtype=mx.int32)],
-        template=[("T", x.dtype), ("M", rows), *consts, ("ADD", int(residual is not None)), ("NORM", int(norm is not None))], grid=(cols * 32 * WARPS, -(-blocks // cols), 1),
+        inputs=[x, x if residual is None else residual, nw, *fields,
+                mx.array([n, k, per_warp, eps_bits, forms], dtype=mx.int32)],
+        template=[("T", x.dtype), ("M", rows), *consts], grid=(cols * 32 * WARPS, -(-blocks // cols), 1),
         threadgroup=(32 * WARPS, 1, 1), output_shapes=[(rows, n)], output_dtypes=[x.dtype])
     return out
 
@@ -187,6 +192,8 @@ def rms_norm(kind: str, x, weight, eps: float):
     published order (`emulate_rms_norm`): the values the NORM form of `product` multiplies."""
     import mlx.core as mx
 
+    if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"rms_norm takes [rows, K] with rows and K above 0, got {list(x.shape)}")
     rows, k = x.shape
     if weight.shape != (k,) or weight.dtype != x.dtype:
         raise ValueError(f"the norm's weight must be [{k}] of x's dtype {x.dtype}, got {list(weight.shape)} of {weight.dtype}")

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import collectives
 from .backend import Backend
-from .backends import make_backend
+from .backends import kernel_checks, make_backend
 from .chat import render_chat
 from .decode_step import DecodeStep
 from .errors import GGUFError, RequestError
@@ -89,7 +89,8 @@ class Engine:
 
     def prompt_cache_identity(self) -> bytes:
         """What decides a KV block's values, which names its files on disk: the model file's digest, the
-        engine's version, the backend with its kernels and threads, the prefill chunk (a row's bits may
+        engine's version and its kernels' sources (`kernel_checks.sources_digest`: a kernel's bits change with its
+        code, the version need not), the backend with its kernels and threads, the prefill chunk (a row's bits may
         depend on it), this rank's share and the cache's shapes (float32)."""
         try:
             version = metadata.version("mlxinfer")
@@ -97,7 +98,7 @@ class Engine:
             version = "unknown"
         h = hashlib.sha256(self.gguf.digest())
         b = self.backend
-        for part in (version, b.describe(), b.attention, b.kernel, self.prefill_chunk, self.shard.rank,
+        for part in (version, kernel_checks.sources_digest(), b.describe(), b.attention, b.kernel, self.prefill_chunk, self.shard.rank,
                      self.shard.size, self.args.n_layers, self.kv_width, PagedKVCache.BLOCK_SIZE, "float32"):
             h.update(b"\0" + str(part).encode())
         return h.digest()

@@ -7,7 +7,7 @@ GPU's compiler and memory system (alignment faults, races the host's scheduling 
 
     lib = HostKernels(tmp_dir, forms)    # forms: [(kernel, constants, "float" | "__nv_bfloat16", M)]
     out = lib.product(x, w, per_warp)    # as block_kernels.product("cuda", x, w, per_warp)
-    out = lib.product(x, w, per_warp, residual)  # the ADD form (constants end with ("ADD", 1), ("NORM", 0))
+    out = lib.product(x, w, per_warp, residual)  # the ADD form (the same kernel: dims' forms bits)
     out = lib.rms_norm(x, weight, eps)   # forms: ("rms_norm", (), t, 1)
 """
 

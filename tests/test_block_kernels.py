@@ -95,14 +95,10 @@ struct __half { unsigned short x; __device__ __half(float f) : x(0) {} __device_
 """
 
 
-FORMS = ((0, 0), (1, 0), (0, 1))  # (ADD, NORM): the product alone, with its residual added, of x normed
-
-
-def _launches(forms=FORMS):
-    """(kernel, template constants) of every type's launch, its constants ending with ADD and NORM for
-    each of `forms`; and the norm's own kernel (`rms_norm`, no constants)."""
-    return sorted({(name, (*consts, ("ADD", a), ("NORM", nm))) for name, consts in block_kernels.KERNELS.values()
-                   for a, nm in forms}) + [("rms_norm", ())]
+def _launches():
+    """(kernel, template constants) of every type's launch (its ADD and NORM forms are the same kernel,
+    chosen at launch), and the norm's own kernel (`rms_norm`, no constants)."""
+    return sorted({(name, consts) for name, consts in block_kernels.KERNELS.values()}) + [("rms_norm", ())]
 
 
 def _cuda_source(name: str, consts, dtype: str, m: int) -> str:
@@ -128,8 +124,7 @@ def test_cuda_source_compiles_with_nvrtc_for_every_row_count(dtype):
     opts = [b"--gpu-architecture=compute_90", b"-default-device", b"--std=c++17"]
     assert {name for name, _ in _launches()} == set(block_kernels.kernel_source("cuda")[1])
     for name, consts in _launches():
-        plain = dict(consts).get("ADD", 0) == dict(consts).get("NORM", 0) == 0
-        for m in ((1,) if name == "rms_norm" else range(1, block_kernels.MAX_ROWS + 1) if plain else (1, block_kernels.MAX_ROWS)):
+        for m in ((1,) if name == "rms_norm" else range(1, block_kernels.MAX_ROWS + 1)):
             rc, log = _nvrtc_compile(lib, name, _cuda_source(name, consts, dtype, m), opts)
             assert rc == 0, f"{name} {consts} M={m} {dtype}: {log}"
 
@@ -202,10 +197,10 @@ def test_the_backend_sends_decode_rows_to_the_kernel_only_on_a_gpu(monkeypatch):
 @pytest.mark.parametrize("per_warp", [1, 3, block_kernels.MAX_ROWS_PER_WARP])
 def test_each_launch_is_what_mlx_custom_kernels_take(qtype, m, per_warp, monkeypatch):
     """The arguments `product` hands MLX's kernel (run here against a recorder, as no GPU is): the kernel's
-    inputs in its order with the dtypes its source reads (fp16 fields as uint16 bits; res: x itself,
-    unread, and ADD 0, or with a residual that residual and ADD 1), template values that are a dtype
-    or an int (M the row count), dims [N, K, rows a warp], a grid with a warp for every `per_warp`
-    output rows, an [M, N] output in x's dtype."""
+    inputs in its order with the dtypes its source reads (fp16 fields as uint16 bits; res and nw: x
+    itself, unread, or with a residual that residual and dims' forms bit 0, the same compiled form),
+    template values that are a dtype or an int (M the row count), dims [N, K, rows a warp, eps bits,
+    forms], a grid with a warp for every `per_warp` output rows, an [M, N] output in x's dtype."""
     import mlx.core as mx
 
     calls = []
@@ -225,15 +220,16 @@ def test_each_launch_is_what_mlx_custom_kernels_take(qtype, m, per_warp, monkeyp
     res = mx.ones((m, rows), dtype=mx.bfloat16)
     block_kernels.product("cuda", x, w, per_warp, residual=res)
     (name, kw), (_, kw_add) = calls
-    assert kw_add["inputs"][1] is res and dict(kw_add["template"])["ADD"] == 1 and dict(kw["template"])["ADD"] == 0
+    assert kw_add["inputs"][1] is res and kw_add["inputs"][-1].tolist() == [rows, cols, per_warp, 0, 1]
+    assert kw_add["template"] == kw["template"]  # (one compiled kernel for every form)
     assert kw_add["inputs"][0] is x and all(
-        np.array_equal(np.array(a), np.array(b)) for a, b in zip(kw_add["inputs"][block_kernels.FIELDS_AT:], kw["inputs"][block_kernels.FIELDS_AT:], strict=True))
+        np.array_equal(np.array(a), np.array(b)) for a, b in zip(kw_add["inputs"][block_kernels.FIELDS_AT:-1], kw["inputs"][block_kernels.FIELDS_AT:-1], strict=True))
     with pytest.raises(ValueError, match="residual must be"):
         block_kernels.product("cuda", x, w, per_warp, residual=res.astype(mx.float32))
     assert out.shape == (m, rows) and out.dtype == mx.bfloat16 and name == block_kernels.KERNELS[qtype][0]
     ins = kw["inputs"]
     assert len(ins) == len(block_kernels.INPUTS[name]) and ins[0] is x and ins[1] is x and ins[2] is x
-    assert ins[-1].tolist() == [rows, cols, per_warp, 0]  # (no norm: eps 0)
+    assert ins[-1].tolist() == [rows, cols, per_warp, 0, 0]  # (no norm: eps 0; the product alone)
     want = {"ql": mx.uint8, "qh": mx.uint8, "scales": mx.int8, "d_bits": mx.uint16, "s0": mx.uint16, "qs": mx.uint8,
             "sc_h": mx.uint16, "sc_l": mx.uint8, "hmask": mx.uint8, "sc3": mx.uint8, "sc2": mx.uint8,
             "dmin_bits": mx.uint16, "v": mx.uint16, "res": mx.bfloat16, "nw": mx.bfloat16,
@@ -288,7 +284,7 @@ def host_kernels(tmp_path_factory):
     if not cuda_host.available():
         pytest.skip("needs g++ (C++20) to run the CUDA kernels on the host")
     forms = [(name, consts, t, m) for name, consts in _launches() for t in ("float", "__nv_bfloat16")
-             for m in ((1,) if name == "rms_norm" else (1, 5))]
+             for m in ((1,) if name == "rms_norm" else (1, 5))]  # (ADD and NORM: the same kernels)
     return cuda_host.HostKernels(tmp_path_factory.mktemp("cuda_host"), forms)
 
 
@@ -455,6 +451,9 @@ def test_the_block_self_check_compares_in_the_products_dtype(monkeypatch, dtype)
     first = next(iter(block_kernels.KERNELS)).name
     assert _check_block_products(b) == (f"the {first} block kernel differs from its published order in 1 of 42 "
                                         f"values (1 rows, 1 a warp, {dtype})")
+    assert _check_block_products(b, fused=True) == (
+        f"the {first} block kernel (adding a residual) differs from its published order in 1 of 42 values "
+        f"(1 rows, {block_kernels.MAX_ROWS_PER_WARP} a warp, {dtype})")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -517,7 +516,7 @@ def test_norms_and_residuals_join_the_products_bit_for_bit(synthetic, monkeypatc
     assert np.array_equal(np.asarray(fused).view(np.uint32), np.asarray(plain).view(np.uint32))
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("rows,cols", [(1, 1024), (9, 1312), (3, 4096), (2, 40)])
+@pytest.mark.parametrize("rows,cols", [(1, 1024), (9, 1312), (3, 4096), (2, 40), (5, 1000)])
 def test_the_norm_kernel_run_on_the_host_gives_its_published_order(host_kernels, rows, cols, dtype):
     """blocks.cu's `rms_norm` (a warp a row; its values are what the NORM form multiplies) run on the host
     as `block_kernels.rms_norm` launches it: bit for bit `emulate_rms_norm` (the sum of squares in the dot
@@ -600,14 +599,41 @@ def test_gpu_norms_and_residuals_join_the_products_bit_for_bit(synthetic, monkey
     path = synthetic(arch="qwen3", n_layers=2, qtype="Q8_0", hidden=256, ffn=512, n_heads=4, n_kv_heads=2,
                      head_dim=64)
 
+    forms, real = [], block_kernels.product
+
+    def product(kind, x, w, per_warp=None, residual=None, norm=None):
+        forms.append((residual is not None, norm is not None))
+        return real(kind, x, w, per_warp, residual, norm)
+
+    monkeypatch.setattr(block_kernels, "product", product)
+
     def run():
         eng = mlxinfer.load(path, backend="mlx", device="gpu", dtype=dtype)
         assert eng.backend.norm_kind and eng.backend.block_kind and eng.backend.fused_forms
-        return eng.logits([1, 5, 9, 2]), eng.generate([1, 5, 9, 2], max_tokens=4).token_ids
+        forms.clear()
+        out = eng.logits([1, 5, 9, 2]), eng.generate([1, 5, 9, 2], max_tokens=4).token_ids
+        return out, set(forms)
 
-    fused = run()
+    fused, fused_forms = run()
+    assert fused_forms >= {(True, False), (False, True)}  # both forms ran
     monkeypatch.setattr(MB, "linear_add", Backend.linear_add)
     monkeypatch.setattr(MB, "rms_norm_linear_group", Backend.rms_norm_linear_group)
-    apart = run()
+    apart, apart_forms = run()
+    assert apart_forms == {(False, False)}
     assert np.array_equal(np.asarray(fused[0]).view(np.uint32), np.asarray(apart[0]).view(np.uint32))
     assert fused[1] == apart[1]
+
+
+def test_bad_launches_are_one_line_errors():
+    """A product of more rows than a launch takes (or none), a norm of no rows or of a 1-D x, and a norm
+    weight of another length are one-line ValueErrors before anything is launched."""
+    _, parts = _fields(np.random.default_rng(0), 8, 256, False, Q.Q8_0)
+    w = to_device(Q.Q8_0, parts, (8, 256))
+    for rows in (0, block_kernels.MAX_ROWS + 1):
+        with pytest.raises(ValueError, match=f"1..{block_kernels.MAX_ROWS} rows of x, got {rows}"):
+            block_kernels.product("cuda", mx.zeros((rows, 256)), w)
+    with pytest.raises(ValueError, match="norm's weight must be"):
+        block_kernels.product("cuda", mx.zeros((1, 256)), w, norm=(mx.zeros((128,)), 1e-6))
+    for x in (mx.zeros((0, 64)), mx.zeros((64,))):
+        with pytest.raises(ValueError, match="rms_norm takes"):
+            block_kernels.rms_norm("cuda", x, mx.zeros((64,)), 1e-6)

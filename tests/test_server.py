@@ -773,6 +773,12 @@ def test_the_fingerprint_follows_the_file_version_and_kernels(engine, tmp_path, 
     assert fingerprint.system_fingerprint(other) != fp
     monkeypatch.setattr(fingerprint, "__version__", "0.0.0-other")
     assert fingerprint.system_fingerprint(engine) != fp
+    # the kernels' sources (a kernel's bits change with its code, the version need not), in the
+    # fingerprint and in the prompt cache's file names alike
+    monkeypatch.undo()
+    identity = engine.prompt_cache_identity()
+    monkeypatch.setattr(fingerprint.kernel_checks, "sources_digest", lambda: "0123456789abcdef")
+    assert fingerprint.system_fingerprint(engine) != fp and engine.prompt_cache_identity() != identity
 
 
 def test_sampling_options_over_the_api_equal_the_engines(served, engine):

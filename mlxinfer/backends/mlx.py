@@ -526,11 +526,9 @@ def verify_block_kernels(backend: "MLXBackend", kernel: str | None = None) -> st
         rng = np.random.default_rng(7)
         weights = [to_device(t, quants.split(quants.random_blocks(rng, t, 8, 256), t, 8, 256), (8, 256))
                    for t in block_kernels.types_of(kernel)]
-        zeros = lambda *shape: mx.zeros(shape, backend.weight_dtype)  # noqa: E731
-        forms = (None, "add", "norm")  # the product alone, with its residual, of normed rows
-        _prebuild(backend, [lambda w=w, m=m, f=f: block_kernels.product(
-            "cuda", zeros(m, 256), w, None, zeros(m, 8) if f == "add" else None, (zeros(256), 1e-6) if f == "norm" else None)
-                            for w in weights for m in range(1, block_kernels.MAX_ROWS + 1) for f in forms]
+        zeros = lambda *shape: mx.zeros(shape, backend.weight_dtype)  # noqa: E731 (the ADD and NORM forms:
+        _prebuild(backend, [lambda w=w, m=m: block_kernels.product("cuda", zeros(m, 256), w)  # the same kernels)
+                            for w in weights for m in range(1, block_kernels.MAX_ROWS + 1)]
                   + [lambda: block_kernels.rms_norm("cuda", zeros(2, 256), zeros(256), 1e-6)])
     try:
         return _check_block_products(backend, kernel)
@@ -636,6 +634,7 @@ class MLXBackend(Backend):
         # the block kernels' ADD and NORM forms (`linear_add`, `rms_norm_linear_group`): a verdict of their
         # own, so that a failure turns off only them (each norm and residual add its own launch again)
         self.fused_forms = bool(self.block_kind)
+        self.norm_fallback = self.fused_fallback = None  # their self-checks' failures, once one failed
         # 16-bit prefill chunks in the tensor-core order (attention.cu; `matmul`, `softmax_rows`,
         # `fused_attention_override`):
         # CUDA (compute capability 8.0+), with q and the cache of one 16-bit type; off again if its own
@@ -715,13 +714,13 @@ class MLXBackend(Backend):
             fused = self.fused_forms and self.block_kind and kernel_checks.verdict(
                 f"{self.block_kind} blocks fused forms", self.dtype_name, "-", lambda: verify_fused_forms(self), fresh=fresh)
             if fused:
-                self.fused_forms = False
+                self.fused_forms, self.fused_fallback = False, fused
                 print(f"mlxinfer: warning: the block kernels' fused forms failed their self-check ({fused}); each "
                       "norm and residual add is a launch of its own", file=sys.stderr)
             norm = self.norm_kind and kernel_checks.verdict(f"{self.norm_kind} blocks rms_norm", self.dtype_name, "-",
                                                             lambda: verify_rms_norm(self), fresh=fresh)
             if norm:
-                self.norm_kind = None
+                self.norm_kind, self.norm_fallback = None, norm
                 print(f"mlxinfer: warning: the rms_norm kernel failed its self-check ({norm}); norms use "
                       "mx.fast.rms_norm, each apart from the product after it", file=sys.stderr)
         return problem
@@ -804,6 +803,10 @@ class MLXBackend(Backend):
         elif self.sdpa:
             blocks += ("; MLX's fused attention on 16-bit prefill chunks: self-check passed, one call over every "
                        "head bit for bit a call a head")
+        if self.fused_fallback:
+            blocks += f"; the block kernels' fused forms: self-check FAILED ({self.fused_fallback}), norms and adds apart"
+        if self.norm_fallback:
+            blocks += f"; rms_norm: self-check FAILED ({self.norm_fallback}), mx.fast.rms_norm"
         if self.qk_fallback:
             blocks += f"; qk_norm_rope: check FAILED ({self.qk_fallback}), mx.fast's kernels"
         elif self.gpu_kernels == "metal":
@@ -813,7 +816,7 @@ class MLXBackend(Backend):
                     f"per-head attention ({what}){blocks}"), False
         return (f"kernels: {kind}: self-check passed, fused attention bit for bit the per-head reference ({what})"
                 f"{blocks}"), (self.block_fallback is None and self.mma_fallback is None and self.sdpa_fallback is None
-                               and self.qk_fallback is None)
+                               and self.qk_fallback is None and self.fused_fallback is None and self.norm_fallback is None)
 
     @property
     def rows_independent(self) -> bool:
@@ -837,6 +840,10 @@ class MLXBackend(Backend):
             ops += f" ({self.block_off} products on MLX's: their block kernel failed its self-check)"
         elif self.block_kind and not self.gpu_kernels:
             ops += f" ({self.block_kind} block kernels)"
+        if self.norm_fallback:  # (every norm's bits depend on it: the engine's identity names it)
+            ops += " (RMSNorm on mx.fast's kernel: ours failed its self-check)"
+        if self.fused_fallback:
+            ops += " (norms and residual adds apart from the products: their forms failed the self-check)"
         if self.sdpa:  # (a chunk's bits depend on these: the engine's identity names them)
             ops += ", MLX's fused attention on 16-bit prefill chunks"
         elif self.sdpa_fallback:
