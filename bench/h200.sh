@@ -3,7 +3,7 @@
 # synthetic Qwen3-0.6B shape. From the repo root, after `source .mlxcuda2/setup.sh` (MLX's CUDA build and
 # mlx-lm; the machine has no package registry, so wheels are carried):
 #
-#   OUT=DIR bash bench/h200.sh [STEP...]      # steps: tests archs bench report (default: all four, in order)
+#   OUT=DIR bash bench/h200.sh [STEP...]      # steps: tests archs fused bench report (default: tests archs bench report)
 #
 # tests   the five GPU test files (test_kernels, test_mlx_backend, test_compile, test_cuda_limits, test_sdpa_prefill;
 #         or TEST_FILES) with EXAMPLES Hypothesis examples (5) -> $OUT/tests.log; in WORKERS (4) processes
@@ -12,6 +12,10 @@
 #         them with TEST_FILES over calls
 # archs   every architecture against llama.cpp's fixtures and the windowed cache, the "mlx" rows on the GPU
 #         (test_models, test_window_cache) -> $OUT/archs.log
+# fused   the block kernels' ADD and NORM forms and the rms_norm kernel first on a GPU: their GPU tests in
+#         bfloat16 (self-check, a model fused = apart bit for bit) -> $OUT/fused-tests.log, then the decode
+#         step's host parts with them (default) and without (unfused) beside mlx-lm, bfloat16, prompts
+#         CASES_FUSED (17,511) -> $OUT/fused-profile.jsonl (bench/probes/step_profile.py)
 # bench   mlxinfer bench --backends mlx --devices gpu at the prompt lengths CASES (17,511,8191), batch
 #         sizes BATCH (1,8,32), ROUNDS rounds (3) of RUNS runs (3), mlx-lm in DTYPES (float32,bfloat16),
 #         ours in OURS (float32,bfloat16: --dtypes) with KV_DTYPE (empty: each dtype's own; q8_0 ...)
@@ -69,6 +73,14 @@ for step in ${*:-tests archs bench report}; do
         ${TEST_FILES:-tests/test_kernels.py tests/test_mlx_backend.py tests/test_compile.py tests/test_cuda_limits.py tests/test_sdpa_prefill.py} \
         >"$OUT/tests.log" 2>&1; rc=$?
       tail -5 "$OUT/tests.log"; log "tests rc=$rc"; [ $rc -eq 0 ] || exit 1 ;;
+    fused)
+      MLXINFER_TEST_OFFLINE=1 timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -rfE \
+        tests/test_block_kernels.py -k "bfloat16 and (gpu_norms or gpu_norm_kernel or gpu_self_check_of_the_block)" \
+        >"$OUT/fused-tests.log" 2>&1; rc=$?
+      tail -3 "$OUT/fused-tests.log"; log "fused tests rc=$rc"
+      timeout "${BENCH_TIMEOUT:-300}" python3 bench/probes/step_profile.py --cases "${CASES_FUSED:-17,511}" --gen 64 \
+        --dtypes bfloat16 --variants default,unfused --out "$OUT/fused-profile.jsonl" >"$OUT/fused-profile.log" 2>&1
+      log "fused profile rc=$?"; grep -i "warning" "$OUT/fused-profile.log" | head -5 ;;
     archs)
       timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -q -x -p no:cacheprovider -rfEs \
         tests/test_models.py tests/test_window_cache.py >"$OUT/archs.log" 2>&1; rc=$?
