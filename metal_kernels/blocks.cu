@@ -109,7 +109,8 @@ __device__ __forceinline__ int mlxi_xs_at(int c) {
 template <typename X>
 __device__ __forceinline__ float mlxi_rms_inv(const X* row, int K, float eps, int lane) {
   float s = 0.0f;
-  for (int i = lane; i < K; i += 32) {
+#pragma unroll 4
+  for (int i = lane; i < K; i += 32) {  // (unrolled: loads in flight; the adds keep their order)
     const float v = (float)row[i];
     s = __fadd_rn(s, __fmul_rn(v, v));
   }
