@@ -29,7 +29,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from . import cuda_jit
-from .kernels import published_dot, source_parts, strip_comments
+from .kernels import f32_bits, published_dot, source_parts, strip_comments
 
 SOURCES = {"cuda": "blocks.cu", "metal": "blocks.metal"}
 # type -> (kernel, template constants besides T and M): the block type read from its own fields, and the
@@ -170,7 +170,7 @@ def product(kind: str, x, w, per_warp: int | None = None, residual=None, norm=No
     if residual is not None and (residual.shape != (rows, n) or residual.dtype != x.dtype):
         raise ValueError(f"the residual must be [{rows}, {n}] of x's dtype {x.dtype}, got "
                          f"{list(residual.shape)} of {residual.dtype}")
-    nw, eps_bits = (x, 0) if norm is None else (norm[0], _f32_bits(norm[1]))
+    nw, eps_bits = (x, 0) if norm is None else (norm[0], f32_bits(norm[1]))
     forms = int(residual is not None) | int(norm is not None) << 1  # dims[4]: ADD, NORM (one compiled form)
     if norm is not None and (nw.shape != (k,) or nw.dtype != x.dtype):
         raise ValueError(f"the norm's weight must be [{k}] of x's dtype {x.dtype}, got {list(nw.shape)} of {nw.dtype}")
@@ -200,15 +200,10 @@ def rms_norm(kind: str, x, weight, eps: float):
     blocks = -(-rows // WARPS)
     cols = min(blocks, 65535)
     (out,) = _kernel(kind, "rms_norm")(
-        inputs=[x, weight, mx.array([rows, k, _f32_bits(eps)], dtype=mx.int32)], template=[("T", x.dtype)],
+        inputs=[x, weight, mx.array([rows, k, f32_bits(eps)], dtype=mx.int32)], template=[("T", x.dtype)],
         grid=(cols * 32 * WARPS, -(-blocks // cols), 1), threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(rows, k)], output_dtypes=[x.dtype])
     return out
-
-
-def _f32_bits(v: float) -> int:
-    """The bits of float32(v) as a signed int32 (what a kernel's int input carries)."""
-    return int(np.array(v, dtype=np.float32).view(np.int32))
 
 
 def emulate_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, narrow) -> np.ndarray:

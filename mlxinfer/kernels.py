@@ -491,8 +491,8 @@ def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, ste
     out_dtype = out_dtype or q.dtype
     softcap, softcap_inv = softcap_values(spec)
     template = [("H", spec.n_heads), ("KV", spec.n_kv_heads), ("D", spec.head_dim), ("CAUSAL", bool(spec.causal)),
-                ("WINDOW", int(spec.window or 0)), ("SCALE_BITS", _f32_bits(spec.scale)), ("SOFTCAP_BITS", _f32_bits(softcap)),
-                ("SOFTCAP_INV_BITS", _f32_bits(softcap_inv)), *input_types(kind, q, keys)]
+                ("WINDOW", int(spec.window or 0)), ("SCALE_BITS", f32_bits(spec.scale)), ("SOFTCAP_BITS", f32_bits(softcap)),
+                ("SOFTCAP_INV_BITS", f32_bits(softcap_inv)), *input_types(kind, q, keys)]
     result = result_type(kind, out_dtype)  # (the context kernels': the scores and softmax are float32)
     shape = [(n, spec.n_heads, cap)]
     if two_launches is None:
@@ -616,7 +616,9 @@ def qk_norm_rope_types_fit(q, k, wq, wk) -> bool:
     return len({q.dtype, k.dtype, wq.dtype, wk.dtype}) == 1 and q.dtype in (mx.float32, mx.bfloat16, mx.float16)
 
 
-def _f32_bits(x: float) -> int:
+def f32_bits(x: float) -> int:
+    """The bits of float32(x) as a signed int32: how a float reaches a kernel as a template constant or
+    in an int32 input (here and in block_kernels)."""
     return int(np.array(x, dtype=np.float32).view(np.int32))
 
 
@@ -654,8 +656,8 @@ def qk_norm_rope(kind: str, q, k, wq, wk, row_pos, n_heads: int, n_kv_heads: int
                          f"{q.dtype}, {k.dtype}, {wq.dtype}, {wk.dtype}")
     n = q.shape[0]
     log2_base = _log2f(base)
-    template = [("H", n_heads), ("KV", n_kv_heads), ("D", head_dim), ("EPS_BITS", _f32_bits(eps)),
-                ("LOG2_BASE_BITS", _f32_bits(log2_base))]
+    template = [("H", n_heads), ("KV", n_kv_heads), ("D", head_dim), ("EPS_BITS", f32_bits(eps)),
+                ("LOG2_BASE_BITS", f32_bits(log2_base))]
     qo, ko = _kernel(kind, "qk_norm_rope")(
         inputs=[q, k, wq, wk, row_pos], template=template, grid=_grid(-(-n * (n_heads + n_kv_heads) // 8)),
         threadgroup=(THREADS, 1, 1), output_shapes=[q.shape, k.shape], output_dtypes=[q.dtype, k.dtype])

@@ -246,7 +246,7 @@ def test_a_models_check_builds_and_launches_its_own_shapes(monkeypatch):
     b.check_model([spec, spec])  # (every kernel gives zeros, the reference's too: each case runs to its end)
     assert collected and set(rec.asked) <= set(collected)
     shape = cuda_jit.template_suffix([("H", 16), ("KV", 8), ("D", 128), ("CAUSAL", True), ("WINDOW", 0),
-                                      ("SCALE_BITS", kernels._f32_bits(spec.scale)), ("SOFTCAP_BITS", 0),
+                                      ("SCALE_BITS", kernels.f32_bits(spec.scale)), ("SOFTCAP_BITS", 0),
                                       ("SOFTCAP_INV_BITS", 0), ("QT", mx.bfloat16), ("KVT", mx.bfloat16)])
     result = [("OT", mx.bfloat16)]
     for name, form in [("attn_scores", []), ("attn_scores_rows", []), ("attn_context_rows", [*kernels.CONTEXT_ROWS_FORM, *result]),

@@ -308,8 +308,8 @@ def test_cuda_sources_compile_with_nvrtc(monkeypatch):
     unrollings = {tuple(kernels.split_unroll(rows, cap)) for rows in range(1, 1025) for cap in (1, 1 << 20)}  # all used
     builds += [("attn_softmax_context", bodies["attn_softmax_context"], u) for u in sorted(unrollings)]
     builds += [("attn_softmax_context", bodies["attn_softmax_context"], form) for form in kernels.ONE_ROW_FORMS]
-    builds += [("qk_norm_rope", bodies["qk_norm_rope"], (("EPS_BITS", kernels._f32_bits(1e-6)), ("LOG2_BASE_BITS", bits)))
-               for bits in (kernels._f32_bits(19.93), 1 << 30)]
+    builds += [("qk_norm_rope", bodies["qk_norm_rope"], (("EPS_BITS", kernels.f32_bits(1e-6)), ("LOG2_BASE_BITS", bits)))
+               for bits in (kernels.f32_bits(19.93), 1 << 30)]
     assert {n for n, _, _ in builds} | mma == set(bodies)
     for name, body, extra in builds:
         rc, log = _nvrtc_compile(lib, name, _cuda_kernel_source(name, body, parts[name][0], extra), opts)
@@ -329,8 +329,8 @@ def test_cuda_sources_compile_with_nvrtc(monkeypatch):
             rc, log = _nvrtc_compile(lib, name, src, opts)
             assert rc == 0, f"{name} {types}: {log}"
     # the score kernels with a soft-cap (Gemma 2's 50; its bits as kernels.split_attention passes them)
-    monkeypatch.setitem(SPLIT_TEMPLATE, "SOFTCAP_BITS", kernels._f32_bits(50.0))
-    monkeypatch.setitem(SPLIT_TEMPLATE, "SOFTCAP_INV_BITS", kernels._f32_bits(softcap_inverse(50.0)))
+    monkeypatch.setitem(SPLIT_TEMPLATE, "SOFTCAP_BITS", kernels.f32_bits(50.0))
+    monkeypatch.setitem(SPLIT_TEMPLATE, "SOFTCAP_INV_BITS", kernels.f32_bits(softcap_inverse(50.0)))
     for name in ("attn_scores", "attn_scores_rows"):
         rc, log = _nvrtc_compile(lib, name, _cuda_kernel_source(name, bodies[name], parts[name][0]), opts)
         assert rc == 0, f"{name}, soft-capped: {log}"
@@ -538,7 +538,7 @@ def test_soft_capped_passes_reach_the_kernels_with_their_cap(monkeypatch):
         (fused,) = [inputs for name, inputs, _ in seen if name == "fused_attention"]
         assert np.array(fused[6]).tolist() == [np.float32(spec.scale), np.float32(cap), np.float32(inv)]
         scores = [t for name, _, t in seen if name in ("attn_scores", "attn_scores_rows")]
-        assert len(scores) == 2 and all((t["SOFTCAP_BITS"], t["SOFTCAP_INV_BITS"]) == (kernels._f32_bits(cap), kernels._f32_bits(inv))
+        assert len(scores) == 2 and all((t["SOFTCAP_BITS"], t["SOFTCAP_INV_BITS"]) == (kernels.f32_bits(cap), kernels.f32_bits(inv))
                                         for t in scores)
     assert inv == float(np.float32(1) / np.float32(50)) != 0.02
     mlx = make_backend("mlx", device="cpu")

@@ -526,8 +526,9 @@ def verify_block_kernels(backend: "MLXBackend", kernel: str | None = None) -> st
         rng = np.random.default_rng(7)
         weights = [to_device(t, quants.split(quants.random_blocks(rng, t, 8, 256), t, 8, 256), (8, 256))
                    for t in block_kernels.types_of(kernel)]
-        zeros = lambda *shape: mx.zeros(shape, backend.weight_dtype)  # noqa: E731 (the ADD and NORM forms:
-        _prebuild(backend, [lambda w=w, m=m: block_kernels.product("cuda", zeros(m, 256), w)  # the same kernels)
+        zeros = lambda *shape: mx.zeros(shape, backend.weight_dtype)  # noqa: E731
+        # (a product's ADD and NORM forms are the same compiled kernels: nothing more to build for them)
+        _prebuild(backend, [lambda w=w, m=m: block_kernels.product("cuda", zeros(m, 256), w)
                             for w in weights for m in range(1, block_kernels.MAX_ROWS + 1)]
                   + [lambda: block_kernels.rms_norm("cuda", zeros(2, 256), zeros(256), 1e-6)])
     try:
