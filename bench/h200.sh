@@ -12,7 +12,7 @@
 #         them with TEST_FILES over calls
 # archs   every architecture against llama.cpp's fixtures and the windowed cache, the "mlx" rows on the GPU
 #         (test_models, test_window_cache) -> $OUT/archs.log
-# fused   the block kernels' ADD and NORM forms and the rms_norm kernel first on a GPU: their GPU tests in
+# fused   the block kernels' ADD, NORM and SWIGLU forms and the rms_norm and swiglu kernels: their GPU tests in
 #         bfloat16 (self-check, a model fused = apart bit for bit) -> $OUT/fused-tests.log, then the decode
 #         step's host parts with them (default) and without (unfused) beside mlx-lm, bfloat16, prompts
 #         CASES_FUSED (17,511) -> $OUT/fused-profile.jsonl (bench/probes/step_profile.py)
@@ -75,7 +75,7 @@ for step in ${*:-tests archs bench report}; do
       tail -5 "$OUT/tests.log"; log "tests rc=$rc"; [ $rc -eq 0 ] || exit 1 ;;
     fused)
       MLXINFER_TEST_OFFLINE=1 timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -rfE \
-        tests/test_block_kernels.py -k "bfloat16 and (gpu_norms or gpu_norm_kernel or gpu_self_check_of_the_block)" \
+        tests/test_block_kernels.py -k "bfloat16 and (gpu_norms or gpu_norm_kernel or gpu_swiglu or gpu_self_check_of_the_block)" \
         >"$OUT/fused-tests.log" 2>&1; rc=$?
       tail -3 "$OUT/fused-tests.log"; log "fused tests rc=$rc"
       timeout "${BENCH_TIMEOUT:-300}" python3 bench/probes/step_profile.py --cases "${CASES_FUSED:-17,511}" --gen 64 \

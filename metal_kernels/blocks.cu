@@ -13,8 +13,10 @@
 //   product would (mlxi_residual_sum), so a layer's output projection and its residual are one launch;
 //   NORM (bit 1) multiplies x's rows RMS-normed with weight nw ([K], x's type) and eps (dims[3], its
 //   float32 bits), each normed value exactly what the `rms_norm` kernel writes (mlxi_rms_inv), so a
-//   layer's norm and the product after it are one launch. Without its bit, res or nw is not read (the
-//   launch passes x there).
+//   layer's norm and the product after it are one launch. SWIGLU (bit 2, not with NORM) multiplies
+//   silu(g) * u of x = [g | u], [M, 2K] (an FFN's merged gate and up products), each value exactly what
+//   the `swiglu` kernel writes (mlxi_swiglu_value), so SwiGLU and the down product are one launch.
+//   Without its bit, res or nw is not read (the launch passes x there).
 //
 // How the work is laid out does not change that order. A block's 8 warps first copy x, MLXI_TILE columns
 // at a time, into shared memory (coalesced; padded so that the lanes' reads of their own units do not
@@ -123,19 +125,55 @@ __device__ __forceinline__ float mlxi_norm_value(float v, float inv, float w) {
   return (float)(X)__fmul_rn(__fmul_rn(v, inv), w);
 }
 
+// SwiGLU (the `swiglu` kernel, and SWIGLU's staging: the down product of silu(gate) * up in one launch).
+// The published order: e = exp(t) for t = -g clamped to [-20, 88] (mlxi_exp: n = rint(t log2 e),
+// r = (t - n C1) - n C2 with ln 2 = C1 + C2 (C1 = 355/512, so n C1 is exact), e^r by the Taylor
+// polynomial of degree 7 in Horner's order from 1/5040 down, times 2^n, exact: every step rounded, no
+// contraction; within 2 float32 units of e^t, block_kernels.emulate_swiglu follows it in numpy);
+// silu = g / (1 + e) rounded to X (what the graph's silu op writes), then silu * u rounded to X (its
+// product with up). Past the clamp: 1 + e^-20 is 1 in float32, and silu(g) for g < -88 is g / (1 + e^88),
+// below 1e-36 in magnitude instead of below that.
+__device__ __forceinline__ float mlxi_exp(float t) {
+  const float n = rintf(__fmul_rn(t, 1.44269502162933349609375f));
+  const float r = __fsub_rn(__fsub_rn(t, __fmul_rn(n, 0.693359375f)), __fmul_rn(n, -2.12194440e-4f));
+  float p = 1.98412701e-4f;  // 1/5040, then 1/720, ... 1/2, 1, 1
+  p = __fadd_rn(__fmul_rn(p, r), 1.38888892e-3f);
+  p = __fadd_rn(__fmul_rn(p, r), 8.33333377e-3f);
+  p = __fadd_rn(__fmul_rn(p, r), 4.16666679e-2f);
+  p = __fadd_rn(__fmul_rn(p, r), 1.66666672e-1f);
+  p = __fadd_rn(__fmul_rn(p, r), 0.5f);
+  p = __fadd_rn(__fmul_rn(p, r), 1.0f);
+  p = __fadd_rn(__fmul_rn(p, r), 1.0f);
+  return __fmul_rn(p, __int_as_float(((int)n + 127) << 23));
+}
+
+template <typename X>
+__device__ __forceinline__ float mlxi_swiglu_value(float g, float u) {
+  const float t = fminf(fmaxf(-g, -20.0f), 88.0f);
+  const float silu = (float)(X)__fdiv_rn(g, __fadd_rn(1.0f, mlxi_exp(t)));
+  return (float)(X)__fmul_rn(silu, u);
+}
+
 // Columns col0 .. col0 + cols - 1 of x's M rows, as float, into shared memory xs (row stride STRIDE, column c
 // at mlxi_xs_at<PAD>(c)), four at a time by the block's threads in turn. cols is a multiple of 32. With a
-// norm weight nw (NORM), each value is row m's normed value (inv[m]: its scale, mlxi_rms_inv).
+// norm weight nw (NORM), each value is row m's normed value (inv[m]: its scale, mlxi_rms_inv); with glu
+// (SWIGLU), x's rows are [g | u] of 2K values and each value is mlxi_swiglu_value(g_c, u_c).
 template <int PAD, int M, int STRIDE, typename X>
 __device__ __forceinline__ void mlxi_stage_x(const X* x, long K, long col0, int cols, bool vec, float* xs,
-                                             const X* nw, const float* inv) {
+                                             const X* nw, const float* inv, bool glu) {
   const int quads = cols / 4;
   const bool nvec = nw != nullptr && mlxi_aligned4(nw);
+  const long stride = glu ? 2 * K : K;
   for (int i = threadIdx.x; i < M * quads; i += MLXI_THREADS) {
     const int m = i / quads, c = 4 * (i - m * quads);
     float v[4];
-    mlxi_load4(x + (long)m * K + col0 + c, vec, v);
-    if (nw) {
+    mlxi_load4(x + (long)m * stride + col0 + c, vec, v);
+    if (glu) {
+      float u[4];
+      mlxi_load4(x + (long)m * stride + K + col0 + c, vec, u);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] = mlxi_swiglu_value<X>(v[j], u[j]);
+    } else if (nw) {
       float w[4];
       mlxi_load4(nw + col0 + c, nvec, w);
 #pragma unroll
@@ -202,7 +240,7 @@ __device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int*
   __shared__ __align__(16) float xs[M * STRIDE];  // (float4 reads and writes)
   __shared__ float inv[MLXI_WARPS];
   const int N = dims[0], K = dims[1], R = dims[2];
-  const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // the ADD and NORM forms
+  const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1, glu = (dims[4] >> 2) & 1;  // ADD, NORM, SWIGLU
   const long warp0 = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS;
   if (warp0 * R >= N) return;  // (the whole block: no warp of it has a row)
   G::prepare();
@@ -220,7 +258,7 @@ __device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int*
   for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
     const int cols = mlxi_tile_cols(K, col0);
     __syncthreads();
-    mlxi_stage_x<G::PAD, M, STRIDE>(x, K, col0, cols, vec, xs, norm ? nw : nullptr, inv);
+    mlxi_stage_x<G::PAD, M, STRIDE>(x, K, col0, cols, vec, xs, norm ? nw : nullptr, inv, glu);
     __syncthreads();
     if (rows == 0 || 32 * lane >= cols) continue;
     const long u = col0 / 32 + lane;
@@ -556,4 +594,13 @@ if (row < rows) {
   const T* xr = x + row * K;
   const float inv = mlxi_rms_inv(xr, K, __int_as_float(dims[2]), lane);
   for (int c = lane; c < K; c += 32) out[row * K + c] = (T)mlxi_norm_value<T>((float)xr[c], inv, (float)nw[c]);
+}
+//@@BODY swiglu
+// SwiGLU of x [M, 2K] (T) = [gate | up] a row: out [M, K] (T), a thread a value (mlxi_swiglu_value: the
+// order); dims = [M, K].
+const long K = dims[1], total = (long)dims[0] * K;
+const long i = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_THREADS + threadIdx.x;
+if (i < total) {
+  const long m = i / K, c = i - m * K;
+  out[i] = (T)mlxi_swiglu_value<T>((float)x[2 * K * m + c], (float)x[2 * K * m + K + c]);
 }

@@ -66,24 +66,50 @@ inline float mlxi_norm_value(float v, float inv, float w) {
   return float(T((v * inv) * w));
 }
 
-// Value c of x's row m as the product reads it: with NORM, normed (inv[m]: the row's scale).
+// SwiGLU (blocks.cu's mlxi_exp and mlxi_swiglu_value, the same order): e^t by n = rint(t log2 e),
+// r = (t - n C1) - n C2, the degree-7 Taylor polynomial in Horner's order, times 2^n; silu = g / (1 + e)
+// for t = -g clamped to [-20, 88], rounded to T, times u, rounded to T.
+inline float mlxi_exp(float t) {
+  const float n = metal::rint(t * 1.44269502162933349609375f);
+  const float r = (t - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.98412701e-4f;
+  p = p * r + 1.38888892e-3f;
+  p = p * r + 8.33333377e-3f;
+  p = p * r + 4.16666679e-2f;
+  p = p * r + 1.66666672e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  return p * as_type<float>((int(n) + 127) << 23);
+}
+
+template <typename T>
+inline float mlxi_swiglu_value(float g, float u) {
+  const float t = metal::min(metal::max(-g, -20.0f), 88.0f);
+  const float silu = float(T(metal::precise::divide(g, 1.0f + mlxi_exp(t))));
+  return float(T(silu * u));
+}
+
+// Value c of x's row m as the product reads it: xform 1 (NORM) normed (inv[m]: the row's scale); xform 2
+// (SWIGLU) x's rows are [g | u] of 2K values, and the value mlxi_swiglu_value(g_c, u_c).
 template <typename T, typename XP, typename NP>
-inline float mlxi_x(XP x, NP nw, thread const float* inv, bool norm, int m, long K, long c) {
+inline float mlxi_x(XP x, NP nw, thread const float* inv, int xform, int m, long K, long c) {
+  if (xform == 2) return mlxi_swiglu_value<T>(float(x[(long)m * 2 * K + c]), float(x[(long)m * 2 * K + K + c]));
   const float v = float(x[(long)m * K + c]);
-  return norm ? mlxi_norm_value<T>(v, inv[m], float(nw[c])) : v;
+  return xform == 1 ? mlxi_norm_value<T>(v, inv[m], float(nw[c])) : v;
 }
 
 // One affine group of 32 values into the row sums (blocks.cu's mlxi_affine_group, the same order).
 template <int BITS, int M, typename T, typename XP, typename WP, typename NP>
 inline void mlxi_affine_group(XP x, long K, long col, WP w_row, long g, float scale, float bias, thread float* acc,
-                              NP nw, thread const float* inv, bool norm) {
+                              NP nw, thread const float* inv, int xform) {
   uint words[BITS];
   for (int i = 0; i < BITS; ++i) words[i] = w_row[g * BITS + i];
   for (int t = 0; t < 32; ++t) {
     const float sq = scale * float(mlxi_code<BITS>(words, t));
     const float w = sq + bias;
     for (int m = 0; m < M; ++m) {
-      const float prod = mlxi_x<T>(x, nw, inv, norm, m, K, col + t) * w;
+      const float prod = mlxi_x<T>(x, nw, inv, xform, m, K, col + t) * w;
       acc[m] = acc[m] + prod;
     }
   }
@@ -98,7 +124,8 @@ const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_WARPS + simdgroup_index_in_threadgroup;
 if (n >= N) return;
-const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // the ADD and NORM forms (blocks.cu's dims[4])
+const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // ADD, NORM, SWIGLU (blocks.cu's dims[4])
+const int xform = (dims[4] >> 1) & 3;  // how x is read: 1 normed, 2 SwiGLU of [g | u]
 float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
 for (int m = 0; m < M; ++m) inv[m] = norm ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
@@ -116,7 +143,7 @@ for (int u = lane; u < units; u += 32) {
       const uint q = ((lb >> (4 * (j >> 1))) & 0xfu) | (((hbyte >> (2 * j)) & 3u) << 4);
       const float w = dl * float(int(q) - 32);
       for (int m = 0; m < M; ++m) {
-        const float prod = mlxi_x<T>(x, nw, inv, norm, m, K, col + 32 * j + t) * w;
+        const float prod = mlxi_x<T>(x, nw, inv, xform, m, K, col + 32 * j + t) * w;
         acc[m] = acc[m] + prod;
       }
     }
@@ -133,7 +160,8 @@ const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_WARPS + simdgroup_index_in_threadgroup;
 if (n >= N) return;
-const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // the ADD and NORM forms (blocks.cu's dims[4])
+const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // ADD, NORM, SWIGLU (blocks.cu's dims[4])
+const int xform = (dims[4] >> 1) & 3;  // how x is read: 1 normed, 2 SwiGLU of [g | u]
 float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
 for (int m = 0; m < M; ++m) inv[m] = norm ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
@@ -154,7 +182,7 @@ for (long g = lane; g < K / 32; g += 32) {
     scale = mlxi_half_bits(s0[at]);
     bias = -(scale * float(ZERO));
   }
-  mlxi_affine_group<BITS, M, T>(x, K, g * 32, w_row, g, scale, bias, acc, nw, inv, norm);
+  mlxi_affine_group<BITS, M, T>(x, K, g * 32, w_row, g, scale, bias, acc, nw, inv, xform);
 }
 for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);
@@ -170,7 +198,8 @@ const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_WARPS + simdgroup_index_in_threadgroup;
 if (n >= N) return;
-const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // the ADD and NORM forms (blocks.cu's dims[4])
+const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // ADD, NORM, SWIGLU (blocks.cu's dims[4])
+const int xform = (dims[4] >> 1) & 3;  // how x is read: 1 normed, 2 SwiGLU of [g | u]
 float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
 for (int m = 0; m < M; ++m) inv[m] = norm ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
@@ -192,7 +221,7 @@ for (long g = lane; g < K / 32; g += 32) {
     const uint code = (uint(qs[at + (t & 15)]) >> (4 * (t >> 4))) & 0xfu;
     const float w = dl * mlxi_iq4_value(code);
     for (int m = 0; m < M; ++m) {
-      const float prod = mlxi_x<T>(x, nw, inv, norm, m, K, g * 32 + t) * w;
+      const float prod = mlxi_x<T>(x, nw, inv, xform, m, K, g * 32 + t) * w;
       acc[m] = acc[m] + prod;
     }
   }
@@ -210,7 +239,8 @@ const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_WARPS + simdgroup_index_in_threadgroup;
 if (n >= N) return;
-const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // the ADD and NORM forms (blocks.cu's dims[4])
+const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // ADD, NORM, SWIGLU (blocks.cu's dims[4])
+const int xform = (dims[4] >> 1) & 3;  // how x is read: 1 normed, 2 SwiGLU of [g | u]
 float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
 for (int m = 0; m < M; ++m) inv[m] = norm ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
@@ -228,7 +258,7 @@ for (long g = lane; g < K / 32; g += 32) {
     const uint high = (uint(hmask[blk * 32 + t]) >> j) & 1u;
     const float w = dl * float(int(low) - 4 * int(1u - high));
     for (int m = 0; m < M; ++m) {
-      const float prod = mlxi_x<T>(x, nw, inv, norm, m, K, g * 32 + t) * w;
+      const float prod = mlxi_x<T>(x, nw, inv, xform, m, K, g * 32 + t) * w;
       acc[m] = acc[m] + prod;
     }
   }
@@ -245,7 +275,8 @@ const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_WARPS + simdgroup_index_in_threadgroup;
 if (n >= N) return;
-const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // the ADD and NORM forms (blocks.cu's dims[4])
+const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // ADD, NORM, SWIGLU (blocks.cu's dims[4])
+const int xform = (dims[4] >> 1) & 3;  // how x is read: 1 normed, 2 SwiGLU of [g | u]
 float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
 for (int m = 0; m < M; ++m) inv[m] = norm ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
@@ -261,7 +292,7 @@ for (long g = lane; g < K / 32; g += 32) {
     const float dq = dl * float(q);
     const float w = dq - ml;
     for (int m = 0; m < M; ++m) {
-      const float prod = mlxi_x<T>(x, nw, inv, norm, m, K, g * 32 + t) * w;
+      const float prod = mlxi_x<T>(x, nw, inv, xform, m, K, g * 32 + t) * w;
       acc[m] = acc[m] + prod;
     }
   }
@@ -277,7 +308,8 @@ const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_WARPS + simdgroup_index_in_threadgroup;
 if (n >= N) return;
-const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // the ADD and NORM forms (blocks.cu's dims[4])
+const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1;  // ADD, NORM, SWIGLU (blocks.cu's dims[4])
+const int xform = (dims[4] >> 1) & 3;  // how x is read: 1 normed, 2 SwiGLU of [g | u]
 float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
 for (int m = 0; m < M; ++m) inv[m] = norm ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
@@ -287,7 +319,7 @@ for (long g = lane; g < K / 32; g += 32) {
     const uint h = uint(v[n * K + g * 32 + t]);
     const float w = BF ? as_type<float>(h << 16) : mlxi_half_bits(h);
     for (int m = 0; m < M; ++m) {
-      const float prod = mlxi_x<T>(x, nw, inv, norm, m, K, g * 32 + t) * w;
+      const float prod = mlxi_x<T>(x, nw, inv, xform, m, K, g * 32 + t) * w;
       acc[m] = acc[m] + prod;
     }
   }
@@ -306,4 +338,13 @@ const long row = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x
 if (row < rows) {
   const float inv = mlxi_rms_inv(x + row * K, K, as_type<float>(dims[2]), lane);
   for (int c = lane; c < K; c += 32) out[row * K + c] = T(mlxi_norm_value<T>(float(x[row * K + c]), inv, float(nw[c])));
+}
+//@@BODY swiglu
+// As in blocks.cu: SwiGLU of x [M, 2K] = [gate | up] a row, out [M, K], a thread a value; dims = [M, K].
+const long K = dims[1], total = (long)dims[0] * K;
+const long i = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
+    * MLXI_THREADS + thread_index_in_threadgroup;
+if (i < total) {
+  const long m = i / K, c = i - m * K;
+  out[i] = T(mlxi_swiglu_value<T>(float(x[2 * K * m + c]), float(x[2 * K * m + K + c])));
 }

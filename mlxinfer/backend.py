@@ -12,7 +12,7 @@ backend as integer arrays made by `index_array`. Weight matrices are opaque hand
 
 `fused_attention` is the composite op with a contract: `per_head_attention` below is its definition, built
 from the primitives; its op order is what every override must reproduce bit for bit. The other composite
-ops (`rms_norm`, `qk_norm_rope`, `linear_group`, `linear_add`, `rms_norm_linear_group`) have defaults built from the primitives too, which the
+ops (`rms_norm`, `qk_norm_rope`, `linear_group`, `linear_add`, `rms_norm_linear_group`, `swiglu_ffn`) have defaults built from the primitives too, which the
 tracing backend runs; a backend's overrides of them fuse kernels or drop reshapes.
 """
 
@@ -385,6 +385,15 @@ class Backend:
         then `add`; a backend may do both in one launch where it keeps the bits (MLX on a GPU: the
         block kernels' ADD form, which rounds the product and then the sum as these two ops do)."""
         return self.add(residual, self.linear(x, w, groups))
+
+    def swiglu_ffn(self, x, weight, eps: float, gate_up, down, groups=None):
+        """x + down(silu(gate(h)) * up(h)) for h = rms_norm(x, weight, eps): a pre-norm SwiGLU FFN block on
+        one rank (`gate_up` a `load_weight_group` of gate and up). Default: `rms_norm_linear_group`, silu,
+        hadamard, `linear_add`; a backend may keep gate and up side by side and take the activation into
+        the down product's launch where it keeps the bits (MLX on a GPU: the block kernels' SWIGLU form
+        multiplies the values its `swiglu` kernel writes)."""
+        gate, up = self.rms_norm_linear_group(x, weight, eps, gate_up, groups)
+        return self.linear_add(self.hadamard(self.silu(gate), up), down, x, groups)
 
     def linear_group(self, x, ws, groups=None):
         """x times each matrix of a `load_weight_group` handle: a tuple of products, one per matrix.

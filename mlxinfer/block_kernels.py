@@ -18,11 +18,15 @@ by the host's launches): ADD, the residual plus the product (`product(..., resid
 graph's Add after it: `with_residual`), and NORM, the product of x's rows RMS-normed (`product(...,
 norm=)`), each normed value the bits this module's `rms_norm` kernel writes (`emulate_rms_norm`), which
 the MLX backend runs as its RMSNorm wherever the block kernels run. A pre-norm layer's two norms and two
-residual adds then cost no launch of their own.
+residual adds then cost no launch of their own. A third, SWIGLU (`product(..., swiglu=True)`), multiplies
+silu(gate) * up of x = [gate | up] (an FFN's merged product), each value the bits of this module's
+`swiglu` kernel (`emulate_swiglu`), which the backend runs for SwiGLU wherever the block kernels run: the
+FFN's activation costs no launch of its own either.
 """
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import numpy as np
@@ -58,7 +62,8 @@ INPUTS = {"q6_k_matvec": ["x", "res", "nw", "ql", "qh", "scales", "d_bits", "dim
           "q3_k_matvec": ["x", "res", "nw", "hmask", "qs", "sc3", "d_bits", "dims"],
           "q2_k_matvec": ["x", "res", "nw", "sc2", "qs", "d_bits", "dmin_bits", "dims"],
           "half_matvec": ["x", "res", "nw", "v", "dims"],
-          "rms_norm": ["x", "nw", "dims"]}
+          "rms_norm": ["x", "nw", "dims"],
+          "swiglu": ["x", "dims"]}
 FIELDS_AT = 3  # a matvec's weight fields start at this input
 MAX_ROWS = 8  # rows of x a launch takes (each lane keeps one partial sum per row in registers)
 WARPS = 8  # warps per block of 256 threads
@@ -149,18 +154,24 @@ def kernel_fields(w) -> tuple:
     return w.w, half(d), half(rest[0] if rest else d)
 
 
-def product(kind: str, x, w, per_warp: int | None = None, residual=None, norm=None):
+def product(kind: str, x, w, per_warp: int | None = None, residual=None, norm=None, swiglu: bool = False):
     """x @ w.T [M, N] in x's dtype, by the kernel of w's type on `kind` ("cuda" or "metal"), each warp
     taking `per_warp` output rows (1..`rows_per_warp`, by default that many). With `residual` ([M, N],
     x's dtype): residual + x @ w.T in the same launch, the bits of the graph's `residual + product`
     (the kernels' ADD form: `with_residual` says the roundings). With `norm` = (weight [K] of x's
     dtype, eps): the product of x's rows RMS-normed, each normed value the bits `rms_norm` writes (the
-    NORM form). Both forms are chosen at launch (dims[4]): the kernel compiled for a type and row count
-    serves all three."""
+    NORM form). With `swiglu`: x is [M, 2K] = [gate | up], and the product is of silu(gate) * up, each
+    value the bits `swiglu` writes (the SWIGLU form; not with `norm`). The forms are chosen at launch
+    (dims[4]): the kernel compiled for a type and row count serves them all."""
     import mlx.core as mx
 
-    rows, k = x.shape
+    rows, k = x.shape[0], w.shape[1]
     n = w.shape[0]
+    if x.ndim != 2 or x.shape[1] != (2 * k if swiglu else k):
+        raise ValueError(f"x must be [rows, {2 * k if swiglu else k}] for a product by [{n}, {k}]"
+                         f"{' of its SwiGLU (gate | up)' if swiglu else ''}, got {list(x.shape)}")
+    if swiglu and norm is not None:
+        raise ValueError("the SWIGLU and NORM forms of a product do not combine")
     most = rows_per_warp(kind)
     per_warp = most if per_warp is None else per_warp
     if not 1 <= per_warp <= most:
@@ -171,7 +182,7 @@ def product(kind: str, x, w, per_warp: int | None = None, residual=None, norm=No
         raise ValueError(f"the residual must be [{rows}, {n}] of x's dtype {x.dtype}, got "
                          f"{list(residual.shape)} of {residual.dtype}")
     nw, eps_bits = (x, 0) if norm is None else (norm[0], f32_bits(norm[1]))
-    forms = int(residual is not None) | int(norm is not None) << 1  # dims[4]: ADD, NORM (one compiled form)
+    forms = int(residual is not None) | int(norm is not None) << 1 | int(swiglu) << 2  # dims[4]: ADD, NORM, SWIGLU
     if norm is not None and (nw.shape != (k,) or nw.dtype != x.dtype):
         raise ValueError(f"the norm's weight must be [{k}] of x's dtype {x.dtype}, got {list(nw.shape)} of {nw.dtype}")
     name, consts = KERNELS[w.qtype]
@@ -204,6 +215,54 @@ def rms_norm(kind: str, x, weight, eps: float):
         grid=(cols * 32 * WARPS, -(-blocks // cols), 1), threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(rows, k)], output_dtypes=[x.dtype])
     return out
+
+
+def swiglu(kind: str, x):
+    """silu(gate) * up of x [M, 2F] = [gate | up] a row (both of x's dtype) on `kind`, a thread a value, in
+    blocks.cu's published order (`emulate_swiglu`): [M, F], the values the SWIGLU form of `product`
+    multiplies."""
+    import mlx.core as mx
+
+    if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] == 0 or x.shape[1] % 2:
+        raise ValueError(f"swiglu takes [rows, 2F] (gate | up) with rows and F above 0, got {list(x.shape)}")
+    rows, f = x.shape[0], x.shape[1] // 2
+    blocks = -(-(rows * f) // (32 * WARPS))
+    cols = min(blocks, 65535)
+    (out,) = _kernel(kind, "swiglu")(
+        inputs=[x, mx.array([rows, f], dtype=mx.int32)], template=[("T", x.dtype)],
+        grid=(cols * 32 * WARPS, -(-blocks // cols), 1), threadgroup=(32 * WARPS, 1, 1),
+        output_shapes=[(rows, f)], output_dtypes=[x.dtype])
+    return out
+
+
+EXP_TAYLOR = tuple(np.float32(1.0 / math.factorial(i)) for i in range(7, -1, -1))  # 1/7! .. 1/0!, Horner's order
+LN2_HI, LN2_LO, LOG2_E = np.float32(0.693359375), np.float32(-2.12194440e-4), np.float32(1.4426950408889634)
+
+
+def emulate_exp(t: np.ndarray) -> np.ndarray:
+    """blocks.cu's mlxi_exp in numpy, bit for bit (float32 t within [-20, 88]): n = rint(t log2 e),
+    r = (t - n C1) - n C2, the Taylor polynomial of degree 7 in Horner's order, times 2^n; every step
+    rounded to float32."""
+    t = np.asarray(t, np.float32)
+    n = np.rint(t * LOG2_E).astype(np.float32)
+    r = ((t - n * LN2_HI).astype(np.float32) - (n * LN2_LO).astype(np.float32)).astype(np.float32)
+    p = np.full_like(t, EXP_TAYLOR[0])
+    for c in EXP_TAYLOR[1:]:
+        p = ((p * r).astype(np.float32) + c).astype(np.float32)
+    return (p * np.ldexp(np.float32(1.0), n.astype(np.int32))).astype(np.float32)
+
+
+def emulate_swiglu(x: np.ndarray, narrow) -> np.ndarray:
+    """What blocks.cu's `swiglu` writes, in numpy, bit for bit: for x = [g | u] (float32 values of the
+    dtype), silu = g / (1 + emulate_exp(t)) for t = -g clamped to [-20, 88], `narrow`ed to the dtype, then
+    silu * u narrowed again (the graph's silu op, then its product with up)."""
+    x = np.asarray(x, np.float32)
+    f = x.shape[1] // 2
+    g, u = x[:, :f], x[:, f:]
+    t = np.minimum(np.maximum(-g, np.float32(-20.0)), np.float32(88.0))
+    with np.errstate(over="ignore", invalid="ignore"):
+        silu = narrow((g / (np.float32(1.0) + emulate_exp(t)).astype(np.float32)).astype(np.float32))
+        return narrow((silu * u).astype(np.float32))
 
 
 def emulate_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, narrow) -> np.ndarray:

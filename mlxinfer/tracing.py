@@ -87,6 +87,10 @@ class TracingBackend:
         # The default too: a counted `linear`, then a counted `add`.
         return Backend.linear_add(self, x, w, residual, groups)
 
+    def swiglu_ffn(self, x, weight, eps, gate_up, down, groups=None):
+        # The default too: the two composites above with a counted silu and hadamard between them.
+        return Backend.swiglu_ffn(self, x, weight, eps, gate_up, down, groups)
+
     def per_head_sequence(self, q, kv, batch, spec, b, out):
         # the per-head reference's steps on the tracer (counted), as `per_head_attention` calls them;
         # where the inner backend makes steps 3-7 one op a head (`sequence_op`: MLX's fused attention on

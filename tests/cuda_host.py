@@ -9,6 +9,7 @@ GPU's compiler and memory system (alignment faults, races the host's scheduling 
     out = lib.product(x, w, per_warp)    # as block_kernels.product("cuda", x, w, per_warp)
     out = lib.product(x, w, per_warp, residual)  # the ADD form (the same kernel: dims' forms bits)
     out = lib.rms_norm(x, weight, eps)   # forms: ("rms_norm", (), t, 1)
+    out = lib.swiglu(x)                  # forms: ("swiglu", (), t, 1)
 """
 
 from __future__ import annotations
@@ -73,15 +74,20 @@ class HostKernels:
     def __init__(self, folder, forms):
         self.lib = _compile(folder, source(forms), "blocks_host")
 
-    def product(self, x, w, per_warp=None, residual=None, norm=None):
-        """x @ w.T (plus `residual`: the ADD form; of x normed: the NORM form) by the host-compiled
-        kernel, launched exactly as `block_kernels.product` launches it on CUDA (its inputs, template and
-        grid recorded from a stand-in for MLX's kernel)."""
-        return self._launch(lambda: block_kernels.product("cuda", x, w, per_warp, residual, norm))
+    def product(self, x, w, per_warp=None, residual=None, norm=None, swiglu=False):
+        """x @ w.T (plus `residual`: the ADD form; of x normed: the NORM form; of SwiGLU's values of x =
+        [gate | up]: the SWIGLU form) by the host-compiled kernel, launched exactly as
+        `block_kernels.product` launches it on CUDA (its inputs, template and grid recorded from a
+        stand-in for MLX's kernel)."""
+        return self._launch(lambda: block_kernels.product("cuda", x, w, per_warp, residual, norm, swiglu))
 
     def rms_norm(self, x, weight, eps):
         """`block_kernels.rms_norm` by the host-compiled kernel (as `product`)."""
         return self._launch(lambda: block_kernels.rms_norm("cuda", x, weight, eps))
+
+    def swiglu(self, x):
+        """`block_kernels.swiglu` by the host-compiled kernel (as `product`)."""
+        return self._launch(lambda: block_kernels.swiglu("cuda", x))
 
     def _launch(self, call):
         seen = {}
@@ -99,7 +105,7 @@ class HostKernels:
         finally:
             block_kernels._kernel = real
         template = dict(seen["template"])
-        t, m = T_NAMES[template.pop("T")], template.pop("M", 1)  # (rms_norm: no M)
+        t, m = T_NAMES[template.pop("T")], template.pop("M", 1)  # (rms_norm, swiglu: no M)
         consts = tuple(template.items())
         arrays = [_host_array(a) for a in seen["inputs"]]
         shape, dtype = seen["output_shapes"][0], seen["output_dtypes"][0]

@@ -28,6 +28,7 @@ int max(int a, int b);
 float min(float a, float b);
 int min(int a, int b);
 float exp(float x);
+float rint(float x);  // to the nearest integer, ties to even (the default rounding mode)
 namespace precise {
 float exp(float x);
 float divide(float a, float b);

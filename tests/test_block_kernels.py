@@ -9,6 +9,8 @@ emulation bit for bit; the Metal twin parses with clang against the Metal stand-
 sends a decode row's product to the kernel only on a GPU. On a GPU: the kernel equals the emulation bit for bit,
 through `MLXBackend.linear`, and its self-check passes."""
 
+import collections
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -95,10 +97,13 @@ struct __half { unsigned short x; __device__ __half(float f) : x(0) {} __device_
 """
 
 
+ELEMENTWISE = ("rms_norm", "swiglu")  # blocks.cu's kernels besides the products (no constants, no M)
+
+
 def _launches():
-    """(kernel, template constants) of every type's launch (its ADD and NORM forms are the same kernel,
-    chosen at launch), and the norm's own kernel (`rms_norm`, no constants)."""
-    return sorted({(name, consts) for name, consts in block_kernels.KERNELS.values()}) + [("rms_norm", ())]
+    """(kernel, template constants) of every type's launch (its ADD, NORM and SWIGLU forms are the same
+    kernel, chosen at launch), and the norm's and SwiGLU's own kernels (no constants)."""
+    return sorted({(name, consts) for name, consts in block_kernels.KERNELS.values()}) + [(n, ()) for n in ELEMENTWISE]
 
 
 def _cuda_source(name: str, consts, dtype: str, m: int) -> str:
@@ -124,7 +129,7 @@ def test_cuda_source_compiles_with_nvrtc_for_every_row_count(dtype):
     opts = [b"--gpu-architecture=compute_90", b"-default-device", b"--std=c++17"]
     assert {name for name, _ in _launches()} == set(block_kernels.kernel_source("cuda")[1])
     for name, consts in _launches():
-        for m in ((1,) if name == "rms_norm" else range(1, block_kernels.MAX_ROWS + 1)):
+        for m in ((1,) if name in ELEMENTWISE else range(1, block_kernels.MAX_ROWS + 1)):
             rc, log = _nvrtc_compile(lib, name, _cuda_source(name, consts, dtype, m), opts)
             assert rc == 0, f"{name} {consts} M={m} {dtype}: {log}"
 
@@ -280,11 +285,12 @@ def test_the_kernels_inputs_are_made_once_at_load(qtype, monkeypatch):
 @pytest.fixture(scope="module")
 def host_kernels(tmp_path_factory):
     """blocks.cu's kernels compiled for the host (tests/cuda_host.py): every type's form, x float32 and
-    bfloat16, 1 and 5 rows."""
+    bfloat16, 1 and 5 rows; SwiGLU's in float16 too."""
     if not cuda_host.available():
         pytest.skip("needs g++ (C++20) to run the CUDA kernels on the host")
     forms = [(name, consts, t, m) for name, consts in _launches() for t in ("float", "__nv_bfloat16")
-             for m in ((1,) if name == "rms_norm" else (1, 5))]  # (ADD and NORM: the same kernels)
+             for m in ((1,) if name in ELEMENTWISE else (1, 5))]  # (ADD, NORM, SWIGLU: the same kernels)
+    forms.append(("swiglu", (), "__half", 1))
     return cuda_host.HostKernels(tmp_path_factory.mktemp("cuda_host"), forms)
 
 
@@ -325,6 +331,13 @@ def test_the_cuda_kernels_run_on_the_host_give_their_published_order(host_kernel
         want = narrow(block_kernels.emulate(normed, values, qtype))
         same = got.view(np.uint32) == want.view(np.uint32)
         assert same.all(), f"NORM: {int((~same).sum())} of {same.size} differ ({m} rows, {per_warp} a warp, {dtype})"
+        # the SWIGLU form with ADD: residual + the product of silu(gate) * up as the swiglu kernel writes it
+        gud = mx.array(rng.standard_normal((m, 2 * cols), dtype=np.float32) * 4).astype(dtype)
+        act = block_kernels.emulate_swiglu(np.array(gud.astype(mx.float32)), narrow)
+        got = host_kernels.product(gud, w, per_warp, residual=res, swiglu=True)
+        want = block_kernels.with_residual(block_kernels.emulate(act, values, qtype), np.array(res.astype(mx.float32)), narrow)
+        same = got.view(np.uint32) == want.view(np.uint32)
+        assert same.all(), f"SWIGLU: {int((~same).sum())} of {same.size} differ ({m} rows, {per_warp} a warp, {dtype})"
 
 
 def test_rows_a_warp_takes():
@@ -412,7 +425,7 @@ def test_the_block_self_check_compares_in_the_products_dtype(monkeypatch, dtype)
     """The block kernels' self-check launches them with x in the products' dtype (a 16-bit x widened
     exactly, the float32 sum rounded once to it, `(T)s`), for each number of rows a CUDA warp takes, and
     expects exactly that (the ADD form: with the residual added as `with_residual` says; the NORM form:
-    of the rows `emulate_rms_norm` norms): a stand-in kernel that is the emulation so rounded passes; one whose largest value is one unit in the last place off fails, naming the type, rows and dtype. (Stand-in kernel on MLX's CPU.)"""
+    of the rows `emulate_rms_norm` norms; the SWIGLU form: of `emulate_swiglu`'s values, with ADD): a stand-in kernel that is the emulation so rounded passes; one whose largest value is one unit in the last place off fails, naming the type, rows and dtype. (Stand-in kernel on MLX's CPU.)"""
     from mlxinfer.backends import mlx as mlx_mod
 
     seen = {}
@@ -430,13 +443,16 @@ def test_the_block_self_check_compares_in_the_products_dtype(monkeypatch, dtype)
     per_warp_seen, added = set(), []
     narrow = lambda a: np.array(mx.array(a).astype(b.dtype).astype(mx.float32))  # noqa: E731
 
-    def kernel(kind, x, w, per_warp=None, residual=None, norm=None):
+    def kernel(kind, x, w, per_warp=None, residual=None, norm=None, swiglu=False):
         per_warp_seen.add(per_warp)
-        added.append("add" if residual is not None else "norm" if norm is not None else "")
+        added.append("glu" if swiglu else "add" if residual is not None else "norm" if norm is not None else "")
         xs = np.array(x.astype(mx.float32))
         assert x.dtype == b.dtype and np.array_equal(np.array(mx.array(xs).astype(x.dtype).astype(mx.float32)), xs)
         if norm is not None:
             xs = block_kernels.emulate_rms_norm(xs, np.array(norm[0].astype(mx.float32)), norm[1], narrow)
+        if swiglu:
+            assert residual is not None  # (the self-check's SWIGLU form adds the residual too, as a layer does)
+            xs = block_kernels.emulate_swiglu(xs, narrow)
         s = block_kernels.emulate(xs, seen["v"].reshape(w.shape), w.qtype)
         out = narrow(s) if residual is None else block_kernels.with_residual(s, np.array(residual.astype(mx.float32)), narrow)
         big = np.unravel_index(np.argmax(np.abs(out)), out.shape)  # (a normal number in every dtype)
@@ -446,7 +462,7 @@ def test_the_block_self_check_compares_in_the_products_dtype(monkeypatch, dtype)
     monkeypatch.setattr(block_kernels, "product", kernel)
     assert _check_block_products(b) is None and _check_block_products(b, fused=True) is None
     assert per_warp_seen == {1, 2, block_kernels.MAX_ROWS_PER_WARP}  # every layout a CUDA warp may take
-    assert set(added) == {"", "add", "norm"}  # the product alone, the ADD and the NORM forms
+    assert set(added) == {"", "add", "norm", "glu"}  # the product alone, the ADD, NORM and SWIGLU forms
     off["by"] = 1
     first = next(iter(block_kernels.KERNELS)).name
     assert _check_block_products(b) == (f"the {first} block kernel differs from its published order in 1 of 42 "
@@ -458,61 +474,64 @@ def test_the_block_self_check_compares_in_the_products_dtype(monkeypatch, dtype)
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
-def test_norms_and_residuals_join_the_products_bit_for_bit(synthetic, monkeypatch, dtype, arch):
+def test_norms_swiglu_and_residuals_join_the_products_bit_for_bit(synthetic, monkeypatch, dtype, arch):
     """Where the block kernels multiply a pass's rows (here a 4-token prompt's), each layer's attention
-    and FFN norms are one launch with the products after them (`rms_norm_linear_group`: the kernels'
-    NORM form) and its attention output and FFN down products take their residual in the same launch
-    (`linear_add`: the ADD form), and the logits are the bits of the ops apart (`Backend`'s defaults:
-    the norm kernel, the products, the graph's Add). Stand-in kernels on MLX's CPU: the norm as
-    `emulate_rms_norm`, a product as the weight's own graph product rounded to the dtype (the ADD form:
-    `with_residual`), so what is compared is the backend's wiring and MLX's Add against the kernels'
-    rounding rule."""
+    and FFN norms are one launch with the products after them (`rms_norm_linear_group`, `swiglu_ffn`:
+    the kernels' NORM form), its FFN's SwiGLU one launch with the down product (`swiglu_ffn`: SWIGLU),
+    and its attention output and FFN down products take their residual in the same launch (`linear_add`,
+    `swiglu_ffn`: ADD); the logits are the bits of the ops apart, as the backend runs them when the
+    fused forms are off (the norm kernel, the products, the swiglu kernel, the graph's Add). Stand-in
+    kernels on MLX's CPU: the norm as `emulate_rms_norm`, SwiGLU as `emulate_swiglu`, a product as the
+    weight's own graph product rounded to the dtype (the ADD form: `with_residual`), so what is compared
+    is the backend's wiring and MLX's Add against the kernels' rounding rule."""
     import mlxinfer
-    from mlxinfer.backend import Backend
-    from mlxinfer.backends.mlx import MLXBackend as MB
 
     calls = []
 
     def narrow_to(dtype):
         return lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))
 
+    f32 = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
+
     def norm(kind, x, weight, eps):
         calls.append("norm")
-        f32 = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
         return mx.array(block_kernels.emulate_rms_norm(f32(x), f32(weight), eps, narrow_to(x.dtype))).astype(x.dtype)
 
-    def kernel(kind, x, w, per_warp=None, residual=None, norm=None):
-        calls.append("add" if residual is not None else "norm+product" if norm is not None else "product")
+    def swiglu(kind, x):
+        calls.append("swiglu")
+        return mx.array(block_kernels.emulate_swiglu(f32(x), narrow_to(x.dtype))).astype(x.dtype)
+
+    def kernel(kind, x, w, per_warp=None, residual=None, norm=None, swiglu=False):
+        calls.append("product" + ("+norm" if norm else "") + ("+swiglu" if swiglu else "") + ("+add" if residual is not None else ""))
         narrow = narrow_to(x.dtype)
-        xs = np.array(x.astype(mx.float32))
+        xs = f32(x)
         if norm is not None:
-            xs = block_kernels.emulate_rms_norm(xs, np.array(norm[0].astype(mx.float32)), norm[1], narrow)
+            xs = block_kernels.emulate_rms_norm(xs, f32(norm[0]), norm[1], narrow)
+        if swiglu:
+            xs = block_kernels.emulate_swiglu(xs, narrow)
         s = np.array(w.product(mx.array(xs)).astype(mx.float32))
-        out = narrow(s) if residual is None else block_kernels.with_residual(s, np.array(residual.astype(mx.float32)), narrow)
+        out = narrow(s) if residual is None else block_kernels.with_residual(s, f32(residual), narrow)
         return mx.array(out).astype(x.dtype)
 
     monkeypatch.setattr(block_kernels, "product", kernel)
     monkeypatch.setattr(block_kernels, "rms_norm", norm)
+    monkeypatch.setattr(block_kernels, "swiglu", swiglu)
     path = synthetic(arch=arch, n_layers=2, qtype="Q8_0")
 
     def logits(fused: bool):
-        if not fused:
-            monkeypatch.setattr(MB, "linear_add", Backend.linear_add)
-            monkeypatch.setattr(MB, "rms_norm_linear_group", Backend.rms_norm_linear_group)
         eng = mlxinfer.load(path, backend="mlx", device="cpu", dtype=dtype)
         b = eng.backend
-        b.weight_dtype, b.block_kind, b.norm_kind, b.fused_forms = b.dtype, "cuda", "cuda", True  # (as on a GPU)
+        b.weight_dtype, b.block_kind, b.norm_kind, b.swiglu_kind = b.dtype, "cuda", "cuda", "cuda"  # (as on a GPU)
+        b.fused_forms = fused
         calls.clear()
-        return eng.logits([1, 5, 9, 2]), list(calls)
+        return eng.logits([1, 5, 9, 2]), collections.Counter(calls)
 
     fused, fused_calls = logits(True)
     plain, plain_calls = logits(False)
     layers = 2
-    assert fused_calls.count("add") == fused_calls.count("norm+product") == 2 * layers
-    assert fused_calls.count("norm") == 1  # the output norm, before the head's product
-    assert plain_calls.count("add") == plain_calls.count("norm+product") == 0
-    assert plain_calls.count("norm") == 2 * layers + 1
-    assert len(plain_calls) - len(fused_calls) == 2 * layers  # one launch fewer for each norm
+    assert fused_calls == {"product+norm": 2 * layers, "product+add": layers, "product+swiglu+add": layers,
+                           "norm": 1, "product": 1}  # (the output norm, before the head's product)
+    assert plain_calls == {"norm": 2 * layers + 1, "product": 4 * layers + 1, "swiglu": layers}
     assert np.array_equal(np.asarray(fused).view(np.uint32), np.asarray(plain).view(np.uint32))
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
@@ -536,14 +555,59 @@ def test_the_norm_kernel_run_on_the_host_gives_its_published_order(host_kernels,
     assert np.all(np.abs(got - exact) <= (8 * 2.0 ** -23 * np.sqrt(cols) + unit) * np.abs(exact) + 1e-30)
 
 
-@pytest.mark.parametrize("failing", [None, "norm", "fused"])
-def test_a_failing_norm_kernel_or_fused_form_turns_only_itself_off(monkeypatch, tmp_path, capsys, failing):
-    """The rms_norm kernel and the block kernels' fused forms (ADD, NORM) each have a self-check verdict
-    of their own (`verify_rms_norm`, `verify_fused_forms`). The norm kernel failing turns it off and with
-    it the NORM form's use (norms back on mx.fast.rms_norm, each apart from its product); the fused forms
-    failing turn them off (each norm and residual add its own launch, the norm kernel kept); each says so
-    in one line on stderr and leaves the block kernels' products on; passing, everything stays. (Stand-in
-    verdicts on MLX's CPU: the backend told it is on a GPU.)"""
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("rows,f", [(1, 3072), (9, 1000), (3, 37)])
+def test_the_swiglu_kernel_run_on_the_host_gives_its_published_order(host_kernels, rows, f, dtype):
+    """blocks.cu's `swiglu` (a thread a value; what the SWIGLU form multiplies) run on the host as
+    `block_kernels.swiglu` launches it: bit for bit `emulate_swiglu` (its own exp, silu rounded to the
+    dtype, then the product with up), gates over the exponential's range and past its clamp (+-0, +-20,
+    +-88, +-1e4), rows past a block's threads; and within the dtype's rounding of float64's
+    g * sigmoid(g) * u, where the values are normal."""
+    rng = np.random.default_rng(rows * f)
+    narrow = lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))  # noqa: E731
+    x = rng.standard_normal((rows, 2 * f), dtype=np.float32) * 6
+    x[0, :10] = [0.0, -0.0, 19.9, 20.1, -19.9, -20.1, 87.9, -88.1, 1e4, -1e4]
+    xd = mx.array(x).astype(dtype)
+    x = np.array(xd.astype(mx.float32))
+    got = host_kernels.swiglu(xd)
+    want = block_kernels.emulate_swiglu(x, narrow)
+    same = got.view(np.uint32) == want.view(np.uint32)
+    assert same.all(), f"{int((~same).sum())} of {same.size} differ"
+    g, u = x[:, :f].astype(np.float64), x[:, f:].astype(np.float64)
+    with np.errstate(over="ignore"):
+        silu = g / (1 + np.exp(-g))
+    exact = silu * u
+    unit = 2.0 ** -23 if dtype == mx.float32 else 2.0 ** -8 if dtype == mx.bfloat16 else 2.0 ** -11
+    tiny = np.finfo(np.float16 if dtype == mx.float16 else np.float32).tiny  # (bfloat16: float32's exponents)
+    # where silu and the result are the dtype's normal numbers (float16's range: 6.1e-5 to 65,504)
+    # (and past the clamp at g < -88 silu is g / (1 + e^88), below 1e-36 in magnitude: not g e^g)
+    normal = (np.abs(silu) >= tiny) & (np.abs(exact) >= tiny) & np.isfinite(narrow(exact)) & (g >= -88)
+    # silu: the exp within 2 float32 units, the division and the rounding to the dtype; then the product
+    assert np.all(np.abs(got - exact)[normal] <= ((2 * unit + 6 * 2.0 ** -23) * np.abs(exact))[normal])
+
+
+def test_the_exponential_is_within_two_float32_units_and_rounds_as_published():
+    """`emulate_exp` (blocks.cu's mlxi_exp, which the host-compiled kernel matches bit for bit above)
+    over its whole range [-20, 88], and at the ends of each reduction step: within 2 float32 units of
+    e^t (a lost term of the polynomial or a wrong ln 2 split is thousands)."""
+    t = np.concatenate([np.linspace(-20, 88, 400_001, dtype=np.float32),
+                        ((np.arange(-29, 128) + 0.5) * np.log(2)).astype(np.float32)])
+    t = t[(t >= -20) & (t <= 88)]
+    ref = np.exp(t.astype(np.float64))
+    got = block_kernels.emulate_exp(t)
+    assert np.all(np.abs(got - ref) <= 2 * np.spacing(ref.astype(np.float32)))
+
+
+@pytest.mark.parametrize("failing", [None, "norm", "fused", "swiglu"])
+def test_a_failing_norm_swiglu_kernel_or_fused_form_turns_only_itself_off(monkeypatch, tmp_path, capsys, failing):
+    """The rms_norm and swiglu kernels and the block kernels' fused forms (ADD, NORM, SWIGLU) each have a
+    self-check verdict of their own (`verify_rms_norm`, `verify_swiglu`, `verify_fused_forms`). The norm
+    kernel failing turns it off and with it the NORM form's use (norms back on mx.fast.rms_norm, each
+    apart from its product); the swiglu kernel failing turns it off and with it the SWIGLU form's use
+    (MLX's silu and product, then the down product and the residual as `Backend`'s defaults); the fused
+    forms failing turn them off (each norm, SwiGLU and residual add its own launch, the kernels kept);
+    each says so in one line on stderr and leaves the block kernels' products on; passing, everything
+    stays. (Stand-in verdicts on MLX's CPU: the backend told it is on a GPU.)"""
     from mlxinfer.backend import Backend
     from mlxinfer.backends import kernel_checks
     from mlxinfer.backends import mlx as mlx_mod
@@ -554,79 +618,106 @@ def test_a_failing_norm_kernel_or_fused_form_turns_only_itself_off(monkeypatch, 
     monkeypatch.setattr(mlx_mod, "_check_products", lambda b: None)
     monkeypatch.setattr(mlx_mod, "_check_block_products", lambda b, kernel=None, fused=False: None)
     problems = {"norm": "the rms_norm kernel differs from its published order in 2 of 1024 values (1 rows of 1024, float32)",
-                "fused": "the Q8_0 block kernel (of normed rows) differs from its published order in 1 of 42 values"}
+                "fused": "the Q8_0 block kernel (of normed rows) differs from its published order in 1 of 42 values",
+                "swiglu": "the swiglu kernel differs from its published order in 3 of 6000 values (1 rows of 3000, float32)"}
     runs = []
-    monkeypatch.setattr(mlx_mod, "verify_rms_norm", lambda b: runs.append("norm") or (problems["norm"] if failing == "norm" else None))
-    monkeypatch.setattr(mlx_mod, "verify_fused_forms",
-                        lambda b: runs.append("fused") or (problems["fused"] if failing == "fused" else None))
+    for name in ("norm", "fused", "swiglu"):
+        verify = {"norm": "verify_rms_norm", "fused": "verify_fused_forms", "swiglu": "verify_swiglu"}[name]
+        monkeypatch.setattr(mlx_mod, verify, lambda b, name=name: runs.append(name) or (problems[name] if failing == name else None))
     b = MLXBackend(device="cpu")
-    b.device, b.block_kind, b.norm_kind, b.fused_forms = "gpu", "cuda", "cuda", True
-    assert b.check_kernels() is None and runs == ["fused", "norm"]
+    b.device, b.block_kind, b.norm_kind, b.swiglu_kind, b.fused_forms = "gpu", "cuda", "cuda", "cuda", True
+    assert b.check_kernels() is None and runs == ["fused", "norm", "swiglu"]
     err = capsys.readouterr().err.strip().splitlines()
     assert b.block_kind == "cuda" and b.norm_kind == (None if failing == "norm" else "cuda")
+    assert b.swiglu_kind == (None if failing == "swiglu" else "cuda")
     assert b.fused_forms == (failing != "fused")
     want = {None: [], "norm": [f"mlxinfer: warning: the rms_norm kernel failed its self-check ({problems['norm']}); norms use "
                                "mx.fast.rms_norm, each apart from the product after it"],
             "fused": [f"mlxinfer: warning: the block kernels' fused forms failed their self-check ({problems['fused']}); "
-                      "each norm and residual add is a launch of its own"]}[failing]
+                      "each norm and residual add is a launch of its own"],
+            "swiglu": [f"mlxinfer: warning: the swiglu kernel failed its self-check ({problems['swiglu']}); SwiGLU uses "
+                       "MLX's own ops, apart from the down product"]}[failing]
     assert err == want
+    if failing:
+        assert problems[failing] in b.kernel_report()[0] and not b.kernel_report()[1]
     launched, used = [], []
     monkeypatch.setattr(block_kernels, "rms_norm", lambda *a: launched.append(a) or a[1])
     b.rms_norm(mx.ones((1, 64)), mx.ones((64,)), 1e-6)
     assert len(launched) == (0 if failing == "norm" else 1)
     monkeypatch.setattr(Backend, "linear_add", lambda *a: used.append("add"))
-    monkeypatch.setattr(Backend, "rms_norm_linear_group", lambda *a: used.append("norm"))
     monkeypatch.setattr(MLXBackend, "_block_product", lambda self, x, w, groups=None: True)
-    monkeypatch.setattr(block_kernels, "product", lambda *a, **kw: used.append("kernel") or mx.zeros((1, 8)))
+
+    def product(kind, x, w, per_warp=None, residual=None, norm=None, swiglu=False):
+        used.append("kernel" + ("+norm" if norm else "") + ("+swiglu" if swiglu else "") + ("+add" if residual is not None else ""))
+        return mx.zeros((x.shape[0], 16))
+
+    monkeypatch.setattr(block_kernels, "product", product)
+    monkeypatch.setattr(block_kernels, "swiglu", lambda kind, x: used.append("swiglu") or x[:, :8])
     from mlxinfer.backends.mlx_weights import WeightGroup
 
-    group = WeightGroup(object(), (8,))
-    b.linear_add(mx.ones((1, 64)), object(), mx.ones((1, 8)))
-    b.rms_norm_linear_group(mx.ones((1, 64)), mx.ones((64,)), 1e-6, group)
-    assert used[0] == ("add" if failing == "fused" else "kernel")
-    assert used[1] == ("kernel" if failing is None else "norm")
+    b.linear_add(mx.ones((1, 64)), object(), mx.ones((1, 16)))
+    assert used == ["add" if failing == "fused" else "kernel+add"]
+    used.clear()
+    b.rms_norm_linear_group(mx.ones((1, 64)), mx.ones((64,)), 1e-6, WeightGroup(object(), (8, 8)))
+    assert used == ["kernel" + ("+norm" if failing in (None, "swiglu") else "")]
+    used.clear()
+    b.swiglu_ffn(mx.ones((1, 64)), mx.ones((64,)), 1e-6, WeightGroup(object(), (8, 8)), object())
+    assert used == {None: ["kernel+norm", "kernel+swiglu+add"], "norm": ["kernel", "kernel+swiglu+add"],
+                    "fused": ["kernel", "swiglu", "add"], "swiglu": ["kernel+norm", "kernel+add"]}[failing]
+
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_norms_and_residuals_join_the_products_bit_for_bit(synthetic, monkeypatch, dtype):
+def test_gpu_norms_swiglu_and_residuals_join_the_products_bit_for_bit(synthetic, monkeypatch, dtype):
     """On the GPU's own kernels: a Q8_0 Qwen3's logits for a 4-token prompt (block kernel rows) and a
-    decode step with the norms and residual adds inside the products' launches equal, bit for bit, those
-    with each op apart (`Backend`'s defaults: the rms_norm kernel, the products, MLX's Add)."""
+    decode step with the norms, SwiGLU and the residual adds inside the products' launches equal, bit for
+    bit, those with each op apart (the fused forms off: the rms_norm kernel, the products, the swiglu
+    kernel, MLX's Add)."""
     import mlxinfer
-    from mlxinfer.backend import Backend
-    from mlxinfer.backends.mlx import MLXBackend as MB
 
     path = synthetic(arch="qwen3", n_layers=2, qtype="Q8_0", hidden=256, ffn=512, n_heads=4, n_kv_heads=2,
                      head_dim=64)
 
     forms, real = [], block_kernels.product
 
-    def product(kind, x, w, per_warp=None, residual=None, norm=None):
-        forms.append((residual is not None, norm is not None))
-        return real(kind, x, w, per_warp, residual, norm)
+    def product(kind, x, w, per_warp=None, residual=None, norm=None, swiglu=False):
+        forms.append((residual is not None, norm is not None, swiglu))
+        return real(kind, x, w, per_warp, residual, norm, swiglu)
 
     monkeypatch.setattr(block_kernels, "product", product)
 
-    def run():
+    def run(fused):
         eng = mlxinfer.load(path, backend="mlx", device="gpu", dtype=dtype)
-        assert eng.backend.norm_kind and eng.backend.block_kind and eng.backend.fused_forms
+        assert eng.backend.norm_kind and eng.backend.block_kind and eng.backend.swiglu_kind and eng.backend.fused_forms
+        eng.backend.fused_forms = fused
         forms.clear()
         out = eng.logits([1, 5, 9, 2]), eng.generate([1, 5, 9, 2], max_tokens=4).token_ids
         return out, set(forms)
 
-    fused, fused_forms = run()
-    assert fused_forms >= {(True, False), (False, True)}  # both forms ran
-    monkeypatch.setattr(MB, "linear_add", Backend.linear_add)
-    monkeypatch.setattr(MB, "rms_norm_linear_group", Backend.rms_norm_linear_group)
-    apart, apart_forms = run()
-    assert apart_forms == {(False, False)}
+    fused, fused_forms = run(True)
+    assert fused_forms >= {(True, False, False), (False, True, False), (True, False, True)}  # every form ran
+    apart, apart_forms = run(False)
+    assert apart_forms == {(False, False, False)}
     assert np.array_equal(np.asarray(fused[0]).view(np.uint32), np.asarray(apart[0]).view(np.uint32))
     assert fused[1] == apart[1]
 
 
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_gpu_swiglu_kernel_passes_its_self_check(dtype):
+    """blocks.cu's swiglu on the GPU, bit for bit `emulate_swiglu` (`verify_swiglu`)."""
+    from mlxinfer.backends.mlx import verify_swiglu
+
+    b = MLXBackend(device="gpu", dtype=dtype)
+    b.swiglu_kind = b.swiglu_kind or b.gpu_kernels
+    assert verify_swiglu(b) is None
+
+
 def test_bad_launches_are_one_line_errors():
-    """A product of more rows than a launch takes (or none), a norm of no rows or of a 1-D x, and a norm
-    weight of another length are one-line ValueErrors before anything is launched."""
+    """A product of more rows than a launch takes (or none), a norm of no rows or of a 1-D x, a norm
+    weight of another length, an x whose columns are not the weight's (or, for the SWIGLU form, twice
+    them), SWIGLU with NORM, and a SwiGLU of an odd width or no rows are one-line ValueErrors before
+    anything is launched."""
     _, parts = _fields(np.random.default_rng(0), 8, 256, False, Q.Q8_0)
     w = to_device(Q.Q8_0, parts, (8, 256))
     for rows in (0, block_kernels.MAX_ROWS + 1):
@@ -637,3 +728,34 @@ def test_bad_launches_are_one_line_errors():
     for x in (mx.zeros((0, 64)), mx.zeros((64,))):
         with pytest.raises(ValueError, match="rms_norm takes"):
             block_kernels.rms_norm("cuda", x, mx.zeros((64,)), 1e-6)
+    with pytest.raises(ValueError, match=r"x must be \[rows, 512\] for a product by \[8, 256\] of its SwiGLU"):
+        block_kernels.product("cuda", mx.zeros((1, 256)), w, swiglu=True)
+    with pytest.raises(ValueError, match=r"x must be \[rows, 256\] for a product by \[8, 256\], got \[1, 512\]"):
+        block_kernels.product("cuda", mx.zeros((1, 512)), w)
+    with pytest.raises(ValueError, match="SWIGLU and NORM forms of a product do not combine"):
+        block_kernels.product("cuda", mx.zeros((1, 512)), w, norm=(mx.zeros((256,)), 1e-6), swiglu=True)
+    for x in (mx.zeros((1, 63)), mx.zeros((0, 64)), mx.zeros((64,))):
+        with pytest.raises(ValueError, match="swiglu takes"):
+            block_kernels.swiglu("cuda", x)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_swiglu_self_check_is_bit_for_bit(monkeypatch, dtype):
+    """`verify_swiglu` passes a kernel that writes `emulate_swiglu`'s bits and names one that is a unit in
+    the last place off in one value, with the rows, size and dtype. (Stand-in kernel on MLX's CPU.)"""
+    from mlxinfer.backends.mlx import verify_swiglu
+
+    off = {"by": 0}
+
+    def kernel(kind, x):
+        xs = np.array(x.astype(mx.float32))
+        out = block_kernels.emulate_swiglu(xs, lambda a: np.array(mx.array(a).astype(x.dtype).astype(mx.float32)))
+        out.view(np.uint32)[0, 100] += off["by"] << (16 if dtype == "bfloat16" else 0)
+        return mx.array(out).astype(x.dtype)
+
+    monkeypatch.setattr(block_kernels, "swiglu", kernel)
+    b = MLXBackend(device="cpu", dtype=dtype)
+    b.swiglu_kind = "cuda"
+    assert verify_swiglu(b) is None
+    off["by"] = 1
+    assert verify_swiglu(b) == f"the swiglu kernel differs from its published order in 1 of 3000 values (1 rows of 3000, {dtype})"

@@ -21,12 +21,14 @@ class NoAttention(MLXBackend):
 
 
 class Unfused(MLXBackend):
-    """Each pre-norm block's norm apart from the products after it (mx.fast.rms_norm, then the products)
-    and its output product apart from the residual's add: the step before the block kernels' NORM and
-    ADD forms (two launches a layer each, and the same text)."""
+    """Each pre-norm block's norm apart from the products after it (mx.fast.rms_norm, then the products),
+    its output product apart from the residual's add, and SwiGLU apart from the down product (MLX's silu
+    and product): the step before the block kernels' NORM, ADD and SWIGLU forms (five launches a layer
+    more, and the same text)."""
 
     rms_norm_linear_group = Backend.rms_norm_linear_group
     linear_add = Backend.linear_add
+    swiglu_ffn = Backend.swiglu_ffn
 
     def rms_norm(self, x, weight, eps):
         import mlx.core as mx
@@ -35,6 +37,18 @@ class Unfused(MLXBackend):
 
     def describe(self) -> str:
         return super().describe() + ", norms and residuals apart from the products"
+
+
+class SwigluApart(MLXBackend):
+    """SwiGLU as MLX's own silu and product between the gate/up and down products (the composite
+    `swiglu_ffn`'s default), the norms and residual adds still inside the products: the step before the
+    SWIGLU form (one launch and two column views a layer more; its text differs from the default's in
+    the last bits, MLX's silu not being the swiglu kernel's)."""
+
+    swiglu_ffn = Backend.swiglu_ffn
+
+    def describe(self) -> str:
+        return super().describe() + ", SwiGLU apart from the down product"
 
 
 class SeparateWeights(MLXBackend):

@@ -231,15 +231,16 @@ def _check_block_products(backend: "MLXBackend", kernel: str | None = None, fuse
     is widened exactly, the float32 sum rounded once to that dtype at the end; none on the CPU: nothing
     to check). `kernel`: only the types of that kernel (`block_kernels.KERNELS`), else every type.
     `fused`: instead, with the most rows a warp, the ADD form (a residual plus the product:
-    `block_kernels.with_residual`) and the NORM form (the product of the rows `emulate_rms_norm` norms)
-    of each type the backend keeps on its kernel (`block_types`)."""
+    `block_kernels.with_residual`), the NORM form (the product of the rows `emulate_rms_norm` norms) and
+    the SWIGLU form with ADD (a residual plus the product of `emulate_swiglu`'s values of [gate | up]) of
+    each type the backend keeps on its kernel (`block_types`)."""
     if backend.block_kind is None:
         return None
     rng = np.random.default_rng(7)
     dtype = backend.weight_dtype
     narrow = lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))  # noqa: E731 (MLX's rounding)
     per_warp = (1, 2, 4) if backend.block_kind == "cuda" else (1,)
-    forms = [(per_warp[-1], "add"), (per_warp[-1], "norm")] if fused else [(r, "") for r in per_warp]
+    forms = [(per_warp[-1], f) for f in ("add", "norm", "glu")] if fused else [(r, "") for r in per_warp]
     for qtype in block_kernels.types_of(kernel):
         if fused and qtype not in backend.block_types:
             continue
@@ -254,19 +255,25 @@ def _check_block_products(backend: "MLXBackend", kernel: str | None = None, fuse
             # a residual of the sums' size, so that the additions round, and finite in every dtype
             res = narrow(rng.standard_normal(want.shape, dtype=np.float32) * np.minimum(np.abs(want), 1000.0))
             nw = narrow(rng.uniform(0.25, 4.0, k).astype(np.float32))
+            gu = narrow(rng.standard_normal((m, 2 * k), dtype=np.float32) * 3.0) if fused else None  # [gate | up]
             for r, form in forms:
-                out = block_kernels.product(backend.block_kind, mx.array(x).astype(dtype), w, r,
-                                            mx.array(res).astype(dtype) if form == "add" else None,
-                                            (mx.array(nw).astype(dtype), 1e-5) if form == "norm" else None)
+                out = block_kernels.product(backend.block_kind, mx.array(gu if form == "glu" else x).astype(dtype), w, r,
+                                            mx.array(res).astype(dtype) if form in ("add", "glu") else None,
+                                            (mx.array(nw).astype(dtype), 1e-5) if form == "norm" else None,
+                                            swiglu=form == "glu")
                 got = np.array(out.astype(mx.float32))
                 if form == "norm":
                     expected = narrow(block_kernels.emulate(block_kernels.emulate_rms_norm(x, nw, 1e-5, narrow),
                                                             values, qtype))
+                elif form == "glu":
+                    expected = block_kernels.with_residual(
+                        block_kernels.emulate(block_kernels.emulate_swiglu(gu, narrow), values, qtype), res, narrow)
                 else:
                     expected = block_kernels.with_residual(sums, res, narrow) if form == "add" else want
                 same = got.view(np.uint32) == expected.view(np.uint32)
                 if not same.all():
-                    what = {"": "", "add": " (adding a residual)", "norm": " (of normed rows)"}[form]
+                    what = {"": "", "add": " (adding a residual)", "norm": " (of normed rows)",
+                            "glu": " (of SwiGLU's values, adding a residual)"}[form]
                     return (f"the {qtype.name} block kernel{what} differs from its published order in "
                             f"{int((~same).sum())} of {same.size} values ({m} rows, {r} a warp, {backend.dtype_name})")
     return None
@@ -530,7 +537,8 @@ def verify_block_kernels(backend: "MLXBackend", kernel: str | None = None) -> st
         # (a product's ADD and NORM forms are the same compiled kernels: nothing more to build for them)
         _prebuild(backend, [lambda w=w, m=m: block_kernels.product("cuda", zeros(m, 256), w)
                             for w in weights for m in range(1, block_kernels.MAX_ROWS + 1)]
-                  + [lambda: block_kernels.rms_norm("cuda", zeros(2, 256), zeros(256), 1e-6)])
+                  + [lambda: block_kernels.rms_norm("cuda", zeros(2, 256), zeros(256), 1e-6),
+                     lambda: block_kernels.swiglu("cuda", zeros(2, 512))])
     try:
         return _check_block_products(backend, kernel)
     except Exception as e:  # a kernel that fails to compile or launch
@@ -565,6 +573,27 @@ def verify_rms_norm(backend: "MLXBackend") -> str | None:
                         f"values ({rows} rows of {k}, {backend.dtype_name})")
     except Exception as e:  # a kernel that fails to compile or launch
         return f"{_one_line(e)} (the rms_norm kernel)"
+    return None
+
+
+def verify_swiglu(backend: "MLXBackend") -> str | None:
+    """blocks.cu's `swiglu` kernel against `block_kernels.emulate_swiglu`, bit for bit, in the backend's
+    dtype: 1 and 9 rows of 3,000 + 3,000 values (gate | up), gates across the exponential's whole range
+    and past both ends of its clamp, zeros and signed zeros. None, or one line naming the failure."""
+    rng = np.random.default_rng(13)
+    narrow = lambda a: np.array(mx.array(a).astype(backend.dtype).astype(mx.float32))  # noqa: E731
+    try:
+        for rows, scale in ((1, 4.0), (9, 40.0)):
+            x = narrow(rng.standard_normal((rows, 6000), dtype=np.float32) * scale)
+            x[0, :8] = [0.0, -0.0, 19.5, 20.5, -87.5, -88.5, -200.0, 300.0]
+            got = np.array(block_kernels.swiglu(backend.swiglu_kind, mx.array(x).astype(backend.dtype)).astype(mx.float32))
+            want = block_kernels.emulate_swiglu(x, narrow)
+            same = got.view(np.uint32) == want.view(np.uint32)
+            if not same.all():
+                return (f"the swiglu kernel differs from its published order in {int((~same).sum())} of {same.size} "
+                        f"values ({rows} rows of 3000, {backend.dtype_name})")
+    except Exception as e:  # a kernel that fails to compile or launch
+        return f"{_one_line(e)} (the swiglu kernel)"
     return None
 
 
@@ -635,7 +664,11 @@ class MLXBackend(Backend):
         # the block kernels' ADD and NORM forms (`linear_add`, `rms_norm_linear_group`): a verdict of their
         # own, so that a failure turns off only them (each norm and residual add its own launch again)
         self.fused_forms = bool(self.block_kind)
-        self.norm_fallback = self.fused_fallback = None  # their self-checks' failures, once one failed
+        # SwiGLU by blocks.cu's kernel where the block kernels run (`swiglu_ffn`), whose values the SWIGLU
+        # form of the down product multiplies; None (MLX's silu and product) elsewhere, or once its own
+        # self-check failed
+        self.swiglu_kind = self.block_kind
+        self.norm_fallback = self.fused_fallback = self.swiglu_fallback = None  # their self-checks' failures
         # 16-bit prefill chunks in the tensor-core order (attention.cu; `matmul`, `softmax_rows`,
         # `fused_attention_override`):
         # CUDA (compute capability 8.0+), with q and the cache of one 16-bit type; off again if its own
@@ -709,7 +742,7 @@ class MLXBackend(Backend):
                 self.block_types = self.block_types - {t for n in failed for t in block_kernels.types_of(n)}
                 self.block_fallback = "; ".join(failed.values())
                 if not self.block_types:
-                    self.block_kind = self.norm_kind = None
+                    self.block_kind = self.norm_kind = self.swiglu_kind = None
                 print(f"mlxinfer: warning: a block kernel failed its self-check ({self.block_fallback}); "
                       f"{self.block_off} products use MLX's own ops", file=sys.stderr)
             fused = self.fused_forms and self.block_kind and kernel_checks.verdict(
@@ -724,6 +757,12 @@ class MLXBackend(Backend):
                 self.norm_kind, self.norm_fallback = None, norm
                 print(f"mlxinfer: warning: the rms_norm kernel failed its self-check ({norm}); norms use "
                       "mx.fast.rms_norm, each apart from the product after it", file=sys.stderr)
+            glu = self.swiglu_kind and kernel_checks.verdict(f"{self.swiglu_kind} blocks swiglu", self.dtype_name, "-",
+                                                             lambda: verify_swiglu(self), fresh=fresh)
+            if glu:
+                self.swiglu_kind, self.swiglu_fallback = None, glu
+                print(f"mlxinfer: warning: the swiglu kernel failed its self-check ({glu}); SwiGLU uses MLX's "
+                      "own ops, apart from the down product", file=sys.stderr)
         return problem
 
     def _sdpa_off(self, problem: str) -> None:
@@ -808,6 +847,8 @@ class MLXBackend(Backend):
             blocks += f"; the block kernels' fused forms: self-check FAILED ({self.fused_fallback}), norms and adds apart"
         if self.norm_fallback:
             blocks += f"; rms_norm: self-check FAILED ({self.norm_fallback}), mx.fast.rms_norm"
+        if self.swiglu_fallback:
+            blocks += f"; swiglu: self-check FAILED ({self.swiglu_fallback}), MLX's silu and product"
         if self.qk_fallback:
             blocks += f"; qk_norm_rope: check FAILED ({self.qk_fallback}), mx.fast's kernels"
         elif self.gpu_kernels == "metal":
@@ -817,7 +858,8 @@ class MLXBackend(Backend):
                     f"per-head attention ({what}){blocks}"), False
         return (f"kernels: {kind}: self-check passed, fused attention bit for bit the per-head reference ({what})"
                 f"{blocks}"), (self.block_fallback is None and self.mma_fallback is None and self.sdpa_fallback is None
-                               and self.qk_fallback is None and self.fused_fallback is None and self.norm_fallback is None)
+                               and self.qk_fallback is None and self.fused_fallback is None and self.norm_fallback is None
+                               and self.swiglu_fallback is None)
 
     @property
     def rows_independent(self) -> bool:
@@ -843,6 +885,8 @@ class MLXBackend(Backend):
             ops += f" ({self.block_kind} block kernels)"
         if self.norm_fallback:  # (every norm's bits depend on it: the engine's identity names it)
             ops += " (RMSNorm on mx.fast's kernel: ours failed its self-check)"
+        if self.swiglu_fallback:  # (every FFN's bits depend on it)
+            ops += " (SwiGLU on MLX's ops: our kernel failed its self-check)"
         if self.fused_fallback:
             ops += " (norms and residual adds apart from the products: their forms failed the self-check)"
         if self.sdpa:  # (a chunk's bits depend on these: the engine's identity names them)
@@ -1158,14 +1202,32 @@ class MLXBackend(Backend):
         return mx.fast.rms_norm(x, weight, eps)
 
     def rms_norm_linear_group(self, x, weight, eps, ws, groups=None):
-        # decode rows of a block type on a GPU: the norm and the products in one launch (the kernels'
-        # NORM form multiplies the very values `rms_norm` writes), one launch a layer fewer for each of
-        # the attention's and the FFN's norms
-        w = ws.merged if isinstance(ws, WeightGroup) else None
-        if (w is not None and self.fused_forms and self.norm_kind and x.dtype == weight.dtype == self.dtype == self.weight_dtype
+        if not isinstance(ws, WeightGroup):
+            return super().rms_norm_linear_group(x, weight, eps, ws, groups)
+        return self._group_columns(self._norm_product(x, weight, eps, ws.merged, groups), ws)
+
+    def _norm_product(self, x, weight, eps, w, groups=None):
+        """rms_norm(x) @ w for a group's merged matrix w: for decode rows of a block type on a GPU in one
+        launch (the kernels' NORM form multiplies the very values `rms_norm` writes), one launch a layer
+        fewer for each of the attention's and the FFN's norms."""
+        if (self.fused_forms and self.norm_kind and x.dtype == weight.dtype == self.dtype == self.weight_dtype
                 and self._block_product(x, w, groups)):
-            return self._group_columns(block_kernels.product(self.block_kind, x, w, norm=(weight, eps)), ws)
-        return super().rms_norm_linear_group(x, weight, eps, ws, groups)
+            return block_kernels.product(self.block_kind, x, w, norm=(weight, eps))
+        return self.linear(self.rms_norm(x, weight, eps), w, groups)
+
+    def swiglu_ffn(self, x, weight, eps, gate_up, down, groups=None):
+        # Where the block kernels run (`swiglu_kind`): gate and up stay side by side (one merged product,
+        # no column views) and SwiGLU is blocks.cu's `swiglu` kernel; for decode rows of a block type with
+        # the fused forms, its values are what the down product's SWIGLU form multiplies, the residual
+        # added in the same launch (ADD): norm + gate/up, then SwiGLU + down + add, two launches a layer.
+        # Elsewhere the composite's default (MLX's own silu and product, compiled into one kernel).
+        if not (self.swiglu_kind and isinstance(gate_up, WeightGroup) and len(gate_up.sizes) == 2
+                and gate_up.sizes[0] == gate_up.sizes[1] and x.dtype == self.dtype):
+            return super().swiglu_ffn(x, weight, eps, gate_up, down, groups)
+        gu = self._norm_product(x, weight, eps, gate_up.merged, groups)
+        if self.fused_forms and self.weight_dtype == self.dtype and self._block_product(gu, down, groups):
+            return block_kernels.product(self.block_kind, gu, down, residual=x, swiglu=True)
+        return self.linear_add(block_kernels.swiglu(self.swiglu_kind, gu), down, x, groups)
 
     def qk_norm_rope(self, q, k, q_weight, k_weight, positions, n_heads, n_kv_heads, head_dim, eps, base,
                      traditional, factors=None):

@@ -15,9 +15,10 @@ With one rank (`shard.size == 1`) neither adds an op.
 
 A pre-norm block begins and ends with a composite op: its norm and the products after it,
 `rms_norm_linear_group`, and its output product and the residual connection, `linear_add`
-(`output_product` with a residual). By default each is its two ops; on a GPU each is one launch for
-decode rows (MLX's block kernels multiply the normed rows their norm kernel writes, and write the
-residual plus the product: the same bits).
+(`output_product` with a residual); a SwiGLU FFN block is one composite op, `swiglu_ffn`. By default
+each is its ops apart; on a GPU, for decode rows, the norm and its products are one launch, and so are
+the activation, the down product and the residual add (MLX's block kernels multiply the values their
+norm and SwiGLU kernels write, and write the residual plus the product: the same bits).
 """
 
 from __future__ import annotations
@@ -47,7 +48,11 @@ def output_product(ops, x, w, groups, shard, residual):
 
 def swiglu_block(ops, x, w, eps: float, groups, shard):
     """x + down(silu(gate(h)) * up(h)) for h = rms_norm(x) (`ffn_norm`), the FFN summed over the ranks'
-    shares of its width: the residual stream after a pre-norm SwiGLU block."""
+    shares of its width: the residual stream after a pre-norm SwiGLU block. On one rank the backend's
+    composite `swiglu_ffn` (on a GPU two launches for decode rows: the norm with gate and up, then SwiGLU
+    with the down product and the residual); across ranks the sum over them first, then the residual."""
+    if shard.size == 1:
+        return ops.swiglu_ffn(x, w.ffn_norm, eps, w.ffn_gate_up, w.ffn_down, groups)
     gate, up = ops.rms_norm_linear_group(x, w.ffn_norm, eps, w.ffn_gate_up, groups)
     return output_product(ops, ops.hadamard(ops.silu(gate), up), w.ffn_down, groups, shard, residual=x)
 
