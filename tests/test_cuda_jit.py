@@ -204,8 +204,9 @@ def test_the_self_checks_prebuild_finds_every_form_they_launch(monkeypatch):
     rows = {int(m.split("bfloat16_t_")[1].split("_")[0]) for m in rec.asked if "matvec" in m}
     assert rows == set(range(1, block_kernels.MAX_ROWS + 1))
     assert {m.split("_cuda_")[0] for m in rec.asked} == {
-        f"custom_kernel_mlxinfer_{n}" for n, _ in block_kernels.KERNELS.values()} | {"custom_kernel_mlxinfer_rms_norm"}
-    # one kernel per type and row count: its ADD and NORM forms are chosen at launch, nothing more to build
+        f"custom_kernel_mlxinfer_{n}" for n, _ in block_kernels.KERNELS.values()} | {
+        "custom_kernel_mlxinfer_rms_norm", "custom_kernel_mlxinfer_swiglu"}
+    # one kernel per type and row count: its ADD, NORM and SWIGLU forms are chosen at launch, nothing more to build
     assert len({m for m in rec.asked if "matvec" in m}) == len(set(block_kernels.KERNELS.values())) * block_kernels.MAX_ROWS
 
 

@@ -223,7 +223,7 @@ def test_a_failed_self_check_turns_it_off(monkeypatch, capsys):
     chunks keep 2,048 tokens a pass; the backend line and the kernel report name it."""
     cuda_host.pretend_gpu(monkeypatch, "cuda")
     monkeypatch.setattr(mlx_backend, "verify_sdpa", lambda b: "fused attention kernel differs in 3 of 9 values")
-    for name in ("verify_mma", "verify_block_kernels", "verify_fused_forms", "verify_rms_norm"):
+    for name in ("verify_mma", "verify_block_kernels", "verify_fused_forms", "verify_rms_norm", "verify_swiglu"):
         monkeypatch.setattr(mlx_backend, name, lambda b, kernel=None: None)
     monkeypatch.setattr(mlx_backend, "verify_gpu_kernels", lambda b: None)
     monkeypatch.setattr(mlx_backend.kernel_checks, "verdict", lambda kind, dt, kv, run, fresh=False: run())
