@@ -586,7 +586,7 @@ mlxi_block_matvec<M, mlxi_q2k>(x, out, dims, {sc2, qs, d_bits, dmin_bits}, res, 
 mlxi_block_matvec<M, mlxi_half_values<BF>>(x, out, dims, {v}, res, nw);
 //@@BODY rms_norm
 // RMSNorm of x [M, K] (T) with weight nw [K] (T): out [M, K] (T), a warp a row (mlxi_rms_inv: the order);
-// dims = [M, K, eps's float32 bits].
+// dims = [M, K, eps's float32 bits, 0].
 const long rows = dims[0];
 const int K = dims[1], lane = threadIdx.x & 31;
 const long row = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS + (threadIdx.x >> 5);
@@ -597,7 +597,7 @@ if (row < rows) {
 }
 //@@BODY swiglu
 // SwiGLU of x [M, 2K] (T) = [gate | up] a row: out [M, K] (T), a thread a value (mlxi_swiglu_value: the
-// order); dims = [M, K].
+// order); dims = [M, K, 0, 0] (padded: kernels._dims).
 const long K = dims[1], total = (long)dims[0] * K;
 const long i = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_THREADS + threadIdx.x;
 if (i < total) {

@@ -329,7 +329,7 @@ for (int m = 0; m < M; ++m) {
   if (lane == 0) out[(long)m * N + n] = add ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
 }
 //@@BODY rms_norm
-// As in blocks.cu: RMSNorm of x [M, K] with weight nw [K], a simdgroup a row; dims = [M, K, eps's bits].
+// As in blocks.cu: RMSNorm of x [M, K] with weight nw [K], a simdgroup a row; dims = [M, K, eps's bits, 0].
 const long rows = dims[0];
 const int K = dims[1];
 const uint lane = thread_index_in_simdgroup;
@@ -340,7 +340,7 @@ if (row < rows) {
   for (int c = lane; c < K; c += 32) out[row * K + c] = T(mlxi_norm_value<T>(float(x[row * K + c]), inv, float(nw[c])));
 }
 //@@BODY swiglu
-// As in blocks.cu: SwiGLU of x [M, 2K] = [gate | up] a row, out [M, K], a thread a value; dims = [M, K].
+// As in blocks.cu: SwiGLU of x [M, 2K] = [gate | up] a row, out [M, K], a thread a value; dims = [M, K, 0, 0].
 const long K = dims[1], total = (long)dims[0] * K;
 const long i = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_THREADS + thread_index_in_threadgroup;

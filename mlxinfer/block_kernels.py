@@ -33,7 +33,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from . import cuda_jit
-from .kernels import f32_bits, published_dot, source_parts, strip_comments
+from .kernels import f32_bits, pruned, published_dot, source_parts, strip_comments
 
 SOURCES = {"cuda": "blocks.cu", "metal": "blocks.metal"}
 # type -> (kernel, template constants besides T and M): the block type read from its own fields, and the
@@ -104,22 +104,32 @@ def rows_per_warp(kind: str) -> int:
 
 
 def kernel_source(kind: str) -> tuple[str, dict[str, str]]:
-    """(header, {kernel name: body}) of blocks.cu or blocks.metal (`kernels.source_parts`)."""
+    """(header, {kernel name: body}) of blocks.cu or blocks.metal (`kernels.source_parts`); CUDA's without
+    comments."""
     header, bodies = source_parts(SOURCES[kind])
-    if kind == "cuda":  # MLX hashes a CUDA kernel's whole source at every launch: keep it short
+    if kind == "cuda":
         return strip_comments(header), {name: strip_comments(body) for name, body in bodies.items()}
     return header, bodies
+
+
+@lru_cache(maxsize=None)
+def kernel_parts(kind: str, name: str) -> tuple[str, str]:
+    """(header, body) of one kernel as handed to MLX: for CUDA the header cut to what the body reaches
+    (`kernels.pruned`), as MLX hashes a CUDA kernel's whole source at every launch (~16 KB whole; a
+    decode token launches ~140 of these); Metal's as written."""
+    header, bodies = kernel_source(kind)
+    return pruned(header, bodies[name]) if kind == "cuda" else (header, bodies[name])
 
 
 @lru_cache(maxsize=None)
 def _kernel(kind: str, name: str):
     import mlx.core as mx
 
-    header, bodies = kernel_source(kind)
+    header, body = kernel_parts(kind, name)
     if kind == "cuda":  # compiled into MLX's kernel cache once per machine (`cuda_jit`)
-        return cuda_jit.Kernel(f"mlxinfer_{name}_{kind}", INPUTS[name], ["out"], bodies[name], header)
+        return cuda_jit.Kernel(f"mlxinfer_{name}_{kind}", INPUTS[name], ["out"], body, header)
     return mx.fast.metal_kernel(name=f"mlxinfer_{name}_{kind}", input_names=INPUTS[name], output_names=["out"],
-                                source=bodies[name], header=header, ensure_row_contiguous=True)
+                                source=body, header=header, ensure_row_contiguous=True)
 
 
 def kernel_fields(w) -> tuple:
@@ -211,7 +221,7 @@ def rms_norm(kind: str, x, weight, eps: float):
     blocks = -(-rows // WARPS)
     cols = min(blocks, 65535)
     (out,) = _kernel(kind, "rms_norm")(
-        inputs=[x, weight, mx.array([rows, k, f32_bits(eps)], dtype=mx.int32)], template=[("T", x.dtype)],
+        inputs=[x, weight, mx.array([rows, k, f32_bits(eps), 0], dtype=mx.int32)], template=[("T", x.dtype)],
         grid=(cols * 32 * WARPS, -(-blocks // cols), 1), threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(rows, k)], output_dtypes=[x.dtype])
     return out
@@ -229,7 +239,7 @@ def swiglu(kind: str, x):
     blocks = -(-(rows * f) // (32 * WARPS))
     cols = min(blocks, 65535)
     (out,) = _kernel(kind, "swiglu")(
-        inputs=[x, mx.array([rows, f], dtype=mx.int32)], template=[("T", x.dtype)],
+        inputs=[x, mx.array([rows, f, 0, 0], dtype=mx.int32)], template=[("T", x.dtype)],  # (4: see _dims)
         grid=(cols * 32 * WARPS, -(-blocks // cols), 1), threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(rows, f)], output_dtypes=[x.dtype])
     return out

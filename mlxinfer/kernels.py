@@ -49,6 +49,7 @@ from importlib import resources
 import numpy as np
 
 from . import cuda_jit
+from .batch import MIN_INDEX_ENTRIES
 from .backend import softcap_inverse
 
 SOURCES = {"metal": "attention.metal", "cuda": "attention.cu"}
@@ -119,7 +120,8 @@ def _header_units(header: str) -> list[tuple[str | None, str]]:
         current.append(line)
         if line in ("}", "};"):
             text = "\n".join(current)
-            units.append((re.search(r"\b(mlxi_\w+)\s*[({]", text).group(1), text))
+            m = re.search(r"\bstruct\s+(mlxi_\w+)", text) or re.search(r"\b(mlxi_\w+)\s*[({]", text)
+            units.append((m.group(1), text))  # (a struct's own name, not a base's)
             current = []
     if current:
         raise ValueError(f"kernel header: a definition without its closing brace at column 0: {current[0]!r}")
@@ -137,7 +139,13 @@ def kernel_parts(kind: str, name: str) -> tuple[str, str]:
     header, bodies = kernel_source(kind)
     if kind != "cuda":
         return header, bodies[name]
-    body = strip_comments(bodies[name])
+    return pruned(header, bodies[name])
+
+
+def pruned(header: str, body: str) -> tuple[str, str]:
+    """(header, body) without comments, the header holding only its #defines and the definitions the
+    body reaches (by the `mlxi_` names it and they use): what a CUDA kernel hands MLX (`kernel_parts`)."""
+    body = strip_comments(body)
     units = _header_units(strip_comments(header))
     defined: dict[str, str] = {}  # each name's text, all its overloads'
     for n, text in units:
@@ -214,9 +222,11 @@ def metal_kernel_source(name: str, inputs, outputs=None, template=None) -> str:
 
 
 def _dims(*values):
+    """A kernel's int32 arguments, zero-padded to `batch.MIN_INDEX_ENTRIES` (an array of up to two would
+    sit in MLX's small host-memory pool, which the GPU reads across the bus)."""
     import mlx.core as mx
 
-    return mx.array(values, dtype=mx.int32)
+    return mx.array(list(values) + [0] * (MIN_INDEX_ENTRIES - len(values)), dtype=mx.int32)
 
 
 def matmul(kind: str, a, bt, group: int = 1):

@@ -10,6 +10,7 @@ sends a decode row's product to the kernel only on a GPU. On a GPU: the kernel e
 through `MLXBackend.linear`, and its self-check passes."""
 
 import collections
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -109,15 +110,39 @@ def _launches():
 def _cuda_source(name: str, consts, dtype: str, m: int) -> str:
     """What MLX's cuda_kernel compiles for a launch: the header, then the kernel, named as MLX names it
     (custom_kernel_, the name, each template argument, a hash: mlx/backend/cuda/custom_kernel.cpp), with
-    each input typed by its array's dtype, the template constants, the body."""
-    header, bodies = block_kernels.kernel_source("cuda")
+    each input typed by its array's dtype, the template constants, the body; the header cut to what the
+    body reaches (`block_kernels.kernel_parts`), as MLX gets it."""
+    header, body = block_kernels.kernel_parts("cuda", name)
     types = cuda_host.input_types(consts, dtype)
     params = ", ".join(f"const {types[i]}* {i}" for i in block_kernels.INPUTS[name]) + f", {dtype}* out"
     extra = "".join(f"  constexpr int {k} = {v};\n" for k, v in consts)
     fn = f"custom_kernel_mlxinfer_{name}_cuda_{ {'float': 'float', '__half': 'float16'}[dtype]}_{m}" + "".join(
         f"_{v}" for _, v in consts) + "_52e4a46224f4393e"
     return (f"{CUDA_STUB}{header}\n__global__ void {fn}({params}) {{\n  using T = {dtype};\n"
-            f"  constexpr int M = {m};\n{extra}{bodies[name]}\n}}\n")
+            f"  constexpr int M = {m};\n{extra}{body}\n}}\n")
+
+
+def test_block_kernels_go_to_mlx_with_only_the_header_they_use():
+    """MLX hashes a CUDA kernel's whole source on every launch and a decode token launches ~140 block
+    kernels: each gets its body and the header definitions it reaches (a type's reader and its base, the
+    frame and what it calls), not the other types' readers; the norm and SwiGLU kernels only their own
+    functions. (That the cut sources compile: the NVRTC test below.)"""
+    full, _ = block_kernels.kernel_source("cuda")
+    defined = lambda header: set(re.findall(r"(?:struct\s+|\b)(mlxi_\w+)\s*(?=[({:])", header))  # noqa: E731
+    header, _ = block_kernels.kernel_parts("cuda", "affine_matvec")
+    assert {"mlxi_affine", "mlxi_groups32", "mlxi_block_matvec", "mlxi_stage_x", "mlxi_swiglu_value", "mlxi_exp",
+            "mlxi_rms_inv"} <= defined(header)
+    assert not {"mlxi_q6k", "mlxi_iq4", "mlxi_q3k", "mlxi_q2k", "mlxi_half_values", "mlxi_iq4_value"} & defined(header)
+    header, _ = block_kernels.kernel_parts("cuda", "q6_k_matvec")
+    assert "mlxi_q6k" in defined(header) and "mlxi_affine" not in defined(header)
+    header, _ = block_kernels.kernel_parts("cuda", "swiglu")
+    assert defined(header) == {"mlxi_exp", "mlxi_swiglu_value"}
+    header, _ = block_kernels.kernel_parts("cuda", "rms_norm")
+    assert defined(header) == {"mlxi_rms_inv", "mlxi_norm_value", "mlxi_warp_total"}
+    for name in block_kernels.INPUTS:
+        header, body = block_kernels.kernel_parts("cuda", name)
+        assert "//" not in header + body and len(header) < 0.7 * len(full)
+        assert header.startswith("#define MLXI_THREADS 256\n")
 
 
 @pytest.mark.parametrize("dtype", ["float", "__half"])

@@ -35,6 +35,35 @@ def test_kernel_sources_hold_every_kernel():
         assert "mlxi_dot" in header and "mlxi_softmax" in header
 
 
+def test_kernel_arguments_stay_out_of_mlxs_small_host_pool():
+    """A kernel's int32 arguments are at least `batch.MIN_INDEX_ENTRIES` entries (MLX keeps arrays of up
+    to 8 bytes in host memory the GPU reads across the bus), zero-padded after the values: the attention
+    kernels' `_dims` and the block kernels' norm and SwiGLU launches."""
+    import mlx.core as mx
+
+    from mlxinfer import block_kernels
+    from mlxinfer.batch import MIN_INDEX_ENTRIES
+
+    assert kernels._dims(7).tolist() == [7] + [0] * (MIN_INDEX_ENTRIES - 1)
+    assert kernels._dims(1, 2, 3, 4, 5, 6).tolist() == [1, 2, 3, 4, 5, 6]
+    seen = []
+
+    def record(kind, name):
+        def launch(**kw):
+            seen.append(kw["inputs"][-1])
+            return [mx.zeros(kw["output_shapes"][0], kw["output_dtypes"][0])]
+        return launch
+
+    real = block_kernels._kernel
+    block_kernels._kernel = record
+    try:
+        block_kernels.swiglu("cuda", mx.zeros((3, 64)))
+        block_kernels.rms_norm("cuda", mx.zeros((3, 64)), mx.zeros((64,)), 1e-6)
+    finally:
+        block_kernels._kernel = real
+    assert [d.tolist()[:2] for d in seen] == [[3, 32], [3, 64]] and all(d.size >= MIN_INDEX_ENTRIES for d in seen)
+
+
 def test_cuda_kernels_go_to_mlx_without_comments_and_with_only_the_header_they_use():
     """MLX hashes a CUDA custom kernel's whole source on every launch, so each kernel is handed its body
     and the header definitions it reaches (transitively), no comments; the defines always. Metal's go as

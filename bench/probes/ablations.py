@@ -51,6 +51,32 @@ class SwigluApart(MLXBackend):
         return super().describe() + ", SwiGLU apart from the down product"
 
 
+class PrefillMLXOps(MLXBackend):
+    """Our RMSNorm and SwiGLU kernels only for passes of rows the block kernels take (decode rows, where
+    the fused forms need their bits); a prompt's pass of more rows on mx.fast.rms_norm and MLX's silu and
+    product (its text differs from the default's in the last bits): what a prompt's pass costs the host
+    with MLX's own ops there."""
+
+    def rms_norm(self, x, weight, eps):
+        import mlx.core as mx
+
+        from mlxinfer import block_kernels
+
+        if x.ndim == 2 and x.shape[0] > block_kernels.MAX_ROWS:
+            return mx.fast.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def swiglu_ffn(self, x, weight, eps, gate_up, down, groups=None):
+        from mlxinfer import block_kernels
+
+        if x.shape[0] > block_kernels.MAX_ROWS:
+            return Backend.swiglu_ffn(self, x, weight, eps, gate_up, down, groups)
+        return super().swiglu_ffn(x, weight, eps, gate_up, down, groups)
+
+    def describe(self) -> str:
+        return super().describe() + ", MLX's norms and SwiGLU for a prompt's rows"
+
+
 class SeparateWeights(MLXBackend):
     """Q, K, V (and gate, up) loaded and multiplied as separate products, as before weight groups."""
 
