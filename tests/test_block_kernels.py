@@ -497,22 +497,10 @@ def test_the_block_self_check_compares_in_the_products_dtype(monkeypatch, dtype)
         f"(1 rows, {block_kernels.MAX_ROWS_PER_WARP} a warp, {dtype})")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
-def test_norms_swiglu_and_residuals_join_the_products_bit_for_bit(synthetic, monkeypatch, dtype, arch):
-    """Where the block kernels multiply a pass's rows (here a 4-token prompt's), each layer's attention
-    and FFN norms are one launch with the products after them (`rms_norm_linear_group`, `swiglu_ffn`:
-    the kernels' NORM form), its FFN's SwiGLU one launch with the down product (`swiglu_ffn`: SWIGLU),
-    and its attention output and FFN down products take their residual in the same launch (`linear_add`,
-    `swiglu_ffn`: ADD); the logits are the bits of the ops apart, as the backend runs them when the
-    fused forms are off (the norm kernel, the products, the swiglu kernel, the graph's Add). Stand-in
-    kernels on MLX's CPU: the norm as `emulate_rms_norm`, SwiGLU as `emulate_swiglu`, a product as the
-    weight's own graph product rounded to the dtype (the ADD form: `with_residual`), so what is compared
-    is the backend's wiring and MLX's Add against the kernels' rounding rule."""
-    import mlxinfer
-
-    calls = []
-
+def _stand_in_kernels(monkeypatch, calls: list):
+    """The block kernels replaced by stand-ins on MLX's CPU that record each launch's form in `calls`: the
+    norm as `emulate_rms_norm`, SwiGLU as `emulate_swiglu`, a product as the weight's own graph product
+    rounded to the dtype (the ADD form: `with_residual`)."""
     def narrow_to(dtype):
         return lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))
 
@@ -541,7 +529,12 @@ def test_norms_swiglu_and_residuals_join_the_products_bit_for_bit(synthetic, mon
     monkeypatch.setattr(block_kernels, "product", kernel)
     monkeypatch.setattr(block_kernels, "rms_norm", norm)
     monkeypatch.setattr(block_kernels, "swiglu", swiglu)
-    path = synthetic(arch=arch, n_layers=2, qtype="Q8_0")
+
+
+def _logits_fused_and_apart(path, dtype, calls: list):
+    """A 4-token prompt's logits with the fused forms and with the ops apart (as the backend runs them
+    when the forms are off), each with the Counter of its launches, the backend set up as on a GPU."""
+    import mlxinfer
 
     def logits(fused: bool):
         eng = mlxinfer.load(path, backend="mlx", device="cpu", dtype=dtype)
@@ -551,13 +544,53 @@ def test_norms_swiglu_and_residuals_join_the_products_bit_for_bit(synthetic, mon
         calls.clear()
         return eng.logits([1, 5, 9, 2]), collections.Counter(calls)
 
-    fused, fused_calls = logits(True)
-    plain, plain_calls = logits(False)
+    return logits(True), logits(False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+def test_norms_swiglu_and_residuals_join_the_products_bit_for_bit(synthetic, monkeypatch, dtype, arch):
+    """Where the block kernels multiply a pass's rows (here a 4-token prompt's), each layer's attention
+    and FFN norms are one launch with the products after them (`rms_norm_linear_group`, `swiglu_ffn`:
+    the kernels' NORM form), its FFN's SwiGLU one launch with the down product (`swiglu_ffn`: SWIGLU),
+    and its attention output and FFN down products take their residual in the same launch (`linear_add`,
+    `swiglu_ffn`: ADD); the logits are the bits of the ops apart, as the backend runs them when the
+    fused forms are off (the norm kernel, the products, the swiglu kernel, the graph's Add). Stand-in
+    kernels (`_stand_in_kernels`), so what is compared is the backend's wiring and MLX's Add against the
+    kernels' rounding rule."""
+    calls = []
+    _stand_in_kernels(monkeypatch, calls)
+    (fused, fused_calls), (plain, plain_calls) = _logits_fused_and_apart(
+        synthetic(arch=arch, n_layers=2, qtype="Q8_0"), dtype, calls)
     layers = 2
     assert fused_calls == {"product+norm": 2 * layers, "product+add": layers, "product+swiglu+add": layers,
                            "norm": 1, "product": 1}  # (the output norm, before the head's product)
     assert plain_calls == {"norm": 2 * layers + 1, "product": 4 * layers + 1, "swiglu": layers}
     assert np.array_equal(np.asarray(fused).view(np.uint32), np.asarray(plain).view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_mixed_type_group_takes_the_norm_form_a_run_each(synthetic, monkeypatch, dtype):
+    """A Q4_K_M file's layer whose V is Q6_K (layer 1 of 2, as llama.cpp's quantizer assigns it) holds
+    its Q, K, V as two runs (Q and K in Q4_K, V in Q6_K): for decode rows each run is one NORM-form
+    launch (the norm inside each), not a norm and three products, and the logits are the bits of the
+    ops apart. (Stand-in kernels, as above.)"""
+    from mlxinfer.backends.mlx_weights import WeightRuns
+
+    calls = []
+    _stand_in_kernels(monkeypatch, calls)
+    path = synthetic(arch="qwen3", n_layers=2, qtype="Q4_K_M", hidden=256, ffn=512, n_heads=4, n_kv_heads=2,
+                     head_dim=64, random_blocks=True)
+    (fused, fused_calls), (plain, plain_calls) = _logits_fused_and_apart(path, dtype, calls)
+    import mlxinfer
+
+    layers = mlxinfer.load(path, backend="mlx", device="cpu").model.w.layers
+    assert not isinstance(layers[0].attn_qkv, WeightRuns) and [r.sizes for r in layers[1].attn_qkv.runs] == [(256, 128), (128,)]
+    # layer 0: Q/K/V and gate/up one NORM launch each; layer 1: Q/K, V and gate/up
+    assert fused_calls == {"product+norm": 5, "product+add": 2, "product+swiglu+add": 2, "norm": 1, "product": 1}
+    assert plain_calls == {"norm": 5, "product": 10, "swiglu": 2}
+    assert np.array_equal(np.asarray(fused).view(np.uint32), np.asarray(plain).view(np.uint32))
+
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("rows,cols", [(1, 1024), (9, 1312), (3, 4096), (2, 40), (5, 1000)])

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlxinfer
 from mlxinfer.backend import Backend
 from mlxinfer.backends.cpu import CPUBackend
-from mlxinfer.backends.mlx import GROUP, BlockWeight, MLXBackend, PackedWeight, QuantizedWeight, WeightGroup
+from mlxinfer.backends.mlx import GROUP, BlockWeight, MLXBackend, PackedWeight, QuantizedWeight, WeightGroup, WeightRuns
 from mlxinfer.gguf_file import GGUFFile
 from mlxinfer.models.spec import WEIGHT_GROUPS
 from mlxinfer.synthetic import _add_metadata
@@ -128,39 +128,44 @@ def test_smollm2_q4_1_layers_are_grouped(smollm2_path):
 
 
 # Which mixes stack: the MLX backend keeps each type's own scale fields (Q4_0: d; Q4_1: d and m) and
-# F16 in 16 bits, so only matrices of one type stack.
+# F16 in 16 bits, so only matrices of one type stack; a mix stacks each run of consecutive matrices of
+# one type (its runs' sizes here: Q is 192 columns, K and V 96 each).
 MIXES = [
-    ((Q.Q8_0, Q.Q4_0, Q.Q8_0), False),
-    ((Q.F32, Q.Q8_0, Q.Q8_0), False),
-    ((Q.Q4_1, Q.Q4_1, Q.F32), False),
-    ((Q.Q4_0, Q.Q4_1, Q.Q4_1), False),
-    ((Q.F32, Q.F16, Q.F32), False),
-    ((Q.F16, Q.F16, Q.F16), True),
-    ((Q.Q4_1, Q.Q4_1, Q.Q4_1), True),
+    ((Q.Q8_0, Q.Q4_0, Q.Q8_0), ((192,), (96,), (96,))),
+    ((Q.F32, Q.Q8_0, Q.Q8_0), ((192,), (96, 96))),
+    ((Q.Q4_1, Q.Q4_1, Q.F32), ((192, 96), (96,))),
+    ((Q.Q4_0, Q.Q4_1, Q.Q4_1), ((192,), (96, 96))),
+    ((Q.F32, Q.F16, Q.F32), ((192,), (96,), (96,))),
+    ((Q.F16, Q.F16, Q.F16), ((192, 96, 96),)),
+    ((Q.Q4_1, Q.Q4_1, Q.Q4_1), ((192, 96, 96),)),
 ]
 
 
-@pytest.mark.parametrize("types,stacks", MIXES,
-                         ids=lambda m: "-".join(t.name for t in m) if isinstance(m, tuple) else None)
-def test_mixed_types_fall_back_to_separate_handles(tmp_path, types, stacks):
+@pytest.mark.parametrize("types,runs", MIXES,
+                         ids=lambda m: "-".join(t.name for t in m) if isinstance(m[0], Q) else None)
+def test_mixed_types_stack_by_runs_of_one_type(tmp_path, types, runs):
     """Q, K, V of layer 0 in `types`; everything else F32. Where the three cannot share one MLX layout the
-    group is the tuple of the separate handles (equal, bit for bit, to `load_weight` of each); the model
-    still loads, and its logits are those of a model loaded with no grouping at all."""
+    group is its runs of consecutive matrices of one layout, each a `WeightGroup` (a Q4_K_M file's Q and
+    K beside its Q6_K V: two products, not three), whose matrices are, bit for bit, `load_weight` of
+    each; the model still loads, and its logits are those of a model loaded with no grouping at all."""
     path = write_mixed(tmp_path, dict(zip(QKV, types)))
     b = MLXBackend(device="cpu")
     with GGUFFile(path) as g:
         group = b.load_weight_group(g, QKV)
         separate = [b.load_weight(g, n) for n in QKV]
-    if stacks:
-        assert isinstance(group, WeightGroup) and group.sizes == (192, 96, 96)
+    if len(runs) == 1:
+        assert isinstance(group, WeightGroup) and group.sizes == runs[0]
     else:
-        assert isinstance(group, tuple) and len(group) == 3
-        for got, want in zip(group, separate):
-            assert type(got) is type(want)
+        assert isinstance(group, WeightRuns) and tuple(r.sizes for r in group.runs) == runs
+        assert all(isinstance(r, WeightGroup) for r in group.runs)
+        for got, want in zip(group, separate, strict=True):
             assert_same_bits(mlx_dense(got), mlx_dense(want))
+        x = mx.array(np.random.default_rng(0).standard_normal((3, QWEN3["hidden"]), dtype=np.float32))
+        for got, want in zip(b.linear_group(x, group), [b.linear(x, w) for w in separate], strict=True):
+            assert_same_bits(got, want)
 
     engine = mlxinfer.load(path, backend="mlx", device="cpu")
-    assert isinstance(engine.model.w.layers[0].attn_qkv, WeightGroup) == stacks
+    assert isinstance(engine.model.w.layers[0].attn_qkv, WeightGroup if len(runs) == 1 else WeightRuns)
     assert isinstance(engine.model.w.layers[1].attn_qkv, WeightGroup)  # layer 1 is all F32
     ids = [1, 17, 250, 99, 3, 300, 42]
     grouped = engine.logits(ids)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 from dataclasses import dataclass, replace
 
@@ -63,7 +64,7 @@ from ..sampling import MLXRandom  # noqa: E402
 from . import kernel_checks  # noqa: E402
 from .cpu import checked_threads, default_threads  # noqa: E402
 from .mlx_kv import dequantize_q8_0, packed_width, quantize_q8_0, value_bytes  # noqa: E402
-from .mlx_weights import GROUP, BlockWeight, ExpertStack, PackedWeight, QuantizedWeight, WeightGroup, to_device  # noqa: E402,F401
+from .mlx_weights import GROUP, BlockWeight, ExpertStack, PackedWeight, QuantizedWeight, WeightGroup, WeightRuns, to_device  # noqa: E402,F401
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}  # backend.DTYPES' MLX types
 KEPT = (*quants.AFFINE_BITS, *quants.BLOCK_TYPES, *quants.HALF_TYPES)  # every type but F32 stays as compact
@@ -987,19 +988,23 @@ class MLXBackend(Backend):
 
     def load_weight_group(self, g, names):
         """The matrices stacked into one (one product for Q, K and V, one for gate and up: two and one
-        fewer launches a layer) where they share a layout: all of one kept type, or all float32;
-        otherwise their separate handles. Packed rows are stacked as they are, so each output column
-        is the same dot product of the same row as the separate product's. Stacked in host memory:
-        the parts never reach the device."""
+        fewer launches a layer) where they share a layout: all of one kept type, or all float32; where
+        they do not, each run of consecutive matrices of one layout stacked (`WeightRuns`: a Q4_K_M
+        file's Q and K in one product, its Q6_K V in another). Packed rows are stacked as they are, so
+        each output column is the same dot product of the same row as the separate product's. Stacked
+        in host memory: the parts never reach the device."""
         parts = [self._read(g, n, transposed=True) for n in names]
-        if len({qtype for qtype, _, _ in parts}) != 1:
-            return tuple(self._to_device(*p) for p in parts)
+        runs = [list(run) for _, run in itertools.groupby(parts, key=lambda p: p[0])]
+        groups = tuple(self._stacked(run) for run in runs)
+        return groups[0] if len(groups) == 1 else WeightRuns(groups)
+
+    def _stacked(self, parts) -> WeightGroup:
+        """Matrices of one layout (`_read`'s (qtype, arrays, shape) each) as one `WeightGroup`."""
         qtype = parts[0][0]
         axis = 1 if qtype is None else 0  # float [in, out] side by side; packed [out, ...] rows stacked
         sizes = tuple(shape[0] for _, _, shape in parts)
         stacked = [np.concatenate([arrays[i] for _, arrays, _ in parts], axis=axis) for i in range(len(parts[0][1]))]
-        merged = self._to_device(qtype, stacked, (sum(sizes), parts[0][2][1]))
-        return WeightGroup(merged, sizes)
+        return WeightGroup(self._to_device(qtype, stacked, (sum(sizes), parts[0][2][1])), sizes)
 
     def load_embedding(self, g, name):
         return self._matrix(g, name, transposed=False)
@@ -1083,6 +1088,8 @@ class MLXBackend(Backend):
         return mx.concatenate(parts, axis=-1)
 
     def linear_group(self, x, ws, groups=None):
+        if isinstance(ws, WeightRuns):
+            return tuple(y for run in ws.runs for y in self.linear_group(x, run, groups))
         if not isinstance(ws, WeightGroup):
             return super().linear_group(x, ws, groups)
         return self._group_columns(self.linear(x, ws.merged, groups), ws)
@@ -1202,16 +1209,25 @@ class MLXBackend(Backend):
         return mx.fast.rms_norm(x, weight, eps)
 
     def rms_norm_linear_group(self, x, weight, eps, ws, groups=None):
+        if isinstance(ws, WeightRuns):  # (a run each: its NORM form where every run takes it, else one norm)
+            if not self._norm_form(x, weight, [run.merged for run in ws.runs], groups):
+                return self.linear_group(self.rms_norm(x, weight, eps), ws, groups)
+            return tuple(y for run in ws.runs
+                         for y in self._group_columns(self._norm_product(x, weight, eps, run.merged, groups), run))
         if not isinstance(ws, WeightGroup):
             return super().rms_norm_linear_group(x, weight, eps, ws, groups)
         return self._group_columns(self._norm_product(x, weight, eps, ws.merged, groups), ws)
+
+    def _norm_form(self, x, weight, ws, groups=None) -> bool:
+        """Whether rms_norm(x) times each of the merged matrices ws is a block kernel's NORM form."""
+        return bool(self.fused_forms and self.norm_kind and x.dtype == weight.dtype == self.dtype == self.weight_dtype
+                    and all(self._block_product(x, w, groups) for w in ws))
 
     def _norm_product(self, x, weight, eps, w, groups=None):
         """rms_norm(x) @ w for a group's merged matrix w: for decode rows of a block type on a GPU in one
         launch (the kernels' NORM form multiplies the very values `rms_norm` writes), one launch a layer
         fewer for each of the attention's and the FFN's norms."""
-        if (self.fused_forms and self.norm_kind and x.dtype == weight.dtype == self.dtype == self.weight_dtype
-                and self._block_product(x, w, groups)):
+        if self._norm_form(x, weight, [w], groups):
             return block_kernels.product(self.block_kind, x, w, norm=(weight, eps))
         return self.linear(self.rms_norm(x, weight, eps), w, groups)
 

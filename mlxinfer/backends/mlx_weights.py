@@ -20,7 +20,7 @@ blocks and float matrices are cast to it (scales and float matrices once at load
 once, blocks at each use), so that MLX's products take and give that dtype.
 
 Every array has the matrix's rows as its first axis, so a row slice, a gathered row and stacked
-matrices (`WeightGroup`) are slices, gathers and concatenations of each array.
+matrices (`WeightGroup`, `WeightRuns`) are slices, gathers and concatenations of each array.
 """
 
 from __future__ import annotations
@@ -292,6 +292,19 @@ class WeightGroup:
             else:
                 yield m[:, start:start + n]
             start += n
+
+
+@dataclass
+class WeightRuns:
+    """Matrices that multiply the same activations but do not all share a layout (a Q4_K_M file's Q and
+    K in Q4_K beside a V in Q6_K): each run of consecutive matrices of one layout a `WeightGroup`, one
+    product a run; iterating gives each matrix in order, as a WeightGroup does."""
+
+    runs: tuple  # WeightGroup each
+
+    def __iter__(self):
+        for run in self.runs:
+            yield from run
 
 
 def to_device(qtype, arrays, shape, float_scales: bool = False, dtype=mx.float32, compiled: bool = False) -> object:
