@@ -761,6 +761,29 @@ def test_gpu_norms_swiglu_and_residuals_join_the_products_bit_for_bit(synthetic,
 
 
 @needs_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_mixed_type_groups_join_the_products_bit_for_bit(synthetic, dtype):
+    """On the GPU's own kernels: a Q4_K_M Qwen3 (random blocks; layer 1's V in Q6_K, its Q/K/V two runs)
+    gives the same logits and greedy tokens with the fused forms (a NORM-form launch a run) as with the
+    ops apart."""
+    import mlxinfer
+    from mlxinfer.backends.mlx_weights import WeightRuns
+
+    path = synthetic(arch="qwen3", n_layers=2, qtype="Q4_K_M", hidden=256, ffn=512, n_heads=4, n_kv_heads=2,
+                     head_dim=64, random_blocks=True)
+
+    def run(fused):
+        eng = mlxinfer.load(path, backend="mlx", device="gpu", dtype=dtype)
+        assert isinstance(eng.model.w.layers[1].attn_qkv, WeightRuns) and eng.backend.fused_forms
+        eng.backend.fused_forms = fused
+        return eng.logits([1, 5, 9, 2]), eng.generate([1, 5, 9, 2], max_tokens=4).token_ids
+
+    fused, apart = run(True), run(False)
+    assert np.array_equal(np.asarray(fused[0]).view(np.uint32), np.asarray(apart[0]).view(np.uint32))
+    assert fused[1] == apart[1]
+
+
+@needs_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_gpu_swiglu_kernel_passes_its_self_check(dtype):
     """blocks.cu's swiglu on the GPU, bit for bit `emulate_swiglu` (`verify_swiglu`)."""
