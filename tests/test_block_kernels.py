@@ -821,22 +821,33 @@ def test_bad_launches_are_one_line_errors():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_swiglu_self_check_is_bit_for_bit(monkeypatch, dtype):
-    """`verify_swiglu` passes a kernel that writes `emulate_swiglu`'s bits and names one that is a unit in
-    the last place off in one value, with the rows, size and dtype. (Stand-in kernel on MLX's CPU.)"""
-    from mlxinfer.backends.mlx import verify_swiglu
+@pytest.mark.parametrize("kernel", ["swiglu", "rms_norm"])
+def test_the_swiglu_and_norm_self_checks_are_bit_for_bit(monkeypatch, dtype, kernel):
+    """`verify_swiglu` and `verify_rms_norm` pass a kernel that writes its emulation's bits and name one
+    that is a unit in the last place off in one value, with the rows, size and dtype. (Stand-in kernels
+    on MLX's CPU.)"""
+    from mlxinfer.backends.mlx import verify_rms_norm, verify_swiglu
 
     off = {"by": 0}
+    f32 = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
 
-    def kernel(kind, x):
-        xs = np.array(x.astype(mx.float32))
-        out = block_kernels.emulate_swiglu(xs, lambda a: np.array(mx.array(a).astype(x.dtype).astype(mx.float32)))
+    def finish(out, dtype_):
         out.view(np.uint32)[0, 100] += off["by"] << (16 if dtype == "bfloat16" else 0)
-        return mx.array(out).astype(x.dtype)
+        return mx.array(out).astype(dtype_)
 
-    monkeypatch.setattr(block_kernels, "swiglu", kernel)
+    def swiglu(kind, x):
+        narrow = lambda a: np.array(mx.array(a).astype(x.dtype).astype(mx.float32))  # noqa: E731
+        return finish(block_kernels.emulate_swiglu(f32(x), narrow), x.dtype)
+
+    def rms_norm(kind, x, w, eps):
+        narrow = lambda a: np.array(mx.array(a).astype(x.dtype).astype(mx.float32))  # noqa: E731
+        return finish(block_kernels.emulate_rms_norm(f32(x), f32(w), eps, narrow), x.dtype)
+
+    monkeypatch.setattr(block_kernels, kernel, swiglu if kernel == "swiglu" else rms_norm)
     b = MLXBackend(device="cpu", dtype=dtype)
-    b.swiglu_kind = "cuda"
-    assert verify_swiglu(b) is None
+    b.swiglu_kind = b.norm_kind = "cuda"
+    verify = verify_swiglu if kernel == "swiglu" else verify_rms_norm
+    assert verify(b) is None
     off["by"] = 1
-    assert verify_swiglu(b) == f"the swiglu kernel differs from its published order in 1 of 3000 values (1 rows of 3000, {dtype})"
+    size = "1 of 3000 values (1 rows of 3000" if kernel == "swiglu" else "1 of 1024 values (1 rows of 1024"
+    assert verify(b) == f"the {kernel} kernel differs from its published order in {size}, {dtype})"

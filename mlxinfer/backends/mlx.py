@@ -555,6 +555,14 @@ def verify_fused_forms(backend: "MLXBackend") -> str | None:
         return f"{_one_line(e)} (the block kernels' fused forms)"
 
 
+def _differs(kernel: str, got: np.ndarray, want: np.ndarray, case: str) -> str | None:
+    """None where a kernel's float32 results are `want`'s bits, else one line: how many values differ."""
+    same = got.view(np.uint32) == want.view(np.uint32)
+    if same.all():
+        return None
+    return f"the {kernel} kernel differs from its published order in {int((~same).sum())} of {same.size} values ({case})"
+
+
 def verify_rms_norm(backend: "MLXBackend") -> str | None:
     """blocks.cu's `rms_norm` kernel against `block_kernels.emulate_rms_norm`, bit for bit, in the
     backend's dtype: rows of 1,024 and 1,312 values, 1 and 9 rows (a block's 8, then one more), large
@@ -567,11 +575,10 @@ def verify_rms_norm(backend: "MLXBackend") -> str | None:
             w = narrow(rng.uniform(0.25, 4.0, k).astype(np.float32))
             got = np.array(block_kernels.rms_norm(backend.norm_kind, mx.array(x).astype(backend.dtype),
                                                   mx.array(w).astype(backend.dtype), 1e-6).astype(mx.float32))
-            want = block_kernels.emulate_rms_norm(x, w, 1e-6, narrow)
-            same = got.view(np.uint32) == want.view(np.uint32)
-            if not same.all():
-                return (f"the rms_norm kernel differs from its published order in {int((~same).sum())} of {same.size} "
-                        f"values ({rows} rows of {k}, {backend.dtype_name})")
+            problem = _differs("rms_norm", got, block_kernels.emulate_rms_norm(x, w, 1e-6, narrow),
+                               f"{rows} rows of {k}, {backend.dtype_name}")
+            if problem:
+                return problem
     except Exception as e:  # a kernel that fails to compile or launch
         return f"{_one_line(e)} (the rms_norm kernel)"
     return None
@@ -589,10 +596,9 @@ def verify_swiglu(backend: "MLXBackend") -> str | None:
             x[0, :8] = [0.0, -0.0, 19.5, 20.5, -87.5, -88.5, -200.0, 300.0]
             got = np.array(block_kernels.swiglu(backend.swiglu_kind, mx.array(x).astype(backend.dtype)).astype(mx.float32))
             want = block_kernels.emulate_swiglu(x, narrow)
-            same = got.view(np.uint32) == want.view(np.uint32)
-            if not same.all():
-                return (f"the swiglu kernel differs from its published order in {int((~same).sum())} of {same.size} "
-                        f"values ({rows} rows of 3000, {backend.dtype_name})")
+            problem = _differs("swiglu", got, want, f"{rows} rows of 3000, {backend.dtype_name}")
+            if problem:
+                return problem
     except Exception as e:  # a kernel that fails to compile or launch
         return f"{_one_line(e)} (the swiglu kernel)"
     return None
