@@ -131,8 +131,8 @@ __device__ __forceinline__ float mlxi_norm_value(float v, float inv, float w) {
 // polynomial of degree 7 in Horner's order from 1/5040 down, times 2^n, exact: every step rounded, no
 // contraction; within 2 float32 units of e^t, block_kernels.emulate_swiglu follows it in numpy);
 // silu = g / (1 + e) rounded to X (what the graph's silu op writes), then silu * u rounded to X (its
-// product with up). Past the clamp: 1 + e^-20 is 1 in float32, and silu(g) for g < -88 is g / (1 + e^88),
-// below 1e-36 in magnitude instead of below that.
+// product with up). Past the clamp: 1 + e^-20 is 1 in float32, and silu(g) for g < -88 is g / (1 + e^88)
+// (-6e-35 at g = -1e4, -1.8 at g = -3e38) where g e^g is nearer 0: no model's gates go there.
 __device__ __forceinline__ float mlxi_exp(float t) {
   const float n = rintf(__fmul_rn(t, 1.44269502162933349609375f));
   const float r = __fsub_rn(__fsub_rn(t, __fmul_rn(n, 0.693359375f)), __fmul_rn(n, -2.12194440e-4f));

@@ -263,9 +263,10 @@ def emulate_exp(t: np.ndarray) -> np.ndarray:
 
 
 def emulate_swiglu(x: np.ndarray, narrow) -> np.ndarray:
-    """What blocks.cu's `swiglu` writes, in numpy, bit for bit: for x = [g | u] (float32 values of the
-    dtype), silu = g / (1 + emulate_exp(t)) for t = -g clamped to [-20, 88], `narrow`ed to the dtype, then
-    silu * u narrowed again (the graph's silu op, then its product with up)."""
+    """What blocks.cu's `swiglu` writes, in numpy, bit for bit for every input but NaN (a NaN in gives a
+    NaN out, its sign and payload the platform's): for x = [g | u] (float32 values of the dtype), silu =
+    g / (1 + emulate_exp(t)) for t = -g clamped to [-20, 88], `narrow`ed to the dtype, then silu * u
+    narrowed again (the graph's silu op, then its product with up)."""
     x = np.asarray(x, np.float32)
     f = x.shape[1] // 2
     g, u = x[:, :f], x[:, f:]

@@ -429,9 +429,10 @@ def test_gpu_kernel_partial_tiles_equal_the_published_order(rows, cols, m, qtype
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_gpu_self_check_of_the_block_kernels_passes(dtype):
-    """Every type's kernel, and its ADD and NORM forms, bit for bit their published order on the GPU."""
+    """Every type's kernel, and its ADD, NORM and SWIGLU forms, bit for bit their published order on the GPU."""
     b = MLXBackend(device="gpu", dtype=dtype)
     assert _check_block_products(b) is None and _check_block_products(b, fused=True) is None
+    assert _check_block_products(b, swiglu=True) is None
 
 
 @needs_gpu
@@ -486,6 +487,8 @@ def test_the_block_self_check_compares_in_the_products_dtype(monkeypatch, dtype)
 
     monkeypatch.setattr(block_kernels, "product", kernel)
     assert _check_block_products(b) is None and _check_block_products(b, fused=True) is None
+    assert "glu" not in added  # (the SWIGLU form is the swiglu kernel's verdict's, not the fused forms')
+    assert _check_block_products(b, swiglu=True) is None
     assert per_warp_seen == {1, 2, block_kernels.MAX_ROWS_PER_WARP}  # every layout a CUDA warp may take
     assert set(added) == {"", "add", "norm", "glu"}  # the product alone, the ADD, NORM and SWIGLU forms
     off["by"] = 1
@@ -495,6 +498,26 @@ def test_the_block_self_check_compares_in_the_products_dtype(monkeypatch, dtype)
     assert _check_block_products(b, fused=True) == (
         f"the {first} block kernel (adding a residual) differs from its published order in 1 of 42 values "
         f"(1 rows, {block_kernels.MAX_ROWS_PER_WARP} a warp, {dtype})")
+    assert _check_block_products(b, swiglu=True) == (
+        f"the {first} block kernel (of SwiGLU's values, adding a residual) differs from its published order in "
+        f"1 of 42 values (1 rows, {block_kernels.MAX_ROWS_PER_WARP} a warp, {dtype})")
+
+
+def test_the_swiglu_verdict_answers_for_the_swiglu_form(monkeypatch):
+    """`verify_swiglu` checks the block kernels' SWIGLU form after the swiglu kernel (both compute
+    SwiGLU's values by one function): a failing form is the swiglu verdict's failure, which turns off
+    SwiGLU alone, and the fused forms' check (ADD, NORM) does not launch it."""
+    from mlxinfer.backends import mlx as mlx_mod
+
+    asked = []
+    monkeypatch.setattr(block_kernels, "swiglu", lambda kind, x: mx.array(block_kernels.emulate_swiglu(
+        np.array(x.astype(mx.float32)), lambda a: a)))
+    monkeypatch.setattr(mlx_mod, "_check_block_products",
+                        lambda b, kernel=None, fused=False, swiglu=False: asked.append((fused, swiglu)) or "form off")
+    b = MLXBackend(device="cpu")
+    b.swiglu_kind = "cuda"
+    assert mlx_mod.verify_swiglu(b) == "form off" and asked == [(False, True)]
+    assert mlx_mod.verify_fused_forms(b) == "form off" and asked[-1] == (True, False)
 
 
 def _stand_in_kernels(monkeypatch, calls: list):
@@ -762,7 +785,7 @@ def test_gpu_norms_swiglu_and_residuals_join_the_products_bit_for_bit(synthetic,
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_mixed_type_groups_join_the_products_bit_for_bit(synthetic, dtype):
+def test_gpu_mixed_type_groups_join_the_products_bit_for_bit(synthetic, monkeypatch, dtype):
     """On the GPU's own kernels: a Q4_K_M Qwen3 (random blocks; layer 1's V in Q6_K, its Q/K/V two runs)
     gives the same logits and greedy tokens with the fused forms (a NORM-form launch a run) as with the
     ops apart."""
@@ -772,13 +795,25 @@ def test_gpu_mixed_type_groups_join_the_products_bit_for_bit(synthetic, dtype):
     path = synthetic(arch="qwen3", n_layers=2, qtype="Q4_K_M", hidden=256, ffn=512, n_heads=4, n_kv_heads=2,
                      head_dim=64, random_blocks=True)
 
+    normed, real = set(), block_kernels.product
+
+    def product(kind, x, w, per_warp=None, residual=None, norm=None, swiglu=False):
+        if norm is not None:
+            normed.add(w.qtype.name)
+        return real(kind, x, w, per_warp, residual, norm, swiglu)
+
     def run(fused):
         eng = mlxinfer.load(path, backend="mlx", device="gpu", dtype=dtype)
         assert isinstance(eng.model.w.layers[1].attn_qkv, WeightRuns) and eng.backend.fused_forms
         eng.backend.fused_forms = fused
+        normed.clear()
         return eng.logits([1, 5, 9, 2]), eng.generate([1, 5, 9, 2], max_tokens=4).token_ids
 
-    fused, apart = run(True), run(False)
+    monkeypatch.setattr(block_kernels, "product", product)
+    fused = run(True)
+    assert normed == {"Q4_K", "Q6_K"}  # each run's NORM form ran (the Q6_K V's too)
+    apart = run(False)
+    assert not normed
     assert np.array_equal(np.asarray(fused[0]).view(np.uint32), np.asarray(apart[0]).view(np.uint32))
     assert fused[1] == apart[1]
 

@@ -24,7 +24,8 @@ class Unfused(MLXBackend):
     """Each pre-norm block's norm apart from the products after it (mx.fast.rms_norm, then the products),
     its output product apart from the residual's add, and SwiGLU apart from the down product (MLX's silu
     and product): the step before the block kernels' NORM, ADD and SWIGLU forms (five launches a layer
-    more, and the same text)."""
+    more; its text differs from the default's in the last bits, MLX's silu not being the swiglu
+    kernel's)."""
 
     rms_norm_linear_group = Backend.rms_norm_linear_group
     linear_add = Backend.linear_add
@@ -78,7 +79,9 @@ class PrefillMLXOps(MLXBackend):
 
 
 class SeparateWeights(MLXBackend):
-    """Q, K, V (and gate, up) loaded and multiplied as separate products, as before weight groups."""
+    """Q, K, V (and gate, up) loaded and multiplied as separate products, as before weight groups. Since
+    the SWIGLU form reads gate and up side by side, this also takes SwiGLU out of the down product
+    (MLX's silu and product: as `SwigluApart` does, on top)."""
 
     load_weight_group = Backend.load_weight_group
 

@@ -224,7 +224,8 @@ def _check_products(backend: "MLXBackend") -> str | None:
     return None
 
 
-def _check_block_products(backend: "MLXBackend", kernel: str | None = None, fused: bool = False) -> str | None:
+def _check_block_products(backend: "MLXBackend", kernel: str | None = None, fused: bool = False,
+                          swiglu: bool = False) -> str | None:
     """The block kernels (`block_kernels`) against their numpy emulation, bit for bit, on random blocks
     with edge values of every type they take, for 1 and MAX_ROWS rows, each output row count a warp
     takes (42 rows: a last warp of 4 with 2 left), rows of 1,280 values (1,312 for the 32-value types:
@@ -232,18 +233,20 @@ def _check_block_products(backend: "MLXBackend", kernel: str | None = None, fuse
     is widened exactly, the float32 sum rounded once to that dtype at the end; none on the CPU: nothing
     to check). `kernel`: only the types of that kernel (`block_kernels.KERNELS`), else every type.
     `fused`: instead, with the most rows a warp, the ADD form (a residual plus the product:
-    `block_kernels.with_residual`), the NORM form (the product of the rows `emulate_rms_norm` norms) and
-    the SWIGLU form with ADD (a residual plus the product of `emulate_swiglu`'s values of [gate | up]) of
-    each type the backend keeps on its kernel (`block_types`)."""
+    `block_kernels.with_residual`) and the NORM form (the product of the rows `emulate_rms_norm` norms) of
+    each type the backend keeps on its kernel (`block_types`); `swiglu`: so, the SWIGLU form with ADD (a
+    residual plus the product of `emulate_swiglu`'s values of [gate | up]), part of the swiglu kernel's
+    verdict (`verify_swiglu`), as both compute SwiGLU's values by one function."""
     if backend.block_kind is None:
         return None
     rng = np.random.default_rng(7)
     dtype = backend.weight_dtype
     narrow = lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))  # noqa: E731 (MLX's rounding)
     per_warp = (1, 2, 4) if backend.block_kind == "cuda" else (1,)
-    forms = [(per_warp[-1], f) for f in ("add", "norm", "glu")] if fused else [(r, "") for r in per_warp]
+    forms = ([(per_warp[-1], f) for f in ("add", "norm")] if fused else [(per_warp[-1], "glu")] if swiglu
+             else [(r, "") for r in per_warp])
     for qtype in block_kernels.types_of(kernel):
-        if fused and qtype not in backend.block_types:
+        if (fused or swiglu) and qtype not in backend.block_types:
             continue
         k = 1280 if block_kernels.row_multiple(qtype) == 256 else 1312
         raw = quants.random_blocks(rng, qtype, 42, k, edges=True)
@@ -256,7 +259,7 @@ def _check_block_products(backend: "MLXBackend", kernel: str | None = None, fuse
             # a residual of the sums' size, so that the additions round, and finite in every dtype
             res = narrow(rng.standard_normal(want.shape, dtype=np.float32) * np.minimum(np.abs(want), 1000.0))
             nw = narrow(rng.uniform(0.25, 4.0, k).astype(np.float32))
-            gu = narrow(rng.standard_normal((m, 2 * k), dtype=np.float32) * 3.0) if fused else None  # [gate | up]
+            gu = narrow(rng.standard_normal((m, 2 * k), dtype=np.float32) * 3.0) if swiglu else None  # [gate | up]
             for r, form in forms:
                 out = block_kernels.product(backend.block_kind, mx.array(gu if form == "glu" else x).astype(dtype), w, r,
                                             mx.array(res).astype(dtype) if form in ("add", "glu") else None,
@@ -548,7 +551,8 @@ def verify_block_kernels(backend: "MLXBackend", kernel: str | None = None) -> st
 
 def verify_fused_forms(backend: "MLXBackend") -> str | None:
     """The block kernels' ADD and NORM forms (`_check_block_products(fused=True)`), a verdict apart from
-    each kernel's own: failing, only they are turned off. None, or one line naming the failure."""
+    each kernel's own: failing, only they are turned off (and with them SWIGLU, which comes with ADD).
+    None, or one line naming the failure."""
     try:
         return _check_block_products(backend, fused=True)
     except Exception as e:  # a form that fails to compile or launch
@@ -587,7 +591,9 @@ def verify_rms_norm(backend: "MLXBackend") -> str | None:
 def verify_swiglu(backend: "MLXBackend") -> str | None:
     """blocks.cu's `swiglu` kernel against `block_kernels.emulate_swiglu`, bit for bit, in the backend's
     dtype: 1 and 9 rows of 3,000 + 3,000 values (gate | up), gates across the exponential's whole range
-    and past both ends of its clamp, zeros and signed zeros. None, or one line naming the failure."""
+    and past both ends of its clamp, zeros and signed zeros; then the block kernels' SWIGLU form, which
+    computes those values by the same function (`_check_block_products(swiglu=True)`), so that a wrong
+    SwiGLU turns off SwiGLU alone (not the ADD and NORM forms). None, or one line naming the failure."""
     rng = np.random.default_rng(13)
     narrow = lambda a: np.array(mx.array(a).astype(backend.dtype).astype(mx.float32))  # noqa: E731
     try:
@@ -599,9 +605,9 @@ def verify_swiglu(backend: "MLXBackend") -> str | None:
             problem = _differs("swiglu", got, want, f"{rows} rows of 3000, {backend.dtype_name}")
             if problem:
                 return problem
+        return _check_block_products(backend, swiglu=True)
     except Exception as e:  # a kernel that fails to compile or launch
         return f"{_one_line(e)} (the swiglu kernel)"
-    return None
 
 
 class MLXBackend(Backend):
