@@ -166,13 +166,15 @@ def cuda_path(dtype: str = "float32", attention: str = "fused"):
 def pretend_gpu(monkeypatch, gpu: str) -> str:
     """MLX made to report a GPU of kind `gpu` (`mlx.gpu_kind`; "cuda-sm75": a Turing GPU, compute
     capability 7, else 9) whose device is never activated: a backend constructed with `kernel=` the
-    returned kind runs no kernel and no self-check. The kind ("cuda" for "cuda-sm75")."""
+    returned kind runs no kernel and no self-check (the block kernels' too: `check_blocks` stubbed). The
+    kind ("cuda" for "cuda-sm75")."""
     from mlxinfer.backends import mlx as mlx_backend
 
     turing = gpu == "cuda-sm75"
     monkeypatch.setattr(mx, "device_info", lambda device=None: {"compute_capability_major": 7 if turing else 9})
     monkeypatch.setattr(mlx_backend, "gpu_kind", lambda: "cuda" if turing else gpu)
     monkeypatch.setattr(mlx_backend.MLXBackend, "activate", lambda self: None)
+    monkeypatch.setattr(mlx_backend.MLXBackend, "check_blocks", lambda self, fresh=False: None)
     return "cuda" if turing else gpu
 
 

@@ -747,6 +747,32 @@ def test_a_failing_norm_swiglu_kernel_or_fused_form_turns_only_itself_off(monkey
                     "fused": ["kernel", "swiglu", "add"], "swiglu": ["kernel+norm", "kernel+add"]}[failing]
 
 
+@pytest.mark.parametrize("kernel", ["graph", "cuda"])
+def test_a_forced_attention_kernel_still_checks_the_block_kernels(monkeypatch, tmp_path, capsys, kernel):
+    """--kernel forces attention's kernels (or MLX's graph) without their self-check, as asked; the
+    block kernels, their fused forms and the norm and swiglu kernels still get theirs before any runs (a
+    failing one turned off, in one line). (MLX made to report a CUDA GPU; stand-in verdicts.)"""
+    from mlxinfer.backends import kernel_checks
+    from mlxinfer.backends import mlx as mlx_mod
+
+    monkeypatch.setenv("MLXINFER_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernel_checks, "_VERDICTS", {})
+    monkeypatch.setattr(mx, "device_info", lambda device=None: {"compute_capability_major": 9})
+    monkeypatch.setattr(mlx_mod, "gpu_kind", lambda: "cuda")
+    monkeypatch.setattr(MLXBackend, "activate", lambda self: None)
+    runs = []
+    monkeypatch.setattr(mlx_mod, "verify_block_kernels", lambda b, name=None: runs.append("blocks") or None)
+    monkeypatch.setattr(mlx_mod, "verify_fused_forms", lambda b: runs.append("fused") or None)
+    monkeypatch.setattr(mlx_mod, "verify_rms_norm", lambda b: runs.append("norm") or None)
+    monkeypatch.setattr(mlx_mod, "verify_swiglu", lambda b: runs.append("swiglu") or "the swiglu kernel differs")
+    monkeypatch.setattr(mlx_mod, "verify_gpu_kernels", lambda b: runs.append("attention") or None)
+    b = MLXBackend(device="gpu", kernel=kernel, verify=mlx_mod.verify_gpu_kernels)
+    assert "attention" not in runs and runs[-3:] == ["fused", "norm", "swiglu"]
+    assert runs.count("blocks") == len(block_kernels.kernel_names())
+    assert b.block_kind == "cuda" and b.swiglu_kind is None and b.swiglu_fallback == "the swiglu kernel differs"
+    assert "the swiglu kernel failed its self-check" in capsys.readouterr().err
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_norms_swiglu_and_residuals_join_the_products_bit_for_bit(synthetic, monkeypatch, dtype):

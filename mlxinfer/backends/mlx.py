@@ -704,6 +704,8 @@ class MLXBackend(Backend):
         self._cache: dict[str, object] = {}
         if device == "gpu" and kernel is None and verify is not None:
             self.check_kernels(verify)
+        elif device == "gpu" and verify is verify_gpu_kernels:
+            self.check_blocks()  # (--kernel forces attention's kernels unchecked, not the block kernels)
 
     def check_kernels(self, verify=verify_gpu_kernels, fresh: bool = False) -> str | None:
         """Never run an unverified kernel silently: run `verify` (on the device; the default check's
@@ -744,7 +746,16 @@ class MLXBackend(Backend):
         self.checked_here = bool(ran)  # run in this process, not a remembered verdict
         if problem:
             self._attention_falls_back(problem)
-        if kept and self.block_kind:  # each block kernel's verdict, of its own (they read no KV cache)
+        if kept:
+            self.check_blocks(fresh)
+        return problem
+
+    def check_blocks(self, fresh: bool = False) -> None:
+        """The block kernels' verdicts (`check_kernels` runs them after attention's; on their own where
+        --kernel forces the attention kernels): each block kernel's, then the fused forms', the norm
+        kernel's and the swiglu kernel's, each failure turning off only what it checked, in one line on
+        stderr."""
+        if self.block_kind:  # each block kernel's verdict, of its own (they read no KV cache)
             failed = {}
             for name in block_kernels.kernel_names():
                 blocks = kernel_checks.verdict(f"{self.block_kind} blocks {name}", self.dtype_name, "-",
@@ -776,7 +787,6 @@ class MLXBackend(Backend):
                 self.swiglu_kind, self.swiglu_fallback = None, glu
                 print(f"mlxinfer: warning: the swiglu kernel failed its self-check ({glu}); SwiGLU uses MLX's "
                       "own ops, apart from the down product", file=sys.stderr)
-        return problem
 
     def _sdpa_off(self, problem: str) -> None:
         self.sdpa, self.sdpa_fallback = False, problem
