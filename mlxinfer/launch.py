@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 
 from .collectives import require_distributed
+from .errors import RequestError
 from .gguf_file import GGUFFile
 from .model_source import resolve_model
 from .models import model_args
@@ -28,6 +30,28 @@ def default_backend(device: str | None = None) -> str:
     import mlx.core as mx
 
     return "nccl" if mx.cuda.is_available() and device != "cpu" else "ring"
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> int:
+    """A port P with P .. P + n - 1 free on `host` now: mlx.launch's ring listens on consecutive ports
+    from its --starting-port (32323 unless told) and NCCL's coordinator on --nccl-port, so two local runs
+    started at once on the defaults would join each other's ranks. (A port taken between this check and
+    the ranks' bind fails their start: an error, never another run's ranks.)"""
+    def free(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                return False
+            return True
+
+    for _ in range(64):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            first = s.getsockname()[1]
+        if first + n <= 65536 and all(free(p) for p in range(first, first + n)):
+            return first
+    raise RequestError(f"no {n} consecutive free ports on {host} for the tensor-parallel ranks")
 
 
 STATUS_DIR = "MLXINFER_TP_STATUS_DIR"  # where each rank of a relaunched run leaves its exit status
@@ -48,7 +72,10 @@ def relaunch(tp: int, argv: list[str], device: str | None = None) -> int:
     require_distributed()
     launcher = shutil.which("mlx.launch")
     cmd = [launcher] if launcher else [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"]
-    cmd += ["-n", str(tp), "--backend", default_backend(device)]
+    backend = default_backend(device)
+    cmd += ["-n", str(tp), "--backend", backend]
+    # ports of this run's own (the launcher's defaults are fixed: two runs at once would meet)
+    cmd += ["--nccl-port", str(free_ports(1))] if backend == "nccl" else ["--starting-port", str(free_ports(tp))]
     env = dict(os.environ)
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     with tempfile.TemporaryDirectory(prefix="mlxinfer-tp-") as status:

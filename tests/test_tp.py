@@ -11,6 +11,7 @@ import pytest
 
 import mlxinfer
 from mlxinfer.gguf_file import ShardedGGUF
+from mlxinfer.launch import free_ports
 from mlxinfer.models.shard import Shard, split
 from mlxinfer.errors import RequestError
 from mlxinfer.gguf_file import GGUFFile
@@ -22,10 +23,11 @@ TP_ATOL = 1e-4  # the issue's bound: TP=2 logits against TP=1 on all-F32 weights
 
 
 def launch(tp, *argv, timeout=300):
-    """Run `python <argv>` as `tp` ranks under mlx.launch (ring over 127.0.0.1)."""
+    """Run `python <argv>` as `tp` ranks under mlx.launch (ring over 127.0.0.1, on free ports: with the
+    launcher's fixed default, two tests launching at once in other workers joined each other's ranks)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()", "-n", str(tp),
-           "--backend", "ring", "--", sys.executable, *argv]
+           "--backend", "ring", "--starting-port", str(free_ports(tp)), "--", sys.executable, *argv]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
@@ -109,6 +111,33 @@ def test_row_slices_are_views_of_the_map(synthetic):
     v = Shard.plan(g, model_args(g), 1, 2).view(g)
     part, whole = v.raw("blk.0.attn_q.weight"), g.raw("blk.0.attn_q.weight")
     assert np.shares_memory(part, whole) and part.nbytes == whole.nbytes // 2
+
+
+def test_a_relaunch_takes_free_ports_of_its_own(monkeypatch):
+    """`mlxinfer generate --tp N` starts its ranks on ports free when it starts (mlx.launch's defaults are
+    fixed: two runs at once would join each other's ranks): the ring from a --starting-port whose N
+    ports are free, NCCL's coordinator on a free --nccl-port; each run gets its own."""
+    import socket
+
+    from mlxinfer import launch as launch_mod
+
+    seen = []
+    monkeypatch.setattr(launch_mod.subprocess, "call", lambda cmd, **kw: seen.append(cmd) or 0)
+    monkeypatch.setattr(launch_mod, "require_distributed", lambda: None)
+    for backend in ("ring", "nccl"):
+        monkeypatch.setattr(launch_mod, "default_backend", lambda device=None, b=backend: b)
+        launch_mod.relaunch(3, ["generate", "hi"])
+    ring, nccl = seen
+    port = int(ring[ring.index("--starting-port") + 1])
+    for p in range(port, port + 3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))  # free (raises if not)
+    assert "--nccl-port" in nccl and "--starting-port" not in nccl
+    with socket.socket() as s:  # a taken port is never handed out
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        assert all(not (p <= taken < p + 2) for p in (free_ports(2) for _ in range(20)))
 
 
 def test_load_without_launch_says_how(synthetic):
