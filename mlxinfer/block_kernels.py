@@ -33,7 +33,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from . import cuda_jit
-from .kernels import f32_bits, pruned, published_dot, source_parts, strip_comments
+from .kernels import f32_bits, kernel_args, pruned, published_dot, source_parts, strip_comments
 
 SOURCES = {"cuda": "blocks.cu", "metal": "blocks.metal"}
 # type -> (kernel, template constants besides T and M): the block type read from its own fields, and the
@@ -173,8 +173,6 @@ def product(kind: str, x, w, per_warp: int | None = None, residual=None, norm=No
     NORM form). With `swiglu`: x is [M, 2K] = [gate | up], and the product is of silu(gate) * up, each
     value the bits `swiglu` writes (the SWIGLU form; not with `norm`). The forms are chosen at launch
     (dims[4]): the kernel compiled for a type and row count serves them all."""
-    import mlx.core as mx
-
     rows, k = x.shape[0], w.shape[1]
     n = w.shape[0]
     if x.ndim != 2 or x.shape[1] != (2 * k if swiglu else k):
@@ -202,7 +200,7 @@ def product(kind: str, x, w, per_warp: int | None = None, residual=None, norm=No
     cols = min(blocks, 65535)
     (out,) = _kernel(kind, name)(
         inputs=[x, x if residual is None else residual, nw, *fields,
-                mx.array([n, k, per_warp, eps_bits, forms], dtype=mx.int32)],
+                kernel_args(n, k, per_warp, eps_bits, forms)],
         template=[("T", x.dtype), ("M", rows), *consts], grid=(cols * 32 * WARPS, -(-blocks // cols), 1),
         threadgroup=(32 * WARPS, 1, 1), output_shapes=[(rows, n)], output_dtypes=[x.dtype])
     return out
@@ -211,8 +209,6 @@ def product(kind: str, x, w, per_warp: int | None = None, residual=None, norm=No
 def rms_norm(kind: str, x, weight, eps: float):
     """RMSNorm of x [M, K] with weight [K] (both of one dtype) on `kind`, a warp a row, in blocks.cu's
     published order (`emulate_rms_norm`): the values the NORM form of `product` multiplies."""
-    import mlx.core as mx
-
     if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] == 0:
         raise ValueError(f"rms_norm takes [rows, K] with rows and K above 0, got {list(x.shape)}")
     rows, k = x.shape
@@ -221,7 +217,7 @@ def rms_norm(kind: str, x, weight, eps: float):
     blocks = -(-rows // WARPS)
     cols = min(blocks, 65535)
     (out,) = _kernel(kind, "rms_norm")(
-        inputs=[x, weight, mx.array([rows, k, f32_bits(eps), 0], dtype=mx.int32)], template=[("T", x.dtype)],
+        inputs=[x, weight, kernel_args(rows, k, f32_bits(eps))], template=[("T", x.dtype)],
         grid=(cols * 32 * WARPS, -(-blocks // cols), 1), threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(rows, k)], output_dtypes=[x.dtype])
     return out
@@ -231,15 +227,13 @@ def swiglu(kind: str, x):
     """silu(gate) * up of x [M, 2F] = [gate | up] a row (both of x's dtype) on `kind`, a thread a value, in
     blocks.cu's published order (`emulate_swiglu`): [M, F], the values the SWIGLU form of `product`
     multiplies."""
-    import mlx.core as mx
-
     if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] == 0 or x.shape[1] % 2:
         raise ValueError(f"swiglu takes [rows, 2F] (gate | up) with rows and F above 0, got {list(x.shape)}")
     rows, f = x.shape[0], x.shape[1] // 2
     blocks = -(-(rows * f) // (32 * WARPS))
     cols = min(blocks, 65535)
     (out,) = _kernel(kind, "swiglu")(
-        inputs=[x, mx.array([rows, f, 0, 0], dtype=mx.int32)], template=[("T", x.dtype)],  # (4: see _dims)
+        inputs=[x, kernel_args(rows, f)], template=[("T", x.dtype)],
         grid=(cols * 32 * WARPS, -(-blocks // cols), 1), threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(rows, f)], output_dtypes=[x.dtype])
     return out

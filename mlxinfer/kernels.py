@@ -221,9 +221,10 @@ def metal_kernel_source(name: str, inputs, outputs=None, template=None) -> str:
             + instance)
 
 
-def _dims(*values):
-    """A kernel's int32 arguments, zero-padded to `batch.MIN_INDEX_ENTRIES` (an array of up to two would
-    sit in MLX's small host-memory pool, which the GPU reads across the bus)."""
+def kernel_args(*values):
+    """A kernel's int32 arguments as its `dims` input (here and in block_kernels), zero-padded to
+    `batch.MIN_INDEX_ENTRIES` (an array of up to two would sit in MLX's small host-memory pool, which the
+    GPU reads across the bus)."""
     import mlx.core as mx
 
     return mx.array(list(values) + [0] * (MIN_INDEX_ENTRIES - len(values)), dtype=mx.int32)
@@ -238,7 +239,7 @@ def matmul(kind: str, a, bt, group: int = 1):
     n = bt.shape[1]
     blocks = -(-nb * m * n // 8)  # 8 warps per block, one output per warp
     (out,) = _kernel(kind, "matmul")(
-        inputs=[a, bt, _dims(nb, m, n, k, group)], grid=_grid(blocks),
+        inputs=[a, bt, kernel_args(nb, m, n, k, group)], grid=_grid(blocks),
         threadgroup=(THREADS, 1, 1), output_shapes=[(nb, m, n)], output_dtypes=[mx.float32])
     return out
 
@@ -249,7 +250,7 @@ def softmax(kind: str, x):
 
     r, n = x.shape
     (out,) = _kernel(kind, "softmax")(
-        inputs=[x, _dims(r, n)], grid=(r * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        inputs=[x, kernel_args(r, n)], grid=(r * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(r, n)], output_dtypes=[mx.float32])
     return out
 
@@ -278,7 +279,7 @@ def mma_matmul(kind: str, a, bt, group: int = 1):
     n = bt.shape[1]
     warps = nb * -(-m // 16) * -(-n // 8)
     (out,) = _kernel(kind, "mma_matmul")(
-        inputs=[a.astype(mx.float32), _bits16(bt), _dims(nb, m, n, k, group)],
+        inputs=[a.astype(mx.float32), _bits16(bt), kernel_args(nb, m, n, k, group)],
         template=[("BF", bt.dtype == mx.bfloat16)], grid=_grid(-(-warps // MMA_WARPS), 32 * MMA_WARPS),
         threadgroup=(32 * MMA_WARPS, 1, 1), output_shapes=[(nb, m, n)], output_dtypes=[mx.float32])
     return out
@@ -290,7 +291,7 @@ def mma_softmax(kind: str, x):
 
     r, n = x.shape
     (out,) = _kernel(kind, "mma_softmax")(
-        inputs=[x, _dims(r, n)], grid=_grid(-(-4 * r // THREADS)), threadgroup=(THREADS, 1, 1),
+        inputs=[x, kernel_args(r, n)], grid=_grid(-(-4 * r // THREADS)), threadgroup=(THREADS, 1, 1),
         output_shapes=[(r, n)], output_dtypes=[mx.float32])
     return out
 
@@ -322,7 +323,7 @@ def mma_attention(kind: str, q, keys, values, positions, spec, out_dtype=None):
     out_dtype = out_dtype or q.dtype
     t, s = q.shape[0], keys.shape[0]
     blocks = -(-t // (16 * MMA_WARPS)) * spec.n_heads  # a block: one head, 64 rows
-    dims = _dims(t, s, spec.n_heads, spec.n_kv_heads, int(spec.causal), int(spec.window or 0))
+    dims = kernel_args(t, s, spec.n_heads, spec.n_kv_heads, int(spec.causal), int(spec.window or 0))
     scales = mx.array([spec.scale, *softcap_values(spec)], dtype=mx.float32)
     (out,) = _kernel(kind, "mma_attention")(
         inputs=[_bits16(q), _bits16(keys), _bits16(values), positions, scales, dims],
@@ -447,7 +448,7 @@ def tanh(kind: str, x):
     import mlx.core as mx
 
     n = x.size
-    (out,) = _kernel(kind, "tanh")(inputs=[mx.reshape(x, (-1,)), _dims(n)], grid=_grid(-(-n // THREADS)),
+    (out,) = _kernel(kind, "tanh")(inputs=[mx.reshape(x, (-1,)), kernel_args(n)], grid=_grid(-(-n // THREADS)),
                                    threadgroup=(THREADS, 1, 1), output_shapes=[(n,)], output_dtypes=[mx.float32])
     return mx.reshape(out, x.shape)
 
@@ -475,7 +476,7 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
     out_dtype = out_dtype or q.dtype
     n = q.shape[0]
     cap = keys.shape[1]
-    dims = _dims(cap, spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.causal), int(spec.window or 0), n)
+    dims = kernel_args(cap, spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.causal), int(spec.window or 0), n)
     blocks = min(n * spec.n_heads, MAX_BLOCKS)
     types = input_types(kind, q, keys) + result_type(kind, out_dtype)
     scales = mx.array([spec.scale, *softcap_values(spec)], dtype=mx.float32)

@@ -38,14 +38,14 @@ def test_kernel_sources_hold_every_kernel():
 def test_kernel_arguments_stay_out_of_mlxs_small_host_pool():
     """A kernel's int32 arguments are at least `batch.MIN_INDEX_ENTRIES` entries (MLX keeps arrays of up
     to 8 bytes in host memory the GPU reads across the bus), zero-padded after the values: the attention
-    kernels' `_dims` and the block kernels' norm and SwiGLU launches."""
+    kernels' `kernel_args` and the block kernels' norm and SwiGLU launches, which use it too."""
     import mlx.core as mx
 
     from mlxinfer import block_kernels
     from mlxinfer.batch import MIN_INDEX_ENTRIES
 
-    assert kernels._dims(7).tolist() == [7] + [0] * (MIN_INDEX_ENTRIES - 1)
-    assert kernels._dims(1, 2, 3, 4, 5, 6).tolist() == [1, 2, 3, 4, 5, 6]
+    assert kernels.kernel_args(7).tolist() == [7] + [0] * (MIN_INDEX_ENTRIES - 1)
+    assert kernels.kernel_args(1, 2, 3, 4, 5, 6).tolist() == [1, 2, 3, 4, 5, 6]
     seen = []
 
     def record(kind, name):
