@@ -224,6 +224,15 @@ def _check_products(backend: "MLXBackend") -> str | None:
     return None
 
 
+def _differs(what: str, got: np.ndarray, want: np.ndarray, case) -> str | None:
+    """A self-check's comparison: None where the float32 results `got` are `want`'s bits, else one line,
+    `what` (the failure's subject and verb), how many values differ, and the case."""
+    same = got.view(np.uint32) == want.view(np.uint32)
+    if same.all():
+        return None
+    return f"{what} in {int((~same).sum())} of {same.size} values ({case})"
+
+
 def _check_block_products(backend: "MLXBackend", kernel: str | None = None, fused: bool = False,
                           swiglu: bool = False) -> str | None:
     """The block kernels (`block_kernels`) against their numpy emulation, bit for bit, on random blocks
@@ -274,12 +283,12 @@ def _check_block_products(backend: "MLXBackend", kernel: str | None = None, fuse
                         block_kernels.emulate(block_kernels.emulate_swiglu(gu, narrow), values, qtype), res, narrow)
                 else:
                     expected = block_kernels.with_residual(sums, res, narrow) if form == "add" else want
-                same = got.view(np.uint32) == expected.view(np.uint32)
-                if not same.all():
-                    what = {"": "", "add": " (adding a residual)", "norm": " (of normed rows)",
-                            "glu": " (of SwiGLU's values, adding a residual)"}[form]
-                    return (f"the {qtype.name} block kernel{what} differs from its published order in "
-                            f"{int((~same).sum())} of {same.size} values ({m} rows, {r} a warp, {backend.dtype_name})")
+                what = {"": "", "add": " (adding a residual)", "norm": " (of normed rows)",
+                        "glu": " (of SwiGLU's values, adding a residual)"}[form]
+                problem = _differs(f"the {qtype.name} block kernel{what} differs from its published order", got, expected,
+                                   f"{m} rows, {r} a warp, {backend.dtype_name}")
+                if problem:
+                    return problem
     return None
 
 
@@ -413,10 +422,7 @@ def _check_long_case(backend: "MLXBackend", case: CheckCase) -> str | None:
         ref = backend.to_numpy(backend.per_head_attention(q, view, batch, case.spec))
     except Exception as e:  # a shape MLX's kernel refuses (force_fused)
         return f"{_one_line(e)} ({case})"
-    same = got.view(np.uint32) == ref.view(np.uint32)
-    if not same.all():
-        return f"one call over every head differs from a call a head in {int((~same).sum())} of {same.size} values ({case})"
-    return None
+    return _differs("one call over every head differs from a call a head", got, ref, case)
 
 
 CUDNN_WHEELS = (("mlx-cuda-13", "nvidia-cudnn-cu13"), ("mlx-cuda-12", "nvidia-cudnn-cu12"))  # MLX's CUDA build, its cuDNN
@@ -523,10 +529,10 @@ def _check_case(backend: "MLXBackend", case: CheckCase) -> str | None:
     for result, plans, ref in runs:
         for plan, got in plans.items():
             rows = slice(None) if plan in ("", " (compiled)") else kernel_rows
-            same = got[rows].view(np.uint32) == ref[rows].view(np.uint32)
-            if not same.all():
-                return (f"fused attention kernel{plan}{result} differs from the per-head reference in "
-                        f"{int((~same).sum())} of {same.size} values ({case})")
+            problem = _differs(f"fused attention kernel{plan}{result} differs from the per-head reference", got[rows],
+                               ref[rows], case)
+            if problem:
+                return problem
     return None
 
 
@@ -559,14 +565,6 @@ def verify_fused_forms(backend: "MLXBackend") -> str | None:
         return f"{_one_line(e)} (the block kernels' fused forms)"
 
 
-def _differs(kernel: str, got: np.ndarray, want: np.ndarray, case: str) -> str | None:
-    """None where a kernel's float32 results are `want`'s bits, else one line: how many values differ."""
-    same = got.view(np.uint32) == want.view(np.uint32)
-    if same.all():
-        return None
-    return f"the {kernel} kernel differs from its published order in {int((~same).sum())} of {same.size} values ({case})"
-
-
 def verify_rms_norm(backend: "MLXBackend") -> str | None:
     """blocks.cu's `rms_norm` kernel against `block_kernels.emulate_rms_norm`, bit for bit, in the
     backend's dtype: rows of 1,024 and 1,312 values, 1 and 9 rows (a block's 8, then one more), large
@@ -579,8 +577,8 @@ def verify_rms_norm(backend: "MLXBackend") -> str | None:
             w = narrow(rng.uniform(0.25, 4.0, k).astype(np.float32))
             got = np.array(block_kernels.rms_norm(backend.norm_kind, mx.array(x).astype(backend.dtype),
                                                   mx.array(w).astype(backend.dtype), 1e-6).astype(mx.float32))
-            problem = _differs("rms_norm", got, block_kernels.emulate_rms_norm(x, w, 1e-6, narrow),
-                               f"{rows} rows of {k}, {backend.dtype_name}")
+            problem = _differs("the rms_norm kernel differs from its published order", got,
+                               block_kernels.emulate_rms_norm(x, w, 1e-6, narrow), f"{rows} rows of {k}, {backend.dtype_name}")
             if problem:
                 return problem
     except Exception as e:  # a kernel that fails to compile or launch
@@ -602,7 +600,8 @@ def verify_swiglu(backend: "MLXBackend") -> str | None:
             x[0, :8] = [0.0, -0.0, 19.5, 20.5, -87.5, -88.5, -200.0, 300.0]
             got = np.array(block_kernels.swiglu(backend.swiglu_kind, mx.array(x).astype(backend.dtype)).astype(mx.float32))
             want = block_kernels.emulate_swiglu(x, narrow)
-            problem = _differs("swiglu", got, want, f"{rows} rows of 3000, {backend.dtype_name}")
+            problem = _differs("the swiglu kernel differs from its published order", got, want,
+                               f"{rows} rows of 3000, {backend.dtype_name}")
             if problem:
                 return problem
         return _check_block_products(backend, swiglu=True)
