@@ -1230,14 +1230,13 @@ class MLXBackend(Backend):
         return mx.fast.rms_norm(x, weight, eps)
 
     def rms_norm_linear_group(self, x, weight, eps, ws, groups=None):
-        if isinstance(ws, WeightRuns):  # (a run each: its NORM form where every run takes it, else one norm)
-            if not self._norm_form(x, weight, [run.merged for run in ws.runs], groups):
-                return self.linear_group(self.rms_norm(x, weight, eps), ws, groups)
-            return tuple(y for run in ws.runs
-                         for y in self._group_columns(self._norm_product(x, weight, eps, run.merged, groups), run))
-        if not isinstance(ws, WeightGroup):
+        # a product a run of one layout (a WeightGroup is one run): each run's NORM form where every run
+        # takes it, else the norm once and the runs' products
+        runs = ws.runs if isinstance(ws, WeightRuns) else (ws,) if isinstance(ws, WeightGroup) else None
+        if runs is None or not self._norm_form(x, weight, [run.merged for run in runs], groups):
             return super().rms_norm_linear_group(x, weight, eps, ws, groups)
-        return self._group_columns(self._norm_product(x, weight, eps, ws.merged, groups), ws)
+        return tuple(y for run in runs for y in self._group_columns(
+            block_kernels.product(self.block_kind, x, run.merged, norm=(weight, eps)), run))
 
     def _norm_form(self, x, weight, ws, groups=None) -> bool:
         """Whether rms_norm(x) times each of the merged matrices ws is a block kernel's NORM form."""
