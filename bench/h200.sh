@@ -75,7 +75,7 @@ for step in ${*:-tests archs bench report}; do
       tail -5 "$OUT/tests.log"; log "tests rc=$rc"; [ $rc -eq 0 ] || exit 1 ;;
     fused)
       MLXINFER_TEST_OFFLINE=1 timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -rfE \
-        tests/test_block_kernels.py -k "bfloat16 and (gpu_norms or gpu_norm_kernel or gpu_swiglu or gpu_self_check_of_the_block)" \
+        tests/test_block_kernels.py -k "bfloat16 and (gpu_norms or gpu_norm_and_swiglu or gpu_mixed or gpu_self_check_of_the_block)" \
         >"$OUT/fused-tests.log" 2>&1; rc=$?
       tail -3 "$OUT/fused-tests.log"; log "fused tests rc=$rc"
       timeout "${BENCH_TIMEOUT:-300}" python3 bench/probes/step_profile.py --cases "${CASES_FUSED:-17,511}" --gen 64 \

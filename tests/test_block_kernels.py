@@ -437,13 +437,15 @@ def test_gpu_self_check_of_the_block_kernels_passes(dtype):
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_gpu_norm_kernel_passes_its_self_check(dtype):
-    """blocks.cu's rms_norm on the GPU, bit for bit `emulate_rms_norm` (`verify_rms_norm`)."""
-    from mlxinfer.backends.mlx import verify_rms_norm
+@pytest.mark.parametrize("kernel", ["rms_norm", "swiglu"])
+def test_gpu_norm_and_swiglu_kernels_pass_their_self_checks(dtype, kernel):
+    """blocks.cu's rms_norm and swiglu on the GPU, bit for bit `emulate_rms_norm` and `emulate_swiglu`
+    (`verify_rms_norm`; `verify_swiglu`, with the SWIGLU form)."""
+    from mlxinfer.backends.mlx import verify_rms_norm, verify_swiglu
 
     b = MLXBackend(device="gpu", dtype=dtype)
-    b.norm_kind = b.norm_kind or b.gpu_kernels
-    assert verify_rms_norm(b) is None
+    b.norm_kind, b.swiglu_kind = b.norm_kind or b.gpu_kernels, b.swiglu_kind or b.gpu_kernels
+    assert (verify_rms_norm if kernel == "rms_norm" else verify_swiglu)(b) is None
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -842,17 +844,6 @@ def test_gpu_mixed_type_groups_join_the_products_bit_for_bit(synthetic, monkeypa
     assert not normed
     assert np.array_equal(np.asarray(fused[0]).view(np.uint32), np.asarray(apart[0]).view(np.uint32))
     assert fused[1] == apart[1]
-
-
-@needs_gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_gpu_swiglu_kernel_passes_its_self_check(dtype):
-    """blocks.cu's swiglu on the GPU, bit for bit `emulate_swiglu` (`verify_swiglu`)."""
-    from mlxinfer.backends.mlx import verify_swiglu
-
-    b = MLXBackend(device="gpu", dtype=dtype)
-    b.swiglu_kind = b.swiglu_kind or b.gpu_kernels
-    assert verify_swiglu(b) is None
 
 
 def test_bad_launches_are_one_line_errors():
