@@ -33,7 +33,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from . import cuda_jit
-from .kernels import f32_bits, kernel_args, pruned, published_dot, source_parts, strip_comments
+from .kernels import f32_bits, kernel_args, launch_grid, pruned, published_dot, source_parts, strip_comments
 
 SOURCES = {"cuda": "blocks.cu", "metal": "blocks.metal"}
 # type -> (kernel, template constants besides T and M): the block type read from its own fields, and the
@@ -196,12 +196,10 @@ def product(kind: str, x, w, per_warp: int | None = None, residual=None, norm=No
     name, consts = KERNELS[w.qtype]
     fields = w.kernel_fields or kernel_fields(w)
     warps = -(-n // per_warp)
-    blocks = -(-warps // WARPS)
-    cols = min(blocks, 65535)
     (out,) = _kernel(kind, name)(
         inputs=[x, x if residual is None else residual, nw, *fields,
                 kernel_args(n, k, per_warp, eps_bits, forms)],
-        template=[("T", x.dtype), ("M", rows), *consts], grid=(cols * 32 * WARPS, -(-blocks // cols), 1),
+        template=[("T", x.dtype), ("M", rows), *consts], grid=launch_grid(-(-warps // WARPS)),
         threadgroup=(32 * WARPS, 1, 1), output_shapes=[(rows, n)], output_dtypes=[x.dtype])
     return out
 
@@ -214,11 +212,9 @@ def rms_norm(kind: str, x, weight, eps: float):
     rows, k = x.shape
     if weight.shape != (k,) or weight.dtype != x.dtype:
         raise ValueError(f"the norm's weight must be [{k}] of x's dtype {x.dtype}, got {list(weight.shape)} of {weight.dtype}")
-    blocks = -(-rows // WARPS)
-    cols = min(blocks, 65535)
     (out,) = _kernel(kind, "rms_norm")(
         inputs=[x, weight, kernel_args(rows, k, f32_bits(eps))], template=[("T", x.dtype)],
-        grid=(cols * 32 * WARPS, -(-blocks // cols), 1), threadgroup=(32 * WARPS, 1, 1),
+        grid=launch_grid(-(-rows // WARPS)), threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(rows, k)], output_dtypes=[x.dtype])
     return out
 
@@ -230,11 +226,9 @@ def swiglu(kind: str, x):
     if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] == 0 or x.shape[1] % 2:
         raise ValueError(f"swiglu takes [rows, 2F] (gate | up) with rows and F above 0, got {list(x.shape)}")
     rows, f = x.shape[0], x.shape[1] // 2
-    blocks = -(-(rows * f) // (32 * WARPS))
-    cols = min(blocks, 65535)
     (out,) = _kernel(kind, "swiglu")(
         inputs=[x, kernel_args(rows, f)], template=[("T", x.dtype)],
-        grid=(cols * 32 * WARPS, -(-blocks // cols), 1), threadgroup=(32 * WARPS, 1, 1),
+        grid=launch_grid(-(-(rows * f) // (32 * WARPS))), threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(rows, f)], output_dtypes=[x.dtype])
     return out
 

@@ -239,7 +239,7 @@ def matmul(kind: str, a, bt, group: int = 1):
     n = bt.shape[1]
     blocks = -(-nb * m * n // 8)  # 8 warps per block, one output per warp
     (out,) = _kernel(kind, "matmul")(
-        inputs=[a, bt, kernel_args(nb, m, n, k, group)], grid=_grid(blocks),
+        inputs=[a, bt, kernel_args(nb, m, n, k, group)], grid=launch_grid(blocks),
         threadgroup=(THREADS, 1, 1), output_shapes=[(nb, m, n)], output_dtypes=[mx.float32])
     return out
 
@@ -255,8 +255,9 @@ def softmax(kind: str, x):
     return out
 
 
-def _grid(blocks: int, threads: int = THREADS) -> tuple[int, int, int]:
-    """A launch of `blocks` blocks of `threads` threads as a 2-D grid (one dimension holds 65,535)."""
+def launch_grid(blocks: int, threads: int = THREADS) -> tuple[int, int, int]:
+    """A launch of `blocks` blocks of `threads` threads as a 2-D grid (one dimension holds 65,535): the
+    attention kernels' and block_kernels'."""
     cols = min(blocks, 65535)
     return (cols * threads, -(-blocks // cols), 1)
 
@@ -280,7 +281,7 @@ def mma_matmul(kind: str, a, bt, group: int = 1):
     warps = nb * -(-m // 16) * -(-n // 8)
     (out,) = _kernel(kind, "mma_matmul")(
         inputs=[a.astype(mx.float32), _bits16(bt), kernel_args(nb, m, n, k, group)],
-        template=[("BF", bt.dtype == mx.bfloat16)], grid=_grid(-(-warps // MMA_WARPS), 32 * MMA_WARPS),
+        template=[("BF", bt.dtype == mx.bfloat16)], grid=launch_grid(-(-warps // MMA_WARPS), 32 * MMA_WARPS),
         threadgroup=(32 * MMA_WARPS, 1, 1), output_shapes=[(nb, m, n)], output_dtypes=[mx.float32])
     return out
 
@@ -291,7 +292,7 @@ def mma_softmax(kind: str, x):
 
     r, n = x.shape
     (out,) = _kernel(kind, "mma_softmax")(
-        inputs=[x, kernel_args(r, n)], grid=_grid(-(-4 * r // THREADS)), threadgroup=(THREADS, 1, 1),
+        inputs=[x, kernel_args(r, n)], grid=launch_grid(-(-4 * r // THREADS)), threadgroup=(THREADS, 1, 1),
         output_shapes=[(r, n)], output_dtypes=[mx.float32])
     return out
 
@@ -328,7 +329,7 @@ def mma_attention(kind: str, q, keys, values, positions, spec, out_dtype=None):
     (out,) = _kernel(kind, "mma_attention")(
         inputs=[_bits16(q), _bits16(keys), _bits16(values), positions, scales, dims],
         template=[("BF", q.dtype == mx.bfloat16), ("D", spec.head_dim), *result_type(kind, out_dtype)],
-        grid=_grid(blocks, 32 * MMA_WARPS), threadgroup=(32 * MMA_WARPS, 1, 1),
+        grid=launch_grid(blocks, 32 * MMA_WARPS), threadgroup=(32 * MMA_WARPS, 1, 1),
         output_shapes=[(t, spec.n_heads * spec.head_dim)], output_dtypes=[out_dtype])
     return out
 
@@ -448,7 +449,7 @@ def tanh(kind: str, x):
     import mlx.core as mx
 
     n = x.size
-    (out,) = _kernel(kind, "tanh")(inputs=[mx.reshape(x, (-1,)), kernel_args(n)], grid=_grid(-(-n // THREADS)),
+    (out,) = _kernel(kind, "tanh")(inputs=[mx.reshape(x, (-1,)), kernel_args(n)], grid=launch_grid(-(-n // THREADS)),
                                    threadgroup=(THREADS, 1, 1), output_shapes=[(n,)], output_dtypes=[mx.float32])
     return mx.reshape(out, x.shape)
 
@@ -516,16 +517,16 @@ def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, ste
         tiles = _score_tiles(tuple((r, r + 1) for r in range(n)) if seq_rows is None else seq_rows)
         (out,) = _kernel(kind, "attn_scores_rows")(
             inputs=[q, keys, row_slot, row_pos, row_len, tiles],
-            template=template, grid=_grid(tiles.size // 2 * spec.n_kv_heads * -(-cap // 32)),
+            template=template, grid=launch_grid(tiles.size // 2 * spec.n_kv_heads * -(-cap // 32)),
             threadgroup=(THREADS, 1, 1), output_shapes=shape, output_dtypes=[mx.float32])
     else:
         (out,) = _kernel(kind, "attn_scores")(
             inputs=[q, keys, row_slot, row_pos, row_len], template=template,
-            grid=_grid(n * spec.n_kv_heads * -(-cap // 64)), threadgroup=(THREADS, 1, 1),
+            grid=launch_grid(n * spec.n_kv_heads * -(-cap // 64)), threadgroup=(THREADS, 1, 1),
             output_shapes=shape, output_dtypes=[mx.float32])
     if steps == 1:
         return out
-    context = dict(grid=_grid(n * spec.n_kv_heads * -(-spec.head_dim // 8)), threadgroup=(THREADS, 1, 1),
+    context = dict(grid=launch_grid(n * spec.n_kv_heads * -(-spec.head_dim // 8)), threadgroup=(THREADS, 1, 1),
                    output_shapes=[(n, spec.n_heads * spec.head_dim)], output_dtypes=[out_dtype])
     if two_launches and steps == 3:
         (out,) = _kernel(kind, "attn_softmax_context")(inputs=[out, values, row_slot, row_len],
@@ -538,7 +539,7 @@ def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, ste
         return out
     if by_rows:  # a warp per (two rows, KV head, 128 head dimensions)
         warps = -(-n // 2) * spec.n_kv_heads * -(-spec.head_dim // 128)
-        context["grid"] = _grid(-(-warps // (THREADS // 32)))
+        context["grid"] = launch_grid(-(-warps // (THREADS // 32)))
         (out,) = _kernel(kind, "attn_context_rows")(inputs=[out, values, row_slot, row_len],
                                                     template=template + CONTEXT_ROWS_FORM + result, **context)
         return out
@@ -670,6 +671,6 @@ def qk_norm_rope(kind: str, q, k, wq, wk, row_pos, n_heads: int, n_kv_heads: int
     template = [("H", n_heads), ("KV", n_kv_heads), ("D", head_dim), ("EPS_BITS", f32_bits(eps)),
                 ("LOG2_BASE_BITS", f32_bits(log2_base))]
     qo, ko = _kernel(kind, "qk_norm_rope")(
-        inputs=[q, k, wq, wk, row_pos], template=template, grid=_grid(-(-n * (n_heads + n_kv_heads) // 8)),
+        inputs=[q, k, wq, wk, row_pos], template=template, grid=launch_grid(-(-n * (n_heads + n_kv_heads) // 8)),
         threadgroup=(THREADS, 1, 1), output_shapes=[q.shape, k.shape], output_dtypes=[q.dtype, k.dtype])
     return qo, ko

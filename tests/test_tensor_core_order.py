@@ -501,10 +501,10 @@ def test_the_backend_line_names_the_tensor_core_path():
 
 def test_blocks_past_the_last_head_write_nothing(launched, monkeypatch):
     """A 2-D grid holds at most 65,535 blocks a row, so a launch of more is rounded up to whole rows of
-    blocks (`kernels._grid`); the blocks past the last (head, 64 rows) must idle, not take a head past H
+    blocks (`kernels.launch_grid`); the blocks past the last (head, 64 rows) must idle, not take a head past H
     and write other rows. Here the row is capped at 5 blocks, so 12 blocks become 15."""
-    real = kernels._grid
-    monkeypatch.setattr(kernels, "_grid", lambda blocks, threads=kernels.THREADS: real(blocks, threads) if blocks != 12
+    real = kernels.launch_grid
+    monkeypatch.setattr(kernels, "launch_grid", lambda blocks, threads=kernels.THREADS: real(blocks, threads) if blocks != 12
                         else (5 * threads, 3, 1))
     b = MLXBackend(device="cpu", dtype="bfloat16")
     b.gpu_kernels = b.kernel = "cuda"
