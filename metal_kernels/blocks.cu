@@ -18,18 +18,27 @@
 //   the `swiglu` kernel writes (mlxi_swiglu_value), so SwiGLU and the down product are one launch.
 //   Without its bit, res or nw is not read (the launch passes x there).
 //
-// How the work is laid out does not change that order. A block's 8 warps first copy x, MLXI_TILE columns
-// at a time, into shared memory (coalesced; padded so that the lanes' reads of their own units do not
-// collide in its banks), and read it from there: read straight from memory, each lane's four values
-// of x sit 128 bytes from its neighbours', 32 cache lines a warp's load, and that load, not the weight,
-// bounds the product (docs/performance.md). And a warp
-// takes R = dims[2] consecutive output rows (1..MLXI_MAX_R, `block_kernels.rows_per_warp`), each with
-// its own partial sums, so that each value of x a lane reads serves R rows.
+// How the work is laid out does not change that order. A block's 8 warps first copy x, a tile of
+// mlxi_tile<M>() columns at a time (MLXI_TILE_VALUES / M: all of a decode row's 8,192 values at once),
+// into shared memory (coalesced; padded so that the lanes' reads of their own units do not collide in
+// its banks), and read it from there: read straight from memory, each lane's four values of x sit 128
+// bytes from its neighbours', 32 cache lines a warp's load, and that load, not the weight, bounds the
+// product (docs/performance.md). Then each lane takes its units of the tile in turn, with no barrier
+// between them: a tile a row, not a tile every 1,024 columns, so that a warp waits for weights while the
+// SM's other warps work, not at a barrier. And a warp takes R = dims[2] consecutive output rows
+// (1..MLXI_MAX_R, `block_kernels.rows_per_warp`), each with its own partial sums, so that each value of
+// x a lane reads serves R rows. Each form of a kernel is compiled for MLXI_MIN_BLOCKS blocks resident on
+// an SM (`__launch_bounds__` through the __global__ below; 1: no bound, the compiler's choice;
+// block_kernels.min_blocks sets 3, at most 80 registers a thread, for the decode forms that fit them), as
+// a decode product is bounded by how many warps an SM keeps waiting for weights at once.
 //@@HEADER
 #define MLXI_THREADS 256
 #define MLXI_WARPS 8
 #define MLXI_MAX_R 4
-#define MLXI_TILE 1024
+#define MLXI_TILE_VALUES 8192
+#define MLXI_MIN_BLOCKS 1
+#undef __global__
+#define __global__ __location__(global) __launch_bounds__(MLXI_THREADS, MLXI_MIN_BLOCKS)
 
 // An IEEE half's bits as float, exactly (every half is a float).
 __device__ __forceinline__ float mlxi_half_bits(unsigned int h) {
@@ -183,9 +192,17 @@ __device__ __forceinline__ void mlxi_stage_x(const X* x, long K, long col0, int 
   }
 }
 
-// The columns of the tile of x that starts at col0: MLXI_TILE, or what is left of a row of K.
+// The columns of a tile of M rows of x: MLXI_TILE_VALUES / M, in whole 1,024s (32 units of 32: each lane
+// as many), so that the tile holds the same floats for every M (36 KB with its padding).
+template <int M>
+__host__ __device__ constexpr int mlxi_tile() {
+  return (MLXI_TILE_VALUES / M) / 1024 * 1024;
+}
+
+// The columns of the tile of x that starts at col0: TILE, or what is left of a row of K.
+template <int TILE>
 __device__ __forceinline__ int mlxi_tile_cols(long K, long col0) {
-  return K - col0 < MLXI_TILE ? (int)(K - col0) : MLXI_TILE;
+  return K - col0 < TILE ? (int)(K - col0) : TILE;
 }
 
 // Tile columns c .. c + 3 (c a multiple of 4; padding of 4 every PAD), each of M rows.
@@ -225,7 +242,7 @@ __device__ __forceinline__ Y mlxi_residual_sum(Y r, float s) {
 // in each its values t = 0..31, each product with x rounded then added, then the butterfly) laid out in
 // tiles of x in shared memory and R rows a warp, with a type's reader G for the values:
 //   G::Fields  its pointers;  G::prepare()  once a block, before the first barrier;
-//   G::PAD, G::column(lane, t)  the tile's padding, and the tile column of value t of the lane's unit
+//   G::PAD, G::column(v, t)  the tile's padding, and the tile column of value t of the tile's unit v
 //     (t a multiple of 4; t .. t + 3 are consecutive columns): `mlxi_groups32` for units of 32
 //     consecutive values;
 //   G::Row G::load(fields, n, u, K)  what row n's unit u needs;  float G::value(row, t)  value t, exactly
@@ -233,8 +250,8 @@ __device__ __forceinline__ Y mlxi_residual_sum(Y r, float s) {
 template <int M, typename G, typename X, typename Y>
 __device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int* dims, const typename G::Fields& f,
                                                   const Y* res, const X* nw) {
-  constexpr int STRIDE = MLXI_TILE + 4 * (MLXI_TILE / G::PAD);
-  static_assert(MLXI_TILE == 32 * 32, "a tile holds one unit a lane");
+  constexpr int TILE = mlxi_tile<M>(), STRIDE = TILE + 4 * (TILE / G::PAD);
+  static_assert(TILE >= 1024 && TILE % 1024 == 0, "a tile holds whole units of 32, as many a lane");
   static_assert(M * STRIDE * 4 <= 48 * 1024 - 1024, "static shared memory: at most 48 KB a block");
   static_assert(M <= MLXI_WARPS, "NORM: a warp a row's scale");
   __shared__ __align__(16) float xs[M * STRIDE];  // (float4 reads and writes)
@@ -255,29 +272,31 @@ __device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int*
   for (int r = 0; r < MLXI_MAX_R; ++r)
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
-  for (long col0 = 0; col0 < K; col0 += MLXI_TILE) {
-    const int cols = mlxi_tile_cols(K, col0);
+  for (long col0 = 0; col0 < K; col0 += TILE) {
+    const int cols = mlxi_tile_cols<TILE>(K, col0);
     __syncthreads();
     mlxi_stage_x<G::PAD, M, STRIDE>(x, K, col0, cols, vec, xs, norm ? nw : nullptr, inv, glu);
     __syncthreads();
-    if (rows == 0 || 32 * lane >= cols) continue;
-    const long u = col0 / 32 + lane;
-    typename G::Row row[MLXI_MAX_R];
+    if (rows == 0) continue;
+    for (int v = lane; 32 * v < cols; v += 32) {  // the tile's units l, l + 32, ...: units col0 / 32 + v
+      const long u = col0 / 32 + v;
+      typename G::Row row[MLXI_MAX_R];
 #pragma unroll
-    for (int r = 0; r < MLXI_MAX_R; ++r)
-      if (r < rows) row[r] = G::load(f, n0 + r, u, K);
+      for (int r = 0; r < MLXI_MAX_R; ++r)
+        if (r < rows) row[r] = G::load(f, n0 + r, u, K);
 #pragma unroll
-    for (int t0 = 0; t0 < 32; t0 += 4) {
-      float xv[M][4];
-      mlxi_tile_x4<M, STRIDE, G::PAD>(xs, G::column(lane, t0), xv);
+      for (int t0 = 0; t0 < 32; t0 += 4) {
+        float xv[M][4];
+        mlxi_tile_x4<M, STRIDE, G::PAD>(xs, G::column(v, t0), xv);
 #pragma unroll
-      for (int r = 0; r < MLXI_MAX_R; ++r) {
-        if (r < rows) {
+        for (int r = 0; r < MLXI_MAX_R; ++r) {
+          if (r < rows) {
 #pragma unroll
-          for (int tt = 0; tt < 4; ++tt) {
-            const float wv = G::value(row[r], t0 + tt);
+            for (int tt = 0; tt < 4; ++tt) {
+              const float wv = G::value(row[r], t0 + tt);
 #pragma unroll
-            for (int m = 0; m < M; ++m) acc[r][m] = __fadd_rn(acc[r][m], __fmul_rn(xv[m][tt], wv));
+              for (int m = 0; m < M; ++m) acc[r][m] = __fadd_rn(acc[r][m], __fmul_rn(xv[m][tt], wv));
+            }
           }
         }
       }
@@ -296,21 +315,22 @@ __device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int*
   }
 }
 
-// Readers whose unit is a group of 32 consecutive values: lane l's unit at tile columns 32 l .. 32 l + 31.
+// Readers whose unit is a group of 32 consecutive values: a tile's unit v at its columns 32 v .. 32 v + 31.
 struct mlxi_groups32 {
   static constexpr int PAD = 32;
-  __device__ static int column(int lane, int t) { return 32 * lane + t; }
+  __device__ static int column(int v, int t) { return 32 * v + t; }
 };
 
 // Q6_K (q6_k_matvec says the fields and the units): unit u = 8b + 4h + c of block b holds values
 // r = 8c + t + 32j of its half h (t, j: 0..7, 0..3), taken j = 0..3 then t = 0..7, so value k of the
 // unit is j = k / 8, t = k % 8: low four bits ql[64h + r % 64] >> 4 (r / 64), high two
 // qh[32h + r % 32] >> 2 (r / 32), q = low | high << 4, value (d * scales[8h + 2j + c / 2]) * (q - 32).
-// A tile (four blocks) holds lane l's unit at columns 256 (l / 8) + 128 h + 8 c + 32 j + t.
+// A tile holds its unit v (unit u = 8b + 4h + c of the row, less the tile's first) at columns
+// 256 (v / 8) + 128 h + 8 c + 32 j + t.
 struct mlxi_q6k {
   static constexpr int PAD = 128;
-  __device__ static int column(int lane, int k) {
-    return 256 * (lane >> 3) + 128 * ((lane >> 2) & 1) + 8 * (lane & 3) + 32 * (k >> 3) + (k & 7);
+  __device__ static int column(int v, int k) {
+    return 256 * (v >> 3) + 128 * ((v >> 2) & 1) + 8 * (v & 3) + 32 * (k >> 3) + (k & 7);
   }
   struct Fields {
     const uint8_t* ql;

@@ -95,12 +95,39 @@ def row_multiple(qtype) -> int:
 
 
 def rows_per_warp(kind: str) -> int:
-    """Output rows a warp takes, the most its registers hold (blocks.cu: each x value a lane reads from
-    shared memory serves that many rows): 4 on CUDA, the fastest of 1, 2, 4 at every wide decode product
-    of the Qwen3-0.6B and 8B shapes on an H200, and at most 22% slower than 1 or 2 at the narrow ones,
-    whose times were mostly launch cost (`bench/probes/block_products.py`, docs/performance.md); the
-    Metal twin takes one row a simdgroup. The order, and so the bits, are the same for every choice."""
+    """The most output rows a warp takes, what its registers hold (blocks.cu: each x value a lane reads
+    from shared memory serves that many rows): 4 on CUDA; the Metal twin takes one row a simdgroup. The
+    order, and so the bits, are the same for every count."""
     return MAX_ROWS_PER_WARP if kind == "cuda" else 1
+
+
+MIN_BLOCKS_A_LAUNCH = 256  # blocks a product's launch should have, at least: two for each SM of an H100
+
+
+def default_per_warp(kind: str, n: int) -> int:
+    """Output rows a warp takes in a product of n output rows: the most (`rows_per_warp`: 4, 2, 1) that
+    still gives the launch MIN_BLOCKS_A_LAUNCH blocks of 8 warps. With 4 a warp, a narrow product (the 8B
+    shape's attention output and down products, 4,096 rows) was 128 blocks, one block of 8 warps an SM,
+    too few warps to keep its weight loads in flight (Nsight Compute on an H100: 12% of the SM's warps
+    active); a wide one (gate and up, the head) keeps 4, each value of x serving 4 rows."""
+    most = rows_per_warp(kind)
+    return next((r for r in (4, 2) if r <= most and -(-n // (r * WARPS)) >= MIN_BLOCKS_A_LAUNCH), 1)
+
+
+# Blocks of 256 threads a CUDA block kernel is compiled to keep resident on an SM (`__launch_bounds__`,
+# blocks.cu's MLXI_MIN_BLOCKS): 3 caps a thread at 80 registers (65,536 / 768, in whole 8s), where the
+# compiler's own choice (95-96 at one row of x) let an SM hold 2 blocks, 16 warps, too few to keep a
+# decode product's weight loads in flight (Nsight Compute on an H100: 12-24% of the SM's warps active,
+# memory at 10-20% of its bandwidth; docs/performance.md). Only the forms for one row of x (decode at
+# batch 1) of the kernels whose readers fit 80 registers, spilling at most a few values set once (NVRTC
+# for sm_90: test_the_decode_forms_fit_the_registers_of_three_blocks_an_sm); the others keep 1 (no bound).
+FEW_REGISTERS = {"affine_matvec", "q6_k_matvec", "iq4_matvec"}
+MIN_BLOCKS_ROWS = 1  # rows of x up to which those forms are capped (2 rows of Q5_K spill 24 bytes at 80)
+
+
+def min_blocks(name: str, rows: int) -> int:
+    """MLXI_MIN_BLOCKS of kernel `name` compiled for `rows` rows of x (see FEW_REGISTERS)."""
+    return 3 if name in FEW_REGISTERS and rows <= MIN_BLOCKS_ROWS else 1
 
 
 def kernel_source(kind: str) -> tuple[str, dict[str, str]]:
@@ -122,11 +149,12 @@ def kernel_parts(kind: str, name: str) -> tuple[str, str]:
 
 
 @lru_cache(maxsize=None)
-def _kernel(kind: str, name: str):
+def _kernel(kind: str, name: str, blocks: int = 1):
     import mlx.core as mx
 
     header, body = kernel_parts(kind, name)
     if kind == "cuda":  # compiled into MLX's kernel cache once per machine (`cuda_jit`)
+        header = header.replace("#define MLXI_MIN_BLOCKS 1\n", f"#define MLXI_MIN_BLOCKS {blocks}\n")  # (`min_blocks`)
         return cuda_jit.Kernel(f"mlxinfer_{name}_{kind}", INPUTS[name], ["out"], body, header)
     return mx.fast.metal_kernel(name=f"mlxinfer_{name}_{kind}", input_names=INPUTS[name], output_names=["out"],
                                 source=body, header=header, ensure_row_contiguous=True)
@@ -166,7 +194,7 @@ def kernel_fields(w) -> tuple:
 
 def product(kind: str, x, w, per_warp: int | None = None, residual=None, norm=None, swiglu: bool = False):
     """x @ w.T [M, N] in x's dtype, by the kernel of w's type on `kind` ("cuda" or "metal"), each warp
-    taking `per_warp` output rows (1..`rows_per_warp`, by default that many). With `residual` ([M, N],
+    taking `per_warp` output rows (1..`rows_per_warp`; by default `default_per_warp`'s). With `residual` ([M, N],
     x's dtype): residual + x @ w.T in the same launch, the bits of the graph's `residual + product`
     (the kernels' ADD form: `with_residual` says the roundings). With `norm` = (weight [K] of x's
     dtype, eps): the product of x's rows RMS-normed, each normed value the bits `rms_norm` writes (the
@@ -181,7 +209,7 @@ def product(kind: str, x, w, per_warp: int | None = None, residual=None, norm=No
     if swiglu and norm is not None:
         raise ValueError("the SWIGLU and NORM forms of a product do not combine")
     most = rows_per_warp(kind)
-    per_warp = most if per_warp is None else per_warp
+    per_warp = default_per_warp(kind, n) if per_warp is None else per_warp
     if not 1 <= per_warp <= most:
         raise ValueError(f"{per_warp} output rows a warp: the {kind} block kernels take 1..{most}")
     if not 1 <= rows <= MAX_ROWS:
@@ -196,7 +224,7 @@ def product(kind: str, x, w, per_warp: int | None = None, residual=None, norm=No
     name, consts = KERNELS[w.qtype]
     fields = w.kernel_fields or kernel_fields(w)
     warps = -(-n // per_warp)
-    (out,) = _kernel(kind, name)(
+    (out,) = _kernel(kind, name, min_blocks(name, rows))(
         inputs=[x, x if residual is None else residual, nw, *fields,
                 kernel_args(n, k, per_warp, eps_bits, forms)],
         template=[("T", x.dtype), ("M", rows), *consts], grid=launch_grid(-(-warps // WARPS)),

@@ -241,7 +241,7 @@ def test_each_launch_is_what_mlx_custom_kernels_take(qtype, m, per_warp, monkeyp
             return [mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]
         return launch
 
-    monkeypatch.setattr(block_kernels, "_kernel", lambda kind, name: fake(name))
+    monkeypatch.setattr(block_kernels, "_kernel", lambda kind, name, blocks=1: fake(name))
     rows, cols = 33, 512  # (4 a warp: 8 warps and one for the last row)
     _, parts = _fields(np.random.default_rng(0), rows, cols, False, qtype)
     w = to_device(qtype, parts, (rows, cols))
@@ -289,7 +289,7 @@ def test_the_kernels_inputs_are_made_once_at_load(qtype, monkeypatch):
         inputs.append(kw["inputs"])
         return [mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]
 
-    monkeypatch.setattr(block_kernels, "_kernel", lambda kind, name: launch)
+    monkeypatch.setattr(block_kernels, "_kernel", lambda kind, name, blocks=1: launch)
     rows, cols = 33, 512
     _, parts = _fields(np.random.default_rng(1), rows, cols, True, qtype)
     assert MLXBackend(device="cpu")._to_device(qtype, parts, (rows, cols)).kernel_fields == ()
@@ -903,3 +903,84 @@ def test_the_swiglu_and_norm_self_checks_are_bit_for_bit(monkeypatch, dtype, ker
     off["by"] = 1
     size = "1 of 3000 values (1 rows of 3000" if kernel == "swiglu" else "1 of 1024 values (1 rows of 1024"
     assert verify(b) == f"the {kernel} kernel differs from its published order in {size}, {dtype})"
+
+
+def test_a_warp_takes_fewer_rows_of_a_narrow_product():
+    """A product's launch keeps at least MIN_BLOCKS_A_LAUNCH blocks where it can: 4 rows a warp for the
+    wide products (gate and up, the head), 2 or 1 for the narrow ones (the 8B shape's 4,096-row attention
+    output and down products were 128 blocks at 4 a warp); Metal's simdgroups always one."""
+    assert [block_kernels.default_per_warp("cuda", n) for n in (1024, 2048, 4096, 6144, 8192, 24576, 151936)] == \
+        [1, 1, 2, 2, 4, 4, 4]
+    for n in (4096, 6144, 8192, 24576):
+        r = block_kernels.default_per_warp("cuda", n)
+        assert -(-n // (r * block_kernels.WARPS)) >= block_kernels.MIN_BLOCKS_A_LAUNCH
+    assert {block_kernels.default_per_warp("metal", n) for n in (1024, 151936)} == {1}
+    seen = []
+    x, w = mx.zeros((1, 256)), to_device(Q.Q8_0, quants.split(quants.random_blocks(np.random.default_rng(0), Q.Q8_0, 4096, 256),
+                                                              Q.Q8_0, 4096, 256), (4096, 256))
+    real = block_kernels._kernel
+    block_kernels._kernel = lambda kind, name, blocks=1: lambda **kw: seen.append(kw) or [mx.zeros((1, 4096))]
+    try:
+        block_kernels.product("cuda", x, w)
+    finally:
+        block_kernels._kernel = real
+    assert np.array(seen[0]["inputs"][-1])[2] == 2 and seen[0]["grid"][0] * seen[0]["grid"][1] == 4096 // 2 // 8 * 256
+
+
+def _cubin_resources(cubin: bytes) -> tuple[int, int]:
+    """(registers a thread, stack frame bytes: spilled registers) of a one-kernel cubin, from its ELF's
+    .nv.info section: EIATTR_REGCOUNT (0x2f) and EIATTR_FRAME_SIZE (0x11) entries, each [symbol, value]."""
+    import struct
+
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    size, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * size) for i in range(count)]
+    strings = headers[names][4]
+    info = next(cubin[h[4]:h[4] + h[5]] for h in headers
+                if cubin[strings + h[0]:cubin.index(b"\0", strings + h[0])] == b".nv.info")
+    regs, frame, i = 0, 0, 0
+    while i + 4 <= len(info):
+        fmt, attr, n = info[i], info[i + 1], struct.unpack_from("<H", info, i + 2)[0]
+        if fmt == 0x04:  # (EIFMT_SVAL: n bytes follow)
+            if attr == 0x2F:
+                regs = max(regs, struct.unpack_from("<I", info, i + 8)[0])
+            elif attr == 0x11:
+                frame = max(frame, struct.unpack_from("<I", info, i + 8)[0])
+            i += 4 + n
+        else:
+            i += 4
+    return regs, frame
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_the_decode_forms_fit_the_registers_of_three_blocks_an_sm(dtype):
+    """The forms `min_blocks` compiles for 3 blocks of 256 threads an SM (the decode rows of the types in
+    FEW_REGISTERS) get at most 80 registers a thread from NVRTC for sm_90 (as MLX's JIT compiles them: the
+    source `cuda_jit` names), spilling at most a few set once and read back at the end (a stack frame of
+    at most 16 bytes; more spills would sit in the weights' loop); a form without the bound keeps the
+    compiler's choice, more than 80 (without `__launch_bounds__`, the capped forms would too)."""
+    from mlxinfer import cuda_jit
+
+    lib, include = cuda_jit.find_nvrtc(), cuda_jit.find_include()
+    if lib is None or include is None:
+        pytest.skip("needs NVRTC and the CUDA headers (pip install 'nvidia-cuda-nvrtc>=13' 'nvidia-cuda-runtime>=13')")
+    rng = np.random.default_rng(0)
+
+    def resources(qtype, rows):
+        w = to_device(qtype, quants.split(quants.random_blocks(rng, qtype, 8, 256), qtype, 8, 256), (8, 256), dtype=dtype)
+        with cuda_jit.collecting() as jobs:
+            block_kernels.product("cuda", mx.zeros((rows, 256), dtype=dtype), w)
+        (_, kernel, source), = jobs
+        regs, frame = _cubin_resources(cuda_jit.compile_cubin(lib, source, f"mlx::core::cu::{kernel}", "sm_90a", include)[0])
+        assert regs > 0, kernel
+        return regs, frame
+
+    capped = [t for t, (name, _) in block_kernels.KERNELS.items() if name in block_kernels.FEW_REGISTERS]
+    assert {Q.Q4_K, Q.Q6_K, Q.Q8_0} <= set(capped)
+    for qtype in capped:
+        for rows in range(1, block_kernels.MIN_BLOCKS_ROWS + 1):
+            assert block_kernels.min_blocks(block_kernels.KERNELS[qtype][0], rows) == 3
+            regs, frame = resources(qtype, rows)
+            assert regs <= 80 and frame <= 16, f"{qtype.name}, {rows} rows: {regs} registers, {frame} bytes spilled"
+    assert block_kernels.min_blocks("affine_matvec", block_kernels.MIN_BLOCKS_ROWS + 1) == 1
+    assert block_kernels.min_blocks("q3_k_matvec", 1) == 1 and resources(Q.Q3_K, 1)[0] > 80

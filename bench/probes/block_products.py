@@ -75,7 +75,7 @@ def main(argv=None):
                     for m in map(int, a.rows.split(",")):
                         x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dtype)
                         row = dict(probe="block_products", when=stamp, shape=shape, type=name, k=k, n=n, rows=m, dtype=dname,
-                                   default_per_warp=block_kernels.rows_per_warp(kind))
+                                   default_per_warp=block_kernels.default_per_warp(kind, n))
                         outs = {}
                         for r in ((1, 2, 4) if kind == "cuda" else (1,)):
                             us = timed(lambda r=r: block_kernels.product(kind, x, w, r), a.reps, a.chain)
@@ -84,7 +84,7 @@ def main(argv=None):
                             row[f"kernel_{r}_gbs"] = round(file_bytes / us / 1e3, 1)
                         if baseline is not None:
                             ours = block_kernels._kernel
-                            block_kernels._kernel = lambda kind, name: baseline[name]
+                            block_kernels._kernel = lambda kind, name, blocks=1: baseline[name]
                             try:
                                 us = timed(lambda: block_kernels.product(kind, x, w, 1), a.reps, a.chain)
                                 outs["baseline"] = np.array(block_kernels.product(kind, x, w, 1).astype(mx.float32))
