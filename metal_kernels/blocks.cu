@@ -40,15 +40,15 @@
 #undef __global__
 #define __global__ __location__(global) __launch_bounds__(MLXI_THREADS, MLXI_MIN_BLOCKS)
 
-// An IEEE half's bits as float, exactly (every half is a float).
+// An IEEE half's bits as float, exactly (every half is a float), NaN payloads kept; without a branch, so
+// that the kernels' loads of a unit's fields (a few halves each) stay one straight run the compiler can
+// issue before their first use.
 __device__ __forceinline__ float mlxi_half_bits(unsigned int h) {
   const unsigned int sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-  if (e == 0) {  // zero and subnormals: m * 2^-24, exact
-    const float v = __fmul_rn((float)m, 5.9604644775390625e-8f);
-    return sign ? -v : v;
-  }
-  if (e == 31) return __uint_as_float(sign | 0x7f800000u | (m << 13));
-  return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+  // zero and subnormals: m * 2^-24, exact (m as float on the float pipe: mlxi_code_float's way)
+  const float tiny = __fmul_rn(__fsub_rn(__uint_as_float(0x4B000000u | m), 8388608.0f), 5.9604644775390625e-8f);
+  const unsigned int wide = e == 31 ? 0x7f800000u | (m << 13) : ((e + 112u) << 23) | (m << 13);
+  return e == 0 ? __uint_as_float(sign | __float_as_uint(tiny)) : __uint_as_float(sign | wide);
 }
 
 __device__ __forceinline__ float mlxi_warp_total(float s) {
@@ -280,10 +280,9 @@ __device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int*
     if (rows == 0) continue;
     for (int v = lane; 32 * v < cols; v += 32) {  // the tile's units l, l + 32, ...: units col0 / 32 + v
       const long u = col0 / 32 + v;
-      typename G::Row row[MLXI_MAX_R];
-#pragma unroll
-      for (int r = 0; r < MLXI_MAX_R; ++r)
-        if (r < rows) row[r] = G::load(f, n0 + r, u, K);
+      typename G::Row row[MLXI_MAX_R];  // (each row's fields loaded, past the last row its last's again:
+#pragma unroll                        // no branch, so that every load is issued before the first use)
+      for (int r = 0; r < MLXI_MAX_R; ++r) row[r] = G::load(f, n0 + (r < rows ? r : rows - 1), u, K);
 #pragma unroll
       for (int t0 = 0; t0 < 32; t0 += 4) {
         float xv[M][4];

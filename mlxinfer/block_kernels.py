@@ -115,19 +115,21 @@ def default_per_warp(kind: str, n: int) -> int:
 
 
 # Blocks of 256 threads a CUDA block kernel is compiled to keep resident on an SM (`__launch_bounds__`,
-# blocks.cu's MLXI_MIN_BLOCKS): 3 caps a thread at 80 registers (65,536 / 768, in whole 8s), where the
+# blocks.cu's MLXI_MIN_BLOCKS). 3 caps a thread at 80 registers (65,536 / 768, in whole 8s), where the
 # compiler's own choice (95-96 at one row of x) let an SM hold 2 blocks, 16 warps, too few to keep a
 # decode product's weight loads in flight (Nsight Compute on an H100: 12-24% of the SM's warps active,
-# memory at 10-20% of its bandwidth; docs/performance.md). Only the forms for one row of x (decode at
-# batch 1) of the kernels whose readers fit 80 registers, spilling at most a few values set once (NVRTC
-# for sm_90: test_the_decode_forms_fit_the_registers_of_three_blocks_an_sm); the others keep 1 (no bound).
+# memory at 10-20% of its bandwidth; docs/performance.md): the forms for one row of x (decode at batch
+# 1) of the kernels whose readers fit 80 registers. Their forms for more rows get 2 (at most 128, what
+# the compiler took before each unit's loads were issued at once; up to 184 without a bound). NVRTC for
+# sm_90 spills at most a few values set once (test_the_decode_forms_fit_their_launch_bounds). The other
+# kernels (Q3_K, Q2_K, F16 and BF16) keep 1, no bound.
 FEW_REGISTERS = {"affine_matvec", "q6_k_matvec", "iq4_matvec"}
-MIN_BLOCKS_ROWS = 1  # rows of x up to which those forms are capped (2 rows of Q5_K spill 24 bytes at 80)
+MIN_BLOCKS_ROWS = 1  # rows of x up to which those forms get 3 (2 rows of Q5_K spill 24 bytes at 80)
 
 
 def min_blocks(name: str, rows: int) -> int:
     """MLXI_MIN_BLOCKS of kernel `name` compiled for `rows` rows of x (see FEW_REGISTERS)."""
-    return 3 if name in FEW_REGISTERS and rows <= MIN_BLOCKS_ROWS else 1
+    return (3 if rows <= MIN_BLOCKS_ROWS else 2) if name in FEW_REGISTERS else 1
 
 
 def kernel_source(kind: str) -> tuple[str, dict[str, str]]:

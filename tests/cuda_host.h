@@ -55,6 +55,11 @@ inline float __uint_as_float(unsigned int u) {
   std::memcpy(&f, &u, 4);
   return f;
 }
+inline unsigned int __float_as_uint(float f) {
+  unsigned int u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
 
 // 16-bit floats: read exactly as float, written from float rounded to nearest even (the kernels' (T)s).
 struct __half {

@@ -952,13 +952,13 @@ def _cubin_resources(cubin: bytes) -> tuple[int, int]:
     return regs, frame
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_the_decode_forms_fit_the_registers_of_three_blocks_an_sm(dtype):
-    """The forms `min_blocks` compiles for 3 blocks of 256 threads an SM (the decode rows of the types in
-    FEW_REGISTERS) get at most 80 registers a thread from NVRTC for sm_90 (as MLX's JIT compiles them: the
-    source `cuda_jit` names), spilling at most a few set once and read back at the end (a stack frame of
-    at most 16 bytes; more spills would sit in the weights' loop); a form without the bound keeps the
-    compiler's choice, more than 80 (without `__launch_bounds__`, the capped forms would too)."""
+def test_the_decode_forms_fit_their_launch_bounds():
+    """The forms `min_blocks` bounds compile (NVRTC for sm_90, as MLX's JIT compiles them: the source
+    `cuda_jit` names) within their registers: one row of x of the kernels in FEW_REGISTERS for 3 blocks of
+    256 threads an SM (at most 80 a thread; float32 and bfloat16 x), MAX_ROWS rows for 2 (128), spilling at
+    most a few values set once (a stack frame of at most 16 bytes at one row, 32 at MAX_ROWS; IQ4's 16 are
+    its codebook); a kernel without a bound keeps the compiler's choice, more than 80 (without
+    `__launch_bounds__`, the bounded forms would too: 96 at one row)."""
     from mlxinfer import cuda_jit
 
     lib, include = cuda_jit.find_nvrtc(), cuda_jit.find_include()
@@ -966,7 +966,7 @@ def test_the_decode_forms_fit_the_registers_of_three_blocks_an_sm(dtype):
         pytest.skip("needs NVRTC and the CUDA headers (pip install 'nvidia-cuda-nvrtc>=13' 'nvidia-cuda-runtime>=13')")
     rng = np.random.default_rng(0)
 
-    def resources(qtype, rows):
+    def resources(qtype, rows, dtype=mx.bfloat16):
         w = to_device(qtype, quants.split(quants.random_blocks(rng, qtype, 8, 256), qtype, 8, 256), (8, 256), dtype=dtype)
         with cuda_jit.collecting() as jobs:
             block_kernels.product("cuda", mx.zeros((rows, 256), dtype=dtype), w)
@@ -975,12 +975,12 @@ def test_the_decode_forms_fit_the_registers_of_three_blocks_an_sm(dtype):
         assert regs > 0, kernel
         return regs, frame
 
-    capped = [t for t, (name, _) in block_kernels.KERNELS.items() if name in block_kernels.FEW_REGISTERS]
-    assert {Q.Q4_K, Q.Q6_K, Q.Q8_0} <= set(capped)
-    for qtype in capped:
-        for rows in range(1, block_kernels.MIN_BLOCKS_ROWS + 1):
-            assert block_kernels.min_blocks(block_kernels.KERNELS[qtype][0], rows) == 3
-            regs, frame = resources(qtype, rows)
-            assert regs <= 80 and frame <= 16, f"{qtype.name}, {rows} rows: {regs} registers, {frame} bytes spilled"
-    assert block_kernels.min_blocks("affine_matvec", block_kernels.MIN_BLOCKS_ROWS + 1) == 1
+    assert {block_kernels.KERNELS[t][0] for t in (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.IQ4_XS)} == block_kernels.FEW_REGISTERS
+    for qtype in (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.IQ4_XS):
+        name = block_kernels.KERNELS[qtype][0]
+        assert block_kernels.min_blocks(name, 1) == 3 and block_kernels.min_blocks(name, block_kernels.MAX_ROWS) == 2
+        for rows, dtype, most, spilled in ((1, mx.float32, 80, 16), (1, mx.bfloat16, 80, 16),
+                                           (block_kernels.MAX_ROWS, mx.bfloat16, 128, 32)):
+            regs, frame = resources(qtype, rows, dtype)
+            assert regs <= most and frame <= spilled, f"{qtype.name}, {rows} rows, {dtype}: {regs} registers, {frame} bytes"
     assert block_kernels.min_blocks("q3_k_matvec", 1) == 1 and resources(Q.Q3_K, 1)[0] > 80
