@@ -906,25 +906,25 @@ def test_the_swiglu_and_norm_self_checks_are_bit_for_bit(monkeypatch, dtype, ker
 
 
 def test_a_warp_takes_fewer_rows_of_a_narrow_product():
-    """A product's launch keeps at least MIN_BLOCKS_A_LAUNCH blocks where it can: 4 rows a warp for the
-    wide products (gate and up, the head), 2 or 1 for the narrow ones (the 8B shape's 4,096-row attention
-    output and down products were 128 blocks at 4 a warp); Metal's simdgroups always one."""
-    assert [block_kernels.default_per_warp("cuda", n) for n in (1024, 2048, 4096, 6144, 8192, 24576, 151936)] == \
-        [1, 1, 2, 2, 4, 4, 4]
-    for n in (4096, 6144, 8192, 24576):
+    """A product's launch keeps at least MIN_BLOCKS_A_LAUNCH blocks where it can: 4 rows a warp from 4,096
+    output rows (every product of the 8B shape), 2 or 1 for narrower ones (the 0.6B shape's 1,024-row
+    attention output and down products were 32 blocks at 4 a warp); Metal's simdgroups always one."""
+    assert [block_kernels.default_per_warp("cuda", n) for n in (512, 1024, 2048, 4096, 6144, 24576, 151936)] == \
+        [1, 1, 2, 4, 4, 4, 4]
+    for n in (1024, 2048, 4096, 24576):
         r = block_kernels.default_per_warp("cuda", n)
         assert -(-n // (r * block_kernels.WARPS)) >= block_kernels.MIN_BLOCKS_A_LAUNCH
     assert {block_kernels.default_per_warp("metal", n) for n in (1024, 151936)} == {1}
     seen = []
-    x, w = mx.zeros((1, 256)), to_device(Q.Q8_0, quants.split(quants.random_blocks(np.random.default_rng(0), Q.Q8_0, 4096, 256),
-                                                              Q.Q8_0, 4096, 256), (4096, 256))
+    x, w = mx.zeros((1, 256)), to_device(Q.Q8_0, quants.split(quants.random_blocks(np.random.default_rng(0), Q.Q8_0, 2048, 256),
+                                                              Q.Q8_0, 2048, 256), (2048, 256))
     real = block_kernels._kernel
-    block_kernels._kernel = lambda kind, name, blocks=1: lambda **kw: seen.append(kw) or [mx.zeros((1, 4096))]
+    block_kernels._kernel = lambda kind, name, blocks=1: lambda **kw: seen.append(kw) or [mx.zeros((1, 2048))]
     try:
         block_kernels.product("cuda", x, w)
     finally:
         block_kernels._kernel = real
-    assert np.array(seen[0]["inputs"][-1])[2] == 2 and seen[0]["grid"][0] * seen[0]["grid"][1] == 4096 // 2 // 8 * 256
+    assert np.array(seen[0]["inputs"][-1])[2] == 2 and seen[0]["grid"][0] * seen[0]["grid"][1] == 2048 // 2 // 8 * 256
 
 
 def _cubin_resources(cubin: bytes) -> tuple[int, int]:
