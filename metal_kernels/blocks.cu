@@ -19,7 +19,7 @@
 //   Without its bit, res or nw is not read (the launch passes x there).
 //
 // How the work is laid out does not change that order. A block's 8 warps first copy x, a tile of
-// mlxi_tile<M>() columns at a time (MLXI_TILE_VALUES / M: all of a decode row's 8,192 values at once),
+// mlxi_tile<M>() columns at a time (MLXI_TILE_VALUES / M in 1,024s: one row's first 8,192 values),
 // into shared memory (coalesced; padded so that the lanes' reads of their own units do not collide in
 // its banks), and read it from there: read straight from memory, each lane's four values of x sit 128
 // bytes from its neighbours', 32 cache lines a warp's load, and that load, not the weight, bounds the
@@ -28,7 +28,8 @@
 // SM's other warps work, not at a barrier. And a warp takes R = dims[2] consecutive output rows
 // (1..MLXI_MAX_R, `block_kernels.rows_per_warp`), each with its own partial sums, so that each value of
 // x a lane reads serves R rows. Each form of a kernel is compiled for MLXI_MIN_BLOCKS blocks resident on
-// an SM (`__launch_bounds__` through the __global__ below; 1: no bound, the compiler's choice;
+// an SM (`__launch_bounds__` through the __global__ below; 1: no bound, the compiler's choice (a bound
+// of 1 block would let it take up to 255 registers: Q3_K's 8 rows 168 -> 218);
 // block_kernels.min_blocks sets 3, at most 80 registers a thread, for the decode forms that fit them), as
 // a decode product is bounded by how many warps an SM keeps waiting for weights at once.
 //@@HEADER
@@ -37,8 +38,10 @@
 #define MLXI_MAX_R 4
 #define MLXI_TILE_VALUES 8192
 #define MLXI_MIN_BLOCKS 1
+#if MLXI_MIN_BLOCKS > 1
 #undef __global__
 #define __global__ __location__(global) __launch_bounds__(MLXI_THREADS, MLXI_MIN_BLOCKS)
+#endif
 
 // An IEEE half's bits as float, exactly (every half is a float), NaN payloads kept; without a branch, so
 // that the kernels' loads of a unit's fields (a few halves each) stay one straight run the compiler can
@@ -193,7 +196,7 @@ __device__ __forceinline__ void mlxi_stage_x(const X* x, long K, long col0, int 
 }
 
 // The columns of a tile of M rows of x: MLXI_TILE_VALUES / M, in whole 1,024s (32 units of 32: each lane
-// as many), so that the tile holds the same floats for every M (36 KB with its padding).
+// as many), so that a tile holds at most 8,192 floats for every M (36 KB with its padding).
 template <int M>
 __host__ __device__ constexpr int mlxi_tile() {
   return (MLXI_TILE_VALUES / M) / 1024 * 1024;
@@ -247,7 +250,11 @@ __device__ __forceinline__ Y mlxi_residual_sum(Y r, float s) {
 //     consecutive values;
 //   G::Row G::load(fields, n, u, K)  what row n's unit u needs;  float G::value(row, t)  value t, exactly
 //   gguf-py's (t is a constant once the loops are unrolled).
-template <int M, typename G, typename X, typename Y>
+// HOIST (a kernel's body passes MLXI_MIN_BLOCKS > 1): every row's fields loaded, past the last row the
+// last one's again, with no branch, so that NVRTC issues all of a unit's loads before their first use;
+// only in forms with a launch bound, which keeps the registers that takes (unbounded, Q3_K's 8 rows went
+// from 168 to 220).
+template <int M, typename G, bool HOIST, typename X, typename Y>
 __device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int* dims, const typename G::Fields& f,
                                                   const Y* res, const X* nw) {
   constexpr int TILE = mlxi_tile<M>(), STRIDE = TILE + 4 * (TILE / G::PAD);
@@ -280,9 +287,10 @@ __device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int*
     if (rows == 0) continue;
     for (int v = lane; 32 * v < cols; v += 32) {  // the tile's units l, l + 32, ...: units col0 / 32 + v
       const long u = col0 / 32 + v;
-      typename G::Row row[MLXI_MAX_R];  // (each row's fields loaded, past the last row its last's again:
-#pragma unroll                        // no branch, so that every load is issued before the first use)
-      for (int r = 0; r < MLXI_MAX_R; ++r) row[r] = G::load(f, n0 + (r < rows ? r : rows - 1), u, K);
+      typename G::Row row[MLXI_MAX_R];  // (each row's fields; see HOIST)
+#pragma unroll
+      for (int r = 0; r < MLXI_MAX_R; ++r)
+        if (HOIST || r < rows) row[r] = G::load(f, n0 + (r < rows ? r : rows - 1), u, K);
 #pragma unroll
       for (int t0 = 0; t0 < 32; t0 += 4) {
         float xv[M][4];
@@ -573,7 +581,7 @@ struct mlxi_half_values : mlxi_groups32 {
 // consecutive bytes of ql at 64h + 8c and at 64h + 32 + 8c, eight of qh at 32h + 8c, one scale per j.
 // Lane l takes the units u = l, l + 32, ... and in each adds j = 0..3, t = 0..7 in that order: the units
 // of a row are loaded in parallel by the lanes (mlxi_block_matvec, mlxi_q6k).
-mlxi_block_matvec<M, mlxi_q6k>(x, out, dims, {ql, qh, scales, d_bits}, res, nw);
+mlxi_block_matvec<M, mlxi_q6k, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {ql, qh, scales, d_bits}, res, nw);
 //@@BODY affine_matvec
 // The affine types as the MLX backend keeps them (quants.split): w [N, K BITS / 32] uint32 (MLX's packing),
 // then the file's scale fields, by SCALES: 0 (Q8_0, Q4_0, Q5_0) s0 [N, K / 32] the fp16 d's bits, scale d,
@@ -583,26 +591,26 @@ mlxi_block_matvec<M, mlxi_q6k>(x, out, dims, {ql, qh, scales, d_bits}, res, nw);
 // dims = [N, K, R, eps bits, forms]; out [M, N]. Lane l takes groups l, l + 32, ..., each t = 0..31: code t of the group
 // (MLX's packing: bits [BITS t, BITS (t + 1)) of the group's BITS words), w = scale * code + bias (each
 // step rounded), then the product with x and the sum (mlxi_block_matvec, mlxi_affine).
-mlxi_block_matvec<M, mlxi_affine<BITS, SCALES, ZERO>>(x, out, dims, {w, s0, s1}, res, nw);
+mlxi_block_matvec<M, mlxi_affine<BITS, SCALES, ZERO>, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {w, s0, s1}, res, nw);
 //@@BODY iq4_matvec
 // IQ4_NL (XS 0) and IQ4_XS (XS 1) as the MLX backend keeps them (quants.split: the file's fields): qs the
 // 4-bit codes, 16 bytes per 32 values (IQ4_NL [N, K / 32, 16]; IQ4_XS [N, K / 256, 128], sub-block j at
 // 16 j), d_bits the fp16 d's bits ([N, K / 32] or [N, K / 256]); IQ4_XS also sc_h [N, K / 256] uint16 and
 // sc_l [N, K / 256, 4] uint8, sub-block j's 6-bit scale ls = (sc_l[j / 2] >> 4 (j % 2)) & 15 |
 // ((sc_h >> 2 j) & 3) << 4 (IQ4_NL: unused). dims = [N, K, R, eps bits, forms]; out [M, N]. mlxi_iq4 says the values.
-mlxi_block_matvec<M, mlxi_iq4<XS>>(x, out, dims, {qs, d_bits, sc_h, sc_l}, res, nw);
+mlxi_block_matvec<M, mlxi_iq4<XS>, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {qs, d_bits, sc_h, sc_l}, res, nw);
 //@@BODY q3_k_matvec
 // Q3_K's fields (quants.split) per row and block of 256 values: hmask [N, K/256, 32], qs [N, K/256, 64],
 // sc3 [N, K/256, 12] uint8, d_bits [N, K/256] the fp16 d's bits; dims = [N, K, R, eps bits, forms]; out [M, N]. mlxi_q3k
 // says the values.
-mlxi_block_matvec<M, mlxi_q3k>(x, out, dims, {hmask, qs, sc3, d_bits}, res, nw);
+mlxi_block_matvec<M, mlxi_q3k, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {hmask, qs, sc3, d_bits}, res, nw);
 //@@BODY q2_k_matvec
 // Q2_K's fields per row and block: sc2 [N, K/256, 16] uint8, qs [N, K/256, 64], d_bits and dmin_bits
 // [N, K/256] fp16 bits; dims = [N, K, R, eps bits, forms]; out [M, N]. mlxi_q2k says the values.
-mlxi_block_matvec<M, mlxi_q2k>(x, out, dims, {sc2, qs, d_bits, dmin_bits}, res, nw);
+mlxi_block_matvec<M, mlxi_q2k, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {sc2, qs, d_bits, dmin_bits}, res, nw);
 //@@BODY half_matvec
 // F16 (BF 0) or BF16 (BF 1) values v [N, K] as uint16 bits; dims = [N, K, R, eps bits, forms]; out [M, N].
-mlxi_block_matvec<M, mlxi_half_values<BF>>(x, out, dims, {v}, res, nw);
+mlxi_block_matvec<M, mlxi_half_values<BF>, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {v}, res, nw);
 //@@BODY rms_norm
 // RMSNorm of x [M, K] (T) with weight nw [K] (T): out [M, K] (T), a warp a row (mlxi_rms_inv: the order);
 // dims = [M, K, eps's float32 bits, 0].

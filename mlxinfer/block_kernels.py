@@ -108,10 +108,11 @@ def default_per_warp(kind: str, n: int) -> int:
     """Output rows a warp takes in a product of n output rows: the most (`rows_per_warp`: 4, 2, 1) that
     still gives the launch MIN_BLOCKS_A_LAUNCH blocks of 8 warps, so that every SM gets a block. The
     0.6B shape's 1,024-row products (attention output, down) were 32 blocks at 4 a warp; at 1 a warp
-    they took 43 and 47 us against 50 and 62 (bench/probes/block_variants.py, H200). Every product of
-    the 8B shape keeps 4: at 4,096 rows (128 blocks) 4 a warp was the fastest of 1, 2, 4 (60 and 77 us
-    against 70 and 95 at 2; at the merged QKV's 6,144 rows 2 was 10% faster, within a run's spread;
-    bench/probes/block_products.py); each value of x a lane reads serves 4 rows."""
+    they took 43 and 47 us against 50 and 62 (bench/probes/block_variants.py, H200). The 8B shape's
+    products of at least 4,096 rows keep 4: at 4,096 rows (128 blocks) 4 a warp was the fastest of 1,
+    2, 4 (60 and 77 us against 70 and 95 at 2; at the merged QKV's 6,144 rows 2 was 10% faster, within
+    a run's spread; bench/probes/block_products.py); each value of x a lane reads serves 4 rows. (A
+    Q4_K_M file's Q6_K V, a run of its own in the QKV group, has 1,024 rows there and takes 1: not timed.)"""
     most = rows_per_warp(kind)
     return next((r for r in (4, 2) if r <= most and -(-n // (r * WARPS)) >= MIN_BLOCKS_A_LAUNCH), 1)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import mmap
 import re
 import shutil
 import subprocess
@@ -61,7 +62,9 @@ def source(forms) -> str:
         extra = "".join(f"constexpr int {k} = {v};\n" for k, v in consts)
         args = ", ".join(f"(const {types[i]}*)a{n}" for n, i in enumerate(ins)) + f", ({t}*)o"
         void_params = ", ".join(f"const void* a{n}" for n in range(len(ins))) + ", void* o"
-        parts.append(f"namespace {fid} {{\nusing T = {t};\nconstexpr int M = {m};\n{extra}"
+        blocks = block_kernels.min_blocks(name, m)
+        parts.append(f"#undef MLXI_MIN_BLOCKS\n#define MLXI_MIN_BLOCKS {blocks}\n"  # (as `_kernel` sets it per form)
+                     f"namespace {fid} {{\nusing T = {t};\nconstexpr int M = {m};\n{extra}"
                      f"void body({params}) {{\n{bodies[name]}\n}}\n}}\n"
                      f'extern "C" void run_{fid}({void_params}, unsigned gx, unsigned gy, unsigned threads) {{\n'
                      f"  mlxh_launch(gx, gy, threads, [&] {{ {fid}::body({args}); }});\n}}\n")
@@ -107,7 +110,8 @@ class HostKernels:
         template = dict(seen["template"])
         t, m = T_NAMES[template.pop("T")], template.pop("M", 1)  # (rms_norm, swiglu: no M)
         consts = tuple(template.items())
-        arrays = [_host_array(a) for a in seen["inputs"]]
+        keep = []  # (the inputs' pages, alive through the launch)
+        arrays = [_before_a_wall(_host_array(a), keep) for a in seen["inputs"]]
         shape, dtype = seen["output_shapes"][0], seen["output_dtypes"][0]
         out = _guarded(shape, np.float32 if dtype == mx.float32 else np.uint16)
         (gx, gy, _), (tx, _, _) = seen["grid"], seen["threadgroup"]
@@ -181,6 +185,27 @@ def pretend_gpu(monkeypatch, gpu: str) -> str:
 def _host_array(a) -> np.ndarray:
     """An MLX input as the contiguous numpy array a host kernel reads (16-bit floats as their bits)."""
     return np.ascontiguousarray(np.array(mx.view(a, mx.uint16) if a.dtype in (mx.bfloat16, mx.float16) else a))
+
+
+PAGE = mmap.PAGESIZE
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _before_a_wall(a: np.ndarray, keep: list) -> np.ndarray:
+    """A copy of `a` ending at most 15 bytes before a page the process may not read (PROT_NONE; its start
+    16-byte aligned, as the kernels' vector loads assume): a kernel reading past the end of an input (a
+    row past the weight's last) stops the launch with SIGSEGV, where a plain array's next bytes would be
+    read silently. `keep` holds the mapping while the launch runs."""
+    size = -(-a.nbytes // PAGE) * PAGE
+    region = mmap.mmap(-1, size + PAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    if _LIBC.mprotect(ctypes.c_void_p(base + size), ctypes.c_size_t(PAGE), 0):  # PROT_NONE
+        raise OSError(ctypes.get_errno(), "mprotect failed")
+    start = (size - a.nbytes) // 16 * 16
+    out = np.frombuffer(region, dtype=a.dtype, count=a.size, offset=start).reshape(a.shape)
+    out[...] = a
+    keep.append(region)
+    return out
 
 
 def _compile(folder, text: str, stem: str, flags: tuple = ()):

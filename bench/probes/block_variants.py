@@ -4,12 +4,13 @@ own, timed on the decode products of the Qwen3-8B (or 0.6B) shape, random blocks
 compared with the default's. What decides a block kernel's speed at one row of x is how many warps an
 SM keeps in flight while each waits for its weights (docs/performance.md): this asks which change moves it.
 
-    python3 bench/probes/block_variants.py [--variants base=,r80=--maxrregcount=80,alt=@path/to/blocks.cu]
+    python3 bench/probes/block_variants.py [--variants base=,alt=@path/to/blocks.cu]
         [--types Q4_K,Q6_K] [--shapes 8b] [--rows 1] [--dtype bfloat16] [--chain 20] [--reps 7]
         [--once] [--out results.jsonl]
 
 A variant is NAME=OPTIONS (extra NVRTC options, space-separated) or NAME=@FILE (another blocks.cu) or
-NAME=@FILE OPTIONS. `--once`: each product launched twice and not timed, for Nsight Compute, e.g.
+NAME=@FILE OPTIONS. NVRTC ignores `--maxrregcount` for a kernel with `__launch_bounds__`, which blocks.cu's
+bounded forms have (`block_kernels.min_blocks`): another register bound is another file. `--once`: each product launched twice and not timed, for Nsight Compute, e.g.
 `ncu --kernel-name regex:matvec --section SpeedOfLight --section Occupancy --section WarpStateStats
 python3 bench/probes/block_variants.py --once`. Each variant's modules are compiled here, in this
 process, into MLX's kernel cache (cuda_jit's builder, its options plus the variant's).
@@ -75,7 +76,7 @@ def build_with(options: list[str], jobs) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", default="base=,r80=--maxrregcount=80,r64=--maxrregcount=64")
+    p.add_argument("--variants", default="base=")
     p.add_argument("--types", default="Q4_K,Q6_K")
     p.add_argument("--shapes", default="8b")
     p.add_argument("--rows", default="1")

@@ -238,7 +238,8 @@ def _check_block_products(backend: "MLXBackend", kernel: str | None = None, fuse
     """The block kernels (`block_kernels`) against their numpy emulation, bit for bit, on random blocks
     with edge values of every type they take, for 1 and MAX_ROWS rows, each output row count a warp
     takes (42 rows: a last warp of 4 with 2 left), rows of 1,280 values (1,312 for the 32-value types:
-    a full tile of x, then a partial one), with x in the products' dtype (`weight_dtype`: a 16-bit x
+    at MAX_ROWS rows of x a full tile of x, then a partial one; at one row, whose tile is 8,192 columns,
+    one partial tile), with x in the products' dtype (`weight_dtype`: a 16-bit x
     is widened exactly, the float32 sum rounded once to that dtype at the end; none on the CPU: nothing
     to check). `kernel`: only the types of that kernel (`block_kernels.KERNELS`), else every type.
     `fused`: instead, with the most rows a warp, the ADD form (a residual plus the product:
