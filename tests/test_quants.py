@@ -32,6 +32,7 @@ from gguf.quants import dequantize
 import mlxinfer
 from mlxinfer import quants
 from mlxinfer.backends.mlx import MLXBackend, gpu_kind
+from mlxinfer.backends import mlx_weights
 from mlxinfer.backends.mlx_weights import BlockWeight, ExpertStack, QuantizedWeight, affine_scales, to_device
 from mlxinfer.gguf_file import GGUFFile
 from mlxinfer.synthetic import SyntheticSpec, write_synthetic_model
@@ -395,6 +396,34 @@ def test_scales_formed_by_one_compiled_kernel_are_float32_ones_rounded_once(qtyp
             assert got.dtype == mdt
             assert np.array_equal(np.array(mx.view(got, bits)), np.array(mx.view(want.astype(mdt), bits))), name
     assert part.compiled and not to_device(qtype, quants.split(raw, qtype, ROWS, COLS), (ROWS, COLS)).compiled
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("qtype", list(quants.BLOCK_TYPES), ids=lambda q: q.name)
+def test_block_values_formed_by_one_compiled_function_are_the_graphs(qtype, dtype):
+    """A FUSABLE block type's dequantized values (a prompt's product on a GPU: `formed_values`, compiled
+    into a few fused kernels, a row slice's too) are the graph's `dequantize` bit for bit, edge values
+    included; Q2_K stays in the graph (its dl * q - ml could become one fma in a fused kernel), and a
+    weight made without `compiled` too."""
+    mdt = getattr(mx, dtype)
+    raw = quants.random_blocks(np.random.default_rng(int(qtype) + 11), qtype, ROWS, COLS, edges=True)
+    parts = quants.split(raw, qtype, ROWS, COLS)
+    w = to_device(qtype, parts, (ROWS, COLS), dtype=mdt, compiled=True)
+    assert (qtype in mlx_weights.FUSABLE) == (qtype != Q.Q2_K)
+    want = mlx_weights.dequantize(qtype, w.parts, ROWS, COLS).astype(mdt)
+    bits = mx.uint32 if dtype == "float32" else mx.uint16
+    part = w.row_slice(3, 9)
+    for name, got, expected in (("compiled", w.dense(), want), ("compiled row slice", part.dense(), want[3:9])):
+        assert got.dtype == mdt and got.shape == expected.shape, name
+        assert np.array_equal(np.array(mx.view(got, bits)), np.array(mx.view(expected, bits))), name
+    calls = []
+    real = mlx_weights.formed_values
+    mlx_weights.formed_values = lambda q, d: calls.append(q) or real(q, d)
+    try:
+        w.dense(), to_device(qtype, parts, (ROWS, COLS), dtype=mdt).dense()
+    finally:
+        mlx_weights.formed_values = real
+    assert calls == ([qtype] if qtype in mlx_weights.FUSABLE else []) and part.compiled
 
 
 def test_scales_are_formed_at_each_use_unless_asked():

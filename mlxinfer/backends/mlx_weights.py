@@ -6,7 +6,8 @@ takes which form and why each is exact):
     dtype; one compiled kernel a product, `formed_scales`), then `mx.quantized_matmul`.
   - `BlockWeight`: the file's block fields (Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS) or 16-bit values (F16,
     BF16), dequantized to float32 in the graph at each use (`dequantize`: MLX bit operations doing
-    gguf-py's arithmetic), then a float32 product. This costs time, not memory: on MLX's CPU a product
+    gguf-py's arithmetic; on a GPU by one compiled function where that keeps the bits, `formed_values`),
+    then a float32 product. This costs time, not memory: on MLX's CPU a product
     of Q6_K, Q3_K or Q2_K takes 2-3.5x an affine type's, F16/BF16 1.5-2.5x, IQ4_NL/IQ4_XS ~10x (MLX's
     gather for the codebook); figures in tests/test_quants.py's docstring, `bench/probes/weight_types.py`
     measures them. A product dequantizes a slice of rows at a time (`DENSE_SLICE_BYTES`), so the float32
@@ -30,7 +31,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
-from gguf import GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from ..quants import AFFINE_BITS, GROUP, IQ4_VALUES
 
@@ -123,6 +124,23 @@ def _iq4_xs(n, d, scales_h, scales_l, qs):
 _BLOCKS = {Q.Q6_K: _q6_k, Q.Q3_K: _q3_k, Q.Q2_K: _q2_k, Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs}
 
 
+# The block types whose `dequantize` is only products and subtractions before them (no product then an
+# addition or subtraction, which a fused kernel's compiler may contract into one fma, not gguf-py's two
+# roundings: Q2_K's dl * q - ml), so that one compiled kernel gives the graph's bits (`formed_values`).
+FUSABLE = frozenset({Q.Q6_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS})
+
+
+@lru_cache(maxsize=None)
+def formed_values(qtype, dtype):
+    """`dequantize` of a FUSABLE type's fields, cast to `dtype`, as one compiled function: MLX fuses its
+    ~10 elementwise operations (shifts, masks, conversions, products) a slice into one or two kernels, where
+    the graph launches each (a 17-token prompt's pass of the 0.6B Q4_K_M shape, counted without a GPU by
+    bench/probes/step_graph.py --host --pass prefill: 1,105 launches against Q8_0's 643). The same
+    operations: the same bits (tested). The shape comes from the fields: rows, then blocks."""
+    values = GGML_QUANT_SIZES[qtype][0]
+    return mx.compile(lambda *parts: dequantize(qtype, parts, parts[0].shape[0], parts[0].shape[1] * values).astype(dtype))
+
+
 def dequantize(qtype, parts, rows: int, cols: int) -> mx.array:
     """float32 [rows, cols] of a BlockWeight's arrays, as gguf-py computes them (the same products and
     subtractions, exact: quants' doc)."""
@@ -194,12 +212,15 @@ class BlockWeight:
     shape: tuple[int, int]  # (out, in)
     dtype: mx.Dtype = mx.float32  # the products' dtype: the dequantized values are cast to it
     kernel_fields: tuple = ()  # the block kernels' inputs, made once at load (`block_kernels.kernel_fields`)
+    compiled: bool = False  # a FUSABLE type's values formed by `formed_values` (on a GPU: one launch, not ~10)
 
     def row_slice(self, a: int, b: int) -> "BlockWeight":
         return BlockWeight(tuple(p[a:b] for p in self.parts), self.qtype, (b - a, self.shape[1]), self.dtype,
-                           tuple(f[a:b] for f in self.kernel_fields))
+                           tuple(f[a:b] for f in self.kernel_fields), self.compiled)
 
     def dense(self) -> mx.array:
+        if self.compiled and self.qtype in FUSABLE:
+            return formed_values(self.qtype, self.dtype)(*self.parts)
         return dequantize(self.qtype, self.parts, *self.shape).astype(self.dtype)
 
     def product(self, x) -> mx.array:
@@ -312,7 +333,8 @@ def to_device(qtype, arrays, shape, float_scales: bool = False, dtype=mx.float32
     `dtype`). With `float_scales` an affine type's scales and biases are formed once here instead of at
     each use: the same bits (the same operations), one elementwise pass less a product, 1.17x (Q8_0,
     Q5_1) to 1.33x (Q4_0, Q4_K) the file's bytes instead of 1.0-1.03x in float32. `compiled`: the affine
-    scales formed at each use by one compiled kernel (`QuantizedWeight.affine`)."""
+    scales formed at each use by one compiled kernel (`QuantizedWeight.affine`), and a FUSABLE block
+    type's values (`BlockWeight.dense`)."""
     arrays = tuple(mx.array(a) for a in arrays)
     if qtype is None:
         arrays = (arrays[0].astype(dtype),)
@@ -325,4 +347,4 @@ def to_device(qtype, arrays, shape, float_scales: bool = False, dtype=mx.float32
             mx.eval(*affine)
             return QuantizedWeight(arrays[0], affine, qtype, shape, True, dtype)
         return QuantizedWeight(arrays[0], arrays[1:], qtype, shape, dtype=dtype, compiled=compiled)
-    return BlockWeight(arrays, qtype, shape, dtype)
+    return BlockWeight(arrays, qtype, shape, dtype, compiled=compiled)
