@@ -80,11 +80,13 @@ def _unpack(a, shape, shifts, new_axis_shape, mask):
 
 
 def _q6_k(n, ql, qh, scales, d):
-    lo = mx.reshape(_unpack(ql, (n, 2, 1, 64), S04, (1, 1, 2, 1), 0x0F), (n, 8, 32))
-    hi = mx.reshape(_unpack(qh, (n, 2, 1, 32), S0246, (1, 1, 4, 1), 0x03), (n, 8, 32))
-    q = mx.reshape((lo | (hi << 4)).astype(mx.float32) - 32.0, (n, 16, 16))
-    dl = mx.reshape(mx.reshape(d, (n, 1)).astype(mx.float32) * mx.reshape(scales, (n, 16)).astype(mx.float32),
-                    (n, 16, 1))
+    # value i = 128 h + 64 s + 32 k + 16 g + t of a block, in one broadcast shape [n, h, s, k, g, t] (so
+    # that a compiled function fuses it into one kernel: `formed_values`): low four bits ql[64 h + 32 k
+    # + 16 g + t] >> 4 s, high two qh[32 h + 16 g + t] >> 2 (2 s + k), scale (h s k g)
+    lo = _unpack(ql, (n, 2, 1, 2, 2, 16), S04, (1, 1, 2, 1, 1, 1), 0x0F)
+    hi = _unpack(qh, (n, 2, 1, 1, 2, 16), S0246, (1, 1, 2, 2, 1, 1), 0x03)
+    q = (lo | (hi << 4)).astype(mx.float32) - 32.0
+    dl = mx.reshape(d, (n, 1, 1, 1, 1, 1)).astype(mx.float32) * mx.reshape(scales, (n, 2, 2, 2, 2, 1)).astype(mx.float32)
     return dl * q
 
 
@@ -133,10 +135,11 @@ FUSABLE = frozenset({Q.Q6_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS})
 @lru_cache(maxsize=None)
 def formed_values(qtype, dtype):
     """`dequantize` of a FUSABLE type's fields, cast to `dtype`, as one compiled function: MLX fuses its
-    ~10 elementwise operations (shifts, masks, conversions, products) a slice into one or two kernels, where
-    the graph launches each (a 17-token prompt's pass of the 0.6B Q4_K_M shape, counted without a GPU by
-    bench/probes/step_graph.py --host --pass prefill: 1,105 launches against Q8_0's 643). The same
-    operations: the same bits (tested). The shape comes from the fields: rows, then blocks."""
+    elementwise operations (shifts, masks, conversions, products; Q6_K's written in one broadcast shape:
+    one kernel a slice), where the graph launches each (a 17-token prompt's pass of the 0.6B Q4_K_M
+    shape, counted without a GPU by bench/probes/step_graph.py --host --pass prefill: 797 launches, 1,105
+    in the graph; Q8_0's 643). The same operations: the same bits (tested). The shape comes from the
+    fields: rows, then blocks."""
     values = GGML_QUANT_SIZES[qtype][0]
     return mx.compile(lambda *parts: dequantize(qtype, parts, parts[0].shape[0], parts[0].shape[1] * values).astype(dtype))
 
