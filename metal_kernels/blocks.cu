@@ -624,7 +624,7 @@ if (row < rows) {
 }
 //@@BODY swiglu
 // SwiGLU of x [M, 2K] (T) = [gate | up] a row: out [M, K] (T), a thread a value (mlxi_swiglu_value: the
-// order); dims = [M, K, 0, 0] (padded: kernels._dims).
+// order); dims = [M, K, 0, 0] (padded: kernels.kernel_args).
 const long K = dims[1], total = (long)dims[0] * K;
 const long i = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_THREADS + threadIdx.x;
 if (i < total) {

@@ -135,6 +135,11 @@ def min_blocks(name: str, rows: int) -> int:
     return (3 if rows <= MIN_BLOCKS_ROWS else 2) if name in FEW_REGISTERS else 1
 
 
+def bounded(header: str, blocks: int) -> str:
+    """A CUDA kernel's header with its MLXI_MIN_BLOCKS set to `blocks` (`min_blocks`: 1 in blocks.cu)."""
+    return header.replace("#define MLXI_MIN_BLOCKS 1\n", f"#define MLXI_MIN_BLOCKS {blocks}\n")
+
+
 def kernel_source(kind: str) -> tuple[str, dict[str, str]]:
     """(header, {kernel name: body}) of blocks.cu or blocks.metal (`kernels.source_parts`); CUDA's without
     comments."""
@@ -159,8 +164,7 @@ def _kernel(kind: str, name: str, blocks: int = 1):
 
     header, body = kernel_parts(kind, name)
     if kind == "cuda":  # compiled into MLX's kernel cache once per machine (`cuda_jit`)
-        header = header.replace("#define MLXI_MIN_BLOCKS 1\n", f"#define MLXI_MIN_BLOCKS {blocks}\n")  # (`min_blocks`)
-        return cuda_jit.Kernel(f"mlxinfer_{name}_{kind}", INPUTS[name], ["out"], body, header)
+        return cuda_jit.Kernel(f"mlxinfer_{name}_{kind}", INPUTS[name], ["out"], body, bounded(header, blocks))
     return mx.fast.metal_kernel(name=f"mlxinfer_{name}_{kind}", input_names=INPUTS[name], output_names=["out"],
                                 source=body, header=header, ensure_row_contiguous=True)
 

@@ -59,8 +59,12 @@ MAX_HEAD_DIM = 256  # the fused kernel's shared memory holds 32 partial sums per
 
 
 def source_parts(file: str) -> tuple[str, dict[str, str]]:
-    """(header, {kernel name: body}) of a kernel source file of metal_kernels/, split at its //@@ markers."""
-    text = resources.files("metal_kernels").joinpath(file).read_text(encoding="utf-8")
+    """(header, {kernel name: body}) of a kernel source file of metal_kernels/ (`split_parts`)."""
+    return split_parts(resources.files("metal_kernels").joinpath(file).read_text(encoding="utf-8"))
+
+
+def split_parts(text: str) -> tuple[str, dict[str, str]]:
+    """(header, {kernel name: body}) of a kernel source's text, split at its //@@ markers."""
     _, rest = text.split("//@@HEADER\n", 1)
     header, *bodies = rest.split("//@@BODY ")
     return header, {b.split("\n", 1)[0].strip(): b.split("\n", 1)[1] for b in bodies}

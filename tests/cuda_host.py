@@ -110,8 +110,7 @@ class HostKernels:
         template = dict(seen["template"])
         t, m = T_NAMES[template.pop("T")], template.pop("M", 1)  # (rms_norm, swiglu: no M)
         consts = tuple(template.items())
-        keep = []  # (the inputs' pages, alive through the launch)
-        arrays = [_before_a_wall(_host_array(a), keep) for a in seen["inputs"]]
+        arrays = [_before_a_wall(_host_array(a)) for a in seen["inputs"]]
         shape, dtype = seen["output_shapes"][0], seen["output_dtypes"][0]
         out = _guarded(shape, np.float32 if dtype == mx.float32 else np.uint16)
         (gx, gy, _), (tx, _, _) = seen["grid"], seen["threadgroup"]
@@ -191,11 +190,11 @@ PAGE = mmap.PAGESIZE
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
 
-def _before_a_wall(a: np.ndarray, keep: list) -> np.ndarray:
+def _before_a_wall(a: np.ndarray) -> np.ndarray:
     """A copy of `a` ending at most 15 bytes before a page the process may not read (PROT_NONE; its start
     16-byte aligned, as the kernels' vector loads assume): a kernel reading past the end of an input (a
     row past the weight's last) stops the launch with SIGSEGV, where a plain array's next bytes would be
-    read silently. `keep` holds the mapping while the launch runs."""
+    read silently. (The array over the mapping keeps it alive.)"""
     size = -(-a.nbytes // PAGE) * PAGE
     region = mmap.mmap(-1, size + PAGE)
     base = ctypes.addressof(ctypes.c_char.from_buffer(region))
@@ -204,7 +203,6 @@ def _before_a_wall(a: np.ndarray, keep: list) -> np.ndarray:
     start = (size - a.nbytes) // 16 * 16
     out = np.frombuffer(region, dtype=a.dtype, count=a.size, offset=start).reshape(a.shape)
     out[...] = a
-    keep.append(region)
     return out
 
 

@@ -908,7 +908,7 @@ def test_the_swiglu_and_norm_self_checks_are_bit_for_bit(monkeypatch, dtype, ker
     assert verify(b) == f"the {kernel} kernel differs from its published order in {size}, {dtype})"
 
 
-def test_a_warp_takes_fewer_rows_of_a_narrow_product():
+def test_a_warp_takes_fewer_rows_of_a_narrow_product(monkeypatch):
     """A product's launch keeps at least MIN_BLOCKS_A_LAUNCH blocks where it can: 4 rows a warp from 4,096
     output rows (every product of the 8B shape), 2 or 1 for narrower ones (the 0.6B shape's 1,024-row
     attention output and down products were 32 blocks at 4 a warp); Metal's simdgroups always one."""
@@ -921,12 +921,8 @@ def test_a_warp_takes_fewer_rows_of_a_narrow_product():
     seen = []
     x, w = mx.zeros((1, 256)), to_device(Q.Q8_0, quants.split(quants.random_blocks(np.random.default_rng(0), Q.Q8_0, 2048, 256),
                                                               Q.Q8_0, 2048, 256), (2048, 256))
-    real = block_kernels._kernel
-    block_kernels._kernel = lambda kind, name, blocks=1: lambda **kw: seen.append(kw) or [mx.zeros((1, 2048))]
-    try:
-        block_kernels.product("cuda", x, w)
-    finally:
-        block_kernels._kernel = real
+    monkeypatch.setattr(block_kernels, "_kernel", lambda kind, name, blocks=1: lambda **kw: seen.append(kw) or [mx.zeros((1, 2048))])
+    block_kernels.product("cuda", x, w)
     assert np.array(seen[0]["inputs"][-1])[2] == 2 and seen[0]["grid"][0] * seen[0]["grid"][1] == 2048 // 2 // 8 * 256
 
 

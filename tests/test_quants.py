@@ -400,7 +400,7 @@ def test_scales_formed_by_one_compiled_kernel_are_float32_ones_rounded_once(qtyp
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("qtype", list(quants.BLOCK_TYPES), ids=lambda q: q.name)
-def test_block_values_formed_by_one_compiled_function_are_the_graphs(qtype, dtype):
+def test_block_values_formed_by_one_compiled_function_are_the_graphs(qtype, dtype, monkeypatch):
     """A FUSABLE block type's dequantized values (a prompt's product on a GPU: `formed_values`, compiled
     into a few fused kernels, a row slice's too) are the graph's `dequantize` bit for bit, edge values
     included; Q2_K stays in the graph (its dl * q - ml could become one fma in a fused kernel), and a
@@ -418,11 +418,8 @@ def test_block_values_formed_by_one_compiled_function_are_the_graphs(qtype, dtyp
         assert np.array_equal(np.array(mx.view(got, bits)), np.array(mx.view(expected, bits))), name
     calls = []
     real = mlx_weights.formed_values
-    mlx_weights.formed_values = lambda q, d: calls.append(q) or real(q, d)
-    try:
-        w.dense(), to_device(qtype, parts, (ROWS, COLS), dtype=mdt).dense()
-    finally:
-        mlx_weights.formed_values = real
+    monkeypatch.setattr(mlx_weights, "formed_values", lambda q, d: calls.append(q) or real(q, d))
+    w.dense(), to_device(qtype, parts, (ROWS, COLS), dtype=mdt).dense()
     assert calls == ([qtype] if qtype in mlx_weights.FUSABLE else []) and part.compiled
 
 

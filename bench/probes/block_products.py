@@ -23,7 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from mlxinfer import block_kernels, cuda_jit, quants
 from mlxinfer.backends.mlx import gpu_kind
 from mlxinfer.backends.mlx_weights import to_device
-from mlxinfer.kernels import strip_comments
+from mlxinfer.kernels import split_parts, strip_comments
 
 from decode_attention import timed  # median us per call, `chain` calls a graph, after a warm-up
 from jsonl import emit
@@ -35,9 +35,7 @@ SHAPES = {"0.6b": [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024), (1024
 
 def baseline_kernels(path: str) -> dict:
     """{kernel name: cuda_jit.Kernel} of another blocks.cu, named apart from ours."""
-    text = open(path, encoding="utf-8").read()
-    header, *bodies = text.split("//@@HEADER\n", 1)[1].split("//@@BODY ")
-    bodies = {b.split("\n", 1)[0].strip(): b.split("\n", 1)[1] for b in bodies}
+    header, bodies = split_parts(open(path, encoding="utf-8").read())
     return {name: cuda_jit.Kernel(f"mlxinfer_{name}_baseline", block_kernels.INPUTS[name], ["out"], strip_comments(body),
                                   strip_comments(header)) for name, body in bodies.items()}
 

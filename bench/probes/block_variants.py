@@ -28,7 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from mlxinfer import block_kernels, cuda_jit, quants
 from mlxinfer.backends.mlx import gpu_kind
 from mlxinfer.backends.mlx_weights import to_device
-from mlxinfer.kernels import pruned, strip_comments
+from mlxinfer.kernels import pruned, split_parts
 
 from block_products import SHAPES
 from decode_attention import timed  # median us per call, `chain` calls a graph, after a warm-up
@@ -38,20 +38,14 @@ from jsonl import emit
 def variant_kernels(tag: str, path: str | None):
     """A function (kernel name, min blocks) -> cuda_jit.Kernel of blocks.cu (or the file at path), named
     for the variant (as `block_kernels._kernel` makes ours)."""
-    if path is None:
-        header, bodies = block_kernels.kernel_source("cuda")
-    else:
-        text = open(path, encoding="utf-8").read()
-        head, *parts = text.split("//@@HEADER\n", 1)[1].split("//@@BODY ")
-        header = strip_comments(head)
-        bodies = {b.split("\n", 1)[0].strip(): strip_comments(b.split("\n", 1)[1]) for b in parts}
+    header, bodies = block_kernels.kernel_source("cuda") if path is None else split_parts(open(path, encoding="utf-8").read())
     made = {}
 
     def kernel(name: str, blocks: int = 1):
         if (name, blocks) not in made:
-            h, b = pruned(header, bodies[name])
-            h = h.replace("#define MLXI_MIN_BLOCKS 1\n", f"#define MLXI_MIN_BLOCKS {blocks}\n")
-            made[name, blocks] = cuda_jit.Kernel(f"mlxinfer_{name}_{tag}", block_kernels.INPUTS[name], ["out"], b, h)
+            h, b = pruned(header, bodies[name])  # (comments stripped too)
+            made[name, blocks] = cuda_jit.Kernel(f"mlxinfer_{name}_{tag}", block_kernels.INPUTS[name], ["out"], b,
+                                                 block_kernels.bounded(h, blocks))
         return made[name, blocks]
     return kernel
 
