@@ -76,6 +76,24 @@ __device__ __forceinline__ float mlxi_code_float(unsigned int q, float z2) {
   return __fsub_rn(__uint_as_float(0x4B000000u | q), z2);
 }
 
+// Code t (0..31) of a group packed as MLX packs it, less Z, as float, exactly, for BITS 4 and 8 (codes
+// that never cross a word): mlxi_code_float's way with the field left where it lies. A field at bits
+// [s, s + BITS) of a word, s + BITS <= 20, ORed under the exponent of 2^(23 - s) is the float
+// 2^(23 - s) + q (its mantissa's unit is 2^-s), and 2^(23 - s) + Z is exact, so the difference is q - Z
+// exactly: one AND and one FADD a code. The AND writes the field and the exponent at once: the word's
+// top byte set to 0xFF first (one byte permute a word; every such exponent is even, so bit 23 is cleared
+// by the AND), so that the AND's one constant is field mask | exponent (the compiler otherwise fuses an
+// OR and an AND into one LOP3 of two constants, one of them moved into a register at every use). A
+// word's fields past bit 20 come from its top half, moved down by the same permute.
+template <int BITS, int Z>
+__device__ __forceinline__ float mlxi_code_at(const unsigned int* words, int t) {
+  const int bit = BITS * t, wi = bit >> 5, sh = bit & 31, s = sh + BITS <= 20 ? sh : sh - 16;
+  const unsigned int w = __byte_perm(words[wi], 0xFF00u, sh + BITS <= 20 ? 0x5210 : 0x5432);
+  const unsigned int magic = (unsigned int)(127 + 23 - s) << 23;
+  const float base = __uint_as_float(magic);  // 2^(23 - s)
+  return __fsub_rn(__uint_as_float(w & ((((1u << BITS) - 1u) << s) | magic)), __fadd_rn(base, (float)Z));
+}
+
 // Entry c (0..15) of IQ4_NL's and IQ4_XS's codebook (llama.cpp's kvalues_iq4nl), as float.
 __device__ __forceinline__ float mlxi_iq4_value(unsigned int c) {
   const signed char v[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -254,15 +272,10 @@ __device__ __forceinline__ Y mlxi_residual_sum(Y r, float s) {
 // last one's again, with no branch, so that NVRTC issues all of a unit's loads before their first use;
 // only in forms with a launch bound, which keeps the registers that takes (unbounded, Q3_K's 8 rows went
 // from 168 to 220).
-template <int M, typename G, bool HOIST, typename X, typename Y>
-__device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int* dims, const typename G::Fields& f,
-                                                  const Y* res, const X* nw) {
-  constexpr int TILE = mlxi_tile<M>(), STRIDE = TILE + 4 * (TILE / G::PAD);
-  static_assert(TILE >= 1024 && TILE % 1024 == 0, "a tile holds whole units of 32, as many a lane");
-  static_assert(M * STRIDE * 4 <= 48 * 1024 - 1024, "static shared memory: at most 48 KB a block");
-  static_assert(M <= MLXI_WARPS, "NORM: a warp a row's scale");
-  __shared__ __align__(16) float xs[M * STRIDE];  // (float4 reads and writes)
-  __shared__ float inv[MLXI_WARPS];
+template <int M, typename G, bool HOIST, int RT, typename X, typename Y>
+__device__ __forceinline__ void mlxi_block_rows(const X* x, Y* out, const int* dims, const typename G::Fields& f,
+                                                const Y* res, const X* nw, float* xs, float* inv) {
+  constexpr int TILE = mlxi_tile<M>(), STRIDE = TILE + 4 * (TILE / G::PAD), NR = RT ? RT : MLXI_MAX_R;
   const int N = dims[0], K = dims[1], R = dims[2];
   const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1, glu = (dims[4] >> 2) & 1;  // ADD, NORM, SWIGLU
   const long warp0 = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS;
@@ -274,9 +287,9 @@ __device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int*
   const long n0 = (warp0 + (threadIdx.x >> 5)) * R;
   const int rows = n0 >= N ? 0 : (N - n0 < R ? (int)(N - n0) : R);  // 0: the warp only helps stage x
   const bool vec = mlxi_aligned4(x);
-  float acc[MLXI_MAX_R][M];
+  float acc[NR][M];
 #pragma unroll
-  for (int r = 0; r < MLXI_MAX_R; ++r)
+  for (int r = 0; r < NR; ++r)
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
   for (long col0 = 0; col0 < K; col0 += TILE) {
@@ -287,17 +300,17 @@ __device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int*
     if (rows == 0) continue;
     for (int v = lane; 32 * v < cols; v += 32) {  // the tile's units l, l + 32, ...: units col0 / 32 + v
       const long u = col0 / 32 + v;
-      typename G::Row row[MLXI_MAX_R];  // (each row's fields; see HOIST)
+      typename G::Row row[NR];  // (each row's fields; see HOIST)
 #pragma unroll
-      for (int r = 0; r < MLXI_MAX_R; ++r)
+      for (int r = 0; r < NR; ++r)
         if (HOIST || r < rows) row[r] = G::load(f, n0 + (r < rows ? r : rows - 1), u, K);
 #pragma unroll
       for (int t0 = 0; t0 < 32; t0 += 4) {
         float xv[M][4];
         mlxi_tile_x4<M, STRIDE, G::PAD>(xs, G::column(v, t0), xv);
 #pragma unroll
-        for (int r = 0; r < MLXI_MAX_R; ++r) {
-          if (r < rows) {
+        for (int r = 0; r < NR; ++r) {
+          if (RT || r < rows) {  // (RT: every row computed, a row past the warp's last its last again)
 #pragma unroll
             for (int tt = 0; tt < 4; ++tt) {
               const float wv = G::value(row[r], t0 + tt);
@@ -310,7 +323,7 @@ __device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int*
     }
   }
 #pragma unroll
-  for (int r = 0; r < MLXI_MAX_R; ++r) {
+  for (int r = 0; r < NR; ++r) {
     if (r < rows) {
 #pragma unroll
       for (int m = 0; m < M; ++m) {
@@ -320,6 +333,31 @@ __device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int*
       }
     }
   }
+}
+
+// The frame's entry: x's tile and the rows' norm scales in shared memory (declared once here, not in
+// each of mlxi_block_rows' instances), then the rows a warp takes (dims[2]): in a form with HOIST, known
+// at compile time (4 for 3 or 4, 2, 1), so that the rows' products are computed without a branch and the
+// compiler interleaves their chains; elsewhere read at run time (RT 0), each row behind its branch. Only
+// at one row of x (decode at batch 1): at 8, rows interleaved spill (NVRTC, sm_90, 128 registers: Q4_K's
+// 4 rows 104 bytes, and with the 2- and 1-row instances beside the run-time one, Q8_0's 56).
+template <int M, typename G, bool HOIST, typename X, typename Y>
+__device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int* dims, const typename G::Fields& f,
+                                                  const Y* res, const X* nw) {
+  constexpr int TILE = mlxi_tile<M>(), STRIDE = TILE + 4 * (TILE / G::PAD);
+  static_assert(TILE >= 1024 && TILE % 1024 == 0, "a tile holds whole units of 32, as many a lane");
+  static_assert(M * STRIDE * 4 <= 48 * 1024 - 1024, "static shared memory: at most 48 KB a block");
+  static_assert(M <= MLXI_WARPS, "NORM: a warp a row's scale");
+  __shared__ __align__(16) float xs[M * STRIDE];  // (float4 reads and writes)
+  __shared__ float inv[MLXI_WARPS];
+  if (!HOIST || M > 1)
+    mlxi_block_rows<M, G, HOIST, 0>(x, out, dims, f, res, nw, xs, inv);
+  else if (dims[2] > 2)
+    mlxi_block_rows<M, G, HOIST, 4>(x, out, dims, f, res, nw, xs, inv);
+  else if (dims[2] == 2)
+    mlxi_block_rows<M, G, HOIST, 2>(x, out, dims, f, res, nw, xs, inv);
+  else
+    mlxi_block_rows<M, G, HOIST, 1>(x, out, dims, f, res, nw, xs, inv);
 }
 
 // Readers whose unit is a group of 32 consecutive values: a tile's unit v at its columns 32 v .. 32 v + 31.
@@ -415,6 +453,10 @@ struct mlxi_affine : mlxi_groups32 {
     return r;
   }
   __device__ static float value(const Row& r, int t) {
+    if (BITS == 4 || BITS == 8) {
+      const float c = mlxi_code_at<BITS == 8 ? 8 : 4, ZERO>(r.words, t);
+      return SCALES == 0 ? __fmul_rn(r.scale, c) : __fmaf_rn(r.scale, c, r.bias);
+    }
     const unsigned int q = mlxi_code<BITS>(r.words, t);
     return SCALES == 0 ? __fmul_rn(r.scale, mlxi_code_float(q, 8388608.0f + ZERO))
                        : __fmaf_rn(r.scale, mlxi_code_float(q, 8388608.0f), r.bias);

@@ -124,14 +124,19 @@ def default_per_warp(kind: str, n: int) -> int:
 # memory at 10-20% of its bandwidth; docs/performance.md): the forms for one row of x (decode at batch
 # 1) of the kernels whose readers fit 80 registers. Their forms for more rows get 2 (at most 128, what
 # the compiler took before each unit's loads were issued at once; up to 184 without a bound). NVRTC for
-# sm_90 spills at most a few values set once (test_the_decode_forms_fit_their_launch_bounds). The other
-# kernels (Q3_K, Q2_K, F16 and BF16) keep 1, no bound.
-FEW_REGISTERS = {"affine_matvec", "q6_k_matvec", "iq4_matvec"}
+# sm_90 spills at most a few values set once (test_the_decode_forms_fit_their_launch_bounds). Q6_K gets 2
+# at every row count: its four rows a warp computed together at one row of x (blocks.cu's mlxi_block_rows)
+# take 121 registers, and spilled 80 bytes at 80. The other kernels (Q3_K, Q2_K, F16 and BF16) keep 1,
+# no bound.
+FEW_REGISTERS = {"affine_matvec", "iq4_matvec"}
+TWO_BLOCKS = {"q6_k_matvec"}
 MIN_BLOCKS_ROWS = 1  # rows of x up to which those forms get 3 (2 rows of Q5_K spill 24 bytes at 80)
 
 
 def min_blocks(name: str, rows: int) -> int:
     """MLXI_MIN_BLOCKS of kernel `name` compiled for `rows` rows of x (see FEW_REGISTERS)."""
+    if name in TWO_BLOCKS:
+        return 2
     return (3 if rows <= MIN_BLOCKS_ROWS else 2) if name in FEW_REGISTERS else 1
 
 

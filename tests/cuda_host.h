@@ -60,6 +60,14 @@ inline unsigned int __float_as_uint(float f) {
   std::memcpy(&u, &f, 4);
   return u;
 }
+// CUDA's byte permute (PRMT's default mode): byte i of the result is byte (s >> 4 i) & 7 of the eight
+// bytes of y:x (x's four first); the selector's sign bit (8) is not used here.
+inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+  const unsigned long long both = ((unsigned long long)y << 32) | x;
+  unsigned int r = 0;
+  for (int i = 0; i < 4; ++i) r |= (unsigned int)((both >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
+  return r;
+}
 
 // 16-bit floats: read exactly as float, written from float rounded to nearest even (the kernels' (T)s).
 struct __half {

@@ -326,8 +326,9 @@ def host_kernels(tmp_path_factory):
 def test_the_cuda_kernels_run_on_the_host_give_their_published_order(host_kernels, rows, cols, qtype):
     """blocks.cu itself (not a transcription), run on the host as `product` launches it on CUDA: its
     bits equal the numpy emulation of its published order on random blocks with edge values, for one
-    row of x and one output row a warp, 5 rows of x and 4 a warp, 3 rows of bfloat16 x and 3 a warp
-    (a last warp with fewer rows), over full tiles of x (8,192, 1,024 and 2,048 columns for those row
+    row of x and 1, 2, 3 or 4 output rows a warp (the bounded forms' rows known at compile time:
+    blocks.cu's mlxi_block_rows; at 3, 4 computed, the last a copy), 5 rows of x and 4 a warp, 3 rows of
+    bfloat16 x and 3 a warp (a last warp with fewer rows), over full tiles of x (8,192, 1,024 and 2,048 columns for those row
     counts), partial ones after full ones, and 32-value rows that are not whole 256-value blocks; each
     input ends before a page the process may not read, so a read past one stops the test. The GPU's
     compiler and memory are not in it: the GPU test below and the self-check are."""
@@ -337,7 +338,8 @@ def test_the_cuda_kernels_run_on_the_host_give_their_published_order(host_kernel
     raw, parts = _fields(rng, rows, cols, True, qtype)
     w = to_device(qtype, parts, (rows, cols))
     values = _values(raw, qtype, rows, cols)
-    for m, per_warp, dtype in ((1, 1, mx.float32), (5, 4, mx.float32), (3, 3, mx.bfloat16)):
+    for m, per_warp, dtype in ((1, 1, mx.float32), (1, 2, mx.float32), (1, 3, mx.bfloat16), (1, 4, mx.bfloat16),
+                               (5, 4, mx.float32), (3, 3, mx.bfloat16)):
         xd = mx.array(rng.standard_normal((m, cols), dtype=np.float32)).astype(dtype)
         x = np.array(xd.astype(mx.float32))
         narrow = lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))  # noqa: E731
@@ -955,7 +957,8 @@ def _cubin_resources(cubin: bytes) -> tuple[int, int]:
 def test_the_decode_forms_fit_their_launch_bounds():
     """The forms `min_blocks` bounds compile (NVRTC for sm_90, as MLX's JIT compiles them: the source
     `cuda_jit` names) within their registers: one row of x of the kernels in FEW_REGISTERS for 3 blocks of
-    256 threads an SM (at most 80 a thread; float32 and bfloat16 x), MAX_ROWS rows for 2 (128), spilling at
+    256 threads an SM (at most 80 a thread; float32 and bfloat16 x), of Q6_K's (TWO_BLOCKS) and MAX_ROWS
+    rows for 2 (128), spilling at
     most a few values set once (a stack frame of at most 16 bytes at one row, 32 at MAX_ROWS; IQ4's 16 are
     its codebook); a kernel without a bound keeps the compiler's choice, more than 80 (without
     `__launch_bounds__`, the bounded forms would too: 96 at one row)."""
@@ -975,11 +978,14 @@ def test_the_decode_forms_fit_their_launch_bounds():
         assert regs > 0, kernel
         return regs, frame
 
-    assert {block_kernels.KERNELS[t][0] for t in (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.IQ4_XS)} == block_kernels.FEW_REGISTERS
+    assert {block_kernels.KERNELS[t][0] for t in (Q.Q4_K, Q.Q8_0, Q.IQ4_XS)} == block_kernels.FEW_REGISTERS
+    assert block_kernels.TWO_BLOCKS == {"q6_k_matvec"}
     for qtype in (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.IQ4_XS):
         name = block_kernels.KERNELS[qtype][0]
-        assert block_kernels.min_blocks(name, 1) == 3 and block_kernels.min_blocks(name, block_kernels.MAX_ROWS) == 2
-        for rows, dtype, most, spilled in ((1, mx.float32, 80, 16), (1, mx.bfloat16, 80, 16),
+        one = 3 if name in block_kernels.FEW_REGISTERS else 2
+        assert block_kernels.min_blocks(name, 1) == one and block_kernels.min_blocks(name, block_kernels.MAX_ROWS) == 2
+        for rows, dtype, most, spilled in ((1, mx.float32, 65536 // (256 * one) // 8 * 8, 16),
+                                           (1, mx.bfloat16, 65536 // (256 * one) // 8 * 8, 16),
                                            (block_kernels.MAX_ROWS, mx.bfloat16, 128, 32)):
             regs, frame = resources(qtype, rows, dtype)
             assert regs <= most and frame <= spilled, f"{qtype.name}, {rows} rows, {dtype}: {regs} registers, {frame} bytes"

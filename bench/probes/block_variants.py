@@ -6,7 +6,7 @@ SM keeps in flight while each waits for its weights (docs/performance.md): this 
 
     python3 bench/probes/block_variants.py [--variants base=,alt=@path/to/blocks.cu]
         [--types Q4_K,Q6_K] [--shapes 8b] [--rows 1] [--dtype bfloat16] [--chain 20] [--reps 7]
-        [--once] [--out results.jsonl]
+        [--per-warp 1,2,4] [--gpu-clock] [--mlx] [--once] [--out results.jsonl]
 
 A variant is NAME=OPTIONS (extra NVRTC options, space-separated) or NAME=@FILE (another blocks.cu) or
 NAME=@FILE OPTIONS. NVRTC ignores `--maxrregcount` for a kernel with `__launch_bounds__`, which blocks.cu's
@@ -14,12 +14,28 @@ bounded forms have (`block_kernels.min_blocks`): another register bound is anoth
 `ncu --kernel-name regex:matvec --section SpeedOfLight --section Occupancy --section WarpStateStats
 python3 bench/probes/block_variants.py --once`. Each variant's modules are compiled here, in this
 process, into MLX's kernel cache (cuda_jit's builder, its options plus the variant's).
+
+Without `--gpu-clock` a figure is wall time, `--chain` independent products a graph: at the narrow
+products that is mostly the host's launch (about 40 us a product on the H200, whatever the kernel).
+`--gpu-clock` times the device alone: `--chain` products chained (each product's output, cut or repeated
+to K values by `glue`, is the next one's x) between two GPU clock stamps in one CUDA graph, less the
+glue's own time, measured the same way alone (`glue_gpu_us`). `--per-warp 1,2,4`: each variant also at
+those rows a warp (`{tag}_r{R}_us`; by default only `block_kernels.default_per_warp`'s). `--mlx`: MLX's
+own `quantized_matmul` beside them on the same shape, 4 bits, groups of 32 and 64, scales and biases
+formed once (what mlx-lm's 4-bit models run; `mlx_g32_us`, `mlx_g64_us`): another order, not compared
+bit for bit.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
+import statistics
+import sys
+
+if "--gpu-clock" in sys.argv:  # read by MLX when its GPU stream starts: before the import
+    os.environ["MLX_MAX_OPS_PER_BUFFER"] = os.environ["MLX_MAX_MB_PER_BUFFER"] = "1000000"
 
 import mlx.core as mx
 import numpy as np
@@ -32,7 +48,29 @@ from mlxinfer.kernels import pruned, split_parts
 
 from block_products import SHAPES
 from decode_attention import timed  # median us per call, `chain` calls a graph, after a warm-up
+from gpu_clock import elapsed_us, stamp
 from jsonl import emit
+
+
+def glue(y, k: int):
+    """A product's output [M, N] as the next product's x [M, K]: its first K columns, or it repeated."""
+    n = y.shape[1]
+    return y[:, :k] if n >= k else mx.concatenate([y] * -(-k // n), axis=1)[:, :k]
+
+
+def gpu_us(fn, x0, reps: int, chain: int) -> float:
+    """Median device microseconds a call of fn, `chain` calls chained (x -> fn(x)) between two stamps."""
+    times = []
+    for r in range(reps + 2):
+        x = x0
+        s0 = stamp(x)
+        for _ in range(chain):
+            x = fn(x)
+        s1 = stamp(x)
+        mx.eval(s0, s1, x)
+        if r >= 2:
+            times.append(elapsed_us(s0, s1) / chain)
+    return statistics.median(times)
 
 
 def variant_kernels(tag: str, path: str | None):
@@ -78,6 +116,9 @@ def main(argv=None):
     p.add_argument("--chain", type=int, default=20)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--once", action="store_true")
+    p.add_argument("--per-warp", default=None)
+    p.add_argument("--gpu-clock", action="store_true")
+    p.add_argument("--mlx", action="store_true")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if gpu_kind() != "cuda":
@@ -90,7 +131,7 @@ def main(argv=None):
         if rest.startswith("@"):
             path, _, rest = rest[1:].partition(" ")
         variants[tag] = (variant_kernels(f"cuda_{tag}", path), rest.split())
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    stamp_when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     rng = np.random.default_rng(0)
     dtype = getattr(mx, a.dtype)
     plain_kernel = block_kernels._kernel
@@ -101,27 +142,51 @@ def main(argv=None):
                 parts = quants.split(quants.random_blocks(rng, qtype, n, k, std=k ** -0.5), qtype, n, k)
                 block, size = GGML_QUANT_SIZES[qtype]
                 w = to_device(qtype, parts, (n, k), dtype=dtype)
+                mlx_weights = {}
+                if a.mlx and name == a.types.split(",")[0]:
+                    dense = (mx.random.normal((n, k), key=mx.random.key(0)) * k ** -0.5).astype(dtype)
+                    mlx_weights = {g: mx.quantize(dense, group_size=g, bits=4) for g in (32, 64)}
+                    mx.eval(mlx_weights)
+                    del dense
                 for m in map(int, a.rows.split(",")):
                     x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dtype)
-                    row = dict(probe="block_variants", when=stamp, shape=shape, type=name, k=k, n=n, rows=m, dtype=a.dtype)
+                    row = dict(probe="block_variants", when=stamp_when, shape=shape, type=name, k=k, n=n, rows=m,
+                               dtype=a.dtype, gpu_clock=a.gpu_clock)
+                    glue_us = 0.0
+                    if a.gpu_clock and n < k:
+                        glue_us = gpu_us(lambda y: glue(y, k)[:, :n], mx.zeros((m, n), dtype), a.reps, a.chain)
+                        row["glue_gpu_us"] = round(glue_us, 2)
+
+                    def measure(fn):
+                        if a.gpu_clock:
+                            return gpu_us(lambda y: glue(fn(y), k), x, a.reps, a.chain) - glue_us
+                        return timed(lambda: fn(x), a.reps, a.chain)
                     outs = {}
+                    counts = [None] if a.per_warp is None else [int(r) for r in a.per_warp.split(",")]
                     for tag, (kernels, options) in variants.items():
                         block_kernels._kernel = lambda kind, kname, blocks=1, ks=kernels: ks(kname, blocks)
                         try:
-                            with cuda_jit.collecting() as jobs:
-                                block_kernels.product("cuda", x, w)
-                            build_with(options, jobs)
-                            if a.once:
-                                mx.eval(block_kernels.product("cuda", x, w))
-                            else:
-                                us = timed(lambda: block_kernels.product("cuda", x, w), a.reps, a.chain)
-                                row[f"{tag}_us"] = round(us, 2)
-                                row[f"{tag}_gbs"] = round(n * k // block * size / us / 1e3, 1)
-                            outs[tag] = np.array(block_kernels.product("cuda", x, w).astype(mx.float32))
+                            for r in counts:
+                                label = tag if r is None else f"{tag}_r{r}"
+                                with cuda_jit.collecting() as jobs:
+                                    block_kernels.product("cuda", x, w, r)
+                                build_with(options, jobs)
+                                if a.once:
+                                    mx.eval(block_kernels.product("cuda", x, w, r))
+                                else:
+                                    us = measure(lambda y, r=r: block_kernels.product("cuda", y, w, r))
+                                    row[f"{label}_us"] = round(us, 2)
+                                    row[f"{label}_gbs"] = round(n * k // block * size / us / 1e3, 1)
+                                outs[label] = np.array(block_kernels.product("cuda", x, w, r).astype(mx.float32))
                         finally:
                             block_kernels._kernel = plain_kernel
                     first = next(iter(outs.values()))
                     row["same_bits"] = all(np.array_equal(o.view(np.uint32), first.view(np.uint32)) for o in outs.values())
+                    if a.mlx and not a.once:
+                        for g, (wq, sc, bi) in mlx_weights.items():
+                            us = measure(lambda y, wq=wq, sc=sc, bi=bi, g=g: mx.quantized_matmul(
+                                y, wq, sc, bi, transpose=True, group_size=g, bits=4))
+                            row[f"mlx_g{g}_us"] = round(us, 2)
                     emit(row, a.out)
                 del w
                 mx.clear_cache()
