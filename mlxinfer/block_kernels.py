@@ -101,18 +101,19 @@ def rows_per_warp(kind: str) -> int:
     return MAX_ROWS_PER_WARP if kind == "cuda" else 1
 
 
-MIN_BLOCKS_A_LAUNCH = 128  # blocks a product's launch should have, at least: about one for each SM
+MIN_BLOCKS_A_LAUNCH = 512  # blocks a product's launch should have, at least: about four for each SM
 
 
 def default_per_warp(kind: str, n: int) -> int:
     """Output rows a warp takes in a product of n output rows: the most (`rows_per_warp`: 4, 2, 1) that
-    still gives the launch MIN_BLOCKS_A_LAUNCH blocks of 8 warps, so that every SM gets a block. The
-    0.6B shape's 1,024-row products (attention output, down) were 32 blocks at 4 a warp; at 1 a warp
-    they took 43 and 47 us against 50 and 62 (bench/probes/block_variants.py, H200). The 8B shape's
-    products of at least 4,096 rows keep 4: at 4,096 rows (128 blocks) 4 a warp was the fastest of 1,
-    2, 4 (60 and 77 us against 70 and 95 at 2; at the merged QKV's 6,144 rows 2 was 10% faster, within
-    a run's spread; bench/probes/block_products.py); each value of x a lane reads serves 4 rows. (A
-    Q4_K_M file's Q6_K V, a run of its own in the QKV group, has 1,024 rows there and takes 1: not timed.)"""
+    still gives the launch MIN_BLOCKS_A_LAUNCH blocks of 8 warps (else 1), so that every SM keeps several
+    blocks of warps waiting for weights. Device time of the 8B shape's Q4_K products, one row of bfloat16
+    x, 1 / 2 / 4 rows a warp (H100, 2026-12-06 10:48, bench/probes/block_variants.py --gpu-clock): QKV
+    (6,144 rows) 13.4 / 19.8 / 19.6 us, attention output (4,096) 9.8 / 16.2 / 16.5, down (4,096 of
+    12,288) 27.7 / 30.6 / 32.3, gate|up (24,576) 51.6 / 44.3 / 40.9, the head (151,936) 291 / 243 / 213;
+    Q6_K alike. So 1 below 8,177 rows (the 8B shape's narrow products and every 0.6B one but the head), 2
+    below 16,353, 4 from there. (Before the rows of a warp were known at compile time, blocks.cu's
+    mlxi_block_rows, 4 had been the fastest at 4,096 rows.)"""
     most = rows_per_warp(kind)
     return next((r for r in (4, 2) if r <= most and -(-n // (r * WARPS)) >= MIN_BLOCKS_A_LAUNCH), 1)
 

@@ -911,21 +911,22 @@ def test_the_swiglu_and_norm_self_checks_are_bit_for_bit(monkeypatch, dtype, ker
 
 
 def test_a_warp_takes_fewer_rows_of_a_narrow_product(monkeypatch):
-    """A product's launch keeps at least MIN_BLOCKS_A_LAUNCH blocks where it can: 4 rows a warp from 4,096
-    output rows (every product of the 8B shape), 2 or 1 for narrower ones (the 0.6B shape's 1,024-row
-    attention output and down products were 32 blocks at 4 a warp); Metal's simdgroups always one."""
-    assert [block_kernels.default_per_warp("cuda", n) for n in (512, 1024, 2048, 4096, 6144, 24576, 151936)] == \
-        [1, 1, 2, 4, 4, 4, 4]
-    for n in (1024, 2048, 4096, 24576):
+    """A product's launch keeps at least MIN_BLOCKS_A_LAUNCH blocks where it can: 4 rows a warp from 16,353
+    output rows (the 8B shape's gate|up and every head), 2 from 8,177, 1 for narrower ones (the 8B shape's
+    QKV, attention output and down products, and the 0.6B shape's but its head); Metal's simdgroups always
+    one."""
+    assert [block_kernels.default_per_warp("cuda", n) for n in (512, 1024, 4096, 6144, 8192, 16000, 16384, 24576, 151936)] == \
+        [1, 1, 1, 1, 2, 2, 4, 4, 4]
+    for n in (8192, 16384, 24576):
         r = block_kernels.default_per_warp("cuda", n)
         assert -(-n // (r * block_kernels.WARPS)) >= block_kernels.MIN_BLOCKS_A_LAUNCH
     assert {block_kernels.default_per_warp("metal", n) for n in (1024, 151936)} == {1}
     seen = []
-    x, w = mx.zeros((1, 256)), to_device(Q.Q8_0, quants.split(quants.random_blocks(np.random.default_rng(0), Q.Q8_0, 2048, 256),
-                                                              Q.Q8_0, 2048, 256), (2048, 256))
-    monkeypatch.setattr(block_kernels, "_kernel", lambda kind, name, blocks=1: lambda **kw: seen.append(kw) or [mx.zeros((1, 2048))])
+    x, w = mx.zeros((1, 256)), to_device(Q.Q8_0, quants.split(quants.random_blocks(np.random.default_rng(0), Q.Q8_0, 8192, 256),
+                                                              Q.Q8_0, 8192, 256), (8192, 256))
+    monkeypatch.setattr(block_kernels, "_kernel", lambda kind, name, blocks=1: lambda **kw: seen.append(kw) or [mx.zeros((1, 8192))])
     block_kernels.product("cuda", x, w)
-    assert np.array(seen[0]["inputs"][-1])[2] == 2 and seen[0]["grid"][0] * seen[0]["grid"][1] == 2048 // 2 // 8 * 256
+    assert np.array(seen[0]["inputs"][-1])[2] == 2 and seen[0]["grid"][0] * seen[0]["grid"][1] == 8192 // 2 // 8 * 256
 
 
 def _cubin_resources(cubin: bytes) -> tuple[int, int]:
