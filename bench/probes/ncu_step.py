@@ -1,0 +1,45 @@
+"""Every kernel of a few decode steps, for Nsight Compute: loads a model on MLX's CUDA backend, warms it
+(a prompt and a few tokens: every kernel form compiled), then generates again between
+`cuProfilerStart` and `cuProfilerStop`, so that `ncu --profile-from-start off` profiles only that
+generation: the prompt's pass and `--tokens` - 1 decode passes, in launch order. Device time a kernel
+(ncu replays each alone: no launch gaps, no overlap), to read what a decode token's device time is made
+of, e.g. (H100, 2026-12-06, bench/results/h100-20261206-*-ncu-step-8b.csv):
+
+    ncu --profile-from-start off --metrics gpu__time_duration.sum --csv --print-units base \\
+        python3 bench/probes/ncu_step.py -m qwen3-8b-q4km-synthetic -p 17 --tokens 4 > step.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+
+import mlx.core as mx
+
+import mlxinfer
+from mlxinfer.benchmark import model_path
+from mlxinfer.peers import prompt_ids
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default="qwen3-0.6b-synthetic")
+    ap.add_argument("-p", "--prompt", type=int, default=17)
+    ap.add_argument("--tokens", type=int, default=4)
+    ap.add_argument("--dtype", default="bfloat16")
+    a = ap.parse_args(argv)
+    engine = mlxinfer.load(model_path(a.model), backend="mlx", device="gpu", dtype=a.dtype)
+    ids = prompt_ids(a.prompt, engine.args.vocab_size)
+    engine.generate(ids, max_tokens=a.tokens + 2)  # warm
+    mx.synchronize()
+    cuda = ctypes.CDLL("libcuda.so.1")
+    print(f"ncu_step: cuProfilerStart -> {cuda.cuProfilerStart()}", file=sys.stderr)
+    engine.generate(ids, max_tokens=a.tokens)
+    mx.synchronize()
+    print(f"ncu_step: cuProfilerStop -> {cuda.cuProfilerStop()}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
