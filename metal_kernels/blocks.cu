@@ -43,15 +43,23 @@
 #define __global__ __location__(global) __launch_bounds__(MLXI_THREADS, MLXI_MIN_BLOCKS)
 #endif
 
-// An IEEE half's bits as float, exactly (every half is a float), NaN payloads kept; without a branch, so
-// that the kernels' loads of a unit's fields (a few halves each) stay one straight run the compiler can
-// issue before their first use.
+// An IEEE half's bits as float, exactly (every half is a float): on the GPU the hardware's conversion
+// (PTX cvt.f32.f16, one instruction, HADD2.F32 on sm_90, where the bit arithmetic below took about ten;
+// as PTX, not __half2float, which float32 forms have no header for). A NaN's payload may not be kept
+// there, which no output shows: every float operation on a NaN gives the canonical one on the GPU. Off
+// the GPU (the host-run kernels of the tests) the bits by arithmetic, without a branch.
 __device__ __forceinline__ float mlxi_half_bits(unsigned int h) {
+#ifdef __CUDA_ARCH__
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
+  return f;
+#else
   const unsigned int sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
   // zero and subnormals: m * 2^-24, exact (m as float on the float pipe: mlxi_code_float's way)
   const float tiny = __fmul_rn(__fsub_rn(__uint_as_float(0x4B000000u | m), 8388608.0f), 5.9604644775390625e-8f);
   const unsigned int wide = e == 31 ? 0x7f800000u | (m << 13) : ((e + 112u) << 23) | (m << 13);
   return e == 0 ? __uint_as_float(sign | __float_as_uint(tiny)) : __uint_as_float(sign | wide);
+#endif
 }
 
 __device__ __forceinline__ float mlxi_warp_total(float s) {
@@ -84,11 +92,13 @@ __device__ __forceinline__ float mlxi_code_float(unsigned int q, float z2) {
 // top byte set to 0xFF first (one byte permute a word; every such exponent is even, so bit 23 is cleared
 // by the AND), so that the AND's one constant is field mask | exponent (the compiler otherwise fuses an
 // OR and an AND into one LOP3 of two constants, one of them moved into a register at every use). A
-// word's fields past bit 20 come from its top half, moved down by the same permute.
+// word's fields past bit 20 come from its top half, moved down by the same permute. ff00: 0xFF00, held
+// in a register by the caller (a value the compiler cannot see is constant: else it moves it into one at
+// every permute).
 template <int BITS, int Z>
-__device__ __forceinline__ float mlxi_code_at(const unsigned int* words, int t) {
+__device__ __forceinline__ float mlxi_code_at(const unsigned int* words, int t, unsigned int ff00) {
   const int bit = BITS * t, wi = bit >> 5, sh = bit & 31, s = sh + BITS <= 20 ? sh : sh - 16;
-  const unsigned int w = __byte_perm(words[wi], 0xFF00u, sh + BITS <= 20 ? 0x5210 : 0x5432);
+  const unsigned int w = __byte_perm(words[wi], ff00, sh + BITS <= 20 ? 0x5210 : 0x5432);
   const unsigned int magic = (unsigned int)(127 + 23 - s) << 23;
   const float base = __uint_as_float(magic);  // 2^(23 - s)
   return __fsub_rn(__uint_as_float(w & ((((1u << BITS) - 1u) << s) | magic)), __fadd_rn(base, (float)Z));
@@ -382,9 +392,11 @@ struct mlxi_q6k {
     const uint8_t* qh;
     const int8_t* scales;
     const uint16_t* d_bits;
+    unsigned int magic;  // 0x4B000000 (value's byte permute), at one row of x a register (mlxi_affine's ff00)
   };
   struct Row {
     uint2 lo0, lo1, hb;
+    unsigned int magic;
     float dl[4];
   };
   __device__ static void prepare() {}
@@ -393,6 +405,7 @@ struct mlxi_q6k {
     const int h = (u >> 2) & 1, c = u & 3;
     const long blk = n * (K / 256) + (u >> 3);
     const float d = mlxi_half_bits(f.d_bits[blk]);
+    r.magic = f.magic;
     r.lo0 = *reinterpret_cast<const uint2*>(f.ql + blk * 128 + 64 * h + 8 * c);
     r.lo1 = *reinterpret_cast<const uint2*>(f.ql + blk * 128 + 64 * h + 32 + 8 * c);
     r.hb = *reinterpret_cast<const uint2*>(f.qh + blk * 64 + 32 * h + 8 * c);
@@ -401,13 +414,17 @@ struct mlxi_q6k {
     for (int j = 0; j < 4; ++j) r.dl[j] = __fmul_rn(d, (float)sc[2 * j]);
     return r;
   }
+  // The codes of a word's four bytes formed at once (low nibbles | high bits moved to bits 4-5 of each
+  // byte: two shifts and two LOP3s for four codes, which the compiler shares between them), then code
+  // t's byte under the exponent of 2^23 by one byte permute, less 2^23 + 32.
   __device__ static float value(const Row& r, int k) {
     const int j = k >> 3, t = k & 7;
     const uint2 lo = (j & 1) ? r.lo1 : r.lo0;
     const unsigned int lw = t < 4 ? lo.x : lo.y, hw = t < 4 ? r.hb.x : r.hb.y;
-    const unsigned int lb = (lw >> (8 * (t & 3))) & 0xffu, hbyte = (hw >> (8 * (t & 3))) & 0xffu;
-    const unsigned int q = ((lb >> (4 * (j >> 1))) & 0xfu) | (((hbyte >> (2 * j)) & 3u) << 4);
-    return __fmul_rn(r.dl[j], mlxi_code_float(q, 8388640.0f));  // q - 32
+    const unsigned int low = (lw >> (4 * (j >> 1))) & 0x0F0F0F0Fu;
+    const unsigned int high = (j < 3 ? hw << (4 - 2 * j) : hw >> 2) & 0x30303030u;
+    const unsigned int q = __byte_perm(low | high, r.magic, 0x7540 | (t & 3));  // 2^23 + q's bits
+    return __fmul_rn(r.dl[j], __fsub_rn(__uint_as_float(q), 8388640.0f));  // q - 32
   }
 };
 
@@ -428,15 +445,19 @@ struct mlxi_affine : mlxi_groups32 {
     const unsigned int* w;
     const uint16_t* s0;
     const void* s1;  // uint16_t (SCALES 1: m's bits) or uint8_t (SCALES 2: sub-scales and mins)
+    unsigned int ff00;  // 0xFF00 (mlxi_code_at), at one row of x made from dims: a register (at more, a
+                        // constant: one more register held spills there)
   };
   struct Row {
     unsigned int words[BITS];
     float scale, bias;
+    unsigned int ff00;
   };
   __device__ static void prepare() {}
   __device__ static Row load(const Fields& f, long n, long g, long K) {
     Row r;
     const long at = n * (K / 32) + g, blk = n * (K / 256) + (g >> 3);
+    r.ff00 = f.ff00;
     if (SCALES == 2) {
       const uint8_t* s1 = static_cast<const uint8_t*>(f.s1);
       const int j = g & 7;
@@ -454,7 +475,7 @@ struct mlxi_affine : mlxi_groups32 {
   }
   __device__ static float value(const Row& r, int t) {
     if (BITS == 4 || BITS == 8) {
-      const float c = mlxi_code_at<BITS == 8 ? 8 : 4, ZERO>(r.words, t);
+      const float c = mlxi_code_at<BITS == 8 ? 8 : 4, ZERO>(r.words, t, r.ff00);
       return SCALES == 0 ? __fmul_rn(r.scale, c) : __fmaf_rn(r.scale, c, r.bias);
     }
     const unsigned int q = mlxi_code<BITS>(r.words, t);
@@ -623,7 +644,7 @@ struct mlxi_half_values : mlxi_groups32 {
 // consecutive bytes of ql at 64h + 8c and at 64h + 32 + 8c, eight of qh at 32h + 8c, one scale per j.
 // Lane l takes the units u = l, l + 32, ... and in each adds j = 0..3, t = 0..7 in that order: the units
 // of a row are loaded in parallel by the lanes (mlxi_block_matvec, mlxi_q6k).
-mlxi_block_matvec<M, mlxi_q6k, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {ql, qh, scales, d_bits}, res, nw);
+mlxi_block_matvec<M, mlxi_q6k, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {ql, qh, scales, d_bits, M > 1 ? 0x4B000000u : 0x4B000000u | ((unsigned int)dims[0] >> 31)}, res, nw);
 //@@BODY affine_matvec
 // The affine types as the MLX backend keeps them (quants.split): w [N, K BITS / 32] uint32 (MLX's packing),
 // then the file's scale fields, by SCALES: 0 (Q8_0, Q4_0, Q5_0) s0 [N, K / 32] the fp16 d's bits, scale d,
@@ -633,7 +654,7 @@ mlxi_block_matvec<M, mlxi_q6k, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {ql, qh, sca
 // dims = [N, K, R, eps bits, forms]; out [M, N]. Lane l takes groups l, l + 32, ..., each t = 0..31: code t of the group
 // (MLX's packing: bits [BITS t, BITS (t + 1)) of the group's BITS words), w = scale * code + bias (each
 // step rounded), then the product with x and the sum (mlxi_block_matvec, mlxi_affine).
-mlxi_block_matvec<M, mlxi_affine<BITS, SCALES, ZERO>, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {w, s0, s1}, res, nw);
+mlxi_block_matvec<M, mlxi_affine<BITS, SCALES, ZERO>, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {w, s0, s1, M > 1 ? 0xFF00u : 0xFF00u | ((unsigned int)dims[0] >> 31)}, res, nw);
 //@@BODY iq4_matvec
 // IQ4_NL (XS 0) and IQ4_XS (XS 1) as the MLX backend keeps them (quants.split: the file's fields): qs the
 // 4-bit codes, 16 bytes per 32 values (IQ4_NL [N, K / 32, 16]; IQ4_XS [N, K / 256, 128], sub-block j at
