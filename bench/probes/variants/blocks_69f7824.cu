@@ -1,0 +1,675 @@
+// Products straight from a GGUF block type's fields (mlxinfer/block_kernels.py, through
+// mx.fast.cuda_kernel): out[m, n] = sum_i x[m, i] * w[n, i] for a few rows m of x (decode), where w's
+// values are dequantized in registers exactly as gguf-py computes them, never written to memory.
+//
+// The order, the same for every row count M (so a row's result does not depend on its batch):
+//   one warp per output row n; the row's values are cut into work units of 32 (Q6_K below says which);
+//   lane l (0..31) takes units l, l + 32, ... in increasing order and, in each, its 32 values in a
+//   fixed sequence; each product x*w is rounded, then added
+//   to the lane's partial sum (__fmul_rn / __fadd_rn: no contraction into fma); then the butterfly
+//   s += shfl_xor(s, off) for off = 16, 8, 4, 2, 1. block_kernels.emulate follows it in numpy.
+//   Two forms, chosen at launch by dims[4]'s bits (one compiled kernel serves all three): ADD (bit 0)
+//   writes res[m, n] + that sum ([M, N] of x's type: the residual stream), as the graph's Add of the
+//   product would (mlxi_residual_sum), so a layer's output projection and its residual are one launch;
+//   NORM (bit 1) multiplies x's rows RMS-normed with weight nw ([K], x's type) and eps (dims[3], its
+//   float32 bits), each normed value exactly what the `rms_norm` kernel writes (mlxi_rms_inv), so a
+//   layer's norm and the product after it are one launch. SWIGLU (bit 2, not with NORM) multiplies
+//   silu(g) * u of x = [g | u], [M, 2K] (an FFN's merged gate and up products), each value exactly what
+//   the `swiglu` kernel writes (mlxi_swiglu_value), so SwiGLU and the down product are one launch.
+//   Without its bit, res or nw is not read (the launch passes x there).
+//
+// How the work is laid out does not change that order. A block's 8 warps first copy x, a tile of
+// mlxi_tile<M>() columns at a time (MLXI_TILE_VALUES / M in 1,024s: one row's first 8,192 values),
+// into shared memory (coalesced; padded so that the lanes' reads of their own units do not collide in
+// its banks), and read it from there: read straight from memory, each lane's four values of x sit 128
+// bytes from its neighbours', 32 cache lines a warp's load, and that load, not the weight, bounds the
+// product (docs/performance.md). Then each lane takes its units of the tile in turn, with no barrier
+// between them: a tile a row, not a tile every 1,024 columns, so that a warp waits for weights while the
+// SM's other warps work, not at a barrier. And a warp takes R = dims[2] consecutive output rows
+// (1..MLXI_MAX_R, `block_kernels.rows_per_warp`), each with its own partial sums, so that each value of
+// x a lane reads serves R rows. Each form of a kernel is compiled for MLXI_MIN_BLOCKS blocks resident on
+// an SM (`__launch_bounds__` through the __global__ below; 1: no bound, the compiler's choice (a bound
+// of 1 block would let it take up to 255 registers: Q3_K's 8 rows 168 -> 218);
+// block_kernels.min_blocks sets 3, at most 80 registers a thread, for the decode forms that fit them), as
+// a decode product is bounded by how many warps an SM keeps waiting for weights at once.
+//@@HEADER
+#define MLXI_THREADS 256
+#define MLXI_WARPS 8
+#define MLXI_MAX_R 4
+#define MLXI_TILE_VALUES 8192
+#define MLXI_MIN_BLOCKS 1
+#if MLXI_MIN_BLOCKS > 1
+#undef __global__
+#define __global__ __location__(global) __launch_bounds__(MLXI_THREADS, MLXI_MIN_BLOCKS)
+#endif
+
+// An IEEE half's bits as float, exactly (every half is a float), NaN payloads kept; without a branch, so
+// that the kernels' loads of a unit's fields (a few halves each) stay one straight run the compiler can
+// issue before their first use.
+__device__ __forceinline__ float mlxi_half_bits(unsigned int h) {
+  const unsigned int sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  // zero and subnormals: m * 2^-24, exact (m as float on the float pipe: mlxi_code_float's way)
+  const float tiny = __fmul_rn(__fsub_rn(__uint_as_float(0x4B000000u | m), 8388608.0f), 5.9604644775390625e-8f);
+  const unsigned int wide = e == 31 ? 0x7f800000u | (m << 13) : ((e + 112u) << 23) | (m << 13);
+  return e == 0 ? __uint_as_float(sign | __float_as_uint(tiny)) : __uint_as_float(sign | wide);
+}
+
+__device__ __forceinline__ float mlxi_warp_total(float s) {
+  for (int off = 16; off > 0; off >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
+  return s;
+}
+
+// Code t (0..31) of a group packed as MLX packs it: one little-endian bit stream, code t at bits
+// [BITS t, BITS (t + 1)) of the group's BITS words.
+template <int BITS>
+__device__ __forceinline__ unsigned int mlxi_code(const unsigned int* words, int t) {
+  const int bit = BITS * t, wi = bit >> 5, sh = bit & 31;
+  unsigned int v = words[wi] >> sh;
+  if (sh + BITS > 32) v |= words[wi + 1] << (32 - sh);
+  return v & ((1u << BITS) - 1u);
+}
+
+// Code q (below 2^23) less z as float, exactly, on the float pipe: 0x4B000000 | q is the float 2^23 + q,
+// and z2 = 2^23 + z (an integer conversion runs at a quarter of a float operation's rate on sm_90, and
+// one a weight value bounded these kernels).
+__device__ __forceinline__ float mlxi_code_float(unsigned int q, float z2) {
+  return __fsub_rn(__uint_as_float(0x4B000000u | q), z2);
+}
+
+// Code t (0..31) of a group packed as MLX packs it, less Z, as float, exactly, for BITS 4 and 8 (codes
+// that never cross a word): mlxi_code_float's way with the field left where it lies. A field at bits
+// [s, s + BITS) of a word, s + BITS <= 20, ORed under the exponent of 2^(23 - s) is the float
+// 2^(23 - s) + q (its mantissa's unit is 2^-s), and 2^(23 - s) + Z is exact, so the difference is q - Z
+// exactly: one AND and one FADD a code. The AND writes the field and the exponent at once: the word's
+// top byte set to 0xFF first (one byte permute a word; every such exponent is even, so bit 23 is cleared
+// by the AND), so that the AND's one constant is field mask | exponent (the compiler otherwise fuses an
+// OR and an AND into one LOP3 of two constants, one of them moved into a register at every use). A
+// word's fields past bit 20 come from its top half, moved down by the same permute.
+template <int BITS, int Z>
+__device__ __forceinline__ float mlxi_code_at(const unsigned int* words, int t) {
+  const int bit = BITS * t, wi = bit >> 5, sh = bit & 31, s = sh + BITS <= 20 ? sh : sh - 16;
+  const unsigned int w = __byte_perm(words[wi], 0xFF00u, sh + BITS <= 20 ? 0x5210 : 0x5432);
+  const unsigned int magic = (unsigned int)(127 + 23 - s) << 23;
+  const float base = __uint_as_float(magic);  // 2^(23 - s)
+  return __fsub_rn(__uint_as_float(w & ((((1u << BITS) - 1u) << s) | magic)), __fadd_rn(base, (float)Z));
+}
+
+// Entry c (0..15) of IQ4_NL's and IQ4_XS's codebook (llama.cpp's kvalues_iq4nl), as float.
+__device__ __forceinline__ float mlxi_iq4_value(unsigned int c) {
+  const signed char v[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+  return (float)v[c];
+}
+
+// Whether four consecutive values of x starting at x's base can be one vector load (x's rows and every
+// offset the kernels load from are multiples of four values, so the base decides).
+template <typename X>
+__device__ __forceinline__ bool mlxi_aligned4(const X* x) {
+  return (reinterpret_cast<unsigned long long>(x) & (4 * sizeof(X) - 1)) == 0;
+}
+
+// Four consecutive values of x as float (each conversion exact): one 16-byte (float) or 8-byte (16-bit
+// types) load where `vec`, else four.
+template <typename X>
+__device__ __forceinline__ void mlxi_load4(const X* p, bool vec, float* v) {
+  if (vec && sizeof(X) == 4) {
+    const float4 f = *reinterpret_cast<const float4*>(p);
+    v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+  } else if (vec) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const X* h = reinterpret_cast<const X*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = (float)h[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = (float)p[i];
+  }
+}
+
+// Where column c of a tile of x sits in shared memory: four floats of padding after every PAD columns.
+template <int PAD>
+__device__ __forceinline__ int mlxi_xs_at(int c) {
+  return c + 4 * (c / PAD);
+}
+
+// RMSNorm (the `rms_norm` kernel, and NORM's prologue: a product of the normed rows of x in one launch).
+// The published order: row m's scale inv = 1 / sqrt(mean(x^2) + eps), its sum of squares in the dot
+// products' order (one warp: lane l adds x_i * x_i for i = l, l + 32, ... in increasing i, each square
+// rounded, then the butterfly 16, 8, 4, 2, 1), times the float32 1/K, plus eps, the square root and the
+// division each rounded once (correctly rounded: __fsqrt_rn, __fdiv_rn); value c is then
+// (x_c * inv) * w_c, each product rounded, and rounded once more to x's type X (what the norm writes).
+// block_kernels.emulate_rms_norm follows it in numpy.
+template <typename X>
+__device__ __forceinline__ float mlxi_rms_inv(const X* row, int K, float eps, int lane) {
+  float s = 0.0f;
+#pragma unroll 4
+  for (int i = lane; i < K; i += 32) {  // (unrolled: loads in flight; the adds keep their order)
+    const float v = (float)row[i];
+    s = __fadd_rn(s, __fmul_rn(v, v));
+  }
+  s = mlxi_warp_total(s);
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fmul_rn(s, __fdiv_rn(1.0f, (float)K)), eps)));
+}
+
+template <typename X>
+__device__ __forceinline__ float mlxi_norm_value(float v, float inv, float w) {
+  return (float)(X)__fmul_rn(__fmul_rn(v, inv), w);
+}
+
+// SwiGLU (the `swiglu` kernel, and SWIGLU's staging: the down product of silu(gate) * up in one launch).
+// The published order: e = exp(t) for t = -g clamped to [-20, 88] (mlxi_exp: n = rint(t log2 e),
+// r = (t - n C1) - n C2 with ln 2 = C1 + C2 (C1 = 355/512, so n C1 is exact), e^r by the Taylor
+// polynomial of degree 7 in Horner's order from 1/5040 down, times 2^n, exact: every step rounded, no
+// contraction; within 2 float32 units of e^t, block_kernels.emulate_swiglu follows it in numpy);
+// silu = g / (1 + e) rounded to X (what the graph's silu op writes), then silu * u rounded to X (its
+// product with up). Past the clamp: 1 + e^-20 is 1 in float32, and silu(g) for g < -88 is g / (1 + e^88)
+// (-6e-35 at g = -1e4, -1.8 at g = -3e38) where g e^g is nearer 0: no model's gates go there.
+__device__ __forceinline__ float mlxi_exp(float t) {
+  const float n = rintf(__fmul_rn(t, 1.44269502162933349609375f));
+  const float r = __fsub_rn(__fsub_rn(t, __fmul_rn(n, 0.693359375f)), __fmul_rn(n, -2.12194440e-4f));
+  float p = 1.98412701e-4f;  // 1/5040, then 1/720, ... 1/2, 1, 1
+  p = __fadd_rn(__fmul_rn(p, r), 1.38888892e-3f);
+  p = __fadd_rn(__fmul_rn(p, r), 8.33333377e-3f);
+  p = __fadd_rn(__fmul_rn(p, r), 4.16666679e-2f);
+  p = __fadd_rn(__fmul_rn(p, r), 1.66666672e-1f);
+  p = __fadd_rn(__fmul_rn(p, r), 0.5f);
+  p = __fadd_rn(__fmul_rn(p, r), 1.0f);
+  p = __fadd_rn(__fmul_rn(p, r), 1.0f);
+  return __fmul_rn(p, __int_as_float(((int)n + 127) << 23));
+}
+
+template <typename X>
+__device__ __forceinline__ float mlxi_swiglu_value(float g, float u) {
+  const float t = fminf(fmaxf(-g, -20.0f), 88.0f);
+  const float silu = (float)(X)__fdiv_rn(g, __fadd_rn(1.0f, mlxi_exp(t)));
+  return (float)(X)__fmul_rn(silu, u);
+}
+
+// Columns col0 .. col0 + cols - 1 of x's M rows, as float, into shared memory xs (row stride STRIDE, column c
+// at mlxi_xs_at<PAD>(c)), four at a time by the block's threads in turn. cols is a multiple of 32. With a
+// norm weight nw (NORM), each value is row m's normed value (inv[m]: its scale, mlxi_rms_inv); with glu
+// (SWIGLU), x's rows are [g | u] of 2K values and each value is mlxi_swiglu_value(g_c, u_c).
+template <int PAD, int M, int STRIDE, typename X>
+__device__ __forceinline__ void mlxi_stage_x(const X* x, long K, long col0, int cols, bool vec, float* xs,
+                                             const X* nw, const float* inv, bool glu) {
+  const int quads = cols / 4;
+  const bool nvec = nw != nullptr && mlxi_aligned4(nw);
+  const long stride = glu ? 2 * K : K;
+  for (int i = threadIdx.x; i < M * quads; i += MLXI_THREADS) {
+    const int m = i / quads, c = 4 * (i - m * quads);
+    float v[4];
+    mlxi_load4(x + (long)m * stride + col0 + c, vec, v);
+    if (glu) {
+      float u[4];
+      mlxi_load4(x + (long)m * stride + K + col0 + c, vec, u);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] = mlxi_swiglu_value<X>(v[j], u[j]);
+    } else if (nw) {
+      float w[4];
+      mlxi_load4(nw + col0 + c, nvec, w);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] = mlxi_norm_value<X>(v[j], inv[m], w[j]);
+    }
+    *reinterpret_cast<float4*>(xs + m * STRIDE + mlxi_xs_at<PAD>(c)) = make_float4(v[0], v[1], v[2], v[3]);
+  }
+}
+
+// The columns of a tile of M rows of x: MLXI_TILE_VALUES / M, in whole 1,024s (32 units of 32: each lane
+// as many), so that a tile holds at most 8,192 floats for every M (36 KB with its padding).
+template <int M>
+__host__ __device__ constexpr int mlxi_tile() {
+  return (MLXI_TILE_VALUES / M) / 1024 * 1024;
+}
+
+// The columns of the tile of x that starts at col0: TILE, or what is left of a row of K.
+template <int TILE>
+__device__ __forceinline__ int mlxi_tile_cols(long K, long col0) {
+  return K - col0 < TILE ? (int)(K - col0) : TILE;
+}
+
+// Tile columns c .. c + 3 (c a multiple of 4; padding of 4 every PAD), each of M rows.
+template <int M, int STRIDE, int PAD>
+__device__ __forceinline__ void mlxi_tile_x4(const float* xs, int c, float (&xv)[M][4]) {
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const float4 f = *reinterpret_cast<const float4*>(xs + m * STRIDE + mlxi_xs_at<PAD>(c));
+    xv[m][0] = f.x; xv[m][1] = f.y; xv[m][2] = f.z; xv[m][3] = f.w;
+  }
+}
+
+// A group's BITS words of codes: 16-byte loads where BITS is a multiple of 4 and p is so aligned.
+template <int BITS>
+__device__ __forceinline__ void mlxi_words(const unsigned int* p, unsigned int* words) {
+  if (BITS % 4 == 0 && (reinterpret_cast<unsigned long long>(p) & 15) == 0) {
+#pragma unroll
+    for (int i = 0; i < BITS / 4; ++i) {
+      const uint4 v = *reinterpret_cast<const uint4*>(p + 4 * i);
+      words[4 * i] = v.x; words[4 * i + 1] = v.y; words[4 * i + 2] = v.z; words[4 * i + 3] = v.w;
+    }
+#pragma unroll
+    for (int i = 4 * (BITS / 4); i < BITS; ++i) words[i] = p[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < BITS; ++i) words[i] = p[i];
+  }
+}
+// ADD's epilogue: the residual r plus the product's sum s, as the graph adds them: s rounded to the
+// output's type first (what the product alone writes), then r + that in float32 and rounded once more
+// (MLX's Add of two values of that type; for float32 both roundings are none).
+template <typename Y>
+__device__ __forceinline__ Y mlxi_residual_sum(Y r, float s) {
+  return (Y)__fadd_rn((float)r, (float)(Y)s);
+}
+// Every block kernel's frame: the published order (lane l takes work units l, l + 32, ... of 32 values,
+// in each its values t = 0..31, each product with x rounded then added, then the butterfly) laid out in
+// tiles of x in shared memory and R rows a warp, with a type's reader G for the values:
+//   G::Fields  its pointers;  G::prepare()  once a block, before the first barrier;
+//   G::PAD, G::column(v, t)  the tile's padding, and the tile column of value t of the tile's unit v
+//     (t a multiple of 4; t .. t + 3 are consecutive columns): `mlxi_groups32` for units of 32
+//     consecutive values;
+//   G::Row G::load(fields, n, u, K)  what row n's unit u needs;  float G::value(row, t)  value t, exactly
+//   gguf-py's (t is a constant once the loops are unrolled).
+// HOIST (a kernel's body passes MLXI_MIN_BLOCKS > 1): every row's fields loaded, past the last row the
+// last one's again, with no branch, so that NVRTC issues all of a unit's loads before their first use;
+// only in forms with a launch bound, which keeps the registers that takes (unbounded, Q3_K's 8 rows went
+// from 168 to 220).
+template <int M, typename G, bool HOIST, int RT, typename X, typename Y>
+__device__ __forceinline__ void mlxi_block_rows(const X* x, Y* out, const int* dims, const typename G::Fields& f,
+                                                const Y* res, const X* nw, float* xs, float* inv) {
+  constexpr int TILE = mlxi_tile<M>(), STRIDE = TILE + 4 * (TILE / G::PAD), NR = RT ? RT : MLXI_MAX_R;
+  const int N = dims[0], K = dims[1], R = dims[2];
+  const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1, glu = (dims[4] >> 2) & 1;  // ADD, NORM, SWIGLU
+  const long warp0 = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS;
+  if (warp0 * R >= N) return;  // (the whole block: no warp of it has a row)
+  G::prepare();
+  const int lane = threadIdx.x & 31;
+  if (norm && (threadIdx.x >> 5) < M)  // NORM: warp m takes row m's scale (dims[3]: eps's float32 bits)
+    inv[threadIdx.x >> 5] = mlxi_rms_inv(x + (long)(threadIdx.x >> 5) * K, K, __int_as_float(dims[3]), lane);
+  const long n0 = (warp0 + (threadIdx.x >> 5)) * R;
+  const int rows = n0 >= N ? 0 : (N - n0 < R ? (int)(N - n0) : R);  // 0: the warp only helps stage x
+  const bool vec = mlxi_aligned4(x);
+  float acc[NR][M];
+#pragma unroll
+  for (int r = 0; r < NR; ++r)
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+  for (long col0 = 0; col0 < K; col0 += TILE) {
+    const int cols = mlxi_tile_cols<TILE>(K, col0);
+    __syncthreads();
+    mlxi_stage_x<G::PAD, M, STRIDE>(x, K, col0, cols, vec, xs, norm ? nw : nullptr, inv, glu);
+    __syncthreads();
+    if (rows == 0) continue;
+    for (int v = lane; 32 * v < cols; v += 32) {  // the tile's units l, l + 32, ...: units col0 / 32 + v
+      const long u = col0 / 32 + v;
+      typename G::Row row[NR];  // (each row's fields; see HOIST)
+#pragma unroll
+      for (int r = 0; r < NR; ++r)
+        if (HOIST || r < rows) row[r] = G::load(f, n0 + (r < rows ? r : rows - 1), u, K);
+#pragma unroll
+      for (int t0 = 0; t0 < 32; t0 += 4) {
+        float xv[M][4];
+        mlxi_tile_x4<M, STRIDE, G::PAD>(xs, G::column(v, t0), xv);
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          if (RT || r < rows) {  // (RT: every row computed, a row past the warp's last its last again)
+#pragma unroll
+            for (int tt = 0; tt < 4; ++tt) {
+              const float wv = G::value(row[r], t0 + tt);
+#pragma unroll
+              for (int m = 0; m < M; ++m) acc[r][m] = __fadd_rn(acc[r][m], __fmul_rn(xv[m][tt], wv));
+            }
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < NR; ++r) {
+    if (r < rows) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const float s = mlxi_warp_total(acc[r][m]);
+        const long at = (long)m * N + n0 + r;
+        if (lane == 0) out[at] = add ? mlxi_residual_sum(res[at], s) : (Y)s;
+      }
+    }
+  }
+}
+
+// The frame's entry: x's tile and the rows' norm scales in shared memory (declared once here, not in
+// each of mlxi_block_rows' instances), then the rows a warp takes (dims[2]): in a form with HOIST, known
+// at compile time (4 for 3 or 4, 2, 1), so that the rows' products are computed without a branch and the
+// compiler interleaves their chains; elsewhere read at run time (RT 0), each row behind its branch. Only
+// at one row of x (decode at batch 1): at 8, rows interleaved spill (NVRTC, sm_90, 128 registers: Q4_K's
+// 4 rows 104 bytes, and with the 2- and 1-row instances beside the run-time one, Q8_0's 56).
+template <int M, typename G, bool HOIST, typename X, typename Y>
+__device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int* dims, const typename G::Fields& f,
+                                                  const Y* res, const X* nw) {
+  constexpr int TILE = mlxi_tile<M>(), STRIDE = TILE + 4 * (TILE / G::PAD);
+  static_assert(TILE >= 1024 && TILE % 1024 == 0, "a tile holds whole units of 32, as many a lane");
+  static_assert(M * STRIDE * 4 <= 48 * 1024 - 1024, "static shared memory: at most 48 KB a block");
+  static_assert(M <= MLXI_WARPS, "NORM: a warp a row's scale");
+  __shared__ __align__(16) float xs[M * STRIDE];  // (float4 reads and writes)
+  __shared__ float inv[MLXI_WARPS];
+  if (!HOIST || M > 1)
+    mlxi_block_rows<M, G, HOIST, 0>(x, out, dims, f, res, nw, xs, inv);
+  else if (dims[2] > 2)
+    mlxi_block_rows<M, G, HOIST, 4>(x, out, dims, f, res, nw, xs, inv);
+  else if (dims[2] == 2)
+    mlxi_block_rows<M, G, HOIST, 2>(x, out, dims, f, res, nw, xs, inv);
+  else
+    mlxi_block_rows<M, G, HOIST, 1>(x, out, dims, f, res, nw, xs, inv);
+}
+
+// Readers whose unit is a group of 32 consecutive values: a tile's unit v at its columns 32 v .. 32 v + 31.
+struct mlxi_groups32 {
+  static constexpr int PAD = 32;
+  __device__ static int column(int v, int t) { return 32 * v + t; }
+};
+
+// Q6_K (q6_k_matvec says the fields and the units): unit u = 8b + 4h + c of block b holds values
+// r = 8c + t + 32j of its half h (t, j: 0..7, 0..3), taken j = 0..3 then t = 0..7, so value k of the
+// unit is j = k / 8, t = k % 8: low four bits ql[64h + r % 64] >> 4 (r / 64), high two
+// qh[32h + r % 32] >> 2 (r / 32), q = low | high << 4, value (d * scales[8h + 2j + c / 2]) * (q - 32).
+// A tile holds its unit v (unit u = 8b + 4h + c of the row, less the tile's first) at columns
+// 256 (v / 8) + 128 h + 8 c + 32 j + t.
+struct mlxi_q6k {
+  static constexpr int PAD = 128;
+  __device__ static int column(int v, int k) {
+    return 256 * (v >> 3) + 128 * ((v >> 2) & 1) + 8 * (v & 3) + 32 * (k >> 3) + (k & 7);
+  }
+  struct Fields {
+    const uint8_t* ql;
+    const uint8_t* qh;
+    const int8_t* scales;
+    const uint16_t* d_bits;
+  };
+  struct Row {
+    uint2 lo0, lo1, hb;
+    float dl[4];
+  };
+  __device__ static void prepare() {}
+  __device__ static Row load(const Fields& f, long n, long u, long K) {
+    Row r;
+    const int h = (u >> 2) & 1, c = u & 3;
+    const long blk = n * (K / 256) + (u >> 3);
+    const float d = mlxi_half_bits(f.d_bits[blk]);
+    r.lo0 = *reinterpret_cast<const uint2*>(f.ql + blk * 128 + 64 * h + 8 * c);
+    r.lo1 = *reinterpret_cast<const uint2*>(f.ql + blk * 128 + 64 * h + 32 + 8 * c);
+    r.hb = *reinterpret_cast<const uint2*>(f.qh + blk * 64 + 32 * h + 8 * c);
+    const int8_t* sc = f.scales + blk * 16 + 8 * h + (c >> 1);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) r.dl[j] = __fmul_rn(d, (float)sc[2 * j]);
+    return r;
+  }
+  __device__ static float value(const Row& r, int k) {
+    const int j = k >> 3, t = k & 7;
+    const uint2 lo = (j & 1) ? r.lo1 : r.lo0;
+    const unsigned int lw = t < 4 ? lo.x : lo.y, hw = t < 4 ? r.hb.x : r.hb.y;
+    const unsigned int lb = (lw >> (8 * (t & 3))) & 0xffu, hbyte = (hw >> (8 * (t & 3))) & 0xffu;
+    const unsigned int q = ((lb >> (4 * (j >> 1))) & 0xfu) | (((hbyte >> (2 * j)) & 3u) << 4);
+    return __fmul_rn(r.dl[j], mlxi_code_float(q, 8388640.0f));  // q - 32
+  }
+};
+
+// Byte t (0..31) of 32 bytes held as two uint4.
+__device__ __forceinline__ unsigned int mlxi_byte32(const uint4& a, const uint4& b, int t) {
+  const uint4& h = t < 16 ? a : b;
+  const int w = (t >> 2) & 3;
+  const unsigned int word = w == 0 ? h.x : w == 1 ? h.y : w == 2 ? h.z : h.w;
+  return (word >> (8 * (t & 3))) & 0xffu;
+}
+
+// The affine types (affine_matvec says the fields): value t = scale * code t + bias, each step rounded;
+// scale * code is exact (an fp16 d, times a 6-bit sub-scale for the K-quants, times the code), so one fma
+// gives the same bits, and for SCALES 0 (bias -(d * ZERO), also exact) d * (code - ZERO).
+template <int BITS, int SCALES, int ZERO>
+struct mlxi_affine : mlxi_groups32 {
+  struct Fields {
+    const unsigned int* w;
+    const uint16_t* s0;
+    const void* s1;  // uint16_t (SCALES 1: m's bits) or uint8_t (SCALES 2: sub-scales and mins)
+  };
+  struct Row {
+    unsigned int words[BITS];
+    float scale, bias;
+  };
+  __device__ static void prepare() {}
+  __device__ static Row load(const Fields& f, long n, long g, long K) {
+    Row r;
+    const long at = n * (K / 32) + g, blk = n * (K / 256) + (g >> 3);
+    if (SCALES == 2) {
+      const uint8_t* s1 = static_cast<const uint8_t*>(f.s1);
+      const int j = g & 7;
+      r.scale = __fmul_rn(mlxi_half_bits(f.s0[2 * blk]), (float)s1[16 * blk + j]);
+      r.bias = -__fmul_rn(mlxi_half_bits(f.s0[2 * blk + 1]), (float)s1[16 * blk + 8 + j]);
+    } else if (SCALES == 1) {
+      r.scale = mlxi_half_bits(f.s0[at]);
+      r.bias = mlxi_half_bits(static_cast<const uint16_t*>(f.s1)[at]);
+    } else {
+      r.scale = mlxi_half_bits(f.s0[at]);  // (bias -(scale * ZERO): folded into value below)
+      r.bias = 0.0f;
+    }
+    mlxi_words<BITS>(f.w + at * BITS, r.words);
+    return r;
+  }
+  __device__ static float value(const Row& r, int t) {
+    if (BITS == 4 || BITS == 8) {
+      const float c = mlxi_code_at<BITS == 8 ? 8 : 4, ZERO>(r.words, t);
+      return SCALES == 0 ? __fmul_rn(r.scale, c) : __fmaf_rn(r.scale, c, r.bias);
+    }
+    const unsigned int q = mlxi_code<BITS>(r.words, t);
+    return SCALES == 0 ? __fmul_rn(r.scale, mlxi_code_float(q, 8388608.0f + ZERO))
+                       : __fmaf_rn(r.scale, mlxi_code_float(q, 8388608.0f), r.bias);
+  }
+};
+
+// IQ4_NL (XS 0) and IQ4_XS (XS 1): group g is IQ4_NL's block g, or IQ4_XS's sub-block j = g % 8 of block
+// g / 8; dl = d or d * (ls - 32), value t = dl * the codebook's entry for code t (byte t's low nibble for
+// t < 16, else byte t - 16's high one).
+template <int XS>
+struct mlxi_iq4 : mlxi_groups32 {
+  struct Fields {
+    const uint8_t* qs;
+    const uint16_t* d_bits;
+    const uint16_t* sc_h;
+    const uint8_t* sc_l;
+  };
+  struct Row {
+    uint4 codes;
+    float dl;
+  };
+  __device__ static float* table() {  // the codebook, each lane reading its own entry: no bank conflict
+    __shared__ float t[16];
+    return t;
+  }
+  __device__ static void prepare() {
+    if (threadIdx.x < 16) table()[threadIdx.x] = mlxi_iq4_value(threadIdx.x);
+  }
+  __device__ static Row load(const Fields& f, long n, long g, long K) {
+    Row r;
+    if (XS) {
+      const long blk = n * (K / 256) + (g >> 3);
+      const int j = g & 7;
+      const unsigned int ls = ((f.sc_l[4 * blk + (j >> 1)] >> (4 * (j & 1))) & 0xfu) | (((f.sc_h[blk] >> (2 * j)) & 3u) << 4);
+      r.dl = __fmul_rn(mlxi_half_bits(f.d_bits[blk]), mlxi_code_float(ls, 8388640.0f));  // d * (ls - 32)
+      r.codes = *reinterpret_cast<const uint4*>(f.qs + blk * 128 + 16 * j);
+    } else {
+      r.dl = mlxi_half_bits(f.d_bits[n * (K / 32) + g]);
+      r.codes = *reinterpret_cast<const uint4*>(f.qs + (n * (K / 32) + g) * 16);
+    }
+    return r;
+  }
+  __device__ static float value(const Row& r, int t) {
+    const int b = t & 15;
+    const unsigned int word = b < 4 ? r.codes.x : b < 8 ? r.codes.y : b < 12 ? r.codes.z : r.codes.w;
+    const unsigned int code = (word >> (8 * (b & 3) + 4 * (t >> 4))) & 0xfu;
+    return __fmul_rn(r.dl, table()[code]);
+  }
+};
+
+// Q3_K: group g is values 32 j .. 32 j + 31 of block g / 8 (j = g % 8): value i = 128 h + 32 s + t
+// (h = j / 4, s = j % 4) has low bits (qs[32 h + t] >> 2 s) & 3 and high bit (hmask[t] >> j) & 1, q =
+// low - 4 (1 - high); scale k = i / 16 (2 j for t < 16, else 2 j + 1), 6 bits: k < 8 the low nibble of
+// scales[k], else the high nibble of scales[k - 8], with (scales[8 + k % 4] >> 2 (k / 4)) & 3 above;
+// value = (d * (scale - 32)) * q.
+struct mlxi_q3k : mlxi_groups32 {
+  struct Fields {
+    const uint8_t* hmask;
+    const uint8_t* qs;
+    const uint8_t* sc;
+    const uint16_t* d_bits;
+  };
+  struct Row {
+    uint4 q0, q1, m0, m1;
+    float dl0, dl1;
+    int s, j;
+  };
+  __device__ static void prepare() {}
+  __device__ static unsigned int scale(const uint8_t* sc, int k) {
+    const unsigned int lo = k < 8 ? sc[k] & 0xfu : sc[k - 8] >> 4;
+    return lo | (((sc[8 + (k & 3)] >> (2 * (k >> 2))) & 3u) << 4);
+  }
+  __device__ static Row load(const Fields& f, long n, long g, long K) {
+    Row r;
+    const long blk = n * (K / 256) + (g >> 3);
+    r.j = g & 7;
+    r.s = r.j & 3;
+    const uint8_t* sc = f.sc + blk * 12;
+    const float d = mlxi_half_bits(f.d_bits[blk]);
+    r.dl0 = __fmul_rn(d, mlxi_code_float(scale(sc, 2 * r.j), 8388640.0f));
+    r.dl1 = __fmul_rn(d, mlxi_code_float(scale(sc, 2 * r.j + 1), 8388640.0f));
+    const uint4* q = reinterpret_cast<const uint4*>(f.qs + blk * 64 + 32 * (r.j >> 2));
+    const uint4* m = reinterpret_cast<const uint4*>(f.hmask + blk * 32);
+    r.q0 = q[0]; r.q1 = q[1]; r.m0 = m[0]; r.m1 = m[1];
+    return r;
+  }
+  __device__ static float value(const Row& r, int t) {
+    const unsigned int low = (mlxi_byte32(r.q0, r.q1, t) >> (2 * r.s)) & 3u;
+    const unsigned int high = (mlxi_byte32(r.m0, r.m1, t) >> r.j) & 1u;
+    return __fmul_rn(t < 16 ? r.dl0 : r.dl1, mlxi_code_float(low | (high << 2), 8388612.0f));  // low - 4 (1 - high)
+  }
+};
+
+// Q2_K: group g is values 32 j .. 32 j + 31 of block g / 8: value i = 128 h + 32 s + t has q =
+// (qs[32 h + t] >> 2 s) & 3; scale k = i / 16: dl = d * (scales[k] & 15), ml = dmin * (scales[k] >> 4);
+// value = dl * q - ml (dl * q exact: one fma).
+struct mlxi_q2k : mlxi_groups32 {
+  struct Fields {
+    const uint8_t* sc;
+    const uint8_t* qs;
+    const uint16_t* d_bits;
+    const uint16_t* dmin_bits;
+  };
+  struct Row {
+    uint4 q0, q1;
+    float dl0, dl1, ml0, ml1;
+    int s;
+  };
+  __device__ static void prepare() {}
+  __device__ static Row load(const Fields& f, long n, long g, long K) {
+    Row r;
+    const long blk = n * (K / 256) + (g >> 3);
+    const int j = g & 7;
+    r.s = j & 3;
+    const float d = mlxi_half_bits(f.d_bits[blk]), dmin = mlxi_half_bits(f.dmin_bits[blk]);
+    const unsigned int c0 = f.sc[blk * 16 + 2 * j], c1 = f.sc[blk * 16 + 2 * j + 1];
+    r.dl0 = __fmul_rn(d, mlxi_code_float(c0 & 0xfu, 8388608.0f));
+    r.dl1 = __fmul_rn(d, mlxi_code_float(c1 & 0xfu, 8388608.0f));
+    r.ml0 = __fmul_rn(dmin, mlxi_code_float(c0 >> 4, 8388608.0f));
+    r.ml1 = __fmul_rn(dmin, mlxi_code_float(c1 >> 4, 8388608.0f));
+    const uint4* q = reinterpret_cast<const uint4*>(f.qs + blk * 64 + 32 * (j >> 2));
+    r.q0 = q[0]; r.q1 = q[1];
+    return r;
+  }
+  __device__ static float value(const Row& r, int t) {
+    const unsigned int q = (mlxi_byte32(r.q0, r.q1, t) >> (2 * r.s)) & 3u;
+    return __fmaf_rn(t < 16 ? r.dl0 : r.dl1, mlxi_code_float(q, 8388608.0f), -(t < 16 ? r.ml0 : r.ml1));
+  }
+};
+
+// F16 (BF 0) and BF16 (BF 1) values, kept as 16-bit: value t of group g is element 32 g + t of the row.
+template <int BF>
+struct mlxi_half_values : mlxi_groups32 {
+  struct Fields {
+    const uint16_t* v;
+  };
+  struct Row {
+    uint4 a[4];
+  };
+  __device__ static void prepare() {}
+  __device__ static Row load(const Fields& f, long n, long g, long K) {
+    Row r;
+    const uint4* p = reinterpret_cast<const uint4*>(f.v + n * K + 32 * g);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r.a[i] = p[i];
+    return r;
+  }
+  __device__ static float value(const Row& r, int t) {
+    const uint4& q = r.a[t >> 3];
+    const int w = (t >> 1) & 3;
+    const unsigned int word = w == 0 ? q.x : w == 1 ? q.y : w == 2 ? q.z : q.w;
+    const unsigned int h = (word >> (16 * (t & 1))) & 0xffffu;
+    return BF ? __uint_as_float(h << 16) : mlxi_half_bits(h);
+  }
+};
+//@@BODY q6_k_matvec
+// x [M, K] (T: float, __half or __nv_bfloat16); the Q6_K fields of w [N, K] as quants.split keeps them,
+// per row and block of 256 values: ql [N, K/256, 128] uint8, qh [N, K/256, 64] uint8, scales
+// [N, K/256, 16] int8, d [N, K/256] the fp16 scale's bits (uint16); dims = [N, K, R, eps bits, forms]; out [M, N] (T).
+// Value i of a block (gguf-py's order): h = i / 128, r = i % 128; low four bits from
+// ql[64h + r % 64] >> (4 * (r / 64)), high two from qh[32h + r % 32] >> (2 * (r / 32)); q = low | high << 4;
+// w = (d * scales[i / 16]) * (q - 32).
+// Work units: u = 8b + p, part p = 4h + c of block b holds r = 8c + t + 32j (t, j: 0..7, 0..3): eight
+// consecutive bytes of ql at 64h + 8c and at 64h + 32 + 8c, eight of qh at 32h + 8c, one scale per j.
+// Lane l takes the units u = l, l + 32, ... and in each adds j = 0..3, t = 0..7 in that order: the units
+// of a row are loaded in parallel by the lanes (mlxi_block_matvec, mlxi_q6k).
+mlxi_block_matvec<M, mlxi_q6k, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {ql, qh, scales, d_bits}, res, nw);
+//@@BODY affine_matvec
+// The affine types as the MLX backend keeps them (quants.split): w [N, K BITS / 32] uint32 (MLX's packing),
+// then the file's scale fields, by SCALES: 0 (Q8_0, Q4_0, Q5_0) s0 [N, K / 32] the fp16 d's bits, scale d,
+// bias -(d * ZERO) (ZERO 128, 8, 16: exact), s1 unused; 1 (Q4_1, Q5_1) s0 d and s1 m [N, K / 32] (fp16 bits),
+// scale d, bias m; 2 (Q4_K, Q5_K) s0 [N, K / 256, 2] the fp16 d and dmin's bits, s1 [N, K / 256, 2, 8]
+// uint8 sub-scales then mins, group g = 8b + j: scale d sc_j, bias -(dmin m_j) (quants: exact).
+// dims = [N, K, R, eps bits, forms]; out [M, N]. Lane l takes groups l, l + 32, ..., each t = 0..31: code t of the group
+// (MLX's packing: bits [BITS t, BITS (t + 1)) of the group's BITS words), w = scale * code + bias (each
+// step rounded), then the product with x and the sum (mlxi_block_matvec, mlxi_affine).
+mlxi_block_matvec<M, mlxi_affine<BITS, SCALES, ZERO>, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {w, s0, s1}, res, nw);
+//@@BODY iq4_matvec
+// IQ4_NL (XS 0) and IQ4_XS (XS 1) as the MLX backend keeps them (quants.split: the file's fields): qs the
+// 4-bit codes, 16 bytes per 32 values (IQ4_NL [N, K / 32, 16]; IQ4_XS [N, K / 256, 128], sub-block j at
+// 16 j), d_bits the fp16 d's bits ([N, K / 32] or [N, K / 256]); IQ4_XS also sc_h [N, K / 256] uint16 and
+// sc_l [N, K / 256, 4] uint8, sub-block j's 6-bit scale ls = (sc_l[j / 2] >> 4 (j % 2)) & 15 |
+// ((sc_h >> 2 j) & 3) << 4 (IQ4_NL: unused). dims = [N, K, R, eps bits, forms]; out [M, N]. mlxi_iq4 says the values.
+mlxi_block_matvec<M, mlxi_iq4<XS>, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {qs, d_bits, sc_h, sc_l}, res, nw);
+//@@BODY q3_k_matvec
+// Q3_K's fields (quants.split) per row and block of 256 values: hmask [N, K/256, 32], qs [N, K/256, 64],
+// sc3 [N, K/256, 12] uint8, d_bits [N, K/256] the fp16 d's bits; dims = [N, K, R, eps bits, forms]; out [M, N]. mlxi_q3k
+// says the values.
+mlxi_block_matvec<M, mlxi_q3k, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {hmask, qs, sc3, d_bits}, res, nw);
+//@@BODY q2_k_matvec
+// Q2_K's fields per row and block: sc2 [N, K/256, 16] uint8, qs [N, K/256, 64], d_bits and dmin_bits
+// [N, K/256] fp16 bits; dims = [N, K, R, eps bits, forms]; out [M, N]. mlxi_q2k says the values.
+mlxi_block_matvec<M, mlxi_q2k, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {sc2, qs, d_bits, dmin_bits}, res, nw);
+//@@BODY half_matvec
+// F16 (BF 0) or BF16 (BF 1) values v [N, K] as uint16 bits; dims = [N, K, R, eps bits, forms]; out [M, N].
+mlxi_block_matvec<M, mlxi_half_values<BF>, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {v}, res, nw);
+//@@BODY rms_norm
+// RMSNorm of x [M, K] (T) with weight nw [K] (T): out [M, K] (T), a warp a row (mlxi_rms_inv: the order);
+// dims = [M, K, eps's float32 bits, 0].
+const long rows = dims[0];
+const int K = dims[1], lane = threadIdx.x & 31;
+const long row = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS + (threadIdx.x >> 5);
+if (row < rows) {
+  const T* xr = x + row * K;
+  const float inv = mlxi_rms_inv(xr, K, __int_as_float(dims[2]), lane);
+  for (int c = lane; c < K; c += 32) out[row * K + c] = (T)mlxi_norm_value<T>((float)xr[c], inv, (float)nw[c]);
+}
+//@@BODY swiglu
+// SwiGLU of x [M, 2K] (T) = [gate | up] a row: out [M, K] (T), a thread a value (mlxi_swiglu_value: the
+// order); dims = [M, K, 0, 0] (padded: kernels.kernel_args).
+const long K = dims[1], total = (long)dims[0] * K;
+const long i = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_THREADS + threadIdx.x;
+if (i < total) {
+  const long m = i / K, c = i - m * K;
+  out[i] = (T)mlxi_swiglu_value<T>((float)x[2 * K * m + c], (float)x[2 * K * m + K + c]);
+}
