@@ -8,8 +8,9 @@ SM keeps in flight while each waits for its weights (docs/performance.md): this 
         [--types Q4_K,Q6_K] [--shapes 8b] [--rows 1] [--dtype bfloat16] [--chain 20] [--reps 7]
         [--per-warp 1,2,4] [--gpu-clock] [--mlx] [--once] [--out results.jsonl]
 
-A variant is NAME=OPTIONS (extra NVRTC options, space-separated) or NAME=@FILE (another blocks.cu) or
-NAME=@FILE OPTIONS. NVRTC ignores `--maxrregcount` for a kernel with `__launch_bounds__`, which blocks.cu's
+A variant is NAME=OPTIONS (extra NVRTC options, space-separated) or NAME=@FILE (another blocks.cu, e.g. an
+earlier commit's: `git show REV:metal_kernels/blocks.cu > bench/out-variants/REV.cu`, a folder git does
+not track: carry it to a lent machine) or NAME=@FILE OPTIONS. NVRTC ignores `--maxrregcount` for a kernel with `__launch_bounds__`, which blocks.cu's
 bounded forms have (`block_kernels.min_blocks`): another register bound is another file. `--once`: each product launched twice and not timed, for Nsight Compute, e.g.
 `ncu --kernel-name regex:matvec --section SpeedOfLight --section Occupancy --section WarpStateStats
 python3 bench/probes/block_variants.py --once`. Each variant's modules are compiled here, in this
@@ -31,7 +32,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
 
 if "--gpu-clock" in sys.argv:  # read by MLX when its GPU stream starts: before the import
@@ -47,8 +47,7 @@ from mlxinfer.backends.mlx_weights import to_device
 from mlxinfer.kernels import pruned, split_parts
 
 from block_products import SHAPES
-from decode_attention import timed  # median us per call, `chain` calls a graph, after a warm-up
-from gpu_clock import elapsed_us, stamp
+from decode_attention import gpu_time, timed  # median us per call: device time of a chain; wall time, `chain` calls a graph
 from jsonl import emit
 
 
@@ -56,21 +55,6 @@ def glue(y, k: int):
     """A product's output [M, N] as the next product's x [M, K]: its first K columns, or it repeated."""
     n = y.shape[1]
     return y[:, :k] if n >= k else mx.concatenate([y] * -(-k // n), axis=1)[:, :k]
-
-
-def gpu_us(fn, x0, reps: int, chain: int) -> float:
-    """Median device microseconds a call of fn, `chain` calls chained (x -> fn(x)) between two stamps."""
-    times = []
-    for r in range(reps + 2):
-        x = x0
-        s0 = stamp(x)
-        for _ in range(chain):
-            x = fn(x)
-        s1 = stamp(x)
-        mx.eval(s0, s1, x)
-        if r >= 2:
-            times.append(elapsed_us(s0, s1) / chain)
-    return statistics.median(times)
 
 
 def variant_kernels(tag: str, path: str | None):
@@ -154,12 +138,12 @@ def main(argv=None):
                                dtype=a.dtype, gpu_clock=a.gpu_clock)
                     glue_us = 0.0
                     if a.gpu_clock and n < k:
-                        glue_us = gpu_us(lambda y: glue(y, k)[:, :n], mx.zeros((m, n), dtype), a.reps, a.chain)
+                        glue_us = gpu_time(lambda y: glue(y, k)[:, :n], mx.zeros((m, n), dtype), a.reps, a.chain)
                         row["glue_gpu_us"] = round(glue_us, 2)
 
                     def measure(fn):
                         if a.gpu_clock:
-                            return gpu_us(lambda y: glue(fn(y), k), x, a.reps, a.chain) - glue_us
+                            return gpu_time(lambda y: glue(fn(y), k), x, a.reps, a.chain) - glue_us
                         return timed(lambda: fn(x), a.reps, a.chain)
                     outs = {}
                     counts = [None] if a.per_warp is None else [int(r) for r in a.per_warp.split(",")]
@@ -174,7 +158,7 @@ def main(argv=None):
                                 if a.once:
                                     mx.eval(block_kernels.product("cuda", x, w, r))
                                 else:
-                                    us = measure(lambda y, r=r: block_kernels.product("cuda", y, w, r))
+                                    us = measure(lambda y, r=r, w=w: block_kernels.product("cuda", y, w, r))
                                     row[f"{label}_us"] = round(us, 2)
                                     row[f"{label}_gbs"] = round(n * k // block * size / us / 1e3, 1)
                                 outs[label] = np.array(block_kernels.product("cuda", x, w, r).astype(mx.float32))
