@@ -45,7 +45,8 @@
 
 // An IEEE half's bits as float, exactly (every half is a float): on the GPU the hardware's conversion
 // (PTX cvt.f32.f16, one instruction, HADD2.F32 on sm_90, where the bit arithmetic below took about ten;
-// as PTX, not __half2float, which float32 forms have no header for). A NaN's payload may not be kept
+// as PTX: through __half2float(__ushort_as_half(h)) NVRTC failed the float32 forms here, the second
+// undefined). A NaN's payload may not be kept
 // there, which no output shows: every float operation on a NaN gives the canonical one on the GPU. Off
 // the GPU (the host-run kernels of the tests) the bits by arithmetic, without a branch.
 __device__ __forceinline__ float mlxi_half_bits(unsigned int h) {
@@ -475,7 +476,7 @@ struct mlxi_affine : mlxi_groups32 {
   }
   __device__ static float value(const Row& r, int t) {
     if (BITS == 4 || BITS == 8) {
-      const float c = mlxi_code_at<BITS == 8 ? 8 : 4, ZERO>(r.words, t, r.ff00);
+      const float c = mlxi_code_at<BITS == 8 ? 8 : 4, SCALES == 0 ? ZERO : 0>(r.words, t, r.ff00);
       return SCALES == 0 ? __fmul_rn(r.scale, c) : __fmaf_rn(r.scale, c, r.bias);
     }
     const unsigned int q = mlxi_code<BITS>(r.words, t);
