@@ -35,9 +35,9 @@ def main(argv=None) -> int:
     mx.synchronize()
     cuda = ctypes.CDLL("libcuda.so.1")
     print(f"ncu_step: cuProfilerStart -> {cuda.cuProfilerStart()}", file=sys.stderr)
-    engine.generate(ids, max_tokens=a.tokens)
+    gen = engine.generate(ids, max_tokens=a.tokens)
     mx.synchronize()
-    print(f"ncu_step: cuProfilerStop -> {cuda.cuProfilerStop()}", file=sys.stderr)
+    print(f"ncu_step: cuProfilerStop -> {cuda.cuProfilerStop()}; {len(gen.token_ids)} tokens ({gen.finish_reason})", file=sys.stderr)
     return 0
 
 
