@@ -398,6 +398,31 @@ def test_scales_formed_by_one_compiled_kernel_are_float32_ones_rounded_once(qtyp
     assert part.compiled and not to_device(qtype, quants.split(raw, qtype, ROWS, COLS), (ROWS, COLS)).compiled
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K], ids=lambda q: q.name)
+def test_k_quant_scale_fields_are_split_once_at_load_without_a_copy(tmp_path, qtype):
+    """A Q4_K or Q5_K weight keeps its scale fields also as the four views `affine_scales` multiplies
+    (`split`: d, sub-scales, dmin, mins), evaluated at load over the fields' own memory (no byte more),
+    so that a product's graph does not slice the fields again: no Slice or Squeeze primitive in it (a
+    prompt's pass of the 0.6B Q4_K_M shape: 2,556 primitives, 1,968 so; step_graph.py --host), with the
+    same bits as the fields sliced in the graph (the test above)."""
+    import re
+
+    raw = quants.random_blocks(np.random.default_rng(3), qtype, ROWS, COLS, edges=True)
+    fields = [mx.array(a) for a in quants.split(raw, qtype, ROWS, COLS)]
+    mx.eval(*fields)
+    before = mx.get_active_memory()
+    split = mlx_weights.split_scale_fields(qtype, fields[1:])
+    mx.eval(*split)
+    if gpu_kind() is None:
+        assert mx.get_active_memory() == before
+    w = to_device(qtype, quants.split(raw, qtype, ROWS, COLS), (ROWS, COLS), compiled=True)
+    assert [a.shape for a in w.split] == [(ROWS, COLS // 256, 1), (ROWS, COLS // 256, 8)] * 2
+    x = mx.array(np.random.default_rng(4).standard_normal((3, COLS)).astype(np.float32))
+    mx.export_to_dot(str(tmp_path / "g.dot"), w.product(x))
+    prims = re.findall(r'label ="([A-Za-z]+)', (tmp_path / "g.dot").read_text())
+    assert "QuantizedMatmul" in prims and not {"Slice", "Squeeze"} & set(prims), prims
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("qtype", list(quants.BLOCK_TYPES), ids=lambda q: q.name)
 def test_block_values_formed_by_one_compiled_function_are_the_graphs(qtype, dtype, monkeypatch):

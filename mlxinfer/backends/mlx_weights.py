@@ -48,15 +48,25 @@ def affine_scales(qtype, parts, dtype=mx.float32) -> tuple[mx.array, mx.array]:
     bias is the rounded scale times the offset (a power of two: the same value as the float32 scale's
     product rounded), the K-quants' fields are cast a part at a time."""
     if qtype in (Q.Q4_K, Q.Q5_K):
-        dd, sm = parts
-        rows = dd.shape[0]
-        scales = dd[..., 0:1].astype(mx.float32) * sm[..., 0, :].astype(mx.float32)
-        biases = -(dd[..., 1:2].astype(mx.float32) * sm[..., 1, :].astype(mx.float32))
+        d, sc, dmin, m = parts if len(parts) == 4 else split_scale_fields(qtype, parts)
+        rows = d.shape[0]
+        scales = d.astype(mx.float32) * sc.astype(mx.float32)
+        biases = -(dmin.astype(mx.float32) * m.astype(mx.float32))
         return mx.reshape(scales.astype(dtype), (rows, -1)), mx.reshape(biases.astype(dtype), (rows, -1))
     scales = parts[0].astype(mx.float32).astype(dtype)
     if qtype in _OFFSET:
         return scales, scales * mx.array(_OFFSET[qtype], dtype)
     return scales, parts[1].astype(mx.float32).astype(dtype)
+
+
+def split_scale_fields(qtype, parts) -> tuple:
+    """Q4_K's and Q5_K's scale fields (d, dmin [rows, blocks, 2]; sub-scales, mins [rows, blocks, 2, 8])
+    as the four views `affine_scales` multiplies: d [rows, blocks, 1], sub-scales [rows, blocks, 8], dmin,
+    mins. Evaluated once at load (`QuantizedWeight.split`), they are arrays of their own over the
+    fields' memory (no copy), so that a product's graph starts from them instead of slicing the fields
+    again (a dozen view primitives a product of a prompt's pass, each the host's work to evaluate)."""
+    dd, sm = parts
+    return dd[..., 0:1], sm[..., 0, :], dd[..., 1:2], sm[..., 1, :]
 
 
 @lru_cache(maxsize=None)
@@ -167,6 +177,7 @@ class QuantizedWeight:
     dtype: mx.Dtype = mx.float32  # the products' dtype: scales and biases are cast to it
     compiled: bool = False  # its scales formed by `formed_scales` (on a GPU: one launch, not four)
     kernel_fields: tuple = ()  # the block kernels' inputs, made once at load (`block_kernels.kernel_fields`)
+    split: tuple = ()  # Q4_K / Q5_K: the scale fields as `split_scale_fields`' views, made once at load
 
     @property
     def bits(self) -> int:
@@ -181,8 +192,8 @@ class QuantizedWeight:
         if self.float_scales:
             return self.parts if parts is None else parts
         if parts is None and self.compiled:
-            return formed_scales(self.qtype, self.dtype)(*self.parts)
-        return affine_scales(self.qtype, self.parts if parts is None else parts, self.dtype)
+            return formed_scales(self.qtype, self.dtype)(*(self.split or self.parts))
+        return affine_scales(self.qtype, (self.split or self.parts) if parts is None else parts, self.dtype)
 
     @property
     def scales(self) -> mx.array:
@@ -194,7 +205,8 @@ class QuantizedWeight:
 
     def row_slice(self, a: int, b: int) -> "QuantizedWeight":
         return QuantizedWeight(self.w[a:b], tuple(p[a:b] for p in self.parts), self.qtype, (b - a, self.shape[1]),
-                               self.float_scales, self.dtype, self.compiled, tuple(f[a:b] for f in self.kernel_fields))
+                               self.float_scales, self.dtype, self.compiled, tuple(f[a:b] for f in self.kernel_fields),
+                               tuple(f[a:b] for f in self.split))
 
     def product(self, x) -> mx.array:
         """x @ self.T."""
@@ -349,5 +361,9 @@ def to_device(qtype, arrays, shape, float_scales: bool = False, dtype=mx.float32
             affine = affine_scales(qtype, arrays[1:], dtype)
             mx.eval(*affine)
             return QuantizedWeight(arrays[0], affine, qtype, shape, True, dtype)
-        return QuantizedWeight(arrays[0], arrays[1:], qtype, shape, dtype=dtype, compiled=compiled)
+        split = ()
+        if qtype in (Q.Q4_K, Q.Q5_K):
+            split = split_scale_fields(qtype, arrays[1:])
+            mx.eval(*split)
+        return QuantizedWeight(arrays[0], arrays[1:], qtype, shape, dtype=dtype, compiled=compiled, split=split)
     return BlockWeight(arrays, qtype, shape, dtype, compiled=compiled)
