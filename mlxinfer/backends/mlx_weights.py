@@ -41,8 +41,9 @@ DENSE_SLICE_BYTES = 128 << 20  # the most of a BlockWeight a product dequantizes
 
 def affine_scales(qtype, parts, dtype=mx.float32) -> tuple[mx.array, mx.array]:
     """(scales, biases) [rows, in/32] in `dtype` from the kept scale fields: d (and m) for the 32-value
-    types; d, dmin [rows, blocks, 2] and sub-scales, mins [rows, blocks, 2, 8] for Q4_K/Q5_K (scale
-    d·sc, bias -dmin·m; exact products: quants' doc), formed in float32 and rounded once to `dtype`.
+    types; d, dmin [rows, blocks, 2] and sub-scales, mins [rows, blocks, 2, 8] for Q4_K/Q5_K, or those as
+    `split_scale_fields`' four views (scale d·sc, bias -dmin·m; exact products: quants' doc), formed in
+    float32 and rounded once to `dtype`.
     Each output is its own chain of elementwise operations from the fields (no float32 array shared by
     the two), so that MLX's compiler fuses each into one kernel (`formed_scales`): the offset types'
     bias is the rounded scale times the offset (a power of two: the same value as the float32 scale's
