@@ -46,9 +46,9 @@
 // An IEEE half's bits as float, exactly (every half is a float): on the GPU the hardware's conversion
 // (PTX cvt.f32.f16, one instruction, HADD2.F32 on sm_90, where the bit arithmetic below took about ten;
 // as PTX: through __half2float(__ushort_as_half(h)) NVRTC failed the float32 forms here, the second
-// undefined). A NaN's payload may not be kept
-// there, which no output shows: every float operation on a NaN gives the canonical one on the GPU. Off
-// the GPU (the host-run kernels of the tests) the bits by arithmetic, without a branch.
+// undefined). A NaN's payload may not be kept there, which no output shows: every float operation on a
+// NaN gives the canonical one on the GPU. Off the GPU (the host-run kernels of the tests) the bits by
+// arithmetic, without a branch.
 __device__ __forceinline__ float mlxi_half_bits(unsigned int h) {
 #ifdef __CUDA_ARCH__
   float f;
@@ -94,8 +94,7 @@ __device__ __forceinline__ float mlxi_code_float(unsigned int q, float z2) {
 // by the AND), so that the AND's one constant is field mask | exponent (the compiler otherwise fuses an
 // OR and an AND into one LOP3 of two constants, one of them moved into a register at every use). A
 // word's fields past bit 20 come from its top half, moved down by the same permute. ff00: 0xFF00, held
-// in a register by the caller (a value the compiler cannot see is constant: else it moves it into one at
-// every permute).
+// in a register by the caller (mlxi_held).
 template <int BITS, int Z>
 __device__ __forceinline__ float mlxi_code_at(const unsigned int* words, int t, unsigned int ff00) {
   const int bit = BITS * t, wi = bit >> 5, sh = bit & 31, s = sh + BITS <= 20 ? sh : sh - 16;
@@ -103,6 +102,15 @@ __device__ __forceinline__ float mlxi_code_at(const unsigned int* words, int t, 
   const unsigned int magic = (unsigned int)(127 + 23 - s) << 23;
   const float base = __uint_as_float(magic);  // 2^(23 - s)
   return __fsub_rn(__uint_as_float(w & ((((1u << BITS) - 1u) << s) | magic)), __fadd_rn(base, (float)Z));
+}
+
+// Constant c as a register the kernels hold (mlxi_code_at's ff00, mlxi_q6k's magic): at one row of x made
+// from dims[0] (an output row count, never negative: its top bit is 0), a value NVRTC cannot see is
+// constant, so it keeps it in a register instead of moving it into one at every use; at more rows the
+// constant itself (one more register held spills there).
+template <int M>
+__device__ __forceinline__ unsigned int mlxi_held(unsigned int c, const int* dims) {
+  return M > 1 ? c : c | ((unsigned int)dims[0] >> 31);
 }
 
 // Entry c (0..15) of IQ4_NL's and IQ4_XS's codebook (llama.cpp's kvalues_iq4nl), as float.
@@ -393,7 +401,7 @@ struct mlxi_q6k {
     const uint8_t* qh;
     const int8_t* scales;
     const uint16_t* d_bits;
-    unsigned int magic;  // 0x4B000000 (value's byte permute), at one row of x a register (mlxi_affine's ff00)
+    unsigned int magic;  // 0x4B000000 (value's byte permute; mlxi_held)
   };
   struct Row {
     uint2 lo0, lo1, hb;
@@ -446,8 +454,7 @@ struct mlxi_affine : mlxi_groups32 {
     const unsigned int* w;
     const uint16_t* s0;
     const void* s1;  // uint16_t (SCALES 1: m's bits) or uint8_t (SCALES 2: sub-scales and mins)
-    unsigned int ff00;  // 0xFF00 (mlxi_code_at), at one row of x made from dims: a register (at more, a
-                        // constant: one more register held spills there)
+    unsigned int ff00;  // 0xFF00 (mlxi_code_at; mlxi_held)
   };
   struct Row {
     unsigned int words[BITS];
@@ -645,7 +652,7 @@ struct mlxi_half_values : mlxi_groups32 {
 // consecutive bytes of ql at 64h + 8c and at 64h + 32 + 8c, eight of qh at 32h + 8c, one scale per j.
 // Lane l takes the units u = l, l + 32, ... and in each adds j = 0..3, t = 0..7 in that order: the units
 // of a row are loaded in parallel by the lanes (mlxi_block_matvec, mlxi_q6k).
-mlxi_block_matvec<M, mlxi_q6k, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {ql, qh, scales, d_bits, M > 1 ? 0x4B000000u : 0x4B000000u | ((unsigned int)dims[0] >> 31)}, res, nw);
+mlxi_block_matvec<M, mlxi_q6k, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {ql, qh, scales, d_bits, mlxi_held<M>(0x4B000000u, dims)}, res, nw);
 //@@BODY affine_matvec
 // The affine types as the MLX backend keeps them (quants.split): w [N, K BITS / 32] uint32 (MLX's packing),
 // then the file's scale fields, by SCALES: 0 (Q8_0, Q4_0, Q5_0) s0 [N, K / 32] the fp16 d's bits, scale d,
@@ -655,7 +662,7 @@ mlxi_block_matvec<M, mlxi_q6k, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {ql, qh, sca
 // dims = [N, K, R, eps bits, forms]; out [M, N]. Lane l takes groups l, l + 32, ..., each t = 0..31: code t of the group
 // (MLX's packing: bits [BITS t, BITS (t + 1)) of the group's BITS words), w = scale * code + bias (each
 // step rounded), then the product with x and the sum (mlxi_block_matvec, mlxi_affine).
-mlxi_block_matvec<M, mlxi_affine<BITS, SCALES, ZERO>, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {w, s0, s1, M > 1 ? 0xFF00u : 0xFF00u | ((unsigned int)dims[0] >> 31)}, res, nw);
+mlxi_block_matvec<M, mlxi_affine<BITS, SCALES, ZERO>, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {w, s0, s1, mlxi_held<M>(0xFF00u, dims)}, res, nw);
 //@@BODY iq4_matvec
 // IQ4_NL (XS 0) and IQ4_XS (XS 1) as the MLX backend keeps them (quants.split: the file's fields): qs the
 // 4-bit codes, 16 bytes per 32 values (IQ4_NL [N, K / 32, 16]; IQ4_XS [N, K / 256, 128], sub-block j at

@@ -411,7 +411,7 @@ def test_k_quant_scale_fields_are_split_once_at_load_without_a_copy(tmp_path, qt
     fields = [mx.array(a) for a in quants.split(raw, qtype, ROWS, COLS)]
     mx.eval(*fields)
     before = mx.get_active_memory()
-    split = mlx_weights.split_scale_fields(qtype, fields[1:])
+    split = mlx_weights.split_scale_fields(fields[1:])
     mx.eval(*split)
     if gpu_kind() is None:
         assert mx.get_active_memory() == before

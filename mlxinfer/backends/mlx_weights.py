@@ -49,7 +49,7 @@ def affine_scales(qtype, parts, dtype=mx.float32) -> tuple[mx.array, mx.array]:
     bias is the rounded scale times the offset (a power of two: the same value as the float32 scale's
     product rounded), the K-quants' fields are cast a part at a time."""
     if qtype in (Q.Q4_K, Q.Q5_K):
-        d, sc, dmin, m = parts if len(parts) == 4 else split_scale_fields(qtype, parts)
+        d, sc, dmin, m = parts if len(parts) == 4 else split_scale_fields(parts)
         rows = d.shape[0]
         scales = d.astype(mx.float32) * sc.astype(mx.float32)
         biases = -(dmin.astype(mx.float32) * m.astype(mx.float32))
@@ -60,7 +60,7 @@ def affine_scales(qtype, parts, dtype=mx.float32) -> tuple[mx.array, mx.array]:
     return scales, parts[1].astype(mx.float32).astype(dtype)
 
 
-def split_scale_fields(qtype, parts) -> tuple:
+def split_scale_fields(parts) -> tuple:
     """Q4_K's and Q5_K's scale fields (d, dmin [rows, blocks, 2]; sub-scales, mins [rows, blocks, 2, 8])
     as the four views `affine_scales` multiplies: d [rows, blocks, 1], sub-scales [rows, blocks, 8], dmin,
     mins. Evaluated once at load (`QuantizedWeight.split`), they are arrays of their own over the
@@ -364,7 +364,7 @@ def to_device(qtype, arrays, shape, float_scales: bool = False, dtype=mx.float32
             return QuantizedWeight(arrays[0], affine, qtype, shape, True, dtype)
         split = ()
         if qtype in (Q.Q4_K, Q.Q5_K):
-            split = split_scale_fields(qtype, arrays[1:])
+            split = split_scale_fields(arrays[1:])
             mx.eval(*split)
         return QuantizedWeight(arrays[0], arrays[1:], qtype, shape, dtype=dtype, compiled=compiled, split=split)
     return BlockWeight(arrays, qtype, shape, dtype, compiled=compiled)
