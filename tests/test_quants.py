@@ -22,6 +22,7 @@ Q3_K q' = (sc - 32)·q + 127 (3..255), scale d, bias -127 d. They would run at Q
 """
 
 import gc
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -377,9 +378,9 @@ def test_float_scales_give_the_same_bits_in_more_memory(model_dir, qtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("qtype", list(quants.AFFINE_BITS), ids=lambda q: q.name)
-def test_scales_formed_by_one_compiled_kernel_are_float32_ones_rounded_once(qtype, dtype):
+def test_scales_formed_by_one_compiled_kernel_are_float32_ones_rounded_once(qtype, dtype, tmp_path):
     """An affine weight's scales and biases in the products' dtype come from one compiled function
-    on a GPU (`formed_scales`: a fused kernel a product; a row slice's too), elsewhere and for gathered
+    on a GPU (`formed_scales`: one fused kernel a product for both; a row slice's too), elsewhere and for gathered
     rows from the same function uncompiled (`affine_scales`): both the float32 values (as gguf-py's
     arithmetic forms them) rounded once to the dtype, bit for bit, edge values included (fp16
     subnormals, +-65504, zeros, negatives: an offset type's bias is the rounded scale times a power of
@@ -396,17 +397,21 @@ def test_scales_formed_by_one_compiled_kernel_are_float32_ones_rounded_once(qtyp
             assert got.dtype == mdt
             assert np.array_equal(np.array(mx.view(got, bits)), np.array(mx.view(want.astype(mdt), bits))), name
     assert part.compiled and not to_device(qtype, quants.split(raw, qtype, ROWS, COLS), (ROWS, COLS)).compiled
+    # one launch for both: a single fused kernel, the scales and biases views of its output's halves
+    mx.export_to_dot(str(tmp_path / "g.dot"), *part.affine())
+    prims = re.findall(r'label ="([A-Za-z]+)', (tmp_path / "g.dot").read_text())
+    launching = [p for p in prims if p not in ("Slice", "Reshape")]
+    assert len(launching) == 1 and launching[0].startswith("Compiled"), prims
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K], ids=lambda q: q.name)
 def test_k_quant_scale_fields_are_split_once_at_load_without_a_copy(tmp_path, qtype):
     """A Q4_K or Q5_K weight keeps its scale fields also as the four views `affine_scales` multiplies
     (`split`: d, sub-scales, dmin, mins), evaluated at load over the fields' own memory (no byte more),
-    so that a product's graph does not slice the fields again: no Slice or Squeeze primitive in it (a
-    prompt's pass of the 0.6B Q4_K_M shape: 2,556 primitives, 1,968 so; step_graph.py --host), with the
-    same bits as the fields sliced in the graph (the test above)."""
-    import re
-
+    so that a product's graph does not slice the fields again: no Slice or Squeeze primitive before the
+    compiled kernel that forms the scales and biases (a prompt's pass of the 0.6B Q4_K_M shape: 2,556
+    primitives, 1,968 so; step_graph.py --host), with the same bits as the fields sliced in the graph
+    (the test above)."""
     raw = quants.random_blocks(np.random.default_rng(3), qtype, ROWS, COLS, edges=True)
     fields = [mx.array(a) for a in quants.split(raw, qtype, ROWS, COLS)]
     mx.eval(*fields)
@@ -420,7 +425,10 @@ def test_k_quant_scale_fields_are_split_once_at_load_without_a_copy(tmp_path, qt
     x = mx.array(np.random.default_rng(4).standard_normal((3, COLS)).astype(np.float32))
     mx.export_to_dot(str(tmp_path / "g.dot"), w.product(x))
     prims = re.findall(r'label ="([A-Za-z]+)', (tmp_path / "g.dot").read_text())
-    assert "QuantizedMatmul" in prims and not {"Slice", "Squeeze"} & set(prims), prims
+    # the fields go straight into the one compiled kernel (`formed_scales`), whose output's two halves
+    # (the scales, the biases) are the only slices
+    assert sorted(prims) == sorted([prims[0], "Slice", "Reshape", "Slice", "Reshape", "QuantizedMatmul"]), prims
+    assert prims[0].startswith("Compiled") and prims[0].endswith("Select"), prims
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -7,6 +7,9 @@ of, e.g. (H100, 2026-12-06, bench/results/h100-20261206-*-ncu-step-8b.csv):
 
     ncu --profile-from-start off --metrics gpu__time_duration.sum --csv --print-units base \\
         python3 bench/probes/ncu_step.py -m qwen3-8b-q4km-synthetic -p 17 --tokens 4 > step.csv
+
+`--engine mlx-lm` profiles mlx-lm's model of the same shapes instead (random weights quantized by
+`--peer-quant`, stepped by its `generate_step`).
 """
 
 from __future__ import annotations
@@ -28,17 +31,41 @@ def main(argv=None) -> int:
     ap.add_argument("-p", "--prompt", type=int, default=17)
     ap.add_argument("--tokens", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--engine", default="ours", choices=["ours", "mlx-lm"])
+    ap.add_argument("--peer-quant", default="4:64", help="mlx-lm: BITS:GROUP of random weights of the shapes")
     a = ap.parse_args(argv)
-    engine = mlxinfer.load(model_path(a.model), backend="mlx", device="gpu", dtype=a.dtype)
-    ids = prompt_ids(a.prompt, engine.args.vocab_size)
-    engine.generate(ids, max_tokens=a.tokens + 2)  # warm
+    generate = _mlx_lm(a) if a.engine == "mlx-lm" else _ours(a)
+    generate(a.tokens + 2)  # warm
     mx.synchronize()
     cuda = ctypes.CDLL("libcuda.so.1")
     print(f"ncu_step: cuProfilerStart -> {cuda.cuProfilerStart()}", file=sys.stderr)
-    gen = engine.generate(ids, max_tokens=a.tokens)
+    n = generate(a.tokens)
     mx.synchronize()
-    print(f"ncu_step: cuProfilerStop -> {cuda.cuProfilerStop()}; {len(gen.token_ids)} tokens ({gen.finish_reason})", file=sys.stderr)
+    print(f"ncu_step: cuProfilerStop -> {cuda.cuProfilerStop()}; {n} tokens", file=sys.stderr)
     return 0
+
+
+def _ours(a):
+    engine = mlxinfer.load(model_path(a.model), backend="mlx", device="gpu", dtype=a.dtype)
+    ids = prompt_ids(a.prompt, engine.args.vocab_size)
+    return lambda n: len(engine.generate(ids, max_tokens=n).token_ids)
+
+
+def _mlx_lm(a):
+    """mlx-lm's model of the same shapes (random weights, `--peer-quant`), stepped by its generate_step."""
+    import pathlib
+    import tempfile
+
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    from mlxinfer.peers import write_mlx_lm_model
+
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="ncu-step-"))
+    quant = tuple(int(x) for x in a.peer_quant.split(":"))
+    model, _ = load_model(pathlib.Path(write_mlx_lm_model(model_path(a.model), folder, a.dtype, quant)))
+    ids = mx.array(prompt_ids(a.prompt, model.args.vocab_size))
+    return lambda n: sum(1 for _ in generate_step(ids, model, max_tokens=n))
 
 
 if __name__ == "__main__":

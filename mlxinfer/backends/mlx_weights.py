@@ -43,17 +43,22 @@ def affine_scales(qtype, parts, dtype=mx.float32) -> tuple[mx.array, mx.array]:
     """(scales, biases) [rows, in/32] in `dtype` from the kept scale fields: d (and m) for the 32-value
     types; d, dmin [rows, blocks, 2] and sub-scales, mins [rows, blocks, 2, 8] for Q4_K/Q5_K, or those as
     `split_scale_fields`' four views (scale d·sc, bias -dmin·m; exact products: quants' doc), formed in
-    float32 and rounded once to `dtype`.
-    Each output is its own chain of elementwise operations from the fields (no float32 array shared by
-    the two), so that MLX's compiler fuses each into one kernel (`formed_scales`): the offset types'
-    bias is the rounded scale times the offset (a power of two: the same value as the float32 scale's
-    product rounded), the K-quants' fields are cast a part at a time."""
+    float32 and rounded once to `dtype` (`_scale_chains`), as [rows, in/32]."""
+    rows = parts[0].shape[0]
+    scales, biases = _scale_chains(qtype, parts, dtype)
+    return mx.reshape(scales, (rows, -1)), mx.reshape(biases, (rows, -1))
+
+
+def _scale_chains(qtype, parts, dtype) -> tuple[mx.array, mx.array]:
+    """affine_scales' two chains of elementwise operations from the fields, of one shape ([rows, blocks,
+    8] for Q4_K/Q5_K, else [rows, in/32]): the offset types' bias is the rounded scale times the offset
+    (a power of two: the same value as the float32 scale's product rounded), the K-quants' fields are
+    cast a part at a time. No multiply feeds an add, so no compiler can contract one into an fma."""
     if qtype in (Q.Q4_K, Q.Q5_K):
         d, sc, dmin, m = parts if len(parts) == 4 else split_scale_fields(parts)
-        rows = d.shape[0]
         scales = d.astype(mx.float32) * sc.astype(mx.float32)
         biases = -(dmin.astype(mx.float32) * m.astype(mx.float32))
-        return mx.reshape(scales.astype(dtype), (rows, -1)), mx.reshape(biases.astype(dtype), (rows, -1))
+        return scales.astype(dtype), biases.astype(dtype)
     scales = parts[0].astype(mx.float32).astype(dtype)
     if qtype in _OFFSET:
         return scales, scales * mx.array(_OFFSET[qtype], dtype)
@@ -72,10 +77,22 @@ def split_scale_fields(parts) -> tuple:
 
 @lru_cache(maxsize=None)
 def formed_scales(qtype, dtype):
-    """`affine_scales` in `dtype` as one compiled function: MLX fuses each output's chain into one
-    kernel, where the graph launches four (the 32-value types) to seven (Q4_K, Q5_K) a product on a GPU
-    (bench/probes/step_graph.py counts them). The same operations: the same bits (tested)."""
-    return mx.compile(lambda *parts: affine_scales(qtype, parts, dtype))
+    """`affine_scales` in `dtype` as one compiled function of one launch on a GPU (where the graph
+    launches four to seven a product of a prompt's pass; bench/probes/step_graph.py counts them). The
+    offset types' bias is made from the scale, so MLX's compiler fuses the two into one kernel; the
+    others' are two chains from different fields, each a kernel of its own, so both are computed for
+    every element of one [2, ...] array, `mx.where` keeping the scale's in its first half and the bias's
+    in its second (one kernel; the halves are contiguous, so the scales and biases are views). The same
+    operations: the same bits (tested)."""
+    def formed(*parts):
+        rows = parts[0].shape[0]
+        scales, biases = _scale_chains(qtype, parts, dtype)
+        if qtype in _OFFSET:  # the bias made from the scale: one kernel for both already
+            return scales, biases
+        both = mx.where(mx.array(np.array([True, False]).reshape((2,) + (1,) * scales.ndim)), scales, biases)
+        return mx.reshape(both[:1], (rows, -1)), mx.reshape(both[1:], (rows, -1))
+
+    return mx.compile(formed)
 
 
 def _shifts(*values, dtype=mx.uint8) -> mx.array:
