@@ -433,7 +433,7 @@ def test_k_quant_scale_fields_are_split_once_at_load_without_a_copy(tmp_path, qt
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("qtype", list(quants.BLOCK_TYPES), ids=lambda q: q.name)
-def test_block_values_formed_by_one_compiled_function_are_the_graphs(qtype, dtype, monkeypatch):
+def test_block_values_formed_by_one_compiled_function_are_the_graphs(qtype, dtype, monkeypatch, tmp_path):
     """A FUSABLE block type's dequantized values (a prompt's product on a GPU: `formed_values`, compiled
     into a few fused kernels, a row slice's too) are the graph's `dequantize` bit for bit, edge values
     included; Q2_K stays in the graph (its dl * q - ml could become one fma in a fused kernel), and a
@@ -454,6 +454,10 @@ def test_block_values_formed_by_one_compiled_function_are_the_graphs(qtype, dtyp
     monkeypatch.setattr(mlx_weights, "formed_values", lambda q, d: calls.append(q) or real(q, d))
     w.dense(), to_device(qtype, parts, (ROWS, COLS), dtype=mdt).dense()
     assert calls == ([qtype] if qtype in mlx_weights.FUSABLE else []) and part.compiled
+    if qtype == Q.Q6_K:  # one launch: the cast to the dtype fused too (after the final reshape it was one more)
+        mx.export_to_dot(str(tmp_path / "g.dot"), w.dense())
+        prims = re.findall(r'label ="([A-Za-z]+)', (tmp_path / "g.dot").read_text())
+        assert len([p for p in prims if p != "Reshape"]) == 1, prims
 
 
 def test_scales_are_formed_at_each_use_unless_asked():

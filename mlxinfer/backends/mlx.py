@@ -1032,7 +1032,10 @@ class MLXBackend(Backend):
         return self._matrix(g, name, transposed=False)
 
     def load_vector(self, g, name):
-        return mx.array(np.ascontiguousarray(g.dequantize(name), dtype=np.float32).reshape(-1)).astype(self.dtype)
+        # evaluated here: left lazy, the cast would be a launch of every first pass (113 in a 0.6B Qwen3's)
+        v = mx.array(np.ascontiguousarray(g.dequantize(name), dtype=np.float32).reshape(-1)).astype(self.dtype)
+        mx.eval(v)
+        return v
 
     # -- the KV cache's stores, in kv_dtype (q8_0: packed int8 rows, `backends/mlx_kv.py`) -----------
     def new_store(self, slots, capacity, width):

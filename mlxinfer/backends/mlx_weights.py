@@ -169,7 +169,15 @@ def formed_values(qtype, dtype):
     in the graph; Q8_0's 643). The same operations: the same bits (tested). The shape comes from the
     fields: rows, then blocks."""
     values = GGML_QUANT_SIZES[qtype][0]
-    return mx.compile(lambda *parts: dequantize(qtype, parts, parts[0].shape[0], parts[0].shape[1] * values).astype(dtype))
+
+    def formed(*parts):
+        rows, blocks = parts[0].shape[:2]
+        if qtype not in _BLOCKS:
+            return dequantize(qtype, parts, rows, blocks * values).astype(dtype)
+        # cast before the reshape to [rows, cols]: after it, the cast is a kernel of its own
+        return mx.reshape(_BLOCKS[qtype](rows * blocks, *parts).astype(dtype), (rows, blocks * values))
+
+    return mx.compile(formed)
 
 
 def dequantize(qtype, parts, rows: int, cols: int) -> mx.array:
