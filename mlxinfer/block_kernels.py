@@ -118,6 +118,21 @@ def default_per_warp(kind: str, n: int) -> int:
     return next((r for r in (4, 2) if r <= most and -(-n // (r * WARPS)) >= MIN_BLOCKS_A_LAUNCH), 1)
 
 
+SWIGLU_FUSED_MAX_VALUES = 1 << 24  # a down product takes the SWIGLU form up to this many weights (N x K)
+
+
+def fuses_swiglu(w) -> bool:
+    """Whether a down product by w takes SwiGLU inside its launch (the SWIGLU form) rather than after the
+    `swiglu` kernel's (the same bits either way). Every block of the form stages silu(gate) * up of the
+    whole row of x, K values of an exp and a division each, about as many instructions a thread as its
+    warp's share of the product at one row a warp: a down product's device time nearly doubles, once a
+    wave of blocks. Apart, SwiGLU is one more launch (its host time, ~10 us, and a few us of the device's)
+    and computed once. Where decode is host-bound (small shapes: the 0.6B shape's down is 3.1M weights)
+    the launch costs more; where it is device-bound (the 8B shape's, 50M) the staging does. The bound
+    between them is a guess, not yet measured on shapes in between."""
+    return SWIGLU_FUSED_MAX_VALUES is None or w.shape[0] * w.shape[1] <= SWIGLU_FUSED_MAX_VALUES
+
+
 # Blocks of 256 threads a CUDA block kernel is compiled to keep resident on an SM (`__launch_bounds__`,
 # blocks.cu's MLXI_MIN_BLOCKS). 3 caps a thread at 80 registers (65,536 / 768, in whole 8s), where the
 # compiler's own choice (95-96 at one row of x) let an SM hold 2 blocks, 16 warps, too few to keep a

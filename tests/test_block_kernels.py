@@ -993,3 +993,35 @@ def test_the_decode_forms_fit_their_launch_bounds():
     assert block_kernels.min_blocks("q3_k_matvec", 1) == 1 and resources(Q.Q3_K, 1)[0] > 80
     # no bound at all, not one of 1 block an SM, which lets NVRTC take up to 255 (Q3_K's 8 rows: 218)
     assert resources(Q.Q3_K, block_kernels.MAX_ROWS)[0] <= 176
+
+
+@pytest.mark.parametrize("limit,fused", [(None, True), (512 * 256, True), (512 * 256 - 1, False)])
+def test_a_down_product_takes_swiglu_inside_it_up_to_a_size(monkeypatch, limit, fused):
+    """A decode row's FFN on the block kernels: SwiGLU inside the down product's launch (the SWIGLU form,
+    with ADD) where the down weight has at most `block_kernels.SWIGLU_FUSED_MAX_VALUES` weights (None: any),
+    else the `swiglu` kernel, then the down product with ADD: one launch more, the same bits (each form's
+    bits: the GPU self-checks and test_gpu_norms_swiglu_and_residuals_join_the_products_bit_for_bit).
+    (Stand-in kernels on MLX's CPU, the backend told it is on a GPU: the launches made, in order.)"""
+    from mlxinfer.backends.mlx_weights import WeightGroup
+
+    launched = []
+    monkeypatch.setattr(block_kernels, "SWIGLU_FUSED_MAX_VALUES", limit)
+    monkeypatch.setattr(block_kernels, "product", lambda kind, x, w, per_warp=None, residual=None, norm=None, swiglu=False:
+                        launched.append(("product", norm is not None, residual is not None, swiglu))
+                        or mx.zeros((x.shape[0], w.shape[0]), x.dtype))
+    monkeypatch.setattr(block_kernels, "swiglu", lambda kind, x: launched.append(("swiglu",))
+                        or mx.zeros((x.shape[0], x.shape[1] // 2), x.dtype))
+    b = MLXBackend(device="cpu")
+    b.device, b.block_kind, b.norm_kind, b.swiglu_kind, b.fused_forms = "gpu", "cuda", "cuda", "cuda", True
+    b.weight_dtype = b.dtype
+    rng = np.random.default_rng(5)
+
+    def weight(n, k):
+        raw = quants.random_blocks(rng, Q.Q8_0, n, k)
+        return to_device(Q.Q8_0, quants.split(raw, Q.Q8_0, n, k), (n, k))
+
+    gate_up = WeightGroup(weight(1024, 256), (512, 512))
+    x = mx.array(rng.standard_normal((1, 256)).astype(np.float32))
+    b.swiglu_ffn(x, mx.ones((256,)), 1e-6, gate_up, weight(256, 512))
+    down = [("product", False, True, True)] if fused else [("swiglu",), ("product", False, True, False)]
+    assert launched == [("product", True, False, False)] + down

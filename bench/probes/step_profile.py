@@ -29,7 +29,8 @@ step; mlx-lm: its model call), between two GPU clock stamps (bench/probes/gpu_cl
 step; it sets MLX_MAX_OPS_PER_BUFFER and MLX_MAX_MB_PER_BUFFER so high that each evaluation is one
 CUDA graph, launched once encoded, so no host gap falls between the stamps. When `gpu_ms` is well
 below the interval the step is host-bound: fewer primitives, not faster kernels, make a faster token. `--variants` adds our engine with the attention kernel's launch plan forced
-(`one-launch`), with Q, K, V and gate, up as separate products (`separate`), with each layer's norms
+(`one-launch`), with every down product's SwiGLU in its launch whatever its shape
+(`swiglu-fused`: `block_kernels.fuses_swiglu` off), with Q, K, V and gate, up as separate products (`separate`), with each layer's norms
 and residual adds apart from the block kernels' products (`unfused`: the launches before their NORM,
 ADD and SWIGLU forms), with SwiGLU alone apart (`swiglu-apart`: before the SWIGLU form), with MLX's own
 norms and SwiGLU in a prompt's pass (`prefill-mlx-ops`: our kernels for decode rows only), and with attention replaced by a copy of the queries (`no-attention`: wrong text, the
@@ -58,7 +59,7 @@ if "--gpu-clock" in sys.argv:  # read by MLX when its GPU stream starts: before 
 import mlx.core as mx
 
 import mlxinfer
-from mlxinfer import kernels
+from mlxinfer import block_kernels, kernels
 from mlxinfer.loop import Loop
 from mlxinfer.benchmark import model_path
 from mlxinfer.peers import prompt_ids, write_mlx_lm_model
@@ -119,9 +120,11 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="floa
     engine = mlxinfer.Engine(path, backend(device=device, dtype=dtype))
     engine.tokenizer = dataclasses.replace(engine.tokenizer, eog_ids=frozenset())  # always `gen` tokens
     ops = engine.backend
-    limits = kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH
+    limits = kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH, block_kernels.SWIGLU_FUSED_MAX_VALUES
     if variant == "one-launch":
         kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = 0, 0
+    if variant == "swiglu-fused":  # every down product in its SWIGLU form, whatever its shape
+        block_kernels.SWIGLU_FUSED_MAX_VALUES = None
     clock = Clock(gpu_clock)
     start, to_numpy, sync, launch, step = ops.start, ops.to_numpy, ops.sync, Loop._launch, Loop.step
     decode_step = engine.decode_step._step
@@ -185,7 +188,7 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="floa
                             encode_ms=_median(rows, "encode"), wait_ms=_median(rows, "wait"), gpu_ms=clock.gpu_ms(),
                             decode_tok_s=round(1000 / statistics.fmean(intervals), 1)))
     finally:
-        kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = limits
+        kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH, block_kernels.SWIGLU_FUSED_MAX_VALUES = limits
         Loop._launch, Loop.step = launch, step
         ops.start, ops.to_numpy, ops.sync = start, to_numpy, sync
     return out
@@ -262,7 +265,7 @@ def main(argv=None):
     p.add_argument("--cases", default="17,511")
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--engines", default="ours,mlx-lm")
-    p.add_argument("--variants", default="default", help="ours: default, one-launch, separate, no-attention, unfused, swiglu-apart, prefill-mlx-ops")
+    p.add_argument("--variants", default="default", help="ours: default, one-launch, separate, no-attention, unfused, swiglu-apart, swiglu-fused, prefill-mlx-ops")
     p.add_argument("--model", default="qwen3-0.6b-synthetic", help="as mlxinfer bench's --model")
     p.add_argument("--device", default="gpu", help="gpu, or cpu to try the script without one")
     p.add_argument("--gpu-clock", action="store_true", help="add gpu_ms (CUDA; one CUDA graph per evaluation)")

@@ -1259,13 +1259,15 @@ class MLXBackend(Backend):
         # Where the block kernels run (`swiglu_kind`): gate and up stay side by side (one merged product,
         # no column views) and SwiGLU is blocks.cu's `swiglu` kernel; for decode rows of a block type with
         # the fused forms, its values are what the down product's SWIGLU form multiplies, the residual
-        # added in the same launch (ADD): norm + gate/up, then SwiGLU + down + add, two launches a layer.
+        # added in the same launch (ADD): norm + gate/up, then SwiGLU + down + add, two launches a layer,
+        # where the down weight is small enough (`block_kernels.fuses_swiglu`; else the swiglu kernel first).
         # Elsewhere the composite's default (MLX's own silu and product, compiled into one kernel).
         if not (self.swiglu_kind and isinstance(gate_up, WeightGroup) and len(gate_up.sizes) == 2
                 and gate_up.sizes[0] == gate_up.sizes[1] and x.dtype == self.dtype):
             return super().swiglu_ffn(x, weight, eps, gate_up, down, groups)
         gu = self._norm_product(x, weight, eps, gate_up.merged, groups)
-        if self.fused_forms and self.weight_dtype == self.dtype and self._block_product(gu, down, groups):
+        if (self.fused_forms and self.weight_dtype == self.dtype and self._block_product(gu, down, groups)
+                and block_kernels.fuses_swiglu(down)):
             return block_kernels.product(self.block_kind, gu, down, residual=x, swiglu=True)
         return self.linear_add(block_kernels.swiglu(self.swiglu_kind, gu), down, x, groups)
 
