@@ -11,6 +11,7 @@ through `MLXBackend.linear`, and its self-check passes."""
 
 import collections
 import re
+import types
 
 import mlx.core as mx
 import numpy as np
@@ -749,7 +750,8 @@ def test_a_failing_norm_swiglu_kernel_or_fused_form_turns_only_itself_off(monkey
     b.rms_norm_linear_group(mx.ones((1, 64)), mx.ones((64,)), 1e-6, WeightGroup(object(), (8, 8)))
     assert used == ["kernel" + ("+norm" if failing in (None, "swiglu") else "")]
     used.clear()
-    b.swiglu_ffn(mx.ones((1, 64)), mx.ones((64,)), 1e-6, WeightGroup(object(), (8, 8)), object())
+    down = types.SimpleNamespace(shape=(16, 8))  # (a down weight small enough for the SWIGLU form)
+    b.swiglu_ffn(mx.ones((1, 64)), mx.ones((64,)), 1e-6, WeightGroup(object(), (8, 8)), down)
     assert used == {None: ["kernel+norm", "kernel+swiglu+add"], "norm": ["kernel", "kernel+swiglu+add"],
                     "fused": ["kernel", "swiglu", "add"], "swiglu": ["kernel+norm", "kernel+add"]}[failing]
 
