@@ -52,6 +52,17 @@ class SwigluApart(MLXBackend):
         return super().describe() + ", SwiGLU apart from the down product"
 
 
+class NormApart(MLXBackend):
+    """Each pre-norm block's norm as the rms_norm kernel apart from the products after it (the NORM form
+    off; ADD and SWIGLU as the default takes them): one launch a norm more, the same bits."""
+
+    def _norm_form(self, x, weight, ws, groups=None) -> bool:
+        return False
+
+    def describe(self) -> str:
+        return super().describe() + ", norms apart from the products"
+
+
 class PrefillMLXOps(MLXBackend):
     """Our RMSNorm and SwiGLU kernels only for passes of rows the block kernels take (decode rows, where
     the fused forms need their bits); a prompt's pass of more rows on mx.fast.rms_norm and MLX's silu and

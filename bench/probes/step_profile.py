@@ -30,7 +30,8 @@ step; it sets MLX_MAX_OPS_PER_BUFFER and MLX_MAX_MB_PER_BUFFER so high that each
 CUDA graph, launched once encoded, so no host gap falls between the stamps. When `gpu_ms` is well
 below the interval the step is host-bound: fewer primitives, not faster kernels, make a faster token. `--variants` adds our engine with the attention kernel's launch plan forced
 (`one-launch`), with every down product's SwiGLU in its launch whatever its shape
-(`swiglu-fused`: `block_kernels.fuses_swiglu` off), with Q, K, V and gate, up as separate products (`separate`), with each layer's norms
+(`swiglu-fused`: `block_kernels.fuses_swiglu`'s size bound off), with each norm as the rms_norm kernel
+apart from its products (`norm-apart`: the same bits), with Q, K, V and gate, up as separate products (`separate`), with each layer's norms
 and residual adds apart from the block kernels' products (`unfused`: the launches before their NORM,
 ADD and SWIGLU forms), with SwiGLU alone apart (`swiglu-apart`: before the SWIGLU form), with MLX's own
 norms and SwiGLU in a prompt's pass (`prefill-mlx-ops`: our kernels for decode rows only), and with attention replaced by a copy of the queries (`no-attention`: wrong text, the
@@ -113,10 +114,10 @@ def _median(rows, key):
 def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="float32"):
     from mlxinfer.backends.mlx import MLXBackend
 
-    from ablations import NoAttention, PrefillMLXOps, SeparateWeights, SwigluApart, Unfused
+    from ablations import NoAttention, NormApart, PrefillMLXOps, SeparateWeights, SwigluApart, Unfused
 
     backend = {"separate": SeparateWeights, "no-attention": NoAttention, "unfused": Unfused,
-               "swiglu-apart": SwigluApart, "prefill-mlx-ops": PrefillMLXOps}.get(variant, MLXBackend)
+               "swiglu-apart": SwigluApart, "norm-apart": NormApart, "prefill-mlx-ops": PrefillMLXOps}.get(variant, MLXBackend)
     engine = mlxinfer.Engine(path, backend(device=device, dtype=dtype))
     engine.tokenizer = dataclasses.replace(engine.tokenizer, eog_ids=frozenset())  # always `gen` tokens
     ops = engine.backend
@@ -265,7 +266,7 @@ def main(argv=None):
     p.add_argument("--cases", default="17,511")
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--engines", default="ours,mlx-lm")
-    p.add_argument("--variants", default="default", help="ours: default, one-launch, separate, no-attention, unfused, swiglu-apart, swiglu-fused, prefill-mlx-ops")
+    p.add_argument("--variants", default="default", help="ours: default, one-launch, separate, no-attention, unfused, swiglu-apart, swiglu-fused, norm-apart, prefill-mlx-ops")
     p.add_argument("--model", default="qwen3-0.6b-synthetic", help="as mlxinfer bench's --model")
     p.add_argument("--device", default="gpu", help="gpu, or cpu to try the script without one")
     p.add_argument("--gpu-clock", action="store_true", help="add gpu_ms (CUDA; one CUDA graph per evaluation)")
