@@ -397,6 +397,8 @@ def test_scales_formed_by_one_compiled_kernel_are_float32_ones_rounded_once(qtyp
             assert got.dtype == mdt
             assert np.array_equal(np.array(mx.view(got, bits)), np.array(mx.view(want.astype(mdt), bits))), name
     assert part.compiled and not to_device(qtype, quants.split(raw, qtype, ROWS, COLS), (ROWS, COLS)).compiled
+    for empty in (part.row_slice(2, 2), to_device(qtype, quants.split(raw, qtype, ROWS, COLS), (ROWS, COLS), dtype=mdt).row_slice(2, 2)):
+        assert [a.shape for a in empty.affine()] == [(0, COLS // 32)] * 2  # (no row: shapes still known)
     # one launch for both: a single fused kernel, the scales and biases views of its output's halves
     mx.export_to_dot(str(tmp_path / "g.dot"), *part.affine())
     prims = re.findall(r'label ="([A-Za-z]+)', (tmp_path / "g.dot").read_text())

@@ -61,9 +61,10 @@ def _mlx_lm(a):
 
     from mlxinfer.peers import write_mlx_lm_model
 
-    folder = pathlib.Path(tempfile.mkdtemp(prefix="ncu-step-"))
     quant = tuple(int(x) for x in a.peer_quant.split(":"))
-    model, _ = load_model(pathlib.Path(write_mlx_lm_model(model_path(a.model), folder, a.dtype, quant)))
+    with tempfile.TemporaryDirectory(prefix="ncu-step-") as folder:  # (loaded into memory: the files can go)
+        model, _ = load_model(pathlib.Path(write_mlx_lm_model(model_path(a.model), folder, a.dtype, quant)))
+        mx.eval(model.parameters())
     ids = mx.array(prompt_ids(a.prompt, model.args.vocab_size))
     return lambda n: sum(1 for _ in generate_step(ids, model, max_tokens=n))
 

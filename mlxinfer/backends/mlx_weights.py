@@ -44,9 +44,14 @@ def affine_scales(qtype, parts, dtype=mx.float32) -> tuple[mx.array, mx.array]:
     types; d, dmin [rows, blocks, 2] and sub-scales, mins [rows, blocks, 2, 8] for Q4_K/Q5_K, or those as
     `split_scale_fields`' four views (scale d·sc, bias -dmin·m; exact products: quants' doc), formed in
     float32 and rounded once to `dtype` (`_scale_chains`), as [rows, in/32]."""
-    rows = parts[0].shape[0]
     scales, biases = _scale_chains(qtype, parts, dtype)
-    return mx.reshape(scales, (rows, -1)), mx.reshape(biases, (rows, -1))
+    shape = _as_rows(scales.shape)
+    return mx.reshape(scales, shape), mx.reshape(biases, shape)
+
+
+def _as_rows(shape) -> tuple[int, int]:
+    """[rows, ...] as (rows, the rest), the count given: a reshape cannot infer -1 for zero rows."""
+    return shape[0], int(np.prod(shape[1:]))
 
 
 def _scale_chains(qtype, parts, dtype) -> tuple[mx.array, mx.array]:
@@ -85,12 +90,12 @@ def formed_scales(qtype, dtype):
     in its second (one kernel; the halves are contiguous, so the scales and biases are views). The same
     operations: the same bits (tested)."""
     def formed(*parts):
-        rows = parts[0].shape[0]
         scales, biases = _scale_chains(qtype, parts, dtype)
         if qtype in _OFFSET:  # the bias made from the scale: one kernel for both already
             return scales, biases
         both = mx.where(mx.array(np.array([True, False]).reshape((2,) + (1,) * scales.ndim)), scales, biases)
-        return mx.reshape(both[:1], (rows, -1)), mx.reshape(both[1:], (rows, -1))
+        shape = _as_rows(scales.shape)
+        return mx.reshape(both[:1], shape), mx.reshape(both[1:], shape)
 
     return mx.compile(formed)
 
@@ -164,10 +169,9 @@ FUSABLE = frozenset({Q.Q6_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS})
 def formed_values(qtype, dtype):
     """`dequantize` of a FUSABLE type's fields, cast to `dtype`, as one compiled function: MLX fuses its
     elementwise operations (shifts, masks, conversions, products; Q6_K's written in one broadcast shape:
-    one kernel a slice), where the graph launches each (a 17-token prompt's pass of the 0.6B Q4_K_M
-    shape, counted without a GPU by bench/probes/step_graph.py --host --pass prefill: 797 launches, 1,105
-    in the graph; Q8_0's 643). The same operations: the same bits (tested). The shape comes from the
-    fields: rows, then blocks."""
+    one kernel a slice, the cast to the dtype included: it comes before the final reshape), where the
+    graph launches each (bench/probes/step_graph.py --host --pass prefill counts them). The same
+    operations: the same bits (tested). The shape comes from the fields: rows, then blocks."""
     values = GGML_QUANT_SIZES[qtype][0]
 
     def formed(*parts):
