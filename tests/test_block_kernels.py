@@ -788,7 +788,7 @@ def test_gpu_norms_swiglu_and_residuals_join_the_products_bit_for_bit(synthetic,
     """On the GPU's own kernels: a Q8_0 Qwen3's logits for a 4-token prompt (block kernel rows) and a
     decode step with the norms, SwiGLU and the residual adds inside the products' launches equal, bit for
     bit, those with each op apart (the fused forms off: the rms_norm kernel, the products, the swiglu
-    kernel, MLX's Add)."""
+    kernel, MLX's Add), and those with SwiGLU apart from the down product as a large one takes it."""
     import mlxinfer
 
     path = synthetic(arch="qwen3", n_layers=2, qtype="Q8_0", hidden=256, ffn=512, n_heads=4, n_kv_heads=2,
@@ -816,6 +816,11 @@ def test_gpu_norms_swiglu_and_residuals_join_the_products_bit_for_bit(synthetic,
     assert apart_forms == {(False, False, False)}
     assert np.array_equal(np.asarray(fused[0]).view(np.uint32), np.asarray(apart[0]).view(np.uint32))
     assert fused[1] == apart[1]
+    monkeypatch.setattr(block_kernels, "SWIGLU_FUSED_MAX_VALUES", 0)  # a large down weight's way: SwiGLU apart
+    large, large_forms = run(True)
+    assert (True, False, True) not in large_forms and (False, True, False) in large_forms
+    assert np.array_equal(np.asarray(large[0]).view(np.uint32), np.asarray(apart[0]).view(np.uint32))
+    assert large[1] == apart[1]
 
 
 @needs_gpu
