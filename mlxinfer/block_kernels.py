@@ -128,8 +128,10 @@ def fuses_swiglu(w) -> bool:
     warp's share of the product at one row a warp: a down product's device time nearly doubles, once a
     wave of blocks. Apart, SwiGLU is one more launch (its host time, ~10 us, and a few us of the device's)
     and computed once. Where decode is host-bound (small shapes: the 0.6B shape's down is 3.1M weights)
-    the launch costs more; where it is device-bound (the 8B shape's, 50M) the staging does. The bound
-    between them is a guess, not yet measured on shapes in between."""
+    the launch costs more; where it is device-bound (the 8B shape's, 50M) the staging does: the 8B
+    Q4_K_M decode step took 5.65 ms of device time apart against 5.98 in the form (H100, 2026-12-06
+    13:58, bench/probes/step_profile.py --gpu-clock, swiglu-fused variant). The bound between the two
+    shapes is a guess, not measured on shapes in between."""
     return SWIGLU_FUSED_MAX_VALUES is None or w.shape[0] * w.shape[1] <= SWIGLU_FUSED_MAX_VALUES
 
 
