@@ -692,8 +692,17 @@ const long row = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS + (thr
 if (row < rows) {
   const T* xr = x + row * K;
   const float inv = mlxi_rms_inv(xr, K, __int_as_float(dims[2]), lane);
-#pragma unroll 16  // (loads in flight: one at a time, a 4,096-value row took ~50 us on an H100)
-  for (int c = lane; c < K; c += 32) out[row * K + c] = (T)mlxi_norm_value<T>((float)xr[c], inv, (float)nw[c]);
+  // 16 values of x and nw loaded before any is written: out may alias them for the compiler, so a plain
+  // loop waits for each store before the next loads (a 4,096-value row took ~50 us on an H100)
+  for (int c0 = lane; c0 < K; c0 += 32 * 16) {
+    float v[16], w[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      if (c0 + 32 * j < K) v[j] = (float)xr[c0 + 32 * j], w[j] = (float)nw[c0 + 32 * j];
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      if (c0 + 32 * j < K) out[row * K + c0 + 32 * j] = (T)mlxi_norm_value<T>(v[j], inv, w[j]);
+  }
 }
 //@@BODY swiglu
 // SwiGLU of x [M, 2K] (T) = [gate | up] a row: out [M, K] (T), a thread a value (mlxi_swiglu_value: the
