@@ -132,7 +132,7 @@ def fuses_swiglu(w) -> bool:
     Q4_K_M decode step took 5.65 ms of device time apart against 5.98 in the form (H100, 2026-12-06
     13:58, bench/probes/step_profile.py --gpu-clock, swiglu-fused variant). The bound between the two
     shapes is a guess, not measured on shapes in between."""
-    return SWIGLU_FUSED_MAX_VALUES is None or w.shape[0] * w.shape[1] <= SWIGLU_FUSED_MAX_VALUES
+    return w.shape[0] * w.shape[1] <= SWIGLU_FUSED_MAX_VALUES
 
 
 # Blocks of 256 threads a CUDA block kernel is compiled to keep resident on an SM (`__launch_bounds__`,

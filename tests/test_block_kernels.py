@@ -1002,10 +1002,10 @@ def test_the_decode_forms_fit_their_launch_bounds():
     assert resources(Q.Q3_K, block_kernels.MAX_ROWS)[0] <= 176
 
 
-@pytest.mark.parametrize("limit,fused", [(None, True), (512 * 256, True), (512 * 256 - 1, False)])
+@pytest.mark.parametrize("limit,fused", [(float("inf"), True), (512 * 256, True), (512 * 256 - 1, False)])
 def test_a_down_product_takes_swiglu_inside_it_up_to_a_size(monkeypatch, limit, fused):
     """A decode row's FFN on the block kernels: SwiGLU inside the down product's launch (the SWIGLU form,
-    with ADD) where the down weight has at most `block_kernels.SWIGLU_FUSED_MAX_VALUES` weights (None: any),
+    with ADD) where the down weight has at most `block_kernels.SWIGLU_FUSED_MAX_VALUES` weights,
     else the `swiglu` kernel, then the down product with ADD: one launch more, the same bits (each form's
     bits: the GPU self-checks and test_gpu_norms_swiglu_and_residuals_join_the_products_bit_for_bit).
     (Stand-in kernels on MLX's CPU, the backend told it is on a GPU: the launches made, in order.)"""

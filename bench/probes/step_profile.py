@@ -125,7 +125,7 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="floa
     if variant == "one-launch":
         kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = 0, 0
     if variant == "swiglu-fused":  # every down product in its SWIGLU form, whatever its shape
-        block_kernels.SWIGLU_FUSED_MAX_VALUES = None
+        block_kernels.SWIGLU_FUSED_MAX_VALUES = float("inf")
     clock = Clock(gpu_clock)
     start, to_numpy, sync, launch, step = ops.start, ops.to_numpy, ops.sync, Loop._launch, Loop.step
     decode_step = engine.decode_step._step

@@ -169,30 +169,22 @@ FUSABLE = frozenset({Q.Q6_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS})
 def formed_values(qtype, dtype):
     """`dequantize` of a FUSABLE type's fields, cast to `dtype`, as one compiled function: MLX fuses its
     elementwise operations (shifts, masks, conversions, products; Q6_K's written in one broadcast shape:
-    one kernel a slice, the cast to the dtype included: it comes before the final reshape), where the
-    graph launches each (bench/probes/step_graph.py --host --pass prefill counts them). The same
+    one kernel a slice, the cast to the dtype included), where the graph launches each (bench/probes/step_graph.py --host --pass prefill counts them). The same
     operations: the same bits (tested). The shape comes from the fields: rows, then blocks."""
     values = GGML_QUANT_SIZES[qtype][0]
-
-    def formed(*parts):
-        rows, blocks = parts[0].shape[:2]
-        if qtype not in _BLOCKS:
-            return dequantize(qtype, parts, rows, blocks * values).astype(dtype)
-        # cast before the reshape to [rows, cols]: after it, the cast is a kernel of its own
-        return mx.reshape(_BLOCKS[qtype](rows * blocks, *parts).astype(dtype), (rows, blocks * values))
-
-    return mx.compile(formed)
+    return mx.compile(lambda *parts: dequantize(qtype, parts, parts[0].shape[0], parts[0].shape[1] * values, dtype))
 
 
-def dequantize(qtype, parts, rows: int, cols: int) -> mx.array:
-    """float32 [rows, cols] of a BlockWeight's arrays, as gguf-py computes them (the same products and
-    subtractions, exact: quants' doc)."""
+def dequantize(qtype, parts, rows: int, cols: int, dtype=mx.float32) -> mx.array:
+    """[rows, cols] of a BlockWeight's arrays as gguf-py computes them in float32 (the same products and
+    subtractions, exact: quants' doc), rounded once to `dtype`: before the reshape to [rows, cols], so
+    that a compiled function (`formed_values`) fuses the cast too (after it, a kernel of its own)."""
     if qtype == Q.F16:
-        return parts[0].astype(mx.float32)
+        return parts[0].astype(mx.float32).astype(dtype)
     if qtype == Q.BF16:  # kept as its uint16 bits, a float32's top half
-        return mx.view(parts[0].astype(mx.uint32) << 16, mx.float32)
+        return mx.view(parts[0].astype(mx.uint32) << 16, mx.float32).astype(dtype)
     n = rows * parts[0].shape[1]  # blocks
-    return mx.reshape(_BLOCKS[qtype](n, *parts), (rows, cols))
+    return mx.reshape(_BLOCKS[qtype](n, *parts).astype(dtype), (rows, cols))
 
 
 @dataclass
@@ -266,7 +258,7 @@ class BlockWeight:
     def dense(self) -> mx.array:
         if self.compiled and self.qtype in FUSABLE:
             return formed_values(self.qtype, self.dtype)(*self.parts)
-        return dequantize(self.qtype, self.parts, *self.shape).astype(self.dtype)
+        return dequantize(self.qtype, self.parts, *self.shape, self.dtype)
 
     def product(self, x) -> mx.array:
         """x @ self.T, the matrix dequantized in slices of rows of at most DENSE_SLICE_BYTES as float32,
