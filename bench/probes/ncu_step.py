@@ -8,7 +8,8 @@ of, e.g. (H100, 2026-12-06, bench/results/h100-20261206-*-ncu-step-8b.csv):
     ncu --profile-from-start off --metrics gpu__time_duration.sum --csv --print-units base \\
         python3 bench/probes/ncu_step.py -m qwen3-8b-q4km-synthetic -p 17 --tokens 4 > step.csv
 
-`--engine mlx-lm` profiles mlx-lm's model of the same shapes instead (random weights quantized by
+`--batch B` profiles B prompts of `-p` tokens generated together (`Engine.generate_batch`: the prompts'
+passes, then decode passes of B rows). `--engine mlx-lm` profiles mlx-lm's model of the same shapes instead (random weights quantized by
 `--peer-quant`, stepped by its `generate_step`).
 """
 
@@ -31,6 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("-p", "--prompt", type=int, default=17)
     ap.add_argument("--tokens", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, default=1, help="ours: B prompts of -p tokens in one generate_batch call")
     ap.add_argument("--engine", default="ours", choices=["ours", "mlx-lm"])
     ap.add_argument("--peer-quant", default="4:64", help="mlx-lm: BITS:GROUP of random weights of the shapes")
     a = ap.parse_args(argv)
@@ -48,6 +50,9 @@ def main(argv=None) -> int:
 def _ours(a):
     engine = mlxinfer.load(model_path(a.model), backend="mlx", device="gpu", dtype=a.dtype)
     ids = prompt_ids(a.prompt, engine.args.vocab_size)
+    if a.batch > 1:  # as `mlxinfer bench --batch B`: row b's prompt seeded b
+        prompts = [prompt_ids(a.prompt, engine.args.vocab_size, seed=b) for b in range(a.batch)]
+        return lambda n: sum(len(g.token_ids) for g in engine.generate_batch(prompts, max_tokens=n))
     return lambda n: len(engine.generate(ids, max_tokens=n).token_ids)
 
 

@@ -111,7 +111,7 @@ def _median(rows, key):
     return round(statistics.median(r.get(key, 0.0) for r in rows) * 1000, 3)
 
 
-def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="float32"):
+def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="float32", batch=1):
     from mlxinfer.backends.mlx import MLXBackend
 
     from ablations import NoAttention, NormApart, PrefillMLXOps, SeparateWeights, SwigluApart, Unfused
@@ -169,14 +169,27 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="floa
     try:
         for n in cases:
             ids = prompt_ids(n, engine.args.vocab_size)
-            engine.generate(ids, max_tokens=8)  # warm-up: kernels compiled, the step traced
-            times, rows, firsts = [], [], []
+            prompts = [prompt_ids(n, engine.args.vocab_size, seed=b) for b in range(batch)]
+            # batch B: one generate_batch call, as `mlxinfer bench --batch B`; its first passes are
+            # the prompts' (B * n rows, at most prefill_chunk a pass)
+            prompt_passes = 1 if batch == 1 else -(-batch * n // engine.prefill_chunk)
+
+            def run(max_tokens):
+                if batch == 1:
+                    return [engine.generate(ids, max_tokens=max_tokens)]
+                return engine.generate_batch(prompts, max_tokens=max_tokens)
+
+            run(8)  # warm-up: kernels compiled, the step traced
+            times, rows, firsts, last_ttft, passes = [], [], [], [], []
             clock.stamps.clear()  # ours: decode passes only (the prompt's pass is not the compiled step)
             for _ in range(2):
                 clock.per_token.clear()
-                g = engine.generate(ids, max_tokens=gen)
+                gens = run(gen)
+                g = gens[0]
+                last_ttft.append(gens[-1].metrics.time_to_first_token_ms)
+                passes.append([{k: round(v * 1000, 3) for k, v in r.items()} for r in clock.per_token[:prompt_passes + 1]])
                 times.append(g.metrics.token_intervals_ms)
-                rows += clock.per_token[1:]  # decode passes (the first is the prompt's)
+                rows += clock.per_token[prompt_passes:]  # decode passes (the first are the prompts')
                 # (a pass's read is timed into the next pass's row: the prompt's into the second)
                 prompt, nxt = (clock.per_token + [{}, {}])[:2]
                 firsts.append(dict(ttft=g.metrics.time_to_first_token_ms / 1000, prompt_encode=prompt.get("encode", 0.0),
@@ -184,10 +197,11 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="floa
                                    next_build=nxt.get("build", 0.0), wait=nxt.get("wait", 0.0)))
             intervals = [x for t in times for x in t]
             first = {f"{k}_ms": _median(firsts, k) for k in firsts[0]}
-            out.append(dict(engine=f"mlxinfer ({variant})", dtype=dtype, prompt=n, gen=gen, tokens=len(rows), first_token=first,
+            out.append(dict(engine=f"mlxinfer ({variant})", dtype=dtype, prompt=n, batch=batch, gen=gen, tokens=len(rows), first_token=first,
                             interval_ms=round(statistics.median(intervals), 3), build_ms=_median(rows, "build"),
                             encode_ms=_median(rows, "encode"), wait_ms=_median(rows, "wait"), gpu_ms=clock.gpu_ms(),
-                            decode_tok_s=round(1000 / statistics.fmean(intervals), 1)))
+                            decode_tok_s=round(1000 / statistics.fmean(intervals), 1),
+                            **({} if batch == 1 else dict(last_ttft_ms=[round(t, 2) for t in last_ttft], prompt_passes=passes))))
     finally:
         kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH, block_kernels.SWIGLU_FUSED_MAX_VALUES = limits
         Loop._launch, Loop.step = launch, step
@@ -271,6 +285,8 @@ def main(argv=None):
     p.add_argument("--device", default="gpu", help="gpu, or cpu to try the script without one")
     p.add_argument("--gpu-clock", action="store_true", help="add gpu_ms (CUDA; one CUDA graph per evaluation)")
     p.add_argument("--dtypes", default="float32", help="ours' --dtype and mlx-lm's, a row each")
+    p.add_argument("--batch", type=int, default=1, help="ours: B sequences of each prompt length in one "
+                   "generate_batch call (the rows: its decode passes; first_token: the first sequence's)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.device == "gpu" and not (mx.cuda.is_available() or mx.metal.is_available()):
@@ -284,7 +300,7 @@ def main(argv=None):
     for dtype in a.dtypes.split(","):
         for engine in a.engines.split(","):
             for v in (a.variants.split(",") if engine == "ours" else [None]):
-                rows = (profile_ours(path, cases, a.gen, v, a.device, a.gpu_clock, dtype) if engine == "ours"
+                rows = (profile_ours(path, cases, a.gen, v, a.device, a.gpu_clock, dtype, a.batch) if engine == "ours"
                         else profile_mlx_lm(path, cases, a.gen, a.gpu_clock, dtype))
                 for row in rows:
                     row.update({k: v for k, v in env.items() if v is not None})
