@@ -77,11 +77,9 @@ def test_kept_weights_dequantize_to_gguf_py_bit_for_bit(qtype, device):
     w = to_device(qtype, quants.split(raw, qtype, ROWS, COLS), (ROWS, COLS))
     if qtype in quants.AFFINE_BITS:
         assert isinstance(w, QuantizedWeight) and w.w.dtype == mx.uint32
-        got = mx.dequantize(w.w, w.scales, w.biases, group_size=quants.GROUP, bits=w.bits)  # MLX's own reading
     else:
         assert isinstance(w, BlockWeight)
-        got = w.dense()
-    same_bits(np.array(got), want, qtype)
+    same_bits(np.array(w.dense()), want, qtype)  # (an affine type's: MLX's own dequantize)
     ids = np.array([3, 0, 11, 3, 7])
     same_bits(np.array(w.rows(mx.array(ids))), want[ids], qtype)  # the embedding's row gather
     same_bits(np.array(w.row_slice(5, 9).rows(mx.arange(4))), want[5:9], qtype)
@@ -105,16 +103,18 @@ def test_kept_weights_multiply_as_their_values(qtype):
     assert np.all(np.abs(got - want) <= 1e-5 * (np.abs(x) @ np.abs(values).T) + 1e-30)
 
 
-def test_a_block_product_dequantizes_a_slice_at_a_time(monkeypatch):
-    """A product of a block-type weight (prefill rows: no kernel) forms its float32 matrix a slice of
-    rows at a time (`DENSE_SLICE_BYTES`), so MLX's peak memory over the product stays far below the
-    whole float32 matrix (a Qwen3-8B-shaped Q6_K head is 2.5 GB); the bits are the whole matrix's."""
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q8_0])
+def test_a_dense_product_dequantizes_a_slice_at_a_time(monkeypatch, qtype):
+    """A dense product (a block type's prefill rows: no kernel; an affine type's many rows on CUDA,
+    `dense_product`) forms its float32 matrix a slice of rows at a time (`DENSE_SLICE_BYTES`), so MLX's
+    peak memory over the product stays far below the whole float32 matrix (a Qwen3-8B-shaped Q6_K head
+    is 2.5 GB); the bits are the whole matrix's (on this CPU's products)."""
     from mlxinfer.backends import mlx_weights
 
     rng = np.random.default_rng(5)
     rows, cols = 4096, 1024  # 16 MiB as float32
-    raw = quants.random_blocks(rng, Q.Q6_K, rows, cols, std=0.05)
-    w = to_device(Q.Q6_K, quants.split(raw, Q.Q6_K, rows, cols), (rows, cols))
+    raw = quants.random_blocks(rng, qtype, rows, cols, std=0.05)
+    w = to_device(qtype, quants.split(raw, qtype, rows, cols), (rows, cols))
     x = mx.array(rng.standard_normal((17, cols)).astype(np.float32))
     mx.eval(x)
     peaks, outs = [], []
@@ -123,7 +123,7 @@ def test_a_block_product_dequantizes_a_slice_at_a_time(monkeypatch):
         gc.collect()
         mx.reset_peak_memory()
         base = mx.get_active_memory()
-        y = w.product(x)
+        y = mlx_weights.dense_product(w, x)
         mx.eval(y)
         peaks.append(mx.get_peak_memory() - base)
         outs.append(np.array(y))
@@ -131,6 +131,37 @@ def test_a_block_product_dequantizes_a_slice_at_a_time(monkeypatch):
     whole = rows * cols * 4
     assert peaks[0] >= whole and peaks[1] < whole / 4, (peaks, whole)  # measured here: 1.58x and 0.16x
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K])
+def test_many_rows_of_an_affine_product_take_the_dense_form_on_cuda(monkeypatch, qtype):
+    """On CUDA (`dense_rows`), an affine weight's product of DENSE_MIN_ROWS rows of x or more is
+    `dense_product` (the weight dequantized, then one product), fewer rows stay MLX's quantized_matmul;
+    elsewhere (`dense_rows` None: this CPU's backend, Metal) never. Here a CPU backend is given the CUDA
+    rule. The dense form's values are gguf-py's (test above), so its product is within float32's
+    rounding of the exact one (a bound of ~1e-5 relative to the sum of |terms|)."""
+    from mlxinfer.backends import mlx as mlx_backend
+
+    be = MLXBackend(device="cpu", threads=1)
+    assert be.dense_rows is None
+    rng = np.random.default_rng(int(qtype) + 7)
+    rows = 64
+    raw = quants.random_blocks(rng, qtype, rows, COLS, std=0.05)
+    values = dequantize(raw, qtype).reshape(rows, COLS)
+    w = to_device(qtype, quants.split(raw, qtype, rows, COLS), (rows, COLS))
+    n = mlx_backend.DENSE_MIN_ROWS
+    x = rng.standard_normal((n, COLS)).astype(np.float32)
+    calls, real = [], mlx_weights.dense_product
+    monkeypatch.setattr(mlx_backend, "dense_product", lambda w, x: calls.append(x.shape[0]) or real(w, x))
+    be.linear(be.from_numpy(x), w)
+    assert calls == []
+    be.dense_rows = n
+    for m in (n - 1, n):
+        got = np.array(be.linear(be.from_numpy(x[:m]), w))
+    assert calls == [n]
+    assert np.array_equal(got.view(np.uint32), np.array(real(w, mx.array(x))).view(np.uint32))
+    want = x.astype(np.float64) @ values.T.astype(np.float64)
+    assert np.all(np.abs(got - want) <= 1e-5 * (np.abs(x) @ np.abs(values).T) + 1e-30)
 
 
 @pytest.fixture(scope="module")

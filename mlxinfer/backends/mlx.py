@@ -64,11 +64,16 @@ from ..sampling import MLXRandom  # noqa: E402
 from . import kernel_checks  # noqa: E402
 from .cpu import checked_threads, default_threads  # noqa: E402
 from .mlx_kv import dequantize_q8_0, packed_width, quantize_q8_0, value_bytes  # noqa: E402
-from .mlx_weights import GROUP, BlockWeight, ExpertStack, PackedWeight, QuantizedWeight, WeightGroup, WeightRuns, to_device  # noqa: E402,F401
+from .mlx_weights import GROUP, BlockWeight, ExpertStack, PackedWeight, QuantizedWeight, WeightGroup, WeightRuns, dense_product, to_device  # noqa: E402,F401
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}  # backend.DTYPES' MLX types
 KEPT = (*quants.AFFINE_BITS, *quants.BLOCK_TYPES, *quants.HALF_TYPES)  # every type but F32 stays as compact
 SPLIT_MIN_ROWS = 256  # quantized products are cut over the CPU threads in parts of at least this many rows
+# On CUDA, an affine-quantized product of at least this many rows of x (more than the block kernels take:
+# a batch's decode rows, prefill chunks) dequantizes the weight, then multiplies by cuBLAS
+# (`dense_product`): MLX's quantized_matmul dequantizes each tile of the weight inside its product, once
+# for every tile of rows, and ran 2-5x longer (bench/probes/dense_products.py; docs/performance.md).
+DENSE_MIN_ROWS = block_kernels.MAX_ROWS + 1
 # On a GPU, a sequence's attention products with at least this many query rows (prefill chunks) are, in
 # 16-bit dtypes on CUDA, the tensor-core order's (`self.mma`: kernels.mma_*, one launch a chunk in the
 # fused override), else MLX's own GEMMs a head at a time, in the per-head reference and in the fused
@@ -670,6 +675,9 @@ class MLXBackend(Backend):
         # the quantized products' block kernels ("metal", "cuda" or None): checked apart from attention
         self.block_kind = self.gpu_kernels
         self.block_types = frozenset(block_kernels.KERNELS)  # less those whose kernel failed its self-check
+        # affine products of this many rows or more dequantized, then multiplied (DENSE_MIN_ROWS): CUDA
+        # only (measured there; MLX's Metal quantized_matmul is not)
+        self.dense_rows = DENSE_MIN_ROWS if self.gpu_kernels == "cuda" else None
         # RMSNorm by blocks.cu's kernel where the block kernels run (`rms_norm`), whose values the NORM
         # form of a product multiplies (`rms_norm_linear_group`: a norm and the products after it, one
         # launch); None (mx.fast.rms_norm) elsewhere, or once its own self-check failed
@@ -920,6 +928,8 @@ class MLXBackend(Backend):
             ops += ", tensor-core prefill"
         elif self.mma_fallback:
             ops += " (tensor-core prefill failed its self-check)"
+        if self.dense_rows:  # (a batch's and a chunk's bits depend on it)
+            ops += f", affine products of {self.dense_rows}+ rows dequantized first"
         rows = ", each sequence's rows multiplied alone" if self.per_sequence_linear else ""
         attention = "per-head (the kernels failed their self-check)" if self.fallback else self.kernel
         return f"mlx (gpu, {types}, {attention} attention, {ops}{rows})"
@@ -1088,6 +1098,8 @@ class MLXBackend(Backend):
             return mx.concatenate([self._linear(x[r0:r1], w) for r0, r1 in groups])
         if self._block_product(x, w):
             return block_kernels.product(self.block_kind, x, w)  # decode rows: the fields read in registers
+        if isinstance(w, QuantizedWeight) and self.dense_rows and x.size >= self.dense_rows * x.shape[-1]:
+            return dense_product(w, x)  # many rows: the weight dequantized, then one product (DENSE_MIN_ROWS)
         if isinstance(w, PackedWeight):
             if self._streams and w.shape[0] >= 2 * SPLIT_MIN_ROWS:
                 return self._split_quantized_matmul(x, w)

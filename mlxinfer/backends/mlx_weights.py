@@ -36,7 +36,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from ..quants import AFFINE_BITS, GROUP, IQ4_VALUES
 
 _OFFSET = {Q.Q8_0: -128.0, Q.Q4_0: -8.0, Q.Q5_0: -16.0}  # bias = offset·d; the others carry m or dmin
-DENSE_SLICE_BYTES = 128 << 20  # the most of a BlockWeight a product dequantizes at once (float32 bytes)
+DENSE_SLICE_BYTES = 128 << 20  # the most of a weight `dense_product` dequantizes at once (float32 bytes)
 
 
 def affine_scales(qtype, parts, dtype=mx.float32) -> tuple[mx.array, mx.array]:
@@ -235,6 +235,15 @@ class QuantizedWeight:
         scales, biases = self.affine()
         return mx.quantized_matmul(x, self.w, scales, biases, transpose=True, group_size=GROUP, bits=self.bits)
 
+    def dense(self) -> mx.array:
+        """The [out, in] matrix in the products' dtype (`dense_product`: many rows of x on a GPU)."""
+        scales, biases = self.affine()
+        return mx.dequantize(self.w, scales, biases, group_size=GROUP, bits=self.bits)
+
+    def after(self, y) -> "QuantizedWeight":
+        """This weight with its codes made to depend on y (`dense_product`)."""
+        return replace(self, w=mx.depends([self.w], [y])[0])
+
     def rows(self, ids) -> mx.array:
         scales, biases = self.affine(tuple(p[ids] for p in self.parts))
         return mx.dequantize(self.w[ids], scales, biases, group_size=GROUP, bits=self.bits)
@@ -260,29 +269,37 @@ class BlockWeight:
             return formed_values(self.qtype, self.dtype)(*self.parts)
         return dequantize(self.qtype, self.parts, *self.shape, self.dtype)
 
+    def after(self, y) -> "BlockWeight":
+        """This weight with its fields made to depend on y (`dense_product`)."""
+        return replace(self, parts=tuple(mx.depends(list(self.parts), [y])))
+
     def product(self, x) -> mx.array:
-        """x @ self.T, the matrix dequantized in slices of rows of at most DENSE_SLICE_BYTES as float32,
-        each slice's fields made to depend on the previous slice's product (`mx.depends`: left to itself
-        MLX dequantizes every slice before the first product), so the transient float32 matrix is one
-        slice, not the whole (a Qwen3-8B-shaped Q6_K output head is 2.5 GB as float32)."""
-        rows, cols = self.shape
-        step = max(1, DENSE_SLICE_BYTES // (4 * cols))
-        if rows <= step:
-            return mx.matmul(x, mx.transpose(self.dense()))
-        outs = []
-        for a in range(0, rows, step):
-            part = self.row_slice(a, min(a + step, rows))
-            if outs:
-                part = replace(part, parts=tuple(mx.depends(list(part.parts), [outs[-1]])))
-            outs.append(mx.matmul(x, mx.transpose(part.dense())))
-        return mx.concatenate(outs, axis=-1)
+        return dense_product(self, x)
 
     def rows(self, ids) -> mx.array:
         ids = mx.reshape(ids, (-1,))
         return dequantize(self.qtype, tuple(p[ids] for p in self.parts), ids.shape[0], self.shape[1])
 
 
-PackedWeight = (QuantizedWeight, BlockWeight)  # the kinds with a row_slice / product / rows
+PackedWeight = (QuantizedWeight, BlockWeight)  # the kinds with a row_slice / product / rows / dense
+
+
+def dense_product(w, x) -> mx.array:
+    """x @ w.T with w dequantized (`w.dense()`) in slices of rows of at most DENSE_SLICE_BYTES as
+    float32, each slice's fields made to depend on the previous slice's product (`w.after`: left to
+    itself MLX dequantizes every slice before the first product), so the transient matrix is one slice,
+    not the whole (a Qwen3-8B-shaped Q6_K output head is 2.5 GB as float32)."""
+    rows, cols = w.shape
+    step = max(1, DENSE_SLICE_BYTES // (4 * cols))
+    if rows <= step:
+        return mx.matmul(x, mx.transpose(w.dense()))
+    outs = []
+    for a in range(0, rows, step):
+        part = w.row_slice(a, min(a + step, rows))
+        if outs:
+            part = part.after(outs[-1])
+        outs.append(mx.matmul(x, mx.transpose(part.dense())))
+    return mx.concatenate(outs, axis=-1)
 
 
 @dataclass
