@@ -166,7 +166,7 @@ def test_the_fused_call_reads_the_heads_in_place(monkeypatch):
     """The fused override hands MLX's fused attention q, K and V as views: the chunk's rows and the KV
     store's rows seen head-major, no contiguous copy in their graphs (MLX's kernels read strided heads; a
     copy of a 32k-token chunk's keys and values is 128 MiB a layer of Qwen3-0.6B in bfloat16, and on a GPU
-    every layer's copy lives until the pass is done)."""
+    every layer's copy lives until the pass is done); its context comes back without a gather."""
     import re
     import tempfile
 
@@ -183,6 +183,9 @@ def test_the_fused_call_reads_the_heads_in_place(monkeypatch):
             mx.export_to_dot(f.name, x)
             names = set(re.findall(r'label ="(\w+)', f.read()))
         assert "Transpose" in names and not names & {"Contiguous", "Copy"}, names
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:  # its context back as rows: no gather (MLX's
+        mx.export_to_dot(f.name, out)                             # ctx[0] is one: a copy of it all, a launch)
+        assert "Gather" not in set(re.findall(r'label ="(\w+)', f.read()))
     mx.eval(out)
 
 

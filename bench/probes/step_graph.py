@@ -107,7 +107,7 @@ def host_standins():
     return cuda_host.pretend_gpu(_Patch(), "cuda")
 
 
-def graph_ours(path, n, device, dtype, phase, kernel=None):
+def graph_ours(path, n, device, dtype, phase, kernel=None, batch=1):
     from mlxinfer.backends.mlx import MLXBackend
 
     ops = MLXBackend(device=device, dtype=dtype, kernel=kernel)
@@ -126,7 +126,8 @@ def graph_ours(path, n, device, dtype, phase, kernel=None):
     CUSTOM.clear()
     if phase == "prefill":
         loop = engine.new_loop()
-        loop.admit(prompt_ids(n, engine.args.vocab_size), SamplingParams(), max_tokens=4)
+        for b in range(batch):  # (batch B: B prompts of n tokens, row b's seeded b, in one pass where they fit)
+            loop.admit(prompt_ids(n, engine.args.vocab_size, seed=b), SamplingParams(), max_tokens=4)
         loop.step()
         counts = graphs[0]  # the prompt's pass, with the KV stores it writes
     else:
@@ -177,6 +178,7 @@ def main(argv=None):
     p.add_argument("--dtypes", default="float32", help="the activations' dtypes (ours --dtype; mlx-lm's weights)")
     p.add_argument("--pass", dest="phase", choices=("decode", "prefill"), default="decode")
     p.add_argument("--host", action="store_true", help="count the CUDA path's graph here, without a GPU")
+    p.add_argument("--batch", type=int, default=1, help="ours, --pass prefill: B prompts of each length in one pass")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     kernel = host_standins() if a.host else None
@@ -186,7 +188,7 @@ def main(argv=None):
         for dtype in a.dtypes.split(","):
             for engine in a.engines.split(","):
                 if engine == "ours":
-                    emit(graph_ours(path, n, "gpu" if a.host else a.device, dtype, a.phase, kernel), a.out)
+                    emit(graph_ours(path, n, "gpu" if a.host else a.device, dtype, a.phase, kernel, a.batch), a.out)
                 else:
                     emit(graph_mlx_lm(path, n, dtype, a.phase), a.out)
 

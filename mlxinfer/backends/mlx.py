@@ -1152,10 +1152,10 @@ class MLXBackend(Backend):
         # attention weights: to nearest even)
         if self.mma and a.shape[0] >= PREFILL_ROWS:
             bt = mx.contiguous(mx.transpose(b)).astype(self.dtype)
-            return kernels.mma_matmul(self.gpu_kernels, a.astype(mx.float32)[None], bt[None])[0]
+            return mx.squeeze(kernels.mma_matmul(self.gpu_kernels, a.astype(mx.float32)[None], bt[None]), 0)
         a, b = a.astype(mx.float32), b.astype(mx.float32)
         if self.gpu_kernels and a.shape[0] < PREFILL_ROWS:
-            return kernels.matmul(self.gpu_kernels, a[None], mx.contiguous(mx.transpose(b))[None])[0]
+            return mx.squeeze(kernels.matmul(self.gpu_kernels, a[None], mx.contiguous(mx.transpose(b))[None]), 0)
         return mx.matmul(a, b)
 
     def transpose_2d(self, x):
@@ -1398,7 +1398,8 @@ class MLXBackend(Backend):
                 k, v = kv.sequence(self, b)
                 ctx = self._sdpa(_head_major(q[r0:r1], spec.n_heads), _head_major(k, spec.n_kv_heads),
                                  _head_major(v, spec.n_kv_heads), spec, self._sdpa_mask(batch, b, k.shape[0], spec))
-                ctx = mx.reshape(mx.transpose(ctx[0], (1, 0, 2)), (r1 - r0, -1)).astype(self.attention_dtype)
+                # (squeeze, a view: MLX's ctx[0] is a gather, a copy of the whole context a chunk)
+                ctx = mx.reshape(mx.transpose(mx.squeeze(ctx, 0), (1, 0, 2)), (r1 - r0, -1)).astype(self.attention_dtype)
             elif self.mma and kernels.mma_fits(spec):
                 k, v = kv.sequence(self, b)
                 ctx = kernels.mma_attention(self.gpu_kernels, q[r0:r1].astype(self.dtype), k.astype(self.dtype),
