@@ -72,8 +72,8 @@ SPLIT_MIN_ROWS = 256  # quantized products are cut over the CPU threads in parts
 # On CUDA, an affine-quantized product of at least this many rows of x (prefill chunks) dequantizes the
 # weight, then multiplies (`dense_product`: MLX's matmul, on the tensor cores in 16 bits). MLX's
 # quantized_matmul dequantizes each tile of the weight inside its product, once for every tile of rows:
-# at 2,048 rows it took 1.6-2.5x as long, at 128 rows 0.4-1.0x (the dense form's dequantization costs the
-# same whatever the rows). bench/probes/dense_products.py times both; docs/performance.md has the figures.
+# at 2,048 rows it took 1.6-2.5x as long, at 128 rows and below 0.3-1.0x (the dense form's dequantization
+# costs the same whatever the rows). bench/probes/dense_products.py times both; docs/performance.md has the figures.
 DENSE_MIN_ROWS = 512
 # On a GPU, a sequence's attention products with at least this many query rows (prefill chunks) are, in
 # 16-bit dtypes on CUDA, the tensor-core order's (`self.mma`: kernels.mma_*, one launch a chunk in the
