@@ -69,12 +69,14 @@ from .mlx_weights import GROUP, BlockWeight, ExpertStack, PackedWeight, Quantize
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}  # backend.DTYPES' MLX types
 KEPT = (*quants.AFFINE_BITS, *quants.BLOCK_TYPES, *quants.HALF_TYPES)  # every type but F32 stays as compact
 SPLIT_MIN_ROWS = 256  # quantized products are cut over the CPU threads in parts of at least this many rows
-# On CUDA, an affine-quantized product of at least this many rows of x (prefill chunks) dequantizes the
-# weight, then multiplies (`dense_product`: MLX's matmul, on the tensor cores in 16 bits). MLX's
-# quantized_matmul dequantizes each tile of the weight inside its product, once for every tile of rows:
-# at 2,048 rows it took 1.6-2.5x as long, at 128 rows and below 0.3-1.0x (the dense form's dequantization
-# costs the same whatever the rows). bench/probes/dense_products.py times both; docs/performance.md has the figures.
-DENSE_MIN_ROWS = 512
+# On CUDA, an affine-quantized product of at least this many rows of x (long prompts' chunks) dequantizes
+# the weight, then multiplies (`dense_product`: MLX's matmul, on the tensor cores in 16 bits). MLX's
+# quantized_matmul dequantizes each tile of the weight inside its product, once for every tile of rows;
+# the dense form dequantizes the whole weight once, whatever the rows. Measured on an H100 (the 0.6B
+# shape's products, bfloat16): the dense form took 0.4-0.6x quantized_matmul's time at 2,048 rows,
+# 0.62-1.42x at 1,024 (mostly below 1), 0.95-1.44x at 512 and up to 3.3x below.
+# bench/probes/dense_products.py times both; docs/performance.md has the figures.
+DENSE_MIN_ROWS = 1024
 # On a GPU, a sequence's attention products with at least this many query rows (prefill chunks) are, in
 # 16-bit dtypes on CUDA, the tensor-core order's (`self.mma`: kernels.mma_*, one launch a chunk in the
 # fused override), else MLX's own GEMMs a head at a time, in the per-head reference and in the fused
