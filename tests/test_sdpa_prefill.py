@@ -19,8 +19,8 @@ import pytest
 
 from mlxinfer.backend import AttentionSpec
 from mlxinfer.backends import mlx as mlx_backend
-from mlxinfer.backends.mlx import (PREFILL_ROWS, CheckCase, MLXBackend, check_case_inputs, gpu_kind, sdpa_check_cases,
-                                   verify_mma, verify_sdpa)
+from mlxinfer.backends.mlx import (PREFILL_ROWS, CheckCase, MLXBackend, check_case_inputs, gpu_kind, sdpa_batch_check_cases,
+                                   sdpa_check_cases, verify_mma, verify_sdpa, verify_sdpa_batch)
 from mlxinfer.batch import Batch
 from mlxinfer.engine import Engine
 
@@ -34,7 +34,7 @@ def _sdpa_backend(dtype: str, attention: str = "fused") -> MLXBackend:
     """An MLX backend on the CPU made to take the CUDA path with MLX's fused attention on 16-bit chunks
     (as on a GPU after the self-check): its other kernels run on the host (`cuda_host.launch_on_host`)."""
     b = cuda_host.cuda_path(dtype, attention)
-    b.sdpa = True
+    b.sdpa = b.sdpa_batch = True
     return b
 
 
@@ -146,6 +146,34 @@ def test_fused_is_the_per_head_reference_through_mlxs_fallback(dtype, case, call
     assert calls == fused + per_head
 
 
+@pytest.mark.parametrize("case", sdpa_batch_check_cases(head_dims=(16,)), ids=str)
+@pytest.mark.parametrize("limit", [None, 0])
+def test_prompts_of_one_length_take_one_call(case, limit, calls, host_dir, monkeypatch):
+    """The batched self-check's cases at head size 16, through MLX's CPU fallback: consecutive chunks of
+    one length over as many keys take one call of B prompts in the fused override (a call a head and a
+    prompt in the reference), bit for bit the reference; with SDPA_BATCH_MAX_BYTES 0 (keys too large to
+    stack) or `sdpa_batch` off, a call a prompt again, the same bits."""
+    import itertools
+
+    cuda_host.launch_on_host(host_dir, monkeypatch)
+    if limit is not None:
+        monkeypatch.setattr(mlx_backend, "SDPA_BATCH_MAX_BYTES", limit)
+    b = _sdpa_backend("bfloat16")
+    q, view, batch = check_case_inputs(b, case)
+    ref = b.to_numpy(b.per_head_attention(q, view, batch, case.spec))
+    del calls[:]
+    got = b.to_numpy(b.fused_attention_override(q, view, batch, case.spec))
+    assert np.isfinite(ref).all() and np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    spec, d = case.spec, case.spec.head_dim
+    runs = [(len(list(g)), seq) for seq, g in itertools.groupby(case.seqs)] if limit is None else [(1, x) for x in case.seqs]
+    runs = [(n, (s, t)) for n, (s, t) in runs if t >= PREFILL_ROWS]  # (a short chunk: the kernels, no call)
+    assert calls == [((n, spec.n_heads, t, d), (n, spec.n_kv_heads, s, d), "causal") for n, (s, t) in runs]
+    b.sdpa_batch = False
+    del calls[:]
+    assert np.array_equal(b.to_numpy(b.fused_attention_override(q, view, batch, case.spec)).view(np.uint32), ref.view(np.uint32))
+    assert [c[0][0] for c in calls] == [1] * sum(t >= PREFILL_ROWS for _, t in case.seqs)
+
+
 def test_a_pass_of_long_and_short_sequences(calls, host_dir, monkeypatch):
     """Two long chunks (from the cache's start and from mid-cache) beside a short chunk and a decode row, in
     the paged cache: each long chunk one call in the fused override, the others on the kernels; bit for
@@ -240,6 +268,26 @@ def test_a_failed_self_check_turns_it_off(monkeypatch, capsys):
     b.device = "gpu"
     line, ok = b.kernel_report()
     assert not ok and "self-check FAILED (fused attention kernel differs in 3 of 9 values)" in line
+
+
+def test_a_failed_batched_self_check_turns_only_it_off(monkeypatch, capsys):
+    """A failing `verify_sdpa_batch` (a device whose kernel gives a prompt other bits when called with
+    others) turns off only the one call over several prompts, with a one-line warning: MLX's fused
+    attention stays, a call a prompt; the backend line (the engine's identity) names it."""
+    cuda_host.pretend_gpu(monkeypatch, "cuda")
+    monkeypatch.setattr(mlx_backend, "verify_sdpa", lambda b: None)
+    monkeypatch.setattr(mlx_backend, "verify_sdpa_batch", lambda b: "prompt 2 of 3 differs in 5 values")
+    for name in ("verify_mma", "verify_block_kernels", "verify_fused_forms", "verify_rms_norm", "verify_swiglu"):
+        monkeypatch.setattr(mlx_backend, name, lambda b, kernel=None: None)
+    monkeypatch.setattr(mlx_backend, "verify_gpu_kernels", lambda b: None)
+    monkeypatch.setattr(mlx_backend.kernel_checks, "verdict", lambda kind, dt, kv, run, fresh=False: run())
+    b = MLXBackend(device="gpu", kernel="cuda", dtype="bfloat16")
+    assert b.sdpa_batch is True
+    b.check_kernels(verify=mlx_backend.verify_gpu_kernels)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert b.sdpa is True and b.sdpa_batch is False and b.sdpa_batch_fallback == "prompt 2 of 3 differs in 5 values"
+    assert len(err) == 1 and "several prompts in one call failed its self-check" in err[0]
+    assert "the batched one failed its self-check" in b.describe()
 
 
 def test_the_verdict_is_kept_per_cudnn_release(monkeypatch):
@@ -372,10 +420,12 @@ def _gpu(dtype: str) -> MLXBackend:
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_on_cuda_the_self_check_passes(dtype):
-    """`verify_sdpa` on the device: every case's one call over every head has the bits of a call a head."""
+    """`verify_sdpa` on the device: every case's one call over every head has the bits of a call a head;
+    `verify_sdpa_batch`: one call over several prompts has each prompt's bits."""
     b = _gpu(dtype)
     assert b.sdpa is True
     assert verify_sdpa(b) is None
+    assert verify_sdpa_batch(b) is None
 
 
 @needs_cuda

@@ -92,6 +92,12 @@ MMA_PREFILL_CHUNK = 2048
 # none). A head at a time in the per-head reference, every head in one call in the fused override: the
 # same bits where the self-check (`verify_sdpa`) finds them so.
 SDPA_HEAD_DIMS = {"cuda": frozenset(range(8, 129, 8)), "metal": frozenset((64, 72, 80, 96, 128, 192, 256))}
+# Consecutive prompts of a pass whose chunks have one length over as many keys (a batch's prompts of one
+# length), no window, take one such call together in the fused override (`_sdpa_groups`: a call a prompt
+# and a layer was 448 launches of a 16-prompt pass, each with its copies); their keys and values are
+# stacked for it, a copy of at most this many bytes each. The same bits a prompt where its own self-check
+# (`verify_sdpa_batch`) finds them so; off alone where it does not.
+SDPA_BATCH_MAX_BYTES = 32 << 20
 _CPU_STREAMS: list = []  # shared by every MLX backend; thread-local: each thread that uses one gets its own
 
 
@@ -469,6 +475,37 @@ def verify_sdpa(backend: "MLXBackend") -> str | None:
     # and one pass of real size (the kernel may pick its method by shape): Qwen3-0.6B's heads, a
     # 2,048-row chunk over 4,096 keys
     cases.append(CheckCase("a 2048-row chunk over 4096 keys", AttentionSpec.standard(16, 8, 128), ((4096, 2048),)))
+    batched, backend.sdpa_batch = backend.sdpa_batch, False  # (a call a prompt here: `verify_sdpa_batch`'s apart)
+    try:
+        return next(filter(None, (_check_long_case(backend, case) for case in cases)), None)
+    finally:
+        backend.sdpa_batch = batched
+
+
+def sdpa_batch_check_cases(head_dims=(64, 80, 128)) -> list[CheckCase]:
+    """Prompts of one length in one call of MLX's fused attention (`_sdpa_groups`): two and three chunks of
+    PREFILL_ROWS rows or more from the cache's start, beside a chunk of another length, two apart (a short
+    chunk between: a call each), two over as many cached keys each (mid-cache) in each cache kind."""
+    rows = PREFILL_ROWS + 2
+    cases = []
+    for d in head_dims:
+        gqa = AttentionSpec.standard(4, 2, d)
+        cases += [CheckCase(f"two {rows}-row chunks from the start", gqa, ((rows, rows),) * 2),
+                  CheckCase(f"three {rows}-row chunks from the start beside one over 300 keys", gqa,
+                            ((rows, rows),) * 3 + ((300, rows),)),
+                  CheckCase(f"two {rows}-row chunks from the start, a short chunk between", gqa,
+                            ((rows, rows), (60, 20), (rows, rows)))]
+        cases += [CheckCase(f"two {rows}-row chunks over 300 keys each", gqa, ((300, rows),) * 2, kv) for kv in KV_CACHES]
+    return cases
+
+
+def verify_sdpa_batch(backend: "MLXBackend") -> str | None:
+    """Prompts of one length in one call of MLX's fused attention, on the device (`sdpa_batch_check_cases`,
+    and a pass of real size: sixteen 128-token prompts of Qwen3-0.6B's heads): the fused override against
+    the per-head reference's call a head and a prompt, bit for bit. None, or one line."""
+    dims = [d for d in (64, 80, 128, 256) if d in SDPA_HEAD_DIMS.get(backend.gpu_kernels, ())]
+    cases = [case for case in sdpa_batch_check_cases(dims) if case_applies(backend, case)]
+    cases.append(CheckCase("sixteen 128-row chunks from the start", AttentionSpec.standard(16, 8, 128), ((128, 128),) * 16))
     return next(filter(None, (_check_long_case(backend, case) for case in cases)), None)
 
 
@@ -706,6 +743,7 @@ class MLXBackend(Backend):
         if self.gpu_kernels == "cuda" and os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1") == "0":
             self.sdpa = False  # MLX told not to use cuDNN's attention: its kernel would refuse every chunk
         self.sdpa_fallback = None
+        self.sdpa_batch, self.sdpa_batch_fallback = self.sdpa, None  # prompts of one length in one call
         self.qk_fallback = None  # the qk_norm_rope kernel's check failure, once one failed (`verify_qk_norm_rope`)
         self.model_long_chunks = None  # whether either takes the model's chunks (`check_model`)
         self.fallback = None  # the self-check's failure, once one failed
@@ -736,6 +774,13 @@ class MLXBackend(Backend):
             problem = kernel_checks.verdict(key, self.dtype_name, self.kv_dtype, lambda: verify_sdpa(self), fresh=fresh)
             if problem:
                 self._sdpa_off(problem)
+        if kept and self.sdpa and self.sdpa_batch:
+            key = f"{self.kernel} sdpa batched prefill{cudnn_version(self.kernel)}"
+            problem = kernel_checks.verdict(key, self.dtype_name, self.kv_dtype, lambda: verify_sdpa_batch(self), fresh=fresh)
+            if problem:
+                self.sdpa_batch, self.sdpa_batch_fallback = False, problem
+                print(f"mlxinfer: warning: MLX's fused attention over several prompts in one call failed its "
+                      f"self-check ({problem}); each prompt takes a call of its own", file=sys.stderr)
         if kept and self.mma:
             mma = kernel_checks.verdict(f"{self.kernel} tensor-core prefill", self.dtype_name, self.kv_dtype,
                                         lambda: verify_mma(self), fresh=fresh)
@@ -927,6 +972,8 @@ class MLXBackend(Backend):
             ops += ", MLX's fused attention on 16-bit prefill chunks"
         elif self.sdpa_fallback:
             ops += " (MLX's fused attention failed its self-check on prefill chunks)"
+        if self.sdpa and self.sdpa_batch_fallback:
+            ops += " (a call a prompt: the batched one failed its self-check)"
         if self.mma:
             ops += ", tensor-core prefill"
         elif self.mma_fallback:
@@ -1394,9 +1441,11 @@ class MLXBackend(Backend):
         # own steps (MLX's GEMMs a head at a time, the same calls as `per_head_attention`, so the same
         # bits). The other sequences' rows as usual, then put in their places.
         out = self.zeros(q.shape[0], spec.n_heads * spec.head_dim)
-        for b in long:
-            r0, r1 = batch.rows[b]
-            if self._sdpa_takes(spec, r1 - r0):
+        for group in self._sdpa_groups(batch, spec, long):
+            b, (r0, r1) = group[0], (batch.rows[group[0]][0], batch.rows[group[-1]][1])
+            if len(group) > 1:
+                ctx = self._sdpa_batch(q[r0:r1], kv, batch, spec, group)
+            elif self._sdpa_takes(spec, r1 - r0):
                 k, v = kv.sequence(self, b)
                 ctx = self._sdpa(_head_major(q[r0:r1], spec.n_heads), _head_major(k, spec.n_kv_heads),
                                  _head_major(v, spec.n_kv_heads), spec, self._sdpa_mask(batch, b, k.shape[0], spec))
@@ -1410,7 +1459,7 @@ class MLXBackend(Backend):
             else:
                 out = self.per_head_sequence(q, kv, batch, spec, b, out)
                 continue
-            if len(batch.rows) == 1:
+            if r0 == 0 and r1 == q.shape[0]:  # the whole pass
                 return ctx
             out[r0:r1] = ctx
         rest = [b for b in range(len(batch.rows)) if b not in long]
@@ -1418,6 +1467,38 @@ class MLXBackend(Backend):
             at = mx.array(np.concatenate([np.arange(*batch.rows[b]) for b in rest]).astype(np.int32))
             out[at] = self._fused(q, kv, batch, spec, rest, at)
         return out
+
+    def _sdpa_groups(self, batch, spec, seqs) -> list[list[int]]:
+        """`seqs` (in batch order) as runs that one call of MLX's fused attention takes together
+        (SDPA_BATCH_MAX_BYTES): consecutive sequences whose chunks it takes, of one length over as many
+        keys, no window (so one bottom-right causal mask is each one's own), their keys at most that many
+        bytes; every other sequence a run of its own."""
+        def joins(g, b):
+            (a0, a1), (b0, b1), n = batch.rows[g[0]], batch.rows[b], batch.kv_lens[b]
+            return (b == g[-1] + 1 and b1 - b0 == a1 - a0 and n == batch.kv_lens[g[0]] and self._sdpa_takes(spec, b1 - b0)
+                    and (len(g) + 1) * n * spec.n_kv_heads * spec.head_dim * self.dtype.size <= SDPA_BATCH_MAX_BYTES)
+        groups = []
+        for b in seqs:
+            if groups and self.sdpa_batch and not spec.window and joins(groups[-1], b):
+                groups[-1].append(b)
+            else:
+                groups.append([b])
+        return groups
+
+    def _sdpa_batch(self, q, kv, batch, spec, group):
+        """One call of MLX's fused attention over the sequences `group` (`_sdpa_groups`): their rows q
+        [B*T, H*D] seen as [B, H, T, D] (a view), their keys and values stacked [B, KV, S, D] (a copy); the
+        context back as [B*T, H*D]."""
+        n, t = len(group), q.shape[0] // len(group)
+        keys, values = zip(*(kv.sequence(self, b) for b in group))
+
+        def heads(x, h):  # [B, rows, h*D] -> [B, h, rows, D]
+            return mx.transpose(mx.reshape(x, (x.shape[0], x.shape[1], h, -1)), (0, 2, 1, 3))
+
+        mask = self._sdpa_mask(batch, group[0], keys[0].shape[0], spec)  # ("causal" or None: no window)
+        ctx = self._sdpa(heads(mx.reshape(q, (n, t, -1)), spec.n_heads), heads(mx.stack(keys), spec.n_kv_heads),
+                         heads(mx.stack(values), spec.n_kv_heads), spec, mask)
+        return mx.reshape(mx.transpose(ctx, (0, 2, 1, 3)), (n * t, -1)).astype(self.attention_dtype)
 
     def per_head_sequence(self, q, kv, batch, spec, b, out):
         # A 16-bit chunk that MLX's fused attention takes (`_sdpa_takes`): steps 3-7 of the reference are
