@@ -248,19 +248,25 @@ def test_the_tensor_core_check_runs_its_own_kernels(host_dir, monkeypatch):
     assert "mma_attention" in launched and b.sdpa is True
 
 
+def _checked(monkeypatch, capsys, **problems):
+    """A bfloat16 CUDA backend (MLX made to report a GPU) after its self-checks, each passing but those
+    named (`verify_sdpa="..."`: that check's failure line); (the backend, its stderr lines)."""
+    cuda_host.pretend_gpu(monkeypatch, "cuda")
+    for name in ("verify_mma", "verify_block_kernels", "verify_fused_forms", "verify_rms_norm", "verify_swiglu"):
+        monkeypatch.setattr(mlx_backend, name, lambda b, kernel=None: None)
+    for name in ("verify_sdpa", "verify_sdpa_batch", "verify_gpu_kernels"):
+        monkeypatch.setattr(mlx_backend, name, lambda b, problem=problems.get(name): problem)
+    monkeypatch.setattr(mlx_backend.kernel_checks, "verdict", lambda kind, dt, kv, run, fresh=False: run())
+    b = MLXBackend(device="gpu", kernel="cuda", dtype="bfloat16")
+    b.check_kernels(verify=mlx_backend.verify_gpu_kernels)
+    return b, capsys.readouterr().err.strip().splitlines()
+
+
 def test_a_failed_self_check_turns_it_off(monkeypatch, capsys):
     """A failing `verify_sdpa` (a device whose kernel gives a head other bits when called on every head)
     turns the path off with a one-line warning, and only it: the tensor-core path stays, and 16-bit
     chunks keep 2,048 tokens a pass; the backend line and the kernel report name it."""
-    cuda_host.pretend_gpu(monkeypatch, "cuda")
-    monkeypatch.setattr(mlx_backend, "verify_sdpa", lambda b: "fused attention kernel differs in 3 of 9 values")
-    for name in ("verify_mma", "verify_block_kernels", "verify_fused_forms", "verify_rms_norm", "verify_swiglu"):
-        monkeypatch.setattr(mlx_backend, name, lambda b, kernel=None: None)
-    monkeypatch.setattr(mlx_backend, "verify_gpu_kernels", lambda b: None)
-    monkeypatch.setattr(mlx_backend.kernel_checks, "verdict", lambda kind, dt, kv, run, fresh=False: run())
-    b = MLXBackend(device="gpu", kernel="cuda", dtype="bfloat16")
-    b.check_kernels(verify=mlx_backend.verify_gpu_kernels)
-    err = capsys.readouterr().err.strip().splitlines()
+    b, err = _checked(monkeypatch, capsys, verify_sdpa="fused attention kernel differs in 3 of 9 values")
     assert b.sdpa is False and b.sdpa_fallback == "fused attention kernel differs in 3 of 9 values"
     assert b.mma is True and b.fallback is None and b.prefill_chunk == 2048
     assert len(err) == 1 and "MLX's fused attention failed its self-check" in err[0] and "tensor-core" in err[0]
@@ -274,17 +280,7 @@ def test_a_failed_batched_self_check_turns_only_it_off(monkeypatch, capsys):
     """A failing `verify_sdpa_batch` (a device whose kernel gives a prompt other bits when called with
     others) turns off only the one call over several prompts, with a one-line warning: MLX's fused
     attention stays, a call a prompt; the backend line (the engine's identity) names it."""
-    cuda_host.pretend_gpu(monkeypatch, "cuda")
-    monkeypatch.setattr(mlx_backend, "verify_sdpa", lambda b: None)
-    monkeypatch.setattr(mlx_backend, "verify_sdpa_batch", lambda b: "prompt 2 of 3 differs in 5 values")
-    for name in ("verify_mma", "verify_block_kernels", "verify_fused_forms", "verify_rms_norm", "verify_swiglu"):
-        monkeypatch.setattr(mlx_backend, name, lambda b, kernel=None: None)
-    monkeypatch.setattr(mlx_backend, "verify_gpu_kernels", lambda b: None)
-    monkeypatch.setattr(mlx_backend.kernel_checks, "verdict", lambda kind, dt, kv, run, fresh=False: run())
-    b = MLXBackend(device="gpu", kernel="cuda", dtype="bfloat16")
-    assert b.sdpa_batch is True
-    b.check_kernels(verify=mlx_backend.verify_gpu_kernels)
-    err = capsys.readouterr().err.strip().splitlines()
+    b, err = _checked(monkeypatch, capsys, verify_sdpa_batch="prompt 2 of 3 differs in 5 values")
     assert b.sdpa is True and b.sdpa_batch is False and b.sdpa_batch_fallback == "prompt 2 of 3 differs in 5 values"
     assert len(err) == 1 and "several prompts in one call failed its self-check" in err[0]
     assert "the batched one failed its self-check" in b.describe()
