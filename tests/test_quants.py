@@ -133,6 +133,29 @@ def test_a_dense_product_dequantizes_a_slice_at_a_time(monkeypatch, qtype):
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0])
+@pytest.mark.parametrize("float_scales", [False, True])
+def test_a_sliced_dense_product_keeps_the_weights_dtype_and_fields(monkeypatch, qtype, float_scales):
+    """In bfloat16 (a GPU's default), an affine weight's dense form and its dense product, whole or in
+    slices (`after` rebuilds each slice from all of the weight's fields: its dtype, formed scales, split
+    scale fields), are bfloat16, and the sliced product has the whole one's bits (on this CPU)."""
+    from mlxinfer.backends import mlx_weights
+
+    rng = np.random.default_rng(int(qtype) + 11)
+    rows, cols = 256, 256
+    raw = quants.random_blocks(rng, qtype, rows, cols, std=0.05)
+    w = to_device(qtype, quants.split(raw, qtype, rows, cols), (rows, cols), float_scales=float_scales, dtype=mx.bfloat16)
+    x = mx.array(rng.standard_normal((5, cols)).astype(np.float32)).astype(mx.bfloat16)
+    assert w.dense().dtype == mx.bfloat16
+    outs = []
+    for limit in (1 << 40, 64 * 4 * cols):  # whole; four slices of 64 rows
+        monkeypatch.setattr(mlx_weights, "DENSE_SLICE_BYTES", limit)
+        y = mlx_weights.dense_product(w, x)
+        assert y.dtype == mx.bfloat16
+        outs.append(np.array(y.astype(mx.float32)))
+    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K])
 def test_many_rows_of_an_affine_product_take_the_dense_form_on_cuda(monkeypatch, qtype):
     """On CUDA (`dense_rows`), an affine weight's product of DENSE_MIN_ROWS rows of x or more is

@@ -75,7 +75,8 @@ SPLIT_MIN_ROWS = 256  # quantized products are cut over the CPU threads in parts
 # the dense form dequantizes the whole weight once, whatever the rows. Measured on an H100 (the 0.6B
 # shape's products, bfloat16): the dense form took 0.4-0.6x quantized_matmul's time at 2,048 rows,
 # 0.62-1.42x at 1,024 (mostly below 1), 0.95-1.44x at 512 and up to 3.3x below.
-# bench/probes/dense_products.py times both; docs/performance.md has the figures.
+# bench/probes/dense_products.py times both; docs/performance.md has the figures. (float32's passes are
+# 512 rows, the protocol's chunk: there only a batch of 1,024 sequences or a larger --prefill-chunk reaches it.)
 DENSE_MIN_ROWS = 1024
 # On a GPU, a sequence's attention products with at least this many query rows (prefill chunks) are, in
 # 16-bit dtypes on CUDA, the tensor-core order's (`self.mma`: kernels.mma_*, one launch a chunk in the

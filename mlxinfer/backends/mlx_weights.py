@@ -3,15 +3,16 @@ takes which form and why each is exact):
 
   - `QuantizedWeight`: MLX affine group-32 quants (bits 4, 5, 8) and the file's own scale fields;
     scales and biases are formed at each use (`affine_scales`: in float32, rounded once to the products'
-    dtype; one compiled kernel a product, `formed_scales`), then `mx.quantized_matmul`.
+    dtype; one compiled kernel a product, `formed_scales`), then `mx.quantized_matmul`; on CUDA a product
+    of many rows (`MLXBackend.dense_rows`) dequantizes the weight first (`dense`, `dense_product`).
   - `BlockWeight`: the file's block fields (Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS) or 16-bit values (F16,
     BF16), dequantized to float32 in the graph at each use (`dequantize`: MLX bit operations doing
     gguf-py's arithmetic; on a GPU by one compiled function where that keeps the bits, `formed_values`),
     then a float32 product. This costs time, not memory: on MLX's CPU a product
     of Q6_K, Q3_K or Q2_K takes 2-3.5x an affine type's, F16/BF16 1.5-2.5x, IQ4_NL/IQ4_XS ~10x (MLX's
     gather for the codebook); figures in tests/test_quants.py's docstring, `bench/probes/weight_types.py`
-    measures them. A product dequantizes a slice of rows at a time (`DENSE_SLICE_BYTES`), so the float32
-    matrix is never whole in memory. On a GPU decode rows of every such type go to a kernel
+    measures them. A product dequantizes a slice of rows at a time (`dense_product`, `DENSE_SLICE_BYTES`),
+    so the float32 matrix is never whole in memory. On a GPU decode rows of every such type go to a kernel
     (`block_kernels`).
   - float32 arrays (F32 files), [in, out] for products.
   - `ExpertStack`: a mixture's [experts, out, in] stacks in one of the forms above, rows flattened.
@@ -236,7 +237,7 @@ class QuantizedWeight:
         return mx.quantized_matmul(x, self.w, scales, biases, transpose=True, group_size=GROUP, bits=self.bits)
 
     def dense(self) -> mx.array:
-        """The [out, in] matrix in the products' dtype (`dense_product`: many rows of x on a GPU)."""
+        """The [out, in] matrix in the products' dtype (`dense_product`: many rows of x on CUDA)."""
         scales, biases = self.affine()
         return mx.dequantize(self.w, scales, biases, group_size=GROUP, bits=self.bits)
 
@@ -286,9 +287,9 @@ PackedWeight = (QuantizedWeight, BlockWeight)  # the kinds with a row_slice / pr
 
 def dense_product(w, x) -> mx.array:
     """x @ w.T with w dequantized (`w.dense()`) in slices of rows of at most DENSE_SLICE_BYTES as
-    float32, each slice's fields made to depend on the previous slice's product (`w.after`: left to
-    itself MLX dequantizes every slice before the first product), so the transient matrix is one slice,
-    not the whole (a Qwen3-8B-shaped Q6_K output head is 2.5 GB as float32)."""
+    float32, each slice's fields (an affine weight's codes) made to depend on the previous slice's product
+    (`w.after`: left to itself MLX dequantizes every slice before the first product), so the transient
+    matrix is one slice, not the whole (a Qwen3-8B-shaped Q6_K output head is 2.5 GB as float32)."""
     rows, cols = w.shape
     step = max(1, DENSE_SLICE_BYTES // (4 * cols))
     if rows <= step:
