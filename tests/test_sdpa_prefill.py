@@ -146,13 +146,20 @@ def test_fused_is_the_per_head_reference_through_mlxs_fallback(dtype, case, call
     assert calls == fused + per_head
 
 
-@pytest.mark.parametrize("case", sdpa_batch_check_cases(head_dims=(16,)), ids=str)
+_APART = [CheckCase("two 130-row chunks from the start, a short chunk between", AttentionSpec.standard(4, 2, 16),
+                    ((130, 130), (60, 20), (130, 130))),
+          CheckCase("two soft-capped 130-row chunks from the start", replace(AttentionSpec.standard(4, 2, 16), softcap=2.0),
+                    ((130, 130),) * 2)]
+
+
+@pytest.mark.parametrize("case", sdpa_batch_check_cases(head_dims=(16,)) + _APART, ids=str)
 @pytest.mark.parametrize("limit", [None, 0])
 def test_prompts_of_one_length_take_one_call(case, limit, calls, host_dir, monkeypatch):
     """The batched self-check's cases at head size 16, through MLX's CPU fallback: consecutive chunks of
     one length over as many keys take one call of B prompts in the fused override (a call a head and a
     prompt in the reference), bit for bit the reference; with SDPA_BATCH_MAX_BYTES 0 (keys too large to
-    stack) or `sdpa_batch` off, a call a prompt again, the same bits."""
+    stack) or `sdpa_batch` off, a call a prompt again, the same bits. Two such chunks with a short one
+    between (our kernels) are a call each; soft-capped ones take no call (MLX's kernel has no cap)."""
     import itertools
 
     cuda_host.launch_on_host(host_dir, monkeypatch)
@@ -166,12 +173,29 @@ def test_prompts_of_one_length_take_one_call(case, limit, calls, host_dir, monke
     assert np.isfinite(ref).all() and np.array_equal(got.view(np.uint32), ref.view(np.uint32))
     spec, d = case.spec, case.spec.head_dim
     runs = [(len(list(g)), seq) for seq, g in itertools.groupby(case.seqs)] if limit is None else [(1, x) for x in case.seqs]
-    runs = [(n, (s, t)) for n, (s, t) in runs if t >= PREFILL_ROWS]  # (a short chunk: the kernels, no call)
+    runs = [(n, (s, t)) for n, (s, t) in runs if t >= PREFILL_ROWS and not spec.softcap]  # (else: no call)
+    if case is _APART[0] and limit is None:
+        runs = [(1, x) for x in case.seqs if x[1] >= PREFILL_ROWS]  # (apart: a call each)
     assert calls == [((n, spec.n_heads, t, d), (n, spec.n_kv_heads, s, d), "causal") for n, (s, t) in runs]
     b.sdpa_batch = False
     del calls[:]
     assert np.array_equal(b.to_numpy(b.fused_attention_override(q, view, batch, case.spec)).view(np.uint32), ref.view(np.uint32))
-    assert [c[0][0] for c in calls] == [1] * sum(t >= PREFILL_ROWS for _, t in case.seqs)
+    assert [c[0][0] for c in calls] == [1] * sum(t >= PREFILL_ROWS and not spec.softcap for _, t in case.seqs)
+
+
+def test_the_stacked_keys_stay_within_their_bound(calls, monkeypatch):
+    """SDPA_BATCH_MAX_BYTES bounds the keys that a layer's call stacks in all: at exactly two prompts'
+    keys, three equal chunks are a call of two and a call of one (then the chunk over other keys)."""
+    b = _sdpa_backend("bfloat16")
+    case = sdpa_batch_check_cases(head_dims=(16,))[1]  # three 130-row chunks from the start, then 300 keys
+    spec = case.spec
+    monkeypatch.setattr(mlx_backend, "SDPA_BATCH_MAX_BYTES", 2 * 130 * spec.n_kv_heads * spec.head_dim * 2)
+    q, view, batch = check_case_inputs(b, case)
+    ref = b.to_numpy(b.per_head_attention(q, view, batch, spec))
+    del calls[:]
+    got = b.to_numpy(b.fused_attention_override(q, view, batch, spec))
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    assert [(c[0][0], c[1][2]) for c in calls] == [(2, 130), (1, 130), (1, 300)]
 
 
 def test_a_pass_of_long_and_short_sequences(calls, host_dir, monkeypatch):
@@ -279,11 +303,13 @@ def test_a_failed_self_check_turns_it_off(monkeypatch, capsys):
 def test_a_failed_batched_self_check_turns_only_it_off(monkeypatch, capsys):
     """A failing `verify_sdpa_batch` (a device whose kernel gives a prompt other bits when called with
     others) turns off only the one call over several prompts, with a one-line warning: MLX's fused
-    attention stays, a call a prompt; the backend line (the engine's identity) names it."""
+    attention stays, a call a prompt; the backend line (the engine's identity) and the kernel report name it."""
     b, err = _checked(monkeypatch, capsys, verify_sdpa_batch="prompt 2 of 3 differs in 5 values")
     assert b.sdpa is True and b.sdpa_batch is False and b.sdpa_batch_fallback == "prompt 2 of 3 differs in 5 values"
     assert len(err) == 1 and "several prompts in one call failed its self-check" in err[0]
     assert "the batched one failed its self-check" in b.describe()
+    line, ok = b.kernel_report()  # (`inspect --kernels`)
+    assert not ok and "one call over several prompts: self-check FAILED (prompt 2 of 3 differs in 5 values)" in line
 
 
 def test_the_verdict_is_kept_per_cudnn_release(monkeypatch):
@@ -314,7 +340,7 @@ def test_the_verdict_is_kept_per_cudnn_release(monkeypatch):
     monkeypatch.setattr(mlx_backend, "verify_gpu_kernels", lambda b: None)
     b = MLXBackend(device="gpu", kernel=cuda_host.pretend_gpu(monkeypatch, "cuda"), dtype="bfloat16")
     b.check_kernels(verify=mlx_backend.verify_gpu_kernels)
-    assert "cuda sdpa prefill cudnn ?" in kinds
+    assert "cuda sdpa prefill cudnn ?" in kinds and "cuda sdpa batched prefill cudnn ?" in kinds
 
 
 def test_cudnn_switched_off_in_mlx_is_not_taken(monkeypatch):

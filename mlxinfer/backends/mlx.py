@@ -96,9 +96,11 @@ SDPA_HEAD_DIMS = {"cuda": frozenset(range(8, 129, 8)), "metal": frozenset((64, 7
 # Consecutive prompts of a pass whose chunks have one length over as many keys (a batch's prompts of one
 # length), no window, take one such call together in the fused override (`_sdpa_groups`: a call a prompt
 # and a layer was 448 launches of a 16-prompt pass, each with its copies); their keys and values are
-# stacked for it, a copy of at most this many bytes each. The same bits a prompt where its own self-check
-# (`verify_sdpa_batch`) finds them so; off alone where it does not.
-SDPA_BATCH_MAX_BYTES = 32 << 20
+# stacked for it, copies of at most this many bytes of keys (as many of values) in all a layer's call:
+# a pass's buffers may all live until it has run, so a pass stacks at most layers x twice this (sixteen
+# 128-token prompts of Qwen3-0.6B: 4 MiB of keys a layer). The same bits a prompt where its own
+# self-check (`verify_sdpa_batch`) finds them so; off alone where it does not.
+SDPA_BATCH_MAX_BYTES = 8 << 20
 _CPU_STREAMS: list = []  # shared by every MLX backend; thread-local: each thread that uses one gets its own
 
 
@@ -429,7 +431,8 @@ def sdpa_check_cases(head_dims=(64, 80, 128)) -> list[CheckCase]:
     return cases
 
 
-def _check_long_case(backend: "MLXBackend", case: CheckCase) -> str | None:
+def _check_long_case(backend: "MLXBackend", case: CheckCase,
+                     what: str = "one call over every head differs from a call a head") -> str | None:
     """One case of chunks that all take MLX's fused attention: the override against the reference, bit
     for bit (none of our kernels runs: a failure is that path's alone). None, or one line."""
     try:
@@ -438,7 +441,7 @@ def _check_long_case(backend: "MLXBackend", case: CheckCase) -> str | None:
         ref = backend.to_numpy(backend.per_head_attention(q, view, batch, case.spec))
     except Exception as e:  # a shape MLX's kernel refuses (force_fused)
         return f"{_one_line(e)} ({case})"
-    return _differs("one call over every head differs from a call a head", got, ref, case)
+    return _differs(what, got, ref, case)
 
 
 CUDNN_WHEELS = (("mlx-cuda-13", "nvidia-cudnn-cu13"), ("mlx-cuda-12", "nvidia-cudnn-cu12"))  # MLX's CUDA build, its cuDNN
@@ -485,17 +488,16 @@ def verify_sdpa(backend: "MLXBackend") -> str | None:
 
 def sdpa_batch_check_cases(head_dims=(64, 80, 128)) -> list[CheckCase]:
     """Prompts of one length in one call of MLX's fused attention (`_sdpa_groups`): two and three chunks of
-    PREFILL_ROWS rows or more from the cache's start, beside a chunk of another length, two apart (a short
-    chunk between: a call each), two over as many cached keys each (mid-cache) in each cache kind."""
+    PREFILL_ROWS rows or more from the cache's start (three with four query heads a KV head), beside a
+    chunk of another length, two over as many cached keys each (mid-cache) in each cache kind. Every chunk
+    takes MLX's kernel (none of ours runs: `_check_long_case`)."""
     rows = PREFILL_ROWS + 2
     cases = []
     for d in head_dims:
         gqa = AttentionSpec.standard(4, 2, d)
         cases += [CheckCase(f"two {rows}-row chunks from the start", gqa, ((rows, rows),) * 2),
-                  CheckCase(f"three {rows}-row chunks from the start beside one over 300 keys", gqa,
-                            ((rows, rows),) * 3 + ((300, rows),)),
-                  CheckCase(f"two {rows}-row chunks from the start, a short chunk between", gqa,
-                            ((rows, rows), (60, 20), (rows, rows)))]
+                  CheckCase(f"three {rows}-row chunks from the start beside one over 300 keys", AttentionSpec.standard(8, 2, d),
+                            ((rows, rows),) * 3 + ((300, rows),))]
         cases += [CheckCase(f"two {rows}-row chunks over 300 keys each", gqa, ((300, rows),) * 2, kv) for kv in KV_CACHES]
     return cases
 
@@ -506,8 +508,13 @@ def verify_sdpa_batch(backend: "MLXBackend") -> str | None:
     the per-head reference's call a head and a prompt, bit for bit. None, or one line."""
     dims = [d for d in (64, 80, 128, 256) if d in SDPA_HEAD_DIMS.get(backend.gpu_kernels, ())]
     cases = [case for case in sdpa_batch_check_cases(dims) if case_applies(backend, case)]
-    cases.append(CheckCase("sixteen 128-row chunks from the start", AttentionSpec.standard(16, 8, 128), ((128, 128),) * 16))
-    return next(filter(None, (_check_long_case(backend, case) for case in cases)), None)
+    # and passes of real size (the kernel may pick its method by shape), Qwen3-0.6B's heads and 4:1 GQA
+    real = AttentionSpec.standard(16, 8, 128)
+    cases += [CheckCase("sixteen 128-row chunks from the start", real, ((128, 128),) * 16),
+              CheckCase("four 512-row chunks from the start", AttentionSpec.standard(32, 8, 128), ((512, 512),) * 4),
+              CheckCase("two 2048-row chunks over 4096 keys", real, ((4096, 2048),) * 2)]
+    what = "one call over several prompts differs from a call a prompt"
+    return next(filter(None, (_check_long_case(backend, case, what) for case in cases)), None)
 
 
 def _first_problem(backend: "MLXBackend", cases) -> str | None:
@@ -923,6 +930,10 @@ class MLXBackend(Backend):
         elif self.sdpa:
             blocks += ("; MLX's fused attention on 16-bit prefill chunks: self-check passed, one call over every "
                        "head bit for bit a call a head")
+            if self.sdpa_batch_fallback:
+                blocks += f"; one call over several prompts: self-check FAILED ({self.sdpa_batch_fallback}), a call a prompt"
+            elif self.sdpa_batch:
+                blocks += "; one call over several prompts: self-check passed, bit for bit a call a prompt"
         if self.fused_fallback:
             blocks += f"; the block kernels' fused forms: self-check FAILED ({self.fused_fallback}), norms and adds apart"
         if self.norm_fallback:
@@ -938,7 +949,7 @@ class MLXBackend(Backend):
                     f"per-head attention ({what}){blocks}"), False
         return (f"kernels: {kind}: self-check passed, fused attention bit for bit the per-head reference ({what})"
                 f"{blocks}"), (self.block_fallback is None and self.mma_fallback is None and self.sdpa_fallback is None
-                               and self.qk_fallback is None and self.fused_fallback is None and self.norm_fallback is None
+                               and self.sdpa_batch_fallback is None and self.qk_fallback is None and self.fused_fallback is None and self.norm_fallback is None
                                and self.swiglu_fallback is None)
 
     @property
@@ -1472,15 +1483,21 @@ class MLXBackend(Backend):
     def _sdpa_groups(self, batch, spec, seqs) -> list[list[int]]:
         """`seqs` (in batch order) as runs that one call of MLX's fused attention takes together
         (SDPA_BATCH_MAX_BYTES): consecutive sequences whose chunks it takes, of one length over as many
-        keys, no window (so one bottom-right causal mask is each one's own), their keys at most that many
-        bytes; every other sequence a run of its own."""
+        keys, no window (so one bottom-right causal mask is each one's own), the keys all runs stack at most
+        that many bytes; every other sequence a run of its own."""
+        row_bytes = spec.n_kv_heads * spec.head_dim * self.dtype.size
+
         def joins(g, b):
             (a0, a1), (b0, b1), n = batch.rows[g[0]], batch.rows[b], batch.kv_lens[b]
-            return (b == g[-1] + 1 and b1 - b0 == a1 - a0 and n == batch.kv_lens[g[0]] and self._sdpa_takes(spec, b1 - b0)
-                    and (len(g) + 1) * n * spec.n_kv_heads * spec.head_dim * self.dtype.size <= SDPA_BATCH_MAX_BYTES)
+            return (b == g[-1] + 1 and b1 - b0 == a1 - a0 and n == batch.kv_lens[g[0]] and self._sdpa_takes(spec, b1 - b0))
+
+        def stacked(gs):  # the keys' bytes the groups of more than one stack
+            return sum(len(g) * batch.kv_lens[g[0]] * row_bytes for g in gs if len(g) > 1)
+
         groups = []
         for b in seqs:
-            if groups and self.sdpa_batch and not spec.window and joins(groups[-1], b):
+            if (groups and self.sdpa_batch and not spec.window and joins(groups[-1], b)
+                    and stacked(groups[:-1] + [groups[-1] + [b]]) <= SDPA_BATCH_MAX_BYTES):
                 groups[-1].append(b)
             else:
                 groups.append([b])
