@@ -183,6 +183,16 @@ def test_prompts_of_one_length_take_one_call(case, limit, calls, host_dir, monke
     assert [c[0][0] for c in calls] == [1] * sum(t >= PREFILL_ROWS and not spec.softcap for _, t in case.seqs)
 
 
+def test_each_batched_check_case_takes_one_call():
+    """Every case of the batched self-check (`sdpa_batch_check_cases`, and its passes of real size) makes
+    at least one call over several prompts under the default bound: a case that did not would check
+    nothing of the batching."""
+    b = _sdpa_backend("bfloat16")
+    for case in sdpa_batch_check_cases(head_dims=(64, 80, 128)) + mlx_backend.SDPA_BATCH_SIZED:
+        batch = Batch(b, list(range(len(case.seqs))), [s - t for s, t in case.seqs], [t for _, t in case.seqs])
+        assert max(map(len, b._sdpa_groups(batch, case.spec, range(len(case.seqs))))) > 1, str(case)
+
+
 def test_the_stacked_keys_stay_within_their_bound(calls, monkeypatch):
     """SDPA_BATCH_MAX_BYTES bounds the keys that a layer's call stacks in all: at exactly two prompts'
     keys, three equal chunks are a call of two and a call of one (then the chunk over other keys)."""

@@ -502,17 +502,20 @@ def sdpa_batch_check_cases(head_dims=(64, 80, 128)) -> list[CheckCase]:
     return cases
 
 
+# verify_sdpa_batch's passes of real size (the kernel may pick its method by shape), Qwen3-0.6B's heads and
+# 4:1 GQA; each stacks at most SDPA_BATCH_MAX_BYTES of keys (the two 2,048-row chunks: exactly that)
+SDPA_BATCH_SIZED = [CheckCase("sixteen 128-row chunks from the start", AttentionSpec.standard(16, 8, 128), ((128, 128),) * 16),
+                    CheckCase("four 512-row chunks from the start", AttentionSpec.standard(32, 8, 128), ((512, 512),) * 4),
+                    CheckCase("two 2048-row chunks from the start", AttentionSpec.standard(16, 8, 128), ((2048, 2048),) * 2)]
+
+
 def verify_sdpa_batch(backend: "MLXBackend") -> str | None:
     """Prompts of one length in one call of MLX's fused attention, on the device (`sdpa_batch_check_cases`,
     and a pass of real size: sixteen 128-token prompts of Qwen3-0.6B's heads): the fused override against
     the per-head reference's call a head and a prompt, bit for bit. None, or one line."""
     dims = [d for d in (64, 80, 128, 256) if d in SDPA_HEAD_DIMS.get(backend.gpu_kernels, ())]
     cases = [case for case in sdpa_batch_check_cases(dims) if case_applies(backend, case)]
-    # and passes of real size (the kernel may pick its method by shape), Qwen3-0.6B's heads and 4:1 GQA
-    real = AttentionSpec.standard(16, 8, 128)
-    cases += [CheckCase("sixteen 128-row chunks from the start", real, ((128, 128),) * 16),
-              CheckCase("four 512-row chunks from the start", AttentionSpec.standard(32, 8, 128), ((512, 512),) * 4),
-              CheckCase("two 2048-row chunks from the start", real, ((2048, 2048),) * 2)]  # (8 MiB of keys: the bound)
+    cases += SDPA_BATCH_SIZED
     what = "one call over several prompts differs from a call a prompt"
     return next(filter(None, (_check_long_case(backend, case, what) for case in cases)), None)
 
