@@ -1464,8 +1464,7 @@ class MLXBackend(Backend):
                 k, v = kv.sequence(self, b)
                 ctx = self._sdpa(_head_major(q[r0:r1], spec.n_heads), _head_major(k, spec.n_kv_heads),
                                  _head_major(v, spec.n_kv_heads), spec, self._sdpa_mask(batch, b, k.shape[0], spec))
-                # (squeeze, a view: MLX's ctx[0] is a gather, a copy of the whole context a chunk)
-                ctx = mx.reshape(mx.transpose(mx.squeeze(ctx, 0), (1, 0, 2)), (r1 - r0, -1)).astype(self.attention_dtype)
+                ctx = _row_major(ctx).astype(self.attention_dtype)
             elif self.mma and kernels.mma_fits(spec):
                 k, v = kv.sequence(self, b)
                 ctx = kernels.mma_attention(self.gpu_kernels, q[r0:r1].astype(self.dtype), k.astype(self.dtype),
@@ -1512,14 +1511,10 @@ class MLXBackend(Backend):
         context back as [B*T, H*D]."""
         n, t = len(group), q.shape[0] // len(group)
         keys, values = zip(*(kv.sequence(self, b) for b in group))
-
-        def heads(x, h):  # [B, rows, h*D] -> [B, h, rows, D]
-            return mx.transpose(mx.reshape(x, (x.shape[0], x.shape[1], h, -1)), (0, 2, 1, 3))
-
         mask = self._sdpa_mask(batch, group[0], keys[0].shape[0], spec)  # ("causal" or None: no window)
-        ctx = self._sdpa(heads(mx.reshape(q, (n, t, -1)), spec.n_heads), heads(mx.stack(keys), spec.n_kv_heads),
-                         heads(mx.stack(values), spec.n_kv_heads), spec, mask)
-        return mx.reshape(mx.transpose(ctx, (0, 2, 1, 3)), (n * t, -1)).astype(self.attention_dtype)
+        ctx = self._sdpa(_head_major(mx.reshape(q, (n, t, -1)), spec.n_heads), _head_major(mx.stack(keys), spec.n_kv_heads),
+                         _head_major(mx.stack(values), spec.n_kv_heads), spec, mask)
+        return _row_major(ctx).astype(self.attention_dtype)
 
     def per_head_sequence(self, q, kv, batch, spec, b, out):
         # A 16-bit chunk that MLX's fused attention takes (`_sdpa_takes`): steps 3-7 of the reference are
@@ -1682,10 +1677,18 @@ def _hidden_keys(positions, keys: int, causal: bool, window):
 
 
 def _head_major(x, n: int):
-    """[rows, n*D] -> [1, n, rows, D] (`mx.fast.scaled_dot_product_attention`'s layout) as a view, no copy:
-    its kernels read strided heads (MLX copies where one needs contiguous rows), so a chunk's keys and
-    values are not copied out of the KV store, 128 MiB a layer at 32k tokens of Qwen3-0.6B in bfloat16."""
-    return mx.transpose(mx.reshape(x, (x.shape[0], n, -1)), (1, 0, 2))[None]
+    """[rows, n*D] -> [1, n, rows, D], or [B, rows, n*D] -> [B, n, rows, D] (`mx.fast.scaled_dot_product_attention`'s
+    layout) as a view, no copy: its kernels read strided heads (MLX copies where one needs contiguous
+    rows), so a chunk's keys and values are not copied out of the KV store, 128 MiB a layer at 32k tokens
+    of Qwen3-0.6B in bfloat16."""
+    y = mx.swapaxes(mx.reshape(x, (*x.shape[:-1], n, -1)), -3, -2)
+    return y[None] if x.ndim == 2 else y
+
+
+def _row_major(ctx):
+    """MLX's fused attention's context [B, H, rows, D] back as rows [B*rows, H*D] (one copy; a swap, not
+    `ctx[0]`: MLX indexes an array by an integer with a gather, a copy of the whole context)."""
+    return mx.reshape(mx.swapaxes(ctx, 1, 2), (-1, ctx.shape[1] * ctx.shape[3]))
 
 
 @functools.lru_cache(maxsize=None)
