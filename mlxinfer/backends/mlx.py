@@ -1493,14 +1493,13 @@ class MLXBackend(Backend):
             (a0, a1), (b0, b1), n = batch.rows[g[0]], batch.rows[b], batch.kv_lens[b]
             return (b == g[-1] + 1 and b1 - b0 == a1 - a0 and n == batch.kv_lens[g[0]] and self._sdpa_takes(spec, b1 - b0))
 
-        def stacked(gs):  # the keys' bytes the groups of more than one stack
-            return sum(len(g) * batch.kv_lens[g[0]] * row_bytes for g in gs if len(g) > 1)
-
-        groups = []
+        groups, stacked = [], 0  # (the keys' bytes the groups of more than one stack so far)
         for b in seqs:
-            if (groups and self.sdpa_batch and not spec.window and joins(groups[-1], b)
-                    and stacked(groups[:-1] + [groups[-1] + [b]]) <= SDPA_BATCH_MAX_BYTES):
-                groups[-1].append(b)
+            g = groups[-1] if groups else None
+            more = batch.kv_lens[b] * row_bytes * (2 if g and len(g) == 1 else 1)  # (a pair stacks its first too)
+            if g and self.sdpa_batch and not spec.window and joins(g, b) and stacked + more <= SDPA_BATCH_MAX_BYTES:
+                g.append(b)
+                stacked += more
             else:
                 groups.append([b])
         return groups
