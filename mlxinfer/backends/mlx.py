@@ -952,7 +952,8 @@ class MLXBackend(Backend):
                     f"per-head attention ({what}){blocks}"), False
         return (f"kernels: {kind}: self-check passed, fused attention bit for bit the per-head reference ({what})"
                 f"{blocks}"), (self.block_fallback is None and self.mma_fallback is None and self.sdpa_fallback is None
-                               and self.sdpa_batch_fallback is None and self.qk_fallback is None and self.fused_fallback is None and self.norm_fallback is None
+                               and self.sdpa_batch_fallback is None and self.qk_fallback is None
+                               and self.fused_fallback is None and self.norm_fallback is None
                                and self.swiglu_fallback is None)
 
     @property

@@ -170,8 +170,9 @@ FUSABLE = frozenset({Q.Q6_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS})
 def formed_values(qtype, dtype):
     """`dequantize` of a FUSABLE type's fields, cast to `dtype`, as one compiled function: MLX fuses its
     elementwise operations (shifts, masks, conversions, products; Q6_K's written in one broadcast shape:
-    one kernel a slice, the cast to the dtype included), where the graph launches each (bench/probes/step_graph.py --host --pass prefill counts them). The same
-    operations: the same bits (tested). The shape comes from the fields: rows, then blocks."""
+    one kernel a slice, the cast to the dtype included), where the graph launches each
+    (bench/probes/step_graph.py --host --pass prefill counts them). The same operations: the same bits
+    (tested). The shape comes from the fields: rows, then blocks."""
     values = GGML_QUANT_SIZES[qtype][0]
     return mx.compile(lambda *parts: dequantize(qtype, parts, parts[0].shape[0], parts[0].shape[1] * values, dtype))
 

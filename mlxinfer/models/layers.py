@@ -50,7 +50,8 @@ def swiglu_block(ops, x, w, eps: float, groups, shard):
     """x + down(silu(gate(h)) * up(h)) for h = rms_norm(x) (`ffn_norm`), the FFN summed over the ranks'
     shares of its width: the residual stream after a pre-norm SwiGLU block. On one rank the backend's
     composite `swiglu_ffn` (on a GPU two launches for decode rows: the norm with gate and up, then SwiGLU
-    with the down product and the residual; SwiGLU apart for a large down weight); across ranks the sum over them first, then the residual."""
+    with the down product and the residual; SwiGLU apart for a large down weight); across ranks the sum
+    over them first, then the residual."""
     if shard.size == 1:
         return ops.swiglu_ffn(x, w.ffn_norm, eps, w.ffn_gate_up, w.ffn_down, groups)
     gate, up = ops.rms_norm_linear_group(x, w.ffn_norm, eps, w.ffn_gate_up, groups)
