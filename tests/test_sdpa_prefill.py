@@ -513,3 +513,21 @@ def test_on_cuda_a_model_in_bfloat16(models):
     assert np.array_equal(got, per_head.logits(PROMPT))
     assert np.max(np.abs(got - want)) <= LOW_PRECISION[("bfloat16", None)] * np.max(np.abs(want))
     assert fused.generate(PROMPT, max_tokens=8).token_ids == f32.generate(PROMPT, max_tokens=8).token_ids
+
+
+@needs_cuda
+def test_on_cuda_prompts_of_one_length_share_a_call(models, calls):
+    """Four 300-token prompts in one batch, bfloat16 on the GPU: after its self-check the batched path is on,
+    a layer's four equal chunks take one call of cuDNN's kernel (q of 4 prompts), and each prompt's 8 greedy
+    tokens are those of the per-head engine, whose calls are a head and a prompt each."""
+    import mlxinfer
+
+    prompts = [[(7 * i + 3 + 11 * j) % 380 for i in range(300)] for j in range(4)]
+    fused, per_head = (mlxinfer.load(models["qwen3"], backend="mlx", dtype="bfloat16", attention=a)
+                       for a in ("fused", "per-head"))
+    got = [g.token_ids for g in fused.generate_batch(prompts, max_tokens=8)]
+    assert fused.backend.sdpa_batch is True
+    assert any(q[0] == 4 and q[2] == 300 for q, _, _ in calls)
+    del calls[:]
+    assert got == [g.token_ids for g in per_head.generate_batch(prompts, max_tokens=8)]
+    assert calls and all(q[:2] == (1, 1) for q, _, _ in calls)
