@@ -33,6 +33,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -465,16 +466,61 @@ def build(jobs) -> int:
     return b.build(jobs) if b else 0
 
 
+# -- the header as a file ----------------------------------------------------------------------------
+INCLUDE_FROM = 512  # a header of this many bytes or more reaches MLX as an #include of a file (None: never)
+_SAFE_PATH = re.compile(r"[A-Za-z0-9_./+-]+")  # a path an #include "..." line takes as it is
+
+
+def header_dir() -> Path:
+    """Where headers handed to MLX as files live: beside the modules in MLX's kernel cache."""
+    import mlx.core as mx
+
+    return ptx_cache_dir(mx.__version__) / "mlxinfer-headers"
+
+
+def included(header: str) -> str:
+    """What a kernel hands MLX as its header: for one of INCLUDE_FROM bytes or more, one #include line of a
+    file holding it, named by its digest (so that a module's name, which hashes the source, still changes
+    with the header); else the header itself. MLX's CUDA custom kernel hashes its whole source at every
+    launch (`CustomKernel::eval_gpu` names its module with std::hash of it; 0.13 us a KB on this project's
+    x86 VM): a block kernel's header is 9-12 KB, ~57 launches a decode token of Qwen3-0.6B. NVRTC (ours in
+    `Builder`, or MLX's own compile) reads the file by its absolute path. Where the file cannot be written,
+    or its path would need quoting, the header goes inline as before."""
+    if INCLUDE_FROM is None or len(header) < INCLUDE_FROM:
+        return header
+    try:
+        d = header_dir().absolute()
+        path = d / f"mlxi_{hashlib.sha256(header.encode()).hexdigest()[:24]}.cuh"
+        if not _SAFE_PATH.fullmatch(str(path)):
+            return header
+        if not (path.exists() and path.read_text() == header):
+            d.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(header)
+            os.replace(tmp, path)
+    except OSError:
+        return header
+    return f'#include "{path}"\n'
+
+
 class Kernel:
     """`mx.fast.cuda_kernel` with its forms prebuilt: called as MLX's kernel is. At each form's first
     launch in this process (its template, input dtypes and ranks) the module is built into MLX's cache
-    if missing, before MLX looks for it."""
+    if missing, before MLX looks for it. Its header reaches MLX as `included` makes it, decided at the
+    first launch (its file made again at each new form's)."""
 
     def __init__(self, name: str, input_names, output_names, source: str, header: str):
         self.name, self.input_names, self.output_names = name, list(input_names), list(output_names)
-        self.body, self.header = source, header
+        self.body, self.source_header = source, header
+        self._header = None  # what MLX is handed (`included`), at the first launch
         self.mlx = None  # MLX's kernel, made at the first launch (MLX without CUDA refuses to make one)
         self.seen: set = set()
+
+    @property
+    def header(self) -> str:
+        if self._header is None:
+            self._header = included(self.source_header)
+        return self._header
 
     def job(self, inputs, template, output_dtypes) -> tuple[str, str, str]:
         """(module, kernel name, source) of a launch, as MLX names and generates it."""
@@ -495,6 +541,8 @@ class Kernel:
         form = (tuple(template), tuple([(a.dtype, a.ndim > 0) for a in inputs]), tuple(output_dtypes))  # ~1 us
         if form not in self.seen:
             self.seen.add(form)
+            if self.header != self.source_header:
+                included(self.source_header)  # (its file again, should the cache have been cleared)
             b = builder()
             if b is not None:
                 b.build([self.job(inputs, template, output_dtypes)])

@@ -21,7 +21,8 @@ from mlxinfer.backends.mlx import MLXBackend, case_applies, self_check_cases
 
 
 @pytest.fixture(autouse=True)
-def _fresh_kernels():
+def _fresh_kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "mlx-cache"))  # (headers as files land there)
     device = mx.default_device()  # (a CPU backend made here makes the CPU MLX's default: not for later tests)
     kernels._kernel.cache_clear()
     block_kernels._kernel.cache_clear()
@@ -123,6 +124,7 @@ def test_nvrtc_compiles_the_sources_for_an_h200(tmp_path):
                      mx.zeros((40, 16), mx.uint16), mx.zeros((40, 16), mx.uint16), mx.zeros((5,), mx.int32)],
                     [("T", mx.float16), ("M", 2), ("BITS", 4), ("SCALES", 1), ("ZERO", 0)],
                     [mx.float16])]
+    assert f'#include "{cuda_jit.header_dir()}/mlxi_' in launches[1][2]  # (a block kernel's header: a file)
     assert cuda_jit.Builder("sm_90a", lib, include, tmp_path, workers=2).build(launches) == 2
     for module, kernel, _ in launches:
         name, lowered = (tmp_path / f"{module}.txt").read_text().rstrip("\n").split("\t")
@@ -339,3 +341,44 @@ def test_collecting_is_this_threads_only(monkeypatch):
         t.join()
         assert not mx.array_equal(k(**launch)[0], mx.ones((4,))).item()  # this thread collects
     assert got == [True] and len(jobs) == 1
+
+
+def _affine_job(k):
+    return k.job([mx.zeros((2, 512), mx.float16), mx.zeros((2, 40), mx.float16), mx.zeros((512,), mx.float16),
+                  mx.zeros((40, 64), mx.uint32), mx.zeros((40, 16), mx.uint16), mx.zeros((40, 16), mx.uint16),
+                  mx.zeros((5,), mx.int32)],
+                 [("T", mx.float16), ("M", 2), ("BITS", 4), ("SCALES", 1), ("ZERO", 0)], [mx.float16])
+
+
+def test_a_long_header_reaches_mlx_as_a_file(monkeypatch):
+    """A header of INCLUDE_FROM bytes or more is handed to MLX as one #include line of a file holding it,
+    in MLX's kernel cache, named by its digest: the source MLX hashes at every launch is a block kernel's
+    ~12 KB less, and a header differing in one byte is another file and another module. A short header
+    (the tanh kernel's), and every header with INCLUDE_FROM None, go inline, as MLX's source always had them."""
+    k = block_kernels._kernel("cuda", "affine_matvec")
+    module, _, source = _affine_job(k)
+    line = next(x for x in source.splitlines() if x.startswith("#include") and "mlxi_" in x)
+    path = line.split('"')[1]
+    assert path.startswith(str(cuda_jit.header_dir().absolute()) + "/mlxi_")
+    assert open(path).read() == k.source_header and len(k.source_header) >= cuda_jit.INCLUDE_FROM
+    assert k.source_header not in source and len(source) < 2000
+    other = cuda_jit.Kernel(k.name, k.input_names, k.output_names, k.body, k.source_header.replace("0.5f", "0.25f", 1))
+    assert other.source_header != k.source_header
+    assert _affine_job(other)[0] != module and other.header != k.header
+    assert _affine_job(cuda_jit.Kernel(k.name, k.input_names, k.output_names, k.body, k.source_header))[0] == module
+    short = kernels._kernel("cuda", "tanh")
+    assert len(short.source_header) < cuda_jit.INCLUDE_FROM and short.header == short.source_header
+    monkeypatch.setattr(cuda_jit, "INCLUDE_FROM", None)
+    inline = cuda_jit.Kernel(k.name, k.input_names, k.output_names, k.body, k.source_header)
+    assert inline.header == k.source_header and k.source_header in _affine_job(inline)[2]
+
+
+@pytest.mark.parametrize("where", ["unwritable", "a space"])
+def test_a_header_that_cannot_be_a_file_goes_inline(tmp_path, monkeypatch, where):
+    """Where the header's file cannot be written (its directory under a file) or its path would need
+    quoting in an #include line, the header goes inline: slower launches, the same kernel."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    monkeypatch.setattr(cuda_jit, "header_dir", lambda: blocker / "h" if where == "unwritable" else tmp_path / "a b")
+    k = block_kernels._kernel("cuda", "affine_matvec")
+    assert k.header == k.source_header and k.source_header in _affine_job(k)[2]

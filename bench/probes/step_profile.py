@@ -34,7 +34,8 @@ below the interval the step is host-bound: fewer primitives, not faster kernels,
 apart from its products (`norm-apart`: the same bits), with Q, K, V and gate, up as separate products (`separate`), with each layer's norms
 and residual adds apart from the block kernels' products (`unfused`: the launches before their NORM,
 ADD and SWIGLU forms), with SwiGLU alone apart (`swiglu-apart`: before the SWIGLU form), with MLX's own
-norms and SwiGLU in a prompt's pass (`prefill-mlx-ops`: our kernels for decode rows only), and with attention replaced by a copy of the queries (`no-attention`: wrong text, the
+norms and SwiGLU in a prompt's pass (`prefill-mlx-ops`: our kernels for decode rows only), with every CUDA kernel's header inline in the source MLX hashes at each launch (`inline-headers`: before
+`cuda_jit.INCLUDE_FROM`), and with attention replaced by a copy of the queries (`no-attention`: wrong text, the
 rest of the step's cost). Run each MLX_MAX_OPS_PER_BUFFER setting in its own process (MLX reads it
 once). Writes JSON lines. Made for an MLX GPU (`--device cpu` only tries the script).
 
@@ -60,7 +61,7 @@ if "--gpu-clock" in sys.argv:  # read by MLX when its GPU stream starts: before 
 import mlx.core as mx
 
 import mlxinfer
-from mlxinfer import block_kernels, kernels
+from mlxinfer import block_kernels, cuda_jit, kernels
 from mlxinfer.loop import Loop
 from mlxinfer.benchmark import model_path
 from mlxinfer.peers import prompt_ids, write_mlx_lm_model
@@ -116,6 +117,11 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="floa
 
     from ablations import NoAttention, NormApart, PrefillMLXOps, SeparateWeights, SwigluApart, Unfused
 
+    include_from = cuda_jit.INCLUDE_FROM
+    if variant == "inline-headers":  # every CUDA kernel's header inline in its source, as before 2026-12-06
+        cuda_jit.INCLUDE_FROM = None
+    kernels._kernel.cache_clear()  # (kernels made afresh: a Kernel decides its header at its first launch)
+    block_kernels._kernel.cache_clear()
     backend = {"separate": SeparateWeights, "no-attention": NoAttention, "unfused": Unfused,
                "swiglu-apart": SwigluApart, "norm-apart": NormApart, "prefill-mlx-ops": PrefillMLXOps}.get(variant, MLXBackend)
     engine = mlxinfer.Engine(path, backend(device=device, dtype=dtype))
@@ -204,6 +210,7 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="floa
                             **({} if batch == 1 else dict(last_ttft_ms=[round(t, 2) for t in last_ttft], prompt_passes=passes))))
     finally:
         kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH, block_kernels.SWIGLU_FUSED_MAX_VALUES = limits
+        cuda_jit.INCLUDE_FROM = include_from
         Loop._launch, Loop.step = launch, step
         ops.start, ops.to_numpy, ops.sync = start, to_numpy, sync
     return out
@@ -280,7 +287,7 @@ def main(argv=None):
     p.add_argument("--cases", default="17,511")
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--engines", default="ours,mlx-lm")
-    p.add_argument("--variants", default="default", help="ours: default, one-launch, separate, no-attention, unfused, swiglu-apart, swiglu-fused, norm-apart, prefill-mlx-ops")
+    p.add_argument("--variants", default="default", help="ours: default, one-launch, separate, no-attention, unfused, swiglu-apart, swiglu-fused, norm-apart, prefill-mlx-ops, inline-headers")
     p.add_argument("--model", default="qwen3-0.6b-synthetic", help="as mlxinfer bench's --model")
     p.add_argument("--device", default="gpu", help="gpu, or cpu to try the script without one")
     p.add_argument("--gpu-clock", action="store_true", help="add gpu_ms (CUDA; one CUDA graph per evaluation)")
