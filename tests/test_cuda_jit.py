@@ -362,6 +362,9 @@ def test_a_long_header_reaches_mlx_as_a_file(monkeypatch):
     assert path.startswith(str(cuda_jit.header_dir().absolute()) + "/mlxi_")
     assert open(path).read() == k.source_header and len(k.source_header) >= cuda_jit.INCLUDE_FROM
     assert k.source_header not in source and len(source) < 2000
+    with open(path, "w") as f:  # (a file of other contents under its name is written again)
+        f.write("// cut short")
+    assert cuda_jit.included(k.source_header) == k.header and open(path).read() == k.source_header
     other = cuda_jit.Kernel(k.name, k.input_names, k.output_names, k.body, k.source_header.replace("0.5f", "0.25f", 1))
     assert other.source_header != k.source_header
     assert _affine_job(other)[0] != module and other.header != k.header
