@@ -388,21 +388,39 @@ def test_the_warning_names_what_takes_the_chunks(monkeypatch, capsys, gpu, inste
     assert instead in capsys.readouterr().err and b.sdpa is False
 
 
-@pytest.mark.parametrize("persists", [False, True])
-def test_a_models_shape_failing_on_it_turns_it_off_alone(monkeypatch, capsys, persists):
-    """`check_model` runs the model's shapes, whose chunk takes MLX's fused attention at the model's head
-    size (which `verify_sdpa` may not have asked): a failure there turns that path off and checks again
-    without it; only a failure that persists turns the kernels off."""
+@pytest.mark.parametrize("fails_with", ["batched", "sdpa", "anything"])
+def test_a_models_shape_failing_on_it_turns_it_off_alone(monkeypatch, capsys, fails_with):
+    """`check_model` runs the model's shapes, whose chunks take MLX's fused attention at the model's head
+    size (which `verify_sdpa` may not have asked), two of them in one call: a failure there turns the
+    one call over several prompts off and checks again, then the path itself; only a failure that
+    persists turns the kernels off."""
     b = MLXBackend(device="gpu", kernel=cuda_host.pretend_gpu(monkeypatch, "cuda"), dtype="bfloat16")
     b.device, b.checked = "cpu", "cuda"  # (as checked; verdicts not kept)
+    assert b.sdpa and b.sdpa_batch
     monkeypatch.setattr(mlx_backend, "model_check_cases", lambda spec: [])
     monkeypatch.setattr(mlx_backend, "_prebuild", lambda backend, parts: None)
-    monkeypatch.setattr(mlx_backend, "_first_problem",
-                        lambda backend, cases: "differs in 3 values" if backend.sdpa or persists else None)
+    fails = {"batched": lambda c: c.sdpa_batch, "sdpa": lambda c: c.sdpa, "anything": lambda c: True}[fails_with]
+    monkeypatch.setattr(mlx_backend, "_first_problem", lambda backend, cases: "differs in 3 values" if fails(backend) else None)
     problem = b.check_model([AttentionSpec.standard(4, 2, 96)])
-    assert b.sdpa is False and b.sdpa_fallback == "differs in 3 values, in the model's shape"
-    assert (problem is not None, b.gpu_kernels is None) == (persists, persists)
-    assert "MLX's fused attention failed its self-check" in capsys.readouterr().err
+    assert b.sdpa_batch is False and b.sdpa_batch_fallback == "differs in 3 values, in the model's shape"
+    assert (b.sdpa, b.sdpa_fallback) == ((True, None) if fails_with == "batched" else
+                                         (False, "differs in 3 values, in the model's shape"))
+    assert (problem is not None, b.gpu_kernels is None) == (fails_with == "anything",) * 2
+    err = capsys.readouterr().err
+    assert "over several prompts in one call failed its self-check" in err
+    assert ("MLX's fused attention failed its self-check" in err) == (fails_with != "batched")
+
+
+def test_the_models_check_has_two_equal_chunks():
+    """`model_check_cases` has two equal chunks long enough for MLX's fused attention, over as many keys:
+    on a 16-bit GPU path they take one call over both prompts, the batching checked in the model's shape."""
+    b = _sdpa_backend("bfloat16")
+    spec = AttentionSpec.standard(16, 8, 128)
+    groups = []
+    for case in mlx_backend.model_check_cases(spec):
+        batch = Batch(b, list(range(len(case.seqs))), [s - t for s, t in case.seqs], [t for _, t in case.seqs])
+        groups += b._sdpa_groups(batch, spec, range(len(case.seqs)))
+    assert max(map(len, groups)) == 2
 
 
 # -- 5. a model -------------------------------------------------------------------------------------------

@@ -174,7 +174,8 @@ def model_check_cases(spec: AttentionSpec) -> list[CheckCase]:
     compile, which `self_check_cases` (4 and 2 heads) never launched. One decode row over 7 keys, over
     300 and over more than ONE_ROW_LONG_FORM_ABOVE (the long-context form); 3 and 8 decode rows (a
     batch); a 9-row chunk; a chunk of ROWS_MIN rows or more (the kernels by rows); a chunk of
-    PREFILL_ROWS rows or more beside a decode row (MLX's GEMMs for the one)."""
+    PREFILL_ROWS rows or more beside a decode row (MLX's GEMMs for the one); two such chunks of one
+    length over as many keys (16-bit: one call of MLX's fused attention over both, `sdpa_batch`)."""
     long = kernels.ONE_ROW_LONG_FORM_ABOVE + 100
     rows = kernels.ROWS_MIN + 6
     return [CheckCase("one decode row over 7 keys", spec, ((7, 1),)),
@@ -185,7 +186,8 @@ def model_check_cases(spec: AttentionSpec) -> list[CheckCase]:
             CheckCase("9 rows of a chunk over 300 keys", spec, ((300, 9),)),
             CheckCase(f"{rows} rows of a chunk over {rows} keys (by rows)", spec, ((rows, rows),)),
             CheckCase(f"a {PREFILL_ROWS + 2}-row chunk over 300 keys beside a decode row over 70", spec,
-                      ((300, PREFILL_ROWS + 2), (70, 1)))]
+                      ((300, PREFILL_ROWS + 2), (70, 1))),
+            CheckCase(f"two {PREFILL_ROWS + 2}-row chunks over 300 keys each", spec, ((300, PREFILL_ROWS + 2),) * 2)]
 
 
 def case_applies(backend: "MLXBackend", case: CheckCase) -> bool:
@@ -789,9 +791,7 @@ class MLXBackend(Backend):
             key = f"{self.kernel} sdpa batched prefill{cudnn_version(self.kernel)}"
             problem = kernel_checks.verdict(key, self.dtype_name, self.kv_dtype, lambda: verify_sdpa_batch(self), fresh=fresh)
             if problem:
-                self.sdpa_batch, self.sdpa_batch_fallback = False, problem
-                print(f"mlxinfer: warning: MLX's fused attention over several prompts in one call failed its "
-                      f"self-check ({problem}); each prompt takes a call of its own", file=sys.stderr)
+                self._sdpa_batch_off(problem)
         if kept and self.mma:
             mma = kernel_checks.verdict(f"{self.kernel} tensor-core prefill", self.dtype_name, self.kv_dtype,
                                         lambda: verify_mma(self), fresh=fresh)
@@ -855,6 +855,11 @@ class MLXBackend(Backend):
                 print(f"mlxinfer: warning: the swiglu kernel failed its self-check ({glu}); SwiGLU uses MLX's "
                       "own ops, apart from the down product", file=sys.stderr)
 
+    def _sdpa_batch_off(self, problem: str) -> None:
+        self.sdpa_batch, self.sdpa_batch_fallback = False, problem
+        print(f"mlxinfer: warning: MLX's fused attention over several prompts in one call failed its "
+              f"self-check ({problem}); each prompt takes a call of its own", file=sys.stderr)
+
     def _sdpa_off(self, problem: str) -> None:
         self.sdpa, self.sdpa_fallback = False, problem
         instead = "the tensor-core kernels" if self.mma else "MLX's products a head at a time"
@@ -888,11 +893,16 @@ class MLXBackend(Backend):
 
             def verdict(run=run, spec=spec):
                 shape = (f"{self.kernel} model {spec.n_heads}x{spec.n_kv_heads}x{spec.head_dim} scale {spec.scale!r} "
-                         f"window {spec.window} softcap {spec.softcap} causal {spec.causal} sdpa {self.sdpa}")
+                         f"window {spec.window} softcap {spec.softcap} causal {spec.causal} sdpa {self.sdpa}"
+                         f"{' batched' if self.sdpa and self.sdpa_batch else ''}")
                 return (kernel_checks.verdict(shape, self.dtype_name, self.kv_dtype, run) if self.device == "gpu"
                         else run())  # (tests force kernels on the CPU: not kept)
 
             problem = verdict()
+            if problem and self.sdpa and self.sdpa_batch and self._sdpa_takes(spec, PREFILL_ROWS):
+                # two equal chunks may take one call over both prompts: that alone off, checked again
+                self._sdpa_batch_off(f"{problem}, in the model's shape")
+                problem = verdict()
             if problem and self.sdpa and self._sdpa_takes(spec, PREFILL_ROWS):
                 # its chunk may be MLX's fused attention's, at a head size `verify_sdpa` did not ask:
                 # that path off alone, and the model's shape checked again without it
