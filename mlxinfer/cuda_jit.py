@@ -478,27 +478,41 @@ def header_dir() -> Path:
     return ptx_cache_dir(mx.__version__) / "mlxinfer-headers"
 
 
+def write_header(path: Path, header: str) -> bool:
+    """The header in the file at `path` (written whole, then renamed into place), unless it holds it
+    already; False where it cannot be written."""
+    data = header.encode()
+    try:
+        if path.is_file() and path.read_bytes() == data:
+            return True
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def included(header: str) -> str:
     """What a kernel hands MLX as its header: for one of INCLUDE_FROM bytes or more, one #include line of a
     file holding it, named by its digest (so that a module's name, which hashes the source, still changes
     with the header); else the header itself. MLX's CUDA custom kernel hashes its whole source at every
     launch (`CustomKernel::eval_gpu` names its module with std::hash of it; 0.13 us a KB on this project's
     x86 VM): a block kernel's header is 9-12 KB, ~57 launches a decode token of Qwen3-0.6B. NVRTC (ours in
-    `Builder`, or MLX's own compile) reads the file by its absolute path. Where the file cannot be written,
-    or its path would need quoting, the header goes inline as before."""
-    if INCLUDE_FROM is None or len(header) < INCLUDE_FROM:
+    `Builder`, or MLX's own compile) reads the file by its absolute path, which is thus part of every
+    module's name: a kernel cache read under another path (another MLX_PTX_CACHE_DIR) is compiled again.
+    Where the file cannot be written, or its path would need quoting, the header goes inline as before."""
+    if INCLUDE_FROM is None or len(header.encode()) < INCLUDE_FROM:
         return header
     try:
-        d = header_dir().absolute()
-        path = d / f"mlxi_{hashlib.sha256(header.encode()).hexdigest()[:24]}.cuh"
-        if not _SAFE_PATH.fullmatch(str(path)):
-            return header
-        if not (path.exists() and path.read_text() == header):
-            d.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_text(header)
-            os.replace(tmp, path)
-    except OSError:
+        path = header_dir().absolute() / f"mlxi_{hashlib.sha256(header.encode()).hexdigest()[:24]}.cuh"
+    except (OSError, ValueError):
+        return header
+    if not _SAFE_PATH.fullmatch(str(path)) or not write_header(path, header):
         return header
     return f'#include "{path}"\n'
 
@@ -523,7 +537,10 @@ class Kernel:
         return self._header
 
     def job(self, inputs, template, output_dtypes) -> tuple[str, str, str]:
-        """(module, kernel name, source) of a launch, as MLX names and generates it."""
+        """(module, kernel name, source) of a launch, as MLX names and generates it; the header's file
+        written again where it went (the very path the source names)."""
+        if self.header != self.source_header:
+            write_header(Path(self.header.split('"')[1]), self.source_header)
         kernel = f"custom_kernel_{self.name}{template_suffix(template)}"
         ins = [(_dtype_name(a.dtype), a.ndim) for a in inputs]
         source = mlx_source(kernel, self.header, self.body, self.input_names, ins, self.output_names,
@@ -541,8 +558,8 @@ class Kernel:
         form = (tuple(template), tuple([(a.dtype, a.ndim > 0) for a in inputs]), tuple(output_dtypes))  # ~1 us
         if form not in self.seen:
             self.seen.add(form)
-            if self.header != self.source_header:
-                included(self.source_header)  # (its file again, should the cache have been cleared)
+            if self.header != self.source_header:  # (its file again, should the cache have been cleared)
+                write_header(Path(self.header.split('"')[1]), self.source_header)
             b = builder()
             if b is not None:
                 b.build([self.job(inputs, template, output_dtypes)])

@@ -115,15 +115,22 @@ def _median(rows, key):
 
 
 def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="float32", batch=1):
-    from mlxinfer.backends.mlx import MLXBackend
-
-    from ablations import NoAttention, NormApart, PrefillMLXOps, SeparateWeights, SwigluApart, Unfused
-
     include_from = cuda_jit.INCLUDE_FROM
     if variant == "inline-headers":  # every CUDA kernel's header inline in its source, as before 2026-12-06
         cuda_jit.INCLUDE_FROM = None
     kernels._kernel.cache_clear()  # (kernels made afresh: a Kernel decides its header at its first launch)
     block_kernels._kernel.cache_clear()
+    try:
+        return _profile_ours(path, cases, gen, variant, device, gpu_clock, dtype, batch)
+    finally:
+        cuda_jit.INCLUDE_FROM = include_from
+
+
+def _profile_ours(path, cases, gen, variant, device, gpu_clock, dtype, batch):
+    from mlxinfer.backends.mlx import MLXBackend
+
+    from ablations import NoAttention, NormApart, PrefillMLXOps, SeparateWeights, SwigluApart, Unfused
+
     backend = {"separate": SeparateWeights, "no-attention": NoAttention, "unfused": Unfused,
                "swiglu-apart": SwigluApart, "norm-apart": NormApart, "prefill-mlx-ops": PrefillMLXOps}.get(variant, MLXBackend)
     engine = mlxinfer.Engine(path, backend(device=device, dtype=dtype))
@@ -215,7 +222,6 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="floa
                             **({} if batch == 1 else dict(last_ttft_ms=[round(t, 2) for t in last_ttft], prompt_passes=passes))))
     finally:
         kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH, block_kernels.SWIGLU_FUSED_MAX_VALUES = limits
-        cuda_jit.INCLUDE_FROM = include_from
         Loop._launch, Loop.step = launch, step
         ops.start, ops.to_numpy, ops.sync = start, to_numpy, sync
     return out

@@ -894,12 +894,13 @@ class MLXBackend(Backend):
             def verdict(run=run, spec=spec):
                 shape = (f"{self.kernel} model {spec.n_heads}x{spec.n_kv_heads}x{spec.head_dim} scale {spec.scale!r} "
                          f"window {spec.window} softcap {spec.softcap} causal {spec.causal} sdpa {self.sdpa}"
-                         f"{' batched' if self.sdpa and self.sdpa_batch else ''}")
+                         f"{' batched' if self.sdpa and self.sdpa_batch else ''}"
+                         f"{cudnn_version(self.kernel) if self.sdpa else ''}")
                 return (kernel_checks.verdict(shape, self.dtype_name, self.kv_dtype, run) if self.device == "gpu"
                         else run())  # (tests force kernels on the CPU: not kept)
 
             problem = verdict()
-            if problem and self.sdpa and self.sdpa_batch and self._sdpa_takes(spec, PREFILL_ROWS):
+            if problem and self.sdpa and self.sdpa_batch and not spec.window and self._sdpa_takes(spec, PREFILL_ROWS):
                 # two equal chunks may take one call over both prompts: that alone off, checked again
                 self._sdpa_batch_off(f"{problem}, in the model's shape")
                 problem = verdict()
