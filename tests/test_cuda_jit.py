@@ -7,6 +7,7 @@ NVRTC compiles the sources for an H200 (sm_90a) where the nvidia-cuda-nvrtc whee
 self-check's collecting pass finds every form the check then launches. That MLX then loads them is
 seen on a GPU only (docs/performance.md)."""
 
+import os
 import shutil
 import subprocess
 import threading
@@ -385,3 +386,14 @@ def test_a_header_that_cannot_be_a_file_goes_inline(tmp_path, monkeypatch, where
     monkeypatch.setattr(cuda_jit, "header_dir", lambda: blocker / "h" if where == "unwritable" else tmp_path / "a b")
     k = block_kernels._kernel("cuda", "affine_matvec")
     assert k.header == k.source_header and k.source_header in _affine_job(k)[2]
+
+
+def test_a_headers_file_is_written_again_where_its_source_names_it(tmp_path, monkeypatch):
+    """A header's file removed after its kernel's first launch (a cleared cache) is written again at the
+    next form's job, at the path the kernel's source already names, though the cache's setting changed."""
+    k = block_kernels._kernel("cuda", "affine_matvec")
+    path = k.header.split('"')[1]
+    os.remove(path)
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert path in _affine_job(k)[2]
+    assert open(path).read() == k.source_header and not (tmp_path / "elsewhere").exists()
