@@ -389,13 +389,19 @@ def test_the_warning_names_what_takes_the_chunks(monkeypatch, capsys, gpu, inste
 
 
 @pytest.mark.parametrize("fails_with", ["batched", "sdpa", "anything"])
-def test_a_models_shape_failing_on_it_turns_it_off_alone(monkeypatch, capsys, fails_with):
+def test_a_models_shape_failing_on_it_turns_it_off_alone(monkeypatch, capsys, tmp_path, fails_with):
     """`check_model` runs the model's shapes, whose chunks take MLX's fused attention at the model's head
     size (which `verify_sdpa` may not have asked), two of them in one call: a failure there turns the
     one call over several prompts off and checks again, then the path itself; only a failure that
-    persists turns the kernels off."""
+    persists turns the kernels off. Each check's verdict is kept under a key of its own (the paths on
+    then), so that the check after a path is turned off is run, not read back."""
+    from mlxinfer.backends import kernel_checks
+
     b = MLXBackend(device="gpu", kernel=cuda_host.pretend_gpu(monkeypatch, "cuda"), dtype="bfloat16")
-    b.device, b.checked = "cpu", "cuda"  # (as checked; verdicts not kept)
+    b.checked = "cuda"  # (as checked)
+    monkeypatch.setattr(kernel_checks, "_VERDICTS", {})
+    monkeypatch.setattr(kernel_checks, "_read", lambda: {})
+    monkeypatch.setattr(kernel_checks, "_file", lambda: tmp_path / "verdicts.json")
     assert b.sdpa and b.sdpa_batch
     monkeypatch.setattr(mlx_backend, "model_check_cases", lambda spec: [])
     monkeypatch.setattr(mlx_backend, "_prebuild", lambda backend, parts: None)
@@ -406,6 +412,7 @@ def test_a_models_shape_failing_on_it_turns_it_off_alone(monkeypatch, capsys, fa
     assert (b.sdpa, b.sdpa_fallback) == ((True, None) if fails_with == "batched" else
                                          (False, "differs in 3 values, in the model's shape"))
     assert (problem is not None, b.gpu_kernels is None) == (fails_with == "anything",) * 2
+    assert len(kernel_checks._VERDICTS) == (2 if fails_with == "batched" else 3)
     err = capsys.readouterr().err
     assert "over several prompts in one call failed its self-check" in err
     assert ("MLX's fused attention failed its self-check" in err) == (fails_with != "batched")
