@@ -79,3 +79,20 @@ def shipped_gpu_defaults(monkeypatch):
     for kind, dtype in SHIPPED_GPU_DEFAULT_DTYPES.items():
         monkeypatch.setitem(_backend.GPU_DEFAULT_DTYPES, kind, dtype)
     return dict(SHIPPED_GPU_DEFAULT_DTYPES)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _kernel_cache_apart(tmp_path_factory):
+    """Without MLX's CUDA device, what the tests make of MLX's kernel cache (the CUDA kernels' header files
+    `cuda_jit.included` writes while tests build the CUDA path's sources) goes to a temporary folder, not
+    to MLX's own /tmp/mlx; on a CUDA machine, or with MLX_PTX_CACHE_DIR set, the cache is left as it is."""
+    from mlxinfer.backends.mlx import gpu_kind
+
+    if gpu_kind() == "cuda" or os.environ.get("MLX_PTX_CACHE_DIR"):
+        yield
+        return
+    os.environ["MLX_PTX_CACHE_DIR"] = str(tmp_path_factory.mktemp("mlx-kernel-cache"))
+    try:
+        yield
+    finally:
+        os.environ.pop("MLX_PTX_CACHE_DIR", None)
