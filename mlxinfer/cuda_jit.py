@@ -536,11 +536,16 @@ class Kernel:
             self._header = included(self.source_header)
         return self._header
 
-    def job(self, inputs, template, output_dtypes) -> tuple[str, str, str]:
-        """(module, kernel name, source) of a launch, as MLX names and generates it; the header's file
-        written again where it went (the very path the source names)."""
+    def _header_file_again(self) -> None:
+        """The header's file written again, at the very path the source names, should the cache have been
+        cleared since the first launch (NVRTC reads it at each compile)."""
         if self.header != self.source_header:
             write_header(Path(self.header.split('"')[1]), self.source_header)
+
+    def job(self, inputs, template, output_dtypes) -> tuple[str, str, str]:
+        """(module, kernel name, source) of a launch, as MLX names and generates it (its header's file
+        made again for the compile)."""
+        self._header_file_again()
         kernel = f"custom_kernel_{self.name}{template_suffix(template)}"
         ins = [(_dtype_name(a.dtype), a.ndim) for a in inputs]
         source = mlx_source(kernel, self.header, self.body, self.input_names, ins, self.output_names,
@@ -558,11 +563,11 @@ class Kernel:
         form = (tuple(template), tuple([(a.dtype, a.ndim > 0) for a in inputs]), tuple(output_dtypes))  # ~1 us
         if form not in self.seen:
             self.seen.add(form)
-            if self.header != self.source_header:  # (its file again, should the cache have been cleared)
-                write_header(Path(self.header.split('"')[1]), self.source_header)
             b = builder()
             if b is not None:
                 b.build([self.job(inputs, template, output_dtypes)])
+            else:  # (MLX compiles it itself)
+                self._header_file_again()
         if self.mlx is None:
             self.mlx = mx.fast.cuda_kernel(name=self.name, input_names=self.input_names, output_names=self.output_names,
                                            source=self.body, header=self.header, ensure_row_contiguous=True)
