@@ -110,6 +110,14 @@ def test_modules_are_written_where_mlx_reads_them(tmp_path, monkeypatch, capsys)
     assert len(err) == 1 and "cannot prebuild the CUDA kernel" in err[0] and "oops" in err[0]
 
 
+def _affine_job(k):
+    """(module, kernel, source) of a 4-bit affine block kernel's launch on two rows of float16 x."""
+    return k.job([mx.zeros((2, 512), mx.float16), mx.zeros((2, 40), mx.float16), mx.zeros((512,), mx.float16),
+                  mx.zeros((40, 64), mx.uint32), mx.zeros((40, 16), mx.uint16), mx.zeros((40, 16), mx.uint16),
+                  mx.zeros((5,), mx.int32)],
+                 [("T", mx.float16), ("M", 2), ("BITS", 4), ("SCALES", 1), ("ZERO", 0)], [mx.float16])
+
+
 def test_nvrtc_compiles_the_sources_for_an_h200(tmp_path):
     """A launch's source, as MLX generates it, compiles with MLX's NVRTC options for sm_90a against our
     stand-in for MLX's device header: a cubin, and the lowered name MLX's module lookup is told; built
@@ -118,13 +126,7 @@ def test_nvrtc_compiles_the_sources_for_an_h200(tmp_path):
     if lib is None or include is None:
         pytest.skip("needs NVRTC 13 and the CUDA headers (pip install 'nvidia-cuda-nvrtc>=13'; a CUDA toolkit)")
     k, inputs, template = _scores_launch()
-    w = mx.zeros((40, 64), mx.uint32)
-    launches = [k.job(inputs, template, [mx.float32]),
-                block_kernels._kernel("cuda", "affine_matvec").job(
-                    [mx.zeros((2, 512), mx.float16), mx.zeros((2, 40), mx.float16), mx.zeros((512,), mx.float16), w,
-                     mx.zeros((40, 16), mx.uint16), mx.zeros((40, 16), mx.uint16), mx.zeros((5,), mx.int32)],
-                    [("T", mx.float16), ("M", 2), ("BITS", 4), ("SCALES", 1), ("ZERO", 0)],
-                    [mx.float16])]
+    launches = [k.job(inputs, template, [mx.float32]), _affine_job(block_kernels._kernel("cuda", "affine_matvec"))]
     assert f'#include "{cuda_jit.header_dir()}/mlxi_' in launches[1][2]  # (a block kernel's header: a file)
     assert cuda_jit.Builder("sm_90a", lib, include, tmp_path, workers=2).build(launches) == 2
     for module, kernel, _ in launches:
@@ -342,13 +344,6 @@ def test_collecting_is_this_threads_only(monkeypatch):
         t.join()
         assert not mx.array_equal(k(**launch)[0], mx.ones((4,))).item()  # this thread collects
     assert got == [True] and len(jobs) == 1
-
-
-def _affine_job(k):
-    return k.job([mx.zeros((2, 512), mx.float16), mx.zeros((2, 40), mx.float16), mx.zeros((512,), mx.float16),
-                  mx.zeros((40, 64), mx.uint32), mx.zeros((40, 16), mx.uint16), mx.zeros((40, 16), mx.uint16),
-                  mx.zeros((5,), mx.int32)],
-                 [("T", mx.float16), ("M", 2), ("BITS", 4), ("SCALES", 1), ("ZERO", 0)], [mx.float16])
 
 
 def test_a_long_header_reaches_mlx_as_a_file(monkeypatch):

@@ -189,8 +189,13 @@ def test_each_batched_check_case_takes_one_call():
     nothing of the batching."""
     b = _sdpa_backend("bfloat16")
     for case in sdpa_batch_check_cases(head_dims=(64, 80, 128)) + mlx_backend.SDPA_BATCH_SIZED:
-        batch = Batch(b, list(range(len(case.seqs))), [s - t for s, t in case.seqs], [t for _, t in case.seqs])
-        assert max(map(len, b._sdpa_groups(batch, case.spec, range(len(case.seqs))))) > 1, str(case)
+        assert max(map(len, _groups(b, case))) > 1, str(case)
+
+
+def _groups(b: MLXBackend, case: CheckCase) -> list[list[int]]:
+    """The runs of a case's sequences that one call of MLX's fused attention takes (`_sdpa_groups`)."""
+    batch = Batch(b, list(range(len(case.seqs))), [s - t for s, t in case.seqs], [t for _, t in case.seqs])
+    return b._sdpa_groups(batch, case.spec, range(len(case.seqs)))
 
 
 def test_the_stacked_keys_stay_within_their_bound(calls, monkeypatch):
@@ -422,11 +427,7 @@ def test_the_models_check_has_two_equal_chunks():
     """`model_check_cases` has two equal chunks long enough for MLX's fused attention, over as many keys:
     on a 16-bit GPU path they take one call over both prompts, the batching checked in the model's shape."""
     b = _sdpa_backend("bfloat16")
-    spec = AttentionSpec.standard(16, 8, 128)
-    groups = []
-    for case in mlx_backend.model_check_cases(spec):
-        batch = Batch(b, list(range(len(case.seqs))), [s - t for s, t in case.seqs], [t for _, t in case.seqs])
-        groups += b._sdpa_groups(batch, spec, range(len(case.seqs)))
+    groups = [g for case in mlx_backend.model_check_cases(AttentionSpec.standard(16, 8, 128)) for g in _groups(b, case)]
     assert max(map(len, groups)) == 2
 
 
