@@ -220,11 +220,15 @@ def engine_name(job: dict) -> str:
     return " ".join([f"mlxinfer {job['backend']}", *types])
 
 
+# A row's child process: reads the job on stdin, writes the row. bench/probes/setting.py puts itself in
+# front, so that the module constants it changes are changed where the row runs.
+CHILD = [sys.executable, "-m", "mlxinfer.benchmark"]
+
+
 def run_row(job: dict) -> dict:
-    """One row in a fresh child process (`python -m mlxinfer.benchmark`, the job on stdin); a failed row
-    says why in its last line of stderr."""
-    r = subprocess.run([sys.executable, "-m", "mlxinfer.benchmark"], input=json.dumps(job), capture_output=True,
-                       text=True, cwd=ROOT)
+    """One row in a fresh child process (`CHILD`, the job on stdin); a failed row says why in its last
+    line of stderr."""
+    r = subprocess.run(CHILD, input=json.dumps(job), capture_output=True, text=True, cwd=ROOT)
     got = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     if r.returncode == 0 and got:
         return got[-1]

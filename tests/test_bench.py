@@ -212,3 +212,16 @@ def test_the_warm_up_runs_the_rows_own_shapes(monkeypatch, warmup_tokens, want):
                gen=64, batch=2, runs=2, warmup_tokens=warmup_tokens)
     benchmark.measure_row(job)
     assert calls == [want, (20, 64), (20, 64)]
+
+
+def test_a_setting_reaches_the_rows_child_process(synthetic, tmp_path):
+    """bench/probes/setting.py's A/B: a row runs in a child process (`benchmark.CHILD`), which must see the
+    changed constant too. Here a GGUF reader bound of 1 entry: the row fails in its child, naming it (a
+    child that ran the defaults would measure the row)."""
+    model = synthetic()
+    probe = os.path.join(ROOT, "bench", "probes", "setting.py")
+    argv = ["mlxinfer.gguf_file.MAX_ENTRIES=1", "--", "bench", "-m", model, "--backends", "cpu", "-p", "8", "-n", "2",
+            "--runs", "1", "--out", str(tmp_path)]
+    r = subprocess.run([sys.executable, probe, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    (row,) = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()][1:]
+    assert "is more than mlxinfer reads (1)" in row["error"], (row, r.stderr)

@@ -5,21 +5,25 @@ quantized_matmul as before `DENSE_MIN_ROWS`:
     python3 bench/probes/setting.py mlxinfer.backends.mlx.DENSE_MIN_ROWS=None -- bench -m ... --out DIR
 
 Each NAME=VALUE before `--` sets a module's constant (VALUE read as a Python literal); the rest is the
-command's arguments. The bench's header does not name the change: the output folder should.
+command's arguments. `mlxinfer bench` measures each row in a child process (`benchmark.CHILD`): this
+script puts itself in front of that child with the same settings (`--child`), so the row runs with them
+(before 2026-12-06 21:00 it did not: a bench "A/B" through this script ran the default both ways). A
+constant that another module copied at import (`from m import NAME`) is not reached. The bench's header
+does not name the change: the output folder should.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import os
+import runpy
 import sys
 
 
-def main(argv: list[str]) -> int:
-    if "--" not in argv:
-        raise SystemExit("usage: setting.py MODULE.NAME=VALUE ... -- MLXINFER-ARGS ...")
-    cut = argv.index("--")
-    for item in argv[:cut]:
+def apply(items: list[str]) -> None:
+    """Sets each MODULE.NAME=VALUE (a module's existing constant), saying so on stderr."""
+    for item in items:
         target, _, value = item.partition("=")
         module, _, name = target.rpartition(".")
         mod = importlib.import_module(module)
@@ -27,8 +31,21 @@ def main(argv: list[str]) -> int:
             raise SystemExit(f"setting.py: {module} has no {name}")
         setattr(mod, name, ast.literal_eval(value))
         print(f"setting.py: {target} = {getattr(mod, name)!r}", file=sys.stderr)
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[-1] == "--child":  # a bench row's child (benchmark.CHILD), the settings before it
+        apply(argv[:-1])
+        runpy.run_module("mlxinfer.benchmark", run_name="__main__", alter_sys=True)
+        return 0
+    if "--" not in argv:
+        raise SystemExit("usage: setting.py MODULE.NAME=VALUE ... -- MLXINFER-ARGS ...")
+    cut = argv.index("--")
+    apply(argv[:cut])
+    from mlxinfer import benchmark
     from mlxinfer.cli import main as mlxinfer_main
 
+    benchmark.CHILD = [sys.executable, os.path.abspath(__file__), *argv[:cut], "--child"]
     return mlxinfer_main(argv[cut + 1:])
 
 
