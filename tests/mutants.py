@@ -2512,6 +2512,10 @@ def usage_chunk""")],
        '    ran = dict(job)\n')],
      [T_BENCH + "::test_an_mlx_row_without_dtypes_is_named_by_the_dtype_it_ran"],
      "an MLX row of the default dtype is named without it (CUDA's bfloat16 rows look like float32 ones)"),
+    ("bench-setting-not-in-child", "bench", "bench/probes/setting.py",
+     [('    benchmark.CHILD = [sys.executable, os.path.abspath(__file__), *argv[:cut], "--child"]\n', "")],
+     [T_BENCH + "::test_a_setting_reaches_the_rows_child_process"],
+     "setting.py changes the constant in the bench's process only: its rows' children run the default (no A/B)"),
     ("win-attention-reads-the-pass", "windowed cache", "mlxinfer/backend.py",
      [("        batch = kv.batch\n        if self.attention == \"per-head\":",
        "        if self.attention == \"per-head\":")],
@@ -2530,7 +2534,7 @@ def _copy_tree(root: str) -> str:
                            text=True, check=True).stdout.split("\n")
     for name in filter(None, files):
         src = os.path.join(root, name)
-        bench_script = name.startswith("bench/") and name.count("/") == 1 and name.endswith(".py")
+        bench_script = name.startswith("bench/") and name.endswith(".py") and not name.startswith("bench/results/")
         if os.path.isfile(src) and (bench_script or not name.startswith("bench/")):  # not bench's results
             os.makedirs(os.path.dirname(os.path.join(dst, name)), exist_ok=True)
             shutil.copy2(src, os.path.join(dst, name))
