@@ -12,6 +12,8 @@ The op-count formula (7 `linear` a layer + 1 on the tracer, both backends) is al
 `test_tracing.py::test_op_counts_per_layer_head_and_sequence`; here only the tracer's handling of one group.
 """
 
+import re
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -228,7 +230,7 @@ def test_views_of_a_group_are_the_separately_loaded_matrices(synthetic, qtype, n
 @pytest.mark.parametrize("rows", [1, 5, 33])
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("names", [QKV, GATE_UP], ids=["qkv", "gate_up"])
-def test_linear_group_equals_separate_linears_bitwise(synthetic, qtype, names, rows):
+def test_linear_group_equals_separate_linears_bitwise(synthetic, qtype, names, rows, tmp_path):
     b = MLXBackend(device="cpu")
     with GGUFFile(synthetic(**QWEN3, qtype=qtype)) as g:
         group = b.load_weight_group(g, names)
@@ -237,6 +239,12 @@ def test_linear_group_equals_separate_linears_bitwise(synthetic, qtype, names, r
     x = b.from_numpy(np.random.default_rng(rows).standard_normal((rows, 128)).astype(np.float32) * 3)
     got = b.linear_group(x, group)
     assert len(got) == len(names)
+    # The matrices' columns are views of the one product by one Split primitive (no slice each: each view
+    # primitive is the host's work at every layer of every pass)
+    dot = tmp_path / "g.dot"
+    mx.export_to_dot(str(dot), *got)
+    prims = re.findall(r'label ="([A-Za-z]+)', dot.read_text())
+    assert prims.count("Split") == 1 and "Slice" not in prims, prims
     for y, w, n in zip(got, separate, group.sizes):
         want = b.linear(x, w)
         assert y.shape == (rows, n)

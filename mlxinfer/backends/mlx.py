@@ -1210,13 +1210,12 @@ class MLXBackend(Backend):
 
     @staticmethod
     def _group_columns(y, ws):
-        """Each matrix's columns of a product by a group's merged matrix (views: one decode row's slice
-        is contiguous)."""
-        out, start = [], 0
-        for n in ws.sizes:
-            out.append(y[:, start:start + n])
-            start += n
-        return tuple(out)
+        """Each matrix's columns of a product by a group's merged matrix: views (one decode row's part is
+        contiguous), all of them by one Split primitive (a slice each was a view primitive each, the
+        host's work at every layer of every pass: two a layer more for Q, K and V)."""
+        if len(ws.sizes) == 1:
+            return (y,)
+        return tuple(mx.split(y, list(itertools.accumulate(ws.sizes[:-1])), axis=1))
 
     def matmul(self, a, b):
         # attention's products, in float32 whatever the dtype (operands widened exactly; the kernels
