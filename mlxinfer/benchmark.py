@@ -220,8 +220,8 @@ def engine_name(job: dict) -> str:
     return " ".join([f"mlxinfer {job['backend']}", *types])
 
 
-# A row's child process: reads the job on stdin, writes the row. bench/probes/setting.py puts itself in
-# front, so that the module constants it changes are changed where the row runs.
+# A row's child process (`child_main`): reads the job on stdin, writes the row. bench/probes/setting.py
+# puts itself in front, so that the module constants it changes are changed where the row runs.
 CHILD = [sys.executable, "-m", "mlxinfer.benchmark"]
 
 
@@ -597,9 +597,14 @@ def run(args) -> int:
     return 1 if any("error" in r for r in rows) else 0
 
 
-if __name__ == "__main__":  # a child of run_row: one row, its job on stdin, the row on stdout
+def child_main() -> None:
+    """A child of run_row (`CHILD`): one row, its job on stdin, the row on stdout."""
     try:
         print(json.dumps(measure_row(json.loads(sys.stdin.read()))), flush=True)
     except MlxinferError as e:
         print(f"mlxinfer: error: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    child_main()

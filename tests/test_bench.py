@@ -222,6 +222,7 @@ def test_a_setting_reaches_the_rows_child_process(synthetic, tmp_path):
     probe = os.path.join(ROOT, "bench", "probes", "setting.py")
     argv = ["mlxinfer.gguf_file.MAX_ENTRIES=1", "--", "bench", "-m", model, "--backends", "cpu", "-p", "8", "-n", "2",
             "--runs", "1", "--out", str(tmp_path)]
-    r = subprocess.run([sys.executable, probe, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, probe, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert (tmp_path / "results.jsonl").exists(), (r.returncode, r.stderr)
     (row,) = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()][1:]
-    assert "is more than mlxinfer reads (1)" in row["error"], (row, r.stderr)
+    assert "is more than mlxinfer reads (1)" in row.get("error", ""), (row, r.stderr)

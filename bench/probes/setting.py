@@ -6,10 +6,12 @@ quantized_matmul as before `DENSE_MIN_ROWS`:
 
 Each NAME=VALUE before `--` sets a module's constant (VALUE read as a Python literal); the rest is the
 command's arguments. `mlxinfer bench` measures each row in a child process (`benchmark.CHILD`): this
-script puts itself in front of that child with the same settings (`--child`), so the row runs with them
-(before 2026-12-06 21:00 it did not: a bench "A/B" through this script ran the default both ways). A
-constant that another module copied at import (`from m import NAME`) is not reached. The bench's header
-does not name the change: the output folder should.
+script puts itself in front of that child with the same settings (`setting.py --child NAME=VALUE ...`,
+which applies them, then runs `benchmark.child_main`), so the row runs with them (before 2026-12-06
+21:00 it did not: a bench "A/B" through this script ran the default both ways). Both processes import
+this checkout's mlxinfer (its root first on sys.path), not an installed copy. A constant that another
+module copied at import (`from m import NAME`) is not reached. The bench's header does not name the
+change: the output folder should.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from __future__ import annotations
 import ast
 import importlib
 import os
-import runpy
 import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # this checkout's mlxinfer, in this process and in the rows' children
 
 
 def apply(items: list[str]) -> None:
@@ -34,9 +38,11 @@ def apply(items: list[str]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if argv and argv[-1] == "--child":  # a bench row's child (benchmark.CHILD), the settings before it
-        apply(argv[:-1])
-        runpy.run_module("mlxinfer.benchmark", run_name="__main__", alter_sys=True)
+    if argv[:1] == ["--child"]:  # a bench row's child (benchmark.CHILD), the settings after the flag
+        apply(argv[1:])
+        from mlxinfer import benchmark
+
+        benchmark.child_main()
         return 0
     if "--" not in argv:
         raise SystemExit("usage: setting.py MODULE.NAME=VALUE ... -- MLXINFER-ARGS ...")
@@ -45,7 +51,7 @@ def main(argv: list[str]) -> int:
     from mlxinfer import benchmark
     from mlxinfer.cli import main as mlxinfer_main
 
-    benchmark.CHILD = [sys.executable, os.path.abspath(__file__), *argv[:cut], "--child"]
+    benchmark.CHILD = [sys.executable, os.path.abspath(__file__), "--child", *argv[:cut]]
     return mlxinfer_main(argv[cut + 1:])
 
 

@@ -1213,6 +1213,8 @@ class MLXBackend(Backend):
         """Each matrix's columns of a product by a group's merged matrix: views (one decode row's part is
         contiguous), all of them by one Split primitive (a slice each was a view primitive each, the
         host's work at every layer of every pass: two a layer more for Q, K and V)."""
+        if y.shape[1] != sum(ws.sizes):  # (a split gives the last matrix whatever columns are left)
+            raise ValueError(f"a group's product has {y.shape[1]} columns, its matrices {sum(ws.sizes)}")
         if len(ws.sizes) == 1:
             return (y,)
         return tuple(mx.split(y, list(itertools.accumulate(ws.sizes[:-1])), axis=1))
