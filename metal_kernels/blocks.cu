@@ -292,13 +292,20 @@ __device__ __forceinline__ Y mlxi_residual_sum(Y r, float s) {
 // last one's again, with no branch, so that NVRTC issues all of a unit's loads before their first use;
 // only in forms with a launch bound, which keeps the registers that takes (unbounded, Q3_K's 8 rows went
 // from 168 to 220).
+// run: which output rows the launch's blocks from run.block0 on take (mlxi_run: a product's own launch
+// takes them all; a pair launch's two runs, mlxi_pair_matvec, each its own).
+struct mlxi_run {
+  int N, R;   // the run's output rows, and rows a warp
+  long block0;  // the run's first block
+  long ldo, col0;  // out's row stride and the run's first column in it
+};
 template <int M, typename G, bool HOIST, int RT, typename X, typename Y>
 __device__ __forceinline__ void mlxi_block_rows(const X* x, Y* out, const int* dims, const typename G::Fields& f,
-                                                const Y* res, const X* nw, float* xs, float* inv) {
+                                                const Y* res, const X* nw, float* xs, float* inv, const mlxi_run& run) {
   constexpr int TILE = mlxi_tile<M>(), STRIDE = TILE + 4 * (TILE / G::PAD), NR = RT ? RT : MLXI_MAX_R;
-  const int N = dims[0], K = dims[1], R = dims[2];
+  const int N = run.N, K = dims[1], R = run.R;
   const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1, glu = (dims[4] >> 2) & 1;  // ADD, NORM, SWIGLU
-  const long warp0 = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_WARPS;
+  const long warp0 = ((long)blockIdx.y * gridDim.x + blockIdx.x - run.block0) * MLXI_WARPS;
   if (warp0 * R >= N) return;  // (the whole block: no warp of it has a row)
   G::prepare();
   const int lane = threadIdx.x & 31;
@@ -348,7 +355,7 @@ __device__ __forceinline__ void mlxi_block_rows(const X* x, Y* out, const int* d
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         const float s = mlxi_warp_total(acc[r][m]);
-        const long at = (long)m * N + n0 + r;
+        const long at = (long)m * run.ldo + run.col0 + n0 + r;
         if (lane == 0) out[at] = add ? mlxi_residual_sum(res[at], s) : (Y)s;
       }
     }
@@ -370,14 +377,40 @@ __device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int*
   static_assert(M <= MLXI_WARPS, "NORM: a warp a row's scale");
   __shared__ __align__(16) float xs[M * STRIDE];  // (float4 reads and writes)
   __shared__ float inv[MLXI_WARPS];
+  const mlxi_run run = {dims[0], dims[2], 0, dims[0], 0};
   if (!HOIST || M > 1)
-    mlxi_block_rows<M, G, HOIST, 0>(x, out, dims, f, res, nw, xs, inv);
+    mlxi_block_rows<M, G, HOIST, 0>(x, out, dims, f, res, nw, xs, inv, run);
   else if (dims[2] > 2)
-    mlxi_block_rows<M, G, HOIST, 4>(x, out, dims, f, res, nw, xs, inv);
+    mlxi_block_rows<M, G, HOIST, 4>(x, out, dims, f, res, nw, xs, inv, run);
   else if (dims[2] == 2)
-    mlxi_block_rows<M, G, HOIST, 2>(x, out, dims, f, res, nw, xs, inv);
+    mlxi_block_rows<M, G, HOIST, 2>(x, out, dims, f, res, nw, xs, inv, run);
   else
-    mlxi_block_rows<M, G, HOIST, 1>(x, out, dims, f, res, nw, xs, inv);
+    mlxi_block_rows<M, G, HOIST, 1>(x, out, dims, f, res, nw, xs, inv, run);
+}
+
+// Two products of one x in one launch (a weight group's two runs of different types: a Q4_K_M file's Q
+// and K in Q4_K, its V in Q6_K), out = [x @ A.T | x @ B.T], [M, NA + NB]: the first ceil(NA / 8) blocks
+// take A's rows with A's reader GA, the rest B's with GB, each row by the frame above in the published
+// order, so each column is the bits of its run's own launch (the forms: NORM or none; the norm's scale
+// computed by each block, as in a launch of its own). One row a warp (dims[2] is 1: a pair launch is
+// for products narrow enough that `default_per_warp` gives 1), known at compile time where the launch is
+// bounded (HOIST). x's tile is declared once here at the larger reader's stride and lent to both (two
+// instances' own tiles would exceed the 48 KB of static shared memory). dims = [NA, K, 1, eps bits,
+// forms, NB].
+template <int M, typename GA, typename GB, bool HOIST, typename X, typename Y>
+__device__ __forceinline__ void mlxi_pair_matvec(const X* x, Y* out, const int* dims, const typename GA::Fields& fa,
+                                                 const typename GB::Fields& fb, const X* nw) {
+  constexpr int TILE = mlxi_tile<M>(), SA = TILE + 4 * (TILE / GA::PAD), SB = TILE + 4 * (TILE / GB::PAD);
+  constexpr int STRIDE = SA > SB ? SA : SB, RT = HOIST && M == 1 ? 1 : 0;
+  static_assert(M * STRIDE * 4 <= 48 * 1024 - 1024, "static shared memory: at most 48 KB a block");
+  static_assert(M <= MLXI_WARPS, "NORM: a warp a row's scale");
+  __shared__ __align__(16) float xs[M * STRIDE];
+  __shared__ float inv[MLXI_WARPS];
+  const long blocks_a = ((long)dims[0] + MLXI_WARPS - 1) / MLXI_WARPS, ldo = (long)dims[0] + dims[5];
+  if ((long)blockIdx.y * gridDim.x + blockIdx.x < blocks_a)
+    mlxi_block_rows<M, GA, HOIST, RT>(x, out, dims, fa, out, nw, xs, inv, {dims[0], 1, 0, ldo, 0});
+  else
+    mlxi_block_rows<M, GB, HOIST, RT>(x, out, dims, fb, out, nw, xs, inv, {dims[5], 1, blocks_a, ldo, dims[0]});
 }
 
 // Readers whose unit is a group of 32 consecutive values: a tile's unit v at its columns 32 v .. 32 v + 31.
@@ -664,6 +697,12 @@ mlxi_block_matvec<M, mlxi_q6k, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {ql, qh, sca
 // (MLX's packing: bits [BITS t, BITS (t + 1)) of the group's BITS words), w = scale * code + bias (each
 // step rounded), then the product with x and the sum (mlxi_block_matvec, mlxi_affine).
 mlxi_block_matvec<M, mlxi_affine<BITS, SCALES, ZERO>, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {w, s0, s1, mlxi_held<M>(0xFF00u, dims)}, res, nw);
+//@@BODY affine_q6_k_matvec
+// A weight group's two runs in one launch (mlxi_pair_matvec): A of an affine type (affine_matvec's
+// fields w, s0, s1 and constants), then B in Q6_K (q6_k_matvec's ql, qh, scales, d_bits); dims = [NA, K,
+// 1, eps bits, forms, NB] (forms: NORM or none); out [M, NA + NB] = [x @ A.T | x @ B.T].
+mlxi_pair_matvec<M, mlxi_affine<BITS, SCALES, ZERO>, mlxi_q6k, (MLXI_MIN_BLOCKS > 1)>(
+    x, out, dims, {w, s0, s1, mlxi_held<M>(0xFF00u, dims)}, {ql, qh, scales, d_bits, mlxi_held<M>(0x4B000000u, dims)}, nw);
 //@@BODY iq4_matvec
 // IQ4_NL (XS 0) and IQ4_XS (XS 1) as the MLX backend keeps them (quants.split: the file's fields): qs the
 // 4-bit codes, 16 bytes per 32 values (IQ4_NL [N, K / 32, 16]; IQ4_XS [N, K / 256, 128], sub-block j at

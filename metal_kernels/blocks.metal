@@ -114,12 +114,61 @@ inline void mlxi_affine_group(XP x, long K, long col, WP w_row, long g, float sc
     }
   }
 }
+// Row n's sums of a Q6_K weight into acc (q6_k_matvec's fields and order): work units of 32 values (u = 8b
+// + 4h + c: r = 8c + t + 32j), lane l taking units l, l + 32, ..., each in the order j = 0..3, t = 0..7.
+template <int M, typename T, typename XP, typename NP, typename QL, typename QH, typename SC, typename DB>
+inline void mlxi_q6k_row(XP x, NP nw, thread const float* inv, int xform, long K, long n, uint lane, QL ql, QH qh,
+                         SC scales, DB d_bits, thread float* acc) {
+  for (int u = lane; u < K / 32; u += 32) {
+    const int b = u >> 3, h = (u >> 2) & 1, c = u & 3;
+    const long blk = n * (K / 256) + b;
+    const float d = mlxi_half_bits(d_bits[blk]);
+    const long lo_at = blk * 128 + 64 * h + 8 * c, hb_at = blk * 64 + 32 * h + 8 * c;
+    const long col = (long)b * 256 + 128 * h + 8 * c;
+    for (int j = 0; j < 4; ++j) {
+      const float dl = d * float(scales[blk * 16 + 8 * h + (c >> 1) + 2 * j]);
+      for (int t = 0; t < 8; ++t) {
+        const uint lb = ql[lo_at + 32 * (j & 1) + t], hbyte = qh[hb_at + t];
+        const uint q = ((lb >> (4 * (j >> 1))) & 0xfu) | (((hbyte >> (2 * j)) & 3u) << 4);
+        const float w = dl * float(int(q) - 32);
+        for (int m = 0; m < M; ++m) {
+          const float prod = mlxi_x<T>(x, nw, inv, xform, m, K, col + 32 * j + t) * w;
+          acc[m] = acc[m] + prod;
+        }
+      }
+    }
+  }
+}
+
+// Row n's sums of an affine weight into acc (affine_matvec's fields, its scale fields by SCALES: 0, d
+// and ZERO; 1, d and m; 2, the K-quants'), lane l taking groups l, l + 32, ...
+template <int BITS, int SCALES, int ZERO, int M, typename T, typename XP, typename NP, typename WP, typename S0,
+          typename S1>
+inline void mlxi_affine_row(XP x, NP nw, thread const float* inv, int xform, long K, long n, uint lane, WP w, S0 s0,
+                            S1 s1, thread float* acc) {
+  const auto w_row = w + n * (K / 32) * BITS;
+  for (long g = lane; g < K / 32; g += 32) {
+    const long at = n * (K / 32) + g, blk = n * (K / 256) + (g >> 3);
+    float scale, bias;
+    if (SCALES == 2) {
+      const int j = g & 7;
+      scale = mlxi_half_bits(s0[2 * blk]) * float(s1[16 * blk + j]);
+      const float mins = mlxi_half_bits(s0[2 * blk + 1]) * float(s1[16 * blk + 8 + j]);
+      bias = -mins;
+    } else if (SCALES == 1) {
+      scale = mlxi_half_bits(s0[at]);
+      bias = mlxi_half_bits(s1[at]);
+    } else {
+      scale = mlxi_half_bits(s0[at]);
+      bias = -(scale * float(ZERO));
+    }
+    mlxi_affine_group<BITS, M, T>(x, K, g * 32, w_row, g, scale, bias, acc, nw, inv, xform);
+  }
+}
 //@@BODY q6_k_matvec
-// As in blocks.cu: x [M, K], ql, qh, scales, d_bits (Q6_K fields), dims = [N, K, 1, eps bits, forms], out [M, N]; work units
-// of 32 values (u = 8b + 4h + c: r = 8c + t + 32j), lane l taking units l, l + 32, ..., each in the order
-// j = 0..3, t = 0..7.
+// As in blocks.cu: x [M, K], ql, qh, scales, d_bits (Q6_K fields), dims = [N, K, 1, eps bits, forms], out [M, N]
+// (mlxi_q6k_row: the units and their order).
 const int N = dims[0], K = dims[1];
-const int units = K / 32;
 const uint lane = thread_index_in_simdgroup;
 const long n = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_WARPS + simdgroup_index_in_threadgroup;
@@ -130,25 +179,7 @@ float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
 for (int m = 0; m < M; ++m) inv[m] = norm ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
 for (int m = 0; m < M; ++m) acc[m] = 0.0f;
-for (int u = lane; u < units; u += 32) {
-  const int b = u >> 3, h = (u >> 2) & 1, c = u & 3;
-  const long blk = n * (K / 256) + b;
-  const float d = mlxi_half_bits(d_bits[blk]);
-  const long lo_at = blk * 128 + 64 * h + 8 * c, hb_at = blk * 64 + 32 * h + 8 * c;
-  const long col = (long)b * 256 + 128 * h + 8 * c;
-  for (int j = 0; j < 4; ++j) {
-    const float dl = d * float(scales[blk * 16 + 8 * h + (c >> 1) + 2 * j]);
-    for (int t = 0; t < 8; ++t) {
-      const uint lb = ql[lo_at + 32 * (j & 1) + t], hbyte = qh[hb_at + t];
-      const uint q = ((lb >> (4 * (j >> 1))) & 0xfu) | (((hbyte >> (2 * j)) & 3u) << 4);
-      const float w = dl * float(int(q) - 32);
-      for (int m = 0; m < M; ++m) {
-        const float prod = mlxi_x<T>(x, nw, inv, xform, m, K, col + 32 * j + t) * w;
-        acc[m] = acc[m] + prod;
-      }
-    }
-  }
-}
+mlxi_q6k_row<M, T>(x, nw, inv, xform, K, n, lane, ql, qh, scales, d_bits, acc);
 for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);
   if (lane == 0) out[(long)m * N + n] = add ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
@@ -166,27 +197,36 @@ float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
 for (int m = 0; m < M; ++m) inv[m] = norm ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
 float acc[M];
 for (int m = 0; m < M; ++m) acc[m] = 0.0f;
-const auto w_row = w + n * (K / 32) * BITS;
-for (long g = lane; g < K / 32; g += 32) {
-  const long at = n * (K / 32) + g, blk = n * (K / 256) + (g >> 3);
-  float scale, bias;
-  if (SCALES == 2) {
-    const int j = g & 7;
-    scale = mlxi_half_bits(s0[2 * blk]) * float(s1[16 * blk + j]);
-    const float mins = mlxi_half_bits(s0[2 * blk + 1]) * float(s1[16 * blk + 8 + j]);
-    bias = -mins;
-  } else if (SCALES == 1) {
-    scale = mlxi_half_bits(s0[at]);
-    bias = mlxi_half_bits(s1[at]);
-  } else {
-    scale = mlxi_half_bits(s0[at]);
-    bias = -(scale * float(ZERO));
-  }
-  mlxi_affine_group<BITS, M, T>(x, K, g * 32, w_row, g, scale, bias, acc, nw, inv, xform);
-}
+mlxi_affine_row<BITS, SCALES, ZERO, M, T>(x, nw, inv, xform, K, n, lane, w, s0, s1, acc);
 for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);
   if (lane == 0) out[(long)m * N + n] = add ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
+}
+//@@BODY affine_q6_k_matvec
+// As in blocks.cu (mlxi_pair_matvec): a weight group's two runs in one launch, A of an affine type (w, s0,
+// s1) then B in Q6_K (ql, qh, scales, d_bits); dims = [NA, K, 1, eps bits, forms, NB] (forms: NORM or none);
+// out [M, NA + NB] = [x @ A.T | x @ B.T]: the first ceil(NA / 8) threadgroups take A's rows, the rest B's.
+const int NA = dims[0], K = dims[1], N = NA + dims[5];
+const uint lane = thread_index_in_simdgroup;
+const long group = (long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x;
+const long blocks_a = (NA + MLXI_WARPS - 1) / MLXI_WARPS;
+const bool in_a = group < blocks_a;
+const long r = (in_a ? group : group - blocks_a) * MLXI_WARPS + simdgroup_index_in_threadgroup;  // the run's row
+const long n = in_a ? r : NA + r;  // out's column
+if (in_a ? r >= NA : n >= N) return;
+const bool norm = (dims[4] >> 1) & 1;
+const int xform = norm ? 1 : 0;
+float inv[M];  // NORM: each row's scale (dims[3]: eps's float32 bits)
+for (int m = 0; m < M; ++m) inv[m] = norm ? mlxi_rms_inv(x + (long)m * K, K, as_type<float>(dims[3]), lane) : 1.0f;
+float acc[M];
+for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+if (in_a)
+  mlxi_affine_row<BITS, SCALES, ZERO, M, T>(x, nw, inv, xform, K, r, lane, w, s0, s1, acc);
+else
+  mlxi_q6k_row<M, T>(x, nw, inv, xform, K, r, lane, ql, qh, scales, d_bits, acc);
+for (int m = 0; m < M; ++m) {
+  const float s = mlxi_warp_total(acc[m]);
+  if (lane == 0) out[(long)m * N + n] = T(s);
 }
 //@@BODY iq4_matvec
 // As in blocks.cu: IQ4_NL (XS 0) and IQ4_XS (XS 1), qs, d_bits, sc_h, sc_l (IQ4_XS's scales; unused for

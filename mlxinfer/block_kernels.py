@@ -22,6 +22,10 @@ residual adds then cost no launch of their own. A third, SWIGLU (`product(..., s
 silu(gate) * up of x = [gate | up] (an FFN's merged product), each value the bits of this module's
 `swiglu` kernel (`emulate_swiglu`), which the backend runs for SwiGLU wherever the block kernels run: the
 FFN's activation costs no launch of its own either.
+
+A weight group whose matrices are two runs of different types (a Q4_K_M file's Q and K in Q4_K, its V in
+Q6_K, in half its layers) is one launch too (`pair_product`, blocks.cu's mlxi_pair_matvec): the first
+run's blocks read its fields, the rest the Q6_K run's, each column the bits of its own product.
 """
 
 from __future__ import annotations
@@ -62,12 +66,22 @@ INPUTS = {"q6_k_matvec": ["x", "res", "nw", "ql", "qh", "scales", "d_bits", "dim
           "q3_k_matvec": ["x", "res", "nw", "hmask", "qs", "sc3", "d_bits", "dims"],
           "q2_k_matvec": ["x", "res", "nw", "sc2", "qs", "d_bits", "dmin_bits", "dims"],
           "half_matvec": ["x", "res", "nw", "v", "dims"],
+          "affine_q6_k_matvec": ["x", "nw", "w", "s0", "s1", "ql", "qh", "scales", "d_bits", "dims"],
           "rms_norm": ["x", "nw", "dims"],
           "swiglu": ["x", "dims"]}
 FIELDS_AT = 3  # a matvec's weight fields start at this input
 MAX_ROWS = 8  # rows of x a launch takes (each lane keeps one partial sum per row in registers)
 WARPS = 8  # warps per block of 256 threads
 MAX_ROWS_PER_WARP = 4  # blocks.cu's MLXI_MAX_R: output rows a warp may take
+
+
+# Two products of one x in one launch (blocks.cu's mlxi_pair_matvec, `pair_product`): a weight group whose
+# matrices are two runs of different types. A Q4_K_M or Q5_K_M file's layers with a Q6_K V (llama.cpp's
+# quantizer gives half the layers one) hold their Q and K in Q4_K or Q5_K and V in Q6_K: one launch for
+# the three, not two (14 launches of a 0.6B Qwen3's decode token, whose host time bounds it). Kernel ->
+# the types of its first run (its second is Q6_K's).
+PAIR = "affine_q6_k_matvec"
+PAIR_FIRST = (Q.Q4_K, Q.Q5_K)
 
 
 def applies(w, x) -> bool:
@@ -77,6 +91,15 @@ def applies(w, x) -> bool:
     if w.qtype not in KERNELS or getattr(w, "float_scales", False) or x.ndim != 2 or x.shape[0] > MAX_ROWS:
         return False
     return w.shape[1] % row_multiple(w.qtype) == 0
+
+
+def pair_applies(kind: str, x, a, b) -> bool:
+    """Whether x @ a.T and x @ b.T go to one pair launch (`pair_product`): a of a type in PAIR_FIRST, b in
+    Q6_K, each a block kernel's product of x (`applies`) with one output row a warp (`default_per_warp`:
+    the pair takes no more), of the same row length."""
+    return (getattr(a, "qtype", None) in PAIR_FIRST and getattr(b, "qtype", None) == Q.Q6_K and applies(a, x)
+            and applies(b, x) and a.shape[1] == b.shape[1]
+            and default_per_warp(kind, a.shape[0]) == 1 == default_per_warp(kind, b.shape[0]))
 
 
 def kernel_names() -> list[str]:
@@ -152,9 +175,12 @@ MIN_BLOCKS_ROWS = 1  # rows of x up to which those forms get 3 (2 rows of Q5_K s
 
 
 def min_blocks(name: str, rows: int) -> int:
-    """MLXI_MIN_BLOCKS of kernel `name` compiled for `rows` rows of x (see FEW_REGISTERS)."""
+    """MLXI_MIN_BLOCKS of kernel `name` compiled for `rows` rows of x (see FEW_REGISTERS; the pair kernel,
+    one row a warp, as the affine kernel's forms)."""
     if name in TWO_BLOCKS:
         return 2
+    if name == PAIR:
+        name = "affine_matvec"
     return (3 if rows <= MIN_BLOCKS_ROWS else 2) if name in FEW_REGISTERS else 1
 
 
@@ -261,6 +287,28 @@ def product(kind: str, x, w, per_warp: int | None = None, residual=None, norm=No
                 kernel_args(n, k, per_warp, eps_bits, forms)],
         template=[("T", x.dtype), ("M", rows), *consts], grid=launch_grid(-(-warps // WARPS)),
         threadgroup=(32 * WARPS, 1, 1), output_shapes=[(rows, n)], output_dtypes=[x.dtype])
+    return out
+
+
+def pair_product(kind: str, x, a, b, norm=None):
+    """[x @ a.T | x @ b.T], [M, Na + Nb] in x's dtype, in one launch (`pair_applies` must hold): each
+    column the bits of its own matrix's `product` (with `norm` = (weight, eps): of x's rows RMS-normed,
+    the NORM form), a's by the affine kernel's reader, b's by Q6_K's, one row a warp."""
+    rows, k = x.shape[0], a.shape[1]
+    if not pair_applies(kind, x, a, b):
+        raise ValueError(f"no pair launch multiplies x {list(x.shape)} by {a.qtype.name} {list(a.shape)} and "
+                         f"{b.qtype.name} {list(b.shape)} (the first of {', '.join(t.name for t in PAIR_FIRST)}, "
+                         f"the second Q6_K, one row a warp, each 1..{MAX_ROWS} rows of x of their row length)")
+    nw, eps_bits = (x, 0) if norm is None else (norm[0], f32_bits(norm[1]))
+    if norm is not None and (nw.shape != (k,) or nw.dtype != x.dtype):
+        raise ValueError(f"the norm's weight must be [{k}] of x's dtype {x.dtype}, got {list(nw.shape)} of {nw.dtype}")
+    na, nb = a.shape[0], b.shape[0]
+    blocks = -(-na // WARPS) + -(-nb // WARPS)  # (A's last block's idle warps: B starts a block of its own)
+    (out,) = _kernel(kind, PAIR, min_blocks(PAIR, rows))(
+        inputs=[x, nw, *(a.kernel_fields or kernel_fields(a)), *(b.kernel_fields or kernel_fields(b)),
+                kernel_args(na, k, 1, eps_bits, int(norm is not None) << 1, nb)],
+        template=[("T", x.dtype), ("M", rows), *KERNELS[a.qtype][1]], grid=launch_grid(blocks),
+        threadgroup=(32 * WARPS, 1, 1), output_shapes=[(rows, na + nb)], output_dtypes=[x.dtype])
     return out
 
 

@@ -84,6 +84,10 @@ class HostKernels:
         stand-in for MLX's kernel)."""
         return self._launch(lambda: block_kernels.product("cuda", x, w, per_warp, residual, norm, swiglu))
 
+    def pair_product(self, x, a, b, norm=None):
+        """`block_kernels.pair_product` by the host-compiled kernel (as `product`)."""
+        return self._launch(lambda: block_kernels.pair_product("cuda", x, a, b, norm))
+
     def rms_norm(self, x, weight, eps):
         """`block_kernels.rms_norm` by the host-compiled kernel (as `product`)."""
         return self._launch(lambda: block_kernels.rms_norm("cuda", x, weight, eps))

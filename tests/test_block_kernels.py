@@ -106,7 +106,8 @@ ELEMENTWISE = ("rms_norm", "swiglu")  # blocks.cu's kernels besides the products
 def _launches():
     """(kernel, template constants) of every type's launch (its ADD, NORM and SWIGLU forms are the same
     kernel, chosen at launch), and the norm's and SwiGLU's own kernels (no constants)."""
-    return sorted({(name, consts) for name, consts in block_kernels.KERNELS.values()}) + [(n, ()) for n in ELEMENTWISE]
+    pairs = [(block_kernels.PAIR, block_kernels.KERNELS[t][1]) for t in block_kernels.PAIR_FIRST]
+    return sorted({(name, consts) for name, consts in block_kernels.KERNELS.values()}) + pairs + [(n, ()) for n in ELEMENTWISE]
 
 
 def _cuda_source(name: str, consts, dtype: str, m: int) -> str:
@@ -371,6 +372,34 @@ def test_the_cuda_kernels_run_on_the_host_give_their_published_order(host_kernel
         assert same.all(), f"SWIGLU: {int((~same).sum())} of {same.size} differ ({m} rows, {per_warp} a warp, {dtype})"
 
 
+@pytest.mark.parametrize("first", block_kernels.PAIR_FIRST, ids=lambda t: t.name)
+@pytest.mark.parametrize("na,nb,cols", [(20, 13, 512), (16, 8, 4096), (3, 5, 1280)])
+def test_a_pair_launch_run_on_the_host_gives_each_runs_bits(host_kernels, first, na, nb, cols):
+    """blocks.cu's pair launch (`pair_product`: a group's Q4_K or Q5_K run and its Q6_K run, one launch)
+    run on the host: its [M, Na + Nb] output is the two products' published orders side by side, bit for
+    bit, alone and of normed rows (NORM), for 1 and 5 rows of float32 x and 1 and 3 of bfloat16 (tiles of
+    8,192, 1,024 and 2,048 columns: one partial, several full), with runs whose last block has idle
+    warps (20, 13, 3, 5 rows) and rows of one and of several tiles; nothing written past the output."""
+    rng = np.random.default_rng(na * cols)
+    raw_a, parts_a = _fields(rng, na, cols, True, first)
+    raw_b, parts_b = _fields(rng, nb, cols, True, Q.Q6_K)
+    a, b = to_device(first, parts_a, (na, cols)), to_device(Q.Q6_K, parts_b, (nb, cols))
+    va, vb = _values(raw_a, first, na, cols), _values(raw_b, Q.Q6_K, nb, cols)
+    for m, dtype in ((1, mx.float32), (5, mx.float32), (1, mx.bfloat16), (3, mx.bfloat16)):
+        xd = mx.array(rng.standard_normal((m, cols), dtype=np.float32)).astype(dtype)
+        x = np.array(xd.astype(mx.float32))
+        narrow = lambda v: np.array(mx.array(v).astype(dtype).astype(mx.float32))  # noqa: E731
+        nw = mx.array(rng.uniform(0.5, 2.0, cols).astype(np.float32)).astype(dtype)
+        for norm in (None, (nw, 1e-5)):
+            xs = x if norm is None else block_kernels.emulate_rms_norm(x, np.array(nw.astype(mx.float32)), 1e-5, narrow)
+            want = np.concatenate([narrow(block_kernels.emulate(xs, va, first)),
+                                   narrow(block_kernels.emulate(xs, vb, Q.Q6_K))], axis=1)
+            got = host_kernels.pair_product(xd, a, b, norm)
+            same = got.view(np.uint32) == want.view(np.uint32)
+            assert same.all(), (f"{int((~same).sum())} of {same.size} differ ({m} rows, {dtype}, "
+                                f"{'NORM' if norm else 'alone'}; columns {np.flatnonzero(~same.all(0))[:8]})")
+
+
 def test_rows_a_warp_takes():
     """CUDA warps take 4 output rows; Metal's simdgroups one; a count outside the kernel's registers is
     refused."""
@@ -439,6 +468,17 @@ def test_gpu_self_check_of_the_block_kernels_passes(dtype):
     b = MLXBackend(device="gpu", dtype=dtype)
     assert _check_block_products(b) is None and _check_block_products(b, fused=True) is None
     assert _check_block_products(b, swiglu=True) is None
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_gpu_pair_launch_passes_its_self_check(dtype):
+    """The pair launch (Q4_K or Q5_K with Q6_K, one launch) on the GPU, bit for bit its two products'
+    published orders side by side, alone and of normed rows (`verify_pair_launch`)."""
+    from mlxinfer.backends.mlx import verify_pair_launch
+
+    b = MLXBackend(device="gpu", dtype=dtype)
+    assert verify_pair_launch(b) is None and b.pair_launch
 
 
 @needs_gpu
@@ -557,7 +597,14 @@ def _stand_in_kernels(monkeypatch, calls: list):
         out = narrow(s) if residual is None else block_kernels.with_residual(s, f32(residual), narrow)
         return mx.array(out).astype(x.dtype)
 
+    def pair(kind, x, a, b, norm=None):
+        calls.append("pair" + ("+norm" if norm else ""))
+        xs = f32(x) if norm is None else block_kernels.emulate_rms_norm(f32(x), f32(norm[0]), norm[1], narrow_to(x.dtype))
+        both = [np.array(w.product(mx.array(xs)).astype(mx.float32)) for w in (a, b)]
+        return mx.array(narrow_to(x.dtype)(np.concatenate(both, axis=1))).astype(x.dtype)
+
     monkeypatch.setattr(block_kernels, "product", kernel)
+    monkeypatch.setattr(block_kernels, "pair_product", pair)
     monkeypatch.setattr(block_kernels, "rms_norm", norm)
     monkeypatch.setattr(block_kernels, "swiglu", swiglu)
 
@@ -571,7 +618,7 @@ def _logits_fused_and_apart(path, dtype, calls: list):
         eng = mlxinfer.load(path, backend="mlx", device="cpu", dtype=dtype)
         b = eng.backend
         b.weight_dtype, b.block_kind, b.norm_kind, b.swiglu_kind = b.dtype, "cuda", "cuda", "cuda"  # (as on a GPU)
-        b.fused_forms = fused
+        b.fused_forms = b.pair_launch = fused
         calls.clear()
         return eng.logits([1, 5, 9, 2]), collections.Counter(calls)
 
@@ -601,9 +648,11 @@ def test_norms_swiglu_and_residuals_join_the_products_bit_for_bit(synthetic, mon
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_mixed_type_group_takes_the_norm_form_a_run_each(synthetic, monkeypatch, dtype):
+@pytest.mark.parametrize("pair", [True, False])
+def test_a_mixed_type_group_takes_the_norm_form_a_run_each(synthetic, monkeypatch, dtype, pair):
     """A Q4_K_M file's layer whose V is Q6_K (layer 1 of 2, as llama.cpp's quantizer assigns it) holds
-    its Q, K, V as two runs (Q and K in Q4_K, V in Q6_K): for decode rows each run is one NORM-form
+    its Q, K, V as two runs (Q and K in Q4_K, V in Q6_K): for decode rows both runs are one pair launch
+    in the NORM form (`pair_product`), or without it (its self-check failed) each run is one NORM-form
     launch (the norm inside each), not a norm and three products, and the logits are the bits of the
     ops apart. (Stand-in kernels, as above.)"""
     from mlxinfer.backends.mlx_weights import WeightRuns
@@ -612,13 +661,16 @@ def test_a_mixed_type_group_takes_the_norm_form_a_run_each(synthetic, monkeypatc
     _stand_in_kernels(monkeypatch, calls)
     path = synthetic(arch="qwen3", n_layers=2, qtype="Q4_K_M", hidden=256, ffn=512, n_heads=4, n_kv_heads=2,
                      head_dim=64, random_blocks=True)
+    if not pair:
+        monkeypatch.setattr(block_kernels, "pair_applies", lambda kind, x, a, b: False)
     (fused, fused_calls), (plain, plain_calls) = _logits_fused_and_apart(path, dtype, calls)
     import mlxinfer
 
     layers = mlxinfer.load(path, backend="mlx", device="cpu").model.w.layers
     assert not isinstance(layers[0].attn_qkv, WeightRuns) and [r.sizes for r in layers[1].attn_qkv.runs] == [(256, 128), (128,)]
-    # layer 0: Q/K/V and gate/up one NORM launch each; layer 1: Q/K, V and gate/up
-    assert fused_calls == {"product+norm": 5, "product+add": 2, "product+swiglu+add": 2, "norm": 1, "product": 1}
+    # layer 0: Q/K/V and gate/up one NORM launch each; layer 1: Q/K with V (or Q/K, V) and gate/up
+    assert fused_calls == {"product+add": 2, "product+swiglu+add": 2, "norm": 1, "product": 1,
+                           **({"product+norm": 3, "pair+norm": 1} if pair else {"product+norm": 5})}
     assert plain_calls == {"norm": 5, "product": 10, "swiglu": 2}
     assert np.array_equal(np.asarray(fused).view(np.uint32), np.asarray(plain).view(np.uint32))
 
@@ -687,10 +739,12 @@ def test_the_exponential_is_within_two_float32_units_and_rounds_as_published():
     assert np.all(np.abs(got - ref) <= 2 * np.spacing(ref.astype(np.float32)))
 
 
-@pytest.mark.parametrize("failing", [None, "norm", "fused", "swiglu"])
+@pytest.mark.parametrize("failing", [None, "norm", "fused", "swiglu", "pair"])
 def test_a_failing_norm_swiglu_kernel_or_fused_form_turns_only_itself_off(monkeypatch, tmp_path, capsys, failing):
-    """The rms_norm and swiglu kernels and the block kernels' fused forms (ADD, NORM, SWIGLU) each have a
-    self-check verdict of their own (`verify_rms_norm`, `verify_swiglu`, `verify_fused_forms`). The norm
+    """The rms_norm and swiglu kernels, the block kernels' fused forms (ADD, NORM, SWIGLU) and the pair
+    launch each have a self-check verdict of their own (`verify_rms_norm`, `verify_swiglu`,
+    `verify_fused_forms`, `verify_pair_launch`). The pair launch failing turns it off alone (a group's
+    two runs a NORM launch each again). The norm
     kernel failing turns it off and with it the NORM form's use (norms back on mx.fast.rms_norm, each
     apart from its product); the swiglu kernel failing turns it off and with it the SWIGLU form's use
     (MLX's silu and product, then the down product and the residual as `Backend`'s defaults); the fused
@@ -708,24 +762,29 @@ def test_a_failing_norm_swiglu_kernel_or_fused_form_turns_only_itself_off(monkey
     monkeypatch.setattr(mlx_mod, "_check_block_products", lambda b, kernel=None, fused=False: None)
     problems = {"norm": "the rms_norm kernel differs from its published order in 2 of 1024 values (1 rows of 1024, float32)",
                 "fused": "the Q8_0 block kernel (of normed rows) differs from its published order in 1 of 42 values",
-                "swiglu": "the swiglu kernel differs from its published order in 3 of 6000 values (1 rows of 3000, float32)"}
+                "swiglu": "the swiglu kernel differs from its published order in 3 of 6000 values (1 rows of 3000, float32)",
+                "pair": "the Q4_K+Q6_K pair launch differs from its products' published order in 1 of 33 values (1 rows, float32)"}
     runs = []
-    for name in ("norm", "fused", "swiglu"):
-        verify = {"norm": "verify_rms_norm", "fused": "verify_fused_forms", "swiglu": "verify_swiglu"}[name]
+    for name in ("norm", "fused", "swiglu", "pair"):
+        verify = {"norm": "verify_rms_norm", "fused": "verify_fused_forms", "swiglu": "verify_swiglu",
+                  "pair": "verify_pair_launch"}[name]
         monkeypatch.setattr(mlx_mod, verify, lambda b, name=name: runs.append(name) or (problems[name] if failing == name else None))
     b = MLXBackend(device="cpu")
     b.device, b.block_kind, b.norm_kind, b.swiglu_kind, b.fused_forms = "gpu", "cuda", "cuda", "cuda", True
-    assert b.check_kernels() is None and runs == ["fused", "norm", "swiglu"]
+    b.pair_launch = True
+    assert b.check_kernels() is None and runs == ["fused", "pair", "norm", "swiglu"]
     err = capsys.readouterr().err.strip().splitlines()
     assert b.block_kind == "cuda" and b.norm_kind == (None if failing == "norm" else "cuda")
     assert b.swiglu_kind == (None if failing == "swiglu" else "cuda")
-    assert b.fused_forms == (failing != "fused")
+    assert b.fused_forms == (failing != "fused") and b.pair_launch == (failing != "pair")
     want = {None: [], "norm": [f"mlxinfer: warning: the rms_norm kernel failed its self-check ({problems['norm']}); norms use "
                                "mx.fast.rms_norm, each apart from the product after it"],
             "fused": [f"mlxinfer: warning: the block kernels' fused forms failed their self-check ({problems['fused']}); "
                       "each norm and residual add is a launch of its own"],
             "swiglu": [f"mlxinfer: warning: the swiglu kernel failed its self-check ({problems['swiglu']}); SwiGLU uses "
-                       "MLX's own ops, apart from the down product"]}[failing]
+                       "MLX's own ops, apart from the down product"],
+            "pair": [f"mlxinfer: warning: the pair launch failed its self-check ({problems['pair']}); a weight group's "
+                     "runs of two types take a launch each"]}[failing]
     assert err == want
     if failing:
         assert problems[failing] in b.kernel_report()[0] and not b.kernel_report()[1]
@@ -748,12 +807,20 @@ def test_a_failing_norm_swiglu_kernel_or_fused_form_turns_only_itself_off(monkey
     assert used == ["add" if failing == "fused" else "kernel+add"]
     used.clear()
     b.rms_norm_linear_group(mx.ones((1, 64)), mx.ones((64,)), 1e-6, WeightGroup(object(), (8, 8)))
-    assert used == ["kernel" + ("+norm" if failing in (None, "swiglu") else "")]
+    assert used == ["kernel" + ("+norm" if failing in (None, "swiglu", "pair") else "")]
+    used.clear()
+    from mlxinfer.backends.mlx_weights import WeightRuns
+
+    monkeypatch.setattr(block_kernels, "pair_applies", lambda kind, x, a, c: True)
+    monkeypatch.setattr(block_kernels, "pair_product", lambda kind, x, a, c, norm=None: used.append("pair") or mx.zeros((1, 32)))
+    b.rms_norm_linear_group(mx.ones((1, 64)), mx.ones((64,)), 1e-6, WeightRuns((WeightGroup(object(), (8, 8)),) * 2))
+    assert used == {None: ["pair"], "swiglu": ["pair"], "pair": ["kernel+norm", "kernel+norm"]}.get(failing, ["kernel", "kernel"])
     used.clear()
     down = types.SimpleNamespace(shape=(16, 8))  # (a down weight small enough for the SWIGLU form)
     b.swiglu_ffn(mx.ones((1, 64)), mx.ones((64,)), 1e-6, WeightGroup(object(), (8, 8)), down)
     assert used == {None: ["kernel+norm", "kernel+swiglu+add"], "norm": ["kernel", "kernel+swiglu+add"],
-                    "fused": ["kernel", "swiglu", "add"], "swiglu": ["kernel+norm", "kernel+add"]}[failing]
+                    "fused": ["kernel", "swiglu", "add"], "swiglu": ["kernel+norm", "kernel+add"],
+                    "pair": ["kernel+norm", "kernel+swiglu+add"]}[failing]
 
 
 @pytest.mark.parametrize("kernel", ["graph", "cuda"])
@@ -827,35 +894,44 @@ def test_gpu_norms_swiglu_and_residuals_join_the_products_bit_for_bit(synthetic,
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_mixed_type_groups_join_the_products_bit_for_bit(synthetic, monkeypatch, dtype):
     """On the GPU's own kernels: a Q4_K_M Qwen3 (random blocks; layer 1's V in Q6_K, its Q/K/V two runs)
-    gives the same logits and greedy tokens with the fused forms (a NORM-form launch a run) as with the
-    ops apart."""
+    gives the same logits and greedy tokens with the pair launch (both runs, NORM form, one launch), with
+    the fused forms a launch a run, and with the ops apart."""
     import mlxinfer
     from mlxinfer.backends.mlx_weights import WeightRuns
 
     path = synthetic(arch="qwen3", n_layers=2, qtype="Q4_K_M", hidden=256, ffn=512, n_heads=4, n_kv_heads=2,
                      head_dim=64, random_blocks=True)
 
-    normed, real = set(), block_kernels.product
+    normed, real, real_pair = set(), block_kernels.product, block_kernels.pair_product
 
     def product(kind, x, w, per_warp=None, residual=None, norm=None, swiglu=False):
         if norm is not None:
             normed.add(w.qtype.name)
         return real(kind, x, w, per_warp, residual, norm, swiglu)
 
-    def run(fused):
+    def pair_product(kind, x, a, b, norm=None):
+        normed.add(f"{a.qtype.name}+{b.qtype.name}")
+        return real_pair(kind, x, a, b, norm)
+
+    def run(fused, pair):
         eng = mlxinfer.load(path, backend="mlx", device="gpu", dtype=dtype)
         assert isinstance(eng.model.w.layers[1].attn_qkv, WeightRuns) and eng.backend.fused_forms
-        eng.backend.fused_forms = fused
+        assert eng.backend.pair_launch, eng.backend.pair_fallback
+        eng.backend.fused_forms, eng.backend.pair_launch = fused, pair
         normed.clear()
         return eng.logits([1, 5, 9, 2]), eng.generate([1, 5, 9, 2], max_tokens=4).token_ids
 
     monkeypatch.setattr(block_kernels, "product", product)
-    fused = run(True)
+    monkeypatch.setattr(block_kernels, "pair_product", pair_product)
+    paired = run(True, True)
+    assert normed == {"Q4_K", "Q4_K+Q6_K"}  # layer 0's Q/K/V and both layers' gate/up; layer 1's pair
+    fused = run(True, False)
     assert normed == {"Q4_K", "Q6_K"}  # each run's NORM form ran (the Q6_K V's too)
-    apart = run(False)
+    apart = run(False, False)
     assert not normed
-    assert np.array_equal(np.asarray(fused[0]).view(np.uint32), np.asarray(apart[0]).view(np.uint32))
-    assert fused[1] == apart[1]
+    for got in (paired, fused):
+        assert np.array_equal(np.asarray(got[0]).view(np.uint32), np.asarray(apart[0]).view(np.uint32))
+        assert got[1] == apart[1]
 
 
 def test_bad_launches_are_one_line_errors():
@@ -915,6 +991,78 @@ def test_the_swiglu_and_norm_self_checks_are_bit_for_bit(monkeypatch, dtype, ker
     off["by"] = 1
     size = "1 of 3000 values (1 rows of 3000" if kernel == "swiglu" else "1 of 1024 values (1 rows of 1024"
     assert verify(b) == f"the {kernel} kernel differs from its published order in {size}, {dtype})"
+
+
+def test_a_pair_launch_is_what_mlx_custom_kernels_take(monkeypatch):
+    """`pair_product`'s arguments (against a recorder): x, the norm's weight (x itself, unread, without
+    NORM), the first run's affine fields then the Q6_K run's as `kernel_fields` makes them, dims [Na, K,
+    1, eps bits, forms, Nb], the first type's template constants, a block for every 8 rows of each run (a
+    run's last block its own), one [M, Na + Nb] output in x's dtype. A pair it does not take (the second
+    not Q6_K, the first not Q4_K / Q5_K, rows of other lengths, a product wide enough for more rows a
+    warp, more rows of x than a launch takes) is a one-line ValueError."""
+    calls = []
+
+    def launch(**kw):
+        calls.append(kw)
+        return [mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]
+
+    monkeypatch.setattr(block_kernels, "_kernel", lambda kind, name, blocks=1: calls.append((name, blocks)) or launch)
+    rng = np.random.default_rng(4)
+    a = to_device(Q.Q5_K, _fields(rng, 20, 512, False, Q.Q5_K)[1], (20, 512))
+    b = to_device(Q.Q6_K, _fields(rng, 9, 512, False, Q.Q6_K)[1], (9, 512))
+    x = mx.zeros((2, 512), dtype=mx.bfloat16)
+    nw = mx.ones((512,), dtype=mx.bfloat16)
+    out = block_kernels.pair_product("cuda", x, a, b, norm=(nw, 1e-6))
+    (name, blocks), kw = calls
+    assert name == block_kernels.PAIR and blocks == 2 and out.shape == (2, 29) and out.dtype == mx.bfloat16
+    ins = kw["inputs"]
+    assert len(ins) == len(block_kernels.INPUTS[name]) and ins[0] is x and ins[1] is nw
+    fields = [*block_kernels.kernel_fields(a), *block_kernels.kernel_fields(b)]
+    assert all(np.array_equal(np.array(f), np.array(g)) and f.dtype == g.dtype for f, g in zip(ins[2:-1], fields, strict=True))
+    assert ins[-1].tolist() == [20, 512, 1, int(block_kernels.f32_bits(1e-6)), 2, 9]
+    assert kw["template"] == [("T", mx.bfloat16), ("M", 2), *block_kernels.KERNELS[Q.Q5_K][1]]
+    assert kw["grid"][0] * kw["grid"][1] == 32 * block_kernels.WARPS * (3 + 2) and kw["output_shapes"] == [(2, 29)]
+    calls.clear()
+    block_kernels.pair_product("cuda", x, a, b)
+    assert calls[1]["inputs"][1] is x and calls[1]["inputs"][-1].tolist()[3:5] == [0, 0]
+    q8 = to_device(Q.Q8_0, _fields(rng, 20, 512, False, Q.Q8_0)[1], (20, 512))
+    short = to_device(Q.Q6_K, _fields(rng, 9, 256, False, Q.Q6_K)[1], (9, 256))
+    wide = types.SimpleNamespace(qtype=Q.Q4_K, shape=(16384, 512), float_scales=False)
+    for x_, first, second in ((x, a, a), (x, q8, b), (x, a, short), (x, wide, b), (mx.zeros((9, 512)), a, b)):
+        with pytest.raises(ValueError, match="^no pair launch multiplies x .* the second Q6_K, one row a warp") as e:
+            block_kernels.pair_product("cuda", x_, first, second)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_pair_self_check_is_bit_for_bit(monkeypatch, dtype):
+    """`verify_pair_launch` passes a pair launch that writes its two products' emulated bits side by side
+    and names one that is a unit in the last place off in one value of the second run, or that writes the
+    runs in the other order, with the types, the rows and the dtype. (Stand-in kernels on MLX's CPU.)"""
+    from mlxinfer.backends.mlx import verify_pair_launch
+
+    bug = {"kind": None}
+    f32 = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
+    def pair(kind, x, a, b, norm=None):
+        narrow = lambda v: np.array(mx.array(v).astype(x.dtype).astype(mx.float32))  # noqa: E731
+        xs = f32(x) if norm is None else block_kernels.emulate_rms_norm(f32(x), f32(norm[0]), norm[1], narrow)
+        runs = [narrow(block_kernels.emulate(xs, f32(w.dense()), w.qtype)) for w in (a, b)]
+        if bug["kind"] == "swapped":
+            runs = runs[::-1]
+        out = np.concatenate(runs, axis=1)
+        if bug["kind"] == "ulp":
+            out.view(np.uint32)[0, -1] += 1 << (16 if dtype == "bfloat16" else 0)
+        return mx.array(out).astype(x.dtype)
+
+    monkeypatch.setattr(block_kernels, "pair_product", pair)
+    b = MLXBackend(device="cpu", dtype=dtype)
+    b.block_kind = "cuda"
+    assert verify_pair_launch(b) is None
+    bug["kind"] = "ulp"
+    assert verify_pair_launch(b) == (f"the Q4_K+Q6_K pair launch differs from its products' published order in 1 of 33 "
+                                     f"values (1 rows, {dtype})")
+    bug["kind"] = "swapped"
+    assert verify_pair_launch(b).startswith(f"the Q4_K+Q6_K pair launch differs from its products' published order in ")
 
 
 def test_a_warp_takes_fewer_rows_of_a_narrow_product(monkeypatch):
@@ -998,6 +1146,16 @@ def test_the_decode_forms_fit_their_launch_bounds():
             regs, frame = resources(qtype, rows, dtype)
             assert regs <= most and frame <= spilled, f"{qtype.name}, {rows} rows, {dtype}: {regs} registers, {frame} bytes"
     assert block_kernels.min_blocks("q3_k_matvec", 1) == 1 and resources(Q.Q3_K, 1)[0] > 80
+    # the pair launch (one row a warp) as the affine kernel's: 3 blocks at one row of x, 2 at MAX_ROWS
+    for first in block_kernels.PAIR_FIRST:
+        for rows, dtype, most in ((1, mx.float32, 80), (1, mx.bfloat16, 80), (block_kernels.MAX_ROWS, mx.bfloat16, 128)):
+            assert block_kernels.min_blocks(block_kernels.PAIR, rows) == (3 if rows == 1 else 2)
+            w = lambda t: to_device(t, quants.split(quants.random_blocks(rng, t, 8, 256), t, 8, 256), (8, 256), dtype=dtype)  # noqa: E731
+            with cuda_jit.collecting() as jobs:
+                block_kernels.pair_product("cuda", mx.zeros((rows, 256), dtype=dtype), w(first), w(Q.Q6_K))
+            (_, kernel, source), = jobs
+            regs, frame = _cubin_resources(cuda_jit.compile_cubin(lib, source, f"mlx::core::cu::{kernel}", "sm_90a", include)[0])
+            assert 0 < regs <= most and frame <= 16, f"pair {first.name}, {rows} rows, {dtype}: {regs} registers, {frame} bytes"
     # no bound at all, not one of 1 block an SM, which lets NVRTC take up to 255 (Q3_K's 8 rows: 218)
     assert resources(Q.Q3_K, block_kernels.MAX_ROWS)[0] <= 176
 

@@ -37,7 +37,9 @@ apart from its products (`norm-apart`: the same bits), with Q, K, V and gate, up
 and residual adds apart from the block kernels' products (`unfused`: the launches before their NORM,
 ADD and SWIGLU forms), with SwiGLU alone apart (`swiglu-apart`: before the SWIGLU form), with MLX's own
 norms and SwiGLU in a prompt's pass (`prefill-mlx-ops`: our kernels for decode rows only), with every CUDA kernel's header inline in the source MLX hashes at each launch (`inline-headers`: before
-`cuda_jit.INCLUDE_FROM`), with a weight group's columns a slice each (`sliced-columns`: before one Split took them), and with attention replaced by a copy of the queries (`no-attention`: wrong text, the
+`cuda_jit.INCLUDE_FROM`), with a weight group's columns a slice each (`sliced-columns`: before one Split took them), with a
+group's two runs of two types (a Q4_K_M file's Q/K and Q6_K V) a launch each (`pair-apart`: before
+`block_kernels.pair_product`), and with attention replaced by a copy of the queries (`no-attention`: wrong text, the
 rest of the step's cost). Run each MLX_MAX_OPS_PER_BUFFER setting in its own process (MLX reads it
 once). Writes JSON lines. Made for an MLX GPU (`--device cpu` only tries the script).
 
@@ -142,6 +144,8 @@ def _profile_ours(path, cases, gen, variant, device, gpu_clock, dtype, batch):
         kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = 0, 0
     if variant == "swiglu-fused":  # every down product in its SWIGLU form, whatever its shape
         block_kernels.SWIGLU_FUSED_MAX_VALUES = float("inf")
+    if variant == "pair-apart":  # a group's two runs of two types a launch each, as before the pair launch
+        ops.pair_launch = False
     clock = Clock(gpu_clock)
     start, to_numpy, sync, launch, step = ops.start, ops.to_numpy, ops.sync, Loop._launch, Loop.step
     decode_step = engine.decode_step._step
@@ -299,7 +303,7 @@ def main(argv=None):
     p.add_argument("--cases", default="17,511")
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--engines", default="ours,mlx-lm")
-    p.add_argument("--variants", default="default", help="ours: default, one-launch, separate, no-attention, unfused, swiglu-apart, swiglu-fused, norm-apart, prefill-mlx-ops, inline-headers, sliced-columns")
+    p.add_argument("--variants", default="default", help="ours: default, one-launch, separate, no-attention, unfused, swiglu-apart, swiglu-fused, norm-apart, prefill-mlx-ops, inline-headers, sliced-columns, pair-apart")
     p.add_argument("--model", default="qwen3-0.6b-synthetic", help="as mlxinfer bench's --model")
     p.add_argument("--device", default="gpu", help="gpu, or cpu to try the script without one")
     p.add_argument("--gpu-clock", action="store_true", help="add gpu_ms (CUDA; one CUDA graph per evaluation)")

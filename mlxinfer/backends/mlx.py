@@ -53,6 +53,7 @@ import sys  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
 from .. import block_kernels, collectives, cuda_jit, kernels, quants  # noqa: E402
@@ -624,6 +625,49 @@ def verify_fused_forms(backend: "MLXBackend") -> str | None:
         return f"{_one_line(e)} (the block kernels' fused forms)"
 
 
+def verify_pair_launch(backend: "MLXBackend") -> str | None:
+    """The pair launch (`block_kernels.pair_product`: a group's run of each type in PAIR_FIRST and its Q6_K
+    run in one launch) against its two products' published orders side by side, bit for bit, on random
+    blocks with edge values: runs of 20 and 13 rows (each last block with idle warps) of 1,280 values,
+    1 and MAX_ROWS rows of x, alone and of normed rows (NORM), in the products' dtype; only types the
+    backend keeps on their kernels. None, or one line naming the failure."""
+    if backend.block_kind is None or Q.Q6_K not in backend.block_types:
+        return None
+    rng = np.random.default_rng(17)
+    dtype = backend.weight_dtype
+    narrow = lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))  # noqa: E731 (MLX's rounding)
+    k = 1280
+    try:
+        firsts = [t for t in block_kernels.PAIR_FIRST if t in backend.block_types]
+        runs = {}
+        for qtype, rows in [(t, 20) for t in firsts] + [(Q.Q6_K, 13)]:
+            raw = quants.random_blocks(rng, qtype, rows, k, edges=True)
+            runs[qtype] = (to_device(qtype, quants.split(raw, qtype, rows, k), (rows, k)),
+                           dequantize(raw, qtype).reshape(rows, k))
+        b, vb = runs[Q.Q6_K]
+        _prebuild(backend, [lambda a=runs[t][0], m=m: block_kernels.pair_product("cuda", mx.zeros((m, k), dtype), a, b)
+                            for t in firsts for m in range(1, block_kernels.MAX_ROWS + 1)])
+        for first in firsts:
+            a, va = runs[first]
+            for m in (1, block_kernels.MAX_ROWS):
+                x = narrow(rng.standard_normal((m, k), dtype=np.float32))
+                nw = narrow(rng.uniform(0.25, 4.0, k).astype(np.float32))
+                for norm in (False, True):
+                    xs = block_kernels.emulate_rms_norm(x, nw, 1e-5, narrow) if norm else x
+                    want = np.concatenate([narrow(block_kernels.emulate(xs, va, first)),
+                                           narrow(block_kernels.emulate(xs, vb, Q.Q6_K))], axis=1)
+                    out = block_kernels.pair_product(backend.block_kind, mx.array(x).astype(dtype), a, b,
+                                                     (mx.array(nw).astype(dtype), 1e-5) if norm else None)
+                    problem = _differs(f"the {first.name}+Q6_K pair launch{' (of normed rows)' if norm else ''} differs "
+                                       "from its products' published order", np.array(out.astype(mx.float32)), want,
+                                       f"{m} rows, {backend.dtype_name}")
+                    if problem:
+                        return problem
+    except Exception as e:  # a kernel that fails to compile or launch
+        return f"{_one_line(e)} (the pair launch)"
+    return None
+
+
 def verify_rms_norm(backend: "MLXBackend") -> str | None:
     """blocks.cu's `rms_norm` kernel against `block_kernels.emulate_rms_norm`, bit for bit, in the
     backend's dtype: rows of 1,024 and 1,312 values, 1 and 9 rows (a block's 8, then one more), large
@@ -738,11 +782,14 @@ class MLXBackend(Backend):
         # the block kernels' ADD and NORM forms (`linear_add`, `rms_norm_linear_group`): a verdict of their
         # own, so that a failure turns off only them (each norm and residual add its own launch again)
         self.fused_forms = bool(self.block_kind)
+        # a group's two runs of different types in one launch (`block_kernels.pair_product`, in
+        # `rms_norm_linear_group`): a verdict of its own too (each run's own launch again, failing)
+        self.pair_launch = bool(self.block_kind)
         # SwiGLU by blocks.cu's kernel where the block kernels run (`swiglu_ffn`), whose values the SWIGLU
         # form of the down product multiplies; None (MLX's silu and product) elsewhere, or once its own
         # self-check failed
         self.swiglu_kind = self.block_kind
-        self.norm_fallback = self.fused_fallback = self.swiglu_fallback = None  # their self-checks' failures
+        self.norm_fallback = self.fused_fallback = self.swiglu_fallback = self.pair_fallback = None  # their self-checks' failures
         # 16-bit prefill chunks in the tensor-core order (attention.cu; `matmul`, `softmax_rows`,
         # `fused_attention_override`):
         # CUDA (compute capability 8.0+), with q and the cache of one 16-bit type; off again if its own
@@ -842,6 +889,12 @@ class MLXBackend(Backend):
                 self.fused_forms, self.fused_fallback = False, fused
                 print(f"mlxinfer: warning: the block kernels' fused forms failed their self-check ({fused}); each "
                       "norm and residual add is a launch of its own", file=sys.stderr)
+            pair = self.pair_launch and self.block_kind and kernel_checks.verdict(
+                f"{self.block_kind} blocks pair launch", self.dtype_name, "-", lambda: verify_pair_launch(self), fresh=fresh)
+            if pair:
+                self.pair_launch, self.pair_fallback = False, pair
+                print(f"mlxinfer: warning: the pair launch failed its self-check ({pair}); a weight group's runs "
+                      "of two types take a launch each", file=sys.stderr)
             norm = self.norm_kind and kernel_checks.verdict(f"{self.norm_kind} blocks rms_norm", self.dtype_name, "-",
                                                             lambda: verify_rms_norm(self), fresh=fresh)
             if norm:
@@ -950,6 +1003,8 @@ class MLXBackend(Backend):
                 blocks += "; one call over several prompts: self-check passed, bit for bit a call a prompt"
         if self.fused_fallback:
             blocks += f"; the block kernels' fused forms: self-check FAILED ({self.fused_fallback}), norms and adds apart"
+        if self.pair_fallback:
+            blocks += f"; pair launch: self-check FAILED ({self.pair_fallback}), a launch a run"
         if self.norm_fallback:
             blocks += f"; rms_norm: self-check FAILED ({self.norm_fallback}), mx.fast.rms_norm"
         if self.swiglu_fallback:
@@ -965,7 +1020,7 @@ class MLXBackend(Backend):
                 f"{blocks}"), (self.block_fallback is None and self.mma_fallback is None and self.sdpa_fallback is None
                                and self.sdpa_batch_fallback is None and self.qk_fallback is None
                                and self.fused_fallback is None and self.norm_fallback is None
-                               and self.swiglu_fallback is None)
+                               and self.swiglu_fallback is None and self.pair_fallback is None)
 
     @property
     def rows_independent(self) -> bool:
@@ -1206,18 +1261,18 @@ class MLXBackend(Backend):
             return tuple(y for run in ws.runs for y in self.linear_group(x, run, groups))
         if not isinstance(ws, WeightGroup):
             return super().linear_group(x, ws, groups)
-        return self._group_columns(self.linear(x, ws.merged, groups), ws)
+        return self._group_columns(self.linear(x, ws.merged, groups), ws.sizes)
 
     @staticmethod
-    def _group_columns(y, ws):
-        """Each matrix's columns of a product by a group's merged matrix: views (one decode row's part is
-        contiguous), all of them by one Split primitive (a slice each was a view primitive each, the
-        host's work at every layer of every pass: two a layer more for Q, K and V)."""
-        if y.shape[1] != sum(ws.sizes):  # (a split gives the last matrix whatever columns are left)
-            raise ValueError(f"a group's product has {y.shape[1]} columns, its matrices {sum(ws.sizes)}")
-        if len(ws.sizes) == 1:
+    def _group_columns(y, sizes):
+        """Each matrix's columns (`sizes` of them, in order) of a product by a group's merged matrix: views
+        (one decode row's part is contiguous), all of them by one Split primitive (a slice each was a view
+        primitive each, the host's work at every layer of every pass: two a layer more for Q, K and V)."""
+        if y.shape[1] != sum(sizes):  # (a split gives the last matrix whatever columns are left)
+            raise ValueError(f"a group's product has {y.shape[1]} columns, its matrices {sum(sizes)}")
+        if len(sizes) == 1:
             return (y,)
-        return tuple(mx.split(y, list(itertools.accumulate(ws.sizes[:-1])), axis=1))
+        return tuple(mx.split(y, list(itertools.accumulate(sizes[:-1])), axis=1))
 
     def matmul(self, a, b):
         # attention's products, in float32 whatever the dtype (operands widened exactly; the kernels
@@ -1325,12 +1380,17 @@ class MLXBackend(Backend):
 
     def rms_norm_linear_group(self, x, weight, eps, ws, groups=None):
         # a product a run of one layout (a WeightGroup is one run): each run's NORM form where every run
-        # takes it, else the norm once and the runs' products
+        # takes it (two runs a pair kernel takes, Q4_K then Q6_K: one launch for both), else the norm
+        # once and the runs' products
         runs = ws.runs if isinstance(ws, WeightRuns) else (ws,) if isinstance(ws, WeightGroup) else None
         if runs is None or not self._norm_form(x, weight, [run.merged for run in runs], groups):
             return super().rms_norm_linear_group(x, weight, eps, ws, groups)
+        if self.pair_launch and len(runs) == 2 and block_kernels.pair_applies(self.block_kind, x, runs[0].merged,
+                                                                              runs[1].merged):
+            y = block_kernels.pair_product(self.block_kind, x, runs[0].merged, runs[1].merged, norm=(weight, eps))
+            return self._group_columns(y, runs[0].sizes + runs[1].sizes)
         return tuple(y for run in runs for y in self._group_columns(
-            block_kernels.product(self.block_kind, x, run.merged, norm=(weight, eps)), run))
+            block_kernels.product(self.block_kind, x, run.merged, norm=(weight, eps)), run.sizes))
 
     def _norm_form(self, x, weight, ws, groups=None) -> bool:
         """Whether rms_norm(x) times each of the merged matrices ws is a block kernel's NORM form."""
