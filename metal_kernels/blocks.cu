@@ -299,10 +299,11 @@ struct mlxi_run {
   long block0;  // the run's first block
   long ldo, col0;  // out's row stride and the run's first column in it
 };
-template <int M, typename G, bool HOIST, int RT, typename X, typename Y>
+template <int M, typename G, bool HOIST, int RT, int XS, typename X, typename Y>
 __device__ __forceinline__ void mlxi_block_rows(const X* x, Y* out, const int* dims, const typename G::Fields& f,
                                                 const Y* res, const X* nw, float* xs, float* inv, const mlxi_run& run) {
   constexpr int TILE = mlxi_tile<M>(), STRIDE = TILE + 4 * (TILE / G::PAD), NR = RT ? RT : MLXI_MAX_R;
+  static_assert(M * STRIDE <= XS, "x's tile in shared memory: XS floats, as the entry declares it");
   const int N = run.N, K = dims[1], R = run.R;
   const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1, glu = (dims[4] >> 2) & 1;  // ADD, NORM, SWIGLU
   const long warp0 = ((long)blockIdx.y * gridDim.x + blockIdx.x - run.block0) * MLXI_WARPS;
@@ -379,13 +380,13 @@ __device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int*
   __shared__ float inv[MLXI_WARPS];
   const mlxi_run run = {dims[0], dims[2], 0, dims[0], 0};
   if (!HOIST || M > 1)
-    mlxi_block_rows<M, G, HOIST, 0>(x, out, dims, f, res, nw, xs, inv, run);
+    mlxi_block_rows<M, G, HOIST, 0, M * STRIDE>(x, out, dims, f, res, nw, xs, inv, run);
   else if (dims[2] > 2)
-    mlxi_block_rows<M, G, HOIST, 4>(x, out, dims, f, res, nw, xs, inv, run);
+    mlxi_block_rows<M, G, HOIST, 4, M * STRIDE>(x, out, dims, f, res, nw, xs, inv, run);
   else if (dims[2] == 2)
-    mlxi_block_rows<M, G, HOIST, 2>(x, out, dims, f, res, nw, xs, inv, run);
+    mlxi_block_rows<M, G, HOIST, 2, M * STRIDE>(x, out, dims, f, res, nw, xs, inv, run);
   else
-    mlxi_block_rows<M, G, HOIST, 1>(x, out, dims, f, res, nw, xs, inv, run);
+    mlxi_block_rows<M, G, HOIST, 1, M * STRIDE>(x, out, dims, f, res, nw, xs, inv, run);
 }
 
 // Two products of one x in one launch (a weight group's two runs of different types: a Q4_K_M file's Q
@@ -393,24 +394,23 @@ __device__ __forceinline__ void mlxi_block_matvec(const X* x, Y* out, const int*
 // take A's rows with A's reader GA, the rest B's with GB, each row by the frame above in the published
 // order, so each column is the bits of its run's own launch (the forms: NORM or none; the norm's scale
 // computed by each block, as in a launch of its own). One row a warp (dims[2] is 1: a pair launch is
-// for products narrow enough that `default_per_warp` gives 1), known at compile time where the launch is
-// bounded (HOIST). x's tile is declared once here at the larger reader's stride and lent to both (two
-// instances' own tiles would exceed the 48 KB of static shared memory). dims = [NA, K, 1, eps bits,
-// forms, NB].
+// for products narrow enough that `default_per_warp` gives 1), at every row count of x known at compile
+// time. x's tile is declared once here at the larger reader's stride and lent to both (two instances'
+// own tiles would exceed the 48 KB of static shared memory). dims = [NA, K, 1, eps bits, forms, NB].
 template <int M, typename GA, typename GB, bool HOIST, typename X, typename Y>
 __device__ __forceinline__ void mlxi_pair_matvec(const X* x, Y* out, const int* dims, const typename GA::Fields& fa,
                                                  const typename GB::Fields& fb, const X* nw) {
   constexpr int TILE = mlxi_tile<M>(), SA = TILE + 4 * (TILE / GA::PAD), SB = TILE + 4 * (TILE / GB::PAD);
-  constexpr int STRIDE = SA > SB ? SA : SB, RT = HOIST && M == 1 ? 1 : 0;
+  constexpr int STRIDE = SA > SB ? SA : SB;
   static_assert(M * STRIDE * 4 <= 48 * 1024 - 1024, "static shared memory: at most 48 KB a block");
   static_assert(M <= MLXI_WARPS, "NORM: a warp a row's scale");
   __shared__ __align__(16) float xs[M * STRIDE];
   __shared__ float inv[MLXI_WARPS];
   const long blocks_a = ((long)dims[0] + MLXI_WARPS - 1) / MLXI_WARPS, ldo = (long)dims[0] + dims[5];
   if ((long)blockIdx.y * gridDim.x + blockIdx.x < blocks_a)
-    mlxi_block_rows<M, GA, HOIST, RT>(x, out, dims, fa, out, nw, xs, inv, {dims[0], 1, 0, ldo, 0});
+    mlxi_block_rows<M, GA, HOIST, 1, M * STRIDE>(x, out, dims, fa, out, nw, xs, inv, {dims[0], 1, 0, ldo, 0});
   else
-    mlxi_block_rows<M, GB, HOIST, RT>(x, out, dims, fb, out, nw, xs, inv, {dims[5], 1, blocks_a, ldo, dims[0]});
+    mlxi_block_rows<M, GB, HOIST, 1, M * STRIDE>(x, out, dims, fb, out, nw, xs, inv, {dims[5], 1, blocks_a, ldo, dims[0]});
 }
 
 // Readers whose unit is a group of 32 consecutive values: a tile's unit v at its columns 32 v .. 32 v + 31.

@@ -78,10 +78,9 @@ MAX_ROWS_PER_WARP = 4  # blocks.cu's MLXI_MAX_R: output rows a warp may take
 # Two products of one x in one launch (blocks.cu's mlxi_pair_matvec, `pair_product`): a weight group whose
 # matrices are two runs of different types. A Q4_K_M or Q5_K_M file's layers with a Q6_K V (llama.cpp's
 # quantizer gives half the layers one) hold their Q and K in Q4_K or Q5_K and V in Q6_K: one launch for
-# the three, not two (14 launches of a 0.6B Qwen3's decode token, whose host time bounds it). Kernel ->
-# the types of its first run (its second is Q6_K's).
-PAIR = "affine_q6_k_matvec"
-PAIR_FIRST = (Q.Q4_K, Q.Q5_K)
+# the three, not two (14 launches of a 0.6B Qwen3's decode token, whose host time bounds it).
+PAIR = "affine_q6_k_matvec"  # the pair kernel
+PAIR_FIRST = (Q.Q4_K, Q.Q5_K)  # the types of its first run (its second is Q6_K)
 
 
 def applies(w, x) -> bool:
@@ -98,7 +97,7 @@ def pair_applies(kind: str, x, a, b) -> bool:
     Q6_K, each a block kernel's product of x (`applies`) with one output row a warp (`default_per_warp`:
     the pair takes no more), of the same row length."""
     return (getattr(a, "qtype", None) in PAIR_FIRST and getattr(b, "qtype", None) == Q.Q6_K and applies(a, x)
-            and applies(b, x) and a.shape[1] == b.shape[1]
+            and applies(b, x) and x.shape[0] >= 1 and x.shape[1] == a.shape[1] == b.shape[1]
             and default_per_warp(kind, a.shape[0]) == 1 == default_per_warp(kind, b.shape[0]))
 
 
@@ -296,8 +295,9 @@ def pair_product(kind: str, x, a, b, norm=None):
     the NORM form), a's by the affine kernel's reader, b's by Q6_K's, one row a warp."""
     rows, k = x.shape[0], a.shape[1]
     if not pair_applies(kind, x, a, b):
-        raise ValueError(f"no pair launch multiplies x {list(x.shape)} by {a.qtype.name} {list(a.shape)} and "
-                         f"{b.qtype.name} {list(b.shape)} (the first of {', '.join(t.name for t in PAIR_FIRST)}, "
+        names = [getattr(getattr(w, "qtype", None), "name", type(w).__name__) for w in (a, b)]
+        raise ValueError(f"no pair launch multiplies x {list(x.shape)} by {names[0]} {list(a.shape)} and "
+                         f"{names[1]} {list(b.shape)} (the first of {', '.join(t.name for t in PAIR_FIRST)}, "
                          f"the second Q6_K, one row a warp, each 1..{MAX_ROWS} rows of x of their row length)")
     nw, eps_bits = (x, 0) if norm is None else (norm[0], f32_bits(norm[1]))
     if norm is not None and (nw.shape != (k,) or nw.dtype != x.dtype):

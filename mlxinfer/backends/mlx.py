@@ -866,9 +866,9 @@ class MLXBackend(Backend):
 
     def check_blocks(self, fresh: bool = False) -> None:
         """The block kernels' verdicts (`check_kernels` runs them after attention's; on their own where
-        --kernel forces the attention kernels): each block kernel's, then the fused forms', the norm
-        kernel's and the swiglu kernel's, each failure turning off only what it checked, in one line on
-        stderr."""
+        --kernel forces the attention kernels): each block kernel's, then the fused forms', the pair
+        launch's (where the fused forms passed: it runs only in their NORM path), the norm kernel's and
+        the swiglu kernel's, each failure turning off only what it checked, in one line on stderr."""
         if self.block_kind:  # each block kernel's verdict, of its own (they read no KV cache)
             failed = {}
             for name in block_kernels.kernel_names():
@@ -889,7 +889,7 @@ class MLXBackend(Backend):
                 self.fused_forms, self.fused_fallback = False, fused
                 print(f"mlxinfer: warning: the block kernels' fused forms failed their self-check ({fused}); each "
                       "norm and residual add is a launch of its own", file=sys.stderr)
-            pair = self.pair_launch and self.block_kind and kernel_checks.verdict(
+            pair = self.pair_launch and self.fused_forms and self.block_kind and kernel_checks.verdict(
                 f"{self.block_kind} blocks pair launch", self.dtype_name, "-", lambda: verify_pair_launch(self), fresh=fresh)
             if pair:
                 self.pair_launch, self.pair_fallback = False, pair
