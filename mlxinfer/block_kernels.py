@@ -274,10 +274,8 @@ def product(kind: str, x, w, per_warp: int | None = None, residual=None, norm=No
     if residual is not None and (residual.shape != (rows, n) or residual.dtype != x.dtype):
         raise ValueError(f"the residual must be [{rows}, {n}] of x's dtype {x.dtype}, got "
                          f"{list(residual.shape)} of {residual.dtype}")
-    nw, eps_bits = (x, 0) if norm is None else (norm[0], f32_bits(norm[1]))
+    nw, eps_bits = _norm_inputs(x, norm, k)
     forms = int(residual is not None) | int(norm is not None) << 1 | int(swiglu) << 2  # dims[4]: ADD, NORM, SWIGLU
-    if norm is not None and (nw.shape != (k,) or nw.dtype != x.dtype):
-        raise ValueError(f"the norm's weight must be [{k}] of x's dtype {x.dtype}, got {list(nw.shape)} of {nw.dtype}")
     name, consts = KERNELS[w.qtype]
     fields = w.kernel_fields or kernel_fields(w)
     warps = -(-n // per_warp)
@@ -287,6 +285,17 @@ def product(kind: str, x, w, per_warp: int | None = None, residual=None, norm=No
         template=[("T", x.dtype), ("M", rows), *consts], grid=launch_grid(-(-warps // WARPS)),
         threadgroup=(32 * WARPS, 1, 1), output_shapes=[(rows, n)], output_dtypes=[x.dtype])
     return out
+
+
+def _norm_inputs(x, norm, k: int):
+    """(nw, eps's float32 bits) a launch passes for `norm` = (weight [k] of x's dtype, eps): x itself
+    (unread) and 0 without the NORM form."""
+    if norm is None:
+        return x, 0
+    nw = norm[0]
+    if nw.shape != (k,) or nw.dtype != x.dtype:
+        raise ValueError(f"the norm's weight must be [{k}] of x's dtype {x.dtype}, got {list(nw.shape)} of {nw.dtype}")
+    return nw, f32_bits(norm[1])
 
 
 def pair_product(kind: str, x, a, b, norm=None):
@@ -299,9 +308,7 @@ def pair_product(kind: str, x, a, b, norm=None):
         raise ValueError(f"no pair launch multiplies x {list(x.shape)} by {names[0]} {list(a.shape)} and "
                          f"{names[1]} {list(b.shape)} (the first of {', '.join(t.name for t in PAIR_FIRST)}, "
                          f"the second Q6_K, one row a warp, each 1..{MAX_ROWS} rows of x of their row length)")
-    nw, eps_bits = (x, 0) if norm is None else (norm[0], f32_bits(norm[1]))
-    if norm is not None and (nw.shape != (k,) or nw.dtype != x.dtype):
-        raise ValueError(f"the norm's weight must be [{k}] of x's dtype {x.dtype}, got {list(nw.shape)} of {nw.dtype}")
+    nw, eps_bits = _norm_inputs(x, norm, k)
     na, nb = a.shape[0], b.shape[0]
     blocks = -(-na // WARPS) + -(-nb // WARPS)  # (A's last block's idle warps: B starts a block of its own)
     (out,) = _kernel(kind, PAIR, min_blocks(PAIR, rows))(

@@ -226,3 +226,21 @@ def test_a_setting_reaches_the_rows_child_process(synthetic, tmp_path):
     assert (tmp_path / "results.jsonl").exists(), (r.returncode, r.stderr)
     (row,) = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()][1:]
     assert "is more than mlxinfer reads (1)" in row.get("error", ""), (row, r.stderr)
+
+
+def test_the_sliced_columns_ablation_gives_the_backends_columns(monkeypatch):
+    """bench/probes/ablations.py's SlicedColumns (step_profile's `sliced-columns`) overrides the backend's
+    `_group_columns` with its own signature: a slice a matrix, the same columns as the backend's Split."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxinfer.backends.mlx import MLXBackend
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench", "probes"))
+    from ablations import SlicedColumns
+
+    y = mx.array(np.arange(2 * 14, dtype=np.float32).reshape(2, 14))
+    sizes = (8, 4, 2)
+    got, want = SlicedColumns._group_columns(y, sizes), MLXBackend._group_columns(y, sizes)
+    assert len(got) == len(want) == 3
+    assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(got, want))

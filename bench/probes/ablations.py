@@ -105,9 +105,9 @@ class SlicedColumns(MLXBackend):
     bits, a view primitive more a matrix a layer a pass."""
 
     @staticmethod
-    def _group_columns(y, ws):
+    def _group_columns(y, sizes):
         out, start = [], 0
-        for n in ws.sizes:
+        for n in sizes:
             out.append(y[:, start:start + n])
             start += n
         return tuple(out)
