@@ -722,6 +722,42 @@ mlxi_block_matvec<M, mlxi_q2k, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {sc2, qs, d_
 //@@BODY half_matvec
 // F16 (BF 0) or BF16 (BF 1) values v [N, K] as uint16 bits; dims = [N, K, R, eps bits, forms]; out [M, N].
 mlxi_block_matvec<M, mlxi_half_values<BF>, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {v}, res, nw);
+//@@BODY affine_scales
+// The scales and biases [N, K / 32] (T) a prompt's product multiplies (mx.quantized_matmul, mx.dequantize)
+// from an affine weight's compact fields (affine_matvec's s0 and s1), a thread a group: SCALES 2 (Q4_K,
+// Q5_K) group g = 8b + j of a row, scale d sc_j, bias -(dmin m_j), each product rounded in float32;
+// SCALES 1 (Q4_1, Q5_1) scale d, bias m. Each then rounded once to T: the bits of mlx_weights'
+// `formed_scales` (the graph's chains), written where they are used, [N, K / 32] with no view between.
+// dims = [N, K / 32]; scales, biases [N, K / 32] (T).
+const long groups = (long)dims[0] * dims[1];
+const long i = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_THREADS + threadIdx.x;
+if (i < groups) {
+  if (SCALES == 2) {
+    const long blk = i >> 3;  // (a row's groups are whole blocks of 8)
+    const int j = (int)(i & 7);
+    scales[i] = (T)__fmul_rn(mlxi_half_bits(s0[2 * blk]), (float)s1[16 * blk + j]);
+    biases[i] = (T)(-__fmul_rn(mlxi_half_bits(s0[2 * blk + 1]), (float)s1[16 * blk + 8 + j]));
+  } else {
+    scales[i] = (T)mlxi_half_bits(s0[i]);
+    biases[i] = (T)mlxi_half_bits(s1[i]);
+  }
+}
+//@@BODY q6_k_values
+// Q6_K's values [N, K] (T) a prompt's product multiplies (dequantized, then one matmul), from
+// q6_k_matvec's fields, a thread a value: value v of block b of row n (q6_k_matvec says which bits),
+// (d * scales[v / 16]) * (q - 32), each product rounded in float32 (q - 32 is exact), then rounded
+// once to T: the bits of mlx_weights' `formed_values` (the graph's), written [N, K] with no view
+// between. dims = [N, K]; out [N, K] (T).
+const long K = dims[1], total = (long)dims[0] * K;
+const long i = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_THREADS + threadIdx.x;
+if (i < total) {
+  const long blk = i >> 8;  // (rows are whole blocks of 256)
+  const int v = (int)(i & 255), h = v >> 7, r = v & 127;
+  const unsigned int low = ((unsigned int)ql[128 * blk + 64 * h + (r & 63)] >> (4 * (r >> 6))) & 0xfu;
+  const unsigned int high = ((unsigned int)qh[64 * blk + 32 * h + (r & 31)] >> (2 * (r >> 5))) & 3u;
+  const float dl = __fmul_rn(mlxi_half_bits(d_bits[blk]), (float)scales[16 * blk + (v >> 4)]);
+  out[i] = (T)__fmul_rn(dl, __fsub_rn((float)(low | (high << 4)), 32.0f));
+}
 //@@BODY rms_norm
 // RMSNorm of x [M, K] (T) with weight nw [K] (T): out [M, K] (T), a warp a row (mlxi_rms_inv: the order);
 // dims = [M, K, eps's float32 bits, 0].

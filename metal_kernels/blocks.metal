@@ -368,6 +368,38 @@ for (int m = 0; m < M; ++m) {
   const float s = mlxi_warp_total(acc[m]);
   if (lane == 0) out[(long)m * N + n] = add ? mlxi_residual_sum(res[(long)m * N + n], s) : T(s);
 }
+//@@BODY affine_scales
+// As in blocks.cu: an affine weight's scales and biases [N, K / 32] (T) from s0, s1 (SCALES 2: the
+// K-quants' d sc_j and -(dmin m_j); 1: d and m), a thread a group, each rounded once to T; dims = [N, K / 32].
+const long groups = (long)dims[0] * dims[1];
+const long i = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
+    * MLXI_THREADS + thread_index_in_threadgroup;
+if (i < groups) {
+  if (SCALES == 2) {
+    const long blk = i >> 3;
+    const int j = int(i & 7);
+    scales[i] = T(mlxi_half_bits(s0[2 * blk]) * float(s1[16 * blk + j]));
+    const float mins = mlxi_half_bits(s0[2 * blk + 1]) * float(s1[16 * blk + 8 + j]);
+    biases[i] = T(-mins);
+  } else {
+    scales[i] = T(mlxi_half_bits(s0[i]));
+    biases[i] = T(mlxi_half_bits(s1[i]));
+  }
+}
+//@@BODY q6_k_values
+// As in blocks.cu: Q6_K's values [N, K] (T), (d * scales[v / 16]) * (q - 32) each rounded, then to T, a
+// thread a value; dims = [N, K].
+const long K = dims[1], total = (long)dims[0] * K;
+const long i = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
+    * MLXI_THREADS + thread_index_in_threadgroup;
+if (i < total) {
+  const long blk = i >> 8;
+  const int v = int(i & 255), h = v >> 7, r = v & 127;
+  const uint low = (uint(ql[128 * blk + 64 * h + (r & 63)]) >> (4 * (r >> 6))) & 0xfu;
+  const uint high = (uint(qh[64 * blk + 32 * h + (r & 31)]) >> (2 * (r >> 5))) & 3u;
+  const float dl = mlxi_half_bits(d_bits[blk]) * float(scales[16 * blk + (v >> 4)]);
+  out[i] = T(dl * float(int(low | (high << 4)) - 32));
+}
 //@@BODY rms_norm
 // As in blocks.cu: RMSNorm of x [M, K] with weight nw [K], a simdgroup a row; dims = [M, K, eps's bits, 0].
 const long rows = dims[0];

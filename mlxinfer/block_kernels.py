@@ -68,7 +68,10 @@ INPUTS = {"q6_k_matvec": ["x", "res", "nw", "ql", "qh", "scales", "d_bits", "dim
           "half_matvec": ["x", "res", "nw", "v", "dims"],
           "affine_q6_k_matvec": ["x", "nw", "w", "s0", "s1", "ql", "qh", "scales", "d_bits", "dims"],
           "rms_norm": ["x", "nw", "dims"],
-          "swiglu": ["x", "dims"]}
+          "swiglu": ["x", "dims"],
+          "affine_scales": ["s0", "s1", "dims"],
+          "q6_k_values": ["ql", "qh", "scales", "d_bits", "dims"]}
+OUTPUTS = {"affine_scales": ["scales", "biases"]}  # a kernel's outputs, where not one `out`
 FIELDS_AT = 3  # a matvec's weight fields start at this input
 MAX_ROWS = 8  # rows of x a launch takes (each lane keeps one partial sum per row in registers)
 WARPS = 8  # warps per block of 256 threads
@@ -81,6 +84,17 @@ MAX_ROWS_PER_WARP = 4  # blocks.cu's MLXI_MAX_R: output rows a warp may take
 # the three, not two (14 launches of a 0.6B Qwen3's decode token, whose host time bounds it).
 PAIR = "affine_q6_k_matvec"  # the pair kernel
 PAIR_FIRST = (Q.Q4_K, Q.Q5_K)  # the types of its first run (its second is Q6_K)
+
+# A prompt's products (more rows than MAX_ROWS) multiply formed scales (mx.quantized_matmul) or values
+# (dequantized, then one matmul): `mlx_weights`' graph forms them, one compiled kernel a product, but the
+# K-quants' scales come out [N, K/256, 8] and Q6_K's values [N, K/256, 2, 2, 2, 2, 16], and its fields go in
+# as views of other shapes: view primitives around each launch (2 a Q4_K/Q5_K product, 5 a Q6_K one:
+# 336 of a 17-token Q4_K_M prompt pass's 1,629 primitives, counted by bench/probes/step_graph.py --host),
+# each the host's work at every product (a 0.6B prompt's pass is host-bound). These kernels write them
+# in the shape the product takes, from the fields the decode kernels read (`kernel_fields`), the same
+# bits as the graph's (the same operations, each rounded as the graph rounds it).
+FORMED = {Q.Q4_K: "affine_scales", Q.Q5_K: "affine_scales", Q.Q4_1: "affine_scales", Q.Q5_1: "affine_scales",
+          Q.Q6_K: "q6_k_values"}
 
 
 def applies(w, x) -> bool:
@@ -211,9 +225,10 @@ def _kernel(kind: str, name: str, blocks: int = 1):
     import mlx.core as mx
 
     header, body = kernel_parts(kind, name)
+    outputs = OUTPUTS.get(name, ["out"])
     if kind == "cuda":  # compiled into MLX's kernel cache once per machine (`cuda_jit`)
-        return cuda_jit.Kernel(f"mlxinfer_{name}_{kind}", INPUTS[name], ["out"], body, bounded(header, blocks))
-    return mx.fast.metal_kernel(name=f"mlxinfer_{name}_{kind}", input_names=INPUTS[name], output_names=["out"],
+        return cuda_jit.Kernel(f"mlxinfer_{name}_{kind}", INPUTS[name], outputs, body, bounded(header, blocks))
+    return mx.fast.metal_kernel(name=f"mlxinfer_{name}_{kind}", input_names=INPUTS[name], output_names=outputs,
                                 source=body, header=header, ensure_row_contiguous=True)
 
 
@@ -317,6 +332,43 @@ def pair_product(kind: str, x, a, b, norm=None):
         template=[("T", x.dtype), ("M", rows), *KERNELS[a.qtype][1]], grid=launch_grid(blocks),
         threadgroup=(32 * WARPS, 1, 1), output_shapes=[(rows, na + nb)], output_dtypes=[x.dtype])
     return out
+
+
+def formed_scales(kind: str, w):
+    """(scales, biases) [N, K/32] in w's products' dtype of an affine weight of a type FORMED gives
+    `affine_scales` (Q4_K, Q5_K, Q4_1, Q5_1), by that kernel on `kind`: one launch, the bits of
+    `mlx_weights.formed_scales` (tested), in the shape mx.quantized_matmul takes."""
+    if FORMED.get(getattr(w, "qtype", None)) != "affine_scales" or getattr(w, "float_scales", False):
+        raise ValueError(f"the affine_scales kernel forms {', '.join(t.name for t, k in FORMED.items() if k == 'affine_scales')}"
+                         f" scales from their fields, not {_type_name(w)}'s")
+    n, groups = w.shape[0], w.shape[1] // 32
+    return _formed(kind, "affine_scales", (w.kernel_fields or kernel_fields(w))[1:], (n, groups), w.dtype, 2,
+                   (("SCALES", 2 if w.qtype in (Q.Q4_K, Q.Q5_K) else 1),))
+
+
+def formed_values(kind: str, w):
+    """[N, K] in w's products' dtype of a Q6_K weight, by the q6_k_values kernel on `kind`: one launch, the
+    bits of `mlx_weights.formed_values` (tested), in the shape the product takes."""
+    if FORMED.get(getattr(w, "qtype", None)) != "q6_k_values":
+        raise ValueError(f"the q6_k_values kernel forms Q6_K values from their fields, not {_type_name(w)}'s")
+    return _formed(kind, "q6_k_values", w.kernel_fields or kernel_fields(w), tuple(w.shape), w.dtype, 1, ())[0]
+
+
+def _type_name(w) -> str:
+    return getattr(getattr(w, "qtype", None), "name", type(w).__name__)
+
+
+def _formed(kind: str, name: str, fields, shape, dtype, outputs: int, consts) -> list:
+    """A formed kernel's `outputs` arrays of `shape` [rows, columns], a thread an element (none launched
+    for no rows: a row slice may have none)."""
+    import mlx.core as mx
+
+    if shape[0] == 0:
+        return [mx.zeros(shape, dtype) for _ in range(outputs)]
+    return _kernel(kind, name)(
+        inputs=[*fields, kernel_args(*shape)], template=[("T", dtype), *consts],
+        grid=launch_grid(-(-(shape[0] * shape[1]) // (32 * WARPS))), threadgroup=(32 * WARPS, 1, 1),
+        output_shapes=[shape] * outputs, output_dtypes=[dtype] * outputs)
 
 
 def rms_norm(kind: str, x, weight, eps: float):

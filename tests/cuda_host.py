@@ -57,11 +57,11 @@ def source(forms) -> str:
     for name, consts, t, m in forms:
         fid = _form_id(name, consts, t, m)
         types = input_types(consts, t)
-        ins = block_kernels.INPUTS[name]
-        params = ", ".join(f"const {types[i]}* {i}" for i in ins) + f", {t}* out"
+        ins, outs = block_kernels.INPUTS[name], block_kernels.OUTPUTS.get(name, ["out"])
+        params = ", ".join([f"const {types[i]}* {i}" for i in ins] + [f"{t}* {o}" for o in outs])
         extra = "".join(f"constexpr int {k} = {v};\n" for k, v in consts)
-        args = ", ".join(f"(const {types[i]}*)a{n}" for n, i in enumerate(ins)) + f", ({t}*)o"
-        void_params = ", ".join(f"const void* a{n}" for n in range(len(ins))) + ", void* o"
+        args = ", ".join([f"(const {types[i]}*)a{n}" for n, i in enumerate(ins)] + [f"({t}*)o{n}" for n in range(len(outs))])
+        void_params = ", ".join([f"const void* a{n}" for n in range(len(ins))] + [f"void* o{n}" for n in range(len(outs))])
         blocks = block_kernels.min_blocks(name, m)
         parts.append(f"#undef MLXI_MIN_BLOCKS\n#define MLXI_MIN_BLOCKS {blocks}\n"  # (as `_kernel` sets it per form)
                      f"namespace {fid} {{\nusing T = {t};\nconstexpr int M = {m};\n{extra}"
@@ -96,13 +96,23 @@ class HostKernels:
         """`block_kernels.swiglu` by the host-compiled kernel (as `product`)."""
         return self._launch(lambda: block_kernels.swiglu("cuda", x))
 
-    def _launch(self, call):
+    def formed_scales(self, w):
+        """`block_kernels.formed_scales` by the host-compiled kernel: (scales, biases) as float32 values."""
+        return self._launch(lambda: block_kernels.formed_scales("cuda", w), outputs=2)
+
+    def formed_values(self, w):
+        """`block_kernels.formed_values` by the host-compiled kernel, as float32 values."""
+        return self._launch(lambda: block_kernels.formed_values("cuda", w))
+
+    def _launch(self, call, outputs=None):
+        """The launch `call` makes, run by the host-compiled kernel: its one output, or its first
+        `outputs` outputs as a tuple, as float32 values."""
         seen = {}
 
         def record(kind, name, blocks=1):
             def launch(**kw):
                 seen.update(kw, name=name)
-                return [mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]
+                return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(kw["output_shapes"], kw["output_dtypes"])]
             return launch
 
         real = block_kernels._kernel
@@ -115,16 +125,17 @@ class HostKernels:
         t, m = T_NAMES[template.pop("T")], template.pop("M", 1)  # (rms_norm, swiglu: no M)
         consts = tuple(template.items())
         arrays = [_before_a_wall(_host_array(a)) for a in seen["inputs"]]
-        shape, dtype = seen["output_shapes"][0], seen["output_dtypes"][0]
-        out = _guarded(shape, np.float32 if dtype == mx.float32 else np.uint16)
+        shapes, dtypes = seen["output_shapes"], seen["output_dtypes"]
+        outs = [_guarded(shape, np.float32 if dtype == mx.float32 else np.uint16) for shape, dtype in zip(shapes, dtypes)]
         (gx, gy, _), (tx, _, _) = seen["grid"], seen["threadgroup"]
         fn = getattr(self.lib, f"run_{_form_id(seen['name'], consts, t, m)}")
-        fn(*[a.ctypes.data_as(ctypes.c_void_p) for a in arrays], out.ctypes.data_as(ctypes.c_void_p),
+        fn(*[a.ctypes.data_as(ctypes.c_void_p) for a in arrays], *[o.ctypes.data_as(ctypes.c_void_p) for o in outs],
            ctypes.c_uint(gx // tx), ctypes.c_uint(gy), ctypes.c_uint(tx))
-        out = _unguarded(out, shape, seen["name"])
-        if dtype == mx.float32:
-            return out
-        return np.array(mx.view(mx.array(out), dtype).astype(mx.float32))
+        values = []
+        for out, shape, dtype in zip(outs, shapes, dtypes):
+            out = _unguarded(out, shape, seen["name"])
+            values.append(out if dtype == mx.float32 else np.array(mx.view(mx.array(out), dtype).astype(mx.float32)))
+        return values[0] if outputs is None else tuple(values[:outputs])
 
 
 GUARD = 4096  # elements past each output a host kernel must leave as they were (a write past its end)

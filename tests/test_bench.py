@@ -244,3 +244,19 @@ def test_the_sliced_columns_ablation_gives_the_backends_columns(monkeypatch):
     got, want = SlicedColumns._group_columns(y, sizes), MLXBackend._group_columns(y, sizes)
     assert len(got) == len(want) == 3
     assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(got, want))
+
+
+def test_the_formed_graph_ablation_turns_only_the_formed_kernels_off(monkeypatch):
+    """bench/probes/ablations.py's FormedGraph (step_profile's `formed-graph`): on a GPU (MLX made to report
+    a CUDA one) the backend's formed kernels are off before a model loads, the block kernels still on."""
+    from mlxinfer.backends.mlx import MLXBackend
+
+    from .cuda_host import pretend_gpu
+
+    kind = pretend_gpu(monkeypatch, "cuda")
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench", "probes"))
+    from ablations import FormedGraph
+
+    assert MLXBackend(device="gpu", kernel=kind).formed_kind == kind
+    b = FormedGraph(device="gpu", kernel=kind)
+    assert b.formed_kind is None and b.block_kind == kind

@@ -100,14 +100,17 @@ struct __half { unsigned short x; __device__ __half(float f) : x(0) {} __device_
 """
 
 
-ELEMENTWISE = ("rms_norm", "swiglu")  # blocks.cu's kernels besides the products (no constants, no M)
+ELEMENTWISE = ("rms_norm", "swiglu", "affine_scales", "q6_k_values")  # blocks.cu's kernels besides the products (no M)
+# the formed kernels' template constants (`block_kernels.formed_scales`: 2 for the K-quants, 1 for Q4_1 and Q5_1)
+FORMED_LAUNCHES = [("affine_scales", (("SCALES", 1),)), ("affine_scales", (("SCALES", 2),)), ("q6_k_values", ())]
 
 
 def _launches():
     """(kernel, template constants) of every type's launch (its ADD, NORM and SWIGLU forms are the same
     kernel, chosen at launch), and the norm's and SwiGLU's own kernels (no constants)."""
     pairs = [(block_kernels.PAIR, block_kernels.KERNELS[t][1]) for t in block_kernels.PAIR_FIRST]
-    return sorted({(name, consts) for name, consts in block_kernels.KERNELS.values()}) + pairs + [(n, ()) for n in ELEMENTWISE]
+    return (sorted({(name, consts) for name, consts in block_kernels.KERNELS.values()}) + pairs
+            + [(n, ()) for n in ELEMENTWISE if n not in dict(FORMED_LAUNCHES)] + FORMED_LAUNCHES)
 
 
 def _cuda_source(name: str, consts, dtype: str, m: int) -> str:
@@ -117,7 +120,8 @@ def _cuda_source(name: str, consts, dtype: str, m: int) -> str:
     body reaches (`block_kernels.kernel_parts`), as MLX gets it."""
     header, body = block_kernels.kernel_parts("cuda", name)
     types = cuda_host.input_types(consts, dtype)
-    params = ", ".join(f"const {types[i]}* {i}" for i in block_kernels.INPUTS[name]) + f", {dtype}* out"
+    params = ", ".join([f"const {types[i]}* {i}" for i in block_kernels.INPUTS[name]]
+                       + [f"{dtype}* {o}" for o in block_kernels.OUTPUTS.get(name, ["out"])])
     extra = "".join(f"  constexpr int {k} = {v};\n" for k, v in consts)
     fn = f"custom_kernel_mlxinfer_{name}_cuda_{ {'float': 'float', '__half': 'float16'}[dtype]}_{m}" + "".join(
         f"_{v}" for _, v in consts) + "_52e4a46224f4393e"
@@ -176,7 +180,7 @@ def _metal_source(name: str, consts, m: int) -> str:
     types = cuda_host.input_types(consts, "float")
     params = [f"  const {'constant' if n == 'dims' else 'device'} {types[n]}* {n} [[buffer({i})]]"
               for i, n in enumerate(block_kernels.INPUTS[name])]
-    params += [f"  device float* out [[buffer({len(params)})]]"]
+    params += [f"  device float* {o} [[buffer({len(params) + i})]]" for i, o in enumerate(block_kernels.OUTPUTS.get(name, ["out"]))]
     body = bodies[name]
     params += [f"  {t} {a} [[{a}]]" for a, t in metal_clang_attributes().items() if a in body]
     decl = ", ".join(["typename T", "int M", *(f"int {k}" for k, _ in consts)])
@@ -319,7 +323,7 @@ def host_kernels(tmp_path_factory):
     forms = [(name, consts, t, m) for name, consts in _launches() for t in ("float", "__nv_bfloat16")
              for m in ((1,) if name in ELEMENTWISE else (1, 5) if t == "float" else (1, 3))]  # (ADD, NORM,
     # SWIGLU: the same kernels; 1, 3 and 5 rows: tiles of x of 8,192, 2,048 and 1,024 columns)
-    forms.append(("swiglu", (), "__half", 1))
+    forms += [("swiglu", (), "__half", 1)] + [(name, consts, "__half", 1) for name, consts in FORMED_LAUNCHES]
     return cuda_host.HostKernels(tmp_path_factory.mktemp("cuda_host"), forms)
 
 
@@ -739,12 +743,13 @@ def test_the_exponential_is_within_two_float32_units_and_rounds_as_published():
     assert np.all(np.abs(got - ref) <= 2 * np.spacing(ref.astype(np.float32)))
 
 
-@pytest.mark.parametrize("failing", [None, "norm", "fused", "swiglu", "pair"])
+@pytest.mark.parametrize("failing", [None, "norm", "fused", "swiglu", "pair", "formed"])
 def test_a_failing_norm_swiglu_kernel_or_fused_form_turns_only_itself_off(monkeypatch, tmp_path, capsys, failing):
     """The rms_norm and swiglu kernels, the block kernels' fused forms (ADD, NORM, SWIGLU) and the pair
-    launch each have a self-check verdict of their own (`verify_rms_norm`, `verify_swiglu`,
-    `verify_fused_forms`, `verify_pair_launch`). The pair launch failing turns it off alone (a group's
-    two runs a NORM launch each again). The norm
+    launch and the formed kernels each have a self-check verdict of their own (`verify_rms_norm`,
+    `verify_swiglu`, `verify_fused_forms`, `verify_pair_launch`, `verify_formed_kernels`). The pair
+    launch failing turns it off alone (a group's two runs a NORM launch each again); the formed kernels
+    failing, they alone (a weight loaded then has no `former`). The norm
     kernel failing turns it off and with it the NORM form's use (norms back on mx.fast.rms_norm, each
     apart from its product); the swiglu kernel failing turns it off and with it the SWIGLU form's use
     (MLX's silu and product, then the down product and the residual as `Backend`'s defaults); the fused
@@ -763,21 +768,26 @@ def test_a_failing_norm_swiglu_kernel_or_fused_form_turns_only_itself_off(monkey
     problems = {"norm": "the rms_norm kernel differs from its published order in 2 of 1024 values (1 rows of 1024, float32)",
                 "fused": "the Q8_0 block kernel (of normed rows) differs from its published order in 1 of 42 values",
                 "swiglu": "the swiglu kernel differs from its published order in 3 of 6000 values (1 rows of 3000, float32)",
-                "pair": "the Q4_K+Q6_K pair launch differs from its products' published order in 1 of 33 values (1 rows, float32)"}
+                "pair": "the Q4_K+Q6_K pair launch differs from its products' published order in 1 of 33 values (1 rows, float32)",
+                "formed": "the q6_k_values kernel's Q6_K values differ from the graph's in 1 of 51200 values (40 rows of 1280, float32)"}
     runs = []
-    for name in ("norm", "fused", "swiglu", "pair"):
+    for name in ("norm", "fused", "swiglu", "pair", "formed"):
         verify = {"norm": "verify_rms_norm", "fused": "verify_fused_forms", "swiglu": "verify_swiglu",
-                  "pair": "verify_pair_launch"}[name]
+                  "pair": "verify_pair_launch", "formed": "verify_formed_kernels"}[name]
         monkeypatch.setattr(mlx_mod, verify, lambda b, name=name: runs.append(name) or (problems[name] if failing == name else None))
     b = MLXBackend(device="cpu")
     b.device, b.block_kind, b.norm_kind, b.swiglu_kind, b.fused_forms = "gpu", "cuda", "cuda", "cuda", True
-    b.pair_launch = True
+    b.pair_launch, b.formed_kind = True, "cuda"
     # (the pair launch runs only in the fused forms' NORM path: not checked where they failed)
-    assert b.check_kernels() is None and runs == ["fused", *(["pair"] if failing != "fused" else []), "norm", "swiglu"]
+    assert b.check_kernels() is None and runs == ["fused", *(["pair"] if failing != "fused" else []), "formed", "norm", "swiglu"]
     err = capsys.readouterr().err.strip().splitlines()
     assert b.block_kind == "cuda" and b.norm_kind == (None if failing == "norm" else "cuda")
     assert b.swiglu_kind == (None if failing == "swiglu" else "cuda")
     assert b.fused_forms == (failing != "fused") and b.pair_launch == (failing != "pair")
+    assert b.formed_kind == (None if failing == "formed" else "cuda")
+    rng = np.random.default_rng(3)
+    raw = quants.random_blocks(rng, Q.Q6_K, 2, 256)
+    assert b._to_device(Q.Q6_K, quants.split(raw, Q.Q6_K, 2, 256), (2, 256)).former == (None if failing == "formed" else "cuda")
     want = {None: [], "norm": [f"mlxinfer: warning: the rms_norm kernel failed its self-check ({problems['norm']}); norms use "
                                "mx.fast.rms_norm, each apart from the product after it"],
             "fused": [f"mlxinfer: warning: the block kernels' fused forms failed their self-check ({problems['fused']}); "
@@ -785,7 +795,9 @@ def test_a_failing_norm_swiglu_kernel_or_fused_form_turns_only_itself_off(monkey
             "swiglu": [f"mlxinfer: warning: the swiglu kernel failed its self-check ({problems['swiglu']}); SwiGLU uses "
                        "MLX's own ops, apart from the down product"],
             "pair": [f"mlxinfer: warning: the pair launch failed its self-check ({problems['pair']}); a weight group's "
-                     "runs of two types take a launch each"]}[failing]
+                     "runs of two types take a launch each"],
+            "formed": [f"mlxinfer: warning: the formed kernels failed their self-check ({problems['formed']}); a prompt's "
+                       "products form their scales and values by MLX's compiled ops"]}[failing]
     assert err == want
     if failing:
         assert problems[failing] in b.kernel_report()[0] and not b.kernel_report()[1]
@@ -808,26 +820,28 @@ def test_a_failing_norm_swiglu_kernel_or_fused_form_turns_only_itself_off(monkey
     assert used == ["add" if failing == "fused" else "kernel+add"]
     used.clear()
     b.rms_norm_linear_group(mx.ones((1, 64)), mx.ones((64,)), 1e-6, WeightGroup(object(), (8, 8)))
-    assert used == ["kernel" + ("+norm" if failing in (None, "swiglu", "pair") else "")]
+    assert used == ["kernel" + ("+norm" if failing in (None, "swiglu", "pair", "formed") else "")]
     used.clear()
     from mlxinfer.backends.mlx_weights import WeightRuns
 
     monkeypatch.setattr(block_kernels, "pair_applies", lambda kind, x, a, c: True)
     monkeypatch.setattr(block_kernels, "pair_product", lambda kind, x, a, c, norm=None: used.append("pair") or mx.zeros((1, 32)))
     b.rms_norm_linear_group(mx.ones((1, 64)), mx.ones((64,)), 1e-6, WeightRuns((WeightGroup(object(), (8, 8)),) * 2))
-    assert used == {None: ["pair"], "swiglu": ["pair"], "pair": ["kernel+norm", "kernel+norm"]}.get(failing, ["kernel", "kernel"])
+    assert used == {None: ["pair"], "swiglu": ["pair"], "formed": ["pair"],
+                    "pair": ["kernel+norm", "kernel+norm"]}.get(failing, ["kernel", "kernel"])
     used.clear()
     down = types.SimpleNamespace(shape=(16, 8))  # (a down weight small enough for the SWIGLU form)
     b.swiglu_ffn(mx.ones((1, 64)), mx.ones((64,)), 1e-6, WeightGroup(object(), (8, 8)), down)
     assert used == {None: ["kernel+norm", "kernel+swiglu+add"], "norm": ["kernel", "kernel+swiglu+add"],
                     "fused": ["kernel", "swiglu", "add"], "swiglu": ["kernel+norm", "kernel+add"],
-                    "pair": ["kernel+norm", "kernel+swiglu+add"]}[failing]
+                    "pair": ["kernel+norm", "kernel+swiglu+add"], "formed": ["kernel+norm", "kernel+swiglu+add"]}[failing]
 
 
 @pytest.mark.parametrize("kernel", ["graph", "cuda"])
 def test_a_forced_attention_kernel_still_checks_the_block_kernels(monkeypatch, tmp_path, capsys, kernel):
     """--kernel forces attention's kernels (or MLX's graph) without their self-check, as asked; the
-    block kernels, their fused forms and the norm and swiglu kernels still get theirs before any runs (a
+    block kernels, their fused forms, the pair launch, the formed kernels and the norm and swiglu kernels
+    still get theirs before any runs (a
     failing one turned off, in one line). (MLX made to report a CUDA GPU; stand-in verdicts.)"""
     from mlxinfer.backends import kernel_checks
     from mlxinfer.backends import mlx as mlx_mod
@@ -840,11 +854,13 @@ def test_a_forced_attention_kernel_still_checks_the_block_kernels(monkeypatch, t
     runs = []
     monkeypatch.setattr(mlx_mod, "verify_block_kernels", lambda b, name=None: runs.append("blocks") or None)
     monkeypatch.setattr(mlx_mod, "verify_fused_forms", lambda b: runs.append("fused") or None)
+    monkeypatch.setattr(mlx_mod, "verify_pair_launch", lambda b: runs.append("pair") or None)
+    monkeypatch.setattr(mlx_mod, "verify_formed_kernels", lambda b: runs.append("formed") or None)
     monkeypatch.setattr(mlx_mod, "verify_rms_norm", lambda b: runs.append("norm") or None)
     monkeypatch.setattr(mlx_mod, "verify_swiglu", lambda b: runs.append("swiglu") or "the swiglu kernel differs")
     monkeypatch.setattr(mlx_mod, "verify_gpu_kernels", lambda b: runs.append("attention") or None)
     b = MLXBackend(device="gpu", kernel=kernel, verify=mlx_mod.verify_gpu_kernels)
-    assert "attention" not in runs and runs[-3:] == ["fused", "norm", "swiglu"]
+    assert "attention" not in runs and runs[-5:] == ["fused", "pair", "formed", "norm", "swiglu"]
     assert runs.count("blocks") == len(block_kernels.kernel_names())
     assert b.block_kind == "cuda" and b.swiglu_kind is None and b.swiglu_fallback == "the swiglu kernel differs"
     assert "the swiglu kernel failed its self-check" in capsys.readouterr().err

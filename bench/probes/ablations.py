@@ -114,3 +114,16 @@ class SlicedColumns(MLXBackend):
 
     def describe(self) -> str:
         return super().describe() + ", group columns sliced"
+
+
+class FormedGraph(MLXBackend):
+    """A prompt's products' scales and values formed by the graph's compiled kernels with the views around
+    them (`mlx_weights.formed_scales`, `formed_values`), as before blocks.cu's formed kernels: the same
+    bits, 336 view primitives more a 17-token Q4_K_M pass of the 0.6B shape."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.formed_kind = None  # (before the engine loads: its weights get no `former`)
+
+    def describe(self) -> str:
+        return super().describe() + ", formed kernels off"

@@ -39,7 +39,8 @@ ADD and SWIGLU forms), with SwiGLU alone apart (`swiglu-apart`: before the SWIGL
 norms and SwiGLU in a prompt's pass (`prefill-mlx-ops`: our kernels for decode rows only), with every CUDA kernel's header inline in the source MLX hashes at each launch (`inline-headers`: before
 `cuda_jit.INCLUDE_FROM`), with a weight group's columns a slice each (`sliced-columns`: before one Split took them), with a
 group's two runs of two types (a Q4_K_M file's Q/K and Q6_K V) a launch each (`pair-apart`: before
-`block_kernels.pair_product`), and with attention replaced by a copy of the queries (`no-attention`: wrong text, the
+`block_kernels.pair_product`), with a prompt's products' scales and values formed by the graph's compiled
+kernels (`formed-graph`: before blocks.cu's formed kernels), and with attention replaced by a copy of the queries (`no-attention`: wrong text, the
 rest of the step's cost). Run each MLX_MAX_OPS_PER_BUFFER setting in its own process (MLX reads it
 once). Writes JSON lines. Made for an MLX GPU (`--device cpu` only tries the script).
 
@@ -131,11 +132,11 @@ def profile_ours(path, cases, gen, variant, device, gpu_clock=False, dtype="floa
 def _profile_ours(path, cases, gen, variant, device, gpu_clock, dtype, batch):
     from mlxinfer.backends.mlx import MLXBackend
 
-    from ablations import NoAttention, NormApart, PrefillMLXOps, SeparateWeights, SlicedColumns, SwigluApart, Unfused
+    from ablations import FormedGraph, NoAttention, NormApart, PrefillMLXOps, SeparateWeights, SlicedColumns, SwigluApart, Unfused
 
     backend = {"separate": SeparateWeights, "no-attention": NoAttention, "unfused": Unfused,
                "swiglu-apart": SwigluApart, "norm-apart": NormApart, "prefill-mlx-ops": PrefillMLXOps,
-               "sliced-columns": SlicedColumns}.get(variant, MLXBackend)
+               "sliced-columns": SlicedColumns, "formed-graph": FormedGraph}.get(variant, MLXBackend)
     engine = mlxinfer.Engine(path, backend(device=device, dtype=dtype))
     engine.tokenizer = dataclasses.replace(engine.tokenizer, eog_ids=frozenset())  # always `gen` tokens
     ops = engine.backend
@@ -303,7 +304,7 @@ def main(argv=None):
     p.add_argument("--cases", default="17,511")
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--engines", default="ours,mlx-lm")
-    p.add_argument("--variants", default="default", help="ours: default, one-launch, separate, no-attention, unfused, swiglu-apart, swiglu-fused, norm-apart, prefill-mlx-ops, inline-headers, sliced-columns, pair-apart")
+    p.add_argument("--variants", default="default", help="ours: default, one-launch, separate, no-attention, unfused, swiglu-apart, swiglu-fused, norm-apart, prefill-mlx-ops, inline-headers, sliced-columns, pair-apart, formed-graph")
     p.add_argument("--model", default="qwen3-0.6b-synthetic", help="as mlxinfer bench's --model")
     p.add_argument("--device", default="gpu", help="gpu, or cpu to try the script without one")
     p.add_argument("--gpu-clock", action="store_true", help="add gpu_ms (CUDA; one CUDA graph per evaluation)")

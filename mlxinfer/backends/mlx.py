@@ -65,7 +65,7 @@ from ..sampling import MLXRandom  # noqa: E402
 from . import kernel_checks  # noqa: E402
 from .cpu import checked_threads, default_threads  # noqa: E402
 from .mlx_kv import dequantize_q8_0, packed_width, quantize_q8_0, value_bytes  # noqa: E402
-from .mlx_weights import GROUP, BlockWeight, ExpertStack, PackedWeight, QuantizedWeight, WeightGroup, WeightRuns, dense_product, to_device  # noqa: E402,F401
+from .mlx_weights import GROUP, BlockWeight, ExpertStack, PackedWeight, QuantizedWeight, WeightGroup, WeightRuns, dense_product, formed_scales, formed_values, to_device  # noqa: E402,F401
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}  # backend.DTYPES' MLX types
 KEPT = (*quants.AFFINE_BITS, *quants.BLOCK_TYPES, *quants.HALF_TYPES)  # every type but F32 stays as compact
@@ -668,6 +668,36 @@ def verify_pair_launch(backend: "MLXBackend") -> str | None:
     return None
 
 
+def verify_formed_kernels(backend: "MLXBackend") -> str | None:
+    """The formed kernels (`block_kernels.formed_scales`, `formed_values`: what a prompt's products
+    multiply) against the graph's (`mlx_weights`' compiled formed_scales and formed_values), bit for bit,
+    on random blocks with edge values of every type they form, 40 rows of 1,280 values, whole and a row
+    slice (a dense product's), in the products' dtype. None, or one line naming the failure."""
+    rng = np.random.default_rng(19)
+    rows, k = 40, 1280
+    try:
+        for qtype, name in block_kernels.FORMED.items():
+            raw = quants.random_blocks(rng, qtype, rows, k, edges=True)
+            w = to_device(qtype, quants.split(raw, qtype, rows, k), (rows, k), dtype=backend.weight_dtype)
+            for part, what in ((w, ""), (w.row_slice(7, 29), ", rows 7-28")):
+                if name == "affine_scales":
+                    got = block_kernels.formed_scales(backend.block_kind, part)
+                    want = formed_scales(qtype, part.dtype)(*(part.split or part.parts))
+                else:
+                    got = (block_kernels.formed_values(backend.block_kind, part),)
+                    want = (formed_values(qtype, part.dtype)(*part.parts),)
+                for g, x, of in zip(got, want, ("scales", "biases")):
+                    of = of if name == "affine_scales" else "values"
+                    problem = _differs(f"the {name} kernel's {qtype.name} {of} differ from the graph's",
+                                       np.array(g.astype(mx.float32)), np.array(x.astype(mx.float32)),
+                                       f"{rows} rows of {k}{what}, {backend.dtype_name}")
+                    if problem:
+                        return problem
+    except Exception as e:  # a kernel that fails to compile or launch
+        return f"{_one_line(e)} (the formed kernels)"
+    return None
+
+
 def verify_rms_norm(backend: "MLXBackend") -> str | None:
     """blocks.cu's `rms_norm` kernel against `block_kernels.emulate_rms_norm`, bit for bit, in the
     backend's dtype: rows of 1,024 and 1,312 values, 1 and 9 rows (a block's 8, then one more), large
@@ -785,11 +815,15 @@ class MLXBackend(Backend):
         # a group's two runs of different types in one launch (`block_kernels.pair_product`, in
         # `rms_norm_linear_group`): a verdict of its own too (each run's own launch again, failing)
         self.pair_launch = bool(self.block_kind)
+        # a prompt's products' scales and values formed by blocks.cu's kernels (`block_kernels.FORMED`), each
+        # weight's `former`: a verdict of its own too (the graph's compiled kernels again, failing)
+        self.formed_kind = self.block_kind
         # SwiGLU by blocks.cu's kernel where the block kernels run (`swiglu_ffn`), whose values the SWIGLU
         # form of the down product multiplies; None (MLX's silu and product) elsewhere, or once its own
         # self-check failed
         self.swiglu_kind = self.block_kind
         self.norm_fallback = self.fused_fallback = self.swiglu_fallback = self.pair_fallback = None  # their self-checks' failures
+        self.formed_fallback = None
         # 16-bit prefill chunks in the tensor-core order (attention.cu; `matmul`, `softmax_rows`,
         # `fused_attention_override`):
         # CUDA (compute capability 8.0+), with q and the cache of one 16-bit type; off again if its own
@@ -880,7 +914,7 @@ class MLXBackend(Backend):
                 self.block_types = self.block_types - {t for n in failed for t in block_kernels.types_of(n)}
                 self.block_fallback = "; ".join(failed.values())
                 if not self.block_types:
-                    self.block_kind = self.norm_kind = self.swiglu_kind = None
+                    self.block_kind = self.norm_kind = self.swiglu_kind = self.formed_kind = None
                 print(f"mlxinfer: warning: a block kernel failed its self-check ({self.block_fallback}); "
                       f"{self.block_off} products use MLX's own ops", file=sys.stderr)
             fused = self.fused_forms and self.block_kind and kernel_checks.verdict(
@@ -895,6 +929,13 @@ class MLXBackend(Backend):
                 self.pair_launch, self.pair_fallback = False, pair
                 print(f"mlxinfer: warning: the pair launch failed its self-check ({pair}); a weight group's runs "
                       "of two types take a launch each", file=sys.stderr)
+            formed = self.formed_kind and self.block_kind and kernel_checks.verdict(
+                f"{self.block_kind} blocks formed scales and values", self.dtype_name, "-",
+                lambda: verify_formed_kernels(self), fresh=fresh)
+            if formed:
+                self.formed_kind, self.formed_fallback = None, formed
+                print(f"mlxinfer: warning: the formed kernels failed their self-check ({formed}); a prompt's "
+                      "products form their scales and values by MLX's compiled ops", file=sys.stderr)
             norm = self.norm_kind and kernel_checks.verdict(f"{self.norm_kind} blocks rms_norm", self.dtype_name, "-",
                                                             lambda: verify_rms_norm(self), fresh=fresh)
             if norm:
@@ -1005,6 +1046,8 @@ class MLXBackend(Backend):
             blocks += f"; the block kernels' fused forms: self-check FAILED ({self.fused_fallback}), norms and adds apart"
         if self.pair_fallback:
             blocks += f"; pair launch: self-check FAILED ({self.pair_fallback}), a launch a run"
+        if self.formed_fallback:
+            blocks += f"; formed scales and values: self-check FAILED ({self.formed_fallback}), MLX's compiled ops"
         if self.norm_fallback:
             blocks += f"; rms_norm: self-check FAILED ({self.norm_fallback}), mx.fast.rms_norm"
         if self.swiglu_fallback:
@@ -1020,7 +1063,8 @@ class MLXBackend(Backend):
                 f"{blocks}"), (self.block_fallback is None and self.mma_fallback is None and self.sdpa_fallback is None
                                and self.sdpa_batch_fallback is None and self.qk_fallback is None
                                and self.fused_fallback is None and self.norm_fallback is None
-                               and self.swiglu_fallback is None and self.pair_fallback is None)
+                               and self.swiglu_fallback is None and self.pair_fallback is None
+                               and self.formed_fallback is None)
 
     @property
     def rows_independent(self) -> bool:
@@ -1122,6 +1166,8 @@ class MLXBackend(Backend):
         if self.block_kind and qtype in block_kernels.KERNELS and not getattr(w, "float_scales", False):
             w.kernel_fields = block_kernels.kernel_fields(w)
             mx.eval(*w.kernel_fields)
+            if self.formed_kind and qtype in block_kernels.FORMED:
+                w.former = self.formed_kind  # a prompt's products: its scales or values by one kernel
         return w
 
     @staticmethod

@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
+from .. import block_kernels
 from ..quants import AFFINE_BITS, GROUP, IQ4_VALUES
 
 _OFFSET = {Q.Q8_0: -128.0, Q.Q4_0: -8.0, Q.Q5_0: -16.0}  # bias = offset·d; the others carry m or dmin
@@ -205,6 +206,7 @@ class QuantizedWeight:
     compiled: bool = False  # its scales formed by `formed_scales` (on a GPU: one launch, not four)
     kernel_fields: tuple = ()  # the block kernels' inputs, made once at load (`block_kernels.kernel_fields`)
     split: tuple = ()  # Q4_K / Q5_K: the scale fields as `split_scale_fields`' views, made once at load
+    former: str | None = None  # the GPU ("cuda", "metal") whose kernel forms its scales (`block_kernels.FORMED`)
 
     @property
     def bits(self) -> int:
@@ -215,9 +217,12 @@ class QuantizedWeight:
         compiled kernel (`formed_scales`: traced once for each shape, a weight's and its row slices'),
         else, and for gathered rows' fields (`parts`: their count changes from pass to pass), in the
         graph. (MLX's CPU device compiles with a C++ compiler at first use, for a launch that costs it
-        nothing: so on a GPU only.)"""
+        nothing: so on a GPU only.) With a `former`, the weight's own by its kernel instead
+        (`block_kernels.formed_scales`: the same bits, no view primitive around the launch)."""
         if self.float_scales:
             return self.parts if parts is None else parts
+        if parts is None and self.former:
+            return tuple(block_kernels.formed_scales(self.former, self))
         if parts is None and self.compiled:
             return formed_scales(self.qtype, self.dtype)(*(self.split or self.parts))
         return affine_scales(self.qtype, (self.split or self.parts) if parts is None else parts, self.dtype)
@@ -233,7 +238,7 @@ class QuantizedWeight:
     def row_slice(self, a: int, b: int) -> "QuantizedWeight":
         return QuantizedWeight(self.w[a:b], tuple(p[a:b] for p in self.parts), self.qtype, (b - a, self.shape[1]),
                                self.float_scales, self.dtype, self.compiled, tuple(f[a:b] for f in self.kernel_fields),
-                               tuple(f[a:b] for f in self.split))
+                               tuple(f[a:b] for f in self.split), self.former)
 
     def product(self, x) -> mx.array:
         """x @ self.T."""
@@ -264,19 +269,23 @@ class BlockWeight:
     dtype: mx.Dtype = mx.float32  # the products' dtype: the dequantized values are cast to it
     kernel_fields: tuple = ()  # the block kernels' inputs, made once at load (`block_kernels.kernel_fields`)
     compiled: bool = False  # a FUSABLE type's values formed by `formed_values` (on a GPU: one launch, not ~10)
+    former: str | None = None  # the GPU ("cuda", "metal") whose kernel forms its values (`block_kernels.FORMED`)
 
     def row_slice(self, a: int, b: int) -> "BlockWeight":
         return BlockWeight(tuple(p[a:b] for p in self.parts), self.qtype, (b - a, self.shape[1]), self.dtype,
-                           tuple(f[a:b] for f in self.kernel_fields), self.compiled)
+                           tuple(f[a:b] for f in self.kernel_fields), self.compiled, self.former)
 
     def dense(self) -> mx.array:
+        if self.former:  # its kernel (`block_kernels.formed_values`: the same bits, no view around it)
+            return block_kernels.formed_values(self.former, self)
         if self.compiled and self.qtype in FUSABLE:
             return formed_values(self.qtype, self.dtype)(*self.parts)
         return dequantize(self.qtype, self.parts, *self.shape, self.dtype)
 
     def after(self, y) -> "BlockWeight":
-        """This weight with its fields made to depend on y (`dense_product`)."""
-        return replace(self, parts=tuple(mx.depends(list(self.parts), [y])))
+        """This weight with its fields (and the kernels' views of them) made to depend on y (`dense_product`)."""
+        return replace(self, parts=tuple(mx.depends(list(self.parts), [y])),
+                       kernel_fields=tuple(mx.depends(list(self.kernel_fields), [y])) if self.kernel_fields else ())
 
     def product(self, x) -> mx.array:
         return dense_product(self, x)

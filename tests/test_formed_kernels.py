@@ -1,0 +1,246 @@
+"""The formed kernels (metal_kernels/blocks.cu's `affine_scales` and `q6_k_values`, `block_kernels.formed_scales`
+and `formed_values`): what a prompt's products multiply (an affine weight's scales and biases, Q6_K's
+values), written by one launch in the shape the product takes, from the fields the decode kernels read.
+
+The error model is none: each value is one or two float32 products of exact conversions, rounded once to
+the products' dtype, as the graph's compiled functions (`mlx_weights.formed_scales`, `formed_values`)
+compute it; so the kernels equal them bit for bit, and in float32 Q6_K's values are gguf-py's. Here (no
+GPU): blocks.cu run on the host (tests/cuda_host.py) against the graph; the launch, its errors and a row
+slice of no rows; the weights' and backend's wiring (a weight with a `former` forms by the kernel, a row
+slice and a dense product's slices keep it); a Q4_K_M model's prompt logits with the host-run kernels
+equal the graph's, bit for bit; the self-check names a wrong value. On a GPU: the self-check passes."""
+
+import tempfile
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+
+from mlxinfer import block_kernels, quants
+from mlxinfer.backends import mlx as mlx_mod
+from mlxinfer.backends.mlx import MLXBackend, gpu_kind
+from mlxinfer.backends.mlx_weights import affine_scales, dequantize, to_device
+
+from .test_block_kernels import host_kernels  # noqa: F401 (the fixture: blocks.cu compiled for the host)
+
+FORMED = list(block_kernels.FORMED)
+DTYPES = [mx.float32, mx.bfloat16, mx.float16]
+needs_gpu = pytest.mark.skipif(gpu_kind() is None, reason="needs an MLX GPU (Metal or CUDA)")
+
+
+def _weight(qtype, rows, cols, dtype, seed=0, edges=True):
+    raw = quants.random_blocks(np.random.default_rng(seed), qtype, rows, cols, edges=edges)
+    return raw, to_device(qtype, quants.split(raw, qtype, rows, cols), (rows, cols), dtype=dtype)
+
+
+def _graph(w):
+    """What the graph forms for w (the ops `mlx_weights`' compiled functions fuse), as float32 arrays."""
+    if block_kernels.FORMED[w.qtype] == "affine_scales":
+        return tuple(np.array(a.astype(mx.float32)) for a in affine_scales(w.qtype, w.split or w.parts, w.dtype))
+    return (np.array(dequantize(w.qtype, w.parts, *w.shape, w.dtype).astype(mx.float32)),)
+
+
+def _depends(a) -> bool:
+    """Whether a's graph ends in a Depends primitive (made to wait for another array)."""
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, a)
+        return "Depends" in f.read()
+
+
+def _bits(a):
+    return np.asarray(a, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("qtype", FORMED, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,cols", [(40, 1280), (3, 4096), (1, 256), (9, 12288)])
+def test_the_formed_kernels_run_on_the_host_give_the_graphs_bits(host_kernels, qtype, rows, cols, dtype):  # noqa: F811
+    """blocks.cu's formed kernels run on the host as `block_kernels` launches them: their scales, biases
+    or values equal the graph's bit for bit on random blocks with edge values (zero and extreme fp16
+    scales, every code), whole weights and row slices (a dense product's), every dtype; in float32,
+    Q6_K's values are gguf-py's. Each input ends before an unreadable page and each output is guarded,
+    so a read or write past an end fails the test."""
+    raw, w = _weight(qtype, rows, cols, dtype, seed=rows * cols)
+    for part in (w, w.row_slice(rows // 3, rows)):
+        got = host_kernels.formed_scales(part) if block_kernels.FORMED[qtype] == "affine_scales" else (
+            host_kernels.formed_values(part),)
+        want = _graph(part)
+        assert len(got) == len(want)
+        for g, x in zip(got, want):
+            assert g.shape == x.shape and np.array_equal(_bits(g), _bits(x))
+    if qtype == Q.Q6_K and dtype == mx.float32:
+        values = gguf_dequantize(raw, qtype).reshape(rows, cols).astype(np.float32)
+        assert np.array_equal(_bits(host_kernels.formed_values(w)), _bits(values))
+
+
+def test_the_launch_is_what_mlx_custom_kernels_take(monkeypatch):
+    """A launch hands MLX the weight's kernel fields (the decode kernels' own arrays, no copy), [rows,
+    columns] as dims, a thread an output value in blocks of 256, outputs of the products' dtype in the
+    product's shape; SCALES 2 for the K-quants, 1 for Q4_1 and Q5_1."""
+    seen = []
+
+    def launch(**kw):
+        seen.append(kw)
+        return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+    monkeypatch.setattr(block_kernels, "_kernel", lambda kind, name, blocks=1: seen.append(name) or launch)
+    for qtype, consts in ((Q.Q4_K, 2), (Q.Q5_K, 2), (Q.Q4_1, 1), (Q.Q5_1, 1)):
+        _, w = _weight(qtype, 24, 512, mx.bfloat16)
+        w.kernel_fields = block_kernels.kernel_fields(w)
+        scales, biases = block_kernels.formed_scales("cuda", w)
+        name, kw = seen[-2:]
+        assert name == "affine_scales" and scales.shape == biases.shape == (24, 16) and scales.dtype == mx.bfloat16
+        assert all(a is b for a, b in zip(kw["inputs"][:2], w.kernel_fields[1:], strict=True))
+        assert np.array(kw["inputs"][2])[:2].tolist() == [24, 16]
+        assert kw["template"] == [("T", mx.bfloat16), ("SCALES", consts)]
+        assert kw["grid"] == (256 * 2, 1, 1) and kw["threadgroup"] == (256, 1, 1)
+    _, w = _weight(Q.Q6_K, 24, 512, mx.float16)
+    values = block_kernels.formed_values("metal", w)
+    name, kw = seen[-2:]
+    assert name == "q6_k_values" and values.shape == (24, 512) and values.dtype == mx.float16
+    assert np.array(kw["inputs"][4])[:2].tolist() == [24, 512] and kw["grid"] == (256 * 48, 1, 1)
+
+
+def test_a_slice_of_no_rows_launches_nothing_and_bad_weights_are_one_line_errors(monkeypatch):
+    """A row slice of no rows forms empty arrays without a launch (a grid of no blocks is no launch);
+    a weight whose type the kernel does not form, or whose scales were formed at load, is a one-line
+    ValueError naming the kernel and the type."""
+    monkeypatch.setattr(block_kernels, "_kernel", lambda *a, **k: pytest.fail("launched for no rows"))
+    _, w = _weight(Q.Q4_K, 8, 256, mx.float32)
+    scales, biases = block_kernels.formed_scales("cuda", w.row_slice(3, 3))
+    assert scales.shape == biases.shape == (0, 8)
+    _, w6 = _weight(Q.Q6_K, 8, 256, mx.float32)
+    assert block_kernels.formed_values("cuda", w6.row_slice(8, 8)).shape == (0, 256)
+    _, q8 = _weight(Q.Q8_0, 8, 256, mx.float32)
+    floated = to_device(Q.Q4_K, quants.split(quants.random_blocks(np.random.default_rng(0), Q.Q4_K, 8, 256), Q.Q4_K, 8, 256),
+                        (8, 256), float_scales=True)
+    for call, weight, words in ((block_kernels.formed_scales, q8, "not Q8_0's"), (block_kernels.formed_scales, w6, "not Q6_K's"),
+                                (block_kernels.formed_scales, floated, "not Q4_K's"), (block_kernels.formed_values, w, "not Q4_K's"),
+                                (block_kernels.formed_values, object(), "not object's")):
+        with pytest.raises(ValueError, match=words) as e:
+            call("cuda", weight)
+        assert "\n" not in str(e.value)
+
+
+def _host_formers(monkeypatch, host, calls):
+    """block_kernels' formed kernels replaced by blocks.cu run on the host (each call counted by kernel)."""
+    real_scales, real_values = block_kernels.formed_scales, block_kernels.formed_values
+
+    def scales(kind, w):
+        calls.append("affine_scales")
+        return tuple(mx.array(a).astype(w.dtype) for a in host._launch(lambda: real_scales("cuda", w), outputs=2))
+
+    def values(kind, w):
+        calls.append("q6_k_values")
+        return mx.array(host._launch(lambda: real_values("cuda", w))).astype(w.dtype)
+
+    monkeypatch.setattr(block_kernels, "formed_scales", scales)
+    monkeypatch.setattr(block_kernels, "formed_values", values)
+
+
+def test_a_weight_with_a_former_forms_by_its_kernel_and_keeps_it_in_slices(host_kernels, monkeypatch):  # noqa: F811
+    """Where the backend's formed kernels passed their check, a weight of a FORMED type it loads gets a
+    `former` (no other type does), its product forms by the kernel (the same product bits), and a row
+    slice and a dense product's slices keep it; a dense product's slices of a Q6_K weight still wait for
+    the previous slice's product (the kernel's fields depend on it, so the transient values stay one
+    slice)."""
+    calls = []
+    _host_formers(monkeypatch, host_kernels, calls)
+    be = MLXBackend(device="cpu")
+    be.block_kind = be.formed_kind = "cuda"
+    rng = np.random.default_rng(5)
+    x = mx.array(rng.standard_normal((11, 512), dtype=np.float32))
+    for qtype in (Q.Q4_K, Q.Q4_1, Q.Q6_K, Q.Q8_0, Q.Q3_K):
+        raw = quants.random_blocks(rng, qtype, 48, 512)
+        w = be._to_device(qtype, quants.split(raw, qtype, 48, 512), (48, 512))
+        assert w.former == ("cuda" if qtype in block_kernels.FORMED else None)
+        assert w.row_slice(8, 40).former == w.former
+        calls.clear()
+        got = np.array(w.product(x))
+        w.former = None
+        want = np.array(w.product(x))
+        assert np.array_equal(_bits(got), _bits(want)) and calls == ([block_kernels.FORMED[qtype]] if qtype in block_kernels.FORMED else [])
+    _, w6 = _weight(Q.Q6_K, 64, 256, mx.float32)
+    w6.kernel_fields, w6.former = block_kernels.kernel_fields(w6), "cuda"
+    after = w6.after(mx.zeros((1,)))
+    assert after.former == "cuda" and len(after.kernel_fields) == 4 and all(_depends(f) for f in after.kernel_fields)
+    from mlxinfer.backends import mlx_weights
+
+    monkeypatch.setattr(mlx_weights, "DENSE_SLICE_BYTES", 16 * 256 * 4)
+    calls.clear()
+    sliced = np.array(mlx_weights.dense_product(w6, x[:, :256]))
+    w6.former = None
+    assert calls == ["q6_k_values"] * 4 and np.array_equal(_bits(sliced), _bits(np.array(mlx_weights.dense_product(w6, x[:, :256]))))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_q4_k_m_prompts_logits_are_the_graphs_bits_with_the_formed_kernels(synthetic, host_kernels, monkeypatch, dtype):  # noqa: F811
+    """A Q4_K_M Qwen3 (Q4_K and Q6_K matrices, a Q6_K V in one layer) on an MLX backend whose formed
+    kernels passed: a 12-token prompt's products (more rows than the decode kernels take) form every
+    Q4_K scale and Q6_K value by the kernels (run on the host here), and the logits are the bits of the
+    same backend forming them by the graph. (The products in the dtype, as on a GPU.)"""
+    import mlxinfer
+
+    calls = []
+    _host_formers(monkeypatch, host_kernels, calls)
+    path = synthetic(arch="qwen3", n_layers=2, qtype="Q4_K_M", hidden=256, ffn=512, n_heads=4, n_kv_heads=2,
+                     head_dim=64, random_blocks=True)
+    real, logits = MLXBackend.__init__, {}
+    for formed in ("cuda", None):
+        def init(self, *a, formed=formed, **k):
+            real(self, *a, **k)
+            # as on a GPU whose formed kernels passed (or not): the kernels' fields made at load, no decode
+            # kernel taking a product (the head's one row: the graph's)
+            self.weight_dtype, self.block_kind, self.formed_kind, self.block_types = self.dtype, formed, formed, frozenset()
+
+        monkeypatch.setattr(MLXBackend, "__init__", init)
+        engine = mlxinfer.load(path, backend="mlx", device="cpu", dtype=dtype)
+        calls.clear()
+        logits[formed] = np.array(engine.logits(list(range(3, 15))))
+        if formed:  # Q/K, O, gate/up a layer in Q4_K; V in one layer and down in both in Q6_K (llama.cpp's rule)
+            assert calls.count("affine_scales") >= 6 and calls.count("q6_k_values") >= 2
+        else:
+            assert calls == []
+    assert np.array_equal(_bits(logits["cuda"]), _bits(logits[None]))
+
+
+def test_the_self_check_names_a_wrong_value(host_kernels, monkeypatch):  # noqa: F811
+    """`verify_formed_kernels` passes with blocks.cu's kernels (run on the host) and names the kernel, the
+    type and what differs when one value of one output is wrong: each of the three outputs."""
+    calls = []
+    _host_formers(monkeypatch, host_kernels, calls)
+    be = MLXBackend(device="cpu")
+    be.block_kind = "cuda"
+    assert mlx_mod.verify_formed_kernels(be) is None
+    assert set(calls) == {"affine_scales", "q6_k_values"}
+    good_scales, good_values = block_kernels.formed_scales, block_kernels.formed_values
+    for which in (0, 1, 2):
+        def off(a):
+            flat = np.array(a.astype(mx.float32)).reshape(-1)
+            flat[5] = flat[5] * 2 + 1
+            return mx.array(flat.reshape(a.shape)).astype(a.dtype)
+
+        if which < 2:
+            monkeypatch.setattr(block_kernels, "formed_scales", lambda kind, w, i=which: tuple(
+                off(a) if j == i else a for j, a in enumerate(good_scales(kind, w))))
+            monkeypatch.setattr(block_kernels, "formed_values", good_values)
+        else:
+            monkeypatch.setattr(block_kernels, "formed_scales", good_scales)
+            monkeypatch.setattr(block_kernels, "formed_values", lambda kind, w: off(good_values(kind, w)))
+        problem = mlx_mod.verify_formed_kernels(be)
+        want = ["the affine_scales kernel's Q4_K scales differ", "the affine_scales kernel's Q4_K biases differ",
+                "the q6_k_values kernel's Q6_K values differ"][which]
+        assert problem and problem.startswith(want) and "from the graph's in 1 of" in problem and "\n" not in problem
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_gpu_formed_kernels_pass_their_self_check(dtype):
+    """On the GPU: the formed kernels equal the graph's compiled functions bit for bit (the self-check,
+    run fresh), and a backend loads FORMED weights with their former."""
+    be = MLXBackend(device="gpu", dtype=dtype, verify=None)
+    if be.block_kind is None:
+        pytest.skip("no block kernels on this GPU")
+    assert mlx_mod.verify_formed_kernels(be) is None
