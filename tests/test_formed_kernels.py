@@ -208,7 +208,8 @@ def test_a_q4_k_m_prompts_logits_are_the_graphs_bits_with_the_formed_kernels(syn
 
 def test_the_self_check_names_a_wrong_value(host_kernels, monkeypatch):  # noqa: F811
     """`verify_formed_kernels` passes with blocks.cu's kernels (run on the host) and names the kernel, the
-    type and what differs when one value of one output is wrong: each of the three outputs."""
+    type and what differs when one value of one output is wrong: each of the three outputs, and values
+    wrong only in a row slice (a kernel that missed the slice's first row: a dense product's slices)."""
     calls = []
     _host_formers(monkeypatch, host_kernels, calls)
     be = MLXBackend(device="cpu")
@@ -216,23 +217,28 @@ def test_the_self_check_names_a_wrong_value(host_kernels, monkeypatch):  # noqa:
     assert mlx_mod.verify_formed_kernels(be) is None
     assert set(calls) == {"affine_scales", "q6_k_values"}
     good_scales, good_values = block_kernels.formed_scales, block_kernels.formed_values
-    for which in (0, 1, 2):
-        def off(a):
-            flat = np.array(a.astype(mx.float32)).reshape(-1)
-            flat[5] = flat[5] * 2 + 1
-            return mx.array(flat.reshape(a.shape)).astype(a.dtype)
 
+    def off(a):
+        flat = np.array(a.astype(mx.float32)).reshape(-1)
+        flat[5] = flat[5] * 2 + 1
+        return mx.array(flat.reshape(a.shape)).astype(a.dtype)
+
+    for which in range(4):
+        scales, values = good_scales, good_values
         if which < 2:
-            monkeypatch.setattr(block_kernels, "formed_scales", lambda kind, w, i=which: tuple(
-                off(a) if j == i else a for j, a in enumerate(good_scales(kind, w))))
-            monkeypatch.setattr(block_kernels, "formed_values", good_values)
-        else:
-            monkeypatch.setattr(block_kernels, "formed_scales", good_scales)
-            monkeypatch.setattr(block_kernels, "formed_values", lambda kind, w: off(good_values(kind, w)))
+            scales = lambda kind, w, i=which: tuple(off(a) if j == i else a for j, a in enumerate(good_scales(kind, w)))  # noqa: E731
+        elif which == 2:
+            values = lambda kind, w: off(good_values(kind, w))  # noqa: E731
+        else:  # right for a whole weight, a slice's values a row late
+            values = lambda kind, w: good_values(kind, w) if w.shape[0] == 40 else mx.concatenate(  # noqa: E731
+                [good_values(kind, w)[1:], good_values(kind, w)[:1]])
+        monkeypatch.setattr(block_kernels, "formed_scales", scales)
+        monkeypatch.setattr(block_kernels, "formed_values", values)
         problem = mlx_mod.verify_formed_kernels(be)
         want = ["the affine_scales kernel's Q4_K scales differ", "the affine_scales kernel's Q4_K biases differ",
-                "the q6_k_values kernel's Q6_K values differ"][which]
-        assert problem and problem.startswith(want) and "from the graph's in 1 of" in problem and "\n" not in problem
+                "the q6_k_values kernel's Q6_K values differ", "the q6_k_values kernel's Q6_K values differ"][which]
+        assert problem and problem.startswith(want) and "from the graph's in " in problem and "\n" not in problem
+        assert ("rows 7-28" in problem) == (which == 3)
 
 
 @needs_gpu

@@ -676,9 +676,14 @@ def verify_formed_kernels(backend: "MLXBackend") -> str | None:
     rng = np.random.default_rng(19)
     rows, k = 40, 1280
     try:
-        for qtype, name in block_kernels.FORMED.items():
+        weights = {}
+        for qtype in block_kernels.FORMED:
             raw = quants.random_blocks(rng, qtype, rows, k, edges=True)
-            w = to_device(qtype, quants.split(raw, qtype, rows, k), (rows, k), dtype=backend.weight_dtype)
+            weights[qtype] = to_device(qtype, quants.split(raw, qtype, rows, k), (rows, k), dtype=backend.weight_dtype)
+        former = {"affine_scales": block_kernels.formed_scales, "q6_k_values": block_kernels.formed_values}
+        _prebuild(backend, [lambda w=w: former[block_kernels.FORMED[w.qtype]](backend.block_kind, w) for w in weights.values()])
+        for qtype, name in block_kernels.FORMED.items():
+            w = weights[qtype]
             for part, what in ((w, ""), (w.row_slice(7, 29), ", rows 7-28")):
                 if name == "affine_scales":
                     got = block_kernels.formed_scales(backend.block_kind, part)
