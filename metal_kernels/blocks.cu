@@ -32,6 +32,11 @@
 // of 1 block would let it take up to 255 registers: Q3_K's 8 rows 168 -> 218);
 // block_kernels.min_blocks sets 3, at most 80 registers a thread, for the decode forms that fit them), as
 // a decode product is bounded by how many warps an SM keeps waiting for weights at once.
+//
+// Two kernels besides the products form what a prompt's products multiply (MLX's quantized_matmul and
+// matmul read the weight once for many rows): `affine_scales` (an affine weight's scales and biases) and
+// `q6_k_values` (Q6_K's values), a thread an output value, each the graph's operations rounded as it
+// rounds them (block_kernels.FORMED).
 //@@HEADER
 #define MLXI_THREADS 256
 #define MLXI_WARPS 8

@@ -26,6 +26,11 @@ FFN's activation costs no launch of its own either.
 A weight group whose matrices are two runs of different types (a Q4_K_M file's Q and K in Q4_K, its V in
 Q6_K, in half its layers) is one launch too (`pair_product`, blocks.cu's mlxi_pair_matvec): the first
 run's blocks read its fields, the rest the Q6_K run's, each column the bits of its own product.
+
+A prompt's products (more rows than MAX_ROWS) read the weight once for many rows, through MLX's products,
+which take formed scales (mx.quantized_matmul) or values (a matmul): two kernels here form them from the
+same fields in one launch each, in the shape the product takes (`formed_scales`: the K-quants' and
+Q4_1/Q5_1 scales and biases; `formed_values`: Q6_K's values; see FORMED), the bits of the graph's own.
 """
 
 from __future__ import annotations

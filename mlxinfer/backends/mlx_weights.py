@@ -3,11 +3,13 @@ takes which form and why each is exact):
 
   - `QuantizedWeight`: MLX affine group-32 quants (bits 4, 5, 8) and the file's own scale fields;
     scales and biases are formed at each use (`affine_scales`: in float32, rounded once to the products'
-    dtype; one compiled kernel a product, `formed_scales`), then `mx.quantized_matmul`; on CUDA a product
+    dtype; one compiled kernel a product, `formed_scales`, or on a GPU blocks.cu's, `former`), then
+    `mx.quantized_matmul`; on CUDA a product
     of many rows (`MLXBackend.dense_rows`) dequantizes the weight first (`dense`, `dense_product`).
   - `BlockWeight`: the file's block fields (Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS) or 16-bit values (F16,
     BF16), dequantized to float32 in the graph at each use (`dequantize`: MLX bit operations doing
-    gguf-py's arithmetic; on a GPU by one compiled function where that keeps the bits, `formed_values`),
+    gguf-py's arithmetic; on a GPU by one compiled function where that keeps the bits, `formed_values`,
+    or Q6_K's by blocks.cu's kernel, `former`),
     then a float32 product. This costs time, not memory: on MLX's CPU a product
     of Q6_K, Q3_K or Q2_K takes 2-3.5x an affine type's, F16/BF16 1.5-2.5x, IQ4_NL/IQ4_XS ~10x (MLX's
     gather for the codebook); figures in tests/test_quants.py's docstring, `bench/probes/weight_types.py`
