@@ -250,3 +250,27 @@ def test_gpu_formed_kernels_pass_their_self_check(dtype):
     if be.block_kind is None:
         pytest.skip("no block kernels on this GPU")
     assert mlx_mod.verify_formed_kernels(be) is None
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_a_q4_k_m_prompts_logits_are_the_graphs_bits(synthetic, monkeypatch, dtype):
+    """On the GPU: a Q4_K_M Qwen3's logits for a 12-token prompt (the formed kernels' path) and its greedy
+    tokens are the same bits with the formed kernels and with the graph's compiled ones."""
+    import mlxinfer
+
+    path = synthetic(arch="qwen3", n_layers=2, qtype="Q4_K_M", hidden=256, ffn=512, n_heads=4, n_kv_heads=2,
+                     head_dim=64, random_blocks=True)
+    real, out = MLXBackend.__init__, {}
+    for formed in (True, False):
+        def init(self, *a, formed=formed, **k):
+            real(self, *a, **k)
+            if not formed:
+                self.formed_kind = None
+
+        monkeypatch.setattr(MLXBackend, "__init__", init)
+        engine = mlxinfer.load(path, backend="mlx", device="gpu", dtype=dtype)
+        assert (engine.backend.formed_kind is not None) == formed
+        out[formed] = (np.array(engine.logits(list(range(3, 15)))),
+                       engine.generate(list(range(3, 15)), max_tokens=6).token_ids)
+    assert np.array_equal(_bits(out[True][0]), _bits(out[False][0])) and out[True][1] == out[False][1]
