@@ -245,7 +245,7 @@ def test_the_self_check_names_a_wrong_value(host_kernels, monkeypatch):  # noqa:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_gpu_formed_kernels_pass_their_self_check(dtype):
     """On the GPU: the formed kernels equal the graph's compiled functions bit for bit (the self-check,
-    run fresh), and a backend loads FORMED weights with their former."""
+    run fresh)."""
     be = MLXBackend(device="gpu", dtype=dtype, verify=None)
     if be.block_kind is None:
         pytest.skip("no block kernels on this GPU")
