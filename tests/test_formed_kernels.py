@@ -213,7 +213,7 @@ def test_the_self_check_names_a_wrong_value(host_kernels, monkeypatch):  # noqa:
     calls = []
     _host_formers(monkeypatch, host_kernels, calls)
     be = MLXBackend(device="cpu")
-    be.block_kind = "cuda"
+    be.block_kind = be.formed_kind = "cuda"
     assert mlx_mod.verify_formed_kernels(be) is None
     assert set(calls) == {"affine_scales", "q6_k_values"}
     good_scales, good_values = block_kernels.formed_scales, block_kernels.formed_values

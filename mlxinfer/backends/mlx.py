@@ -65,7 +65,7 @@ from ..sampling import MLXRandom  # noqa: E402
 from . import kernel_checks  # noqa: E402
 from .cpu import checked_threads, default_threads  # noqa: E402
 from .mlx_kv import dequantize_q8_0, packed_width, quantize_q8_0, value_bytes  # noqa: E402
-from .mlx_weights import GROUP, BlockWeight, ExpertStack, PackedWeight, QuantizedWeight, WeightGroup, WeightRuns, dense_product, formed_scales, formed_values, to_device  # noqa: E402,F401
+from .mlx_weights import GROUP, BlockWeight, ExpertStack, PackedWeight, QuantizedWeight, WeightGroup, WeightRuns, dense_product, to_device  # noqa: E402,F401
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}  # backend.DTYPES' MLX types
 KEPT = (*quants.AFFINE_BITS, *quants.BLOCK_TYPES, *quants.HALF_TYPES)  # every type but F32 stays as compact
@@ -671,28 +671,24 @@ def verify_pair_launch(backend: "MLXBackend") -> str | None:
 def verify_formed_kernels(backend: "MLXBackend") -> str | None:
     """The formed kernels (`block_kernels.formed_scales`, `formed_values`: what a prompt's products
     multiply) against the graph's (`mlx_weights`' compiled formed_scales and formed_values), bit for bit,
-    on random blocks with edge values of every type they form, 40 rows of 1,280 values, whole and a row
-    slice (a dense product's), in the products' dtype. None, or one line naming the failure."""
+    through the weights' own dispatch (`QuantizedWeight.affine`, `BlockWeight.dense`) with and without a
+    `former`, on random blocks with edge values of every type they form, 40 rows of 1,280 values, whole and
+    a row slice (a dense product's), in the products' dtype. None, or one line naming the failure."""
     rng = np.random.default_rng(19)
     rows, k = 40, 1280
+    formed = lambda w: w.affine() if isinstance(w, QuantizedWeight) else (w.dense(),)  # noqa: E731
     try:
         weights = {}
         for qtype in block_kernels.FORMED:
             raw = quants.random_blocks(rng, qtype, rows, k, edges=True)
-            weights[qtype] = to_device(qtype, quants.split(raw, qtype, rows, k), (rows, k), dtype=backend.weight_dtype)
-        former = {"affine_scales": block_kernels.formed_scales, "q6_k_values": block_kernels.formed_values}
-        _prebuild(backend, [lambda w=w: former[block_kernels.FORMED[w.qtype]](backend.block_kind, w) for w in weights.values()])
+            weights[qtype] = to_device(qtype, quants.split(raw, qtype, rows, k), (rows, k), dtype=backend.weight_dtype,
+                                       compiled=True)
+        _prebuild(backend, [lambda w=w: formed(replace(w, former=backend.formed_kind)) for w in weights.values()])
         for qtype, name in block_kernels.FORMED.items():
             w = weights[qtype]
             for part, what in ((w, ""), (w.row_slice(7, 29), ", rows 7-28")):
-                if name == "affine_scales":
-                    got = block_kernels.formed_scales(backend.block_kind, part)
-                    want = formed_scales(qtype, part.dtype)(*(part.split or part.parts))
-                else:
-                    got = (block_kernels.formed_values(backend.block_kind, part),)
-                    want = (formed_values(qtype, part.dtype)(*part.parts),)
-                for g, x, of in zip(got, want, ("scales", "biases")):
-                    of = of if name == "affine_scales" else "values"
+                got, want = formed(replace(part, former=backend.formed_kind)), formed(part)
+                for g, x, of in zip(got, want, ("scales", "biases") if name == "affine_scales" else ("values",)):
                     problem = _differs(f"the {name} kernel's {qtype.name} {of} differ from the graph's",
                                        np.array(g.astype(mx.float32)), np.array(x.astype(mx.float32)),
                                        f"{rows} rows of {k}{what}, {backend.dtype_name}")
@@ -934,8 +930,8 @@ class MLXBackend(Backend):
                 self.pair_launch, self.pair_fallback = False, pair
                 print(f"mlxinfer: warning: the pair launch failed its self-check ({pair}); a weight group's runs "
                       "of two types take a launch each", file=sys.stderr)
-            formed = self.formed_kind and self.block_kind and kernel_checks.verdict(
-                f"{self.block_kind} blocks formed scales and values", self.dtype_name, "-",
+            formed = self.formed_kind and kernel_checks.verdict(
+                f"{self.formed_kind} blocks formed scales and values", self.dtype_name, "-",
                 lambda: verify_formed_kernels(self), fresh=fresh)
             if formed:
                 self.formed_kind, self.formed_fallback = None, formed
