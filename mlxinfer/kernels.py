@@ -259,10 +259,11 @@ def softmax(kind: str, x):
     return out
 
 
-def launch_grid(blocks: int, threads: int = THREADS) -> tuple[int, int, int]:
-    """A launch of `blocks` blocks of `threads` threads as a 2-D grid (one dimension holds 65,535): the
+def launch_grid(blocks: int, threads: int = THREADS, columns: int = 65535) -> tuple[int, int, int]:
+    """A launch of `blocks` blocks of `threads` threads as a 2-D grid, rows of at most `columns` blocks (a
+    grid's first dimension holds 65,535; tests pass fewer to make small launches take several rows): the
     attention kernels' and block_kernels'."""
-    cols = min(blocks, 65535)
+    cols = min(blocks, columns)
     return (cols * threads, -(-blocks // cols), 1)
 
 

@@ -404,6 +404,44 @@ def test_a_pair_launch_run_on_the_host_gives_each_runs_bits(host_kernels, first,
                                 f"{'NORM' if norm else 'alone'}; columns {np.flatnonzero(~same.all(0))[:8]})")
 
 
+def test_every_block_kernel_indexes_a_grid_of_several_rows_of_blocks(host_kernels, monkeypatch):
+    """A launch of more than 65,535 blocks takes several rows of blocks (`kernels.launch_grid`: a 152k-row
+    head's products, a Q4_K head's 19M scale groups); each kernel numbers its block (y, x) as
+    y * gridDim.x + x and the blocks past the last idle. Here the rows are capped at 2 blocks, so every
+    kernel's launch below takes 2 to 41 rows, the last one partial: each product form, the pair launch,
+    the norm, SwiGLU and the formed kernels give the bits of their one-row launch."""
+    import functools
+
+    from mlxinfer import kernels
+
+    rng = np.random.default_rng(7)
+    rows, cols = 41, 512
+    x = mx.array(rng.standard_normal((1, cols), dtype=np.float32))
+    gu = mx.array(rng.standard_normal((3, 2 * cols), dtype=np.float32)).astype(mx.bfloat16)
+    nw = mx.array(rng.uniform(0.5, 2.0, cols).astype(np.float32))
+    weights = {t: to_device(t, _fields(rng, rows, cols, True, t)[1], (rows, cols))
+               for t in block_kernels.KERNELS if cols % block_kernels.row_multiple(t) == 0}
+    formed = {t: to_device(t, _fields(rng, rows, cols, True, t)[1], (rows, cols), dtype=mx.bfloat16)
+              for t in block_kernels.FORMED}
+    pair = [to_device(t, _fields(rng, n, cols, True, t)[1], (n, cols)) for t, n in ((Q.Q4_K, 20), (Q.Q6_K, 13))]
+    calls = [*((f"{t.name} product", lambda w=w: host_kernels.product(x, w, 1)) for t, w in weights.items()),
+             ("Q6_K NORM product", lambda: host_kernels.product(x, weights[Q.Q6_K], 1, norm=(nw, 1e-5))),
+             ("pair", lambda: host_kernels.pair_product(x, *pair)),
+             ("rms_norm", lambda: host_kernels.rms_norm(mx.tile(x, (rows, 1)), nw, 1e-6)),
+             ("swiglu", lambda: host_kernels.swiglu(gu)),
+             *((f"{t.name} formed", lambda w=w, t=t: host_kernels.formed_scales(w) if block_kernels.FORMED[t] == "affine_scales"
+                else (host_kernels.formed_values(w),)) for t, w in formed.items())]
+    one_row = {name: call() for name, call in calls}
+    grids = []
+    capped = functools.partial(kernels.launch_grid, columns=2)
+    monkeypatch.setattr(block_kernels, "launch_grid", lambda *a: grids.append(capped(*a)) or grids[-1])
+    for name, call in calls:
+        got = call()
+        assert grids[-1][1] > 1, f"{name}: one row of blocks {grids[-1]}"
+        for g, want in zip(got if isinstance(got, tuple) else (got,), one_row[name] if isinstance(got, tuple) else (one_row[name],)):
+            assert np.array_equal(np.asarray(g).view(np.uint32), np.asarray(want).view(np.uint32)), name
+
+
 def test_rows_a_warp_takes():
     """CUDA warps take 4 output rows; Metal's simdgroups one; a count outside the kernel's registers is
     refused."""
