@@ -401,11 +401,17 @@ class GGUFFile:
             )
         raw = self.raw(name)
         if t.ggml_type == GGMLQuantizationType.F32:
-            return raw.view(np.float32).reshape(t.shape)
-        if t.ggml_type == GGMLQuantizationType.F16:
-            return raw.view(np.float16).astype(np.float32).reshape(t.shape)
-        rows = raw.reshape(-1, t.nbytes // (t.n_elements // t.shape[-1]))
-        return _gguf_dequantize(rows, t.ggml_type).astype(np.float32, copy=False).reshape(t.shape)
+            values = raw.view(np.float32).reshape(t.shape)
+        elif t.ggml_type == GGMLQuantizationType.F16:
+            values = raw.view(np.float16).astype(np.float32).reshape(t.shape)
+        else:
+            rows = raw.reshape(-1, t.nbytes // (t.n_elements // t.shape[-1]))
+            values = _gguf_dequantize(rows, t.ggml_type).astype(np.float32, copy=False).reshape(t.shape)
+        bad = ~np.isfinite(values)
+        if bad.any():  # (a NaN or inf scale or value: every logit it reaches would be one too)
+            raise GGUFError(f"{self.path}: tensor {name!r} ({t.type_name}) has {int(bad.sum())} inf or NaN "
+                            f"value(s), the first at index {list(map(int, np.unravel_index(int(np.argmax(bad)), bad.shape)))}")
+        return values
 
 
 class ShardedGGUF:

@@ -629,3 +629,40 @@ def test_inspect_without_a_file_describes_the_default_model(smollm2_path, capsys
 
     assert cli.main(["inspect"]) == 0
     assert capsys.readouterr().out.startswith(f"file: {smollm2_path}\n")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_a_nan_scale_or_value_in_the_file_is_a_one_line_error(tmp_path, synthetic, qtype):
+    """A corrupt file: one block of a quantized matrix with a NaN scale (`quants.CorruptBlock`: Q4_K's
+    dmin, Q6_K's d), or an F32 norm weight with an inf, is refused at load by both backends in one line
+    naming the tensor and its type, never logits of NaN."""
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from mlxinfer.gguf_file import GGUFFile
+    from mlxinfer.synthetic import write_synthetic_model
+
+    p = write_synthetic_model(tmp_path / f"{qtype}.gguf", arch="llama", n_layers=1, hidden=256, ffn=256, n_heads=4,
+                              n_kv_heads=2, head_dim=64, qtype=qtype, random_blocks=True)
+    name, norm = "blk.0.ffn_up.weight", "blk.0.ffn_norm.weight"
+    with GGUFFile(p) as g:
+        t, n = g.tensor(name), g.tensor(norm)
+        assert t.type_name == qtype and n.type_name == "F32"
+        size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1]
+        at = t.offset + 3 * size + (2 if qtype == "Q4_K" else 208)  # block 3's dmin (Q4_K) or d (Q6_K)
+        norm_at = n.offset + 4 * 17
+    data = bytearray(open(p, "rb").read())
+    good = bytes(data)
+    struct.pack_into("<H", data, at, 0x7E00)  # NaN
+    bad = tmp_path / "nan-scale.gguf"
+    bad.write_bytes(bytes(data))
+    data = bytearray(good)
+    struct.pack_into("<f", data, norm_at, float("inf"))
+    bad_norm = tmp_path / "inf-norm.gguf"
+    bad_norm.write_bytes(bytes(data))
+    for backend in ("cpu", "mlx"):
+        assert_one_line_error(run_cli("generate", "--model", str(bad), "--backend", backend, "--max-tokens", "2", "hi"),
+                              name, qtype, "inf or NaN")
+        assert_one_line_error(run_cli("generate", "--model", str(bad_norm), "--backend", backend, "--max-tokens", "2", "hi"),
+                              norm, "F32", "1 inf or NaN value(s), the first at index [17]")

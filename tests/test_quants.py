@@ -355,6 +355,30 @@ def test_a_type_that_is_not_kept_is_refused_in_one_line(model_dir, monkeypatch):
         MLXBackend(device="cpu").load_weight(g, name)
 
 
+@pytest.mark.parametrize("qtype", [t for t in quants.FIELDS if any(f[3] == np.float16 for f in quants.FIELDS[t])],
+                         ids=lambda t: t.name)
+def test_a_block_with_an_inf_or_nan_scale_is_refused(qtype):
+    """Every fp16 field of a type's block is a scale: one that is +inf, -inf or NaN (the exponent's bits
+    all ones, whatever the mantissa) in any block is a CorruptBlock naming that block, its row and the
+    field; the finite edge values (zeros, subnormals, +-65504) and the same bit pattern in a field that is
+    not a scale (codes, sub-scales) are not."""
+    rows, cols = 3, 512
+    raw = quants.random_blocks(np.random.default_rng(1), qtype, rows, cols, edges=True)
+    quants.fields(raw, qtype, rows, cols)  # (edge scales: accepted)
+    block, size = quants.GGML_QUANT_SIZES[qtype]
+    blocks = raw.reshape(rows, cols // block, size)
+    for name, start, end, dtype in quants.FIELDS[qtype]:
+        for bits in (0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFFFF):
+            bad = blocks.copy()
+            bad[2, 1, start:start + 2] = np.array([bits], "<u2").view(np.uint8)
+            if dtype != np.float16:
+                quants.fields(bad, qtype, rows, cols)
+                continue
+            with pytest.raises(quants.CorruptBlock, match=f"^block 1 of row 2 has scale {name} = (inf|-inf|nan) "
+                               r"\(1 block with an inf or NaN scale\)$"):
+                quants.fields(bad, qtype, rows, cols)
+
+
 def test_inspect_says_how_each_type_is_kept(model_dir):
     from mlxinfer.inspect import describe
 

@@ -743,6 +743,16 @@ def verify_swiglu(backend: "MLXBackend") -> str | None:
         return f"{_one_line(e)} (the swiglu kernel)"
 
 
+def _split(g, name: str, rows: int, cols: int) -> tuple:
+    """A kept type's tensor as `quants.split` cuts it ([rows, cols]), a block with an inf or NaN scale a
+    one-line GGUFError naming the tensor and its type."""
+    t = g.tensor(name)
+    try:
+        return quants.split(g.raw(name), t.ggml_type, rows, cols)
+    except quants.CorruptBlock as e:
+        raise GGUFError(f"{g.path}: tensor {name!r} ({t.type_name}): {e}") from None
+
+
 class MLXBackend(Backend):
     name = "mlx"
     lazy = True
@@ -1181,7 +1191,7 @@ class MLXBackend(Backend):
             raise GGUFError(f"{g.path}: tensor {name!r} should be a matrix, found shape {list(t.shape)}")
         rows, cols = t.shape
         if t.ggml_type in KEPT:
-            return t.ggml_type, quants.split(g.raw(name), t.ggml_type, rows, cols), (rows, cols)
+            return t.ggml_type, _split(g, name, rows, cols), (rows, cols)
         m = g.dequantize(name)
         return None, (np.ascontiguousarray(m.T if transposed else m, dtype=np.float32),), (rows, cols)
 
@@ -1396,7 +1406,7 @@ class MLXBackend(Backend):
             raise GGUFError(f"{gguf.path}: tensor {name!r} should be an [experts, out, in] stack, found shape {list(t.shape)}")
         e, out, n_in = t.shape
         if t.ggml_type in KEPT:
-            arrays = quants.split(gguf.raw(name), t.ggml_type, e * out, n_in)
+            arrays = _split(gguf, name, e * out, n_in)
             return ExpertStack((e, out, n_in), weight=self._to_device(t.ggml_type, arrays, (e * out, n_in)))
         dense = mx.array(np.ascontiguousarray(np.swapaxes(gguf.dequantize(name), 1, 2), dtype=np.float32))
         dense = dense.astype(self.weight_dtype)
