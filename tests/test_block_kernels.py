@@ -787,7 +787,7 @@ def test_a_failing_norm_swiglu_kernel_or_fused_form_turns_only_itself_off(monkey
     launch and the formed kernels each have a self-check verdict of their own (`verify_rms_norm`,
     `verify_swiglu`, `verify_fused_forms`, `verify_pair_launch`, `verify_formed_kernels`). The pair
     launch failing turns it off alone (a group's two runs a NORM launch each again); the formed kernels
-    failing, they alone (a weight loaded then has no `former`). The norm
+    failing, they alone (a weight loaded then, or already loaded, has no `former`). The norm
     kernel failing turns it off and with it the NORM form's use (norms back on mx.fast.rms_norm, each
     apart from its product); the swiglu kernel failing turns it off and with it the SWIGLU form's use
     (MLX's silu and product, then the down product and the residual as `Backend`'s defaults); the fused
@@ -816,6 +816,10 @@ def test_a_failing_norm_swiglu_kernel_or_fused_form_turns_only_itself_off(monkey
     b = MLXBackend(device="cpu")
     b.device, b.block_kind, b.norm_kind, b.swiglu_kind, b.fused_forms = "gpu", "cuda", "cuda", "cuda", True
     b.pair_launch, b.formed_kind = True, "cuda"
+    rng = np.random.default_rng(3)
+    raw = quants.random_blocks(rng, Q.Q6_K, 2, 256)
+    early = b._to_device(Q.Q6_K, quants.split(raw, Q.Q6_K, 2, 256), (2, 256))  # (loaded before the check)
+    assert early.former == "cuda"
     # (the pair launch runs only in the fused forms' NORM path: not checked where they failed)
     assert b.check_kernels() is None and runs == ["fused", *(["pair"] if failing != "fused" else []), "formed", "norm", "swiglu"]
     err = capsys.readouterr().err.strip().splitlines()
@@ -823,9 +827,8 @@ def test_a_failing_norm_swiglu_kernel_or_fused_form_turns_only_itself_off(monkey
     assert b.swiglu_kind == (None if failing == "swiglu" else "cuda")
     assert b.fused_forms == (failing != "fused") and b.pair_launch == (failing != "pair")
     assert b.formed_kind == (None if failing == "formed" else "cuda")
-    rng = np.random.default_rng(3)
-    raw = quants.random_blocks(rng, Q.Q6_K, 2, 256)
     assert b._to_device(Q.Q6_K, quants.split(raw, Q.Q6_K, 2, 256), (2, 256)).former == (None if failing == "formed" else "cuda")
+    assert early.former == (None if failing == "formed" else "cuda")  # (a weight loaded before: unset too)
     want = {None: [], "norm": [f"mlxinfer: warning: the rms_norm kernel failed its self-check ({problems['norm']}); norms use "
                                "mx.fast.rms_norm, each apart from the product after it"],
             "fused": [f"mlxinfer: warning: the block kernels' fused forms failed their self-check ({problems['fused']}); "

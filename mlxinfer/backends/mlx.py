@@ -42,6 +42,7 @@ import contextlib
 import functools
 import itertools
 import os
+import weakref
 from dataclasses import dataclass, replace
 
 # MLX's CUDA backend runs float32 cuBLAS matmuls in TF32 unless told otherwise: ~3e-3 error on logits,
@@ -829,6 +830,7 @@ class MLXBackend(Backend):
         # a prompt's products' scales and values formed by blocks.cu's kernels (`block_kernels.FORMED`), each
         # weight's `former`: a verdict of its own too (the graph's compiled kernels again, failing)
         self.formed_kind = self.block_kind
+        self._formers: list = []  # weak references to the weights handed a former (`_to_device`)
         # SwiGLU by blocks.cu's kernel where the block kernels run (`swiglu_ffn`), whose values the SWIGLU
         # form of the down product multiplies; None (MLX's silu and product) elsewhere, or once its own
         # self-check failed
@@ -909,6 +911,15 @@ class MLXBackend(Backend):
             self.check_blocks(fresh)
         return problem
 
+    def _formed_off(self) -> None:
+        """The formed kernels off: for weights loaded from now on, and for those already loaded (a later
+        fresh check, `kernel_report`, may fail after a model is loaded)."""
+        self.formed_kind = None
+        for ref in self._formers:
+            if (w := ref()) is not None:
+                w.former = None
+        self._formers = []
+
     def check_blocks(self, fresh: bool = False) -> None:
         """The block kernels' verdicts (`check_kernels` runs them after attention's; on their own where
         --kernel forces the attention kernels): each block kernel's, then the fused forms', the pair
@@ -925,7 +936,8 @@ class MLXBackend(Backend):
                 self.block_types = self.block_types - {t for n in failed for t in block_kernels.types_of(n)}
                 self.block_fallback = "; ".join(failed.values())
                 if not self.block_types:
-                    self.block_kind = self.norm_kind = self.swiglu_kind = self.formed_kind = None
+                    self.block_kind = self.norm_kind = self.swiglu_kind = None
+                    self._formed_off()
                 print(f"mlxinfer: warning: a block kernel failed its self-check ({self.block_fallback}); "
                       f"{self.block_off} products use MLX's own ops", file=sys.stderr)
             fused = self.fused_forms and self.block_kind and kernel_checks.verdict(
@@ -944,7 +956,8 @@ class MLXBackend(Backend):
                 f"{self.formed_kind} blocks formed scales and values", self.dtype_name, "-",
                 lambda: verify_formed_kernels(self), fresh=fresh)
             if formed:
-                self.formed_kind, self.formed_fallback = None, formed
+                self.formed_fallback = formed
+                self._formed_off()
                 print(f"mlxinfer: warning: the formed kernels failed their self-check ({formed}); a prompt's "
                       "products form their scales and values by MLX's compiled ops", file=sys.stderr)
             norm = self.norm_kind and kernel_checks.verdict(f"{self.norm_kind} blocks rms_norm", self.dtype_name, "-",
@@ -1179,6 +1192,7 @@ class MLXBackend(Backend):
             mx.eval(*w.kernel_fields)
             if self.formed_kind and qtype in block_kernels.FORMED:
                 w.former = self.formed_kind  # a prompt's products: its scales or values by one kernel
+                self._formers.append(weakref.ref(w))  # (unset if a later check fails: `_formed_off`)
         return w
 
     @staticmethod
