@@ -81,6 +81,9 @@ FIELDS_AT = 3  # a matvec's weight fields start at this input
 MAX_ROWS = 8  # rows of x a launch takes (each lane keeps one partial sum per row in registers)
 WARPS = 8  # warps per block of 256 threads
 MAX_ROWS_PER_WARP = 4  # blocks.cu's MLXI_MAX_R: output rows a warp may take
+# A weight of more output rows than WIDE (an output head: 151,936 a Qwen vocabulary) takes the kernels up
+# to WIDE_MAX_ROWS rows of x, MLX's quantized_matmul past them (an A/B setting: bench/probes/setting.py)
+WIDE, WIDE_MAX_ROWS = 65536, MAX_ROWS
 
 
 # Two products of one x in one launch (blocks.cu's mlxi_pair_matvec, `pair_product`): a weight group whose
@@ -105,8 +108,11 @@ FORMED = {Q.Q4_K: "affine_scales", Q.Q5_K: "affine_scales", Q.Q4_1: "affine_scal
 def applies(w, x) -> bool:
     """Whether the product x @ w.T goes to a block kernel: a kernel exists for w's type (an affine weight
     only in its compact form, scales not formed at load), x has at most MAX_ROWS rows, and w's rows are
-    whole blocks (256 values for the K-quants, 32 for the others)."""
+    whole blocks (256 values for the K-quants, 32 for the others); of a weight of more than WIDE rows, at
+    most WIDE_MAX_ROWS rows of x."""
     if w.qtype not in KERNELS or getattr(w, "float_scales", False) or x.ndim != 2 or x.shape[0] > MAX_ROWS:
+        return False
+    if w.shape[0] > WIDE and x.shape[0] > WIDE_MAX_ROWS:
         return False
     return w.shape[1] % row_multiple(w.qtype) == 0
 

@@ -227,6 +227,12 @@ def test_the_backend_sends_decode_rows_to_the_kernel_only_on_a_gpu(monkeypatch):
     assert np.allclose(got, want, rtol=1e-5, atol=1e-4)
     assert block_kernels.applies(w, x)
     assert not block_kernels.applies(w, mx.zeros((block_kernels.MAX_ROWS + 1, 256)))
+    # a weight of more than WIDE rows (a head) takes at most WIDE_MAX_ROWS rows (MAX_ROWS unless set)
+    monkeypatch.setattr(block_kernels, "WIDE", 15)
+    monkeypatch.setattr(block_kernels, "WIDE_MAX_ROWS", 4)
+    assert block_kernels.applies(w, mx.zeros((4, 256))) and not block_kernels.applies(w, mx.zeros((5, 256)))
+    monkeypatch.setattr(block_kernels, "WIDE", 16)
+    assert block_kernels.applies(w, mx.zeros((block_kernels.MAX_ROWS, 256)))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
