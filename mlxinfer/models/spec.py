@@ -459,13 +459,6 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def load_norm(ops, g, name):
-    """A norm weight or bias vector, refused if it holds NaN or Inf (it would silently poison every logit)."""
-    if not np.all(np.isfinite(g.dequantize(name))):
-        raise GGUFError(f"{g.path}: tensor {name!r} contains NaN or Inf")
-    return ops.load_vector(g, name)
-
-
 def load_weights(ops, g, args: ModelArgs, shard=None) -> SimpleNamespace:
     """The model's weights on `ops`: `w.token_embd`, `w.output_norm`, `w.output` (the output head; the
     embedding matrix when tied) and `w.layers[i].attn_norm` ... named by the spec's keys, except the
@@ -476,9 +469,9 @@ def load_weights(ops, g, args: ModelArgs, shard=None) -> SimpleNamespace:
     check_nothing_unread(g, args)
     sharded = shard is not None and shard.size > 1
     view = shard.view(g) if sharded else fused_view(g, args) if args.fused else g
-    loaders = {MATRIX: lambda g_, n: ops.load_weight(view, n), NORM: lambda g_, n: load_norm(ops, g_, n),
+    loaders = {MATRIX: lambda g_, n: ops.load_weight(view, n), NORM: ops.load_vector,
                EXPERTS: ops.load_experts,
-               BIAS: lambda g_, n: load_norm(ops, view, n), EMBEDDING: ops.load_embedding}
+               BIAS: lambda g_, n: ops.load_vector(view, n), EMBEDDING: ops.load_embedding}
     w = SimpleNamespace(layers=[SimpleNamespace() for _ in range(args.n_layers)])
     grouped = {k: group for group, keys in WEIGHT_GROUPS.items() for k in keys}
     names = {}  # layer -> {key: gguf name} of its grouped matrices
