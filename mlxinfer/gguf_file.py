@@ -23,6 +23,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize as _gguf_dequantize
 
+from . import quants
 from .errors import GGUFError, UnsupportedError
 
 GGUF_MAGIC = b"GGUF"
@@ -239,6 +240,7 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
+        self._finite: set = set()  # (tensor, rows) `check_finite` passed
         if not os.path.exists(self.path):
             raise GGUFError(f"{self.path}: no such file")
         if os.path.isdir(self.path):
@@ -399,19 +401,42 @@ class GGUFFile:
                 f"{self.path}: tensor {name!r} has type {t.type_name}, which mlxinfer does not support "
                 f"(supported: {', '.join(x.name for x in SUPPORTED_TENSOR_TYPES)})"
             )
+        self.check_finite(name)
         raw = self.raw(name)
         if t.ggml_type == GGMLQuantizationType.F32:
-            values = raw.view(np.float32).reshape(t.shape)
-        elif t.ggml_type == GGMLQuantizationType.F16:
-            values = raw.view(np.float16).astype(np.float32).reshape(t.shape)
-        else:
-            rows = raw.reshape(-1, t.nbytes // (t.n_elements // t.shape[-1]))
-            values = _gguf_dequantize(rows, t.ggml_type).astype(np.float32, copy=False).reshape(t.shape)
-        bad = ~np.isfinite(values)
-        if bad.any():  # (a NaN or inf scale or value: every logit it reaches would be one too)
-            raise GGUFError(f"{self.path}: tensor {name!r} ({t.type_name}) has {int(bad.sum())} inf or NaN "
-                            f"value(s), the first at index {list(map(int, np.unravel_index(int(np.argmax(bad)), bad.shape)))}")
-        return values
+            return raw.view(np.float32).reshape(t.shape)
+        if t.ggml_type == GGMLQuantizationType.F16:
+            return raw.view(np.float16).astype(np.float32).reshape(t.shape)
+        rows = raw.reshape(-1, t.nbytes // (t.n_elements // t.shape[-1]))
+        return _gguf_dequantize(rows, t.ggml_type).astype(np.float32, copy=False).reshape(t.shape)
+
+    CHECK_BYTES = 1 << 24  # `check_finite` reads this many bytes of rows at a time
+
+    def check_finite(self, name: str, rows: tuple[int, int] | None = None) -> None:
+        """Refuse a tensor with an inf or NaN scale (a quantized block's fp16 d, dmin or m) or value (F32,
+        F16, BF16) in one line naming it, its type and the first such block or value, in the file's
+        rows (`quants.nonfinite`): every logit it reached would be one too. `rows`: only rows [a, b)
+        (of the rows over all leading axes). Read CHECK_BYTES at a time, once (the loaders call it
+        before using a tensor's bytes)."""
+        if (name, rows) in self._finite or (name, None) in self._finite:
+            return
+        t = self.tensor(name)
+        raw = self.raw(name)
+        n = t.n_elements // t.shape[-1]
+        row_bytes = t.nbytes // n
+        first, end = rows or (0, n)
+        step = max(1, self.CHECK_BYTES // row_bytes)
+        for r0 in range(first, end, step):
+            part = raw[r0 * row_bytes:min(end, r0 + step) * row_bytes]
+            bad = quants.nonfinite(part.reshape(-1, row_bytes), t.ggml_type)
+            if bad.any():
+                r, i = np.unravel_index(int(np.argmax(bad)), bad.shape)
+                at = [int(v) for v in np.unravel_index(r0 + int(r), t.shape[:-1])] if len(t.shape) > 1 else []
+                where = "".join(f" of {what} {v}" for what, v in zip(("row", "expert")[:len(at)], at[::-1]))
+                kind = "value" if t.ggml_type in (GGMLQuantizationType.F32, *quants.HALF_TYPES) else "block"
+                raise GGUFError(f"{self.path}: tensor {name!r} ({t.type_name}) has an inf or NaN "
+                                f"{'value' if kind == 'value' else 'scale'}: {kind} {int(i)}{where}")
+        self._finite.add((name, rows))
 
 
 class ShardedGGUF:
@@ -432,6 +457,13 @@ class ShardedGGUF:
 
     def require(self, key, kind=(int, float)):
         return self.g.require(key, kind)
+
+    def check_finite(self, name: str) -> None:
+        """The file's check (`GGUFFile.check_finite`) of what this tensor reads (a cut of whole rows: those
+        rows only; of columns: every row), named and its rows counted as the file has them."""
+        cut = self.cuts.get(name)
+        rows = tuple(cut[1:3]) if cut is not None and cut[0] == 0 else None
+        self.g.check_finite(self._source(name), rows)
 
     def _source(self, name: str) -> str:
         if name == "output.weight" and "output.weight" not in self.g.tensors:

@@ -20,9 +20,13 @@ from .models.shard import Shard
 
 
 def check_split(model, tp: int) -> None:
-    """Refuse (one-line error) a model that cannot be split over `tp` ranks, before starting them."""
+    """Refuse (one-line error) a model that cannot be split over `tp` ranks, or whose tensors hold an inf
+    or NaN scale or value (`GGUFFile.check_finite`), before starting them: each rank checks only the rows
+    it reads, and one failing alone would leave the others waiting at a collective."""
     with GGUFFile(resolve_model(model)) as g:
         Shard.plan(g, model_args(g), 0, tp)
+        for name in g.tensors:
+            g.check_finite(name)
 
 
 def default_backend(device: str | None = None) -> str:

@@ -92,31 +92,35 @@ def memory_bytes(qtype, shape) -> int:
 
 def fields(raw: np.ndarray, qtype, rows: int, cols: int) -> dict:
     """The blocks' fields, each [rows, blocks per row, field length] (fp16/uint16 fields [rows, blocks]):
-    fresh contiguous arrays, together exactly the file's bytes. A block whose scale (an fp16 field) is
-    inf or NaN is a `CorruptBlock`: no arithmetic makes a weight of it (every value of its block would be
-    inf or NaN, and the logits with them), and the exactness argument above holds for finite scales only."""
+    fresh contiguous arrays, together exactly the file's bytes."""
     block, size = GGML_QUANT_SIZES[qtype]
     b = np.asarray(raw).reshape(rows, cols // block, size)
     out = {}
     for name, start, end, dtype in FIELDS[qtype]:
         a = np.ascontiguousarray(b[..., start:end]).view(dtype)
         out[name] = a[..., 0] if a.shape[-1] == 1 else a
-        if dtype == np.float16:
-            _check_finite(out[name], name)
     return out
 
 
-class CorruptBlock(ValueError):
-    """A block no weight can be made of (the loaders name the tensor and its type)."""
-
-
-def _check_finite(scales: np.ndarray, name: str) -> None:
-    """Refuse an fp16 field [rows, blocks] with an inf or NaN (exponent bits all ones), naming the first."""
-    bad = (scales.view(np.uint16) & 0x7C00) == 0x7C00
-    if bad.any():
-        row, blk = np.unravel_index(int(np.argmax(bad)), bad.shape)
-        raise CorruptBlock(f"block {blk} of row {row} has scale {name} = {scales[row, blk]} "
-                           f"({int(bad.sum())} block{'s' if bad.sum() > 1 else ''} with an inf or NaN scale)")
+def nonfinite(raw: np.ndarray, qtype) -> np.ndarray:
+    """Which blocks of a tensor's rows `raw` (uint8 [rows, row bytes] of `qtype`) have an inf or NaN
+    scale (any fp16 field: d, dmin, m), or for F32, F16 and BF16 which values are inf or NaN: bool
+    [rows, blocks or values]. An inf or NaN is an exponent of all ones (fp16's 5 bits, bfloat16's 8).
+    No weight can be made of such a block (every value of it, and every logit it reaches, would be inf
+    or NaN), and the exactness argument above holds for finite scales only; a finite scale's values are
+    finite (|fp16| < 2^16 times integers below 2^13)."""
+    raw = np.asarray(raw)
+    if qtype == Q.F32:
+        return ~np.isfinite(raw.view(np.float32))
+    if qtype in HALF_TYPES:
+        ones = 0x7C00 if qtype == Q.F16 else 0x7F80
+        return (raw.view(np.uint16) & ones) == ones
+    b = raw.reshape(len(raw), -1, GGML_QUANT_SIZES[qtype][1])
+    bad = np.zeros(b.shape[:2], bool)
+    for _, start, _, dtype in FIELDS[qtype]:
+        if dtype == np.float16:
+            bad |= (np.ascontiguousarray(b[..., start:start + 2]).view(np.uint16)[..., 0] & 0x7C00) == 0x7C00
+    return bad
 
 
 def split(raw: np.ndarray, qtype, rows: int, cols: int) -> tuple:
@@ -224,8 +228,8 @@ def pack_bits(q: np.ndarray, bits: int, chunk_rows: int = 4096) -> np.ndarray:
 
 
 # Edge scales for `random_blocks(edges=True)`: zeros of both signs, fp16 subnormals (smallest, largest),
-# the smallest normal, negatives, one, and a large finite value (no inf or NaN: `fields` refuses a block
-# with one, and the loaders a tensor with one).
+# the smallest normal, negatives, one, and a large finite value (no inf or NaN: the loaders refuse a
+# block with one, `nonfinite`).
 EDGE_SCALES = np.array([0.0, -0.0, 2.0 ** -24, -(2.0 ** -24), 1023 * 2.0 ** -24, 2.0 ** -14, -1.0, 1.0,
                         65504.0, -65504.0, 0.5, 3.0e-3, -7.5e-4], np.float16)
 

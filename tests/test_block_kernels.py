@@ -413,23 +413,24 @@ def test_a_pair_launch_run_on_the_host_gives_each_runs_bits(host_kernels, first,
 def test_every_block_kernel_indexes_a_grid_of_several_rows_of_blocks(host_kernels, monkeypatch):
     """A launch of more than 65,535 blocks takes several rows of blocks (`kernels.launch_grid`: a 152k-row
     head's products, a Q4_K head's 19M scale groups); each kernel numbers its block (y, x) as
-    y * gridDim.x + x and the blocks past the last idle. Here the rows are capped at 2 blocks, so every
-    kernel's launch below takes 2 to 41 rows, the last one partial: each product form, the pair launch,
-    the norm, SwiGLU and the formed kernels give the bits of their one-row launch."""
+    y * gridDim.x + x and the blocks past the last idle. Here the rows are capped at 2 blocks and every
+    launch below is of an odd number of blocks (3 to 93: 2 to 47 rows, the last with an idle block):
+    each product type, the NORM form, the pair launch, the norm, SwiGLU and the formed kernels give the
+    bits of their one-row launch."""
     import functools
 
     from mlxinfer import kernels
 
     rng = np.random.default_rng(7)
-    rows, cols = 41, 512
+    rows, cols, formed_rows = 37, 768, 31  # 5 blocks of 8 warps; formed: 3 (744 scale groups) and 93 (Q6_K)
     x = mx.array(rng.standard_normal((1, cols), dtype=np.float32))
-    gu = mx.array(rng.standard_normal((3, 2 * cols), dtype=np.float32)).astype(mx.bfloat16)
+    gu = mx.array(rng.standard_normal((3, 2 * cols), dtype=np.float32)).astype(mx.bfloat16)  # 9 blocks
     nw = mx.array(rng.uniform(0.5, 2.0, cols).astype(np.float32))
     weights = {t: to_device(t, _fields(rng, rows, cols, True, t)[1], (rows, cols))
                for t in block_kernels.KERNELS if cols % block_kernels.row_multiple(t) == 0}
-    formed = {t: to_device(t, _fields(rng, rows, cols, True, t)[1], (rows, cols), dtype=mx.bfloat16)
+    formed = {t: to_device(t, _fields(rng, formed_rows, cols, True, t)[1], (formed_rows, cols), dtype=mx.bfloat16)
               for t in block_kernels.FORMED}
-    pair = [to_device(t, _fields(rng, n, cols, True, t)[1], (n, cols)) for t, n in ((Q.Q4_K, 20), (Q.Q6_K, 13))]
+    pair = [to_device(t, _fields(rng, n, cols, True, t)[1], (n, cols)) for t, n in ((Q.Q4_K, 20), (Q.Q6_K, 13))]  # 3 + 2
     calls = [*((f"{t.name} product", lambda w=w: host_kernels.product(x, w, 1)) for t, w in weights.items()),
              ("Q6_K NORM product", lambda: host_kernels.product(x, weights[Q.Q6_K], 1, norm=(nw, 1e-5))),
              ("pair", lambda: host_kernels.pair_product(x, *pair)),
@@ -440,10 +441,13 @@ def test_every_block_kernel_indexes_a_grid_of_several_rows_of_blocks(host_kernel
     one_row = {name: call() for name, call in calls}
     grids = []
     capped = functools.partial(kernels.launch_grid, columns=2)
-    monkeypatch.setattr(block_kernels, "launch_grid", lambda *a: grids.append(capped(*a)) or grids[-1])
+    monkeypatch.setattr(block_kernels, "launch_grid", lambda blocks, *a: grids.append((blocks, capped(blocks, *a))) or grids[-1][1])
     for name, call in calls:
+        before = len(grids)
         got = call()
-        assert grids[-1][1] > 1, f"{name}: one row of blocks {grids[-1]}"
+        assert len(grids) == before + 1, f"{name}: {len(grids) - before} launches"
+        blocks, (_, gy, _) = grids[-1]
+        assert blocks % 2 == 1 and gy == (blocks + 1) // 2 > 1, f"{name}: {blocks} blocks, {gy} rows"
         for g, want in zip(got if isinstance(got, tuple) else (got,), one_row[name] if isinstance(got, tuple) else (one_row[name],)):
             assert np.array_equal(np.asarray(g).view(np.uint32), np.asarray(want).view(np.uint32)), name
 

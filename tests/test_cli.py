@@ -632,10 +632,11 @@ def test_inspect_without_a_file_describes_the_default_model(smollm2_path, capsys
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-def test_a_nan_scale_or_value_in_the_file_is_a_one_line_error(tmp_path, synthetic, qtype):
-    """A corrupt file: one block of a quantized matrix with a NaN scale (`quants.CorruptBlock`: Q4_K's
-    dmin, Q6_K's d), or an F32 norm weight with an inf, is refused at load by both backends in one line
-    naming the tensor and its type, never logits of NaN."""
+def test_a_nan_scale_or_value_in_the_file_is_a_one_line_error(tmp_path, qtype):
+    """A corrupt file: one block of a quantized matrix with a NaN scale (Q4_K's dmin, Q6_K's d), or an F32
+    norm weight with an inf, is refused at load by both backends, and under --tp before any rank starts,
+    in one line naming the tensor, its type and the block's row (`GGUFFile.check_finite`), never logits
+    of NaN."""
     import struct
 
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -643,14 +644,14 @@ def test_a_nan_scale_or_value_in_the_file_is_a_one_line_error(tmp_path, syntheti
     from mlxinfer.gguf_file import GGUFFile
     from mlxinfer.synthetic import write_synthetic_model
 
-    p = write_synthetic_model(tmp_path / f"{qtype}.gguf", arch="llama", n_layers=1, hidden=256, ffn=256, n_heads=4,
-                              n_kv_heads=2, head_dim=64, qtype=qtype, random_blocks=True)
+    p = write_synthetic_model(tmp_path / f"{qtype}.gguf", arch="llama", n_layers=1, hidden=512, ffn=512, n_heads=8,
+                              n_kv_heads=2, head_dim=64, qtype=qtype, random_blocks=True)  # (cut in whole blocks over 2 ranks)
     name, norm = "blk.0.ffn_up.weight", "blk.0.ffn_norm.weight"
     with GGUFFile(p) as g:
         t, n = g.tensor(name), g.tensor(norm)
-        assert t.type_name == qtype and n.type_name == "F32"
+        assert t.type_name == qtype and n.type_name == "F32" and t.shape[1] == 512  # (2 blocks a row)
         size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1]
-        at = t.offset + 3 * size + (2 if qtype == "Q4_K" else 208)  # block 3's dmin (Q4_K) or d (Q6_K)
+        at = t.offset + 7 * size + (2 if qtype == "Q4_K" else 208)  # row 3's block 1: its dmin (Q4_K) or d (Q6_K)
         norm_at = n.offset + 4 * 17
     data = bytearray(open(p, "rb").read())
     good = bytes(data)
@@ -661,8 +662,9 @@ def test_a_nan_scale_or_value_in_the_file_is_a_one_line_error(tmp_path, syntheti
     struct.pack_into("<f", data, norm_at, float("inf"))
     bad_norm = tmp_path / "inf-norm.gguf"
     bad_norm.write_bytes(bytes(data))
-    for backend in ("cpu", "mlx"):
-        assert_one_line_error(run_cli("generate", "--model", str(bad), "--backend", backend, "--max-tokens", "2", "hi"),
-                              name, qtype, "inf or NaN")
-        assert_one_line_error(run_cli("generate", "--model", str(bad_norm), "--backend", backend, "--max-tokens", "2", "hi"),
-                              norm, "F32", "1 inf or NaN value(s), the first at index [17]")
+    for backend, tp in (("cpu", []), ("mlx", []), ("mlx", ["--tp", "2"])):
+        args = ["--backend", backend, *tp, "--device", "cpu", "--max-tokens", "2", "hi"]
+        assert_one_line_error(run_cli("generate", "--model", str(bad), *args),
+                              f"tensor '{name}' ({qtype}) has an inf or NaN scale: block 1 of row 3")
+        assert_one_line_error(run_cli("generate", "--model", str(bad_norm), *args),
+                              f"tensor '{norm}' (F32) has an inf or NaN value: value 17")

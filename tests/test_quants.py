@@ -355,28 +355,72 @@ def test_a_type_that_is_not_kept_is_refused_in_one_line(model_dir, monkeypatch):
         MLXBackend(device="cpu").load_weight(g, name)
 
 
-@pytest.mark.parametrize("qtype", [t for t in quants.FIELDS if any(f[3] == np.float16 for f in quants.FIELDS[t])],
-                         ids=lambda t: t.name)
-def test_a_block_with_an_inf_or_nan_scale_is_refused(qtype):
-    """Every fp16 field of a type's block is a scale: one that is +inf, -inf or NaN (the exponent's bits
-    all ones, whatever the mantissa) in any block is a CorruptBlock naming that block, its row and the
-    field; the finite edge values (zeros, subnormals, +-65504) and the same bit pattern in a field that is
-    not a scale (codes, sub-scales) are not."""
-    rows, cols = 3, 512
-    raw = quants.random_blocks(np.random.default_rng(1), qtype, rows, cols, edges=True)
-    quants.fields(raw, qtype, rows, cols)  # (edge scales: accepted)
-    block, size = quants.GGML_QUANT_SIZES[qtype]
-    blocks = raw.reshape(rows, cols // block, size)
-    for name, start, end, dtype in quants.FIELDS[qtype]:
-        for bits in (0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFFFF):
-            bad = blocks.copy()
-            bad[2, 1, start:start + 2] = np.array([bits], "<u2").view(np.uint8)
-            if dtype != np.float16:
-                quants.fields(bad, qtype, rows, cols)
-                continue
-            with pytest.raises(quants.CorruptBlock, match=f"^block 1 of row 2 has scale {name} = (inf|-inf|nan) "
-                               r"\(1 block with an inf or NaN scale\)$"):
-                quants.fields(bad, qtype, rows, cols)
+@pytest.mark.parametrize("qtype", list(quants.FIELDS) + list(quants.HALF_TYPES) + [Q.F32], ids=lambda t: t.name)
+def test_nonfinite_finds_each_block_with_an_inf_or_nan_scale(qtype):
+    """`quants.nonfinite`: a block any of whose fp16 fields (its scales: d, dmin, m) is +inf, -inf or a
+    NaN (exponent bits all ones, whatever the mantissa), or for F32/F16/BF16 a value that is one, is
+    flagged, each such block and no other; random blocks with the edge scales `random_blocks` sets
+    (zeros, subnormals, large finite values) are not, nor the largest finite numbers, nor an inf's bit
+    pattern in a field that is not a scale (codes, sub-scales)."""
+    rows, cols = 3, 1024
+    rng = np.random.default_rng(1)
+    raw = (rng.standard_normal((rows, cols), dtype=np.float32).view(np.uint8) if qtype == Q.F32
+           else quants.random_blocks(rng, qtype, rows, cols, edges=True).reshape(rows, -1))
+    assert not quants.nonfinite(raw, qtype).any()
+    if qtype in quants.FIELDS:
+        size = quants.GGML_QUANT_SIZES[qtype][1]
+        fields = [(start, dtype == np.float16) for _, start, _, dtype in quants.FIELDS[qtype]]
+    else:
+        size, fields = {Q.F32: 4, Q.F16: 2, Q.BF16: 2}[qtype], [(0, True)]
+    inf = {Q.F32: [0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001]}.get(qtype, [0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFFFF])
+    if qtype == Q.BF16:
+        inf = [0x7F80, 0xFF80, 0x7FC0, 0x7F81]
+    fmt = "<u4" if qtype == Q.F32 else "<u2"
+    # the largest finite numbers (bfloat16's 0x7C00 is 2^121: fp16's exponent bits, yet finite)
+    finite = {Q.F32: [0x7F7FFFFF, 0xFF7FFFFF], Q.BF16: [0x7F7F, 0xFF7F, 0x7C00, 0xFC00]}.get(qtype, [0x7BFF, 0xFBFF])
+    for start, scale in fields:
+        for bits in finite:
+            ok = raw.copy().reshape(rows, -1, size)
+            ok[1, 2, start:start + np.dtype(fmt).itemsize] = np.array([bits], fmt).view(np.uint8)
+            assert not quants.nonfinite(ok.reshape(rows, -1), qtype).any(), (start, hex(bits))
+        for bits in inf:
+            bad = raw.copy().reshape(rows, -1, size)
+            for r, b in ((2, 1), (0, 3)):
+                bad[r, b, start:start + np.dtype(fmt).itemsize] = np.array([bits], fmt).view(np.uint8)
+            got = quants.nonfinite(bad.reshape(rows, -1), qtype)
+            assert got.shape == bad.shape[:2]
+            assert sorted(zip(*np.nonzero(got))) == ([(0, 3), (2, 1)] if scale else []), (start, hex(bits))
+
+
+def test_a_tensor_with_an_inf_or_nan_is_refused_in_the_files_rows(model_dir):
+    """`GGUFFile.check_finite` names the tensor, its type and the first block (or value) with an inf or
+    NaN, in the file's rows, reading a bounded run of rows at a time (here 2 rows: the bad one is not in
+    the first run); a view's cut (`ShardedGGUF`: a rank's rows, Phi-3's K rows of its fused QKV) checks
+    its own rows but names them as the file does; rows before the bad one pass."""
+    from mlxinfer.errors import GGUFError
+    from mlxinfer.gguf_file import ShardedGGUF
+
+    path = synthetic(model_dir, Q.Q4_K)
+    name = "blk.0.ffn_up.weight"
+    with GGUFFile(path) as g:
+        t = g.tensor(name)
+        row_bytes = t.nbytes // t.shape[0]
+        at = t.offset + 5 * row_bytes + 144 * (1 if t.shape[1] > 256 else 0) + 2  # row 5's dmin
+        block = 1 if t.shape[1] > 256 else 0
+    data = bytearray(open(path, "rb").read())
+    data[at:at + 2] = np.array([0x7E00], "<u2").tobytes()
+    bad = model_dir / "nan-dmin.gguf"
+    bad.write_bytes(bytes(data))
+    with GGUFFile(bad) as g:
+        g.CHECK_BYTES = 2 * row_bytes
+        with pytest.raises(GGUFError, match=rf"tensor '{name}' \(Q4_K\) has an inf or NaN scale: block {block} of row 5$"):
+            g.check_finite(name)
+        g.check_finite(name, (0, 5))  # (rows before it: fine)
+        view = ShardedGGUF(g, {"blk.0.attn_k.weight": (0, 4, 8, None), "blk.0.attn_v.weight": (0, 0, 4, None)},
+                           {"blk.0.attn_k.weight": name, "blk.0.attn_v.weight": name})
+        view.check_finite("blk.0.attn_v.weight")
+        with pytest.raises(GGUFError, match=rf"tensor '{name}' \(Q4_K\) has an inf or NaN scale: block {block} of row 5$"):
+            view.check_finite("blk.0.attn_k.weight")
 
 
 def test_inspect_says_how_each_type_is_kept(model_dir):

@@ -745,13 +745,11 @@ def verify_swiglu(backend: "MLXBackend") -> str | None:
 
 
 def _split(g, name: str, rows: int, cols: int) -> tuple:
-    """A kept type's tensor as `quants.split` cuts it ([rows, cols]), a block with an inf or NaN scale a
-    one-line GGUFError naming the tensor and its type."""
-    t = g.tensor(name)
-    try:
-        return quants.split(g.raw(name), t.ggml_type, rows, cols)
-    except quants.CorruptBlock as e:
-        raise GGUFError(f"{g.path}: tensor {name!r} ({t.type_name}): {e}") from None
+    """A kept type's tensor as `quants.split` cuts it ([rows, cols]), once the file's check passed (a
+    block with an inf or NaN scale, or an F16/BF16 value that is one, is a one-line GGUFError naming the
+    tensor: `check_finite`)."""
+    g.check_finite(name)
+    return quants.split(g.raw(name), g.tensor(name).ggml_type, rows, cols)
 
 
 class MLXBackend(Backend):
