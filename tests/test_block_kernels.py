@@ -791,6 +791,30 @@ def test_the_exponential_is_within_two_float32_units_and_rounds_as_published():
     assert np.all(np.abs(got - ref) <= 2 * np.spacing(ref.astype(np.float32)))
 
 
+def test_every_block_kernel_failing_turns_the_formed_kernels_off_for_loaded_weights_too(monkeypatch, tmp_path, capsys):
+    """Every block kernel failing its self-check turns the block kernels off, and with them the norm,
+    SwiGLU and formed kernels: a weight loaded before the check loses its `former` (`_formed_off`), one
+    loaded after never gets one. (Stand-in verdicts on MLX's CPU: the backend told it is on a GPU.)"""
+    from mlxinfer.backends import kernel_checks
+    from mlxinfer.backends import mlx as mlx_mod
+
+    monkeypatch.setenv("MLXINFER_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernel_checks, "_VERDICTS", {})
+    monkeypatch.setattr(mlx_mod, "self_check_cases", lambda: [])
+    monkeypatch.setattr(mlx_mod, "_check_products", lambda b: None)
+    monkeypatch.setattr(mlx_mod, "_check_block_products", lambda b, kernel=None, fused=False: f"the {kernel} kernel differs")
+    b = MLXBackend(device="cpu")
+    b.device, b.block_kind, b.norm_kind, b.swiglu_kind, b.formed_kind = "gpu", "cuda", "cuda", "cuda", "cuda"
+    raw = quants.random_blocks(np.random.default_rng(3), Q.Q4_K, 2, 256)
+    early = b._to_device(Q.Q4_K, quants.split(raw, Q.Q4_K, 2, 256), (2, 256))
+    assert early.former == "cuda"
+    assert b.check_kernels() is None
+    assert b.block_kind is b.norm_kind is b.swiglu_kind is b.formed_kind is None and b.block_fallback
+    assert early.former is None
+    assert b._to_device(Q.Q4_K, quants.split(raw, Q.Q4_K, 2, 256), (2, 256)).former is None
+    assert "a block kernel failed its self-check" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("failing", [None, "norm", "fused", "swiglu", "pair", "formed"])
 def test_a_failing_norm_swiglu_kernel_or_fused_form_turns_only_itself_off(monkeypatch, tmp_path, capsys, failing):
     """The rms_norm and swiglu kernels, the block kernels' fused forms (ADD, NORM, SWIGLU) and the pair
