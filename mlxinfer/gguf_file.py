@@ -433,9 +433,10 @@ class GGUFFile:
                 r, i = np.unravel_index(int(np.argmax(bad)), bad.shape)
                 at = [int(v) for v in np.unravel_index(r0 + int(r), t.shape[:-1])] if len(t.shape) > 1 else []
                 where = "".join(f" of {what} {v}" for what, v in zip(("row", "expert")[:len(at)], at[::-1]))
-                kind = "value" if t.ggml_type in (GGMLQuantizationType.F32, *quants.HALF_TYPES) else "block"
-                raise GGUFError(f"{self.path}: tensor {name!r} ({t.type_name}) has an inf or NaN "
-                                f"{'value' if kind == 'value' else 'scale'}: {kind} {int(i)}{where}")
+                what, unit = (("value", "value") if t.ggml_type in (GGMLQuantizationType.F32, *quants.HALF_TYPES)
+                              else ("scale", "block"))
+                raise GGUFError(f"{self.path}: tensor {name!r} ({t.type_name}) has an inf or NaN {what}: "
+                                f"{unit} {int(i)}{where}")
         self._finite.add((name, rows))
 
 
