@@ -7,7 +7,7 @@ them too), median of REPS graphs; GB/s is the weight's file bytes over that time
 row count a warp takes gives the same bits. `--baseline FILE`: another blocks.cu (one row a warp, dims
 [N, K]; e.g. `git show REV:metal_kernels/blocks.cu`) timed beside them, and its bits compared.
 
-    python3 bench/probes/block_products.py [--types Q8_0,Q4_K,Q6_K] [--shapes 0.6b,8b] [--rows 1,8]
+    python3 bench/probes/block_products.py [--types Q8_0,Q4_K,Q6_K] [--shapes 0.6b,8b] [--rows 1,8] [--outputs N,...]
         [--dtypes float32,bfloat16] [--chain 20] [--reps 7] [--baseline FILE] [--out results.jsonl]
 """
 
@@ -45,6 +45,7 @@ def main(argv=None):
     p.add_argument("--types", default="Q8_0,Q4_K,Q6_K")
     p.add_argument("--shapes", default="0.6b,8b")
     p.add_argument("--rows", default="1,8")
+    p.add_argument("--outputs", default=None, help="only the products of these output sizes (e.g. 151936: the head)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--chain", type=int, default=20)
     p.add_argument("--reps", type=int, default=7)
@@ -60,6 +61,8 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     for shape in a.shapes.split(","):
         for k, n in SHAPES[shape]:
+            if a.outputs and str(n) not in a.outputs.split(","):
+                continue
             for name in a.types.split(","):
                 qtype = Q[name]
                 raw = quants.random_blocks(rng, qtype, n, k, std=k ** -0.5)
