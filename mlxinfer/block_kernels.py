@@ -369,6 +369,13 @@ def _type_name(w) -> str:
     return getattr(getattr(w, "qtype", None), "name", type(w).__name__)
 
 
+# A/B setting (bench/probes/step_profile.py --variants formed-compiled): each formed kernel's launch inside
+# mx.compile, one function a kernel, type and shape, so that a prompt's pass replays the primitive instead of
+# making and hashing the kernel's source again at every product (the host's work the first GPU timing of the
+# formed kernels found: bench/RESULTS.md, 2026-12-07)
+FORMED_COMPILED = False
+
+
 def _formed(kind: str, name: str, fields, shape, dtype, outputs: int, consts) -> list:
     """A formed kernel's `outputs` arrays of `shape` [rows, columns], a thread an element (none launched
     for no rows: a row slice may have none)."""
@@ -376,6 +383,20 @@ def _formed(kind: str, name: str, fields, shape, dtype, outputs: int, consts) ->
 
     if shape[0] == 0:
         return [mx.zeros(shape, dtype) for _ in range(outputs)]
+    if FORMED_COMPILED:
+        return _compiled_formed(kind, name, outputs, consts)(list(fields), tuple(shape), str(dtype).split(".")[-1])
+    return _launch_formed(kind, name, fields, shape, dtype, outputs, consts)
+
+
+@lru_cache(maxsize=None)
+def _compiled_formed(kind: str, name: str, outputs: int, consts):
+    import mlx.core as mx
+
+    return mx.compile(lambda fields, shape, dtype: _launch_formed(kind, name, fields, shape, getattr(mx, dtype),
+                                                                  outputs, consts))
+
+
+def _launch_formed(kind: str, name: str, fields, shape, dtype, outputs: int, consts) -> list:
     return _kernel(kind, name)(
         inputs=[*fields, kernel_args(*shape)], template=[("T", dtype), *consts],
         grid=launch_grid(-(-(shape[0] * shape[1]) // (32 * WARPS))), threadgroup=(32 * WARPS, 1, 1),
