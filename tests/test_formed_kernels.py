@@ -103,6 +103,34 @@ def test_the_launch_is_what_mlx_custom_kernels_take(monkeypatch):
     assert np.array(kw["inputs"][4])[:2].tolist() == [24, 512] and kw["grid"] == (256 * 48, 1, 1)
 
 
+def test_the_compiled_setting_launches_once_a_form_and_replays_the_same_values(monkeypatch):
+    """FORMED_COMPILED: a formed kernel's launch is traced once for each kernel, shape and dtype, then
+    replayed (a second weight of one shape launches nothing more on the host side), with the values the
+    launch gives uncompiled; a new shape or dtype traces again."""
+    traced = []
+
+    def launch(**kw):  # a stand-in that computes from its inputs (a wrong replay would show)
+        traced.append((kw["output_shapes"][0], kw["output_dtypes"][0]))
+        total = sum(mx.sum(a.astype(mx.float32)) for a in kw["inputs"][:-1])
+        return [(mx.zeros(s, mx.float32) + total + i).astype(d)
+                for i, (s, d) in enumerate(zip(kw["output_shapes"], kw["output_dtypes"]))]
+
+    monkeypatch.setattr(block_kernels, "_kernel", lambda kind, name, blocks=1: launch)
+    block_kernels._compiled_formed.cache_clear()
+    weights = [_weight(Q.Q4_K, 24, 512, mx.bfloat16, seed=s)[1] for s in (1, 2)] + [
+        _weight(Q.Q4_K, 24, 1024, mx.bfloat16, seed=3)[1], _weight(Q.Q4_K, 24, 512, mx.float16, seed=4)[1]]
+    plain = [block_kernels.formed_scales("cuda", w) for w in weights]
+    assert len(traced) == 4
+    monkeypatch.setattr(block_kernels, "FORMED_COMPILED", True)
+    traced.clear()
+    for w, want in zip(weights, plain, strict=True):
+        got = block_kernels.formed_scales("cuda", w)
+        assert all(g.dtype == e.dtype and np.array_equal(np.array(g.astype(mx.float32)), np.array(e.astype(mx.float32)))
+                   for g, e in zip(got, want, strict=True))
+    assert traced == [((24, 16), mx.bfloat16), ((24, 32), mx.bfloat16), ((24, 16), mx.float16)]
+    block_kernels._compiled_formed.cache_clear()
+
+
 def test_a_slice_of_no_rows_launches_nothing_and_bad_weights_are_one_line_errors(monkeypatch):
     """A row slice of no rows forms empty arrays without a launch (a grid of no blocks is no launch);
     a weight whose type the kernel does not form, or whose scales were formed at load, is a one-line
