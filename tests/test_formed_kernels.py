@@ -282,10 +282,14 @@ def test_gpu_formed_kernels_pass_their_self_check(dtype):
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_a_q4_k_m_prompts_logits_are_the_graphs_bits(synthetic, monkeypatch, dtype):
+@pytest.mark.parametrize("compiled", [False, True], ids=["launched", "compiled"])
+def test_gpu_a_q4_k_m_prompts_logits_are_the_graphs_bits(synthetic, monkeypatch, dtype, compiled):
     """On the GPU: a Q4_K_M Qwen3's logits for a 12-token prompt (the formed kernels' path) and its greedy
-    tokens are the same bits with the formed kernels and with the graph's compiled ones."""
+    tokens are the same bits with the formed kernels (each launch in mx.compile or not: FORMED_COMPILED)
+    and with the graph's compiled ones."""
     import mlxinfer
+
+    monkeypatch.setattr(block_kernels, "FORMED_COMPILED", compiled)
 
     path = synthetic(arch="qwen3", n_layers=2, qtype="Q4_K_M", hidden=256, ffn=512, n_heads=4, n_kv_heads=2,
                      head_dim=64, random_blocks=True)
