@@ -42,6 +42,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from . import cuda_jit
+from .quants import AFFINE_BITS
 from .kernels import f32_bits, kernel_args, launch_grid, pruned, published_dot, source_parts, strip_comments
 
 SOURCES = {"cuda": "blocks.cu", "metal": "blocks.metal"}
@@ -81,9 +82,13 @@ FIELDS_AT = 3  # a matvec's weight fields start at this input
 MAX_ROWS = 8  # rows of x a launch takes (each lane keeps one partial sum per row in registers)
 WARPS = 8  # warps per block of 256 threads
 MAX_ROWS_PER_WARP = 4  # blocks.cu's MLXI_MAX_R: output rows a warp may take
-# A weight of more output rows than WIDE (an output head: 151,936 a Qwen vocabulary) takes the kernels up
-# to WIDE_MAX_ROWS rows of x, MLX's quantized_matmul past them (an A/B setting: bench/probes/setting.py)
-WIDE, WIDE_MAX_ROWS = 65536, MAX_ROWS
+# A weight of more output rows than WIDE (an output head: 151,936 a Qwen vocabulary) of a type MLX's
+# quantized_matmul multiplies (quants.AFFINE_BITS) takes the kernels up to WIDE_MAX_ROWS rows of x, that
+# product past them: a Q8_0 or Q4_K head of 8 rows there 76-79 us against the kernels' 237-313 (1,024 in),
+# 340-355 against 772-774 (4,096 in), but at 2-6 rows 180-543 against 145-215 (its per-row form; lent H100,
+# 2026-12-07, bench/RESULTS.md). A head of another type (a Q4_K_M file's Q6_K) stays: past the kernels its
+# product forms every value first.
+WIDE, WIDE_MAX_ROWS = 65536, 6
 
 
 # Two products of one x in one launch (blocks.cu's mlxi_pair_matvec, `pair_product`): a weight group whose
@@ -108,11 +113,11 @@ FORMED = {Q.Q4_K: "affine_scales", Q.Q5_K: "affine_scales", Q.Q4_1: "affine_scal
 def applies(w, x) -> bool:
     """Whether the product x @ w.T goes to a block kernel: a kernel exists for w's type (an affine weight
     only in its compact form, scales not formed at load), x has at most MAX_ROWS rows, and w's rows are
-    whole blocks (256 values for the K-quants, 32 for the others); of a weight of more than WIDE rows, at
-    most WIDE_MAX_ROWS rows of x."""
+    whole blocks (256 values for the K-quants, 32 for the others); of a weight of more than WIDE rows of an
+    affine type, at most WIDE_MAX_ROWS rows of x."""
     if w.qtype not in KERNELS or getattr(w, "float_scales", False) or x.ndim != 2 or x.shape[0] > MAX_ROWS:
         return False
-    if w.shape[0] > WIDE and x.shape[0] > WIDE_MAX_ROWS:
+    if w.shape[0] > WIDE and x.shape[0] > WIDE_MAX_ROWS and w.qtype in AFFINE_BITS:
         return False
     return w.shape[1] % row_multiple(w.qtype) == 0
 
@@ -369,11 +374,13 @@ def _type_name(w) -> str:
     return getattr(getattr(w, "qtype", None), "name", type(w).__name__)
 
 
-# A/B setting (bench/probes/step_profile.py --variants formed-compiled): each formed kernel's launch inside
-# mx.compile, one function a kernel, type and shape, so that a prompt's pass replays the primitive instead of
-# making and hashing the kernel's source again at every product (the host's work the first GPU timing of the
-# formed kernels found: bench/RESULTS.md, 2026-12-07)
-FORMED_COMPILED = False
+# Each formed kernel's launch inside mx.compile (one function a kernel, traced once a shape and dtype), so
+# that a prompt's pass replays the primitive instead of making and hashing the kernel's source at every
+# product: launched bare, the formed kernels' first token was 0.8-4.7 ms later than the graph's (its
+# prompt's graph built 1-2.6 ms slower); compiled, 1.3-6.4 ms earlier than bare in 5 of 6 pairs and even
+# with the graph's (lent H100, 2026-12-07, bench/RESULTS.md). False: bare (step_profile.py --variants
+# formed-launched).
+FORMED_COMPILED = True
 
 
 def _formed(kind: str, name: str, fields, shape, dtype, outputs: int, consts) -> list:
@@ -383,21 +390,23 @@ def _formed(kind: str, name: str, fields, shape, dtype, outputs: int, consts) ->
 
     if shape[0] == 0:
         return [mx.zeros(shape, dtype) for _ in range(outputs)]
+    kernel = _kernel(kind, name)
     if FORMED_COMPILED:
-        return _compiled_formed(kind, name, outputs, consts)(list(fields), tuple(shape), str(dtype).split(".")[-1])
-    return _launch_formed(kind, name, fields, shape, dtype, outputs, consts)
+        return _compiled_formed(kernel, outputs, consts)(list(fields), tuple(shape), str(dtype).split(".")[-1])
+    return _launch_formed(kernel, fields, shape, dtype, outputs, consts)
 
 
 @lru_cache(maxsize=None)
-def _compiled_formed(kind: str, name: str, outputs: int, consts):
+def _compiled_formed(kernel, outputs: int, consts):
+    """`_launch_formed` of one kernel object in mx.compile (keyed by the object: a kernel replaced in a
+    test is traced apart)."""
     import mlx.core as mx
 
-    return mx.compile(lambda fields, shape, dtype: _launch_formed(kind, name, fields, shape, getattr(mx, dtype),
-                                                                  outputs, consts))
+    return mx.compile(lambda fields, shape, dtype: _launch_formed(kernel, fields, shape, getattr(mx, dtype), outputs, consts))
 
 
-def _launch_formed(kind: str, name: str, fields, shape, dtype, outputs: int, consts) -> list:
-    return _kernel(kind, name)(
+def _launch_formed(kernel, fields, shape, dtype, outputs: int, consts) -> list:
+    return kernel(
         inputs=[*fields, kernel_args(*shape)], template=[("T", dtype), *consts],
         grid=launch_grid(-(-(shape[0] * shape[1]) // (32 * WARPS))), threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[shape] * outputs, output_dtypes=[dtype] * outputs)

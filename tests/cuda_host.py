@@ -115,12 +115,12 @@ class HostKernels:
                 return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(kw["output_shapes"], kw["output_dtypes"])]
             return launch
 
-        real = block_kernels._kernel
-        block_kernels._kernel = record
+        real, compiled = block_kernels._kernel, block_kernels.FORMED_COMPILED
+        block_kernels._kernel, block_kernels.FORMED_COMPILED = record, False  # (a bare launch: its inputs read here)
         try:
             call()
         finally:
-            block_kernels._kernel = real
+            block_kernels._kernel, block_kernels.FORMED_COMPILED = real, compiled
         template = dict(seen["template"])
         t, m = T_NAMES[template.pop("T")], template.pop("M", 1)  # (rms_norm, swiglu: no M)
         consts = tuple(template.items())

@@ -227,12 +227,19 @@ def test_the_backend_sends_decode_rows_to_the_kernel_only_on_a_gpu(monkeypatch):
     assert np.allclose(got, want, rtol=1e-5, atol=1e-4)
     assert block_kernels.applies(w, x)
     assert not block_kernels.applies(w, mx.zeros((block_kernels.MAX_ROWS + 1, 256)))
-    # a weight of more than WIDE rows (a head) takes at most WIDE_MAX_ROWS rows (MAX_ROWS unless set)
+    # a weight of more than WIDE rows (a head) of an affine type takes at most WIDE_MAX_ROWS rows; a Q6_K
+    # one all MAX_ROWS (past the kernels its product would form every value)
+    raw8 = quants.random_blocks(rng, Q.Q8_0, 16, 256)
+    w8 = to_device(Q.Q8_0, quants.split(raw8, Q.Q8_0, 16, 256), (16, 256))
+    rows = lambda m: mx.zeros((m, 256))  # noqa: E731
     monkeypatch.setattr(block_kernels, "WIDE", 15)
+    # by default (measured: bench/RESULTS.md 2026-12-07) 6 rows stay, 8 go to quantized_matmul
+    assert block_kernels.applies(w8, rows(6)) and not block_kernels.applies(w8, rows(8))
     monkeypatch.setattr(block_kernels, "WIDE_MAX_ROWS", 4)
-    assert block_kernels.applies(w, mx.zeros((4, 256))) and not block_kernels.applies(w, mx.zeros((5, 256)))
+    assert block_kernels.applies(w8, rows(4)) and not block_kernels.applies(w8, rows(5))
+    assert block_kernels.applies(w, rows(block_kernels.MAX_ROWS))
     monkeypatch.setattr(block_kernels, "WIDE", 16)
-    assert block_kernels.applies(w, mx.zeros((block_kernels.MAX_ROWS, 256)))
+    assert block_kernels.applies(w8, rows(block_kernels.MAX_ROWS))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

@@ -86,6 +86,7 @@ def test_the_launch_is_what_mlx_custom_kernels_take(monkeypatch):
         return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
 
     monkeypatch.setattr(block_kernels, "_kernel", lambda kind, name, blocks=1: seen.append(name) or launch)
+    monkeypatch.setattr(block_kernels, "FORMED_COMPILED", False)  # (the compiled form replays this launch: below)
     for qtype, consts in ((Q.Q4_K, 2), (Q.Q5_K, 2), (Q.Q4_1, 1), (Q.Q5_1, 1)):
         _, w = _weight(qtype, 24, 512, mx.bfloat16)
         w.kernel_fields = block_kernels.kernel_fields(w)
@@ -104,9 +105,9 @@ def test_the_launch_is_what_mlx_custom_kernels_take(monkeypatch):
 
 
 def test_the_compiled_setting_launches_once_a_form_and_replays_the_same_values(monkeypatch):
-    """FORMED_COMPILED: a formed kernel's launch is traced once for each kernel, shape and dtype, then
-    replayed (a second weight of one shape launches nothing more on the host side), with the values the
-    launch gives uncompiled; a new shape or dtype traces again."""
+    """By default (FORMED_COMPILED) a formed kernel's launch is traced once for each kernel, shape and
+    dtype, then replayed (a second weight of one shape launches nothing more on the host side), with the
+    values the bare launch gives; a new shape or dtype traces again."""
     traced = []
 
     def launch(**kw):  # a stand-in that computes from its inputs (a wrong replay would show)
@@ -116,19 +117,16 @@ def test_the_compiled_setting_launches_once_a_form_and_replays_the_same_values(m
                 for i, (s, d) in enumerate(zip(kw["output_shapes"], kw["output_dtypes"]))]
 
     monkeypatch.setattr(block_kernels, "_kernel", lambda kind, name, blocks=1: launch)
-    block_kernels._compiled_formed.cache_clear()
     weights = [_weight(Q.Q4_K, 24, 512, mx.bfloat16, seed=s)[1] for s in (1, 2)] + [
         _weight(Q.Q4_K, 24, 1024, mx.bfloat16, seed=3)[1], _weight(Q.Q4_K, 24, 512, mx.float16, seed=4)[1]]
-    plain = [block_kernels.formed_scales("cuda", w) for w in weights]
-    assert len(traced) == 4
-    monkeypatch.setattr(block_kernels, "FORMED_COMPILED", True)
-    traced.clear()
-    for w, want in zip(weights, plain, strict=True):
-        got = block_kernels.formed_scales("cuda", w)
+    compiled = [block_kernels.formed_scales("cuda", w) for w in weights]
+    assert traced == [((24, 16), mx.bfloat16), ((24, 32), mx.bfloat16), ((24, 16), mx.float16)]
+    monkeypatch.setattr(block_kernels, "FORMED_COMPILED", False)
+    for w, got in zip(weights, compiled, strict=True):
+        want = block_kernels.formed_scales("cuda", w)
         assert all(g.dtype == e.dtype and np.array_equal(np.array(g.astype(mx.float32)), np.array(e.astype(mx.float32)))
                    for g, e in zip(got, want, strict=True))
-    assert traced == [((24, 16), mx.bfloat16), ((24, 32), mx.bfloat16), ((24, 16), mx.float16)]
-    block_kernels._compiled_formed.cache_clear()
+    assert len(traced) == 3 + 4
 
 
 def test_a_slice_of_no_rows_launches_nothing_and_bad_weights_are_one_line_errors(monkeypatch):

@@ -40,7 +40,8 @@ norms and SwiGLU in a prompt's pass (`prefill-mlx-ops`: our kernels for decode r
 `cuda_jit.INCLUDE_FROM`), with a weight group's columns a slice each (`sliced-columns`: before one Split took them), with a
 group's two runs of two types (a Q4_K_M file's Q/K and Q6_K V) a launch each (`pair-apart`: before
 `block_kernels.pair_product`), with a prompt's products' scales and values formed by the graph's compiled
-kernels (`formed-graph`: before blocks.cu's formed kernels), and with attention replaced by a copy of the queries (`no-attention`: wrong text, the
+kernels (`formed-graph`: before blocks.cu's formed kernels) or by those kernels launched bare, not
+replayed from mx.compile (`formed-launched`), and with attention replaced by a copy of the queries (`no-attention`: wrong text, the
 rest of the step's cost). Run each MLX_MAX_OPS_PER_BUFFER setting in its own process (MLX reads it
 once). Writes JSON lines. Made for an MLX GPU (`--device cpu` only tries the script).
 
@@ -141,12 +142,13 @@ def _profile_ours(path, cases, gen, variant, device, gpu_clock, dtype, batch):
     engine.tokenizer = dataclasses.replace(engine.tokenizer, eog_ids=frozenset())  # always `gen` tokens
     ops = engine.backend
     limits = kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH, block_kernels.SWIGLU_FUSED_MAX_VALUES
+    formed_compiled = block_kernels.FORMED_COMPILED
     if variant == "one-launch":
         kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = 0, 0
     if variant == "swiglu-fused":  # every down product in its SWIGLU form, whatever its shape
         block_kernels.SWIGLU_FUSED_MAX_VALUES = float("inf")
-    if variant == "formed-compiled":  # each formed kernel's launch inside mx.compile (block_kernels.FORMED_COMPILED)
-        block_kernels.FORMED_COMPILED = True
+    if variant == "formed-launched":  # each formed kernel launched bare, not in mx.compile (block_kernels.FORMED_COMPILED)
+        block_kernels.FORMED_COMPILED = False
     if variant == "pair-apart":  # a group's two runs of two types a launch each, as before the pair launch
         ops.pair_launch = False
     clock = Clock(gpu_clock)
@@ -230,7 +232,7 @@ def _profile_ours(path, cases, gen, variant, device, gpu_clock, dtype, batch):
                             **({} if batch == 1 else dict(last_ttft_ms=[round(t, 2) for t in last_ttft], prompt_passes=passes))))
     finally:
         kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH, block_kernels.SWIGLU_FUSED_MAX_VALUES = limits
-        block_kernels.FORMED_COMPILED = False
+        block_kernels.FORMED_COMPILED = formed_compiled
         Loop._launch, Loop.step = launch, step
         ops.start, ops.to_numpy, ops.sync = start, to_numpy, sync
     return out
@@ -307,7 +309,7 @@ def main(argv=None):
     p.add_argument("--cases", default="17,511")
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--engines", default="ours,mlx-lm")
-    p.add_argument("--variants", default="default", help="ours: default, one-launch, separate, no-attention, unfused, swiglu-apart, swiglu-fused, norm-apart, prefill-mlx-ops, inline-headers, sliced-columns, pair-apart, formed-graph, formed-compiled")
+    p.add_argument("--variants", default="default", help="ours: default, one-launch, separate, no-attention, unfused, swiglu-apart, swiglu-fused, norm-apart, prefill-mlx-ops, inline-headers, sliced-columns, pair-apart, formed-graph, formed-launched")
     p.add_argument("--model", default="qwen3-0.6b-synthetic", help="as mlxinfer bench's --model")
     p.add_argument("--device", default="gpu", help="gpu, or cpu to try the script without one")
     p.add_argument("--gpu-clock", action="store_true", help="add gpu_ms (CUDA; one CUDA graph per evaluation)")
