@@ -423,6 +423,29 @@ def test_a_tensor_with_an_inf_or_nan_is_refused_in_the_files_rows(model_dir):
             view.check_finite("blk.0.attn_k.weight")
 
 
+def test_an_expert_stacks_inf_or_nan_is_named_by_row_and_expert(model_dir):
+    """In an expert stack ([experts, rows, in]) the first bad block is named by its row and expert: a NaN
+    scale written into expert 5's row 3 (of a Q8_0 `ffn_up_exps`) reads `block 0 of row 3 of expert 5`."""
+    from mlxinfer.errors import GGUFError
+
+    spec = SyntheticSpec(arch="qwen3moe", qtype="Q8_0", n_layers=1, n_experts=8, n_experts_used=2, ffn_expert=64, **SPEC)
+    path = write_synthetic_model(model_dir / "moe-nan.gguf", spec)
+    name = "blk.0.ffn_up_exps.weight"
+    with GGUFFile(path) as g:
+        t = g.tensor(name)
+        experts, rows = t.shape[0], t.shape[1]
+        row_bytes = t.nbytes // (experts * rows)
+        at = t.offset + (5 * rows + 3) * row_bytes  # expert 5, row 3, block 0's d
+    data = bytearray(open(path, "rb").read())
+    data[at:at + 2] = np.array([0xFC00], "<u2").tobytes()  # -inf
+    bad = model_dir / "moe-nan-bad.gguf"
+    bad.write_bytes(bytes(data))
+    with GGUFFile(bad) as g:
+        assert g.tensor(name).shape[:2] == (8, 64)
+        with pytest.raises(GGUFError, match=rf"tensor '{name}' \(Q8_0\) has an inf or NaN scale: block 0 of row 3 of expert 5$"):
+            g.check_finite(name)
+
+
 def test_inspect_says_how_each_type_is_kept(model_dir):
     from mlxinfer.inspect import describe
 
