@@ -461,6 +461,11 @@ def collecting():
         _STATE.jobs = outer
 
 
+def is_collecting() -> bool:
+    """Whether this thread is inside a `collecting()` block (launches record jobs and return zeros)."""
+    return getattr(_STATE, "jobs", None) is not None
+
+
 def build(jobs) -> int:
     b = builder()
     return b.build(jobs) if b else 0

@@ -211,7 +211,8 @@ def test_metal_twin_parses_with_clang(m):
 
 def test_the_backend_sends_decode_rows_to_the_kernel_only_on_a_gpu(monkeypatch):
     """On MLX's CPU a Q6_K product is the graph's (dequantize, then matmul); `applies` takes decode-sized
-    products of whole 256-value blocks only."""
+    products of whole 256-value blocks only, and of an affine weight of more than WIDE rows (a head) at
+    most WIDE_MAX_ROWS rows (7 by default); a Q6_K head every decode size."""
     calls = []
     monkeypatch.setattr(block_kernels, "product", lambda *a: calls.append(a))
     rng = np.random.default_rng(0)
@@ -233,8 +234,8 @@ def test_the_backend_sends_decode_rows_to_the_kernel_only_on_a_gpu(monkeypatch):
     w8 = to_device(Q.Q8_0, quants.split(raw8, Q.Q8_0, 16, 256), (16, 256))
     rows = lambda m: mx.zeros((m, 256))  # noqa: E731
     monkeypatch.setattr(block_kernels, "WIDE", 15)
-    # by default (measured: bench/RESULTS.md 2026-12-07) 6 rows stay, 8 go to quantized_matmul
-    assert block_kernels.applies(w8, rows(6)) and not block_kernels.applies(w8, rows(8))
+    # by default 7 rows stay, 8 go to quantized_matmul (its tiled form from 8 rows: bench/RESULTS.md 2026-12-07)
+    assert block_kernels.applies(w8, rows(7)) and not block_kernels.applies(w8, rows(8))
     monkeypatch.setattr(block_kernels, "WIDE_MAX_ROWS", 4)
     assert block_kernels.applies(w8, rows(4)) and not block_kernels.applies(w8, rows(5))
     assert block_kernels.applies(w, rows(block_kernels.MAX_ROWS))

@@ -129,6 +129,32 @@ def test_the_compiled_setting_launches_once_a_form_and_replays_the_same_values(m
     assert len(traced) == 3 + 4
 
 
+def test_a_prebuild_pass_leaves_no_trace_of_its_zeros(monkeypatch):
+    """Inside `cuda_jit.collecting()` (the self-check's prebuild pass) a launch records its job and returns
+    zeros: the formed kernels launch bare there, so the compiled form traced afterwards launches for real
+    and gives the bare launch's values, and each form's job is recorded."""
+    from mlxinfer import cuda_jit
+
+    def launch(**kw):  # as cuda_jit.Kernel: zeros while collecting, else values from its inputs
+        if cuda_jit.is_collecting():
+            cuda_jit._STATE.jobs.append(kw["output_shapes"][0])
+            return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+        total = sum(mx.sum(a.astype(mx.float32)) for a in kw["inputs"][:-1]) + 1
+        return [(mx.zeros(s, mx.float32) + total).astype(d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+    monkeypatch.setattr(block_kernels, "_kernel", lambda kind, name, blocks=1: launch)
+    _, w = _weight(Q.Q4_K, 8, 256, mx.bfloat16, seed=5)
+    for _ in range(2):
+        with cuda_jit.collecting() as jobs:
+            mx.eval(block_kernels.formed_scales("cuda", w))
+        assert jobs == [(8, 8)]
+    got = block_kernels.formed_scales("cuda", w)
+    monkeypatch.setattr(block_kernels, "FORMED_COMPILED", False)
+    want = block_kernels.formed_scales("cuda", w)
+    assert all(np.array_equal(np.array(g.astype(mx.float32)), np.array(e.astype(mx.float32))) and np.array(g.astype(mx.float32)).any()
+               for g, e in zip(got, want, strict=True))
+
+
 def test_a_slice_of_no_rows_launches_nothing_and_bad_weights_are_one_line_errors(monkeypatch):
     """A row slice of no rows forms empty arrays without a launch (a grid of no blocks is no launch);
     a weight whose type the kernel does not form, or whose scales were formed at load, is a one-line

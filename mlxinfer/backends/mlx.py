@@ -951,7 +951,8 @@ class MLXBackend(Backend):
                 print(f"mlxinfer: warning: the pair launch failed its self-check ({pair}); a weight group's runs "
                       "of two types take a launch each", file=sys.stderr)
             formed = self.formed_kind and kernel_checks.verdict(
-                f"{self.formed_kind} blocks formed scales and values", self.dtype_name, "-",
+                f"{self.formed_kind} blocks formed scales and values{' compiled' * block_kernels.FORMED_COMPILED}",
+                self.dtype_name, "-",
                 lambda: verify_formed_kernels(self), fresh=fresh)
             if formed:
                 self.formed_fallback = formed
