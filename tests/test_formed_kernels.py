@@ -110,9 +110,9 @@ def test_the_compiled_setting_launches_once_a_form_and_replays_the_same_values(m
     values the bare launch gives; a new shape or dtype traces again."""
     traced = []
 
-    def launch(**kw):  # a stand-in that computes from its inputs (a wrong replay would show)
+    def launch(**kw):  # a stand-in that computes from its inputs, dims included (a wrong replay would show)
         traced.append((kw["output_shapes"][0], kw["output_dtypes"][0]))
-        total = sum(mx.sum(a.astype(mx.float32)) for a in kw["inputs"][:-1])
+        total = sum(mx.sum(a.astype(mx.float32)) for a in kw["inputs"])
         return [(mx.zeros(s, mx.float32) + total + i).astype(d)
                 for i, (s, d) in enumerate(zip(kw["output_shapes"], kw["output_dtypes"]))]
 
