@@ -42,8 +42,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from . import cuda_jit
-from .quants import AFFINE_BITS
 from .kernels import f32_bits, kernel_args, launch_grid, pruned, published_dot, source_parts, strip_comments
+from .quants import AFFINE_BITS
 
 SOURCES = {"cuda": "blocks.cu", "metal": "blocks.metal"}
 # type -> (kernel, template constants besides T and M): the block type read from its own fields, and the
