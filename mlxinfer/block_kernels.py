@@ -393,7 +393,7 @@ def _formed(kind: str, name: str, fields, shape, dtype, outputs: int, consts) ->
         return [mx.zeros(shape, dtype) for _ in range(outputs)]
     kernel = _kernel(kind, name)
     if FORMED_COMPILED and not cuda_jit.is_collecting():  # (a trace made while collecting would replay its zeros)
-        return _compiled_formed(kernel, outputs, consts)(list(fields), tuple(shape), str(dtype).split(".")[-1])
+        return _compiled_formed(kernel, outputs, consts)(list(fields), tuple(shape), cuda_jit.dtype_name(dtype))
     return _launch_formed(kernel, fields, shape, dtype, outputs, consts)
 
 

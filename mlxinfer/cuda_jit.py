@@ -93,7 +93,8 @@ def std_hash(data: bytes) -> int:
     return shift_mix(h)
 
 
-def _dtype_name(dtype) -> str:
+def dtype_name(dtype) -> str:
+    """An MLX dtype's name ("bfloat16" of mx.bfloat16)."""
     return str(dtype).rsplit(".", 1)[-1]
 
 
@@ -106,7 +107,7 @@ def template_suffix(template) -> str:
         elif isinstance(v, int):
             out.append(f"_{v}")
         else:
-            out.append("_" + TYPE_STRINGS[_dtype_name(v)])
+            out.append("_" + TYPE_STRINGS[dtype_name(v)])
     return "".join(out)
 
 
@@ -115,7 +116,7 @@ def _constant(name: str, v) -> str:
         return f"  constexpr bool {name} = {'true' if v else 'false'};\n"
     if isinstance(v, int):
         return f"  constexpr int {name} = {v};\n"
-    return f"  using {name} = {CUDA_TYPES[_dtype_name(v)]};\n"
+    return f"  using {name} = {CUDA_TYPES[dtype_name(v)]};\n"
 
 
 def mlx_source(func: str, header: str, body: str, input_names, inputs, output_names, output_dtypes,
@@ -552,9 +553,9 @@ class Kernel:
         made again for the compile)."""
         self._header_file_again()
         kernel = f"custom_kernel_{self.name}{template_suffix(template)}"
-        ins = [(_dtype_name(a.dtype), a.ndim) for a in inputs]
+        ins = [(dtype_name(a.dtype), a.ndim) for a in inputs]
         source = mlx_source(kernel, self.header, self.body, self.input_names, ins, self.output_names,
-                            [_dtype_name(d) for d in output_dtypes], template)
+                            [dtype_name(d) for d in output_dtypes], template)
         return f"{kernel}_{std_hash(source.encode()):x}", kernel, source
 
     def __call__(self, *, inputs, grid, threadgroup, output_shapes, output_dtypes, template=()):

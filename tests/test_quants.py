@@ -392,6 +392,14 @@ def test_nonfinite_finds_each_block_with_an_inf_or_nan_scale(qtype):
             assert sorted(zip(*np.nonzero(got))) == ([(0, 3), (2, 1)] if scale else []), (start, hex(bits))
 
 
+def _with_fp16_bits(path, at: int, bits: int, out):
+    """A copy of the file at `path` as `out` with the fp16 at byte `at` set to `bits`."""
+    data = bytearray(open(path, "rb").read())
+    data[at:at + 2] = np.array([bits], "<u2").tobytes()
+    out.write_bytes(bytes(data))
+    return out
+
+
 def test_a_tensor_with_an_inf_or_nan_is_refused_in_the_files_rows(model_dir):
     """`GGUFFile.check_finite` names the tensor, its type and the first block (or value) with an inf or
     NaN, in the file's rows, reading a bounded run of rows at a time (here 2 rows: the bad one is not in
@@ -407,10 +415,7 @@ def test_a_tensor_with_an_inf_or_nan_is_refused_in_the_files_rows(model_dir):
         row_bytes = t.nbytes // t.shape[0]
         at = t.offset + 5 * row_bytes + 144 * (1 if t.shape[1] > 256 else 0) + 2  # row 5's dmin
         block = 1 if t.shape[1] > 256 else 0
-    data = bytearray(open(path, "rb").read())
-    data[at:at + 2] = np.array([0x7E00], "<u2").tobytes()
-    bad = model_dir / "nan-dmin.gguf"
-    bad.write_bytes(bytes(data))
+    bad = _with_fp16_bits(path, at, 0x7E00, model_dir / "nan-dmin.gguf")
     with GGUFFile(bad) as g:
         g.CHECK_BYTES = 2 * row_bytes
         with pytest.raises(GGUFError, match=rf"tensor '{name}' \(Q4_K\) has an inf or NaN scale: block {block} of row 5$"):
@@ -436,10 +441,7 @@ def test_an_expert_stacks_inf_or_nan_is_named_by_row_and_expert(model_dir):
         experts, rows = t.shape[0], t.shape[1]
         row_bytes = t.nbytes // (experts * rows)
         at = t.offset + (5 * rows + 3) * row_bytes  # expert 5, row 3, block 0's d
-    data = bytearray(open(path, "rb").read())
-    data[at:at + 2] = np.array([0xFC00], "<u2").tobytes()  # -inf
-    bad = model_dir / "moe-nan-bad.gguf"
-    bad.write_bytes(bytes(data))
+    bad = _with_fp16_bits(path, at, 0xFC00, model_dir / "moe-nan-bad.gguf")  # -inf
     with GGUFFile(bad) as g:
         assert g.tensor(name).shape[:2] == (8, 64)
         with pytest.raises(GGUFError, match=rf"tensor '{name}' \(Q8_0\) has an inf or NaN scale: block 0 of row 3 of expert 5$"):
