@@ -43,7 +43,8 @@ def gpu_like(monkeypatch):
                 c = (h // spec.group) * d
                 k = keys[slots[r], :lens[r], c:c + d]
                 v = values[slots[r], :lens[r], c:c + d]
-                s = be.scale(be.matmul(q[r:r + 1, h * d:(h + 1) * d], mx.transpose(k)), spec.scale)
+                s = be._softcap(be.scale(be.matmul(q[r:r + 1, h * d:(h + 1) * d], mx.transpose(k)), spec.scale),
+                                spec.softcap)
                 s = be.mask_scores(s, mx.array([pos[r]], dtype=mx.int32), spec.causal, spec.window)
                 heads.append(be.matmul(be.softmax_rows(s), v))
             out.append(mx.concatenate(heads, axis=1))
@@ -53,6 +54,7 @@ def gpu_like(monkeypatch):
     be.gpu_kernels, be.kernel = "cuda", "cuda"  # the kernel paths, on the stand-ins
     monkeypatch.setattr(kernels, "matmul", matmul)
     monkeypatch.setattr(kernels, "softmax", softmax)
+    monkeypatch.setattr(kernels, "tanh", lambda kind, x: mx.tanh(x))
     monkeypatch.setattr(kernels, "fused_attention", fused)
     monkeypatch.setattr(kernels, "uses_split", lambda *a: False)
     monkeypatch.setattr(MLXBackend, "_few_long_rows", staticmethod(lambda *a: False))
@@ -67,18 +69,61 @@ BATCHES = {
 }
 
 
+# Gemma 2's steps besides: soft-capping and a sliding window (shorter than the chunks), 4 heads a KV head
+CAPPED = AttentionSpec(8, 2, 32, 0.17, True, window=100, softcap=50.0)
+
+
 @pytest.mark.parametrize("kv", list(KV_CACHES))
 @pytest.mark.parametrize("name", list(BATCHES))
-def test_long_chunks_take_the_reference_steps_and_keep_its_bits(gpu_like, name, kv):
+@pytest.mark.parametrize("spec", [AttentionSpec.standard(4, 2, 32), CAPPED], ids=["standard", "capped-window"])
+def test_long_chunks_take_the_reference_steps_and_keep_its_bits(gpu_like, monkeypatch, name, kv, spec):
+    """The override's long chunks (`_heads_together`) give the reference's bits; a long chunk's products
+    are MLX's, 2 a head (its other steps once over the heads), none at the kernel's product."""
     be, log = gpu_like
-    spec = AttentionSpec.standard(4, 2, 32)
     q, view, batch = check_case_inputs(be, CheckCase(name, spec, BATCHES[name], kv))
     ref = be.to_numpy(be.per_head_attention(q, view, batch, spec))
     log["matmul_rows"].clear()
+    products = _count_mlx_products(monkeypatch)
     got = be.to_numpy(be.fused_attention_override(q, view, batch, spec))
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
     assert sum(log["fused_rows"]) == sum(t for _, t in BATCHES[name] if t < PREFILL_ROWS)  # only the short ones
     assert max(log["matmul_rows"], default=0) < PREFILL_ROWS  # long chunks never reach the kernel's product
+    # (the stand-in kernels' products, of fewer rows, call mx.matmul too)
+    assert [r for r in products if r >= PREFILL_ROWS] == [t for _, t in BATCHES[name] if t >= PREFILL_ROWS
+                                                         for _ in range(2 * spec.n_heads)]
+
+
+def _count_mlx_products(monkeypatch) -> list[int]:
+    """From now on, the rows of each `mx.matmul` call, in a list (returned)."""
+    rows, real = [], mx.matmul
+
+    def counted(a, b, **kw):
+        rows.append(a.shape[-2])
+        return real(a, b, **kw)
+
+    monkeypatch.setattr(mlx_backend.mx, "matmul", counted)
+    return rows
+
+
+@pytest.mark.parametrize("spare", [0, -1])
+def test_heads_together_only_where_the_scores_fit_the_bound(gpu_like, monkeypatch, spare):
+    """A long chunk goes over all heads at once where its heads' float32 scores take at most
+    HEADS_TOGETHER_MAX_BYTES (here exactly so), else a head at a time (one byte short): the same bits."""
+    be, _ = gpu_like
+    t, s = PREFILL_ROWS + 2, 300
+    q, view, batch = check_case_inputs(be, CheckCase("one-long-chunk", CAPPED, ((s, t),), "prealloc"))
+    ref = be.to_numpy(be.per_head_attention(q, view, batch, CAPPED))
+    monkeypatch.setattr(mlx_backend, "HEADS_TOGETHER_MAX_BYTES", CAPPED.n_heads * t * s * 4 + spare)
+    stacks, real = [], mx.stack
+
+    def stack(arrays, *a, **kw):
+        stacks.append(len(arrays))
+        return real(arrays, *a, **kw)
+
+    monkeypatch.setattr(mlx_backend.mx, "stack", stack)
+    got = be.to_numpy(be.fused_attention_override(q, view, batch, CAPPED))
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    assert stacks == ([CAPPED.n_heads] if spare == 0 else [])
 
 
 def test_the_reference_uses_mlx_products_from_prefill_rows(gpu_like):

@@ -85,6 +85,11 @@ DENSE_MIN_ROWS = 1024
 # fused override), else MLX's own GEMMs a head at a time, in the per-head reference and in the fused
 # override alike; fewer rows (decode, short prompts) take mlxinfer's published-order kernels.
 PREFILL_ROWS = 128
+# A long chunk's steps go over all heads at once (`_heads_together`) where its heads' float32 scores take
+# at most this many bytes (each step's output holds as many), else a head at a time as the reference:
+# the launches saved matter in short chunks; over long ones the products dominate, and stacking heads
+# there raised the peak memory by far more than the stack (docs/performance.md, "Float32 prefill chunks").
+HEADS_TOGETHER_MAX_BYTES = 64 << 20
 # Prompt tokens per prefill pass where 16-bit chunks take the tensor-core order: a chunk's launch reads
 # every cached key once, so fewer, longer chunks read the prompt's keys fewer times (mlx-lm's prefill step
 # is 2,048 too); docs/performance.md has the figures that chose it. Elsewhere the protocol's 512.
@@ -1596,8 +1601,9 @@ class MLXBackend(Backend):
             return self._fused(q, kv, batch, spec, range(len(batch.rows)))
         # Chunks of PREFILL_ROWS rows or more: in 16-bit dtypes on CUDA MLX's fused attention over every
         # head, or the tensor-core kernel, each the reference's bits in one call; else the reference's
-        # own steps (MLX's GEMMs a head at a time, the same calls as `per_head_attention`, so the same
-        # bits). The other sequences' rows as usual, then put in their places.
+        # products (MLX's GEMMs a head at a time, the same calls as `per_head_attention`, so the same
+        # bits) with its other steps once over every head (`_heads_together`). The other sequences'
+        # rows as usual, then put in their places.
         out = self.zeros(q.shape[0], spec.n_heads * spec.head_dim)
         for group in self._sdpa_groups(batch, spec, long):
             b, (r0, r1) = group[0], (batch.rows[group[0]][0], batch.rows[group[-1]][1])
@@ -1613,7 +1619,9 @@ class MLXBackend(Backend):
                 ctx = kernels.mma_attention(self.gpu_kernels, q[r0:r1].astype(self.dtype), k.astype(self.dtype),
                                             v.astype(self.dtype), batch.positions_of(self, b), spec,
                                             out_dtype=self.attention_dtype)
-            else:
+            elif not self.mma and spec.n_heads * (r1 - r0) * batch.kv_lens[b] * 4 <= HEADS_TOGETHER_MAX_BYTES:
+                ctx = self._heads_together(q[r0:r1], kv, batch, spec, b)
+            else:  # (a long chunk over many keys; 16-bit, a head size the tensor-core kernel does not take)
                 out = self.per_head_sequence(q, kv, batch, spec, b, out)
                 continue
             if r0 == 0 and r1 == q.shape[0]:  # the whole pass
@@ -1677,6 +1685,29 @@ class MLXBackend(Backend):
             ctx = self._sdpa(q_h[None, None], k_h[None, None], v_h[None, None], spec, mask)
             out = self.copy_2d_into(out, ctx[0, 0], r0, h * d)
         return out
+
+    def _heads_together(self, q, kv, batch, spec, b):
+        """Sequence b's chunk (its rows of q) as the per-head reference computes it where `matmul` is
+        MLX's product (no tensor-core order): each head's two products the same MLX call on operands of
+        the same layout ([rows, D] by a transposed [keys, D], then [rows, keys] by [keys, D], float32,
+        each a row-contiguous block), every other step once over all heads' [heads, rows, keys] scores:
+        scaling, soft-capping and masking are elementwise and the softmax row by row, so each value is
+        computed as in its own head's call. The same bits with 2 launches a head instead of about 12
+        (the reference's copies, mask and softmax a head), which in a float32 pass of several chunks of
+        128 rows cost far more than the products."""
+        t, d, h_all, kvh = q.shape[0], spec.head_dim, spec.n_heads, spec.n_kv_heads
+        k, v = kv.sequence(self, b)
+        s, f32 = k.shape[0], mx.float32
+        qh = mx.contiguous(mx.transpose(mx.reshape(q.astype(f32), (t, h_all, d)), (1, 0, 2)))  # [H, T, D]
+        kh = mx.contiguous(mx.transpose(mx.reshape(k.astype(f32), (s, kvh, d)), (1, 0, 2)))  # [KV, S, D]
+        vh = mx.contiguous(mx.transpose(mx.reshape(v.astype(f32), (s, kvh, d)), (1, 0, 2)))
+        scores = mx.stack([mx.matmul(qh[h], mx.transpose(kh[h // spec.group])) for h in range(h_all)])
+        scores = self._softcap(self.scale(scores, spec.scale), spec.softcap)
+        if t > 1 or spec.window:
+            scores = self.mask_scores(scores, batch.positions_of(self, b), spec.causal, spec.window)
+        attn = mx.reshape(self._softmax(mx.reshape(scores, (h_all * t, s))), (h_all, t, s))
+        ctx = mx.concatenate([mx.matmul(attn[h], vh[h // spec.group]) for h in range(h_all)], axis=1)
+        return ctx.astype(self.attention_dtype)
 
     def sequence_op(self, spec, rows: int) -> str | None:
         return "sdpa" if self._sdpa_takes(spec, rows) else None
