@@ -151,7 +151,7 @@ def self_check_cases(head_dims=SELF_CHECK_HEAD_DIMS) -> list[CheckCase]:
     256 threads), several decode rows, prefill chunks of 3 and of 9 rows (8+), a sliding window, soft-caps
     (Gemma 2's 50 and a cap of 2, which bends scores of ~3), few rows
     over more than 1,024 keys (the graph override on Metal) and 64 rows over as many (the fused kernel
-    again), and each cache kind (prealloc, paged, basic) for decode rows, a chunk, and a chunk of
+    again), a chunk of PREFILL_ROWS rows or more windowed and soft-capped, and each cache kind (prealloc, paged, basic) for decode rows, a chunk, and a chunk of
     PREFILL_ROWS rows or more beside a decode row (MLX's GEMMs for the one, the kernel for the other)."""
     cases = []
     for d in head_dims:
@@ -166,7 +166,9 @@ def self_check_cases(head_dims=SELF_CHECK_HEAD_DIMS) -> list[CheckCase]:
                   CheckCase("a decode row over 300 keys and a 3-row chunk over 70, soft-cap 2", capped[1],
                             ((300, 1), (70, 3))),
                   CheckCase("one decode row over 1,100 keys", gqa, ((1100, 1),)),
-                  CheckCase("64 rows of a chunk over 1,100 keys", gqa, ((1100, 64),))]
+                  CheckCase("64 rows of a chunk over 1,100 keys", gqa, ((1100, 64),)),
+                  CheckCase(f"a {PREFILL_ROWS + 2}-row chunk over 300 keys (MLX's GEMMs), window 16, soft-cap 50",
+                            capped[0], ((300, PREFILL_ROWS + 2),))]
         for kv in KV_CACHES:
             cases += [CheckCase("3 decode rows over 70, 257 and 5 keys", gqa, ((70, 1), (257, 1), (5, 1)), kv),
                       CheckCase("a 9-row chunk over 40 keys and a decode row over 129", gqa, ((40, 9), (129, 1)), kv),
@@ -1689,24 +1691,27 @@ class MLXBackend(Backend):
     def _heads_together(self, q, kv, batch, spec, b):
         """Sequence b's chunk (its rows of q) as the per-head reference computes it where `matmul` is
         MLX's product (no tensor-core order): each head's two products the same MLX call on operands of
-        the same layout ([rows, D] by a transposed [keys, D], then [rows, keys] by [keys, D], float32,
-        each a row-contiguous block), every other step once over all heads' [heads, rows, keys] scores:
-        scaling, soft-capping and masking are elementwise and the softmax row by row, so each value is
-        computed as in its own head's call. The same bits with 2 launches a head instead of about 12
-        (the reference's copies, mask and softmax a head), which in a float32 pass of several chunks of
-        128 rows cost far more than the products."""
+        the same layout as the reference's (fresh row-contiguous float32 blocks: [rows, D] by a
+        transposed [keys, D], then [rows, keys] by [keys, D]; indexing by an integer copies one out), every
+        other step once over all heads' [heads, rows, keys] scores: scaling, soft-capping and masking are
+        elementwise and the softmax row by row, so each value is computed as in its own head's call. The
+        same bits in about 5 launches a head (2 products, the query's and weights' copies, a key and a
+        value copy a KV head) instead of about 13 (the reference's mask, scale and softmax a head too),
+        which in a float32 pass of several chunks of 128 rows cost far more than the products."""
         t, d, h_all, kvh = q.shape[0], spec.head_dim, spec.n_heads, spec.n_kv_heads
         k, v = kv.sequence(self, b)
         s, f32 = k.shape[0], mx.float32
-        qh = mx.contiguous(mx.transpose(mx.reshape(q.astype(f32), (t, h_all, d)), (1, 0, 2)))  # [H, T, D]
-        kh = mx.contiguous(mx.transpose(mx.reshape(k.astype(f32), (s, kvh, d)), (1, 0, 2)))  # [KV, S, D]
-        vh = mx.contiguous(mx.transpose(mx.reshape(v.astype(f32), (s, kvh, d)), (1, 0, 2)))
-        scores = mx.stack([mx.matmul(qh[h], mx.transpose(kh[h // spec.group])) for h in range(h_all)])
+        qh = mx.transpose(mx.reshape(q.astype(f32), (t, h_all, d)), (1, 0, 2))  # [H, T, D] (a view)
+        kh = mx.transpose(mx.reshape(k.astype(f32), (s, kvh, d)), (1, 0, 2))  # [KV, S, D]
+        vh = mx.transpose(mx.reshape(v.astype(f32), (s, kvh, d)), (1, 0, 2))
+        keys = [mx.transpose(kh[j]) for j in range(kvh)]
+        scores = mx.stack([mx.matmul(qh[h], keys[h // spec.group]) for h in range(h_all)])
         scores = self._softcap(self.scale(scores, spec.scale), spec.softcap)
         if t > 1 or spec.window:
             scores = self.mask_scores(scores, batch.positions_of(self, b), spec.causal, spec.window)
         attn = mx.reshape(self._softmax(mx.reshape(scores, (h_all * t, s))), (h_all, t, s))
-        ctx = mx.concatenate([mx.matmul(attn[h], vh[h // spec.group]) for h in range(h_all)], axis=1)
+        values = [vh[j] for j in range(kvh)]
+        ctx = mx.concatenate([mx.matmul(attn[h], values[h // spec.group]) for h in range(h_all)], axis=1)
         return ctx.astype(self.attention_dtype)
 
     def sequence_op(self, spec, rows: int) -> str | None:
