@@ -88,7 +88,8 @@ PREFILL_ROWS = 128
 # A long chunk's steps go over all heads at once (`_heads_together`) where its heads' float32 scores take
 # at most this many bytes (each step's output holds as many), else a head at a time as the reference:
 # the launches saved matter in short chunks; over long ones the products dominate, and stacking heads
-# there raised the peak memory by far more than the stack (docs/performance.md, "Float32 prefill chunks").
+# there raised the peak memory by far more than the stack (docs/performance.md, "float32 prefill chunks
+# of several prompts").
 HEADS_TOGETHER_MAX_BYTES = 64 << 20
 # Prompt tokens per prefill pass where 16-bit chunks take the tensor-core order: a chunk's launch reads
 # every cached key once, so fewer, longer chunks read the prompt's keys fewer times (mlx-lm's prefill step
@@ -151,8 +152,9 @@ def self_check_cases(head_dims=SELF_CHECK_HEAD_DIMS) -> list[CheckCase]:
     256 threads), several decode rows, prefill chunks of 3 and of 9 rows (8+), a sliding window, soft-caps
     (Gemma 2's 50 and a cap of 2, which bends scores of ~3), few rows
     over more than 1,024 keys (the graph override on Metal) and 64 rows over as many (the fused kernel
-    again), a chunk of PREFILL_ROWS rows or more windowed and soft-capped, and each cache kind (prealloc, paged, basic) for decode rows, a chunk, and a chunk of
-    PREFILL_ROWS rows or more beside a decode row (MLX's GEMMs for the one, the kernel for the other)."""
+    again), a chunk of PREFILL_ROWS rows or more windowed and soft-capped, and each cache kind (prealloc,
+    paged, basic) for decode rows, a chunk, and a chunk of PREFILL_ROWS rows or more beside a decode row
+    (MLX's GEMMs for the one, the kernel for the other)."""
     cases = []
     for d in head_dims:
         gqa, win = AttentionSpec.standard(4, 2, d), AttentionSpec.standard(4, 2, d, window=16)
