@@ -4,6 +4,7 @@ dependency (MLX where a numpy-only path runs, the server's packages)."""
 
 import ast
 import pathlib
+import re
 import sys
 
 import pytest
@@ -116,3 +117,37 @@ def test_a_planted_circle_and_an_upward_import_are_seen(tmp_path, monkeypatch):
         test_imports_run_down_the_layers_at_the_top_of_the_file(planted / "models" / "qwen3.py")
     with pytest.raises(AssertionError, match="import circle"):
         test_no_import_circle()
+
+
+def _file_map() -> str:
+    """The README's file map: the code block under its "## Design" heading."""
+    text = (ROOT.parent / "README.md").read_text()
+    design = text[text.index("\n## Design"):]
+    return design[design.index("```") + 3:design.index("```", design.index("```") + 3)]
+
+
+def _named(file_map: str) -> set[str]:
+    """The paths (under mlxinfer/) the file map names: words ending in .py or / , braces expanded
+    (models/{llama,qwen3}.py is models/llama.py and models/qwen3.py)."""
+    named = set()
+    for word in file_map.split():
+        m = re.fullmatch(r"(.*)\{(.*)\}(.*)", word)
+        for w in ([m.group(1) + x + m.group(3) for x in m.group(2).split(",")] if m else [word]):
+            if w.endswith((".py", "/")):
+                named.add(w)
+    return named
+
+
+def test_the_file_map_names_every_module():
+    """Every module of the package is in the README's file map (a package listed with a trailing / covers
+    its files: server/), and the map names no file that is not there."""
+    named = _named(_file_map())
+    files = {str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    covered = {f for f in files if f in named or any(f.startswith(d) for d in named if d.endswith("/"))}
+    assert files - covered == set(), "modules missing from the README's file map"
+    assert {n for n in named if n.endswith(".py")} - files == set(), "the file map names files that do not exist"
+
+
+def test_a_module_left_out_of_the_file_map_is_seen():
+    named = _named("x.py models/{a,b}.py server/")
+    assert named == {"x.py", "models/a.py", "models/b.py", "server/"}
