@@ -11,17 +11,49 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "mlxinfer"
 
-# The README's file map, bottom up (a module may import its own layer and those below; no circle).
-LAYERS = [
-    ["errors"],
-    ["gguf_file", "quants", "tokenizer", "chat", "model_source"],
-    ["backend", "batch", "kv_cache", "block_manager", "prompt_cache", "sampling", "grammar", "metrics", "collectives"],
-    ["kernels", "block_kernels", "cuda_jit", "backends", "backends.cpu", "backends.mlx"],
-    ["models", "models.spec", "models.shard", "models.layers", "models.llama", "models.qwen3"],
-    ["decode_step", "loop", "engine"],
-    ["scheduler", "server", "cli", "launch", "benchmark", "perplexity", "peers", "inspect", "tracing", "testing", "synthetic",
-     "__main__", ""],
-]
+
+def _file_map() -> str:
+    """The README's file map: the code block under its "## Design" heading."""
+    text = (ROOT.parent / "README.md").read_text()
+    design = text[text.index("\n## Design"):]
+    return design[design.index("```") + 3:design.index("```", design.index("```") + 3)]
+
+
+def _named(file_map: str) -> set[str]:
+    """The paths (under mlxinfer/) the file map names: words ending in .py or / , braces expanded
+    (models/{llama,qwen3}.py is models/llama.py and models/qwen3.py)."""
+    named = set()
+    for word in file_map.split():
+        m = re.fullmatch(r"(.*)\{(.*)\}(.*)", word)
+        for w in ([m.group(1) + x + m.group(3) for x in m.group(2).split(",")] if m else [word]):
+            if w.endswith((".py", "/")):
+                named.add(w)
+    return named
+
+
+def _layers(file_map: str) -> list[list[str]]:
+    """Each layer's module names (models/llama.py: "models.llama", and its package "models"; server/:
+    "server"), from the file map's rows; only paths in the package count (its last row names the
+    folders beside it: metal_kernels/, tests/)."""
+    layers = []
+    for line in file_map.splitlines()[1:]:
+        words = line.split()
+        if not words:
+            continue
+        if words[0].isdigit():
+            layers.append([])
+        for path in sorted(_named(line)):
+            if not (ROOT / path).exists():
+                continue
+            name = path.removesuffix(".py").rstrip("/").replace("/", ".")
+            layers[-1] += [name] + ([name.split(".")[0]] if "." in name else [])
+    return layers
+
+
+# The README's file map, bottom up (a module may import its own layer and those below; no circle),
+# read from the map itself: a row that starts with a number opens its layer.
+LAYERS = _layers(_file_map())
+LAYERS[-1] += ["__main__", ""]  # `python -m mlxinfer` and the package's __init__: above everything
 DEFERRED = {  # (importer, imported): function-level imports that guard an optional dependency
     ("backends", "backends.mlx"),  # MLX, where the numpy backend runs without it
     ("server", "server.app"),  # the server's packages (fastapi, uvicorn, ...), an optional extra
@@ -117,25 +149,6 @@ def test_a_planted_circle_and_an_upward_import_are_seen(tmp_path, monkeypatch):
         test_imports_run_down_the_layers_at_the_top_of_the_file(planted / "models" / "qwen3.py")
     with pytest.raises(AssertionError, match="import circle"):
         test_no_import_circle()
-
-
-def _file_map() -> str:
-    """The README's file map: the code block under its "## Design" heading."""
-    text = (ROOT.parent / "README.md").read_text()
-    design = text[text.index("\n## Design"):]
-    return design[design.index("```") + 3:design.index("```", design.index("```") + 3)]
-
-
-def _named(file_map: str) -> set[str]:
-    """The paths (under mlxinfer/) the file map names: words ending in .py or / , braces expanded
-    (models/{llama,qwen3}.py is models/llama.py and models/qwen3.py)."""
-    named = set()
-    for word in file_map.split():
-        m = re.fullmatch(r"(.*)\{(.*)\}(.*)", word)
-        for w in ([m.group(1) + x + m.group(3) for x in m.group(2).split(",")] if m else [word]):
-            if w.endswith((".py", "/")):
-                named.add(w)
-    return named
 
 
 def test_the_file_map_names_every_module():
