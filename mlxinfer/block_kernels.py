@@ -84,10 +84,10 @@ WARPS = 8  # warps per block of 256 threads
 MAX_ROWS_PER_WARP = 4  # blocks.cu's MLXI_MAX_R: output rows a warp may take
 # A weight of more output rows than WIDE (an output head: 151,936 a Qwen vocabulary) of a type MLX's
 # quantized_matmul multiplies (quants.AFFINE_BITS) takes the kernels up to WIDE_MAX_ROWS rows of x, that
-# product past them: a Q8_0 or Q4_K head of 8 rows there 76-79 us against the kernels' 237-313 (1,024 in),
-# 340-355 against 772-774 (4,096 in), but at 2-6 rows 180-543 against 145-215 (lent H100, 2026-12-07,
-# bench/RESULTS.md): below 8 rows MLX multiplies row by row. A head of another type (a Q4_K_M file's Q6_K)
-# stays: past the kernels its product forms every value first.
+# product past them: from 8 rows MLX's tiled form reads such a head several times faster than the
+# kernels, below 8 it multiplies row by row, slower than them. A head of another type (a Q4_K_M file's
+# Q6_K) stays: past the kernels its product forms every value first. The timings: docs/performance.md,
+# "The head on quantized_matmul at 8 rows".
 WIDE, WIDE_MAX_ROWS = 65536, 7
 
 
@@ -376,11 +376,9 @@ def _type_name(w) -> str:
 
 # Each formed kernel's launch inside mx.compile (one function a kernel, traced once a shape and dtype), so
 # that a prompt's pass replays the primitive instead of making and hashing the kernel's source at every
-# product: launched bare, the formed kernels' first token was 0.8-4.7 ms later than the graph's in one
-# lease (its prompt's graph built 0.8-2.6 ms slower); compiled, 1.3-6.4 ms earlier than bare in 5 of 6
-# pairs of the next and even with the graph's (lent H100, 2026-12-07, bench/RESULTS.md). Inside
-# `cuda_jit.collecting()` (a prebuild pass) launches stay bare. False: bare (step_profile.py --variants
-# formed-launched).
+# product, which made the bare launches' prompt graph slower to build on a GPU (docs/performance.md, "A
+# prompt's scales and values by one kernel each"). Inside `cuda_jit.collecting()` (a prebuild pass)
+# launches stay bare. False: bare (step_profile.py --variants formed-launched).
 FORMED_COMPILED = True
 
 
