@@ -118,6 +118,9 @@ class Backend:
     kernel: str | None = None
     lazy = False  # ops build a graph evaluated later: the engine queues the next pass before reading
     compiles_decode = False  # decode passes may run as one compiled step (`compile_decode`)
+    # the device keeps every buffer an evaluation allocates until the whole evaluation has run (MLX on a
+    # GPU): the loop then starts a long pass a few layers at a time (`Loop._start`, PACE_LAYERS)
+    holds_pass_buffers = False
     # a prefill row's bits do not depend on the other rows of its chunk (measured on MLX's CPU device; not
     # so on numpy/OpenBLAS, whose kernels change with a product's shape): a cached prefix may then end
     # anywhere, else only where a prefill chunk does (`Loop._reusable`)

@@ -82,6 +82,15 @@ class Batch:
         self._host_rows = (positions, row_slots, [n for n, k in zip(self.kv_lens, self.lengths) for _ in range(k)],
                            logit_rows)
         self._per_sequence: dict[int, object] = {}
+        # each layer's output as the model builds it, where the loop will start this pass a few layers
+        # at a time (`Loop._start`, PACE_MIN_ROWS); None: not recorded
+        self.layer_outputs: list | None = None
+
+    def layer_done(self, x) -> None:
+        """The model has built a layer's output `x`: a point where the pass may be started in pieces
+        (recorded only where the loop asked: `layer_outputs`)."""
+        if self.layer_outputs is not None:
+            self.layer_outputs.append(x)
 
     @classmethod
     def traced_decode(cls, ops, n: int, packed):

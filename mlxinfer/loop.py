@@ -31,6 +31,7 @@ they admit sequences, call `step()` and hand the events on.
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -121,6 +122,7 @@ class Pass:
     part: tuple = ()  # what the next decode pass waits for instead of `outputs` (`Loop.wait_fraction`)
     first_tokens: bool = False  # whether it samples a sequence's first token (the end of its prompt)
     waits: bool = False  # whether it waits for the pass before: one sequence over a cache of WAIT_STORE_BYTES
+    layers: list | None = None  # each layer's output, where it is started a few layers at a time (PACE_LAYERS)
 
 
 # A decode pass queued while the pass before is still running on the device copies every KV store it
@@ -140,6 +142,13 @@ WAIT_STORE_BYTES = 2 << 30
 # measurement (bench/probes/memory_timeline.py --fractions; docs/performance.md, "Decode after 32,767
 # tokens"): the same peak memory as waiting for the whole pass, and faster decode.
 WAIT_FRACTION: float | None = 0.7
+# A pass of prompt rows is one lazy graph, and on a GPU (`ops.holds_pass_buffers`) every buffer of an
+# evaluation lives until the device has run all of it: started whole, a pass whose host work is quick
+# holds every layer's activations (and attention's scratch) at once. A pass of PACE_MIN_ROWS rows or
+# more is therefore started PACE_LAYERS layers ahead of the device at most: the host starts each layer's
+# output in turn and, past that many, waits for the one that many layers before. (None: started whole.)
+PACE_MIN_ROWS = 256
+PACE_LAYERS: int | None = 4
 
 
 class Loop:
@@ -268,7 +277,7 @@ class Loop:
                 first_tokens = self._pending.first_tokens
             if first_tokens:
                 self._unstarted = launched
-            else:
+            elif not launched.layers:
                 self._start(launched)
             if self.on_forward:
                 self.on_forward(name)
@@ -278,6 +287,10 @@ class Loop:
         if first_tokens:
             self._pending = None
             return events
+        if launched is not None and launched.layers:
+            # started a few layers at a time, the host waiting as it goes: after the pass before is read
+            # (a prompt pass waited for it above), so that its tokens are not held back
+            self._start(launched)
         if launched is not None:
             self._sample_after_read(launched)
         self._pending = launched
@@ -287,10 +300,32 @@ class Loop:
         return events
 
     def _start(self, launched: Pass) -> None:
-        """Start a built pass: its first part alone (`Pass.part`), then the rest."""
+        """Start a built pass: its first part alone (`Pass.part`), or its layers a few at a time
+        (`Pass.layers`), then the rest."""
         if launched.part:
             self.ops.start(*launched.part)
+        if launched.layers:
+            layers, launched.layers = launched.layers, None
+            self._start_layers(layers)
         self.ops.start(*launched.start)
+
+    def _pace(self, batch: Batch) -> None:
+        """Have the model record `batch`'s layer outputs where its pass is to be started a few layers at
+        a time (PACE_LAYERS)."""
+        if self.ops.holds_pass_buffers and PACE_LAYERS is not None and batch.n_rows >= PACE_MIN_ROWS:
+            batch.layer_outputs = []
+
+    def _start_layers(self, layers: list) -> None:
+        """Start each layer's output in turn, waiting for the one PACE_LAYERS before once that many are
+        in flight; `layers` is emptied as it goes (a layer's output, once computed, is held by nothing
+        here)."""
+        in_flight: collections.deque = collections.deque()
+        while layers:
+            x = layers.pop(0)
+            self.ops.start(x)
+            in_flight.append(x)
+            if len(in_flight) > PACE_LAYERS:
+                self.ops.sync(in_flight.popleft())
 
     def _sample_after_read(self, launched: Pass) -> None:
         """Where a pass's sampling waited for the pass before's tokens (a grammar's mask), build and start
@@ -319,8 +354,12 @@ class Loop:
                 batch = Batch(ops, [slots[b] for b in live], [start] * len(live), [len(c) for c in chunks],
                               all_logits=True)
                 cache.reserve(batch)
+                self._pace(batch)
                 ids = ops.index_array([t for c in chunks for t in c])
-                logits = ops.to_numpy(self.model(ops, ids, batch, cache))
+                logits = self.model(ops, ids, batch, cache)
+                if batch.layer_outputs:
+                    self._start_layers(batch.layer_outputs)
+                logits = ops.to_numpy(logits)
                 for b, (r0, r1) in zip(live, batch.rows):
                     rows[b].append(logits[r0:r1])
         finally:
@@ -382,6 +421,8 @@ class Loop:
         cache.reserve(batch)
         started = ()
         decoding = all(not s.prefilling for s, _ in plan)
+        if not decoding:
+            self._pace(batch)
         if self.decode_step is not None and self.decode_step.covers(ops, batch, cache, decoding):
             logits, next_index = self.decode_step(ops, ids, batch, cache)
             started = (next_index,)  # started with this step's outputs, not left lazy for the next step
@@ -396,7 +437,7 @@ class Loop:
                 s.forks = []
             logits = ops.gather_rows(logits, ops.index_array(list(range(len(sampled))) + [row for _, row in forks]))
             sampled = sampled + [f for f, _ in forks]
-        step = Pass(sampled, logits=logits, prompt_rows=not decoding,
+        step = Pass(sampled, logits=logits, prompt_rows=not decoding, layers=batch.layer_outputs,
                     first_tokens=any(s.prefilling and s.cached + n >= len(s.prompt) for s, n in plan),
                     waits=len(plan) == 1 and cache.nbytes() >= self.wait_store_bytes)
         stores = getattr(cache, "keys", None)

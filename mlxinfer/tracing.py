@@ -33,6 +33,7 @@ class TracingBackend:
 
     lazy = False  # every op is evaluated as it is traced: nothing to pipeline
     compiles_decode = False  # a compiled step would run its ops unseen
+    holds_pass_buffers = False  # (nothing is left in flight: every op is evaluated as it is traced)
 
     def __init__(self, inner: Backend, stream=sys.stderr):
         self.inner = inner

@@ -612,6 +612,80 @@ def test_a_decode_pass_can_wait_for_part_of_the_one_before(qwen3_path, monkeypat
     assert len(pairs) >= 2 and not any(p.part for p in pairs)
 
 
+def test_long_prompt_passes_start_a_few_layers_at_a_time(qwen3_path, monkeypatch):
+    """`loop.PACE_LAYERS`: where the device holds an evaluation's buffers until all of it has run
+    (`holds_pass_buffers`: MLX on a GPU), a prompt pass of PACE_MIN_ROWS rows or more is started a layer
+    output at a time, the host waiting for the one PACE_LAYERS before once that many are in flight, then
+    the rest; the pass before is read first; shorter passes and decode passes start whole; the layer
+    outputs are not kept once started; the tokens, logprobs and scored logits are the whole-pass ones."""
+    from mlxinfer import loop
+    from mlxinfer.loop import Loop
+
+    engine = mlxinfer.load(qwen3_path, backend="mlx", prefill_chunk=8)
+    ids = list(range(1, 21))  # chunks of 8, 8 and 4 rows
+    prompts = [ids[:7], ids[3:10], ids[9:13]]
+    want, want_batch, want_scores = (engine.generate(ids, max_tokens=4), engine.generate_batch(prompts, max_tokens=3),
+                                     engine.logits(ids))
+    ops = engine.backend
+    assert not ops.holds_pass_buffers  # (MLX's CPU device)
+    monkeypatch.setattr(ops, "holds_pass_buffers", True)
+    monkeypatch.setattr(loop, "PACE_MIN_ROWS", 6)
+    monkeypatch.setattr(loop, "PACE_LAYERS", 1)
+    log, passes, paced = [], [], []  # paced: (batch, its layer outputs) of each pass that records them
+    start, sync = ops.start, ops.sync
+    monkeypatch.setattr(ops, "start", lambda *xs: log.append(("start", xs)) or start(*xs))
+    monkeypatch.setattr(ops, "sync", lambda *xs: log.append(("sync", xs)) or sync(*xs))
+    done = Batch.layer_done
+
+    def layer_done(self, x):
+        if self.layer_outputs is not None:
+            if not paced or paced[-1][0] is not self:
+                paced.append((self, []))
+            paced[-1][1].append(x)
+        done(self, x)
+
+    monkeypatch.setattr(Batch, "layer_done", layer_done)
+    launch, read = Loop._launch, Loop._read
+    monkeypatch.setattr(Loop, "_launch", lambda self, plan: passes.append(launch(self, plan)) or passes[-1])
+    monkeypatch.setattr(Loop, "_read", lambda self, p: log.append(("read", p)) or read(self, p))
+
+    def at(kind, x):
+        return next(i for i, (k, xs) in enumerate(log) if k == kind and (xs is x if kind == "read" else xs[0] is x))
+
+    def check_paced(outs):  # from the pass's first layer: each layer started, then the one before waited for
+        i = at("start", outs[0])
+        want = [("start", outs[0])] + [e for j in range(1, len(outs)) for e in (("start", outs[j]), ("sync", outs[j - 1]))]
+        got = log[i:i + len(want)]
+        assert [k for k, _ in got] == [k for k, _ in want] and all(xs[0] is x for (_, xs), (_, x) in zip(got, want))
+        return i, log[i + len(want)]  # (and what comes next: the rest of the pass)
+
+    got = engine.generate(ids, max_tokens=4)
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+    prompt_passes = [p for p in passes if p.prompt_rows]
+    assert len(prompt_passes) == 3 and len(paced) == 2  # the two 8-row chunks; the 4-row one starts whole
+    for p, (_, outs) in zip(prompt_passes, paced):
+        assert len(outs) == QWEN3_SYNTHETIC.n_layers
+        i, after = check_paced(outs)
+        assert after[0] == "start" and after[1][0] is p.start[0]  # then the rest of the pass
+        assert p.layers is None  # nothing kept once started
+        k = passes.index(p)
+        if k:
+            assert at("read", passes[k - 1]) < i  # the pass before read first
+    assert all(p.layers is None for p in passes)
+    # a batch (7 + 7 + 4 rows: passes of 8 rows at most) and a scored prompt: the same tokens and bits
+    log.clear(), paced.clear()
+    got_batch = engine.generate_batch(prompts, max_tokens=3)
+    assert [g.token_ids for g in got_batch] == [g.token_ids for g in want_batch]
+    assert paced and all(len(outs) == QWEN3_SYNTHETIC.n_layers for _, outs in paced)
+    for _, outs in paced:
+        check_paced(outs)
+    log.clear(), paced.clear()
+    assert np.array_equal(engine.logits(ids).view(np.uint32), want_scores.view(np.uint32))
+    assert len(paced) == 2
+    for _, outs in paced:
+        check_paced(outs)
+
+
 @pytest.mark.parametrize("per_sequence_linear", [False, True])
 def test_batched_mlx_generation_equals_each_prompt_alone(qwen3_path, per_sequence_linear):
     """Batch invariance of the MLX backend: on the CPU always (its products compute each row on its own);

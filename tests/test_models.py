@@ -494,3 +494,20 @@ def test_what_the_forward_pass_does_not_apply_is_refused(synthetic, tmp_path):
                   {"llama.rope.scale_linear": 8.0}):
         e = mlxinfer.load(rewrite_gguf(src, tmp_path / "linear.gguf", edits=edits), backend="cpu")
         assert e.args.rope_factors == (8.0,) * 8
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3_synthetic", "qwen2_synthetic", "gemma3_synthetic", "gemma2_synthetic",
+                                  "phi3_synthetic", "qwen3moe_synthetic", "mixtral_synthetic"])
+def test_every_architecture_hands_each_layer_output_to_the_pass(name, new_arch_paths, qwen3_path, monkeypatch):
+    """Each model reports each layer's output once, in order (`Batch.layer_done`: where the loop may
+    start a long pass a few layers at a time, `loop.PACE_LAYERS`): as many as it has layers, each its own."""
+    from mlxinfer.batch import Batch
+
+    path = qwen3_path if name == "qwen3" else new_arch_paths[name]
+    engine = mlxinfer.load(path, backend="cpu")
+    seen = []
+    monkeypatch.setattr(Batch, "layer_done", lambda self, x: seen.append((self, np.array(x, copy=True))))
+    engine.logits([1, 17, 250, 99, 3])
+    n_layers = engine.model.args.n_layers
+    assert len(seen) == n_layers and all(b is seen[0][0] for b, _ in seen)
+    assert len({x.tobytes() for _, x in seen}) == n_layers  # (each layer's own output, not one repeated)

@@ -817,6 +817,7 @@ class MLXBackend(Backend):
             raise RequestError(f"the {kernel} attention kernel needs an MLX {kernel} GPU device")
         # On a GPU, attention's arithmetic runs on our kernels (`self.gpu_kernels`, "metal" or "cuda").
         self.gpu_kernels = gpu if device == "gpu" else None
+        self.holds_pass_buffers = device == "gpu"  # (MLX frees a buffer once the command using it has run)
         self.kernel = kernel or (gpu if device == "gpu" else "graph")
         # the quantized products' block kernels ("metal", "cuda" or None): checked apart from attention
         self.block_kind = self.gpu_kernels

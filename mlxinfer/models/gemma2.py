@@ -75,5 +75,6 @@ class Model:
             x = ops.add(x, rms_norm(ops, h, w.attn_post_norm, eps))
             h = gelu_mlp(ops, rms_norm(ops, x, w.ffn_norm, eps), w, batch.rows, self.shard)
             x = ops.add(x, rms_norm(ops, h, w.ffn_post_norm, eps))
+            batch.layer_done(x)
         logits = output_logits(ops, x, self.w, batch, eps, self.shard, a.vocab_size)
         return logits if logits is None or not a.final_softcap else softcap(ops, logits, a.final_softcap)

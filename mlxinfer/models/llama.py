@@ -51,4 +51,5 @@ class Model:
         for i, w in enumerate(self.w.layers):
             x = self.attention(ops, x, w, batch, cache, i)
             x = self.ffn(ops, x, w, batch.rows)
+            batch.layer_done(x)
         return output_logits(ops, x, self.w, batch, a.rms_eps, self.shard, a.vocab_size)

@@ -36,4 +36,5 @@ class Model:
         for i, w in enumerate(self.w.layers):
             x = self.attention(ops, x, w, batch, cache, i)
             x = swiglu_block(ops, x, w, a.rms_eps, batch.rows, self.shard)
+            batch.layer_done(x)
         return output_logits(ops, x, self.w, batch, a.rms_eps, self.shard, a.vocab_size)

@@ -22,4 +22,5 @@ class Model(Qwen3):
         for i, w in enumerate(self.w.layers):
             x = self.attention(ops, x, w, batch, cache, i)
             x = ops.add(x, moe_mlp(ops, rms_norm(ops, x, w.ffn_norm, a.rms_eps), w, batch.rows, a.n_experts_used))
+            batch.layer_done(x)
         return output_logits(ops, x, self.w, batch, a.rms_eps, self.shard, a.vocab_size)
