@@ -668,7 +668,7 @@ def test_long_prompt_passes_start_a_few_layers_at_a_time(qwen3_path, monkeypatch
         i, after = check_paced(outs)
         assert after[0] == "start" and after[1][0] is p.start[0]  # then the rest of the pass
         assert p.layers is None  # nothing kept once started
-        k = passes.index(p)
+        k = next(j for j, x in enumerate(passes) if x is p)
         if k:
             assert at("read", passes[k - 1]) < i  # the pass before read first
     assert all(p.layers is None for p in passes)
@@ -684,6 +684,13 @@ def test_long_prompt_passes_start_a_few_layers_at_a_time(qwen3_path, monkeypatch
     assert len(paced) == 2
     for _, outs in paced:
         check_paced(outs)
+    # decode passes start whole, however many rows (here through the model: no compiled step)
+    log.clear(), paced.clear()
+    engine.compile_decode = False
+    monkeypatch.setattr(loop, "PACE_MIN_ROWS", 2)
+    got_batch = engine.generate_batch(prompts, max_tokens=3)
+    assert [g.token_ids for g in got_batch] == [g.token_ids for g in want_batch]
+    assert paced and all(max(b.lengths) > 1 for b, _ in paced)
 
 
 @pytest.mark.parametrize("per_sequence_linear", [False, True])
