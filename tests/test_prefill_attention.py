@@ -1,6 +1,8 @@
 """Prefill chunks on a GPU (mlxinfer/backends/mlx.py, PREFILL_ROWS): a sequence's attention products with
-at least PREFILL_ROWS query rows are MLX's own GEMMs a head at a time, in the per-head reference and in
-the fused override alike; the other sequences of the pass keep the published-order kernels.
+at least PREFILL_ROWS query rows and PREFILL_GEMM_MIN multiply-adds are MLX's own GEMMs a head at a time,
+in the per-head reference and in the fused override alike; the other sequences of the pass keep the
+published-order kernels. (Most tests here set PREFILL_GEMM_MIN to 1, so that rows alone decide; the
+size rule has tests of its own.)
 
 Here (no GPU) the MLX backend runs on its CPU device with stand-ins for the GPU kernels (MLX's CPU
 products, which compute each row on its own, as the published order does): the override must give the
@@ -52,6 +54,7 @@ def gpu_like(monkeypatch):
 
     be = MLXBackend(device="cpu")
     be.gpu_kernels, be.kernel = "cuda", "cuda"  # the kernel paths, on the stand-ins
+    monkeypatch.setattr(mlx_backend, "PREFILL_GEMM_MIN", 1)  # (rows alone decide; see the size rule's tests)
     monkeypatch.setattr(kernels, "matmul", matmul)
     monkeypatch.setattr(kernels, "softmax", softmax)
     monkeypatch.setattr(kernels, "tanh", lambda kind, x: mx.tanh(x))
@@ -126,13 +129,46 @@ def test_heads_together_only_where_the_scores_fit_the_bound(gpu_like, monkeypatc
     assert stacks == ([CAPPED.n_heads] if spare == 0 else [])
 
 
-def test_the_reference_uses_mlx_products_from_prefill_rows(gpu_like):
-    """`matmul` of PREFILL_ROWS rows or more is MLX's product, fewer rows the kernel's."""
+def test_the_reference_uses_mlx_products_from_prefill_rows(gpu_like, monkeypatch):
+    """`matmul` of PREFILL_ROWS rows or more and PREFILL_GEMM_MIN multiply-adds or more is MLX's
+    product; fewer rows, or fewer multiply-adds (either product of a head: scores and context), the
+    kernel's."""
     be, log = gpu_like
     a = mx.ones((PREFILL_ROWS, 8))
     be.matmul(a, mx.ones((8, 3)))
     be.matmul(a[:PREFILL_ROWS - 1], mx.ones((8, 3)))
     assert log["matmul_rows"] == [PREFILL_ROWS - 1]
+    log["matmul_rows"].clear()
+    monkeypatch.setattr(mlx_backend, "PREFILL_GEMM_MIN", PREFILL_ROWS * 8 * 3)
+    be.matmul(a, mx.ones((8, 3)))  # scores: rows x head size x keys
+    be.matmul(mx.ones((PREFILL_ROWS, 3)), mx.ones((3, 8)))  # context: rows x keys x head size
+    assert log["matmul_rows"] == []
+    monkeypatch.setattr(mlx_backend, "PREFILL_GEMM_MIN", PREFILL_ROWS * 8 * 3 + 1)
+    be.matmul(a, mx.ones((8, 3)))
+    be.matmul(mx.ones((PREFILL_ROWS, 3)), mx.ones((3, 8)))
+    assert log["matmul_rows"] == [PREFILL_ROWS, PREFILL_ROWS]
+
+
+@pytest.mark.parametrize("kv", list(KV_CACHES))
+@pytest.mark.parametrize("spare", [0, 1])
+@pytest.mark.parametrize("spec", [AttentionSpec.standard(4, 2, 32), CAPPED], ids=["standard", "capped-window"])
+def test_float32_chunks_under_the_gemm_size_take_the_kernels(gpu_like, monkeypatch, spec, spare, kv):
+    """A chunk of PREFILL_ROWS rows or more whose head products are PREFILL_GEMM_MIN multiply-adds (rows
+    x keys x head size) takes MLX's GEMMs in the reference and the override alike; one multiply-add
+    short, the kernels in both (the override's fused launch over its rows, the reference's kernel
+    products): the reference's bits either way, beside a short chunk and a decode row."""
+    be, log = gpu_like
+    t, s = PREFILL_ROWS + 2, 300
+    seqs = ((70, 1), (s, t), (40, 9))
+    monkeypatch.setattr(mlx_backend, "PREFILL_GEMM_MIN", t * s * spec.head_dim + spare)
+    q, view, batch = check_case_inputs(be, CheckCase("sized", spec, seqs, kv))
+    ref = be.to_numpy(be.per_head_attention(q, view, batch, spec))
+    long_reference = max(log["matmul_rows"]) < PREFILL_ROWS
+    log["matmul_rows"].clear(), log["fused_rows"].clear()
+    got = be.to_numpy(be.fused_attention_override(q, view, batch, spec))
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    assert long_reference == (spare == 0)  # the reference: GEMMs at the size, kernel products under it
+    assert sum(log["fused_rows"]) == 1 + 9 + (t if spare else 0)  # the override: the same choice
 
 
 def test_prefill_rows_is_between_short_prompts_and_chunks():

@@ -85,6 +85,25 @@ DENSE_MIN_ROWS = 1024
 # fused override), else MLX's own GEMMs a head at a time, in the per-head reference and in the fused
 # override alike; fewer rows (decode, short prompts) take mlxinfer's published-order kernels.
 PREFILL_ROWS = 128
+# ... and where a chunk's products would be MLX's GEMMs (no tensor-core order, no MLX fused attention:
+# float32 chunks), only from this size of a head's product (rows x keys x head size multiply-adds, the
+# same for its scores and its context, so the reference's `matmul` and the override read it alike);
+# smaller chunks keep the published-order kernels, whose few launches cover every head and sequence of
+# the pass where MLX's GEMMs take two calls a head and a chunk (docs/performance.md, "float32 prefill
+# chunks of several prompts").
+PREFILL_GEMM_MIN = 1 << 26
+
+
+def gemm_sized(rows: int, macs: int) -> bool:
+    """Whether a product of `rows` query rows and `macs` multiply-adds (attention's, float32) is MLX's
+    GEMM rather than the published-order kernel's: PREFILL_ROWS rows and PREFILL_GEMM_MIN or more."""
+    return rows >= PREFILL_ROWS and macs >= PREFILL_GEMM_MIN
+
+
+def gemm_keys(rows: int, head_dim: int) -> int:
+    """Keys enough for a chunk of `rows` rows (PREFILL_ROWS or more) to take MLX's GEMMs (`gemm_sized`),
+    and at least 300 (past the softmax's 256 threads): the self-check's long-chunk cases."""
+    return max(300, -(-PREFILL_GEMM_MIN // (rows * head_dim)))
 # A long chunk's steps go over all heads at once (`_heads_together`) where its heads' float32 scores take
 # at most this many bytes (each step's output holds as many), else a head at a time as the reference:
 # the launches saved matter in short chunks; over long ones the products dominate, and stacking heads
@@ -152,13 +171,16 @@ def self_check_cases(head_dims=SELF_CHECK_HEAD_DIMS) -> list[CheckCase]:
     256 threads), several decode rows, prefill chunks of 3 and of 9 rows (8+), a sliding window, soft-caps
     (Gemma 2's 50 and a cap of 2, which bends scores of ~3), few rows
     over more than 1,024 keys (the graph override on Metal) and 64 rows over as many (the fused kernel
-    again), a chunk of PREFILL_ROWS rows or more windowed and soft-capped, and each cache kind (prealloc,
-    paged, basic) for decode rows, a chunk, and a chunk of PREFILL_ROWS rows or more beside a decode row
-    (MLX's GEMMs for the one, the kernel for the other)."""
+    again), a chunk of PREFILL_ROWS rows or more windowed and soft-capped over few keys (the kernels in
+    float32) and over enough for MLX's GEMMs (`gemm_keys`), and each cache kind (prealloc, paged, basic)
+    for decode rows, a chunk, and a chunk of PREFILL_ROWS rows or more over enough keys for MLX's GEMMs
+    beside a decode row (the kernel's)."""
     cases = []
+    rows = PREFILL_ROWS + 2
     for d in head_dims:
         gqa, win = AttentionSpec.standard(4, 2, d), AttentionSpec.standard(4, 2, d, window=16)
         capped = [replace(win, softcap=50.0), replace(gqa, softcap=2.0)]
+        keys = gemm_keys(rows, d)
         cases += [CheckCase("one decode row over 1 key", gqa, ((1, 1),)),
                   CheckCase("one decode row over 7 keys", AttentionSpec.standard(1, 1, d), ((7, 1),)),
                   CheckCase("one decode row over 300 keys", gqa, ((300, 1),)),
@@ -169,13 +191,14 @@ def self_check_cases(head_dims=SELF_CHECK_HEAD_DIMS) -> list[CheckCase]:
                             ((300, 1), (70, 3))),
                   CheckCase("one decode row over 1,100 keys", gqa, ((1100, 1),)),
                   CheckCase("64 rows of a chunk over 1,100 keys", gqa, ((1100, 64),)),
-                  CheckCase(f"a {PREFILL_ROWS + 2}-row chunk over 300 keys (MLX's GEMMs), window 16, soft-cap 50",
-                            capped[0], ((300, PREFILL_ROWS + 2),))]
+                  CheckCase(f"a {rows}-row chunk over 300 keys, window 16, soft-cap 50", capped[0], ((300, rows),)),
+                  CheckCase(f"a {rows}-row chunk over {keys:,} keys (float32: MLX's GEMMs), window 16, soft-cap 50",
+                            capped[0], ((keys, rows),))]
         for kv in KV_CACHES:
             cases += [CheckCase("3 decode rows over 70, 257 and 5 keys", gqa, ((70, 1), (257, 1), (5, 1)), kv),
                       CheckCase("a 9-row chunk over 40 keys and a decode row over 129", gqa, ((40, 9), (129, 1)), kv),
-                      CheckCase(f"a {PREFILL_ROWS + 2}-row chunk over 300 keys (MLX's GEMMs) beside a decode row over 70",
-                                gqa, ((300, PREFILL_ROWS + 2), (70, 1)), kv)]
+                      CheckCase(f"a {rows}-row chunk over {keys:,} keys (float32: MLX's GEMMs) beside a decode row over 70",
+                                gqa, ((keys, rows), (70, 1)), kv)]
     return cases
 
 
@@ -185,10 +208,14 @@ def model_check_cases(spec: AttentionSpec) -> list[CheckCase]:
     compile, which `self_check_cases` (4 and 2 heads) never launched. One decode row over 7 keys, over
     300 and over more than ONE_ROW_LONG_FORM_ABOVE (the long-context form); 3 and 8 decode rows (a
     batch); a 9-row chunk; a chunk of ROWS_MIN rows or more (the kernels by rows); a chunk of
-    PREFILL_ROWS rows or more beside a decode row (MLX's GEMMs for the one); two such chunks of one
-    length over as many keys (16-bit: one call of MLX's fused attention over both, `sdpa_batch`)."""
+    PREFILL_ROWS rows or more beside a decode row, over few keys (16-bit: the long-chunk path; float32:
+    the kernels) and over enough for MLX's GEMMs (float32's long-chunk path: `gemm_keys`); two such
+    chunks of one length over as many keys (16-bit: one call of MLX's fused attention over both,
+    `sdpa_batch`)."""
     long = kernels.ONE_ROW_LONG_FORM_ABOVE + 100
     rows = kernels.ROWS_MIN + 6
+    chunk = PREFILL_ROWS + 2
+    keys = gemm_keys(chunk, spec.head_dim)
     return [CheckCase("one decode row over 7 keys", spec, ((7, 1),)),
             CheckCase("one decode row over 300 keys", spec, ((300, 1),)),
             CheckCase(f"one decode row over {long:,} keys", spec, ((long, 1),)),
@@ -196,9 +223,9 @@ def model_check_cases(spec: AttentionSpec) -> list[CheckCase]:
             CheckCase("8 decode rows over 300 keys", spec, ((300, 1),) * 8),
             CheckCase("9 rows of a chunk over 300 keys", spec, ((300, 9),)),
             CheckCase(f"{rows} rows of a chunk over {rows} keys (by rows)", spec, ((rows, rows),)),
-            CheckCase(f"a {PREFILL_ROWS + 2}-row chunk over 300 keys beside a decode row over 70", spec,
-                      ((300, PREFILL_ROWS + 2), (70, 1))),
-            CheckCase(f"two {PREFILL_ROWS + 2}-row chunks over 300 keys each", spec, ((300, PREFILL_ROWS + 2),) * 2)]
+            CheckCase(f"a {chunk}-row chunk over 300 keys beside a decode row over 70", spec, ((300, chunk), (70, 1))),
+            CheckCase(f"a {chunk}-row chunk over {keys:,} keys beside a decode row over 70", spec, ((keys, chunk), (70, 1))),
+            CheckCase(f"two {chunk}-row chunks over 300 keys each", spec, ((300, chunk),) * 2)]
 
 
 def case_applies(backend: "MLXBackend", case: CheckCase) -> bool:
@@ -590,12 +617,12 @@ def _check_case(backend: "MLXBackend", case: CheckCase) -> str | None:
             runs.append(("" if result == mx.float32 else f" in {backend.dtype_name}", plans, ref))
     except Exception as e:  # a kernel that fails to compile or launch
         return f"{_one_line(e)} ({case})"
-    # the launch plans run every row through a kernel, but a sequence of PREFILL_ROWS rows or more is
-    # another path (MLX's GEMMs, or the tensor-core order) in the reference and in the override: the
-    # plans answer for the others
+    # the launch plans run every row through a kernel, but a long chunk (`_long_chunk`) is another path
+    # (MLX's GEMMs, its fused attention or the tensor-core order) in the reference and in the override:
+    # the plans answer for the others
     kernel_rows = np.zeros(ref.shape[0], dtype=bool)
-    for r0, r1 in batch.rows:
-        kernel_rows[r0:r1] = r1 - r0 < PREFILL_ROWS
+    for b, (r0, r1) in enumerate(batch.rows):
+        kernel_rows[r0:r1] = not backend._long_chunk(spec, r1 - r0, batch.kv_lens[b])
     for result, plans, ref in runs:
         for plan, got in plans.items():
             rows = slice(None) if plan in ("", " (compiled)") else kernel_rows
@@ -1357,16 +1384,16 @@ class MLXBackend(Backend):
     def matmul(self, a, b):
         # attention's products, in float32 whatever the dtype (operands widened exactly; the kernels
         # widen what they read the same way). On a GPU, products of fewer than PREFILL_ROWS rows (decode
-        # rows, short chunks) are our kernel's (one published order, so the fused kernels can match them);
-        # longer ones MLX's own (cuBLAS, Metal GEMM), which the fused override then runs the same way
-        # (`fused_attention_override`). 16-bit chunks (`self.mma`) take the tensor-core order instead: b's
+        # rows, short chunks) or fewer than PREFILL_GEMM_MIN multiply-adds are our kernel's (one
+        # published order, so the fused kernels can match them); larger ones MLX's own (cuBLAS, Metal
+        # GEMM), which the fused override then runs the same way (`fused_attention_override`). 16-bit chunks (`self.mma`) take the tensor-core order instead: b's
         # values are the dtype's (keys, values), a's are rounded to it in the kernel (queries: exact;
         # attention weights: to nearest even)
         if self.mma and a.shape[0] >= PREFILL_ROWS:
             bt = mx.contiguous(mx.transpose(b)).astype(self.dtype)
             return mx.squeeze(kernels.mma_matmul(self.gpu_kernels, a.astype(mx.float32)[None], bt[None]), 0)
         a, b = a.astype(mx.float32), b.astype(mx.float32)
-        if self.gpu_kernels and a.shape[0] < PREFILL_ROWS:
+        if self.gpu_kernels and not gemm_sized(a.shape[0], a.shape[0] * a.shape[1] * b.shape[1]):
             return mx.squeeze(kernels.matmul(self.gpu_kernels, a[None], mx.contiguous(mx.transpose(b))[None]), 0)
         return mx.matmul(a, b)
 
@@ -1601,7 +1628,8 @@ class MLXBackend(Backend):
             # split-K GEMM, a batched one never), so fused attention runs the reference itself: the same
             # products, the same bits, at the reference's speed
             return self.per_head_attention(q, kv, batch, spec)
-        long = [b for b, (r0, r1) in enumerate(batch.rows) if r1 - r0 >= PREFILL_ROWS] if self.gpu_kernels else []
+        long = [b for b, (r0, r1) in enumerate(batch.rows)  # (a compiled decode step's batch has no kv_lens)
+                if r1 - r0 >= PREFILL_ROWS and self._long_chunk(spec, r1 - r0, batch.kv_lens[b])] if self.gpu_kernels else []
         if not long:
             return self._fused(q, kv, batch, spec, range(len(batch.rows)))
         # Chunks of PREFILL_ROWS rows or more: in 16-bit dtypes on CUDA MLX's fused attention over every
@@ -1637,6 +1665,15 @@ class MLXBackend(Backend):
             at = mx.array(np.concatenate([np.arange(*batch.rows[b]) for b in rest]).astype(np.int32))
             out[at] = self._fused(q, kv, batch, spec, rest, at)
         return out
+
+    def _long_chunk(self, spec, rows: int, keys: int) -> bool:
+        """Whether a sequence's chunk of `rows` rows over `keys` keys takes the long-chunk paths below
+        (else the kernels): PREFILL_ROWS rows or more, and where its products would be MLX's GEMMs (no
+        tensor-core order, no MLX fused attention) a head's product of PREFILL_GEMM_MIN multiply-adds or
+        more, as the reference's `matmul` decides."""
+        if rows < PREFILL_ROWS:
+            return False
+        return self.mma or self._sdpa_takes(spec, rows) or gemm_sized(rows, rows * keys * spec.head_dim)
 
     def _sdpa_groups(self, batch, spec, seqs) -> list[list[int]]:
         """`seqs` (in batch order) as runs that one call of MLX's fused attention takes together
