@@ -89,9 +89,11 @@ PREFILL_ROWS = 128
 # float32 chunks), only from this size of a head's product (rows x keys x head size multiply-adds, the
 # same for its scores and its context, so the reference's `matmul` and the override read it alike);
 # smaller chunks keep the published-order kernels, whose few launches cover every head and sequence of
-# the pass where MLX's GEMMs take two calls a head and a chunk (docs/performance.md, "float32 prefill
-# chunks of several prompts").
-PREFILL_GEMM_MIN = 1 << 26
+# the pass where MLX's GEMMs take two calls a head and a chunk. Measured on an H100 (Qwen3-0.6B's
+# shape: docs/performance.md, "float32 prompt chunks: the kernels up to a size"): the kernels as soon
+# or sooner up to 2^27 (1,023 rows over as many keys; 512 over 2,048), MLX's GEMMs ~3x sooner at 2^29
+# (2,047 over 2,047); between the two the bound is not measured.
+PREFILL_GEMM_MIN = 1 << 28
 
 
 def gemm_sized(rows: int, macs: int) -> bool:
