@@ -258,7 +258,9 @@ class Loop:
         A prompt's last pass is waited for before the pass after it starts (`_launch`); its tokens are
         then read and returned first, and that pass, already built, is started by the next step: encoding
         it (a few ms: docs/performance.md) no longer delays the first token (`Pass.first_tokens`;
-        a pass of mid-prompt chunks beside decode rows is not held back)."""
+        a pass of mid-prompt chunks beside decode rows is not held back). So is a pass started a few
+        layers at a time (`Pass.layers`: the host waits as it starts it) after any pass: the tokens before
+        it are handed out first."""
         if self._unstarted is not None:
             launched, self._unstarted = self._unstarted, None
             self._start(launched)
@@ -267,7 +269,7 @@ class Loop:
             return []
         plan = self._plan()
         launched = None
-        first_tokens = False
+        held = False  # launched, started by the next step: the pass before's tokens are handed out first
         if plan:
             self.passes += 1
             name = self._pass_name(plan) if self.on_forward else None
@@ -276,23 +278,21 @@ class Loop:
                 # see `_launch`: the two passes' buffers apart (or a decode pass's first part: `part`)
                 part = self._pending.part if not launched.prompt_rows else ()
                 self.ops.sync(*(part or self._pending.outputs))
-                first_tokens = self._pending.first_tokens
-            if first_tokens:
+                # a prompt's first token, and any token before a pass started a few layers at a time
+                # (the host waits as it goes: `Pass.layers`), are read and handed out first
+                held = self._pending.first_tokens or bool(launched.layers)
+            if held:
                 self._unstarted = launched
-            elif not launched.layers:
+            else:
                 self._start(launched)
             if self.on_forward:
                 self.on_forward(name)
         events = []
         if self._pending is not None:
             events += self._read(self._pending)
-        if first_tokens:
+        if held:
             self._pending = None
             return events
-        if launched is not None and launched.layers:
-            # started a few layers at a time, the host waiting as it goes: after the pass before is read
-            # (a prompt pass waited for it above), so that its tokens are not held back
-            self._start(launched)
         if launched is not None:
             self._sample_after_read(launched)
         self._pending = launched

@@ -645,9 +645,10 @@ def test_long_prompt_passes_start_a_few_layers_at_a_time(qwen3_path, monkeypatch
         done(self, x)
 
     monkeypatch.setattr(Batch, "layer_done", layer_done)
-    launch, read = Loop._launch, Loop._read
+    launch, read, step = Loop._launch, Loop._read, Loop.step
     monkeypatch.setattr(Loop, "_launch", lambda self, plan: passes.append(launch(self, plan)) or passes[-1])
     monkeypatch.setattr(Loop, "_read", lambda self, p: log.append(("read", p)) or read(self, p))
+    monkeypatch.setattr(Loop, "step", lambda self: (lambda events: log.append(("returned", events)) or events)(step(self)))
 
     def at(kind, x):
         return next(i for i, (k, xs) in enumerate(log) if k == kind and (xs is x if kind == "read" else xs[0] is x))
@@ -667,11 +668,12 @@ def test_long_prompt_passes_start_a_few_layers_at_a_time(qwen3_path, monkeypatch
         assert len(outs) == QWEN3_SYNTHETIC.n_layers
         i, after = check_paced(outs)
         assert after[0] == "start" and after[1][0] is p.start[0]  # then the rest of the pass
-        assert p.layers is None  # nothing kept once started
+        assert p.layers is None  # nothing kept once started (nor by its batch: below)
         k = next(j for j, x in enumerate(passes) if x is p)
-        if k:
-            assert at("read", passes[k - 1]) < i  # the pass before read first
-    assert all(p.layers is None for p in passes)
+        if k:  # the pass before read, and its events handed out, first
+            r = at("read", passes[k - 1])
+            assert r < i and any(kind == "returned" for kind, _ in log[r:i])
+    assert all(p.layers is None for p in passes) and all(b.layer_outputs == [] for b, _ in paced)
     # a batch (7 + 7 + 4 rows: passes of 8 rows at most) and a scored prompt: the same tokens and bits
     log.clear(), paced.clear()
     got_batch = engine.generate_batch(prompts, max_tokens=3)

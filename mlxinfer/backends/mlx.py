@@ -85,8 +85,8 @@ DENSE_MIN_ROWS = 1024
 # fused override), else MLX's own GEMMs a head at a time, in the per-head reference and in the fused
 # override alike; fewer rows (decode, short prompts) take mlxinfer's published-order kernels.
 PREFILL_ROWS = 128
-# ... and where a chunk's products would be MLX's GEMMs (no tensor-core order, no MLX fused attention:
-# float32 chunks), only from this size of a head's product (rows x keys x head size multiply-adds, the
+# ... and where a chunk's products would be MLX's GEMMs (neither the tensor-core order nor MLX's fused
+# attention takes it: float32 chunks; 16-bit ones where neither applies), only from this size of a head's product (rows x keys x head size multiply-adds, the
 # same for its scores and its context, so the reference's `matmul` and the override read it alike);
 # smaller chunks keep the published-order kernels, whose few launches cover every head and sequence of
 # the pass where MLX's GEMMs take two calls a head and a chunk. Measured on an H100 (Qwen3-0.6B's
@@ -194,6 +194,7 @@ def self_check_cases(head_dims=SELF_CHECK_HEAD_DIMS) -> list[CheckCase]:
                   CheckCase("one decode row over 1,100 keys", gqa, ((1100, 1),)),
                   CheckCase("64 rows of a chunk over 1,100 keys", gqa, ((1100, 64),)),
                   CheckCase(f"a {rows}-row chunk over 300 keys, window 16, soft-cap 50", capped[0], ((300, rows),)),
+                  CheckCase(f"a {rows}-row chunk over 1,100 keys (float32: the kernels)", gqa, ((1100, rows),)),
                   CheckCase(f"a {rows}-row chunk over {keys:,} keys (float32: MLX's GEMMs), window 16, soft-cap 50",
                             capped[0], ((keys, rows),))]
         for kv in KV_CACHES:
