@@ -110,7 +110,9 @@ def gemm_keys(rows: int, head_dim: int) -> int:
 # at most this many bytes (each step's output holds as many), else a head at a time as the reference:
 # the launches saved matter in short chunks; over long ones the products dominate, and stacking heads
 # there raised the peak memory by far more than the stack (docs/performance.md, "float32 prefill chunks
-# of several prompts").
+# of several prompts"). Since PREFILL_GEMM_MIN sends the short chunks it was made for to the kernels, a
+# chunk on MLX's GEMMs has rows x keys >= PREFILL_GEMM_MIN / head size, so its heads' scores fit this
+# bound only where there are at most head size / 16 heads (Qwen3-0.6B's 16 heads of 128: never).
 HEADS_TOGETHER_MAX_BYTES = 64 << 20
 # Prompt tokens per prefill pass where 16-bit chunks take the tensor-core order: a chunk's launch reads
 # every cached key once, so fewer, longer chunks read the prompt's keys fewer times (mlx-lm's prefill step
