@@ -90,10 +90,11 @@ PREFILL_ROWS = 128
 # same for its scores and its context, so the reference's `matmul` and the override read it alike);
 # smaller chunks keep the published-order kernels, whose few launches cover every head and sequence of
 # the pass where MLX's GEMMs take two calls a head and a chunk. Measured on an H100 (Qwen3-0.6B's
-# shape: docs/performance.md, "float32 prompt chunks: the kernels up to a size"): the kernels as soon
-# or sooner up to 2^27 (1,023 rows over as many keys; 512 over 2,048), MLX's GEMMs ~3x sooner at 2^29
-# (2,047 over 2,047); between the two the bound is not measured.
-PREFILL_GEMM_MIN = 1 << 28
+# shape, head size 128: docs/performance.md, "prompt passes a few layers at a time; float32 chunks on
+# the kernels up to a size"): the kernels sooner, or within a few ms, below 2^27 (chunks of 128 rows;
+# 512 rows over up to 2,047 keys; 1,023 over 1,023), MLX's GEMMs sooner from there (512 rows over 2,048
+# to 4,095 keys: 1.6-1.9x; 2,047 over 2,047: ~3x).
+PREFILL_GEMM_MIN = 1 << 27
 
 
 def gemm_sized(rows: int, macs: int) -> bool:
