@@ -496,8 +496,23 @@ def test_what_the_forward_pass_does_not_apply_is_refused(synthetic, tmp_path):
         assert e.args.rope_factors == (8.0,) * 8
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama3_synthetic", "qwen2_synthetic", "gemma3_synthetic", "gemma2_synthetic",
-                                  "phi3_synthetic", "qwen3moe_synthetic", "mixtral_synthetic"])
+def _layer_done_files():
+    from .reference import specs
+
+    return {"qwen3": specs.QWEN3_SYNTHETIC, "llama3_synthetic": specs.LLAMA3_SYNTHETIC, "qwen2_synthetic": specs.QWEN2_SYNTHETIC,
+            "gemma3_synthetic": specs.GEMMA3_SYNTHETIC, "gemma2_synthetic": specs.GEMMA2_SYNTHETIC,
+            "phi3_synthetic": specs.PHI3_SYNTHETIC, "qwen3moe_synthetic": specs.QWEN3MOE_SYNTHETIC,
+            "mixtral_synthetic": specs.MIXTRAL_SYNTHETIC}
+
+
+def test_the_layer_output_test_covers_every_architecture():
+    """Every architecture mlxinfer loads is among the files the next test runs (a new one must join it)."""
+    from mlxinfer.models import ARCHITECTURES
+
+    assert {spec.arch for spec in _layer_done_files().values()} == set(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("name", list(_layer_done_files()))
 def test_every_architecture_hands_each_layer_output_to_the_pass(name, new_arch_paths, qwen3_path, monkeypatch):
     """Each model reports each layer's output once, in order (`Batch.layer_done`: where the loop may
     start a long pass a few layers at a time, `loop.PACE_LAYERS`): as many as it has layers, each its own."""
