@@ -655,10 +655,10 @@ def test_long_prompt_passes_start_a_few_layers_at_a_time(qwen3_path, monkeypatch
 
     def check_paced(outs):  # from the pass's first layer: each layer started, then the one before waited for
         i = at("start", outs[0])
-        want = [("start", outs[0])] + [e for j in range(1, len(outs)) for e in (("start", outs[j]), ("sync", outs[j - 1]))]
-        got = log[i:i + len(want)]
-        assert [k for k, _ in got] == [k for k, _ in want] and all(xs[0] is x for (_, xs), (_, x) in zip(got, want))
-        return i, log[i + len(want)]  # (and what comes next: the rest of the pass)
+        order = [("start", outs[0])] + [e for j in range(1, len(outs)) for e in (("start", outs[j]), ("sync", outs[j - 1]))]
+        got = log[i:i + len(order)]
+        assert [k for k, _ in got] == [k for k, _ in order] and all(xs[0] is x for (_, xs), (_, x) in zip(got, order))
+        return i, log[i + len(order)]  # (and what comes next: the rest of the pass)
 
     got = engine.generate(ids, max_tokens=4)
     assert got.token_ids == want.token_ids and got.logprobs == want.logprobs

@@ -86,14 +86,15 @@ DENSE_MIN_ROWS = 1024
 # override alike; fewer rows (decode, short prompts) take mlxinfer's published-order kernels.
 PREFILL_ROWS = 128
 # ... and where a chunk's products would be MLX's GEMMs (neither the tensor-core order nor MLX's fused
-# attention takes it: float32 chunks; 16-bit ones where neither applies), only from this size of a head's product (rows x keys x head size multiply-adds, the
-# same for its scores and its context, so the reference's `matmul` and the override read it alike);
-# smaller chunks keep the published-order kernels, whose few launches cover every head and sequence of
-# the pass where MLX's GEMMs take two calls a head and a chunk. Measured on an H100 (Qwen3-0.6B's
-# shape, head size 128: docs/performance.md, "prompt passes a few layers at a time; float32 chunks on
-# the kernels up to a size"): the kernels sooner, or within a few ms, below 2^27 (chunks of 128 rows;
-# 512 rows over up to 2,047 keys; 1,023 over 1,023), MLX's GEMMs sooner from there (512 rows over 2,048
-# to 4,095 keys: 1.6-1.9x; 2,047 over 2,047: ~3x).
+# attention takes it: float32 chunks; 16-bit ones where neither applies), only from this size of a
+# head's product (rows x keys x head size multiply-adds, the same for its scores and its context, so
+# the reference's `matmul` and the override read it alike); smaller chunks keep the published-order
+# kernels, whose few launches cover every head and sequence of the pass where MLX's GEMMs take two calls
+# a head and a chunk. Measured on an H100 (Qwen3-0.6B's shape, head size 128: docs/performance.md,
+# "prompt passes a few layers at a time; float32 chunks on the kernels up to a size"): the kernels
+# sooner, or within a few ms, below 2^27 (chunks of 128 rows; 512 rows over up to 2,047 keys; 1,023
+# over 1,023), MLX's GEMMs sooner from there (512 rows over 2,048 to 4,095 keys: 1.6-1.9x; 2,047 over
+# 2,047: ~3x).
 PREFILL_GEMM_MIN = 1 << 27
 
 
@@ -628,7 +629,7 @@ def _check_case(backend: "MLXBackend", case: CheckCase) -> str | None:
     # the plans answer for the others
     kernel_rows = np.zeros(ref.shape[0], dtype=bool)
     for b, (r0, r1) in enumerate(batch.rows):
-        kernel_rows[r0:r1] = not backend._long_chunk(spec, r1 - r0, batch.kv_lens[b])
+        kernel_rows[r0:r1] = not backend._long_chunk(spec, batch, b)
     for result, plans, ref in runs:
         for plan, got in plans.items():
             rows = slice(None) if plan in ("", " (compiled)") else kernel_rows
@@ -1392,9 +1393,9 @@ class MLXBackend(Backend):
         # widen what they read the same way). On a GPU, products of fewer than PREFILL_ROWS rows (decode
         # rows, short chunks) or fewer than PREFILL_GEMM_MIN multiply-adds are our kernel's (one
         # published order, so the fused kernels can match them); larger ones MLX's own (cuBLAS, Metal
-        # GEMM), which the fused override then runs the same way (`fused_attention_override`). 16-bit chunks (`self.mma`) take the tensor-core order instead: b's
-        # values are the dtype's (keys, values), a's are rounded to it in the kernel (queries: exact;
-        # attention weights: to nearest even)
+        # GEMM), which the fused override then runs the same way (`fused_attention_override`). 16-bit
+        # chunks (`self.mma`) take the tensor-core order instead: b's values are the dtype's (keys,
+        # values), a's are rounded to it in the kernel (queries: exact; attention weights: to nearest even)
         if self.mma and a.shape[0] >= PREFILL_ROWS:
             bt = mx.contiguous(mx.transpose(b)).astype(self.dtype)
             return mx.squeeze(kernels.mma_matmul(self.gpu_kernels, a.astype(mx.float32)[None], bt[None]), 0)
@@ -1634,8 +1635,7 @@ class MLXBackend(Backend):
             # split-K GEMM, a batched one never), so fused attention runs the reference itself: the same
             # products, the same bits, at the reference's speed
             return self.per_head_attention(q, kv, batch, spec)
-        long = [b for b, (r0, r1) in enumerate(batch.rows)  # (a compiled decode step's batch has no kv_lens)
-                if r1 - r0 >= PREFILL_ROWS and self._long_chunk(spec, r1 - r0, batch.kv_lens[b])] if self.gpu_kernels else []
+        long = [b for b in range(len(batch.rows)) if self._long_chunk(spec, batch, b)] if self.gpu_kernels else []
         if not long:
             return self._fused(q, kv, batch, spec, range(len(batch.rows)))
         # Chunks of PREFILL_ROWS rows or more: in 16-bit dtypes on CUDA MLX's fused attention over every
@@ -1672,14 +1672,16 @@ class MLXBackend(Backend):
             out[at] = self._fused(q, kv, batch, spec, rest, at)
         return out
 
-    def _long_chunk(self, spec, rows: int, keys: int) -> bool:
-        """Whether a sequence's chunk of `rows` rows over `keys` keys takes the long-chunk paths below
-        (else the kernels): PREFILL_ROWS rows or more, and where its products would be MLX's GEMMs (no
-        tensor-core order, no MLX fused attention) a head's product of PREFILL_GEMM_MIN multiply-adds or
-        more, as the reference's `matmul` decides."""
-        if rows < PREFILL_ROWS:
+    def _long_chunk(self, spec, batch, b: int) -> bool:
+        """Whether sequence b's chunk takes the long-chunk paths below (else the kernels): PREFILL_ROWS
+        rows or more, and where its products would be MLX's GEMMs (no tensor-core order, no MLX fused
+        attention) a head's product of PREFILL_GEMM_MIN multiply-adds or more over its keys, as the
+        reference's `matmul` decides."""
+        r0, r1 = batch.rows[b]
+        rows = r1 - r0
+        if rows < PREFILL_ROWS:  # (first: a compiled decode step's batch has no kv_lens)
             return False
-        return self.mma or self._sdpa_takes(spec, rows) or gemm_sized(rows, rows * keys * spec.head_dim)
+        return self.mma or self._sdpa_takes(spec, rows) or gemm_sized(rows, rows * batch.kv_lens[b] * spec.head_dim)
 
     def _sdpa_groups(self, batch, spec, seqs) -> list[list[int]]:
         """`seqs` (in batch order) as runs that one call of MLX's fused attention takes together
