@@ -322,6 +322,123 @@ __device__ __forceinline__ void mlxi_softmax(float* x, int n, int tid, float* re
   for (int j = tid; j < n; j += MLXI_THREADS) x[j] = __fdiv_rn(x[j], total);
   __syncthreads();
 }
+// attn_softmax_context's steps 1 and 2 (see there) for one block: (row, KV head g, head dimensions
+// c*8 .. c*8+7). x: the scores of the group's first head, head g*G + e's at x + e * xcap (keys j < S);
+// v: the value store, its slot's first row v0; out: the row's first result value; red, part: the
+// block's shared memory. Called by the whole block (MLXI_THREADS threads). attn_short calls it too,
+// its scores in shared memory.
+template <int H, int KV, int D, int SU, int KU, int PF, int WS, typename V, typename O>
+__device__ __forceinline__ void mlxi_softmax_context(const float* x, long xcap, const V* v, long v0, O* out, int g,
+                                                     int c, int S, float* red, float* part) {
+  constexpr int G = H / KV;
+  static_assert(SU >= 1 && KU >= 8 && KU % 8 == 0 && (WS == 0 || WS == 1),
+                "SU >= 1; KU a multiple of 8 (each thread computes one p of every 8 keys); WS 0 or 1");
+  const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, l = tid >> 3, dd = tid & 7, d = c * 8 + dd;
+  constexpr long kvw = (long)KV * D;
+  const long vc = g * D + min(d, D - 1);  // this thread's column
+  for (int h0 = 0; h0 < G; h0 += 4) {
+    const int nh = min(4, G - h0);
+    const float* xr = x + h0 * xcap;
+    float vv[KU];  // PF: the first KU values of the chain are loaded now, in flight during step 1
+    if (PF) mlxi_chain_values<KU>(vv, v, v0, vc, kvw, l, 0, S);
+    float m[4], total[4];
+    {  // 1. the softmax's max and total, per head
+      float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+      mlxi_scores_pass<SU>(xr, xcap, nh, S, tid, [&](int e, int, float t) { mx[e] = fmaxf(mx[e], t); });
+      for (int e = 0; e < nh; ++e) m[e] = mlxi_block_max(mx[e], lane, wid, red);
+      float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mlxi_scores_pass<SU>(xr, xcap, nh, S, tid, [&](int e, int, float t) { s[e] = __fadd_rn(s[e], expf(__fsub_rn(t, m[e]))); });
+      for (int e = 0; e < nh; ++e) {
+        total[e] = mlxi_block_total(s[e], lane, wid, red);
+        __syncthreads();  // red is reused by the next head
+      }
+    }
+    // 2. the context. 2a (WS = 1): whole steps, where every chain of the block has its next KU keys
+    // (32 * (k0 + KU) <= S, the same for the whole block): no key is checked, the offsets are the
+    // compiler's constants, and with PF the next step's values and scores load during this step's
+    // arithmetic
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int whole = WS ? S / (32 * KU) : 0;
+    long vr = v0 + l;                      // the row of chain l's key l + 32 * k0
+    const float* xp = xr + l + 32 * dd;    // the score of key l + 32 * (k0 + dd), head 0
+    float xv[KU / 8][4];                   // [group of 8 keys][head]: the scores this thread turns into p
+    if (PF && whole > 0) mlxi_step_scores<KU>(xv, xp, xcap, nh);
+    long k0 = 0;
+    for (int it = 0; it < whole; ++it, k0 += KU, vr += 32L * KU, xp += 32 * KU) {
+      float vn[KU], xn[KU / 8][4];
+      const bool next = it + 1 < whole;  // PF: the next step is whole too (the same for the block)
+      if (!PF) {
+#pragma unroll
+        for (int u = 0; u < KU; ++u) vv[u] = mlxi_kv(v, vr + 32L * u, vc, kvw);
+        mlxi_step_scores<KU>(xv, xp, xcap, nh);
+      } else if (next) {
+#pragma unroll
+        for (int u = 0; u < KU; ++u) vn[u] = mlxi_kv(v, vr + 32L * (KU + u), vc, kvw);
+        mlxi_step_scores<KU>(xn, xp + 32 * KU, xcap, nh);
+      }
+      float pe[KU / 8][4];
+#pragma unroll
+      for (int q8 = 0; q8 < KU / 8; ++q8) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pe[q8][e] = e < nh ? mlxi_weight(xv[q8][e], m[e], total[e]) : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pu = __shfl_sync(0xffffffffu, pe[u >> 3][e], (lane & ~7) | (u & 7));
+          if (e < nh) acc[e] = __fadd_rn(acc[e], __fmul_rn(pu, vv[u]));
+        }
+      }
+      if (PF && next) {
+#pragma unroll
+        for (int u = 0; u < KU; ++u) vv[u] = vn[u];
+#pragma unroll
+        for (int q8 = 0; q8 < KU / 8; ++q8) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) xv[q8][e] = xn[q8][e];
+        }
+      }
+    }
+    if (PF && whole > 0) mlxi_chain_values<KU>(vv, v, v0, vc, kvw, l, k0, S);  // the first values of 2b
+    // 2b. the last steps, each key checked; the loop bound is the warp's (its chains l start at 4 * wid):
+    // shuffles need all 32
+    for (; 4L * wid + 32 * k0 < S; k0 += KU) {
+      float vn[KU];  // PF: the next KU values, in flight during this step's arithmetic
+      if (PF) mlxi_chain_values<KU>(vn, v, v0, vc, kvw, l, k0 + KU, S);
+      else mlxi_chain_values<KU>(vv, v, v0, vc, kvw, l, k0, S);
+      float pe[KU / 8][4];  // [group of 8 keys][head]: the p of key k0 + 8 * q + dd of chain l
+#pragma unroll
+      for (int q8 = 0; q8 < KU / 8; ++q8) {
+        const long mine = l + 32 * (k0 + 8 * q8 + dd);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          pe[q8][e] = (e < nh && mine < S) ? mlxi_weight(xr[e * xcap + mine], m[e], total[e]) : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
+        const long i = l + 32 * (k0 + u);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pu = __shfl_sync(0xffffffffu, pe[u >> 3][e], (lane & ~7) | (u & 7));
+          if (e < nh && i < S) acc[e] = __fadd_rn(acc[e], __fmul_rn(pu, vv[u]));
+        }
+      }
+      if (PF) {
+#pragma unroll
+        for (int u = 0; u < KU; ++u) vv[u] = vn[u];
+      }
+    }
+    for (int e = 0; e < nh; ++e) {
+      part[tid] = acc[e];
+      mlxi_chain_tree(part, tid);
+      if (l == 0 && d < D) mlxi_put(out + (g * G + h0 + e) * D + d, part[tid]);
+      __syncthreads();
+    }
+  }
+
+}
 // ---- The tensor-core order: 16-bit attention (--dtype bfloat16 / float16) on prefill chunks --------
 // With 16-bit q, K and V (a cache in the activations' dtype), a sequence's chunk of PREFILL_ROWS rows
 // or more takes a second published order, one that NVIDIA's tensor cores follow (issue 30):
@@ -589,125 +706,94 @@ if (r < n) {
 // waiting on memory, fewer for several rows, whose blocks share the SMs (kernels.split_unroll); PF
 // (0 or 1): whether the values are prefetched, the chain's first KU before step 1 and each next KU
 // during the current KU's arithmetic; WS (0 or 1): whether the context loop takes whole steps without
-// checks first (2a below). The forms (kernels.split_unroll) change no operation and no order.
+// checks first (2a in mlxi_softmax_context, which runs steps 1 and 2). The forms (kernels.split_unroll)
+// change no operation and no order.
 const long cap = x_shape[2], n = x_shape[0];
 constexpr int G = H / KV, nd = (D + 7) / 8;
-constexpr int T = MLXI_THREADS;
-static_assert(SU >= 1 && KU >= 8 && KU % 8 == 0 && (WS == 0 || WS == 1),
-              "SU >= 1; KU a multiple of 8 (each thread computes one p of every 8 keys); WS 0 or 1");
 const long blk = (long)blockIdx.y * gridDim.x + blockIdx.x;
 const int c = blk % nd;
 const long rg = blk / nd;
 const long r = rg / KV;
 const int g = rg % KV;
-const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, l = tid >> 3, dd = tid & 7, d = c * 8 + dd;
+__shared__ float red[MLXI_WARPS];
+__shared__ float part[MLXI_THREADS];
+if (r < n) {  // the same for the whole block
+  mlxi_softmax_context<H, KV, D, SU, KU, PF, WS>(x + (r * H + (long)g * G) * cap, cap, v, (long)row_slot[r] * cap,
+                                                 out + r * H * D, g, c, row_len[r], red, part);
+}
+//@@BODY attn_short
+// Split attention, one-launch form for short caches (decode rows over at most SK keys:
+// kernels.uses_short). Block b = ((r*KV + g)*nd + c), as attn_softmax_context's, first computes the
+// scores of its (row r, KV head g) itself, attn_scores' arithmetic key by key (warp w takes keys w,
+// w+8, ... < S, four of them loaded before their products; for each key and head the lanes' chains
+// over i = l, l+32, ... and the butterfly), into shared memory, then runs attn_softmax_context's steps
+// on them (mlxi_softmax_context): the same bits as the two launches, one launch fewer. Each of the nd
+// blocks of a (row, KV head) computes the same scores: nd times the scores' work, which over short
+// caches costs less than the launch it saves (docs/performance.md).
+// q [N, H*D]; k, v [slots, CAP, KV*D]; compile-time H, KV, D, CAUSAL, WINDOW and the scale and soft-cap
+// bits as attn_scores', SU, KU, PF, WS as attn_softmax_context's, and SK, the keys a head's row of
+// shared scores holds (at least CAP: G * SK floats a block).
+const long cap = k_shape[1], n = q_shape[0];
+constexpr int G = H / KV, nd = (D + 7) / 8, NT = (D + 31) / 32;
+constexpr long kvw = (long)KV * D;
+const float sc = __int_as_float(SCALE_BITS);
+const float softcap = __int_as_float(SOFTCAP_BITS), softcap_inv = __int_as_float(SOFTCAP_INV_BITS);
+const long blk = (long)blockIdx.y * gridDim.x + blockIdx.x;
+const int c = blk % nd;
+const long rg = blk / nd;
+const long r = rg / KV;
+const int g = rg % KV;
+const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+__shared__ float xs[G * SK];
 __shared__ float red[MLXI_WARPS];
 __shared__ float part[MLXI_THREADS];
 if (r < n) {  // the same for the whole block
   const int S = row_len[r];
-  constexpr long kvw = (long)KV * D;
-  const long v0 = (long)row_slot[r] * cap, vc = g * D + min(d, D - 1);  // the slot's first row, this thread's column
-  for (int h0 = 0; h0 < G; h0 += 4) {
-    const int nh = min(4, G - h0);
-    const float* xr = x + (r * H + (long)g * G + h0) * cap;
-    float vv[KU];  // PF: the first KU values of the chain are loaded now, in flight during step 1
-    if (PF) mlxi_chain_values<KU>(vv, v, v0, vc, kvw, l, 0, S);
-    float m[4], total[4];
-    {  // 1. the softmax's max and total, per head
-      float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-      mlxi_scores_pass<SU>(xr, cap, nh, S, tid, [&](int e, int, float t) { mx[e] = fmaxf(mx[e], t); });
-      for (int e = 0; e < nh; ++e) m[e] = mlxi_block_max(mx[e], lane, wid, red);
-      float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      mlxi_scores_pass<SU>(xr, cap, nh, S, tid, [&](int e, int, float t) { s[e] = __fadd_rn(s[e], expf(__fsub_rn(t, m[e]))); });
-      for (int e = 0; e < nh; ++e) {
-        total[e] = mlxi_block_total(s[e], lane, wid, red);
-        __syncthreads();  // red is reused by the next head
-      }
-    }
-    // 2. the context. 2a (WS = 1): whole steps, where every chain of the block has its next KU keys
-    // (32 * (k0 + KU) <= S, the same for the whole block): no key is checked, the offsets are the
-    // compiler's constants, and with PF the next step's values and scores load during this step's
-    // arithmetic
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const int whole = WS ? S / (32 * KU) : 0;
-    long vr = v0 + l;                      // the row of chain l's key l + 32 * k0
-    const float* xp = xr + l + 32 * dd;    // the score of key l + 32 * (k0 + dd), head 0
-    float xv[KU / 8][4];                   // [group of 8 keys][head]: the scores this thread turns into p
-    if (PF && whole > 0) mlxi_step_scores<KU>(xv, xp, cap, nh);
-    long k0 = 0;
-    for (int it = 0; it < whole; ++it, k0 += KU, vr += 32L * KU, xp += 32 * KU) {
-      float vn[KU], xn[KU / 8][4];
-      const bool next = it + 1 < whole;  // PF: the next step is whole too (the same for the block)
-      if (!PF) {
+  const int pos = row_pos[r];
+  const long row0 = (long)row_slot[r] * cap;  // the slot's first row
+  float qr[G][NT];
 #pragma unroll
-        for (int u = 0; u < KU; ++u) vv[u] = mlxi_kv(v, vr + 32L * u, vc, kvw);
-        mlxi_step_scores<KU>(xv, xp, cap, nh);
-      } else if (next) {
+  for (int hh = 0; hh < G; ++hh) {
 #pragma unroll
-        for (int u = 0; u < KU; ++u) vn[u] = mlxi_kv(v, vr + 32L * (KU + u), vc, kvw);
-        mlxi_step_scores<KU>(xn, xp + 32 * KU, cap, nh);
-      }
-      float pe[KU / 8][4];
-#pragma unroll
-      for (int q8 = 0; q8 < KU / 8; ++q8) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) pe[q8][e] = e < nh ? mlxi_weight(xv[q8][e], m[e], total[e]) : 0.0f;
-      }
-#pragma unroll
-      for (int u = 0; u < KU; ++u) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float pu = __shfl_sync(0xffffffffu, pe[u >> 3][e], (lane & ~7) | (u & 7));
-          if (e < nh) acc[e] = __fadd_rn(acc[e], __fmul_rn(pu, vv[u]));
-        }
-      }
-      if (PF && next) {
-#pragma unroll
-        for (int u = 0; u < KU; ++u) vv[u] = vn[u];
-#pragma unroll
-        for (int q8 = 0; q8 < KU / 8; ++q8) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) xv[q8][e] = xn[q8][e];
-        }
-      }
-    }
-    if (PF && whole > 0) mlxi_chain_values<KU>(vv, v, v0, vc, kvw, l, k0, S);  // the first values of 2b
-    // 2b. the last steps, each key checked; the loop bound is the warp's (its chains l start at 4 * wid):
-    // shuffles need all 32
-    for (; 4L * wid + 32 * k0 < S; k0 += KU) {
-      float vn[KU];  // PF: the next KU values, in flight during this step's arithmetic
-      if (PF) mlxi_chain_values<KU>(vn, v, v0, vc, kvw, l, k0 + KU, S);
-      else mlxi_chain_values<KU>(vv, v, v0, vc, kvw, l, k0, S);
-      float pe[KU / 8][4];  // [group of 8 keys][head]: the p of key k0 + 8 * q + dd of chain l
-#pragma unroll
-      for (int q8 = 0; q8 < KU / 8; ++q8) {
-        const long mine = l + 32 * (k0 + 8 * q8 + dd);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          pe[q8][e] = (e < nh && mine < S) ? mlxi_weight(xr[e * cap + mine], m[e], total[e]) : 0.0f;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < KU; ++u) {
-        const long i = l + 32 * (k0 + u);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float pu = __shfl_sync(0xffffffffu, pe[u >> 3][e], (lane & ~7) | (u & 7));
-          if (e < nh && i < S) acc[e] = __fadd_rn(acc[e], __fmul_rn(pu, vv[u]));
-        }
-      }
-      if (PF) {
-#pragma unroll
-        for (int u = 0; u < KU; ++u) vv[u] = vn[u];
-      }
-    }
-    for (int e = 0; e < nh; ++e) {
-      part[tid] = acc[e];
-      mlxi_chain_tree(part, tid);
-      if (l == 0 && d < D) mlxi_put(out + r * H * D + (g * G + h0 + e) * D + d, part[tid]);
-      __syncthreads();
+    for (int t = 0; t < NT; ++t) {
+      const int i = lane + 32 * t;
+      qr[hh][t] = i < D ? mlxi_f(q[r * H * D + ((long)g * G + hh) * D + i]) : 0.0f;
     }
   }
+  for (int j0 = wid; j0 < S; j0 += 4 * MLXI_WARPS) {  // the same for every lane of the warp
+    float kr[4][NT];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int j = j0 + MLXI_WARPS * u;
+      const bool hidden = mlxi_hidden(j, pos, CAUSAL, WINDOW);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const int i = lane + 32 * t;
+        kr[u][t] = (j < S && !hidden && i < D) ? mlxi_kv(k, row0 + j, g * D + i, kvw) : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int j = j0 + MLXI_WARPS * u;
+      if (j < S) {
+        const bool hidden = mlxi_hidden(j, pos, CAUSAL, WINDOW);
+#pragma unroll
+        for (int hh = 0; hh < G; ++hh) {
+          float s = 0.0f;
+          if (!hidden) {
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+              if (lane + 32 * t < D) s = __fadd_rn(s, __fmul_rn(qr[hh][t], kr[u][t]));
+            }
+            s = mlxi_warp_total(s);
+          }
+          if (lane == 0) xs[hh * SK + j] = hidden ? -INFINITY : mlxi_score(s, sc, softcap, softcap_inv);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  mlxi_softmax_context<H, KV, D, SU, KU, PF, WS>(xs, SK, v, row0, out + r * H * D, g, c, S, red, part);
 }
 //@@BODY attn_softmax
 // Split attention, three-launch form, step 2: one block per (row r, head h) turns its scores x[r, h, :S], S =

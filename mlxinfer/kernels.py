@@ -82,6 +82,7 @@ _INPUTS = {
     "tanh": (["x", "dims"], ["out"]),
     "attn_scores": (["q", "k", "row_slot", "row_pos", "row_len"], ["p"]),
     "attn_softmax_context": (["x", "v", "row_slot", "row_len"], ["out"]),
+    "attn_short": (["q", "k", "v", "row_slot", "row_pos", "row_len"], ["out"]),
     "attn_softmax": (["x", "row_len"], ["out"]),
     "attn_context": (["p", "v", "row_slot", "row_len"], ["out"]),
     "attn_context_rows": (["p", "v", "row_slot", "row_len"], ["out"]),
@@ -388,6 +389,24 @@ ONE_ROW_FORMS = tuple((("SU", 8), ("KU", ku), ("PF", pf), ("WS", ws)) for ku, pf
 # from 512 to 32,768 keys.
 
 
+SHORT_MAX_ROWS = 8  # the two-launch form's work in one launch (`attn_short`) for up to this many rows over
+SHORT_MAX_KEYS = 1024  # a cache of up to this many keys, where a block's shared memory holds its group's
+SHORT_MAX_BYTES = 32 << 10  # scores (G heads x SHORT_MAX_KEYS floats, at most this many bytes). Each block
+# computes its (row, KV head)'s scores itself, head size / 8 times the scores' work, which over short
+# caches takes less device time than a launch does (and a decode step is bound by its launches: one
+# fewer a layer). docs/performance.md has the figures that chose the bounds.
+
+
+def short_fits(spec, capacity: int) -> bool:
+    """Whether `attn_short`'s shared scores hold a cache of `capacity` keys for `spec`'s groups."""
+    return 0 < capacity <= SHORT_MAX_KEYS and spec.n_heads // spec.n_kv_heads * SHORT_MAX_KEYS * 4 <= SHORT_MAX_BYTES
+
+
+def uses_short(rows: int, spec, capacity: int) -> bool:
+    """Whether the split plan's two-launch form runs as one launch (`attn_short`)."""
+    return rows <= SHORT_MAX_ROWS and short_fits(spec, capacity)
+
+
 def uses_two_launches(rows: int, capacity: int) -> bool:
     """Whether the split plan computes softmax and context in one launch (`attn_softmax_context`)."""
     return rows <= TWO_LAUNCH_ROWS or rows * capacity <= TWO_LAUNCH_MAX_KEYS
@@ -494,9 +513,11 @@ def fused_attention(kind: str, q, keys, values, row_slot, row_pos, row_len, spec
 
 
 def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, steps: int = 3,
-                     two_launches: bool | None = None, seq_rows=None, by_rows: bool | None = None, out_dtype=None):
+                     two_launches: bool | None = None, seq_rows=None, by_rows: bool | None = None, out_dtype=None,
+                     short: bool | None = None):
     """The split plan: scores, then softmax and context in one launch (`two_launches`, by default
-    `uses_two_launches`) or two. `steps=1` stops after the scores and returns them, `steps=2` after the
+    `uses_two_launches`) or two; the two-launch form over a short cache in one launch (`short`, by
+    default `uses_short`: `attn_short`). `steps=1` stops after the scores and returns them, `steps=2` after the
     three-launch form's softmax (bench/probes/decode_attention.py and prefill_attention.py time the steps),
     both float32, `steps=3` runs the whole plan (its result in `out_dtype`, default q's dtype). `seq_rows` as fused_attention's; `by_rows` forces the kernels by rows
     (True) or the others (False). The attention's shape is compiled into the kernels."""
@@ -518,6 +539,19 @@ def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, ste
         seq_rows = _checked_rows(tuple((int(r0), int(r1)) for r0, r1 in seq_rows), n)
     if by_rows is None:
         by_rows = uses_rows(seq_rows, cap)
+    if short is None:
+        short = uses_short(n, spec, cap)
+    context = dict(grid=launch_grid(n * spec.n_kv_heads * -(-spec.head_dim // 8)), threadgroup=(THREADS, 1, 1),
+                   output_shapes=[(n, spec.n_heads * spec.head_dim)], output_dtypes=[out_dtype])
+    if short and two_launches and steps == 3 and not by_rows:
+        if not short_fits(spec, cap):
+            raise ValueError(f"attn_short's shared scores hold {SHORT_MAX_KEYS} keys of at most "
+                             f"{SHORT_MAX_BYTES // (4 * SHORT_MAX_KEYS)} heads, not {cap} keys of a group of "
+                             f"{spec.n_heads // spec.n_kv_heads}")
+        (out,) = _kernel(kind, "attn_short")(inputs=[q, keys, values, row_slot, row_pos, row_len],
+                                             template=template + split_unroll(n, cap) + [("SK", SHORT_MAX_KEYS)] + result,
+                                             **context)
+        return out
     if by_rows and spec.head_dim <= 128:  # tiles of up to 32 rows of one sequence x 32 keys
         tiles = _score_tiles(tuple((r, r + 1) for r in range(n)) if seq_rows is None else seq_rows)
         (out,) = _kernel(kind, "attn_scores_rows")(
@@ -531,8 +565,6 @@ def split_attention(kind, q, keys, values, row_slot, row_pos, row_len, spec, ste
             output_shapes=shape, output_dtypes=[mx.float32])
     if steps == 1:
         return out
-    context = dict(grid=launch_grid(n * spec.n_kv_heads * -(-spec.head_dim // 8)), threadgroup=(THREADS, 1, 1),
-                   output_shapes=[(n, spec.n_heads * spec.head_dim)], output_dtypes=[out_dtype])
     if two_launches and steps == 3:
         (out,) = _kernel(kind, "attn_softmax_context")(inputs=[out, values, row_slot, row_len],
                                                        template=template + split_unroll(n, cap) + result, **context)

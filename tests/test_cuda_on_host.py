@@ -29,10 +29,12 @@ from . import cuda_host
 pytestmark = pytest.mark.skipif(not cuda_host.available(), reason="needs g++ (C++20) to run the kernels on the host")
 
 PLANS = {"split, two launches": dict(split=True, two=True, rows=False),
+         "split, one launch for short caches": dict(split=True, two=True, rows=False, short=True),
          "split, three launches": dict(split=True, two=False, rows=False),
          "split, three launches, context by rows": dict(split=True, two=False, rows=True),
          "one-launch": dict(split=False, two=False, rows=False)}
 WANT = {"split, two launches": {"attn_scores", "attn_softmax_context"},
+         "split, one launch for short caches": {"attn_short"},
         "split, three launches": {"attn_scores", "attn_softmax", "attn_context"},
         "split, three launches, context by rows": {"attn_scores_rows", "attn_softmax", "attn_context_rows"},
         "one-launch": {"fused_attention"}}
@@ -55,11 +57,12 @@ def test_every_launch_plan_is_the_reference_on_the_host(plan, dtype, kv, host_di
     monkeypatch.setattr(kernels, "TWO_LAUNCH_MAX_KEYS", 10**18 if p["two"] else 0)
     monkeypatch.setattr(kernels, "ROWS_MIN", 1 if p["rows"] else 10**9)
     monkeypatch.setattr(kernels, "ROWS_MAX_KEYS_PER_ROW", 10**9)
+    monkeypatch.setattr(kernels, "SHORT_MAX_ROWS", 10**9 if p.get("short") else 0)
     b = cuda_host.cuda_path(dtype)
     rng = np.random.default_rng(5)
-    spec = replace(AttentionSpec.standard(2, 1, 16, window=20), softcap=2.0)
+    spec = replace(AttentionSpec.standard(5, 1, 16, window=20), softcap=2.0)  # (a group of 5: its heads 4 at a time)
     keys, values = ([rng.standard_normal((s, 16), dtype=np.float32) * 3 for s in (90, 70)] for _ in range(2))
-    case = AttentionCase(rng.standard_normal((67, 32), dtype=np.float32), keys, values, [1, 66], spec)
+    case = AttentionCase(rng.standard_normal((67, 80), dtype=np.float32), keys, values, [1, 66], spec)
     assert_matches_default(b, case, kv=kv)  # the result in the dtype, as a model runs it
     with attention_results(b, mx.float32):  # and every bit of the order, not only what survives the dtype's rounding
         assert_matches_default(b, case, kv=kv)
@@ -211,7 +214,8 @@ def test_every_architecture_on_the_cuda_path_on_the_host(name, kv, arch_files, h
     soft-cap's tanh on attention.cu's kernels, run on the host), eager: the prompt's logits within
     test_models' bound of llama.cpp's, the per-head reference's bit for bit, and 8 greedy tokens of each
     fixture prompt (three, or qwen3_synthetic's one), generated together as one batch, llama.cpp's, by the
-    per-head engine and the fused one through the compiled decode step's code."""
+    per-head engine and the fused one through the compiled decode step's code (its decode rows, over a
+    short preallocated store, on `attn_short`)."""
     from .test_models import LOGIT_ATOL, load_fixture
 
     launched = cuda_host.launch_on_host(host_dir, monkeypatch)
@@ -233,6 +237,7 @@ def test_every_architecture_on_the_cuda_path_on_the_host(name, kv, arch_files, h
     # fused: the compiled decode step's own code (Batch.traced_decode, the cache's step inputs, the next
     # step's index arrays made on the device) with mx.compile off, so that the host kernels run inside it
     engine = Engine(arch_files[name], cuda_host.cuda_path(), kv=kv, prefill_chunk=16)
+    del launched[:]
     steps = []
     step = engine.decode_step._step
     engine.decode_step._step = lambda *a: steps.append(a) or step(*a)
@@ -242,6 +247,8 @@ def test_every_architecture_on_the_cuda_path_on_the_host(name, kv, arch_files, h
     finally:
         mx.enable_compile()
     assert len(steps) == 7  # every decode pass but the prefill's token
+    if kv == "prealloc":  # decode rows over a short store: the two-launch form in one launch
+        assert launched.count("attn_short") >= len(steps), set(launched)  # (a layer's, each step)
 
 
 @pytest.mark.parametrize("name", ["qwen3_d64", "gemma3_d64"])

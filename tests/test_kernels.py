@@ -25,7 +25,8 @@ needs_gpu = pytest.mark.skipif(GPU is None, reason="needs an MLX GPU (Metal or C
 
 
 def test_kernel_sources_hold_every_kernel():
-    split = {"attn_scores", "attn_softmax_context", "attn_softmax", "attn_context", "attn_context_rows", "attn_scores_rows"}
+    split = {"attn_scores", "attn_softmax_context", "attn_short", "attn_softmax", "attn_context", "attn_context_rows",
+             "attn_scores_rows"}
     assert set(kernels.QK_NORM_ROPE_KINDS) == {"cuda", "metal"}
     for kind in ("cuda", "metal"):
         header, bodies = kernels.kernel_source(kind)
@@ -214,7 +215,8 @@ def test_gpu_softmax_kernel(n):
 
 def test_launch_plan_rule():
     """Which passes take the split kernels (`kernels.uses_split`): decode of up to 64 sequences of 16 heads
-    over any cache, prefill chunks while their scratch fits; never on Metal (no split kernels there)."""
+    over any cache, prefill chunks while their scratch fits; never on Metal (no split kernels there); and
+    which of the split plan's forms."""
     from mlxinfer.backend import AttentionSpec
 
     spec = AttentionSpec.standard(16, 8, 128)
@@ -227,12 +229,18 @@ def test_launch_plan_rule():
     assert kernels.uses_two_launches(1, 40960) and kernels.uses_two_launches(8, 2048)
     assert not kernels.uses_two_launches(8, 2049) and not kernels.uses_two_launches(2, 8193)
     assert not kernels.uses_two_launches(511, 768)  # prefill chunks: three launches
+    # ... and the two-launch form in one (attn_short) for up to 8 rows over up to 1,024 keys, where the
+    # group's scores fit a block's 32 KiB (8 heads a KV head)
+    assert kernels.uses_short(1, spec, 256) and kernels.uses_short(8, spec, 1024)
+    assert not kernels.uses_short(9, spec, 256) and not kernels.uses_short(1, spec, 1025)
+    assert kernels.uses_short(1, AttentionSpec.standard(64, 8, 128), 1024)
+    assert not kernels.uses_short(1, AttentionSpec.standard(72, 8, 128), 1024)
 
 
 INT_INPUTS = {"row_slot", "row_pos", "row_len", "dims", "tiles"}
 SPLIT_TEMPLATE = {"H": 16, "KV": 8, "D": 128, "CAUSAL": "true", "WINDOW": 0, "SCALE_BITS": 1035273459, "SOFTCAP_BITS": 0,
                   "SOFTCAP_INV_BITS": 0}
-TEMPLATED = {"attn_scores", "attn_softmax_context", "attn_context", "attn_context_rows", "attn_scores_rows", "qk_norm_rope"}  # the kernels kernels.split_attention passes `template` to
+TEMPLATED = {"attn_scores", "attn_softmax_context", "attn_short", "attn_context", "attn_context_rows", "attn_scores_rows", "qk_norm_rope"}  # the kernels kernels.split_attention passes `template` to
 STUB = """
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -330,13 +338,17 @@ def test_cuda_sources_compile_with_nvrtc(monkeypatch):
     opts = [b"--gpu-architecture=compute_90", b"-default-device", b"--std=c++17", f"-I{include}".encode()]
     mma = {"mma_matmul", "mma_softmax", "mma_attention"}  # (built below, as the tensor-core GPU's code)
     builds = [(name, body, ()) for name, body in bodies.items()
-              if name not in {"attn_softmax_context", "attn_context_rows", "qk_norm_rope"} | mma]
+              if name not in {"attn_softmax_context", "attn_short", "attn_context_rows", "qk_norm_rope"} | mma]
     forms = [(("NHB", nhb), ("UR", ur)) for nhb in (1, 2) for ur in (1, 2, 4, 8)]
     assert tuple(kernels.CONTEXT_ROWS_FORM) in forms
     builds += [("attn_context_rows", bodies["attn_context_rows"], f) for f in forms]
     unrollings = {tuple(kernels.split_unroll(rows, cap)) for rows in range(1, 1025) for cap in (1, 1 << 20)}  # all used
     builds += [("attn_softmax_context", bodies["attn_softmax_context"], u) for u in sorted(unrollings)]
     builds += [("attn_softmax_context", bodies["attn_softmax_context"], form) for form in kernels.ONE_ROW_FORMS]
+    short = (("SK", kernels.SHORT_MAX_KEYS),)
+    builds += [("attn_short", bodies["attn_short"], tuple(kernels.split_unroll(rows, cap)) + short)  # the forms it takes
+               for rows, cap in sorted({(min(r, 2), c) for r in range(1, kernels.SHORT_MAX_ROWS + 1)
+                                        for c in (1, kernels.SHORT_MAX_KEYS)})]
     builds += [("qk_norm_rope", bodies["qk_norm_rope"], (("EPS_BITS", kernels.f32_bits(1e-6)), ("LOG2_BASE_BITS", bits)))
                for bits in (kernels.f32_bits(19.93), 1 << 30)]
     assert {n for n, _, _ in builds} | mma == set(bodies)
@@ -350,7 +362,8 @@ def test_cuda_sources_compile_with_nvrtc(monkeypatch):
     # the attention kernels read q, K and V in bfloat16 and float16 too (--dtype, --kv-dtype), and K and V
     # from a q8_0 cache's int8 rows: each kernel's form in use, with both 16-bit types, q in bfloat16 over
     # a float32 cache, and q in float32 and bfloat16 over a q8_0 cache
-    forms = {"attn_context_rows": tuple(kernels.CONTEXT_ROWS_FORM), "attn_softmax_context": kernels.ONE_ROW_FORM}
+    forms = {"attn_context_rows": tuple(kernels.CONTEXT_ROWS_FORM), "attn_softmax_context": kernels.ONE_ROW_FORM,
+             "attn_short": kernels.ONE_ROW_FORM + short}
     for name in sorted(set(bodies) - {"matmul", "softmax", "attn_softmax", "qk_norm_rope"} - mma):
         for types in (("bfloat16", "bfloat16"), ("float16", "float16"), ("bfloat16", "float32"), ("float32", "int8"),
                       ("bfloat16", "int8")):
@@ -360,8 +373,9 @@ def test_cuda_sources_compile_with_nvrtc(monkeypatch):
     # the score kernels with a soft-cap (Gemma 2's 50; its bits as kernels.split_attention passes them)
     monkeypatch.setitem(SPLIT_TEMPLATE, "SOFTCAP_BITS", kernels.f32_bits(50.0))
     monkeypatch.setitem(SPLIT_TEMPLATE, "SOFTCAP_INV_BITS", kernels.f32_bits(softcap_inverse(50.0)))
-    for name in ("attn_scores", "attn_scores_rows"):
-        rc, log = _nvrtc_compile(lib, name, _cuda_kernel_source(name, bodies[name], parts[name][0]), opts)
+    for name in ("attn_scores", "attn_scores_rows", "attn_short"):
+        src = _cuda_kernel_source(name, bodies[name], parts[name][0], tuple(forms.get(name, ())))
+        rc, log = _nvrtc_compile(lib, name, src, opts)
         assert rc == 0, f"{name}, soft-capped: {log}"
 
 
@@ -562,12 +576,13 @@ def test_soft_capped_passes_reach_the_kernels_with_their_cap(monkeypatch):
         cap, inv = (50.0, softcap_inverse(50.0)) if spec.softcap else (0.0, 0.0)
         seen.clear()
         kernels.fused_attention("cuda", q, k, v, *rows, spec, split=False)
-        for two, by_rows in ((True, False), (False, True)):
-            kernels.split_attention("cuda", q, k, v, *rows, spec, two_launches=two, by_rows=by_rows, seq_rows=[(0, 1), (1, 3)])
+        for two, by_rows, short in ((True, False, False), (False, True, False), (True, False, True)):
+            kernels.split_attention("cuda", q, k, v, *rows, spec, two_launches=two, by_rows=by_rows, seq_rows=[(0, 1), (1, 3)],
+                                    short=short)
         (fused,) = [inputs for name, inputs, _ in seen if name == "fused_attention"]
         assert np.array(fused[6]).tolist() == [np.float32(spec.scale), np.float32(cap), np.float32(inv)]
-        scores = [t for name, _, t in seen if name in ("attn_scores", "attn_scores_rows")]
-        assert len(scores) == 2 and all((t["SOFTCAP_BITS"], t["SOFTCAP_INV_BITS"]) == (kernels.f32_bits(cap), kernels.f32_bits(inv))
+        scores = [t for name, _, t in seen if name in ("attn_scores", "attn_scores_rows", "attn_short")]
+        assert len(scores) == 3 and all((t["SOFTCAP_BITS"], t["SOFTCAP_INV_BITS"]) == (kernels.f32_bits(cap), kernels.f32_bits(inv))
                                         for t in scores)
     assert inv == float(np.float32(1) / np.float32(50)) != 0.02
     mlx = make_backend("mlx", device="cpu")
@@ -598,13 +613,14 @@ def test_cuda_attention_kernels_are_named_by_their_input_types(monkeypatch, dtyp
     k = v = mx.zeros((2, 40, 2 * 64), dtype=getattr(mx, kv_dtype))
     rows = [mx.array([0, 1, 1], dtype=mx.int32), mx.array([5, 0, 1], dtype=mx.int32), mx.array([6, 2, 2], dtype=mx.int32)]
     kernels.fused_attention("cuda", q, k, v, *rows, spec, split=False)
-    for two, by_rows in ((True, False), (False, False), (False, True)):
-        kernels.split_attention("cuda", q, k, v, *rows, spec, two_launches=two, by_rows=by_rows, seq_rows=[(0, 1), (1, 3)])
+    for two, by_rows, short in ((True, False, False), (False, False, False), (False, True, False), (True, False, True)):
+        kernels.split_attention("cuda", q, k, v, *rows, spec, two_launches=two, by_rows=by_rows, seq_rows=[(0, 1), (1, 3)],
+                                short=short)
     reading = {n for n, _, _ in seen} - {"attn_softmax"}  # (attn_softmax reads float32 scores only)
-    assert reading == {"fused_attention", "attn_scores", "attn_softmax_context", "attn_context", "attn_scores_rows",
-                       "attn_context_rows"}
+    assert reading == {"fused_attention", "attn_scores", "attn_softmax_context", "attn_short", "attn_context",
+                       "attn_scores_rows", "attn_context_rows"}
     for name, _, template in seen:
         if name in reading:
             assert (template["QT"], template["KVT"]) == (getattr(mx, dtype), getattr(mx, kv_dtype)), name
-        writing = name in ("fused_attention", "attn_softmax_context", "attn_context", "attn_context_rows")
+        writing = name in ("fused_attention", "attn_softmax_context", "attn_short", "attn_context", "attn_context_rows")
         assert template.get("OT") == (getattr(mx, dtype) if writing else None), name

@@ -217,13 +217,14 @@ needs_cuda = pytest.mark.skipif(gpu_kind() != "cuda", reason="the split kernels 
 
 @needs_cuda
 @pytest.mark.parametrize("types", TYPES)
-@pytest.mark.parametrize("plan", ["split, two launches", "split, three launches", "split, three launches, context by rows",
-                                  "one-launch"])
+@pytest.mark.parametrize("plan", ["split, two launches", "split, two launches in one", "split, three launches",
+                                  "split, three launches, context by rows", "one-launch"])
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(case=attention_inputs())
 def test_both_cuda_launch_plans_are_byte_identical(plan, types, case):
     """Every pass forced through one plan (the split kernels in their two- or three-launch form, the
-    latter with either context kernel, or the one-launch kernel), whatever its size, with q, K and V in
+    former also in one launch (attn_short), the latter with either context kernel, or the one-launch
+    kernel), whatever its size, with q, K and V in
     each dtype (the kernels read 16-bit values and widen them), over q8_0 caches (the kernels form
     d * q from the packed rows) and soft-capped (half the cases)."""
     from mlxinfer import kernels
@@ -236,6 +237,7 @@ def test_both_cuda_launch_plans_are_byte_identical(plan, types, case):
         mp.setattr(kernels, "TWO_LAUNCH_MAX_KEYS", 10**18 if two else 0)
         mp.setattr(kernels, "ROWS_MIN", 1 if "rows" in plan else 10**9)
         mp.setattr(kernels, "ROWS_MAX_KEYS_PER_ROW", 10**9)
+        mp.setattr(kernels, "SHORT_MAX_ROWS", 10**9 if "in one" in plan else 0)
         assert_matches_default(typed(lambda **kw: MLXBackend(device="gpu", kernel="cuda", **kw), types, case), case)
 
 
@@ -260,12 +262,15 @@ def test_split_and_one_launch_kernels_agree_on_long_caches(rows, s, window, head
     lens = mx.array(np.linspace(s // 3, s, rows).astype(np.int32))
     slots = mx.arange(rows, dtype=mx.int32)
     got = {two: np.array(kernels.split_attention("cuda", q, keys, values, slots, lens - 1, lens, spec,
-                                                   two_launches=two).astype(mx.float32)) for two in (True, False)}
+                                                   two_launches=two, short=False).astype(mx.float32)) for two in (True, False)}
+    if kernels.short_fits(spec, s):  # the two-launch form in one (attn_short)
+        got["short"] = np.array(kernels.split_attention("cuda", q, keys, values, slots, lens - 1, lens, spec,
+                                                        two_launches=True, short=True).astype(mx.float32))
     got["rows"] = np.array(kernels.split_attention("cuda", q, keys, values, slots, lens - 1, lens, spec,
                                                     two_launches=False, by_rows=True).astype(mx.float32))
     got["one"] = np.array(kernels.fused_attention("cuda", q, keys, values, slots, lens - 1, lens, spec, split=False).astype(mx.float32))
     assert np.isfinite(got[True]).all()
-    for plan in (True, False, "rows"):
+    for plan in set(got) - {"one"}:
         assert np.array_equal(got[plan].view(np.uint32), got["one"].view(np.uint32)), plan
 
 

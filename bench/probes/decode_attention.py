@@ -19,7 +19,8 @@ both plans give the same bits and that they agree with sdpa to 1e-4. Needs an ML
 `--gpu-clock` (CUDA) measures instead the device time alone: 20 calls chained (each call's output is
 the next call's query), between two GPU clock stamps (bench/probes/gpu_clock.py), all in one CUDA graph
 (MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER set high), per call (`*_gpu_us`; the split plan's two- and three-launch forms forced as
-`split_two_launches_gpu_us` and `split_three_launches_gpu_us`; with `--one-row-forms SU:KU:PF:WS,...`, one
+`split_two_launches_gpu_us` and `split_three_launches_gpu_us`, and where the cache is short enough the
+two-launch form in one launch (`kernels.uses_short`: attn_short) as `split_short_launches_gpu_us`; with `--one-row-forms SU:KU:PF:WS,...`, one
 row also with each of those `kernels.ONE_ROW_FORM`s as `fused_SU8_KU64_PF1_WS1_gpu_us` etc., then the default
 again as `fused_gpu_us_again`; the row arrays (slot, position, length) are slices of arrays of at least 4
 entries, as the engine passes them, and for one or two rows `fused_rows_small_gpu_us` times arrays of
@@ -114,14 +115,19 @@ def parse_forms(text: str) -> list[tuple]:
 
 def gpu_rows(kind, spec, b, s, q, keys, values, slots, pos, lens, qh, kh, vh, reps, forms=()):
     """The --gpu-clock row of one case."""
-    row = dict(batch=b, context=s, split=kernels.uses_split(kind, b, spec), kernel=kind, clock="gpu",
-               two_launches=kernels.uses_two_launches(b, s))
+    row = dict(batch=b, context=s, capacity=keys.shape[1], heads=f"{spec.n_heads}/{spec.n_kv_heads}",
+               split=kernels.uses_split(kind, b, spec), kernel=kind, clock="gpu",
+               two_launches=kernels.uses_two_launches(b, keys.shape[1]), short=kernels.uses_short(b, spec, keys.shape[1]))
     fused = lambda x: kernels.fused_attention(kind, x, keys, values, slots, pos, lens, spec)  # noqa: E731
     row["fused_gpu_us"] = round(gpu_time(fused, q, reps), 1)
     one = lambda x: kernels.fused_attention(kind, x, keys, values, slots, pos, lens, spec, split=False)  # noqa: E731
     row["one_launch_gpu_us"] = round(gpu_time(one, q, reps), 1)
-    for two, name in ((True, "two"), (False, "three")):  # the split plan's two forms, forced
-        fn = lambda x, t=two: kernels.split_attention(kind, x, keys, values, slots, pos, lens, spec, two_launches=t)  # noqa: E731
+    plans = [(True, False, "two"), (False, False, "three")]  # the split plan's forms, forced
+    if kernels.short_fits(spec, keys.shape[1]):  # ... and the two-launch form in one (attn_short)
+        plans.append((True, True, "short"))
+    for two, short, name in plans:
+        fn = lambda x, t=two, sh=short: kernels.split_attention(kind, x, keys, values, slots, pos, lens, spec,  # noqa: E731
+                                                                two_launches=t, short=sh)
         row[f"split_{name}_launches_gpu_us"] = round(gpu_time(fn, q, reps), 1)
     sdpa = lambda x: mx.fast.scaled_dot_product_attention(x, kh, vh, scale=spec.scale)  # noqa: E731
     row["sdpa_gpu_us"] = round(gpu_time(sdpa, qh, reps), 1)
@@ -164,6 +170,10 @@ def main(argv=None):
     p.add_argument("--gpu-clock", action="store_true", help="device time per call only (CUDA)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="q's, the keys' and the values' type")
+    p.add_argument("--heads", default="16/8", help="query heads / KV heads (head_dim 128): 16/8 the 0.6B shape, 32/8 the 8B")
+    p.add_argument("--capacity", type=int, default=0,
+                   help="rows of each slot's store (default: the context); a decode step's store is longer than "
+                        "its keys (PreallocKVCache rounds it up to 256)")
     p.add_argument("--one-row-forms", default="",
                    help="with --gpu-clock: also time one row with these attn_softmax_context forms, "
                         "SU:KU:PF:WS,... (kernels.ONE_ROW_FORM and ONE_ROW_LONG_FORM; fused_SU8_KU32_PF1_WS1_gpu_us, ...)")
@@ -172,21 +182,23 @@ def main(argv=None):
     kind = "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else None
     if kind is None:
         sys.exit("decode_attention: needs an MLX GPU (CUDA or Metal)")
-    spec = AttentionSpec.standard(16, 8, 128)
+    nh, nkv = (int(x) for x in a.heads.split("/"))
+    spec = AttentionSpec.standard(nh, nkv, 128)
     dtype, tol = getattr(mx, a.dtype), (1e-4 if a.dtype == "float32" else 2e-2)
     rng = np.random.default_rng(0)
     for b in (int(x) for x in a.batch.split(",")):
         for s in (int(x) for x in a.contexts.split(",")):
-            q = mx.array(rng.standard_normal((b, 16 * 128), dtype=np.float32)).astype(dtype)
-            keys = mx.array(rng.standard_normal((b, s, 8 * 128), dtype=np.float32)).astype(dtype)
-            values = mx.array(rng.standard_normal((b, s, 8 * 128), dtype=np.float32)).astype(dtype)
+            cap = max(s, a.capacity)
+            q = mx.array(rng.standard_normal((b, nh * 128), dtype=np.float32)).astype(dtype)
+            keys = mx.array(rng.standard_normal((b, cap, nkv * 128), dtype=np.float32)).astype(dtype)
+            values = mx.array(rng.standard_normal((b, cap, nkv * 128), dtype=np.float32)).astype(dtype)
             width = max(b, MIN_INDEX_ENTRIES)  # as the engine passes them (Batch.packed): never <= 8 bytes
             slots = mx.arange(width, dtype=mx.int32)[:b]
             pos = mx.full((width,), s - 1, dtype=mx.int32)[:b]
             lens = mx.full((width,), s, dtype=mx.int32)[:b]
-            qh = mx.reshape(q, (b, 16, 1, 128))
-            kh = mx.contiguous(mx.transpose(mx.reshape(keys, (b, s, 8, 128)), (0, 2, 1, 3)))
-            vh = mx.contiguous(mx.transpose(mx.reshape(values, (b, s, 8, 128)), (0, 2, 1, 3)))
+            qh = mx.reshape(q, (b, nh, 1, 128))
+            kh = mx.contiguous(mx.transpose(mx.reshape(keys[:, :s], (b, s, nkv, 128)), (0, 2, 1, 3)))
+            vh = mx.contiguous(mx.transpose(mx.reshape(values[:, :s], (b, s, nkv, 128)), (0, 2, 1, 3)))
             mx.eval(q, keys, values, kh, vh, slots, pos, lens)
             ops = {"fused": lambda: kernels.fused_attention(kind, q, keys, values, slots, pos, lens, spec),
                    "one_launch": lambda: kernels.fused_attention(kind, q, keys, values, slots, pos, lens, spec,

@@ -143,8 +143,11 @@ def _profile_ours(path, cases, gen, variant, device, gpu_clock, dtype, batch):
     ops = engine.backend
     limits = kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH, block_kernels.SWIGLU_FUSED_MAX_VALUES
     formed_compiled = block_kernels.FORMED_COMPILED
+    short_rows = kernels.SHORT_MAX_ROWS
     if variant == "one-launch":
         kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH = 0, 0
+    if variant == "no-short":  # the split plan's two-launch form in two launches, as before attn_short
+        kernels.SHORT_MAX_ROWS = 0
     if variant == "swiglu-fused":  # every down product in its SWIGLU form, whatever its shape
         block_kernels.SWIGLU_FUSED_MAX_VALUES = float("inf")
     if variant == "formed-launched":  # each formed kernel launched bare, not in mx.compile (block_kernels.FORMED_COMPILED)
@@ -232,6 +235,7 @@ def _profile_ours(path, cases, gen, variant, device, gpu_clock, dtype, batch):
                             **({} if batch == 1 else dict(last_ttft_ms=[round(t, 2) for t in last_ttft], prompt_passes=passes))))
     finally:
         kernels.SPLIT_MAX_ITEMS, kernels.SPLIT_MAX_SCRATCH, block_kernels.SWIGLU_FUSED_MAX_VALUES = limits
+        kernels.SHORT_MAX_ROWS = short_rows
         block_kernels.FORMED_COMPILED = formed_compiled
         Loop._launch, Loop.step = launch, step
         ops.start, ops.to_numpy, ops.sync = start, to_numpy, sync
@@ -309,7 +313,7 @@ def main(argv=None):
     p.add_argument("--cases", default="17,511")
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--engines", default="ours,mlx-lm")
-    p.add_argument("--variants", default="default", help="ours: default, one-launch, separate, no-attention, unfused, swiglu-apart, swiglu-fused, norm-apart, prefill-mlx-ops, inline-headers, sliced-columns, pair-apart, formed-graph, formed-launched")
+    p.add_argument("--variants", default="default", help="ours: default, one-launch, no-short, separate, no-attention, unfused, swiglu-apart, swiglu-fused, norm-apart, prefill-mlx-ops, inline-headers, sliced-columns, pair-apart, formed-graph, formed-launched")
     p.add_argument("--model", default="qwen3-0.6b-synthetic", help="as mlxinfer bench's --model")
     p.add_argument("--device", default="gpu", help="gpu, or cpu to try the script without one")
     p.add_argument("--gpu-clock", action="store_true", help="add gpu_ms (CUDA; one CUDA graph per evaluation)")

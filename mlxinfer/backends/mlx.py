@@ -614,7 +614,10 @@ def _check_case(backend: "MLXBackend", case: CheckCase) -> str | None:
                     plans[" (one launch)"] = bits(kernels.fused_attention(*args, split=False, out_dtype=result))
                     for two, form in ((True, "two"), (False, "three")):
                         plans[f" (split, {form} launches)"] = bits(kernels.split_attention(
-                            *args, two_launches=two, out_dtype=result))
+                            *args, two_launches=two, short=False, out_dtype=result))
+                    if kernels.short_fits(spec, view.store[0].shape[1]):
+                        plans[" (split, two launches in one)"] = bits(kernels.split_attention(
+                            *args, two_launches=True, short=True, out_dtype=result))
                     plans[" (split, three launches, context by rows)"] = bits(kernels.split_attention(
                         *args, two_launches=False, seq_rows=batch.rows, by_rows=True, out_dtype=result))
                 if all(t == 1 for _, t in case.seqs):  # decode rows, as the compiled decode step launches them
