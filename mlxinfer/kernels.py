@@ -390,11 +390,12 @@ ONE_ROW_FORMS = tuple((("SU", 8), ("KU", ku), ("PF", pf), ("WS", ws)) for ku, pf
 
 
 SHORT_MAX_ROWS = 8  # the two-launch form's work in one launch (`attn_short`) for up to this many rows over
-SHORT_MAX_KEYS = 1024  # a cache of up to this many keys, where a block's shared memory holds its group's
-SHORT_MAX_BYTES = 32 << 10  # scores (G heads x SHORT_MAX_KEYS floats, at most this many bytes). Each block
-# computes its (row, KV head)'s scores itself, head size / 8 times the scores' work, which over short
-# caches takes less device time than a launch does (and a decode step is bound by its launches: one
-# fewer a layer). docs/performance.md has the figures that chose the bounds.
+SHORT_MAX_KEYS = 256  # a cache of up to this many keys, where a block's shared memory holds its group's
+SHORT_MAX_BYTES = 32 << 10  # scores (G heads x SHORT_MAX_KEYS floats, at most this many bytes). Each of
+# the head size / 8 blocks of a (row, KV head) computes its scores itself, a chain of key loads a warp
+# that grows with the keys: over a cache of a preallocated step (256 keys) it takes less device time than
+# the launch it saves, or about as much (a 0.6B decode step is bound by its launches, an 8B one by the
+# device); over longer caches up to twice the two launches' (docs/performance.md has the figures).
 
 
 def short_fits(spec, capacity: int) -> bool:

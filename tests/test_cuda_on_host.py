@@ -60,9 +60,12 @@ def test_every_launch_plan_is_the_reference_on_the_host(plan, dtype, kv, host_di
     monkeypatch.setattr(kernels, "SHORT_MAX_ROWS", 10**9 if p.get("short") else 0)
     b = cuda_host.cuda_path(dtype)
     rng = np.random.default_rng(5)
-    spec = replace(AttentionSpec.standard(5, 1, 16, window=20), softcap=2.0)  # (a group of 5: its heads 4 at a time)
-    keys, values = ([rng.standard_normal((s, 16), dtype=np.float32) * 3 for s in (90, 70)] for _ in range(2))
-    case = AttentionCase(rng.standard_normal((67, 80), dtype=np.float32), keys, values, [1, 66], spec)
+    # groups of 5 heads (taken 4 at a time); attn_short (its rows: decode rows, a short chunk) also over
+    # two KV heads of 40 values (a lane's second chunk of 32 partly past the head)
+    h, kv_heads, d, rows = (10, 2, 40, [1, 7]) if p.get("short") else (5, 1, 16, [1, 66])
+    spec = replace(AttentionSpec.standard(h, kv_heads, d, window=20), softcap=2.0)
+    keys, values = ([rng.standard_normal((s, kv_heads * d), dtype=np.float32) * 3 for s in (90, 70)] for _ in range(2))
+    case = AttentionCase(rng.standard_normal((sum(rows), h * d), dtype=np.float32), keys, values, rows, spec)
     assert_matches_default(b, case, kv=kv)  # the result in the dtype, as a model runs it
     with attention_results(b, mx.float32):  # and every bit of the order, not only what survives the dtype's rounding
         assert_matches_default(b, case, kv=kv)

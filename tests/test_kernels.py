@@ -229,12 +229,12 @@ def test_launch_plan_rule():
     assert kernels.uses_two_launches(1, 40960) and kernels.uses_two_launches(8, 2048)
     assert not kernels.uses_two_launches(8, 2049) and not kernels.uses_two_launches(2, 8193)
     assert not kernels.uses_two_launches(511, 768)  # prefill chunks: three launches
-    # ... and the two-launch form in one (attn_short) for up to 8 rows over up to 1,024 keys, where the
-    # group's scores fit a block's 32 KiB (8 heads a KV head)
-    assert kernels.uses_short(1, spec, 256) and kernels.uses_short(8, spec, 1024)
-    assert not kernels.uses_short(9, spec, 256) and not kernels.uses_short(1, spec, 1025)
-    assert kernels.uses_short(1, AttentionSpec.standard(64, 8, 128), 1024)
-    assert not kernels.uses_short(1, AttentionSpec.standard(72, 8, 128), 1024)
+    # ... and the two-launch form in one (attn_short) for up to 8 rows over up to 256 keys (a preallocated
+    # store's first step), where the group's scores fit a block's 32 KiB (32 heads a KV head)
+    assert kernels.uses_short(1, spec, 1) and kernels.uses_short(8, spec, 256)
+    assert not kernels.uses_short(9, spec, 256) and not kernels.uses_short(1, spec, 257)
+    assert kernels.uses_short(1, AttentionSpec.standard(256, 8, 128), 256)
+    assert not kernels.uses_short(1, AttentionSpec.standard(264, 8, 128), 256)
 
 
 INT_INPUTS = {"row_slot", "row_pos", "row_len", "dims", "tiles"}
