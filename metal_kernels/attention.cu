@@ -724,7 +724,7 @@ if (r < n) {  // the same for the whole block
 // Split attention, one-launch form for short caches (decode rows over at most SK keys:
 // kernels.uses_short). Block b = ((r*KV + g)*nd + c), as attn_softmax_context's, first computes the
 // scores of its (row r, KV head g) itself, attn_scores' arithmetic key by key (warp w takes keys w,
-// w+8, ... < S, eight of them loaded before their products; for each key and head the lanes' chains
+// w+8, ... < S, four of them loaded before their products; for each key and head the lanes' chains
 // over i = l, l+32, ... and the butterfly), into shared memory, then runs attn_softmax_context's steps
 // on them (mlxi_softmax_context): the same bits as the two launches, one launch fewer. Each of the nd
 // blocks of a (row, KV head) computes the same scores: nd times the scores' work, which over short
@@ -759,10 +759,10 @@ if (r < n) {  // the same for the whole block
       qr[hh][t] = i < D ? mlxi_f(q[r * H * D + ((long)g * G + hh) * D + i]) : 0.0f;
     }
   }
-  for (int j0 = wid; j0 < S; j0 += 8 * MLXI_WARPS) {  // the same for every lane of the warp
-    float kr[8][NT];
+  for (int j0 = wid; j0 < S; j0 += 4 * MLXI_WARPS) {  // the same for every lane of the warp
+    float kr[4][NT];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
+    for (int u = 0; u < 4; ++u) {
       const int j = j0 + MLXI_WARPS * u;
       const bool hidden = mlxi_hidden(j, pos, CAUSAL, WINDOW);
 #pragma unroll
@@ -772,7 +772,7 @@ if (r < n) {  // the same for the whole block
       }
     }
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
+    for (int u = 0; u < 4; ++u) {
       const int j = j0 + MLXI_WARPS * u;
       if (j < S) {
         const bool hidden = mlxi_hidden(j, pos, CAUSAL, WINDOW);
