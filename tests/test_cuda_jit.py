@@ -201,7 +201,7 @@ def test_the_self_checks_prebuild_finds_every_form_they_launch(monkeypatch):
     assert launched and launched <= collected
     names = {m.split("_cuda_")[0].removeprefix("custom_kernel_mlxinfer_") for m in collected}
     assert names >= {"matmul", "softmax", "tanh", "fused_attention", "attn_scores", "attn_scores_rows",
-                     "attn_softmax", "attn_softmax_context", "attn_context", "attn_context_rows"}
+                     "attn_softmax", "attn_softmax_context", "attn_short", "attn_context", "attn_context_rows"}
     assert {d for d in mlx_backend.SELF_CHECK_HEAD_DIMS if any(f"scores_cuda_4_2_{d}_" in m for m in collected)} \
         == set(mlx_backend.SELF_CHECK_HEAD_DIMS)
     rec.asked.clear()
@@ -258,7 +258,8 @@ def test_a_models_check_builds_and_launches_its_own_shapes(monkeypatch):
     for name, form in [("attn_scores", []), ("attn_scores_rows", []), ("attn_context_rows", [*kernels.CONTEXT_ROWS_FORM, *result]),
                        ("attn_softmax_context", [*kernels.ONE_ROW_FORM, *result]),
                        ("attn_softmax_context", [*kernels.ONE_ROW_LONG_FORM, *result]),
-                       ("attn_softmax_context", [*kernels.split_unroll(8, 300), *result])]:
+                       ("attn_softmax_context", [*kernels.split_unroll(8, 300), *result]),
+                       ("attn_short", [*kernels.ONE_ROW_FORM, ("SK", kernels.SHORT_MAX_KEYS), *result])]:
         kernel = f"custom_kernel_mlxinfer_{name}_cuda{shape}{cuda_jit.template_suffix(form)}_"
         assert any(m.startswith(kernel) for m in collected), kernel
     assert not any("_cuda_4_2_" in m for m in collected)

@@ -194,13 +194,13 @@ def test_each_slot_reads_its_rows_from_its_origin_and_a_reused_slot_from_0(backe
     assert np.array_equal(ops.to_numpy(keys)[:, 0], [0, 1, 2]) and view.batch.starts == (0, batch.kv_lens[1])
 
 
-@pytest.mark.parametrize("plan", ["split", "one-launch"])
+@pytest.mark.parametrize("plan", ["split", "split, short", "one-launch"])
 def test_the_cuda_kernels_read_a_windowed_store_as_the_reference(plan, monkeypatch, tmp_path):
     """attention.cu's kernels, run on the host (tests/cuda_host.py: g++, a fiber per CUDA thread), read
     a windowed store in place at the shifted positions: MLX's override on an MLX backend made to take
     the CUDA path equals the per-head reference (whose products and softmax are the published-order
-    kernels, run on the host too), in the split plan and the one-launch kernel, for a decode row and a
-    3-row chunk whose slots' origins moved (64 and 32)."""
+    kernels, run on the host too), in the split plan (its two launches, or one: attn_short) and the
+    one-launch kernel, for a decode row and a 3-row chunk whose slots' origins moved (64 and 32)."""
     from mlxinfer import kernels
     from mlxinfer.testing import AttentionCase, assert_matches_default
 
@@ -209,13 +209,15 @@ def test_the_cuda_kernels_read_a_windowed_store_as_the_reference(plan, monkeypat
     if not cuda_host.available():
         pytest.skip("needs g++ (C++20) to run the CUDA kernels on the host")
     launched = cuda_host.launch_on_host(tmp_path, monkeypatch)
-    split = plan == "split"
+    split = plan.startswith("split")
     monkeypatch.setattr(kernels, "SPLIT_MAX_ITEMS", 10**9 if split else 0)
     monkeypatch.setattr(kernels, "SPLIT_MAX_SCRATCH", 10**18 if split else 0)
+    monkeypatch.setattr(kernels, "SHORT_MAX_ROWS", 10**9 if plan == "split, short" else 0)
     b = cuda_host.cuda_path()
     rng = np.random.default_rng(5)
     spec = AttentionSpec.standard(2, 1, 16, window=20)
     keys, values = ([rng.standard_normal((s, 16), dtype=np.float32) for s in (90, 60)] for _ in range(2))
     case = AttentionCase(rng.standard_normal((4, 32), dtype=np.float32), keys, values, [1, 3], spec)
     assert_matches_default(b, case, kv="windowed")
-    assert ("attn_scores" in launched) == split and launched, launched
+    first = {"split": "attn_scores", "split, short": "attn_short", "one-launch": "fused_attention"}[plan]
+    assert launched and first in launched and ("attn_scores" in launched) == (plan == "split"), launched
