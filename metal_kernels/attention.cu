@@ -728,7 +728,8 @@ if (r < n) {  // the same for the whole block
 // over i = l, l+32, ... and the butterfly), into shared memory, then runs attn_softmax_context's steps
 // on them (mlxi_softmax_context): the same bits as the two launches, one launch fewer. Each of the nd
 // blocks of a (row, KV head) computes the same scores: nd times the scores' work, which over short
-// caches costs less than the launch it saves (docs/performance.md).
+// caches (up to ~80 keys) costs about what the launch it saves does, and more as the keys grow
+// (docs/performance.md; kernels.SHORT_MAX_KEYS).
 // q [N, H*D]; k, v [slots, CAP, KV*D]; compile-time H, KV, D, CAUSAL, WINDOW and the scale and soft-cap
 // bits as attn_scores', SU, KU, PF, WS as attn_softmax_context's, and SK, the keys a head's row of
 // shared scores holds (at least CAP: G * SK floats a block).

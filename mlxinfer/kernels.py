@@ -12,8 +12,9 @@ On CUDA the fused attention has a second launch plan for few rows, the split ker
 (`split_attention`, chosen by `uses_split`): the same arithmetic, spread over the GPU one key, then
 one partial-sum chain at a time: `attn_scores`, then for decode `attn_softmax_context` (each block
 recomputes its heads' softmax max and total in the softmax kernel's order: one launch fewer, which
-saves more host time than the recomputation costs on the GPU while few rows read short caches) or,
-for many rows over longer caches, `attn_softmax` and `attn_context` (the choice: `uses_two_launches`).
+saves more host time than the recomputation costs on the GPU while few rows read short caches; over
+caches of up to SHORT_MAX_KEYS keys both in one launch, `attn_short`: `uses_short`) or, for many rows
+over longer caches, `attn_softmax` and `attn_context` (the choice: `uses_two_launches`).
 A pass where a sequence brings many rows (a prefill chunk: `uses_rows`) takes the kernels by rows
 instead, `attn_scores_rows` (32 rows x 32 keys of one sequence a block, in shared memory) and, in the
 three-launch form, `attn_context_rows` (a thread walks all 32 chains of two rows): each thread sums the
@@ -393,9 +394,10 @@ SHORT_MAX_ROWS = 8  # the two-launch form's work in one launch (`attn_short`) fo
 SHORT_MAX_KEYS = 256  # a cache of up to this many keys, where a block's shared memory holds its group's
 SHORT_MAX_BYTES = 32 << 10  # scores (G heads x SHORT_MAX_KEYS floats, at most this many bytes). Each of
 # the head size / 8 blocks of a (row, KV head) computes its scores itself, a chain of key loads a warp
-# that grows with the keys: over a cache of a preallocated step (256 keys) it takes less device time than
-# the launch it saves, or about as much (a 0.6B decode step is bound by its launches, an 8B one by the
-# device); over longer caches up to twice the two launches' (docs/performance.md has the figures).
+# that grows with the keys: up to ~80 keys its device time is within a microsecond of the two launches',
+# over 256 up to twice theirs, over 1,024 five times. A 0.6B decode step is bound by its launches and
+# gains a tenth; an 8B one is bound by the device, hence a preallocated store's first step (256 keys)
+# and no more (docs/performance.md has the figures).
 
 
 def short_fits(spec, capacity: int) -> bool:
