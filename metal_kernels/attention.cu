@@ -322,6 +322,47 @@ __device__ __forceinline__ void mlxi_softmax(float* x, int n, int tid, float* re
   for (int j = tid; j < n; j += MLXI_THREADS) x[j] = __fdiv_rn(x[j], total);
   __syncthreads();
 }
+// The split plan's scores (attn_scores, attn_short), key by key. Lane l's query values i = l + 32 t
+// (t < NT; 0 past D) of the G heads of a KV head's group, whose first value is at qg, as float.
+template <int G, int NT, int D, typename Q>
+__device__ __forceinline__ void mlxi_group_queries(float (&qr)[G][NT], const Q* qg, int lane) {
+#pragma unroll
+  for (int hh = 0; hh < G; ++hh) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const int i = lane + 32 * t;
+      qr[hh][t] = i < D ? mlxi_f(qg[hh * D + i]) : 0.0f;
+    }
+  }
+}
+
+// Lane l's values i = l + 32 t of a key: columns col0 + i of store row `row` (rows kvw values wide), or
+// 0 where it is not loaded (past the row's keys, or hidden) or i >= D.
+template <int NT, int D, typename K>
+__device__ __forceinline__ void mlxi_key_values(float (&kr)[NT], const K* k, long row, long col0, long kvw, bool load,
+                                                int lane) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int i = lane + 32 * t;
+    kr[t] = (load && i < D) ? mlxi_kv(k, row, col0 + i, kvw) : 0.0f;
+  }
+}
+
+// A key's score for one head, in the published order: lane l's chain of q * k over t in increasing
+// order, then the butterfly (all 32 lanes call it), scaled and capped (mlxi_score); a key the row may
+// not see is -INFINITY without its product (half a causal chunk's).
+template <int NT, int D>
+__device__ __forceinline__ float mlxi_key_score(const float (&qh)[NT], const float (&kh)[NT], bool hidden, int lane,
+                                                float sc, float softcap, float softcap_inv) {
+  if (hidden) return -INFINITY;
+  float s = 0.0f;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    if (lane + 32 * t < D) s = __fadd_rn(s, __fmul_rn(qh[t], kh[t]));
+  }
+  return mlxi_score(mlxi_warp_total(s), sc, softcap, softcap_inv);
+}
+
 // attn_softmax_context's steps 1 and 2 (see there) for one block: (row, KV head g, head dimensions
 // c*8 .. c*8+7). x: the scores of the group's first head, head g*G + e's at x + e * xcap (keys j < S);
 // v: the value store, its slot's first row v0; out: the row's first result value; red, part: the
@@ -646,40 +687,21 @@ if (r < n) {
   constexpr long kvw = (long)KV * D;
   const long row0 = (long)row_slot[r] * cap;  // the slot's first row
   float qr[G][NT], kr[8][NT];
+  mlxi_group_queries<G, NT, D>(qr, q + r * H * D + (long)g * G * D, lane);
 #pragma unroll
-  for (int hh = 0; hh < G; ++hh) {
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const int i = lane + 32 * t;
-      qr[hh][t] = i < D ? mlxi_f(q[r * H * D + ((long)g * G + hh) * D + i]) : 0.0f;
-    }
+  for (int u = 0; u < 8; ++u) {
+    const long j = kb * 64 + wid + 8 * u;
+    mlxi_key_values<NT, D>(kr[u], k, row0 + j, g * D, kvw, j < S && !mlxi_hidden(j, pos, CAUSAL, WINDOW), lane);
   }
 #pragma unroll
   for (int u = 0; u < 8; ++u) {
     const long j = kb * 64 + wid + 8 * u;
-    const bool hidden = mlxi_hidden(j, pos, CAUSAL, WINDOW);
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const int i = lane + 32 * t;
-      kr[u][t] = (j < S && !hidden && i < D) ? mlxi_kv(k, row0 + j, g * D + i, kvw) : 0.0f;
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < 8; ++u) {
-    const long j = kb * 64 + wid + 8 * u;
-    if (j < S) {  // the same for every lane of the warp: the butterfly below has all 32
+    if (j < S) {  // the same for every lane of the warp: the butterfly has all 32
       const bool hidden = mlxi_hidden(j, pos, CAUSAL, WINDOW);
 #pragma unroll
       for (int hh = 0; hh < G; ++hh) {
-        float s = 0.0f;
-        if (!hidden) {  // a key the row may not see: -INFINITY without its product (half a causal chunk's)
-#pragma unroll
-          for (int t = 0; t < NT; ++t) {
-            if (lane + 32 * t < D) s = __fadd_rn(s, __fmul_rn(qr[hh][t], kr[u][t]));
-          }
-          s = mlxi_warp_total(s);
-        }
-        if (lane == 0) p[(r * H + (long)g * G + hh) * cap + j] = hidden ? -INFINITY : mlxi_score(s, sc, softcap, softcap_inv);
+        const float x = mlxi_key_score<NT, D>(qr[hh], kr[u], hidden, lane, sc, softcap, softcap_inv);
+        if (lane == 0) p[(r * H + (long)g * G + hh) * cap + j] = x;
       }
     }
   }
@@ -724,8 +746,8 @@ if (r < n) {  // the same for the whole block
 // Split attention, one-launch form for short caches (decode rows over at most SK keys:
 // kernels.uses_short). Block b = ((r*KV + g)*nd + c), as attn_softmax_context's, first computes the
 // scores of its (row r, KV head g) itself, attn_scores' arithmetic key by key (warp w takes keys w,
-// w+8, ... < S, four of them loaded before their products; for each key and head the lanes' chains
-// over i = l, l+32, ... and the butterfly), into shared memory, then runs attn_softmax_context's steps
+// w+8, ... < S, four of them loaded before their products; mlxi_key_score, as attn_scores), into
+// shared memory, then runs attn_softmax_context's steps
 // on them (mlxi_softmax_context): the same bits as the two launches, one launch fewer. Each of the nd
 // blocks of a (row, KV head) computes the same scores: nd times the scores' work, which over short
 // caches (up to ~80 keys) costs about what the launch it saves does, and more as the keys grow
@@ -752,25 +774,13 @@ if (r < n) {  // the same for the whole block
   const int pos = row_pos[r];
   const long row0 = (long)row_slot[r] * cap;  // the slot's first row
   float qr[G][NT];
-#pragma unroll
-  for (int hh = 0; hh < G; ++hh) {
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const int i = lane + 32 * t;
-      qr[hh][t] = i < D ? mlxi_f(q[r * H * D + ((long)g * G + hh) * D + i]) : 0.0f;
-    }
-  }
+  mlxi_group_queries<G, NT, D>(qr, q + r * H * D + (long)g * G * D, lane);
   for (int j0 = wid; j0 < S; j0 += 4 * MLXI_WARPS) {  // the same for every lane of the warp
     float kr[4][NT];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int j = j0 + MLXI_WARPS * u;
-      const bool hidden = mlxi_hidden(j, pos, CAUSAL, WINDOW);
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const int i = lane + 32 * t;
-        kr[u][t] = (j < S && !hidden && i < D) ? mlxi_kv(k, row0 + j, g * D + i, kvw) : 0.0f;
-      }
+      mlxi_key_values<NT, D>(kr[u], k, row0 + j, g * D, kvw, j < S && !mlxi_hidden(j, pos, CAUSAL, WINDOW), lane);
     }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
@@ -779,15 +789,8 @@ if (r < n) {  // the same for the whole block
         const bool hidden = mlxi_hidden(j, pos, CAUSAL, WINDOW);
 #pragma unroll
         for (int hh = 0; hh < G; ++hh) {
-          float s = 0.0f;
-          if (!hidden) {
-#pragma unroll
-            for (int t = 0; t < NT; ++t) {
-              if (lane + 32 * t < D) s = __fadd_rn(s, __fmul_rn(qr[hh][t], kr[u][t]));
-            }
-            s = mlxi_warp_total(s);
-          }
-          if (lane == 0) xs[hh * SK + j] = hidden ? -INFINITY : mlxi_score(s, sc, softcap, softcap_inv);
+          const float x = mlxi_key_score<NT, D>(qr[hh], kr[u], hidden, lane, sc, softcap, softcap_inv);
+          if (lane == 0) xs[hh * SK + j] = x;
         }
       }
     }
