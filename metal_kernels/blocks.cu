@@ -5,9 +5,18 @@
 // The order, the same for every row count M (so a row's result does not depend on its batch):
 //   one warp per output row n; the row's values are cut into work units of 32 (Q6_K below says which);
 //   lane l (0..31) takes units l, l + 32, ... in increasing order and, in each, its 32 values in a
-//   fixed sequence; each product x*w is rounded, then added
-//   to the lane's partial sum (__fmul_rn / __fadd_rn: no contraction into fma); then the butterfly
-//   s += shfl_xor(s, off) for off = 16, 8, 4, 2, 1. block_kernels.emulate follows it in numpy.
+//   fixed sequence, adding them to the lane's partial sum; then the butterfly s += shfl_xor(s, off)
+//   for off = 16, 8, 4, 2, 1. How a unit's values are added depends on the type (G::RUN below):
+//   - by value (IQ4, Q3_K, Q2_K, Q8_0, F16, BF16): each value w formed exactly as gguf-py forms it, the
+//     product x*w rounded, then added (__fmul_rn / __fadd_rn: no contraction into fma);
+//   - by runs (the other affine types: runs of 32, a unit; Q6_K: runs of 8), where a run's values are
+//     scale * c + bias (c a small integer: the code less its zero, exact as float): in each run the
+//     products c*x added in sequence from 0 (exact for 16-bit x: at most 6 bits by 11; rounded for
+//     float32 x) into s, and with a bias x's values likewise into sx, then scale*s (+ bias*sx), each
+//     step rounded, added to the lane's partial sum. Two of a value's five float operations (the
+//     value's own multiply-add, and its product with x: one fma c*x + s) are gone; the gate/up
+//     and head products about 20% faster on an H100 (docs/performance.md).
+//   block_kernels.emulate follows both in numpy (block_kernels.terms: a run's codes, scale and bias).
 //   Two forms, chosen at launch by dims[4]'s bits (one compiled kernel serves all three): ADD (bit 0)
 //   writes res[m, n] + that sum ([M, N] of x's type: the residual stream), as the graph's Add of the
 //   product would (mlxi_residual_sum), so a layer's output projection and its residual are one launch;
@@ -284,6 +293,140 @@ template <typename Y>
 __device__ __forceinline__ Y mlxi_residual_sum(Y r, float s) {
   return (Y)__fadd_rn((float)r, (float)(Y)s);
 }
+// A unit's values into the rows' partial sums, value by value (G::RUN 0): each value formed
+// (G::value), its product with x rounded, then added. RT: every row computed, a row past the warp's last
+// its last again (rows: how many are the warp's).
+template <int M, typename G, int NR, int RT, int STRIDE>
+__device__ __forceinline__ void mlxi_unit_by_values(const float* xs, int v, const typename G::Row (&row)[NR], int rows,
+                                                    float (&acc)[NR][M]) {
+#pragma unroll
+  for (int t0 = 0; t0 < 32; t0 += 4) {
+    float xv[M][4];
+    mlxi_tile_x4<M, STRIDE, G::PAD>(xs, G::column(v, t0), xv);
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      if (RT || r < rows) {
+#pragma unroll
+        for (int tt = 0; tt < 4; ++tt) {
+          const float wv = G::value(row[r], t0 + tt);
+#pragma unroll
+          for (int m = 0; m < M; ++m) acc[r][m] = __fadd_rn(acc[r][m], __fmul_rn(xv[m][tt], wv));
+        }
+      }
+    }
+  }
+}
+
+// x's sum over each unit of 32 columns of the tile (in sequence from 0, each addition rounded: what
+// mlxi_unit_by_runs adds for a bias), a thread a (row, unit): xsum[m * XG + v], XG units a row.
+template <int M, int STRIDE, int PAD, int XG>
+__device__ __forceinline__ void mlxi_unit_sums(const float* xs, int cols, float* xsum) {
+  const int units = cols / 32;
+  for (int i = threadIdx.x; i < M * units; i += MLXI_THREADS) {
+    const int m = i / units, v = i - m * units;
+    float t = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 32; c += 4) {
+      const float4 f = *reinterpret_cast<const float4*>(xs + m * STRIDE + mlxi_xs_at<PAD>(32 * v + c));
+      t = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(t, f.x), f.y), f.z), f.w);
+    }
+    xsum[m * XG + v] = t;
+  }
+}
+
+// A unit's values into the rows' partial sums by runs of G::RUN values (scale j * c + bias j, j the
+// run): s = the products c*x added in sequence from 0, sx = x's values so (G::BIAS only), then the
+// partial sum += scale*s (+ bias*sx), each step rounded. For a 16-bit x every product c*x is exact (c
+// has at most 6 bits, x's float at most 11), so one fma gives the bits of the rounded product's sum.
+template <typename X>
+__device__ __forceinline__ float mlxi_code_times_x(float s, float c, float x) {
+  return sizeof(X) == 2 ? __fmaf_rn(c, x, s) : __fadd_rn(s, __fmul_rn(c, x));
+}
+template <int M, typename G, int NR, int RT, int STRIDE, int XG, typename X>
+__device__ __forceinline__ void mlxi_unit_by_runs(const float* xs, const float* xsum, int v, const typename G::Row (&row)[NR],
+                                                  int rows, float (&acc)[NR][M]) {
+  static_assert(!G::BIAS || G::RUN == 32, "a bias only with runs of a whole unit (one sum of x a unit)");
+  if constexpr (RT == 0) {
+    // Rows taken one after another (each reading the unit's x again from shared memory), so that only one
+    // row's run sums are live, and x's sum over the unit read from xsum (mlxi_unit_sums): at 8 rows of x
+    // the rows' sums side by side spilled 216 bytes (NVRTC, sm_90), and x's sums kept beside them 56.
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      if (r >= rows) continue;
+      float s[M];
+#pragma unroll
+      for (int t0 = 0; t0 < 32; t0 += 4) {
+        if (t0 % G::RUN == 0) {
+#pragma unroll
+          for (int m = 0; m < M; ++m) s[m] = 0.0f;
+        }
+        float xv[M][4];
+        mlxi_tile_x4<M, STRIDE, G::PAD>(xs, G::column(v, t0), xv);
+#pragma unroll
+        for (int tt = 0; tt < 4; ++tt) {
+          const float c = G::code(row[r], t0 + tt);
+#pragma unroll
+          for (int m = 0; m < M; ++m) s[m] = mlxi_code_times_x<X>(s[m], c, xv[m][tt]);
+        }
+        if ((t0 + 4) % G::RUN == 0) {
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+            float u = __fmul_rn(G::scale(row[r], t0 / G::RUN), s[m]);
+            if (G::BIAS) u = __fadd_rn(u, __fmul_rn(G::bias(row[r], t0 / G::RUN), xsum[m * XG + v]));
+            acc[r][m] = __fadd_rn(acc[r][m], u);
+          }
+        }
+      }
+    }
+    return;
+  }
+  float s[NR][M], sx[M];
+#pragma unroll
+  for (int t0 = 0; t0 < 32; t0 += 4) {
+    if (t0 % G::RUN == 0) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        sx[m] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < NR; ++r) s[r][m] = 0.0f;
+      }
+    }
+    float xv[M][4];
+    mlxi_tile_x4<M, STRIDE, G::PAD>(xs, G::column(v, t0), xv);
+    if (G::BIAS) {
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int tt = 0; tt < 4; ++tt) sx[m] = __fadd_rn(sx[m], xv[m][tt]);
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      if (RT || r < rows) {
+#pragma unroll
+        for (int tt = 0; tt < 4; ++tt) {
+          const float c = G::code(row[r], t0 + tt);
+#pragma unroll
+          for (int m = 0; m < M; ++m) s[r][m] = mlxi_code_times_x<X>(s[r][m], c, xv[m][tt]);
+        }
+      }
+    }
+    if ((t0 + 4) % G::RUN == 0) {
+      const int j = t0 / G::RUN;
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        if (RT || r < rows) {
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+            float u = __fmul_rn(G::scale(row[r], j), s[r][m]);
+            if (G::BIAS) u = __fadd_rn(u, __fmul_rn(G::bias(row[r], j), sx[m]));
+            acc[r][m] = __fadd_rn(acc[r][m], u);
+          }
+        }
+      }
+    }
+  }
+}
+
 // Every block kernel's frame: the published order (lane l takes work units l, l + 32, ... of 32 values,
 // in each its values t = 0..31, each product with x rounded then added, then the butterfly) laid out in
 // tiles of x in shared memory and R rows a warp, with a type's reader G for the values:
@@ -291,8 +434,10 @@ __device__ __forceinline__ Y mlxi_residual_sum(Y r, float s) {
 //   G::PAD, G::column(v, t)  the tile's padding, and the tile column of value t of the tile's unit v
 //     (t a multiple of 4; t .. t + 3 are consecutive columns): `mlxi_groups32` for units of 32
 //     consecutive values;
-//   G::Row G::load(fields, n, u, K)  what row n's unit u needs;  float G::value(row, t)  value t, exactly
-//   gguf-py's (t is a constant once the loops are unrolled).
+//   G::Row G::load(fields, n, u, K)  what row n's unit u needs;  G::RUN 0: float G::value(row, t)  value
+//   t, exactly gguf-py's (t is a constant once the loops are unrolled); G::RUN > 0 (by runs): float
+//   G::code(row, t)  value t's code less its zero, and G::scale(row, j), G::bias(row, j) (G::BIAS) run j's,
+//   so that value t is scale * code + bias exactly as gguf-py forms it.
 // HOIST (a kernel's body passes MLXI_MIN_BLOCKS > 1): every row's fields loaded, past the last row the
 // last one's again, with no branch, so that NVRTC issues all of a unit's loads before their first use;
 // only in forms with a launch bound, which keeps the registers that takes (unbounded, Q3_K's 8 rows went
@@ -309,6 +454,7 @@ __device__ __forceinline__ void mlxi_block_rows(const X* x, Y* out, const int* d
                                                 const Y* res, const X* nw, float* xs, float* inv, const mlxi_run& run) {
   constexpr int TILE = mlxi_tile<M>(), STRIDE = TILE + 4 * (TILE / G::PAD), NR = RT ? RT : MLXI_MAX_R;
   static_assert(M * STRIDE <= XS, "x's tile in shared memory: XS floats, as the entry declares it");
+  __shared__ float xsum[G::BIAS && RT == 0 ? M * (TILE / 32) : 1];  // (mlxi_unit_by_runs, without RT)
   const int N = run.N, K = dims[1], R = run.R;
   const bool add = dims[4] & 1, norm = (dims[4] >> 1) & 1, glu = (dims[4] >> 2) & 1;  // ADD, NORM, SWIGLU
   const long warp0 = ((long)blockIdx.y * gridDim.x + blockIdx.x - run.block0) * MLXI_WARPS;
@@ -330,6 +476,10 @@ __device__ __forceinline__ void mlxi_block_rows(const X* x, Y* out, const int* d
     __syncthreads();
     mlxi_stage_x<G::PAD, M, STRIDE>(x, K, col0, cols, vec, xs, norm ? nw : nullptr, inv, glu);
     __syncthreads();
+    if constexpr (G::BIAS && RT == 0) {
+      mlxi_unit_sums<M, STRIDE, G::PAD, TILE / 32>(xs, cols, xsum);
+      __syncthreads();
+    }
     if (rows == 0) continue;
     for (int v = lane; 32 * v < cols; v += 32) {  // the tile's units l, l + 32, ...: units col0 / 32 + v
       const long u = col0 / 32 + v;
@@ -337,22 +487,10 @@ __device__ __forceinline__ void mlxi_block_rows(const X* x, Y* out, const int* d
 #pragma unroll
       for (int r = 0; r < NR; ++r)
         if (HOIST || r < rows) row[r] = G::load(f, n0 + (r < rows ? r : rows - 1), u, K);
-#pragma unroll
-      for (int t0 = 0; t0 < 32; t0 += 4) {
-        float xv[M][4];
-        mlxi_tile_x4<M, STRIDE, G::PAD>(xs, G::column(v, t0), xv);
-#pragma unroll
-        for (int r = 0; r < NR; ++r) {
-          if (RT || r < rows) {  // (RT: every row computed, a row past the warp's last its last again)
-#pragma unroll
-            for (int tt = 0; tt < 4; ++tt) {
-              const float wv = G::value(row[r], t0 + tt);
-#pragma unroll
-              for (int m = 0; m < M; ++m) acc[r][m] = __fadd_rn(acc[r][m], __fmul_rn(xv[m][tt], wv));
-            }
-          }
-        }
-      }
+      if constexpr (G::RUN > 0)
+        mlxi_unit_by_runs<M, G, NR, RT, STRIDE, TILE / 32, X>(xs, xsum, v, row, rows, acc);
+      else
+        mlxi_unit_by_values<M, G, NR, RT, STRIDE>(xs, v, row, rows, acc);
     }
   }
 #pragma unroll
@@ -420,7 +558,8 @@ __device__ __forceinline__ void mlxi_pair_matvec(const X* x, Y* out, const int* 
 
 // Readers whose unit is a group of 32 consecutive values: a tile's unit v at its columns 32 v .. 32 v + 31.
 struct mlxi_groups32 {
-  static constexpr int PAD = 32;
+  static constexpr int PAD = 32, RUN = 0;  // (by value)
+  static constexpr bool BIAS = false;
   __device__ static int column(int v, int t) { return 32 * v + t; }
 };
 
@@ -431,7 +570,8 @@ struct mlxi_groups32 {
 // A tile holds its unit v (unit u = 8b + 4h + c of the row, less the tile's first) at columns
 // 256 (v / 8) + 128 h + 8 c + 32 j + t.
 struct mlxi_q6k {
-  static constexpr int PAD = 128;
+  static constexpr int PAD = 128, RUN = 8;  // by runs of 8 (j: one sub-scale each), no bias
+  static constexpr bool BIAS = false;
   __device__ static int column(int v, int k) {
     return 256 * (v >> 3) + 128 * ((v >> 2) & 1) + 8 * (v & 3) + 32 * (k >> 3) + (k & 7);
   }
@@ -462,18 +602,20 @@ struct mlxi_q6k {
     for (int j = 0; j < 4; ++j) r.dl[j] = __fmul_rn(d, (float)sc[2 * j]);
     return r;
   }
-  // The codes of a word's four bytes formed at once (low nibbles | high bits moved to bits 4-5 of each
-  // byte: two shifts and two LOP3s for four codes, which the compiler shares between them), then code
-  // t's byte under the exponent of 2^23 by one byte permute, less 2^23 + 32.
-  __device__ static float value(const Row& r, int k) {
+  // Value k's code less 32: the codes of a word's four bytes formed at once (low nibbles | high bits
+  // moved to bits 4-5 of each byte: two shifts and two LOP3s for four codes, which the compiler shares
+  // between them), then code t's byte under the exponent of 2^23 by one byte permute, less 2^23 + 32.
+  __device__ static float code(const Row& r, int k) {
     const int j = k >> 3, t = k & 7;
     const uint2 lo = (j & 1) ? r.lo1 : r.lo0;
     const unsigned int lw = t < 4 ? lo.x : lo.y, hw = t < 4 ? r.hb.x : r.hb.y;
     const unsigned int low = (lw >> (4 * (j >> 1))) & 0x0F0F0F0Fu;
     const unsigned int high = (j < 3 ? hw << (4 - 2 * j) : hw >> 2) & 0x30303030u;
     const unsigned int q = __byte_perm(low | high, r.magic, 0x7540 | (t & 3));  // 2^23 + q's bits
-    return __fmul_rn(r.dl[j], __fsub_rn(__uint_as_float(q), 8388640.0f));  // q - 32
+    return __fsub_rn(__uint_as_float(q), 8388640.0f);  // q - 32
   }
+  __device__ static float scale(const Row& r, int j) { return r.dl[j]; }  // d * sc: run j's (j = k / 8)
+  __device__ static float bias(const Row&, int) { return 0.0f; }
 };
 
 // Byte t (0..31) of 32 bytes held as two uint4.
@@ -486,9 +628,13 @@ __device__ __forceinline__ unsigned int mlxi_byte32(const uint4& a, const uint4&
 
 // The affine types (affine_matvec says the fields): value t = scale * code t + bias, each step rounded;
 // scale * code is exact (an fp16 d, times a 6-bit sub-scale for the K-quants, times the code), so one fma
-// gives the same bits, and for SCALES 0 (bias -(d * ZERO), also exact) d * (code - ZERO).
+// gives the same bits, and for SCALES 0 (bias -(d * ZERO), also exact) d * (code - ZERO). By runs of
+// 32 (a unit), but 8-bit codes (Q8_0), by value: its code times x takes up to 19 bits, still exact, but
+// the runs' form spilled there (NVRTC, sm_90) and was slower on an H100 (docs/performance.md).
 template <int BITS, int SCALES, int ZERO>
 struct mlxi_affine : mlxi_groups32 {
+  static constexpr int RUN = BITS == 8 ? 0 : 32;
+  static constexpr bool BIAS = SCALES != 0;  // SCALES 0: the zero is in the code
   struct Fields {
     const unsigned int* w;
     const uint16_t* s0;
@@ -529,6 +675,14 @@ struct mlxi_affine : mlxi_groups32 {
     return SCALES == 0 ? __fmul_rn(r.scale, mlxi_code_float(q, 8388608.0f + ZERO))
                        : __fmaf_rn(r.scale, mlxi_code_float(q, 8388608.0f), r.bias);
   }
+  // Code t less the zero (SCALES 0: ZERO; else 0), exactly, for the runs' form.
+  __device__ static float code(const Row& r, int t) {
+    constexpr int Z = SCALES == 0 ? ZERO : 0;
+    if (BITS == 4) return mlxi_code_at<4, Z>(r.words, t, r.ff00);
+    return mlxi_code_float(mlxi_code<BITS>(r.words, t), 8388608.0f + Z);
+  }
+  __device__ static float scale(const Row& r, int) { return r.scale; }
+  __device__ static float bias(const Row& r, int) { return r.bias; }
 };
 
 // IQ4_NL (XS 0) and IQ4_XS (XS 1): group g is IQ4_NL's block g, or IQ4_XS's sub-block j = g % 8 of block

@@ -1,6 +1,7 @@
 // Products straight from a GGUF block type's fields for MLX's Metal backend (mx.fast.metal_kernel): the
 // twin of blocks.cu, in the same order (one simdgroup per output row, lane l's work units and values in
-// the same sequence, each product rounded then added, the butterfly 16, 8, 4, 2, 1). A simdgroup takes one
+// the same sequence, added value by value or by runs as blocks.cu's header says for each type, the
+// butterfly 16, 8, 4, 2, 1). A simdgroup takes one
 // output row (dims[2] is 1: `block_kernels.rows_per_warp`); blocks.cu's warps may take several.
 //
 // UNVERIFIED ON HARDWARE, as attention.metal: parsed with clang against a stand-in for Metal's headers
@@ -99,19 +100,36 @@ inline float mlxi_x(XP x, NP nw, thread const float* inv, int xform, int m, long
   return xform == 1 ? mlxi_norm_value<T>(v, inv[m], float(nw[c])) : v;
 }
 
-// One affine group of 32 values into the row sums (blocks.cu's mlxi_affine_group, the same order).
-template <int BITS, int M, typename T, typename XP, typename WP, typename NP>
+// One affine group of 32 values into the row sums (blocks.cu's order): 8-bit codes (Q8_0) value by value,
+// each value scale * code + bias, its product with x rounded, then added; the others by a run of 32: the
+// products (code - zero) * x added from 0 (exact for 16-bit x), x's values so where there is a bias,
+// then scale * that (+ bias * x's sum), each step rounded (blocks.cu's mlxi_unit_by_runs).
+template <int BITS, int ZERO, bool BIAS, int M, typename T, typename XP, typename WP, typename NP>
 inline void mlxi_affine_group(XP x, long K, long col, WP w_row, long g, float scale, float bias, thread float* acc,
                               NP nw, thread const float* inv, int xform) {
   uint words[BITS];
   for (int i = 0; i < BITS; ++i) words[i] = w_row[g * BITS + i];
-  for (int t = 0; t < 32; ++t) {
-    const float sq = scale * float(mlxi_code<BITS>(words, t));
-    const float w = sq + bias;
-    for (int m = 0; m < M; ++m) {
-      const float prod = mlxi_x<T>(x, nw, inv, xform, m, K, col + t) * w;
-      acc[m] = acc[m] + prod;
+  if (BITS == 8) {
+    for (int t = 0; t < 32; ++t) {
+      const float sq = scale * float(mlxi_code<BITS>(words, t));
+      const float w = sq + bias;
+      for (int m = 0; m < M; ++m) {
+        const float prod = mlxi_x<T>(x, nw, inv, xform, m, K, col + t) * w;
+        acc[m] = acc[m] + prod;
+      }
     }
+    return;
+  }
+  for (int m = 0; m < M; ++m) {
+    float s = 0.0f, sx = 0.0f;
+    for (int t = 0; t < 32; ++t) {
+      const float v = mlxi_x<T>(x, nw, inv, xform, m, K, col + t);
+      const float prod = float(int(mlxi_code<BITS>(words, t)) - ZERO) * v;
+      s = s + prod;
+      sx = sx + v;
+    }
+    const float run = scale * s;
+    acc[m] = acc[m] + (BIAS ? run + bias * sx : run);
   }
 }
 // Row n's sums of a Q6_K weight into acc (q6_k_matvec's fields and order): work units of 32 values (u = 8b
@@ -125,16 +143,22 @@ inline void mlxi_q6k_row(XP x, NP nw, thread const float* inv, int xform, long K
     const float d = mlxi_half_bits(d_bits[blk]);
     const long lo_at = blk * 128 + 64 * h + 8 * c, hb_at = blk * 64 + 32 * h + 8 * c;
     const long col = (long)b * 256 + 128 * h + 8 * c;
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < 4; ++j) {  // a run of 8 a sub-scale: (q - 32) * x added from 0, then dl * that
       const float dl = d * float(scales[blk * 16 + 8 * h + (c >> 1) + 2 * j]);
+      float s[M];
+      for (int m = 0; m < M; ++m) s[m] = 0.0f;
       for (int t = 0; t < 8; ++t) {
         const uint lb = ql[lo_at + 32 * (j & 1) + t], hbyte = qh[hb_at + t];
         const uint q = ((lb >> (4 * (j >> 1))) & 0xfu) | (((hbyte >> (2 * j)) & 3u) << 4);
-        const float w = dl * float(int(q) - 32);
+        const float code = float(int(q) - 32);
         for (int m = 0; m < M; ++m) {
-          const float prod = mlxi_x<T>(x, nw, inv, xform, m, K, col + 32 * j + t) * w;
-          acc[m] = acc[m] + prod;
+          const float prod = code * mlxi_x<T>(x, nw, inv, xform, m, K, col + 32 * j + t);
+          s[m] = s[m] + prod;
         }
+      }
+      for (int m = 0; m < M; ++m) {
+        const float run = dl * s[m];
+        acc[m] = acc[m] + run;
       }
     }
   }
@@ -160,9 +184,10 @@ inline void mlxi_affine_row(XP x, NP nw, thread const float* inv, int xform, lon
       bias = mlxi_half_bits(s1[at]);
     } else {
       scale = mlxi_half_bits(s0[at]);
-      bias = -(scale * float(ZERO));
+      bias = -(scale * float(ZERO));  // (8-bit codes, by value; by runs the zero is in the code)
     }
-    mlxi_affine_group<BITS, M, T>(x, K, g * 32, w_row, g, scale, bias, acc, nw, inv, xform);
+    mlxi_affine_group<BITS, SCALES == 0 ? ZERO : 0, SCALES != 0, M, T>(x, K, g * 32, w_row, g, scale, bias, acc, nw,
+                                                                    inv, xform);
   }
 }
 //@@BODY q6_k_matvec

@@ -37,11 +37,13 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
 
-from . import cuda_jit
+from . import cuda_jit, quants
 from .kernels import f32_bits, kernel_args, launch_grid, pruned, published_dot, source_parts, strip_comments
 from .quants import AFFINE_BITS
 
@@ -485,14 +487,19 @@ def emulate_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, narrow) -> n
 
 def q6_k_values(ql, qh, scales, d) -> np.ndarray:
     """float32 [rows, blocks, 256] of Q6_K fields (quants.split's arrays), in gguf-py's arithmetic:
-    the values the kernel forms in registers."""
+    (d * scale) * (q - 32), each value's product of its run's scale and its code (`_q6_k_terms`)."""
+    codes, dl = _q6_k_terms(ql, qh, scales, d)
+    return dl * codes
+
+
+def _q6_k_terms(ql, qh, scales, d) -> tuple[np.ndarray, np.ndarray]:
+    """(q - 32, d * scale): float32 [rows, blocks, 256] each, of Q6_K fields (quants.split's arrays)."""
     i = np.arange(256)
     h, r = i // 128, i % 128
     low = (ql[..., 64 * h + r % 64] >> (4 * (r // 64))) & 0xF
     high = (qh[..., 32 * h + r % 32] >> (2 * (r // 32))) & 0x3
     q = (low | (high << 4)).astype(np.float32) - np.float32(32)
-    dl = d.astype(np.float32)[..., None] * scales.astype(np.float32)[..., i // 16]
-    return dl * q
+    return q, d.astype(np.float32)[..., None] * scales.astype(np.float32)[..., i // 16]
 
 
 def unit_columns(qtype, k: int) -> np.ndarray:
@@ -507,13 +514,59 @@ def unit_columns(qtype, k: int) -> np.ndarray:
     return 32 * u + np.arange(32)
 
 
-def emulate(x: np.ndarray, values: np.ndarray, qtype) -> np.ndarray:
+# Types whose kernels add a unit's values by runs (blocks.cu's G::RUN): the run's length. A run's values
+# are scale * code + bias (one scale and bias a run); the others' kernels add value by value.
+RUNS = {Q.Q4_0: 32, Q.Q5_0: 32, Q.Q4_1: 32, Q.Q5_1: 32, Q.Q4_K: 32, Q.Q5_K: 32, Q.Q6_K: 8}
+
+
+class Terms(NamedTuple):
+    """A weight of a type added by runs, as its kernel forms it: each value's code less its zero (exact
+    as float), and its run's scale and bias (None: the type has none), float32 [N, K] each, so that the
+    value is scale * code + bias exactly as gguf-py forms it."""
+    codes: np.ndarray
+    scales: np.ndarray
+    biases: np.ndarray | None
+
+
+def terms(raw: np.ndarray, qtype, rows: int, cols: int):
+    """What `emulate` takes of a weight (the raw GGUF blocks of a [rows, cols] matrix): its `Terms` for
+    a type in RUNS, else its values, float32 [rows, cols] (gguf-py's dequantization)."""
+    if qtype not in RUNS:
+        return dequantize(raw, qtype).reshape(rows, cols).astype(np.float32)
+    f32 = np.float32
+    if qtype == Q.Q6_K:
+        codes, dl = _q6_k_terms(*quants.split(raw, qtype, rows, cols))
+        return Terms(codes.reshape(rows, cols), dl.reshape(rows, cols), None)
+    q, parts = quants.affine_codes(raw, qtype, rows, cols)
+    zero = dict(KERNELS[qtype][1])["ZERO"]
+    if qtype in (Q.Q4_K, Q.Q5_K):  # d * sc and -(dmin * m) a group of 32
+        dd, sm = parts
+        dd = dd.view(np.float16).astype(f32)
+        scale = dd[..., 0:1] * sm[..., 0, :].astype(f32)
+        bias = -(dd[..., 1:2] * sm[..., 1, :].astype(f32))
+    else:  # d (and m) a group of 32
+        scale = parts[0].view(np.float16).astype(f32)
+        bias = parts[1].view(np.float16).astype(f32) if len(parts) > 1 else None
+    per_col = lambda a: np.repeat(a.reshape(rows, cols // 32), 32, axis=1)  # noqa: E731
+    return Terms(q.astype(f32) - f32(zero), per_col(scale), None if bias is None else per_col(bias))
+
+
+def emulate(x: np.ndarray, w, qtype) -> np.ndarray:
     """The kernel's result in numpy, in its published order (blocks.cu): float32 [M, N] for float32 x
-    [M, K] and the weight's values [N, K] (gguf-py's dequantization, which the kernel forms exactly).
-    Lane l adds the values of units l, l + 32, ... (`unit_columns`), each product rounded, then the
-    butterfly 16, 8, 4, 2, 1."""
-    values = np.asarray(values, dtype=np.float32)
-    n, k = values.shape
+    [M, K] and the weight as `terms` gives it (a type in RUNS: its `Terms`; else its values [N, K],
+    gguf-py's dequantization, which the kernel forms exactly). Lane l adds units l, l + 32, ...
+    (`unit_columns`): value by value, each product rounded then added; or by runs (RUNS), each run's
+    products code * x added from 0 (and with a bias x's values so), then scale * that (+ bias * x's sum),
+    each step rounded, added. Then the butterfly 16, 8, 4, 2, 1."""
+    runs = RUNS.get(qtype, 0)
+    if bool(runs) != isinstance(w, Terms):
+        raise TypeError(f"emulate: a {qtype.name} weight is given by its {'Terms' if runs else 'values'} (block_kernels.terms)")
+    if runs:
+        codes, scales, biases = w
+        n, k = codes.shape
+    else:
+        values = np.asarray(w, dtype=np.float32)
+        n, k = values.shape
     cols = unit_columns(qtype, k)
     units = len(cols)
     acc = np.zeros((x.shape[0], n, 32), dtype=np.float32)
@@ -523,8 +576,21 @@ def emulate(x: np.ndarray, values: np.ndarray, qtype) -> np.ndarray:
         lane_cols = cols[np.minimum(u, units - 1)]  # [32 lanes, 32 steps]
         for step in range(32):
             col = lane_cols[:, step]
-            prod = (x[:, col][:, None, :] * values[:, col][None, :, :]).astype(np.float32)
-            acc = np.where(live, acc + prod, acc).astype(np.float32)
+            xc = x[:, col][:, None, :]  # [M, 1, 32 lanes]
+            if not runs:
+                prod = (xc * values[:, col][None, :, :]).astype(np.float32)
+                acc = np.where(live, acc + prod, acc).astype(np.float32)
+                continue
+            if step % runs == 0:
+                s = np.zeros_like(acc)
+                sx = np.zeros_like(xc, dtype=np.float32)
+            s = (s + (xc * codes[:, col][None, :, :]).astype(np.float32)).astype(np.float32)
+            sx = (sx + xc).astype(np.float32)
+            if (step + 1) % runs == 0:  # the run's end: scale * s (+ bias * sx), added
+                part = (scales[:, col][None, :, :] * s).astype(np.float32)
+                if biases is not None:
+                    part = (part + (biases[:, col][None, :, :] * sx).astype(np.float32)).astype(np.float32)
+                acc = np.where(live, acc + part, acc).astype(np.float32)
     lanes = np.arange(32)
     for off in (16, 8, 4, 2, 1):
         acc = acc + acc[..., lanes ^ off]

@@ -132,11 +132,17 @@ def split(raw: np.ndarray, qtype, rows: int, cols: int) -> tuple:
         return (np.asarray(raw).view(np.float16).reshape(rows, cols),)
     if qtype == Q.BF16:
         return (np.asarray(raw).view(np.uint16).reshape(rows, cols),)
-    f = fields(raw, qtype, rows, cols)
     if qtype in BLOCK_TYPES:
-        return tuple(f.values())
-    q, parts = _AFFINE[qtype](f)
-    return (pack_bits(q.reshape(rows, cols), AFFINE_BITS[qtype]), *parts)
+        return tuple(fields(raw, qtype, rows, cols).values())
+    q, parts = affine_codes(raw, qtype, rows, cols)
+    return (pack_bits(q, AFFINE_BITS[qtype]), *parts)
+
+
+def affine_codes(raw: np.ndarray, qtype, rows: int, cols: int) -> tuple:
+    """An affine type's codes, uint8 [rows, cols] (before MLX's packing), and its scale parts as `split`
+    keeps them."""
+    q, parts = _AFFINE[qtype](fields(raw, qtype, rows, cols))
+    return q.reshape(rows, cols), parts
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:

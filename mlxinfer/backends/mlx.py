@@ -325,7 +325,7 @@ def _check_block_products(backend: "MLXBackend", kernel: str | None = None, fuse
         k = 1280 if block_kernels.row_multiple(qtype) == 256 else 1312
         raw = quants.random_blocks(rng, qtype, 42, k, edges=True)
         w = to_device(qtype, quants.split(raw, qtype, 42, k), (42, k))
-        values = dequantize(raw, qtype).reshape(42, k)
+        values = block_kernels.terms(raw, qtype, 42, k)
         for m in (1, block_kernels.MAX_ROWS):
             x = narrow(rng.standard_normal((m, k), dtype=np.float32))
             sums = block_kernels.emulate(x, values, qtype)
@@ -690,7 +690,7 @@ def verify_pair_launch(backend: "MLXBackend") -> str | None:
         for qtype, rows in [(t, 20) for t in firsts] + [(Q.Q6_K, 13)]:
             raw = quants.random_blocks(rng, qtype, rows, k, edges=True)
             runs[qtype] = (to_device(qtype, quants.split(raw, qtype, rows, k), (rows, k)),
-                           dequantize(raw, qtype).reshape(rows, k))
+                           block_kernels.terms(raw, qtype, rows, k))
         b, vb = runs[Q.Q6_K]
         _prebuild(backend, [lambda a=runs[t][0], m=m: block_kernels.pair_product("cuda", mx.zeros((m, k), dtype), a, b)
                             for t in firsts for m in range(1, block_kernels.MAX_ROWS + 1)])
