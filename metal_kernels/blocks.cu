@@ -660,20 +660,16 @@ struct mlxi_affine : mlxi_groups32 {
       r.scale = mlxi_half_bits(f.s0[at]);
       r.bias = mlxi_half_bits(static_cast<const uint16_t*>(f.s1)[at]);
     } else {
-      r.scale = mlxi_half_bits(f.s0[at]);  // (bias -(scale * ZERO): folded into value below)
+      r.scale = mlxi_half_bits(f.s0[at]);  // (bias -(scale * ZERO): the code less ZERO instead)
       r.bias = 0.0f;
     }
     mlxi_words<BITS>(f.w + at * BITS, r.words);
     return r;
   }
+  // Value t by value (RUN 0: Q8_0's 8-bit codes): d * (code - 128), exact (its bias -(128 d) in the code).
   __device__ static float value(const Row& r, int t) {
-    if (BITS == 4 || BITS == 8) {
-      const float c = mlxi_code_at<BITS == 8 ? 8 : 4, SCALES == 0 ? ZERO : 0>(r.words, t, r.ff00);
-      return SCALES == 0 ? __fmul_rn(r.scale, c) : __fmaf_rn(r.scale, c, r.bias);
-    }
-    const unsigned int q = mlxi_code<BITS>(r.words, t);
-    return SCALES == 0 ? __fmul_rn(r.scale, mlxi_code_float(q, 8388608.0f + ZERO))
-                       : __fmaf_rn(r.scale, mlxi_code_float(q, 8388608.0f), r.bias);
+    static_assert(BITS == 8 && SCALES == 0, "by value: Q8_0 only (the other affine types by runs)");
+    return __fmul_rn(r.scale, mlxi_code_at<8, ZERO>(r.words, t, r.ff00));
   }
   // Code t less the zero (SCALES 0: ZERO; else 0), exactly, for the runs' form.
   __device__ static float code(const Row& r, int t) {

@@ -1,7 +1,7 @@
 """GPU products straight from a weight's compact fields (metal_kernels/blocks.cu, blocks.metal): for a few
-rows of activations (decode), a kernel reads the weight's fields and dequantizes each value in
-registers, exactly as gguf-py does, instead of the graph writing a float32 matrix (or float32 scales) out
-at every product (`mlx_weights`' products, which stay the path for prefill chunks, where the matrix is
+rows of activations (decode), a kernel reads the weight's fields in registers (each value exactly as gguf-py
+dequantizes it, or, for the types added by runs, RUNS, each run's codes, scale and bias, which make those
+values exactly), instead of the graph writing a float32 matrix (or float32 scales) out at every product (`mlx_weights`' products, which stay the path for prefill chunks, where the matrix is
 read once for many rows, and on the CPU).
 
 Types with a kernel (one frame, blocks.cu's `mlxi_block_matvec`, and a reader of each type's fields):
@@ -9,8 +9,8 @@ Q6_K (the output head and half of `attn_v`/`ffn_down` in the Q4_K_M and Q5_K_M f
 IQ4_NL, IQ4_XS, Q3_K, Q2_K, F16 and BF16, and the affine types Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K
 in the compact form the backend keeps (MLX's packed codes, the file's fp16 scales and 6-bit sub-scales),
 so that a GPU need not form float32 scales at load (1.17-1.33x the file's bytes) to decode fast. The
-summation order is published in blocks.cu's header and followed by `emulate` (numpy), which the GPU
-tests compare with bit for bit; it is the same for every row count, so a decode row's product does not
+summation order is published in blocks.cu's header (value by value, or by runs of one scale: RUNS) and
+followed by `emulate` (numpy, of `terms`), which the GPU tests compare with bit for bit; it is the same for every row count, so a decode row's product does not
 depend on its batch.
 
 Two forms of every kernel take the launches around a decode product into it (issue 30: decode is bound

@@ -72,6 +72,49 @@ def test_the_emulated_order_is_a_dot_product_within_its_error_model(rows, cols, 
     assert np.all(np.abs(got - exact) <= bound)
 
 
+@pytest.mark.parametrize("edges", [False, True])
+@pytest.mark.parametrize("qtype", list(block_kernels.RUNS), ids=lambda t: t.name)
+def test_the_terms_of_a_run_make_gguf_pys_values_bit_for_bit(qtype, edges):
+    """The types added by runs: each value's code, and its run's scale and bias as the kernel forms them,
+    give scale * code + bias = gguf-py's dequantization bit for bit (scale * code is exact: an fp16 scale
+    times a 6-bit sub-scale times a code of at most 6 bits), on random blocks and blocks of extreme codes
+    and scales; each run of RUNS[qtype] values has one scale and bias, and every code is a small integer."""
+    rows, cols = 7, 512
+    raw, _ = _fields(np.random.default_rng(11), rows, cols, edges, qtype)
+    t = block_kernels.terms(raw, qtype, rows, cols)
+    assert isinstance(t, block_kernels.Terms) and (t.biases is None) == (qtype in (Q.Q4_0, Q.Q5_0, Q.Q6_K))
+    assert np.array_equal(t.codes, np.round(t.codes)) and np.abs(t.codes).max() <= 63
+    values = t.scales * t.codes if t.biases is None else t.scales * t.codes + t.biases
+    want = _values(raw, qtype, rows, cols)
+    assert np.array_equal(values.view(np.uint32), want.view(np.uint32))
+    run = block_kernels.RUNS[qtype]
+    for a in (t.scales,) if t.biases is None else (t.scales, t.biases):
+        per_run = a.reshape(rows, cols // run, run)
+        assert np.array_equal(per_run, np.repeat(per_run[..., :1], run, axis=2))
+    with pytest.raises(TypeError, match="given by its Terms"):
+        block_kernels.emulate(np.zeros((1, cols), np.float32), want, qtype)
+
+
+def test_the_runs_order_is_a_dot_product_within_its_error_model():
+    """Against float64, by runs: a run's sum of RUN products code * x (rounded: float32 x) and x's sum
+    of RUN values, scale * s (+ bias * sx), the run added to a lane's partial sum (K / (32 RUN) of them),
+    then 5 butterfly additions: |error| <= (RUN + K / (32 RUN) + 10) u (sum|scale code x| + sum|bias x|)
+    (u = 2^-24, first order), which a run's scale or bias taken from another run exceeds."""
+    rng = np.random.default_rng(5)
+    for qtype in block_kernels.RUNS:
+        rows, cols, run = 9, 2048, block_kernels.RUNS[qtype]
+        raw, _ = _fields(rng, rows, cols, False, qtype)
+        t = block_kernels.terms(raw, qtype, rows, cols)
+        x = rng.standard_normal((3, cols), dtype=np.float32)
+        got = block_kernels.emulate(x, t, qtype)
+        f64 = lambda a: a.astype(np.float64)  # noqa: E731
+        bias = np.zeros_like(f64(t.scales)) if t.biases is None else f64(t.biases)
+        exact = f64(x) @ (f64(t.scales) * f64(t.codes) + bias).T
+        size = np.abs(f64(x)) @ (np.abs(f64(t.scales) * f64(t.codes)) + np.abs(bias)).T
+        bound = (run + cols / (32 * run) + 10) * 2.0 ** -24 * size
+        assert np.all(np.abs(got - exact) <= bound), qtype.name
+
+
 @pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q4_K])
 def test_every_column_is_in_exactly_one_unit(qtype):
     for k in (256, 1024, 4096):
