@@ -11,12 +11,15 @@
 //     product x*w rounded, then added (__fmul_rn / __fadd_rn: no contraction into fma);
 //   - by runs (the other affine types: runs of 32, a unit; Q6_K: runs of 8), where a run's values are
 //     scale * c + bias (c a small integer: the code less its zero, exact as float): in each run the
-//     products c*x added in sequence from 0 (exact for 16-bit x: at most 6 bits by 11; rounded for
-//     float32 x) into s, and with a bias x's values likewise into sx, then scale*s (+ bias*sx), each
-//     step rounded, added to the lane's partial sum. Two of a value's five float operations (the
-//     value's own multiply-add, and its product with x: one fma c*x + s) are gone; the gate/up
-//     and head products about 20% faster on an H100 (docs/performance.md).
-//   block_kernels.emulate follows both in numpy (block_kernels.terms: a run's codes, scale and bias).
+//     products c*x added in sequence from 0 into s, for a 16-bit x each by one fma (c*x + s rounded
+//     once: c*x itself is exact, at most 6 bits by 11, but past float32's range, |x| above ~5e36 in
+//     bfloat16, where the fma's one rounding is the order), for float32 x the product rounded, then
+//     added; with a bias x's values likewise into sx; then scale*s (+ bias*sx), each step rounded,
+//     added to the lane's partial sum. A 16-bit x's value takes 3 float operations where it took 5
+//     (the value's own multiply-add, its product with x and the add); the 8B gate/up and head
+//     products about 20% faster on an H100 (docs/performance.md).
+//   block_kernels.emulate follows both in numpy (block_kernels.terms: a run's codes, scale and bias;
+//   fma16: the 16-bit x's fma).
 //   Two forms, chosen at launch by dims[4]'s bits (one compiled kernel serves all three): ADD (bit 0)
 //   writes res[m, n] + that sum ([M, N] of x's type: the residual stream), as the graph's Add of the
 //   product would (mlxi_residual_sum), so a layer's output projection and its residual are one launch;
@@ -336,8 +339,9 @@ __device__ __forceinline__ void mlxi_unit_sums(const float* xs, int cols, float*
 
 // A unit's values into the rows' partial sums by runs of G::RUN values (scale j * c + bias j, j the
 // run): s = the products c*x added in sequence from 0, sx = x's values so (G::BIAS only), then the
-// partial sum += scale*s (+ bias*sx), each step rounded. For a 16-bit x every product c*x is exact (c
-// has at most 6 bits, x's float at most 11), so one fma gives the bits of the rounded product's sum.
+// partial sum += scale*s (+ bias*sx), each step rounded. For a 16-bit x, c*x + s by one fma (c*x is exact,
+// c at most 6 bits and x's float at most 11, but past float32's range: there the fma's one rounding is
+// the published order); for float32 x the product rounded, then added.
 template <typename X>
 __device__ __forceinline__ float mlxi_code_times_x(float s, float c, float x) {
   return sizeof(X) == 2 ? __fmaf_rn(c, x, s) : __fadd_rn(s, __fmul_rn(c, x));
@@ -428,7 +432,7 @@ __device__ __forceinline__ void mlxi_unit_by_runs(const float* xs, const float* 
 }
 
 // Every block kernel's frame: the published order (lane l takes work units l, l + 32, ... of 32 values,
-// in each its values t = 0..31, each product with x rounded then added, then the butterfly) laid out in
+// in each its values t = 0..31, by value or by runs as the header says, then the butterfly) laid out in
 // tiles of x in shared memory and R rows a warp, with a type's reader G for the values:
 //   G::Fields  its pointers;  G::prepare()  once a block, before the first barrier;
 //   G::PAD, G::column(v, t)  the tile's padding, and the tile column of value t of the tile's unit v
@@ -626,11 +630,11 @@ __device__ __forceinline__ unsigned int mlxi_byte32(const uint4& a, const uint4&
   return (word >> (8 * (t & 3))) & 0xffu;
 }
 
-// The affine types (affine_matvec says the fields): value t = scale * code t + bias, each step rounded;
-// scale * code is exact (an fp16 d, times a 6-bit sub-scale for the K-quants, times the code), so one fma
-// gives the same bits, and for SCALES 0 (bias -(d * ZERO), also exact) d * (code - ZERO). By runs of
-// 32 (a unit), but 8-bit codes (Q8_0), by value: its code times x takes up to 19 bits, still exact, but
-// the runs' form spilled there (NVRTC, sm_90) and was slower on an H100 (docs/performance.md).
+// The affine types (affine_matvec says the fields): value t = scale * code t + bias, each step rounded
+// (scale * code is exact: an fp16 d, times a 6-bit sub-scale for the K-quants, times the code). By runs
+// of 32 (a unit: code() less the zero, scale(), bias()), but 8-bit codes (Q8_0), by value (value(): d *
+// (code - 128), exact): the runs' form spilled there (NVRTC, sm_90) and was slower on an H100
+// (docs/performance.md).
 template <int BITS, int SCALES, int ZERO>
 struct mlxi_affine : mlxi_groups32 {
   static constexpr int RUN = BITS == 8 ? 0 : 32;

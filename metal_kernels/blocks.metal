@@ -100,9 +100,19 @@ inline float mlxi_x(XP x, NP nw, thread const float* inv, int xform, int m, long
   return xform == 1 ? mlxi_norm_value<T>(v, inv[m], float(nw[c])) : v;
 }
 
+// A run's sum s plus code c times x's value v (blocks.cu's mlxi_code_times_x): for a 16-bit T one fma (c * v
+// is exact but past float32's range, where the fma's one rounding is the order), for float32 the product
+// rounded, then added.
+template <typename T>
+inline float mlxi_code_times_x(float s, float c, float v) {
+  if (sizeof(T) == 2) return fma(c, v, s);
+  const float prod = c * v;
+  return s + prod;
+}
+
 // One affine group of 32 values into the row sums (blocks.cu's order): 8-bit codes (Q8_0) value by value,
 // each value scale * code + bias, its product with x rounded, then added; the others by a run of 32: the
-// products (code - zero) * x added from 0 (exact for 16-bit x), x's values so where there is a bias,
+// products (code - zero) * x added from 0 (mlxi_code_times_x), x's values so where there is a bias,
 // then scale * that (+ bias * x's sum), each step rounded (blocks.cu's mlxi_unit_by_runs).
 template <int BITS, int ZERO, bool BIAS, int M, typename T, typename XP, typename WP, typename NP>
 inline void mlxi_affine_group(XP x, long K, long col, WP w_row, long g, float scale, float bias, thread float* acc,
@@ -124,8 +134,7 @@ inline void mlxi_affine_group(XP x, long K, long col, WP w_row, long g, float sc
     float s = 0.0f, sx = 0.0f;
     for (int t = 0; t < 32; ++t) {
       const float v = mlxi_x<T>(x, nw, inv, xform, m, K, col + t);
-      const float prod = float(int(mlxi_code<BITS>(words, t)) - ZERO) * v;
-      s = s + prod;
+      s = mlxi_code_times_x<T>(s, float(int(mlxi_code<BITS>(words, t)) - ZERO), v);
       sx = sx + v;
     }
     const float run = scale * s;
@@ -151,10 +160,7 @@ inline void mlxi_q6k_row(XP x, NP nw, thread const float* inv, int xform, long K
         const uint lb = ql[lo_at + 32 * (j & 1) + t], hbyte = qh[hb_at + t];
         const uint q = ((lb >> (4 * (j >> 1))) & 0xfu) | (((hbyte >> (2 * j)) & 3u) << 4);
         const float code = float(int(q) - 32);
-        for (int m = 0; m < M; ++m) {
-          const float prod = code * mlxi_x<T>(x, nw, inv, xform, m, K, col + 32 * j + t);
-          s[m] = s[m] + prod;
-        }
+        for (int m = 0; m < M; ++m) s[m] = mlxi_code_times_x<T>(s[m], code, mlxi_x<T>(x, nw, inv, xform, m, K, col + 32 * j + t));
       }
       for (int m = 0; m < M; ++m) {
         const float run = dl * s[m];

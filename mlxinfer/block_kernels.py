@@ -1,8 +1,9 @@
 """GPU products straight from a weight's compact fields (metal_kernels/blocks.cu, blocks.metal): for a few
-rows of activations (decode), a kernel reads the weight's fields in registers (each value exactly as gguf-py
-dequantizes it, or, for the types added by runs, RUNS, each run's codes, scale and bias, which make those
-values exactly), instead of the graph writing a float32 matrix (or float32 scales) out at every product (`mlx_weights`' products, which stay the path for prefill chunks, where the matrix is
-read once for many rows, and on the CPU).
+rows of activations (decode), a kernel reads the weight's fields in registers (each value exactly as
+gguf-py dequantizes it, or, for the types added by runs, RUNS, each run's codes, scale and bias, which make
+those values exactly), instead of the graph writing a float32 matrix (or float32 scales) out at every
+product (`mlx_weights`' products, which stay the path for prefill chunks, where the matrix is read once
+for many rows, and on the CPU).
 
 Types with a kernel (one frame, blocks.cu's `mlxi_block_matvec`, and a reader of each type's fields):
 Q6_K (the output head and half of `attn_v`/`ffn_down` in the Q4_K_M and Q5_K_M files users download),
@@ -10,8 +11,8 @@ IQ4_NL, IQ4_XS, Q3_K, Q2_K, F16 and BF16, and the affine types Q8_0, Q4_0, Q5_0,
 in the compact form the backend keeps (MLX's packed codes, the file's fp16 scales and 6-bit sub-scales),
 so that a GPU need not form float32 scales at load (1.17-1.33x the file's bytes) to decode fast. The
 summation order is published in blocks.cu's header (value by value, or by runs of one scale: RUNS) and
-followed by `emulate` (numpy, of `terms`), which the GPU tests compare with bit for bit; it is the same for every row count, so a decode row's product does not
-depend on its batch.
+followed by `emulate` (numpy, of `terms`), which the GPU tests compare with bit for bit; it is the same
+for every row count, so a decode row's product does not depend on its batch.
 
 Two forms of every kernel take the launches around a decode product into it (issue 30: decode is bound
 by the host's launches): ADD, the residual plus the product (`product(..., residual=)`, the bits of the
@@ -551,13 +552,18 @@ def terms(raw: np.ndarray, qtype, rows: int, cols: int):
     return Terms(q.astype(f32) - f32(zero), per_col(scale), None if bias is None else per_col(bias))
 
 
-def emulate(x: np.ndarray, w, qtype) -> np.ndarray:
+def emulate(x: np.ndarray, w, qtype, fma16: bool = False) -> np.ndarray:
     """The kernel's result in numpy, in its published order (blocks.cu): float32 [M, N] for float32 x
     [M, K] and the weight as `terms` gives it (a type in RUNS: its `Terms`; else its values [N, K],
     gguf-py's dequantization, which the kernel forms exactly). Lane l adds units l, l + 32, ...
     (`unit_columns`): value by value, each product rounded then added; or by runs (RUNS), each run's
     products code * x added from 0 (and with a bias x's values so), then scale * that (+ bias * x's sum),
-    each step rounded, added. Then the butterfly 16, 8, 4, 2, 1."""
+    each step rounded, added. Then the butterfly 16, 8, 4, 2, 1. `fma16`: x's values are of a 16-bit
+    type, whose products the kernel adds by one fma each (code * x + s rounded once: code * x is exact,
+    but past float32's range, |x| above ~5e36 in bfloat16): here the product and the sum in float64,
+    rounded once to float32, which is the fma's result for such operands (a product of at most 17
+    significant bits); without it, the product rounded then added, the same bits wherever no product
+    overflows."""
     runs = RUNS.get(qtype, 0)
     if bool(runs) != isinstance(w, Terms):
         raise TypeError(f"emulate: a {qtype.name} weight is given by its {'Terms' if runs else 'values'} (block_kernels.terms)")
@@ -570,27 +576,31 @@ def emulate(x: np.ndarray, w, qtype) -> np.ndarray:
     cols = unit_columns(qtype, k)
     units = len(cols)
     acc = np.zeros((x.shape[0], n, 32), dtype=np.float32)
-    for first in range(0, units, 32):
-        u = first + np.arange(32)
-        live = u < units  # lanes past the last unit add nothing
-        lane_cols = cols[np.minimum(u, units - 1)]  # [32 lanes, 32 steps]
-        for step in range(32):
-            col = lane_cols[:, step]
-            xc = x[:, col][:, None, :]  # [M, 1, 32 lanes]
-            if not runs:
-                prod = (xc * values[:, col][None, :, :]).astype(np.float32)
-                acc = np.where(live, acc + prod, acc).astype(np.float32)
-                continue
-            if step % runs == 0:
-                s = np.zeros_like(acc)
-                sx = np.zeros_like(xc, dtype=np.float32)
-            s = (s + (xc * codes[:, col][None, :, :]).astype(np.float32)).astype(np.float32)
-            sx = (sx + xc).astype(np.float32)
-            if (step + 1) % runs == 0:  # the run's end: scale * s (+ bias * sx), added
-                part = (scales[:, col][None, :, :] * s).astype(np.float32)
-                if biases is not None:
-                    part = (part + (biases[:, col][None, :, :] * sx).astype(np.float32)).astype(np.float32)
-                acc = np.where(live, acc + part, acc).astype(np.float32)
+    with np.errstate(over="ignore"):  # (a sum past float32's range is inf, as the kernel's)
+        for first in range(0, units, 32):
+            u = first + np.arange(32)
+            live = u < units  # lanes past the last unit add nothing
+            lane_cols = cols[np.minimum(u, units - 1)]  # [32 lanes, 32 steps]
+            for step in range(32):
+                col = lane_cols[:, step]
+                xc = x[:, col][:, None, :]  # [M, 1, 32 lanes]
+                if not runs:
+                    prod = (xc * values[:, col][None, :, :]).astype(np.float32)
+                    acc = np.where(live, acc + prod, acc).astype(np.float32)
+                    continue
+                if step % runs == 0:
+                    s = np.zeros_like(acc)
+                    sx = np.zeros_like(xc, dtype=np.float32)
+                if fma16:
+                    s = (s.astype(np.float64) + xc.astype(np.float64) * codes[:, col][None, :, :]).astype(np.float32)
+                else:
+                    s = (s + (xc * codes[:, col][None, :, :]).astype(np.float32)).astype(np.float32)
+                sx = (sx + xc).astype(np.float32)
+                if (step + 1) % runs == 0:  # the run's end: scale * s (+ bias * sx), added
+                    part = (scales[:, col][None, :, :] * s).astype(np.float32)
+                    if biases is not None:
+                        part = (part + (biases[:, col][None, :, :] * sx).astype(np.float32)).astype(np.float32)
+                    acc = np.where(live, acc + part, acc).astype(np.float32)
     lanes = np.arange(32)
     for off in (16, 8, 4, 2, 1):
         acc = acc + acc[..., lanes ^ off]

@@ -29,6 +29,7 @@ float min(float a, float b);
 int min(int a, int b);
 float exp(float x);
 float rint(float x);  // to the nearest integer, ties to even (the default rounding mode)
+float fma(float a, float b, float c);  // a * b + c rounded once (Metal's fma: fused whatever the contract pragma)
 namespace precise {
 float exp(float x);
 float divide(float a, float b);

@@ -406,7 +406,8 @@ def test_the_cuda_kernels_run_on_the_host_give_their_published_order(host_kernel
         xd = mx.array(rng.standard_normal((m, cols), dtype=np.float32)).astype(dtype)
         x = np.array(xd.astype(mx.float32))
         narrow = lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))  # noqa: E731
-        sums = block_kernels.emulate(x, values, qtype)
+        fma16 = dtype != mx.float32
+        sums = block_kernels.emulate(x, values, qtype, fma16)
         got = host_kernels.product(xd, w, per_warp)
         want = narrow(sums)
         same = got.view(np.uint32) == want.view(np.uint32)
@@ -421,16 +422,41 @@ def test_the_cuda_kernels_run_on_the_host_give_their_published_order(host_kernel
         nw = mx.array(rng.uniform(0.5, 2.0, cols).astype(np.float32)).astype(dtype)
         normed = block_kernels.emulate_rms_norm(x, np.array(nw.astype(mx.float32)), 1e-5, narrow)
         got = host_kernels.product(xd, w, per_warp, norm=(nw, 1e-5))
-        want = narrow(block_kernels.emulate(normed, values, qtype))
+        want = narrow(block_kernels.emulate(normed, values, qtype, fma16))
         same = got.view(np.uint32) == want.view(np.uint32)
         assert same.all(), f"NORM: {int((~same).sum())} of {same.size} differ ({m} rows, {per_warp} a warp, {dtype})"
         # the SWIGLU form with ADD: residual + the product of silu(gate) * up as the swiglu kernel writes it
         gud = mx.array(rng.standard_normal((m, 2 * cols), dtype=np.float32) * 4).astype(dtype)
         act = block_kernels.emulate_swiglu(np.array(gud.astype(mx.float32)), narrow)
         got = host_kernels.product(gud, w, per_warp, residual=res, swiglu=True)
-        want = block_kernels.with_residual(block_kernels.emulate(act, values, qtype), np.array(res.astype(mx.float32)), narrow)
+        want = block_kernels.with_residual(block_kernels.emulate(act, values, qtype, fma16), np.array(res.astype(mx.float32)), narrow)
         same = got.view(np.uint32) == want.view(np.uint32)
         assert same.all(), f"SWIGLU: {int((~same).sum())} of {same.size} differ ({m} rows, {per_warp} a warp, {dtype})"
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_a_bfloat16_run_past_float32s_range_is_one_fma_a_product(host_kernels, m):
+    """A 16-bit x's products code * x are summed by one fma each: exact products, but a bfloat16 x can
+    take one past float32's range (|x| above ~5e36), where the fma's single rounding is the published
+    order. A Q4_0 row with codes -1 then +2 times x = 3e38 twice: the run's sum is 3e38 by fma (finite:
+    -3e38 + 6e38 rounded once), inf by a rounded product then an add; the host-run kernel (one row of x,
+    and three: the rows-in-turn form) gives `emulate(..., fma16=True)`'s bits, which are finite."""
+    d = np.float16(2.0 ** -14)
+    codes = np.full(32, 8, np.uint8)  # (code 8: the value 0)
+    codes[0], codes[1] = 7, 10  # -1, +2
+    block = np.concatenate([np.frombuffer(d.tobytes(), np.uint8), codes[:16] | (codes[16:] << 4)])
+    raw = np.tile(block, (8, 1)).reshape(8, 18)  # 8 rows of one block each: a [8, 32] weight
+    w = to_device(Q.Q4_0, quants.split(raw, Q.Q4_0, 8, 32), (8, 32))
+    x = np.zeros((m, 32), np.float32)
+    x[:, :2] = 3.0e38
+    xd = mx.array(x).astype(mx.bfloat16)
+    xs = np.array(xd.astype(mx.float32))
+    t = block_kernels.terms(raw, Q.Q4_0, 8, 32)
+    narrow = lambda a: np.array(mx.array(a).astype(mx.bfloat16).astype(mx.float32))  # noqa: E731
+    want = narrow(block_kernels.emulate(xs, t, Q.Q4_0, fma16=True))
+    assert np.isfinite(want).all() and not np.isfinite(block_kernels.emulate(xs, t, Q.Q4_0)).any()
+    got = host_kernels.product(xd, w, 1)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.parametrize("first", block_kernels.PAIR_FIRST, ids=lambda t: t.name)
@@ -453,8 +479,9 @@ def test_a_pair_launch_run_on_the_host_gives_each_runs_bits(host_kernels, first,
         nw = mx.array(rng.uniform(0.5, 2.0, cols).astype(np.float32)).astype(dtype)
         for norm in (None, (nw, 1e-5)):
             xs = x if norm is None else block_kernels.emulate_rms_norm(x, np.array(nw.astype(mx.float32)), 1e-5, narrow)
-            want = np.concatenate([narrow(block_kernels.emulate(xs, va, first)),
-                                   narrow(block_kernels.emulate(xs, vb, Q.Q6_K))], axis=1)
+            fma16 = dtype != mx.float32
+            want = np.concatenate([narrow(block_kernels.emulate(xs, va, first, fma16)),
+                                   narrow(block_kernels.emulate(xs, vb, Q.Q6_K, fma16))], axis=1)
             got = host_kernels.pair_product(xd, a, b, norm)
             same = got.view(np.uint32) == want.view(np.uint32)
             assert same.all(), (f"{int((~same).sum())} of {same.size} differ ({m} rows, {dtype}, "

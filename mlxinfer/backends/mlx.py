@@ -316,6 +316,7 @@ def _check_block_products(backend: "MLXBackend", kernel: str | None = None, fuse
     rng = np.random.default_rng(7)
     dtype = backend.weight_dtype
     narrow = lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))  # noqa: E731 (MLX's rounding)
+    fma16 = dtype != mx.float32  # (a 16-bit x: the kernels' fma, `block_kernels.emulate`)
     per_warp = (1, 2, 4) if backend.block_kind == "cuda" else (1,)
     forms = ([(per_warp[-1], f) for f in ("add", "norm")] if fused else [(per_warp[-1], "glu")] if swiglu
              else [(r, "") for r in per_warp])
@@ -328,7 +329,7 @@ def _check_block_products(backend: "MLXBackend", kernel: str | None = None, fuse
         values = block_kernels.terms(raw, qtype, 42, k)
         for m in (1, block_kernels.MAX_ROWS):
             x = narrow(rng.standard_normal((m, k), dtype=np.float32))
-            sums = block_kernels.emulate(x, values, qtype)
+            sums = block_kernels.emulate(x, values, qtype, fma16)
             want = narrow(sums)
             # a residual of the sums' size, so that the additions round, and finite in every dtype
             res = narrow(rng.standard_normal(want.shape, dtype=np.float32) * np.minimum(np.abs(want), 1000.0))
@@ -342,10 +343,10 @@ def _check_block_products(backend: "MLXBackend", kernel: str | None = None, fuse
                 got = np.array(out.astype(mx.float32))
                 if form == "norm":
                     expected = narrow(block_kernels.emulate(block_kernels.emulate_rms_norm(x, nw, 1e-5, narrow),
-                                                            values, qtype))
+                                                            values, qtype, fma16))
                 elif form == "glu":
                     expected = block_kernels.with_residual(
-                        block_kernels.emulate(block_kernels.emulate_swiglu(gu, narrow), values, qtype), res, narrow)
+                        block_kernels.emulate(block_kernels.emulate_swiglu(gu, narrow), values, qtype, fma16), res, narrow)
                 else:
                     expected = block_kernels.with_residual(sums, res, narrow) if form == "add" else want
                 what = {"": "", "add": " (adding a residual)", "norm": " (of normed rows)",
@@ -701,8 +702,9 @@ def verify_pair_launch(backend: "MLXBackend") -> str | None:
                 nw = narrow(rng.uniform(0.25, 4.0, k).astype(np.float32))
                 for norm in (False, True):
                     xs = block_kernels.emulate_rms_norm(x, nw, 1e-5, narrow) if norm else x
-                    want = np.concatenate([narrow(block_kernels.emulate(xs, va, first)),
-                                           narrow(block_kernels.emulate(xs, vb, Q.Q6_K))], axis=1)
+                    fma16 = dtype != mx.float32  # (a 16-bit x: the kernels' fma)
+                    want = np.concatenate([narrow(block_kernels.emulate(xs, va, first, fma16)),
+                                           narrow(block_kernels.emulate(xs, vb, Q.Q6_K, fma16))], axis=1)
                     out = block_kernels.pair_product(backend.block_kind, mx.array(x).astype(dtype), a, b,
                                                      (mx.array(nw).astype(dtype), 1e-5) if norm else None)
                     problem = _differs(f"the {first.name}+Q6_K pair launch{' (of normed rows)' if norm else ''} differs "
