@@ -384,6 +384,8 @@ __device__ __forceinline__ void mlxi_unit_by_runs(const float* xs, const float* 
     }
     return;
   }
+  // One row of x, RT rows a warp (bounded forms): the rows' run sums side by side, so that each value of x
+  // read from shared memory serves every row, and x's run sums in registers.
   float s[NR][M], sx[M];
 #pragma unroll
   for (int t0 = 0; t0 < 32; t0 += 4) {
