@@ -346,6 +346,13 @@ template <typename X>
 __device__ __forceinline__ float mlxi_code_times_x(float s, float c, float x) {
   return sizeof(X) == 2 ? __fmaf_rn(c, x, s) : __fadd_rn(s, __fmul_rn(c, x));
 }
+// A run's end: the partial sum acc plus scale * s (+ bias * sx with BIAS), each step rounded.
+template <bool BIAS>
+__device__ __forceinline__ float mlxi_run_end(float acc, float scale, float s, float bias, float sx) {
+  float u = __fmul_rn(scale, s);
+  if (BIAS) u = __fadd_rn(u, __fmul_rn(bias, sx));
+  return __fadd_rn(acc, u);
+}
 template <int M, typename G, int NR, int RT, int STRIDE, int XG, typename X>
 __device__ __forceinline__ void mlxi_unit_by_runs(const float* xs, const float* xsum, int v, const typename G::Row (&row)[NR],
                                                   int rows, float (&acc)[NR][M]) {
@@ -374,11 +381,9 @@ __device__ __forceinline__ void mlxi_unit_by_runs(const float* xs, const float* 
         }
         if ((t0 + 4) % G::RUN == 0) {
 #pragma unroll
-          for (int m = 0; m < M; ++m) {
-            float u = __fmul_rn(G::scale(row[r], t0 / G::RUN), s[m]);
-            if (G::BIAS) u = __fadd_rn(u, __fmul_rn(G::bias(row[r], t0 / G::RUN), xsum[m * XG + v]));
-            acc[r][m] = __fadd_rn(acc[r][m], u);
-          }
+          for (int m = 0; m < M; ++m)
+            acc[r][m] = mlxi_run_end<G::BIAS>(acc[r][m], G::scale(row[r], t0 / G::RUN), s[m], G::bias(row[r], t0 / G::RUN),
+                                              G::BIAS ? xsum[m * XG + v] : 0.0f);
         }
       }
     }
@@ -422,11 +427,8 @@ __device__ __forceinline__ void mlxi_unit_by_runs(const float* xs, const float* 
       for (int r = 0; r < NR; ++r) {
         if (RT || r < rows) {
 #pragma unroll
-          for (int m = 0; m < M; ++m) {
-            float u = __fmul_rn(G::scale(row[r], j), s[r][m]);
-            if (G::BIAS) u = __fadd_rn(u, __fmul_rn(G::bias(row[r], j), sx[m]));
-            acc[r][m] = __fadd_rn(acc[r][m], u);
-          }
+          for (int m = 0; m < M; ++m)
+            acc[r][m] = mlxi_run_end<G::BIAS>(acc[r][m], G::scale(row[r], j), s[r][m], G::bias(row[r], j), sx[m]);
         }
       }
     }

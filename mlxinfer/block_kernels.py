@@ -542,12 +542,12 @@ def terms(raw: np.ndarray, qtype, rows: int, cols: int):
     zero = dict(KERNELS[qtype][1])["ZERO"]
     if qtype in (Q.Q4_K, Q.Q5_K):  # d * sc and -(dmin * m) a group of 32
         dd, sm = parts
-        dd = dd.view(np.float16).astype(f32)
+        dd = dd.astype(f32)
         scale = dd[..., 0:1] * sm[..., 0, :].astype(f32)
         bias = -(dd[..., 1:2] * sm[..., 1, :].astype(f32))
     else:  # d (and m) a group of 32
-        scale = parts[0].view(np.float16).astype(f32)
-        bias = parts[1].view(np.float16).astype(f32) if len(parts) > 1 else None
+        scale = parts[0].astype(f32)
+        bias = parts[1].astype(f32) if len(parts) > 1 else None
     per_col = lambda a: np.repeat(a.reshape(rows, cols // 32), 32, axis=1)  # noqa: E731
     return Terms(q.astype(f32) - f32(zero), per_col(scale), None if bias is None else per_col(bias))
 
@@ -595,7 +595,8 @@ def emulate(x: np.ndarray, w, qtype, fma16: bool = False) -> np.ndarray:
                     s = (s.astype(np.float64) + xc.astype(np.float64) * codes[:, col][None, :, :]).astype(np.float32)
                 else:
                     s = (s + (xc * codes[:, col][None, :, :]).astype(np.float32)).astype(np.float32)
-                sx = (sx + xc).astype(np.float32)
+                if biases is not None:
+                    sx = (sx + xc).astype(np.float32)
                 if (step + 1) % runs == 0:  # the run's end: scale * s (+ bias * sx), added
                     part = (scales[:, col][None, :, :] * s).astype(np.float32)
                     if biases is not None:

@@ -684,6 +684,7 @@ def verify_pair_launch(backend: "MLXBackend") -> str | None:
     rng = np.random.default_rng(17)
     dtype = backend.weight_dtype
     narrow = lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))  # noqa: E731 (MLX's rounding)
+    fma16 = dtype != mx.float32  # (a 16-bit x: the kernels' fma, `block_kernels.emulate`)
     k = 1280
     try:
         firsts = [t for t in block_kernels.PAIR_FIRST if t in backend.block_types]
@@ -702,7 +703,6 @@ def verify_pair_launch(backend: "MLXBackend") -> str | None:
                 nw = narrow(rng.uniform(0.25, 4.0, k).astype(np.float32))
                 for norm in (False, True):
                     xs = block_kernels.emulate_rms_norm(x, nw, 1e-5, narrow) if norm else x
-                    fma16 = dtype != mx.float32  # (a 16-bit x: the kernels' fma)
                     want = np.concatenate([narrow(block_kernels.emulate(xs, va, first, fma16)),
                                            narrow(block_kernels.emulate(xs, vb, Q.Q6_K, fma16))], axis=1)
                     out = block_kernels.pair_product(backend.block_kind, mx.array(x).astype(dtype), a, b,
