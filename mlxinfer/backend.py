@@ -66,7 +66,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # the MLX backend's activations (--
 KV_DTYPES = (*DTYPES, "q8_0")  # what the MLX backend's KV cache stores (--kv-dtype)
 # the dtype MLX runs on a GPU when none is asked for, by GPU kind (on its CPU: float32). CUDA: bfloat16,
 # which reached the first token 2.1-12.8x sooner than float32 from 511 prompt tokens (later after 17),
-# decoded faster after 2,047 (not after 17) and took less memory (docs/performance.md, 2026-12-05).
+# decoded faster after 2,047 (not after 17) and took less memory (an H100: docs/performance.md).
 # Metal: float32, as nothing has been measured on Apple hardware.
 GPU_DEFAULT_DTYPES = {"cuda": "bfloat16", "metal": "float32"}
 MOE_MIN_WEIGHT_SUM = 6.103515625e-5  # llama.cpp clamps the chosen experts' weight sum to float16's smallest normal

@@ -162,13 +162,9 @@ MIN_BLOCKS_A_LAUNCH = 512  # blocks a product's launch should have, at least: ab
 def default_per_warp(kind: str, n: int) -> int:
     """Output rows a warp takes in a product of n output rows: the most (`rows_per_warp`: 4, 2, 1) that
     still gives the launch MIN_BLOCKS_A_LAUNCH blocks of 8 warps (else 1), so that every SM keeps several
-    blocks of warps waiting for weights. Device time of the 8B shape's Q4_K products, one row of bfloat16
-    x, 1 / 2 / 4 rows a warp (H100, 2026-12-06 10:48, bench/probes/block_variants.py --gpu-clock): QKV
-    (6,144 rows) 13.4 / 19.8 / 19.6 us, attention output (4,096) 9.8 / 16.2 / 16.5, down (4,096 of
-    12,288) 27.7 / 30.6 / 32.3, gate|up (24,576) 51.6 / 44.3 / 40.9, the head (151,936) 291 / 243 / 213;
-    Q6_K alike. So 1 below 8,177 rows (the 8B shape's narrow products and every 0.6B one but the head), 2
-    below 16,353, 4 from there. (Before the rows of a warp were known at compile time, blocks.cu's
-    mlxi_block_rows, 4 had been the fastest at 4,096 rows.)"""
+    blocks of warps waiting for weights. So 1 below 8,177 rows (the 8B shape's narrow products and every
+    0.6B one but the head), 2 below 16,353, 4 from there: the fastest of 1, 2 and 4 at each of the 8B
+    shape's products in device time (docs/performance.md, "rows at compile time")."""
     most = rows_per_warp(kind)
     return next((r for r in (4, 2) if r <= most and -(-n // (r * WARPS)) >= MIN_BLOCKS_A_LAUNCH), 1)
 
@@ -184,9 +180,9 @@ def fuses_swiglu(w) -> bool:
     wave of blocks. Apart, SwiGLU is one more launch (its host time, ~10 us, and a few us of the device's)
     and computed once. Where decode is host-bound (small shapes: the 0.6B shape's down is 3.1M weights)
     the launch costs more; where it is device-bound (the 8B shape's, 50M) the staging does: the 8B
-    Q4_K_M decode step took 5.65 ms of device time apart against 5.98 in the form (H100, 2026-12-06
-    13:58, bench/probes/step_profile.py --gpu-clock, swiglu-fused variant). The bound between the two
-    shapes is a guess, not measured on shapes in between."""
+    Q4_K_M decode step took more device time with the form (docs/performance.md, "the fused forms on a
+    device-bound decode"). The bound between the two shapes is a guess, not measured on shapes in
+    between."""
     return w.shape[0] * w.shape[1] <= SWIGLU_FUSED_MAX_VALUES
 
 

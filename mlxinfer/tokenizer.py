@@ -15,7 +15,7 @@ scores and token types; `SentencePiece` below encodes it as llama.cpp's `llm_tok
 transcription of its loop (~40 lines, 17 ms for 10,000 characters; `tokenizers` BPE: 5 ms). Why not
 `tokenizers`: its Unigram model is a Viterbi search for the best segmentation, not llama.cpp's greedy
 merge. Its BPE model, with merges ranked by the merged token's score, gave llama.cpp's ids on the 46
-test texts and on 3,000 random strings of Llama 2's vocabulary (2026-12-01), but it cannot say two
+test texts and on 3,000 random strings of Llama 2's vocabulary, but it cannot say two
 things llama.cpp does: a character that is no token merging into one that is (`tokenizers` spells it in
 bytes first), and equal scores (Llama 2's sixteen runs of U+2581 all score -1e9) decided by position,
 where BPE has one fixed rank per pair. The split at special tokens, Phi-3's whitespace strip after them
