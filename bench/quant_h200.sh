@@ -20,6 +20,11 @@
 #        token with long chunks on MLX's GEMMs
 # large  the same on qwen3-8b-q4km-synthetic (prompt 17, mlx-lm 4:64), and MLX's active memory after
 #        loading it beside the file's tensor bytes
+# profile  where the 8B prompt pass's device time goes, Q4_K_M against Q8_0 (issue 28: Q4_K_M's first token
+#        55 against 41 ms after 17 tokens, H100 2026-12-07): Nsight Compute (`ncu`, on the lent machines) of
+#        bench/probes/ncu_step.py's prompt pass of 17 tokens on qwen3-8b-q4km-synthetic and qwen3-8b-synthetic
+#        (each written on first use, ~1 min) -> $OUT/ncu-prefill-<file>.csv, summed by kernel name by
+#        bench/probes/ncu_passes.py (~2-3 min a file)
 set -u
 cd "$(dirname "$0")/.." || exit 1
 : "${OUT:?set OUT}"
@@ -63,6 +68,12 @@ act = mx.get_active_memory()
 print(f"8B Q4_K_M: tensor bytes {file_bytes / 2**30:.2f} GiB, MLX active after load {act / 2**30:.2f} GiB ({act / file_bytes:.3f}x)")
 PY
            log "large" ;;
+    profile) for m in qwen3-8b-q4km-synthetic qwen3-8b-synthetic; do
+               timeout "${PROFILE_TIMEOUT:-280}" ncu --profile-from-start off --metrics gpu__time_duration.sum --csv \
+                 --print-units base python3 bench/probes/ncu_step.py -m "$m" -p 17 --tokens 1 \
+                 >"$OUT/ncu-prefill-$m.csv" 2>"$OUT/ncu-prefill-$m.err"
+               log "profile $m rc=$?"; python3 bench/probes/ncu_passes.py "$OUT/ncu-prefill-$m.csv" --top 16 --passes 0
+             done ;;
     *) log "unknown step $step"; exit 1 ;;
   esac
 done
