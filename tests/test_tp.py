@@ -188,6 +188,7 @@ def tp_runs(tmp_path_factory, smollm2_path, synthetic):
 @pytest.mark.parametrize("i", [0, 1, 2, 4, 5, 6, 7], ids=["smollm2-f32-cpu", "qwen3-f32-cpu", "qwen3-f32-mlx",
                                                          "qwen2-f32-cpu", "llama3-rope-f32-mlx", "gemma2-f32-cpu",
                                                          "gemma3-f32-mlx"])
+@pytest.mark.xdist_group("tp_runs")  # one two-rank run for all (conftest.pytest_configure)
 def test_tp2_logits_and_greedy_text_match_one_process(tp_runs, i):
     cases, runs = tp_runs
     case = cases[i]
@@ -204,6 +205,7 @@ def test_tp2_logits_and_greedy_text_match_one_process(tp_runs, i):
     np.testing.assert_array_equal(runs[i][0]["logits_fused"], runs[i][1]["logits_fused"])
 
 
+@pytest.mark.xdist_group("tp_runs")  # one two-rank run for all (conftest.pytest_configure)
 def test_ranks_share_the_cores(tp_runs):
     """Each rank's backend takes at most its share of the machine's cores (load(tp=...) passes the
     ranks to the backend's default thread count)."""
@@ -231,17 +233,20 @@ def test_load_passes_the_ranks_to_the_backend(monkeypatch):
     assert seen["ranks"] == 3
 
 
+@pytest.mark.xdist_group("tp_runs")  # one two-rank run for all (conftest.pytest_configure)
 @pytest.mark.parametrize("i", [0, 1, 2, 3, 4, 5, 6, 7])
 def test_fused_is_bitwise_per_head_on_every_rank(tp_runs, i):
     for rank in tp_runs[1][i]:
         assert rank["fused_equals_per_head"]
 
 
+@pytest.mark.xdist_group("tp_runs")  # one two-rank run for all (conftest.pytest_configure)
 def test_uneven_heads_give_each_rank_its_own_kv_share(tp_runs):
     smol = tp_runs[1][0]
     assert [int(r["kv_width"]) for r in smol] == [2 * 64, 1 * 64]  # SmolLM2: 3 KV heads of 64 over 2 ranks
 
 
+@pytest.mark.xdist_group("tp_runs")  # one two-rank run for all (conftest.pytest_configure)
 def test_random_seed_is_agreed_so_ranks_sample_the_same_tokens(tp_runs):
     r0, r1 = tp_runs[1][3]
     for path in ("fused", "per_head"):  # the ranks use rank 0's seed, so they draw the same tokens
