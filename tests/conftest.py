@@ -30,9 +30,9 @@ def pytest_xdist_auto_num_workers(config):
 def pytest_configure(config):
     """Under pytest-xdist (`-n auto`) tests marked `xdist_group` run on one worker (xdist's "loadgroup"
     scheduling; the rest are spread as by its default "load"), so that a costly module fixture they share
-    runs once, not once on every worker that draws one of its tests: test_tp.py's two-rank run (70-79 s on
-    this 2-core VM) ran on both workers before. The workers parse their own options, so each tags its
-    tests by group as a "loadgroup" worker does."""
+    runs once, not once on every worker that draws one of its tests (test_tp.py's two-rank run, the
+    suite's costliest fixture). The workers parse their own options, so each tags its tests by group as a
+    "loadgroup" worker does."""
     config.addinivalue_line("markers", "xdist_group(name): tests that share a costly fixture, on one xdist worker")
     if getattr(config.option, "dist", None) == "load":
         config.option.dist = "loadgroup"
