@@ -24,7 +24,8 @@
 #        55 against 41 ms after 17 tokens, H100 2026-12-07): Nsight Compute (`ncu`, on the lent machines) of
 #        bench/probes/ncu_step.py's prompt pass of 17 tokens on qwen3-8b-q4km-synthetic and qwen3-8b-synthetic
 #        (each written on first use, ~1 min) -> $OUT/ncu-prefill-<file>.csv, summed by kernel name by
-#        bench/probes/ncu_passes.py (~2-3 min a file)
+#        bench/probes/ncu_passes.py (~2-3 min a file); PROFILE_MODELS names other files (one a call on a fresh
+#        machine, whose kernels compile first)
 set -u
 cd "$(dirname "$0")/.." || exit 1
 : "${OUT:?set OUT}"
@@ -68,7 +69,7 @@ act = mx.get_active_memory()
 print(f"8B Q4_K_M: tensor bytes {file_bytes / 2**30:.2f} GiB, MLX active after load {act / 2**30:.2f} GiB ({act / file_bytes:.3f}x)")
 PY
            log "large" ;;
-    profile) for m in qwen3-8b-q4km-synthetic qwen3-8b-synthetic; do
+    profile) for m in ${PROFILE_MODELS:-qwen3-8b-q4km-synthetic qwen3-8b-synthetic}; do
                timeout "${PROFILE_TIMEOUT:-280}" ncu --profile-from-start off --metrics gpu__time_duration.sum --csv \
                  --print-units base python3 bench/probes/ncu_step.py -m "$m" -p 17 --tokens 1 \
                  >"$OUT/ncu-prefill-$m.csv" 2>"$OUT/ncu-prefill-$m.err"

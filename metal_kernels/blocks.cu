@@ -95,6 +95,12 @@ __device__ __forceinline__ unsigned int mlxi_code(const unsigned int* words, int
   return v & ((1u << BITS) - 1u);
 }
 
+// 8 values of T in one aligned struct: one 16-byte store for a 16-bit T (affine_values' writes).
+template <typename T>
+struct alignas(sizeof(T) * 8 > 16 ? 16 : sizeof(T) * 8) mlxi_vec8 {
+  T v[8];
+};
+
 // Code q (below 2^23) less z as float, exactly, on the float pipe: 0x4B000000 | q is the float 2^23 + q,
 // and z2 = 2^23 + z (an integer conversion runs at a quarter of a float operation's rate on sm_90, and
 // one a weight value bounded these kernels).
@@ -904,6 +910,39 @@ if (i < groups) {
     scales[i] = (T)mlxi_half_bits(s0[i]);
     biases[i] = (T)mlxi_half_bits(s1[i]);
   }
+}
+//@@BODY affine_values
+// An affine weight's values [N, K] (T) a prompt's product multiplies (dequantized, then one matmul: MLX's
+// quantized_matmul reads a 4-bit weight slower than an 8-bit one at a prompt's few rows, H100), from its
+// compact fields (affine_matvec's w, s0, s1; SCALES and ZERO as there), a thread 8 values of a group:
+// the group's scale and bias as affine_scales rounds them to T (SCALES 0: scale d, bias -(scale ZERO),
+// exact), then each value code * scale + bias in float32 (the product exact: at most 22 significant
+// bits; the sum rounded), then rounded once to T: the bits of mlx_weights' `affine_values` (the
+// graph's), written [N, K] with 8 values a store. dims = [N, K / 32]; out [N, K] (T).
+const long groups = (long)dims[0] * dims[1];
+const long i = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_THREADS + threadIdx.x;
+if (i < 4 * groups) {
+  const long g = i >> 2;
+  const int part = (int)(i & 3);
+  float scale, bias;
+  if (SCALES == 2) {
+    const long blk = g >> 3;
+    const int j = (int)(g & 7);
+    scale = (float)(T)__fmul_rn(mlxi_half_bits(s0[2 * blk]), (float)s1[16 * blk + j]);
+    bias = (float)(T)(-__fmul_rn(mlxi_half_bits(s0[2 * blk + 1]), (float)s1[16 * blk + 8 + j]));
+  } else if (SCALES == 1) {
+    scale = (float)(T)mlxi_half_bits(s0[g]);
+    bias = (float)(T)mlxi_half_bits(s1[g]);
+  } else {
+    scale = (float)(T)mlxi_half_bits(s0[g]);
+    bias = (float)(T)__fmul_rn(scale, -(float)ZERO);
+  }
+  const unsigned int* words = w + g * BITS;
+  float f[8];
+#pragma unroll
+  for (int t = 0; t < 8; ++t) f[t] = __fadd_rn(__fmul_rn((float)mlxi_code<BITS>(words, 8 * part + t), scale), bias);
+  const mlxi_vec8<T> v = {{(T)f[0], (T)f[1], (T)f[2], (T)f[3], (T)f[4], (T)f[5], (T)f[6], (T)f[7]}};
+  reinterpret_cast<mlxi_vec8<T>*>(out)[i] = v;
 }
 //@@BODY q6_k_values
 // Q6_K's values [N, K] (T) a prompt's product multiplies (dequantized, then one matmul), from

@@ -417,6 +417,38 @@ if (i < groups) {
     biases[i] = T(mlxi_half_bits(s1[i]));
   }
 }
+//@@BODY affine_values
+// As in blocks.cu: an affine weight's values [N, K] (T) from w, s0, s1 (SCALES and ZERO as affine_matvec's),
+// a thread 8 values of a group: scale and bias rounded to T as affine_scales rounds them (SCALES 0: d and
+// -(scale ZERO)), then code * scale + bias, each step rounded in float32 (fp contract off), then to T;
+// dims = [N, K / 32].
+const long groups = (long)dims[0] * dims[1];
+const long i = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
+    * MLXI_THREADS + thread_index_in_threadgroup;
+if (i < 4 * groups) {
+  const long g = i >> 2;
+  const int part = int(i & 3);
+  float scale, bias;
+  if (SCALES == 2) {
+    const long blk = g >> 3;
+    const int j = int(g & 7);
+    scale = float(T(mlxi_half_bits(s0[2 * blk]) * float(s1[16 * blk + j])));
+    const float mins = mlxi_half_bits(s0[2 * blk + 1]) * float(s1[16 * blk + 8 + j]);
+    bias = float(T(-mins));
+  } else if (SCALES == 1) {
+    scale = float(T(mlxi_half_bits(s0[g])));
+    bias = float(T(mlxi_half_bits(s1[g])));
+  } else {
+    scale = float(T(mlxi_half_bits(s0[g])));
+    bias = float(T(scale * -float(ZERO)));
+  }
+  uint words[BITS];
+  for (int k = 0; k < BITS; ++k) words[k] = w[g * BITS + k];
+  for (int t = 0; t < 8; ++t) {
+    const float q = float(mlxi_code<BITS>(words, 8 * part + t));
+    out[8 * i + t] = T(q * scale + bias);
+  }
+}
 //@@BODY q6_k_values
 // As in blocks.cu: Q6_K's values [N, K] (T), (d * scales[v / 16]) * (q - 32) each rounded, then to T, a
 // thread a value; dims = [N, K].

@@ -79,6 +79,7 @@ INPUTS = {"q6_k_matvec": ["x", "res", "nw", "ql", "qh", "scales", "d_bits", "dim
           "rms_norm": ["x", "nw", "dims"],
           "swiglu": ["x", "dims"],
           "affine_scales": ["s0", "s1", "dims"],
+          "affine_values": ["w", "s0", "s1", "dims"],
           "q6_k_values": ["ql", "qh", "scales", "d_bits", "dims"]}
 OUTPUTS = {"affine_scales": ["scales", "biases"]}  # a kernel's outputs, where not one `out`
 FIELDS_AT = 3  # a matvec's weight fields start at this input
@@ -111,6 +112,12 @@ PAIR_FIRST = (Q.Q4_K, Q.Q5_K)  # the types of its first run (its second is Q6_K)
 # bits as the graph's (the same operations, each rounded as the graph rounds it).
 FORMED = {Q.Q4_K: "affine_scales", Q.Q5_K: "affine_scales", Q.Q4_1: "affine_scales", Q.Q5_1: "affine_scales",
           Q.Q6_K: "q6_k_values"}
+# ... and an affine weight's values (`affine_values`: the weight dequantized in one launch, 8 values a
+# thread), which a prompt's product of a large affine weight multiplies on CUDA instead of calling
+# mx.quantized_matmul (MLXBackend's `values_rows`): at a prompt's few rows MLX's product reads an 8B
+# model's weights at a fraction of the memory's rate, slower still for 4 bits than for 8
+# (docs/performance.md, "An 8B prompt pass by kernel").
+VALUES = {t: "affine_values" for t in AFFINE_BITS}
 
 
 def applies(w, x) -> bool:
@@ -369,6 +376,18 @@ def formed_values(kind: str, w):
     return _formed(kind, "q6_k_values", w.kernel_fields or kernel_fields(w), tuple(w.shape), w.dtype, 1, ())[0]
 
 
+def affine_values(kind: str, w):
+    """[N, K] in w's products' dtype of an affine weight (a type in VALUES, its scales not formed at
+    load), by the affine_values kernel on `kind`: one launch, the bits of `mlx_weights.affine_values`
+    (tested), in the shape the product takes."""
+    if getattr(w, "qtype", None) not in VALUES or getattr(w, "float_scales", False):
+        raise ValueError(f"the affine_values kernel forms {', '.join(t.name for t in VALUES)} values from their"
+                         f" fields, not {_type_name(w)}'s")
+    n, k = w.shape
+    return _formed(kind, "affine_values", w.kernel_fields or kernel_fields(w), (n, k), w.dtype, 1,
+                   KERNELS[w.qtype][1], threads=n * k // 8, dims=(n, k // 32))[0]
+
+
 def _type_name(w) -> str:
     return getattr(getattr(w, "qtype", None), "name", type(w).__name__)
 
@@ -381,32 +400,37 @@ def _type_name(w) -> str:
 FORMED_COMPILED = True
 
 
-def _formed(kind: str, name: str, fields, shape, dtype, outputs: int, consts) -> list:
-    """A formed kernel's `outputs` arrays of `shape` [rows, columns], a thread an element (none launched
-    for no rows: a row slice may have none)."""
+def _formed(kind: str, name: str, fields, shape, dtype, outputs: int, consts, threads: int | None = None,
+            dims: tuple | None = None) -> list:
+    """A formed kernel's `outputs` arrays of `shape` [rows, columns], a thread an element unless `threads`
+    says how many (and `dims` the kernel's dims, `shape` by default); none launched for no rows: a row
+    slice may have none."""
     import mlx.core as mx
 
     if shape[0] == 0:
         return [mx.zeros(shape, dtype) for _ in range(outputs)]
     kernel = _kernel(kind, name)
+    launch = (shape[0] * shape[1] if threads is None else threads, tuple(shape if dims is None else dims))
     if FORMED_COMPILED and not cuda_jit.is_collecting():  # (a trace made while collecting would replay its zeros)
-        return _compiled_formed(kernel, outputs, consts)(list(fields), tuple(shape), cuda_jit.dtype_name(dtype))
-    return _launch_formed(kernel, fields, shape, dtype, outputs, consts)
+        return _compiled_formed(kernel, outputs, tuple(consts), launch)(list(fields), tuple(shape), cuda_jit.dtype_name(dtype))
+    return _launch_formed(kernel, fields, shape, dtype, outputs, consts, launch)
 
 
 @lru_cache(maxsize=None)
-def _compiled_formed(kernel, outputs: int, consts):
+def _compiled_formed(kernel, outputs: int, consts, launch):
     """`_launch_formed` of one kernel object in mx.compile (keyed by the object: a kernel replaced in a
     test is traced apart)."""
     import mlx.core as mx
 
-    return mx.compile(lambda fields, shape, dtype: _launch_formed(kernel, fields, shape, getattr(mx, dtype), outputs, consts))
+    return mx.compile(lambda fields, shape, dtype: _launch_formed(kernel, fields, shape, getattr(mx, dtype), outputs,
+                                                                  consts, launch))
 
 
-def _launch_formed(kernel, fields, shape, dtype, outputs: int, consts) -> list:
+def _launch_formed(kernel, fields, shape, dtype, outputs: int, consts, launch) -> list:
+    threads, dims = launch
     return kernel(
-        inputs=[*fields, kernel_args(*shape)], template=[("T", dtype), *consts],
-        grid=launch_grid(-(-(shape[0] * shape[1]) // (32 * WARPS))), threadgroup=(32 * WARPS, 1, 1),
+        inputs=[*fields, kernel_args(*dims)], template=[("T", dtype), *consts],
+        grid=launch_grid(-(-threads // (32 * WARPS))), threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[shape] * outputs, output_dtypes=[dtype] * outputs)
 
 

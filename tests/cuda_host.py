@@ -104,6 +104,10 @@ class HostKernels:
         """`block_kernels.formed_values` by the host-compiled kernel, as float32 values."""
         return self._launch(lambda: block_kernels.formed_values("cuda", w))
 
+    def affine_values(self, w):
+        """`block_kernels.affine_values` by the host-compiled kernel, as float32 values."""
+        return self._launch(lambda: block_kernels.affine_values("cuda", w))
+
     def _launch(self, call, outputs=None):
         """The launch `call` makes, run by the host-compiled kernel: its one output, or its first
         `outputs` outputs as a tuple, as float32 values."""

@@ -143,9 +143,11 @@ struct __half { unsigned short x; __device__ __half(float f) : x(0) {} __device_
 """
 
 
-ELEMENTWISE = ("rms_norm", "swiglu", "affine_scales", "q6_k_values")  # blocks.cu's kernels besides the products (no M)
-# the formed kernels' template constants (`block_kernels.formed_scales`: 2 for the K-quants, 1 for Q4_1 and Q5_1)
-FORMED_LAUNCHES = [("affine_scales", (("SCALES", 1),)), ("affine_scales", (("SCALES", 2),)), ("q6_k_values", ())]
+ELEMENTWISE = ("rms_norm", "swiglu", "affine_scales", "affine_values", "q6_k_values")  # blocks.cu's kernels besides the products (no M)
+# the formed kernels' template constants (`block_kernels.formed_scales`: 2 for the K-quants, 1 for Q4_1 and Q5_1;
+# `affine_values`: each affine type's own, as its matvec's)
+FORMED_LAUNCHES = [("affine_scales", (("SCALES", 1),)), ("affine_scales", (("SCALES", 2),)), ("q6_k_values", ())] + sorted(
+    {("affine_values", block_kernels.KERNELS[t][1]) for t in block_kernels.VALUES})
 
 
 def _launches():

@@ -80,6 +80,16 @@ SPLIT_MIN_ROWS = 256  # quantized products are cut over the CPU threads in parts
 # bench/probes/dense_products.py times both; docs/performance.md has the figures. (float32's passes are
 # 512 rows, the protocol's chunk: there only a batch of 1,024 sequences or a larger --prefill-chunk reaches it.)
 DENSE_MIN_ROWS = 1024
+# ... and from the block kernels' last row on (a prompt's products of MAX_ROWS + 1 rows or more), a weight
+# of fewer than 8 bits a value and at least DENSE_VALUES_MIN values that the affine_values kernel forms
+# (`QuantizedWeight.former`) is dequantized by it in one launch, then multiplied: MLX's quantized_matmul
+# at a 17-token prompt read a Qwen3-8B shape's 4-bit products more slowly than its 8-bit ones (its
+# 4,096-output products 150-440 us each: a grid of 32 blocks on 132 SMs), and the 8B Q4_K_M file reached
+# its first token later than the Q8_0 file; dequantized first, sooner (H100: docs/performance.md, "An 8B
+# prompt pass by kernel"). An 8-bit weight gained nothing so (its first token 42.3 against 41.5 ms), and
+# output heads (more than block_kernels.WIDE rows) stay on quantized_matmul, which reads them faster
+# than they are formed.
+DENSE_VALUES_MIN = 1 << 24
 # On a GPU, a sequence's attention products with at least this many query rows (prefill chunks) are, in
 # 16-bit dtypes on CUDA, the tensor-core order's (`self.mma`: kernels.mma_*, one launch a chunk in the
 # fused override), else MLX's own GEMMs a head at a time, in the per-head reference and in the fused
@@ -291,7 +301,7 @@ def _check_products(backend: "MLXBackend") -> str | None:
 def _differs(what: str, got: np.ndarray, want: np.ndarray, case) -> str | None:
     """A self-check's comparison: None where the float32 results `got` are `want`'s bits, else one line,
     `what` (the failure's subject and verb), how many values differ, and the case."""
-    same = got.view(np.uint32) == want.view(np.uint32)
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))  # (a NaN's sign and payload: the platform's)
     if same.all():
         return None
     return f"{what} in {int((~same).sum())} of {same.size} values ({case})"
@@ -725,19 +735,28 @@ def verify_formed_kernels(backend: "MLXBackend") -> str | None:
     a row slice (a dense product's), in the products' dtype. None, or one line naming the failure."""
     rng = np.random.default_rng(19)
     rows, k = 40, 1280
-    formed = lambda w: w.affine() if isinstance(w, QuantizedWeight) else (w.dense(),)  # noqa: E731
+    types = {**block_kernels.FORMED, **block_kernels.VALUES}
+
+    def formed(w):  # [(kernel, what, array)] of each form the weight's type has
+        out = []
+        if block_kernels.FORMED.get(w.qtype) == "affine_scales":
+            out += [("affine_scales", "scales", w.affine()[0]), ("affine_scales", "biases", w.affine()[1])]
+        if w.qtype in block_kernels.VALUES or w.qtype == Q.Q6_K:
+            out.append((block_kernels.VALUES.get(w.qtype, "q6_k_values"), "values", w.dense()))
+        return out
+
     try:
         weights = {}
-        for qtype in block_kernels.FORMED:
+        for qtype in types:
             raw = quants.random_blocks(rng, qtype, rows, k, edges=True)
             weights[qtype] = to_device(qtype, quants.split(raw, qtype, rows, k), (rows, k), dtype=backend.weight_dtype,
                                        compiled=True)
-        _prebuild(backend, [lambda w=w: formed(replace(w, former=backend.formed_kind)) for w in weights.values()])
-        for qtype, name in block_kernels.FORMED.items():
-            w = weights[qtype]
+        _prebuild(backend, [lambda w=w: [a for _, _, a in formed(replace(w, former=backend.formed_kind))]
+                            for w in weights.values()])
+        for qtype, w in weights.items():
             for part, what in ((w, ""), (w.row_slice(7, 29), ", rows 7-28")):
                 got, want = formed(replace(part, former=backend.formed_kind)), formed(part)
-                for g, x, of in zip(got, want, ("scales", "biases") if name == "affine_scales" else ("values",)):
+                for (name, of, g), (_, _, x) in zip(got, want):
                     problem = _differs(f"the {name} kernel's {qtype.name} {of} differ from the graph's",
                                        np.array(g.astype(mx.float32)), np.array(x.astype(mx.float32)),
                                        f"{rows} rows of {k}{what}, {backend.dtype_name}")
@@ -864,6 +883,9 @@ class MLXBackend(Backend):
         # affine products of this many rows or more dequantized, then multiplied (DENSE_MIN_ROWS): CUDA
         # only (measured there; MLX's Metal quantized_matmul is not)
         self.dense_rows = DENSE_MIN_ROWS if self.gpu_kernels == "cuda" else None
+        # a formed weight's products from this many rows on dequantized by the affine_values kernel first
+        # (DENSE_VALUES_MIN): CUDA only, as dense_rows
+        self.values_rows = block_kernels.MAX_ROWS + 1 if self.gpu_kernels == "cuda" else None
         # RMSNorm by blocks.cu's kernel where the block kernels run (`rms_norm`), whose values the NORM
         # form of a product multiplies (`rms_norm_linear_group`: a norm and the products after it, one
         # launch); None (mx.fast.rms_norm) elsewhere, or once its own self-check failed
@@ -1177,7 +1199,9 @@ class MLXBackend(Backend):
         elif self.mma_fallback:
             ops += " (tensor-core prefill failed its self-check)"
         if self.dense_rows:  # (a batch's and a chunk's bits depend on it)
-            ops += f", affine products of {self.dense_rows}+ rows dequantized first"
+            small = (f" (of 2^{DENSE_VALUES_MIN.bit_length() - 1}+ values under 8 bits: {self.values_rows}+)"
+                     if self.values_rows and self.formed_kind else "")
+            ops += f", affine products of {self.dense_rows}+ rows{small} dequantized first"
         rows = ", each sequence's rows multiplied alone" if self.per_sequence_linear else ""
         attention = "per-head (the kernels failed their self-check)" if self.fallback else self.kernel
         return f"mlx (gpu, {types}, {attention} attention, {ops}{rows})"
@@ -1238,7 +1262,7 @@ class MLXBackend(Backend):
         if self.block_kind and qtype in block_kernels.KERNELS and not getattr(w, "float_scales", False):
             w.kernel_fields = block_kernels.kernel_fields(w)
             mx.eval(*w.kernel_fields)
-            if self.formed_kind and qtype in block_kernels.FORMED:
+            if self.formed_kind and (qtype in block_kernels.FORMED or qtype in block_kernels.VALUES):
                 w.former = self.formed_kind  # a prompt's products: its scales or values by one kernel
                 self._formers.append(weakref.ref(w))  # (unset if a later check fails: `_formed_off`)
         return w
@@ -1349,13 +1373,22 @@ class MLXBackend(Backend):
             return mx.concatenate([self._linear(x[r0:r1], w) for r0, r1 in groups])
         if self._block_product(x, w):
             return block_kernels.product(self.block_kind, x, w)  # decode rows: the fields read in registers
-        if isinstance(w, QuantizedWeight) and self.dense_rows and x.size >= self.dense_rows * x.shape[-1]:
+        if isinstance(w, QuantizedWeight) and (
+                (self.dense_rows and x.size >= self.dense_rows * x.shape[-1]) or self._values_product(x, w)):
             return dense_product(w, x)  # many rows: the weight dequantized, then one product (DENSE_MIN_ROWS)
         if isinstance(w, PackedWeight):
             if self._streams and w.shape[0] >= 2 * SPLIT_MIN_ROWS:
                 return self._split_quantized_matmul(x, w)
             return w.product(x)
         return mx.matmul(x, w)
+
+    def _values_product(self, x, w) -> bool:
+        """Whether a product of x's rows by affine weight w dequantizes it by its kernel first
+        (`values_rows`, DENSE_VALUES_MIN): a weight of fewer than 8 bits a value that the kernel forms,
+        neither an output head nor small."""
+        return bool(self.values_rows and w.former and not w.float_scales and w.bits < 8
+                    and x.size >= self.values_rows * x.shape[-1]
+                    and w.shape[0] <= block_kernels.WIDE and w.shape[0] * w.shape[1] >= DENSE_VALUES_MIN)
 
     def _cpu_parts(self, n: int, min_size: int = 1):
         """[((start, end), stream context)]: n items cut into up to `threads` nearly equal parts of at

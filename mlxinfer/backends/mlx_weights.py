@@ -4,8 +4,9 @@ takes which form and why each is exact):
   - `QuantizedWeight`: MLX affine group-32 quants (bits 4, 5, 8) and the file's own scale fields;
     scales and biases are formed at each use (`affine_scales`: in float32, rounded once to the products'
     dtype; one compiled kernel a product, `formed_scales`, or on a GPU blocks.cu's, `former`), then
-    `mx.quantized_matmul`; on CUDA a product
-    of many rows (`MLXBackend.dense_rows`) dequantizes the weight first (`dense`, `dense_product`).
+    `mx.quantized_matmul`; on CUDA a product of many rows (`MLXBackend.dense_rows`), and a prompt's
+    product of a large weight of fewer than 8 bits (`values_rows`), dequantizes the weight first (`dense`:
+    blocks.cu's affine_values kernel, or `affine_values`' graph of the same bits; `dense_product`).
   - `BlockWeight`: the file's block fields (Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS) or 16-bit values (F16,
     BF16), dequantized to float32 in the graph at each use (`dequantize`: MLX bit operations doing
     gguf-py's arithmetic; on a GPU by one compiled function where that keeps the bits, `formed_values`,
@@ -40,7 +41,7 @@ from .. import block_kernels
 from ..quants import AFFINE_BITS, GROUP, IQ4_VALUES
 
 _OFFSET = {Q.Q8_0: -128.0, Q.Q4_0: -8.0, Q.Q5_0: -16.0}  # bias = offset·d; the others carry m or dmin
-DENSE_SLICE_BYTES = 128 << 20  # the most of a weight `dense_product` dequantizes at once (float32 bytes)
+DENSE_SLICE_BYTES = 512 << 20  # the most of a weight `dense_product` dequantizes at once (float32 bytes)
 
 
 def affine_scales(qtype, parts, dtype=mx.float32) -> tuple[mx.array, mx.array]:
@@ -223,7 +224,7 @@ class QuantizedWeight:
         (`block_kernels.formed_scales`: the same bits, no view primitive around the launch)."""
         if self.float_scales:
             return self.parts if parts is None else parts
-        if parts is None and self.former:
+        if parts is None and self.former and block_kernels.FORMED.get(self.qtype) == "affine_scales":
             return tuple(block_kernels.formed_scales(self.former, self))
         if parts is None and self.compiled:
             return formed_scales(self.qtype, self.dtype)(*(self.split or self.parts))
@@ -248,9 +249,12 @@ class QuantizedWeight:
         return mx.quantized_matmul(x, self.w, scales, biases, transpose=True, group_size=GROUP, bits=self.bits)
 
     def dense(self) -> mx.array:
-        """The [out, in] matrix in the products' dtype (`dense_product`: many rows of x on CUDA)."""
-        scales, biases = self.affine()
-        return mx.dequantize(self.w, scales, biases, group_size=GROUP, bits=self.bits)
+        """The [out, in] matrix in the products' dtype (`dense_product`: a prompt's rows on CUDA), by the
+        affine_values kernel where the weight has a `former` (one launch), else by `affine_values`' graph:
+        the same bits."""
+        if self.former and not self.float_scales:
+            return block_kernels.affine_values(self.former, self)
+        return affine_values(self)
 
     def after(self, y) -> "QuantizedWeight":
         """This weight with its codes made to depend on y (`dense_product`)."""
@@ -259,6 +263,21 @@ class QuantizedWeight:
     def rows(self, ids) -> mx.array:
         scales, biases = self.affine(tuple(p[ids] for p in self.parts))
         return mx.dequantize(self.w[ids], scales, biases, group_size=GROUP, bits=self.bits)
+
+
+def affine_values(w: QuantizedWeight) -> mx.array:
+    """w's [out, in] values in its products' dtype: each code times its group's scale plus its bias (the
+    scales and biases in the products' dtype, `QuantizedWeight.affine`) in float32 (the product exact: a
+    code of at most 8 bits times a scale of at most 17 significant bits; the sum rounded), then rounded
+    once to the dtype. The codes are MLX's dequantization with scale 1 and bias 0 (exact). blocks.cu's
+    affine_values kernel writes the same bits in one launch. (In float32 the values are gguf-py's, +-0
+    aside; in 16 bits they may differ from `mx.dequantize`'s, whose arithmetic is in the dtype there.)"""
+    scales, biases = w.affine()
+    n, k = w.shape
+    ones = mx.ones(scales.shape, mx.float32)
+    codes = mx.reshape(mx.dequantize(w.w, ones, mx.zeros_like(ones), group_size=GROUP, bits=w.bits), (n, k // GROUP, GROUP))
+    products = mx.multiply(codes, mx.expand_dims(scales.astype(mx.float32), -1))
+    return mx.reshape(mx.add(products, mx.expand_dims(biases.astype(mx.float32), -1)).astype(w.dtype), (n, k))
 
 
 @dataclass
@@ -304,7 +323,10 @@ def dense_product(w, x) -> mx.array:
     """x @ w.T with w dequantized (`w.dense()`) in slices of rows of at most DENSE_SLICE_BYTES as
     float32, each slice's fields (an affine weight's codes) made to depend on the previous slice's product
     (`w.after`: left to itself MLX dequantizes every slice before the first product), so the transient
-    matrix is one slice, not the whole (a Qwen3-8B-shaped Q6_K output head is 2.5 GB as float32)."""
+    matrix is one slice, not the whole (a Qwen3-8B-shaped Q6_K output head is 2.5 GB as float32). 512 MB:
+    an 8B shape's largest layer product (gate and up, 24,576 x 4,096) is one slice, one launch of each
+    kind; at 128 MB it was three, and their concatenation, on a prompt pass whose host work bounds it
+    (docs/performance.md, "An 8B prompt pass by kernel")."""
     rows, cols = w.shape
     step = max(1, DENSE_SLICE_BYTES // (4 * cols))
     if rows <= step:
