@@ -150,8 +150,11 @@ def test_the_compiled_setting_launches_once_a_form_and_replays_the_same_values(m
     values the bare launch gives; a new shape or dtype traces again."""
     traced = []
 
+    launches = []
+
     def launch(**kw):  # a stand-in that computes from its inputs, dims included (a wrong replay would show)
         traced.append((kw["output_shapes"][0], kw["output_dtypes"][0]))
+        launches.append((kw["grid"], np.array(kw["inputs"][-1]).tolist()))  # (the grid and dims, as launched)
         total = sum(mx.sum(a.astype(mx.float32)) for a in kw["inputs"])
         return [(mx.zeros(s, mx.float32) + total + i).astype(d)
                 for i, (s, d) in enumerate(zip(kw["output_shapes"], kw["output_dtypes"]))]
@@ -167,6 +170,15 @@ def test_the_compiled_setting_launches_once_a_form_and_replays_the_same_values(m
         assert all(g.dtype == e.dtype and np.array_equal(np.array(g.astype(mx.float32)), np.array(e.astype(mx.float32)))
                    for g, e in zip(got, want, strict=True))
     assert len(traced) == 3 + 4
+    # affine_values (its own thread count and dims): compiled, the bare launch's values
+    traced.clear()
+    monkeypatch.setattr(block_kernels, "FORMED_COMPILED", True)
+    got = block_kernels.affine_values("cuda", weights[2])
+    monkeypatch.setattr(block_kernels, "FORMED_COMPILED", False)
+    want = block_kernels.affine_values("cuda", weights[2])
+    assert traced == [((24, 1024), mx.bfloat16)] * 2 and launches[-2] == launches[-1]
+    assert launches[-1][0] == (24 * 1024 // 8, 1, 1) and launches[-1][1][:2] == [24, 32]
+    assert np.array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
 
 
 def test_a_prebuild_pass_leaves_no_trace_of_its_zeros(monkeypatch):
@@ -251,6 +263,11 @@ def test_a_weight_with_a_former_forms_by_its_kernel_and_keeps_it_in_slices(host_
     be.block_kind = be.formed_kind = "cuda"
     rng = np.random.default_rng(5)
     x = mx.array(rng.standard_normal((11, 512), dtype=np.float32))
+    metal = MLXBackend(device="cpu")  # (no dense products: an 8-bit or offset type's values are never formed)
+    metal.block_kind = metal.formed_kind = "metal"
+    assert not metal.uses_values()
+    assert metal._to_device(Q.Q8_0, quants.split(quants.random_blocks(rng, Q.Q8_0, 48, 512), Q.Q8_0, 48, 512), (48, 512)).former is None
+    be.values_rows = block_kernels.MAX_ROWS + 1  # as on CUDA
     for qtype in (Q.Q4_K, Q.Q4_1, Q.Q6_K, Q.Q8_0, Q.Q3_K):
         raw = quants.random_blocks(rng, qtype, 48, 512)
         w = be._to_device(qtype, quants.split(raw, qtype, 48, 512), (48, 512))
@@ -393,6 +410,10 @@ def test_the_self_check_names_a_wrong_value(host_kernels, monkeypatch):  # noqa:
     _host_formers(monkeypatch, host_kernels, calls)
     be = MLXBackend(device="cpu")
     be.block_kind = be.formed_kind = "cuda"
+    assert mlx_mod.verify_formed_kernels(be) is None
+    assert set(calls) == {"affine_scales", "q6_k_values"}  # (no dense products here: no affine values)
+    be.values_rows = block_kernels.MAX_ROWS + 1  # as on CUDA
+    calls.clear()
     assert mlx_mod.verify_formed_kernels(be) is None
     assert set(calls) == {"affine_scales", "q6_k_values", "affine_values"}
     good_scales, good_values, good_affine = block_kernels.formed_scales, block_kernels.formed_values, block_kernels.affine_values

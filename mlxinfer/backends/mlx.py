@@ -735,13 +735,14 @@ def verify_formed_kernels(backend: "MLXBackend") -> str | None:
     a row slice (a dense product's), in the products' dtype. None, or one line naming the failure."""
     rng = np.random.default_rng(19)
     rows, k = 40, 1280
-    types = {**block_kernels.FORMED, **block_kernels.VALUES}
+    values = backend.uses_values()  # (an affine weight's values: checked only where products use them)
+    types = {**block_kernels.FORMED, **(block_kernels.VALUES if values else {})}
 
     def formed(w):  # [(kernel, what, array)] of each form the weight's type has
         out = []
         if block_kernels.FORMED.get(w.qtype) == "affine_scales":
             out += [("affine_scales", "scales", w.affine()[0]), ("affine_scales", "biases", w.affine()[1])]
-        if w.qtype in block_kernels.VALUES or w.qtype == Q.Q6_K:
+        if (values and w.qtype in block_kernels.VALUES) or w.qtype == Q.Q6_K:
             out.append((block_kernels.VALUES.get(w.qtype, "q6_k_values"), "values", w.dense()))
         return out
 
@@ -1262,7 +1263,7 @@ class MLXBackend(Backend):
         if self.block_kind and qtype in block_kernels.KERNELS and not getattr(w, "float_scales", False):
             w.kernel_fields = block_kernels.kernel_fields(w)
             mx.eval(*w.kernel_fields)
-            if self.formed_kind and (qtype in block_kernels.FORMED or qtype in block_kernels.VALUES):
+            if self.formed_kind and (qtype in block_kernels.FORMED or (qtype in block_kernels.VALUES and self.uses_values())):
                 w.former = self.formed_kind  # a prompt's products: its scales or values by one kernel
                 self._formers.append(weakref.ref(w))  # (unset if a later check fails: `_formed_off`)
         return w
@@ -1381,6 +1382,12 @@ class MLXBackend(Backend):
                 return self._split_quantized_matmul(x, w)
             return w.product(x)
         return mx.matmul(x, w)
+
+    def uses_values(self) -> bool:
+        """Whether products here multiply an affine weight's dequantized values (`dense_rows`,
+        `values_rows`: CUDA), so that its `former` forms them (the affine_values kernel) and the formed
+        self-check checks that kernel; elsewhere (Metal) its twin is neither checked nor used."""
+        return bool(self.dense_rows or self.values_rows)
 
     def _values_product(self, x, w) -> bool:
         """Whether a product of x's rows by affine weight w dequantizes it by its kernel first

@@ -257,8 +257,10 @@ class QuantizedWeight:
         return affine_values(self)
 
     def after(self, y) -> "QuantizedWeight":
-        """This weight with its codes made to depend on y (`dense_product`)."""
-        return replace(self, w=mx.depends([self.w], [y])[0])
+        """This weight with its codes (and the kernels' views of its fields) made to depend on y
+        (`dense_product`)."""
+        return replace(self, w=mx.depends([self.w], [y])[0],
+                       kernel_fields=tuple(mx.depends(list(self.kernel_fields), [y])) if self.kernel_fields else ())
 
     def rows(self, ids) -> mx.array:
         scales, biases = self.affine(tuple(p[ids] for p in self.parts))
@@ -321,23 +323,20 @@ PackedWeight = (QuantizedWeight, BlockWeight)  # the kinds with a row_slice / pr
 
 def dense_product(w, x) -> mx.array:
     """x @ w.T with w dequantized (`w.dense()`) in slices of rows of at most DENSE_SLICE_BYTES as
-    float32, each slice's fields (an affine weight's codes) made to depend on the previous slice's product
-    (`w.after`: left to itself MLX dequantizes every slice before the first product), so the transient
-    matrix is one slice, not the whole (a Qwen3-8B-shaped Q6_K output head is 2.5 GB as float32). 512 MB:
-    an 8B shape's largest layer product (gate and up, 24,576 x 4,096) is one slice, one launch of each
-    kind; at 128 MB it was three, and their concatenation, on a prompt pass whose host work bounds it
-    (docs/performance.md, "An 8B prompt pass by kernel")."""
+    float32, the first slice's fields made to depend on x and each later slice's on the previous slice's
+    product (`w.after`: left to itself MLX dequantizes every slice, and every product's of a pass, before
+    the first product: nothing they read waits), so the transient matrix is one slice, not the whole (a
+    Qwen3-8B-shaped Q6_K output head is 2.5 GB as float32), nor every layer's. 512 MB: an 8B shape's
+    largest layer product (gate and up, 24,576 x 4,096) is one slice, one launch of each kind; at 128 MB it
+    was three, and their concatenation, on a prompt pass whose host work bounds it (docs/performance.md,
+    "An 8B prompt pass by kernel")."""
     rows, cols = w.shape
     step = max(1, DENSE_SLICE_BYTES // (4 * cols))
-    if rows <= step:
-        return mx.matmul(x, mx.transpose(w.dense()))
     outs = []
     for a in range(0, rows, step):
-        part = w.row_slice(a, min(a + step, rows))
-        if outs:
-            part = part.after(outs[-1])
-        outs.append(mx.matmul(x, mx.transpose(part.dense())))
-    return mx.concatenate(outs, axis=-1)
+        part = w.row_slice(a, min(a + step, rows)) if rows > step else w
+        outs.append(mx.matmul(x, mx.transpose(part.after(outs[-1] if outs else x).dense())))
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
 
 
 @dataclass
