@@ -95,6 +95,27 @@ __device__ __forceinline__ unsigned int mlxi_code(const unsigned int* words, int
   return v & ((1u << BITS) - 1u);
 }
 
+// Group g's scale and bias of an affine weight from its compact fields (affine_matvec's s0 and s1;
+// SCALES and ZERO as there), each product rounded in float32, then rounded once to T, as float: what
+// affine_scales writes and affine_values multiplies. SCALES 2 (Q4_K, Q5_K): g = 8b + j of a row (a row's
+// groups are whole blocks of 8), scale d sc_j, bias -(dmin m_j); 1 (Q4_1, Q5_1): d and m; 0 (Q8_0, Q4_0,
+// Q5_0): d and -(scale ZERO), exact.
+template <typename T, int SCALES, int ZERO, typename S0, typename S1>
+__device__ __forceinline__ void mlxi_group_affine(const S0* s0, const S1* s1, long g, float& scale, float& bias) {
+  if (SCALES == 2) {
+    const long blk = g >> 3;
+    const int j = (int)(g & 7);
+    scale = (float)(T)__fmul_rn(mlxi_half_bits(s0[2 * blk]), (float)s1[16 * blk + j]);
+    bias = (float)(T)(-__fmul_rn(mlxi_half_bits(s0[2 * blk + 1]), (float)s1[16 * blk + 8 + j]));
+  } else if (SCALES == 1) {
+    scale = (float)(T)mlxi_half_bits(s0[g]);
+    bias = (float)(T)mlxi_half_bits(s1[g]);
+  } else {
+    scale = (float)(T)mlxi_half_bits(s0[g]);
+    bias = (float)(T)__fmul_rn(scale, -(float)ZERO);
+  }
+}
+
 // 8 values of T in one aligned struct: one 16-byte store for a 16-bit T (affine_values' writes).
 template <typename T>
 struct alignas(sizeof(T) * 8 > 16 ? 16 : sizeof(T) * 8) mlxi_vec8 {
@@ -893,30 +914,23 @@ mlxi_block_matvec<M, mlxi_q2k, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {sc2, qs, d_
 mlxi_block_matvec<M, mlxi_half_values<BF>, (MLXI_MIN_BLOCKS > 1)>(x, out, dims, {v}, res, nw);
 //@@BODY affine_scales
 // The scales and biases [N, K / 32] (T) a prompt's product multiplies (mx.quantized_matmul, mx.dequantize)
-// from an affine weight's compact fields (affine_matvec's s0 and s1), a thread a group: SCALES 2 (Q4_K,
-// Q5_K) group g = 8b + j of a row, scale d sc_j, bias -(dmin m_j), each product rounded in float32;
-// SCALES 1 (Q4_1, Q5_1) scale d, bias m. Each then rounded once to T: the bits of mlx_weights'
-// `formed_scales` (the graph's chains), written where they are used, [N, K / 32] with no view between.
-// dims = [N, K / 32]; scales, biases [N, K / 32] (T).
+// from an affine weight's compact fields, a thread a group (mlxi_group_affine: SCALES 2 for Q4_K and
+// Q5_K, 1 for Q4_1 and Q5_1): the bits of mlx_weights' `formed_scales` (the graph's chains), written where
+// they are used, [N, K / 32] with no view between. dims = [N, K / 32]; scales, biases [N, K / 32] (T).
 const long groups = (long)dims[0] * dims[1];
 const long i = ((long)blockIdx.y * gridDim.x + blockIdx.x) * MLXI_THREADS + threadIdx.x;
 if (i < groups) {
-  if (SCALES == 2) {
-    const long blk = i >> 3;  // (a row's groups are whole blocks of 8)
-    const int j = (int)(i & 7);
-    scales[i] = (T)__fmul_rn(mlxi_half_bits(s0[2 * blk]), (float)s1[16 * blk + j]);
-    biases[i] = (T)(-__fmul_rn(mlxi_half_bits(s0[2 * blk + 1]), (float)s1[16 * blk + 8 + j]));
-  } else {
-    scales[i] = (T)mlxi_half_bits(s0[i]);
-    biases[i] = (T)mlxi_half_bits(s1[i]);
-  }
+  float scale, bias;
+  mlxi_group_affine<T, SCALES, 0>(s0, s1, i, scale, bias);
+  scales[i] = (T)scale;  // (a T's value as float and back: the same T)
+  biases[i] = (T)bias;
 }
 //@@BODY affine_values
 // An affine weight's values [N, K] (T) a prompt's product multiplies (dequantized, then one matmul: MLX's
 // quantized_matmul reads a 4-bit weight slower than an 8-bit one at a prompt's few rows, H100), from its
 // compact fields (affine_matvec's w, s0, s1; SCALES and ZERO as there), a thread 8 values of a group:
-// the group's scale and bias as affine_scales rounds them to T (SCALES 0: scale d, bias -(scale ZERO),
-// exact), then each value code * scale + bias in float32 (the product exact: at most 22 significant
+// the group's scale and bias rounded to T (mlxi_group_affine, as affine_scales writes them), then each
+// value code * scale + bias in float32 (the product exact: at most 22 significant
 // bits; the sum rounded), then rounded once to T: the bits of mlx_weights' `affine_values` (the
 // graph's), written [N, K] with 8 values a store. dims = [N, K / 32]; out [N, K] (T).
 const long groups = (long)dims[0] * dims[1];
@@ -925,18 +939,7 @@ if (i < 4 * groups) {
   const long g = i >> 2;
   const int part = (int)(i & 3);
   float scale, bias;
-  if (SCALES == 2) {
-    const long blk = g >> 3;
-    const int j = (int)(g & 7);
-    scale = (float)(T)__fmul_rn(mlxi_half_bits(s0[2 * blk]), (float)s1[16 * blk + j]);
-    bias = (float)(T)(-__fmul_rn(mlxi_half_bits(s0[2 * blk + 1]), (float)s1[16 * blk + 8 + j]));
-  } else if (SCALES == 1) {
-    scale = (float)(T)mlxi_half_bits(s0[g]);
-    bias = (float)(T)mlxi_half_bits(s1[g]);
-  } else {
-    scale = (float)(T)mlxi_half_bits(s0[g]);
-    bias = (float)(T)__fmul_rn(scale, -(float)ZERO);
-  }
+  mlxi_group_affine<T, SCALES, ZERO>(s0, s1, g, scale, bias);
   const unsigned int* words = w + g * BITS;
   float f[8];
 #pragma unroll

@@ -36,6 +36,24 @@ inline float mlxi_iq4_value(uint c) {
   return float(v[c]);
 }
 
+// Group g's scale and bias of an affine weight, rounded to T, as float (blocks.cu's mlxi_group_affine).
+template <typename T, int SCALES, int ZERO, typename S0, typename S1>
+inline void mlxi_group_affine(S0 s0, S1 s1, long g, thread float& scale, thread float& bias) {
+  if (SCALES == 2) {
+    const long blk = g >> 3;
+    const int j = int(g & 7);
+    scale = float(T(mlxi_half_bits(s0[2 * blk]) * float(s1[16 * blk + j])));
+    const float mins = mlxi_half_bits(s0[2 * blk + 1]) * float(s1[16 * blk + 8 + j]);
+    bias = float(T(-mins));
+  } else if (SCALES == 1) {
+    scale = float(T(mlxi_half_bits(s0[g])));
+    bias = float(T(mlxi_half_bits(s1[g])));
+  } else {
+    scale = float(T(mlxi_half_bits(s0[g])));
+    bias = float(T(scale * -float(ZERO)));
+  }
+}
+
 // Code t of a group packed as MLX packs it (blocks.cu's mlxi_code).
 template <int BITS>
 inline uint mlxi_code(thread const uint* words, int t) {
@@ -406,16 +424,10 @@ const long groups = (long)dims[0] * dims[1];
 const long i = ((long)threadgroup_position_in_grid.y * threadgroups_per_grid.x + threadgroup_position_in_grid.x)
     * MLXI_THREADS + thread_index_in_threadgroup;
 if (i < groups) {
-  if (SCALES == 2) {
-    const long blk = i >> 3;
-    const int j = int(i & 7);
-    scales[i] = T(mlxi_half_bits(s0[2 * blk]) * float(s1[16 * blk + j]));
-    const float mins = mlxi_half_bits(s0[2 * blk + 1]) * float(s1[16 * blk + 8 + j]);
-    biases[i] = T(-mins);
-  } else {
-    scales[i] = T(mlxi_half_bits(s0[i]));
-    biases[i] = T(mlxi_half_bits(s1[i]));
-  }
+  float scale, bias;
+  mlxi_group_affine<T, SCALES, 0>(s0, s1, i, scale, bias);
+  scales[i] = T(scale);
+  biases[i] = T(bias);
 }
 //@@BODY affine_values
 // As in blocks.cu: an affine weight's values [N, K] (T) from w, s0, s1 (SCALES and ZERO as affine_matvec's),
@@ -429,19 +441,7 @@ if (i < 4 * groups) {
   const long g = i >> 2;
   const int part = int(i & 3);
   float scale, bias;
-  if (SCALES == 2) {
-    const long blk = g >> 3;
-    const int j = int(g & 7);
-    scale = float(T(mlxi_half_bits(s0[2 * blk]) * float(s1[16 * blk + j])));
-    const float mins = mlxi_half_bits(s0[2 * blk + 1]) * float(s1[16 * blk + 8 + j]);
-    bias = float(T(-mins));
-  } else if (SCALES == 1) {
-    scale = float(T(mlxi_half_bits(s0[g])));
-    bias = float(T(mlxi_half_bits(s1[g])));
-  } else {
-    scale = float(T(mlxi_half_bits(s0[g])));
-    bias = float(T(scale * -float(ZERO)));
-  }
+  mlxi_group_affine<T, SCALES, ZERO>(s0, s1, g, scale, bias);
   uint words[BITS];
   for (int k = 0; k < BITS; ++k) words[k] = w[g * BITS + k];
   for (int t = 0; t < 8; ++t) {

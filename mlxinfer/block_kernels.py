@@ -410,24 +410,25 @@ def _formed(kind: str, name: str, fields, shape, dtype, outputs: int, consts, th
     if shape[0] == 0:
         return [mx.zeros(shape, dtype) for _ in range(outputs)]
     kernel = _kernel(kind, name)
-    launch = (shape[0] * shape[1] if threads is None else threads, tuple(shape if dims is None else dims))
+    launch = (shape[0] * shape[1] if threads is None else threads, *(shape if dims is None else dims))
     if FORMED_COMPILED and not cuda_jit.is_collecting():  # (a trace made while collecting would replay its zeros)
-        return _compiled_formed(kernel, outputs, tuple(consts), launch)(list(fields), tuple(shape), cuda_jit.dtype_name(dtype))
+        return _compiled_formed(kernel, outputs, tuple(consts))(list(fields), tuple(shape), cuda_jit.dtype_name(dtype), launch)
     return _launch_formed(kernel, fields, shape, dtype, outputs, consts, launch)
 
 
 @lru_cache(maxsize=None)
-def _compiled_formed(kernel, outputs: int, consts, launch):
+def _compiled_formed(kernel, outputs: int, consts):
     """`_launch_formed` of one kernel object in mx.compile (keyed by the object: a kernel replaced in a
     test is traced apart)."""
     import mlx.core as mx
 
-    return mx.compile(lambda fields, shape, dtype: _launch_formed(kernel, fields, shape, getattr(mx, dtype), outputs,
-                                                                  consts, launch))
+    return mx.compile(lambda fields, shape, dtype, launch: _launch_formed(kernel, fields, shape, getattr(mx, dtype),
+                                                                          outputs, consts, launch))
 
 
 def _launch_formed(kernel, fields, shape, dtype, outputs: int, consts, launch) -> list:
-    threads, dims = launch
+    """The launch: `launch` is (threads, *the kernel's dims)."""
+    threads, *dims = launch
     return kernel(
         inputs=[*fields, kernel_args(*dims)], template=[("T", dtype), *consts],
         grid=launch_grid(-(-threads // (32 * WARPS))), threadgroup=(32 * WARPS, 1, 1),

@@ -741,7 +741,8 @@ def verify_formed_kernels(backend: "MLXBackend") -> str | None:
     def formed(w):  # [(kernel, what, array)] of each form the weight's type has
         out = []
         if block_kernels.FORMED.get(w.qtype) == "affine_scales":
-            out += [("affine_scales", "scales", w.affine()[0]), ("affine_scales", "biases", w.affine()[1])]
+            scales, biases = w.affine()
+            out += [("affine_scales", "scales", scales), ("affine_scales", "biases", biases)]
         if (values and w.qtype in block_kernels.VALUES) or w.qtype == Q.Q6_K:
             out.append((block_kernels.VALUES.get(w.qtype, "q6_k_values"), "values", w.dense()))
         return out
